@@ -1,0 +1,49 @@
+"""`fidelity` command line. Each subcommand is a module in `fidelity/commands/` with `add_arguments(parser)` and
+`run(args) -> int`; the module's docstring's first line is its help."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from . import __version__
+from .errors import FidelityError
+
+
+def _command_modules():
+    from . import commands
+
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            yield info.name.replace("_", "-"), f"{commands.__name__}.{info.name}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fidelity", description="Measure how far a quantized LLM pack is from its reference, and gate serving engines against an exact fp32 oracle.")
+    parser.add_argument("--version", action="version", version=f"fidelity {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, modname in _command_modules():
+        mod = importlib.import_module(modname)
+        doc = (mod.__doc__ or name).strip().splitlines()[0]
+        p = sub.add_parser(name, help=doc, description=(mod.__doc__ or doc).strip())
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except FidelityError as e:
+        print(f"fidelity {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Show a pack's format, tensors per storage type, bits-per-weight table and problems found."""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+from rich.console import Console
+from rich.table import Table
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("pack", help="pack folder, .safetensors or .gguf file")
+    p.add_argument("--json", dest="json_out", help="also write the report as JSON to this file")
+    p.add_argument("--decode", action="store_true", help="decode every tensor and check it is finite (reads the whole pack)")
+
+
+def inspect_pack(path: str, decode: bool = False) -> dict:
+    import torch
+
+    from ..packs import open_pack
+    from ..errors import FidelityError
+
+    pack = open_pack(path)
+    kinds = Counter()
+    problems = []
+    for name in pack.names():
+        s = pack.storage(name)
+        kinds[(s.format, s.dtype)] += 1
+        if s.format == "absent":
+            problems.append(f"{name}: its shard {s.files[0]} is absent (an error only if the model needs it)")
+        elif decode:
+            try:
+                t = pack.tensor(name)
+            except FidelityError as e:
+                problems.append(str(e))
+                continue
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                problems.append(f"{name}: {bad} non-finite values")
+    return {
+        "path": str(pack.path),
+        "format": pack.format,
+        "architecture": (pack.config.get("architectures") or ["?"])[0],
+        "tensors": len(pack.names()),
+        "storage": [{"format": f, "dtype": d, "count": c} for (f, d), c in sorted(kinds.items())],
+        "bits_per_weight": pack.bits_per_weight().table(),
+        "fingerprint": pack.fingerprint(),
+        "problems": problems,
+    }
+
+
+def run(args) -> int:
+    rep = inspect_pack(args.pack, decode=args.decode)
+    con = Console()
+    con.print(f"[bold]{rep['path']}[/bold]  format=[cyan]{rep['format']}[/cyan]  arch={rep['architecture']}  "
+              f"tensors={rep['tensors']}  fingerprint={rep['fingerprint']}")
+    t = Table(title="tensors per storage type")
+    for c in ("format", "dtype", "count"):
+        t.add_column(c)
+    for r in rep["storage"]:
+        t.add_row(r["format"], r["dtype"], str(r["count"]))
+    con.print(t)
+    b = Table(title="bits per weight")
+    for c in ("category", "params", "GB", "bpw"):
+        b.add_column(c, justify="right")
+    for r in rep["bits_per_weight"]:
+        b.add_row(r["category"], f"{r['params']:,.0f}", f"{r['bytes'] / 1e9:.3f}", f"{r['bpw']:.3f}")
+    con.print(b)
+    if rep["problems"]:
+        con.print(f"[red]{len(rep['problems'])} problem(s):[/red]")
+        for pr in rep["problems"]:
+            con.print(f"  - {pr}")
+    else:
+        con.print("[green]no problems found[/green]")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rep, f, indent=2)
+    return 1 if rep["problems"] else 0

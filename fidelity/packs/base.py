@@ -1,0 +1,168 @@
+"""The Pack seam: every format answers "tensor name -> exact fp32 tensor" in Hugging Face naming."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import PackError
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How one logical tensor is stored."""
+
+    name: str                      # logical (HF) name
+    format: str                    # e.g. "bf16", "fp8_e4m3", "mxfp4", "gguf", "exl3", "int4-pack-quantized"
+    dtype: str                     # stored element type / quant type, e.g. "BF16", "F8_E4M3", "Q4_K", "exl3 K=4"
+    shape: tuple[int, ...]         # logical shape ([out, in] for dense weights)
+    nbytes: int                    # bytes on disk for this tensor, scales and side tensors included
+    block: tuple[int, ...] | None = None   # scale block shape, if any
+    files: tuple[str, ...] = ()    # files holding it
+    raw: tuple[str, ...] = ()      # stored tensor names it is built from
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def bits(self) -> float:
+        """Bits per weight, scales and side tensors included."""
+        return 8.0 * self.nbytes / max(self.numel, 1)
+
+
+@dataclass
+class LogicalTensor:
+    """A logical tensor a format module recognised: its storage and how to decode it exactly."""
+
+    storage: Storage
+    decode: Callable[[], torch.Tensor]
+
+
+_NON_LINEAR = re.compile(r"(norm|embed_tokens|wte|tok_embeddings|\.bias$|e_score_correction_bias|\.gate\.weight$|router)")
+
+
+def tensor_role(name: str, shape: tuple[int, ...]) -> str:
+    """Classify a logical tensor for bpw accounting: head, embedding, routed_expert, linear, other."""
+    if name in ("lm_head.weight", "head.weight", "output.weight"):
+        return "head"
+    if "embed" in name or name.endswith("wte.weight"):
+        return "embedding"
+    if len(shape) < 2 or _NON_LINEAR.search(name):
+        return "other"
+    if re.search(r"\.experts\.(\d+\.)?", name) and "shared_expert" not in name:
+        return "routed_expert"
+    return "linear"
+
+
+@dataclass
+class BitsReport:
+    """bpw accounting as the seed cards report it."""
+
+    rows: dict[str, dict[str, float]] = field(default_factory=dict)  # category -> {params, bytes, bpw}
+
+    def __getitem__(self, k: str) -> dict[str, float]:
+        return self.rows[k]
+
+    def table(self) -> list[dict]:
+        return [{"category": k, **v} for k, v in self.rows.items()]
+
+
+class Pack:
+    """Base class. Subclasses fill `self._entries` (logical name -> LogicalTensor), `self.config`, `self.format`."""
+
+    format: str = "unknown"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config: dict = {}
+        self._entries: dict[str, LogicalTensor] = {}
+
+    # -- the seam -----------------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def _entry(self, name: str) -> LogicalTensor:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise PackError(f"pack has no tensor named {name!r} (format {self.format})", file=self.path, tensor=name) from None
+
+    def storage(self, name: str) -> Storage:
+        return self._entry(name).storage
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Exact float32 CPU tensor in the original model's naming and layout."""
+        entry = self._entry(name)
+        t = entry.decode()
+        if t.dtype != torch.float32:
+            t = t.to(torch.float32)
+        expected = entry.storage.shape
+        if expected and tuple(t.shape) != tuple(expected):
+            raise PackError(f"decoded shape {list(t.shape)} differs from the stored shape {list(expected)}",
+                            file=self.path, tensor=name)
+        return t.contiguous()
+
+    def tokenizer_source(self) -> Path | None:
+        """A folder or file a tokenizer can be loaded from (HF tokenizer files or the GGUF itself)."""
+        return self.path if self.path.is_dir() else None
+
+    # -- accounting -----------------------------------------------------------------------------------------
+    def bits_per_weight(self) -> BitsReport:
+        sums: dict[str, list[float]] = {}
+
+        def add(cat: str, s: Storage, weight: float = 1.0):
+            p, b = sums.setdefault(cat, [0.0, 0.0])
+            sums[cat] = [p + weight * s.numel, b + weight * s.nbytes]
+
+        per_token_fraction = self._active_expert_fraction()
+        for name in self.names():
+            s = self.storage(name)
+            role = tensor_role(name, s.shape)
+            add("total", s)
+            if role in ("linear", "routed_expert", "head"):
+                add("all_linear", s)
+            if role == "routed_expert":
+                add("routed_experts", s)
+            elif role in ("linear", "head"):
+                add("dense_linear" if role == "linear" else "head", s)
+            if role in ("linear", "head", "routed_expert"):
+                add("per_decoded_token", s, per_token_fraction if role == "routed_expert" else 1.0)
+        rep = BitsReport()
+        for cat in ("all_linear", "routed_experts", "dense_linear", "head", "per_decoded_token", "total"):
+            if cat in sums:
+                p, b = sums[cat]
+                rep.rows[cat] = {"params": p, "bytes": b, "bpw": 8.0 * b / p if p else float("nan")}
+        return rep
+
+    def _active_expert_fraction(self) -> float:
+        c = self.config
+        n = c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts")
+        k = c.get("num_experts_per_tok") or c.get("moe_topk") or c.get("top_k")
+        if n and k:
+            return float(k) / float(n)
+        return 1.0
+
+    def fingerprint(self) -> str:
+        """A cheap identity: format, config and every tensor's storage (not the bytes, which can be 500 GB)."""
+        h = hashlib.sha256()
+        h.update(self.format.encode())
+        h.update(json.dumps(self.config, sort_keys=True, default=str).encode())
+        for name in sorted(self.names()):
+            s = self.storage(name)
+            h.update(f"{name}|{s.format}|{s.dtype}|{s.shape}|{s.nbytes}".encode())
+        return h.hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.format} {self.path} ({len(self._entries)} tensors)>"

@@ -1,0 +1,45 @@
+"""Native float tensors (bf16 / fp16 / fp32 / fp64 / ints): the stored value, widened exactly to float32."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import PackError
+from .base import LogicalTensor, Storage
+from .folder import SafetensorsPack, register_claimer
+
+_FLOAT_FORMAT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
+
+
+def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
+    out = {}
+    for name in sorted(pool):
+        out[name] = _entry(pack, name)
+    pool.clear()
+    return out
+
+
+def _entry(pack: SafetensorsPack, name: str) -> LogicalTensor:
+    raw = pack.raw
+    if not raw.available(name):
+        path = raw.file_path(name)
+
+        def missing():
+            raise PackError("the index names a shard that is absent", file=path, tensor=name)
+
+        return LogicalTensor(Storage(name, "absent", "?", (), 0, files=(str(path),), raw=(name,)), missing)
+    info = raw.info(name)
+
+    def decode() -> torch.Tensor:
+        t = raw.get(name)
+        if info.dtype == "F64":
+            f = t.to(torch.float32)
+            if not torch.equal(f.to(torch.float64), t):
+                raise PackError("float64 tensor is not representable in float32 exactly", file=raw.file_path(name), tensor=name)
+            return f
+        return t.to(torch.float32)
+
+    fmt = _FLOAT_FORMAT.get(info.dtype, info.dtype.lower())
+    return LogicalTensor(Storage(name, fmt, info.dtype, info.shape, info.nbytes, files=raw.files_of(name), raw=(name,)), decode)
+
+
+register_claimer("native", claim)
