@@ -62,7 +62,7 @@ def test_header_shape_dtype_disagreement(tmp_path):
     data = f.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + n])
-    header["a.weight"]["dtype"] = "BF16"  # 16 elements * 2 bytes != 64 bytes on disk
+    header["a.weight"]["shape"] = [4, 8]  # 32 elements * 4 bytes != 64 bytes on disk
     h = json.dumps(header, separators=(",", ":")).encode().ljust(n)
     f.write_bytes(data[:8] + h + data[8 + n:])
     with pytest.raises(PackError, match=r"a\.weight.*model\.safetensors"):
