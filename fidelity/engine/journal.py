@@ -1,0 +1,74 @@
+"""Per-request journal: an append-only JSONL file of finished requests keyed by a hash of (path, body, tag).
+
+An interrupted run that reopens the same journal gets every finished response back without re-sending it. Only successful
+responses are journaled; a request that failed is sent again on resume. A line cut short by a kill is ignored on load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+from ..errors import FidelityError
+
+
+def request_key(path: str, body: dict, tag: str = "") -> str:
+    """Stable key of one logical request. `tag` separates identical bodies that must be sent separately (e.g. the same
+    prompt alone and inside a concurrent batch)."""
+    canon = json.dumps({"path": path, "body": body, "tag": tag}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+class Journal:
+    """Append-only JSONL of `{"key", "path", "tag", "response"}` records."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._entries: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self._load()
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _load(self):
+        data = self.path.read_bytes()
+        cut = data.rfind(b"\n") + 1
+        if cut < len(data):  # a record cut short by an interrupted write: drop it so appends start on a fresh line
+            with open(self.path, "r+b") as f:
+                f.truncate(cut)
+            data = data[:cut]
+        for lineno, line in enumerate(data.decode("utf-8").split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise FidelityError(f"journal {self.path}: line {lineno} is not valid JSON (the file is corrupt; delete it to start over)")
+            if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
+                raise FidelityError(f"journal {self.path}: line {lineno} is not a journal record")
+            self._entries[rec["key"]] = rec["response"]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def get(self, key: str) -> dict | None:
+        return self._entries.get(key)
+
+    def put(self, key: str, response: dict, *, path: str = "", tag: str = ""):
+        line = json.dumps({"key": key, "path": path, "tag": tag, "response": response}, ensure_ascii=False)
+        with self._lock:
+            self._entries[key] = response
+            self._file.write(line + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self):
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
