@@ -1,0 +1,152 @@
+"""Pieces every architecture family shares: exact-math primitives and the streamed-model base class.
+
+A family describes one architecture as data the runner can stream: which tensors each layer needs (checked up front)
+and how to build a layer from a `fetch(name) -> tensor` function. Layers take activations `[B, T, hidden]` of rows that
+all have length T (no padding), so causal masks never see another row's tokens.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+Fetch = Callable[[str], torch.Tensor]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+# Bytes of attention scores one query chunk may hold; longer rows are processed in query chunks.
+ATTENTION_CHUNK_BYTES = 256 * 2**20
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ConfigError(f"hidden_act {name!r} is not supported; supported: {sorted(ACTIVATIONS)}") from None
+
+
+def require(cfg: dict, key: str, arch: str):
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"config.json of {arch} has no {key!r}")
+    return cfg[key]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """Softmax attention with grouped KV heads, computed as plain matmul + mask + softmax.
+
+    q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv] -> [B, T, H, Dv]. Query head h uses KV head h // (H / Hkv),
+    as HF's repeat_kv does, without materialising the repeated keys. `window`: a key j is visible from query i when
+    i - window < j <= i (HF's sliding-window rule).
+    """
+    B, T, H, D = q.shape
+    Hkv, Dv = k.shape[2], v.shape[3]
+    group = H // Hkv
+    keys = k.permute(0, 2, 3, 1)            # [B, Hkv, D, T]
+    values = v.transpose(1, 2)              # [B, Hkv, T, Dv]
+    queries = q.view(B, T, Hkv, group, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, group, T, D]
+    bytes_per_query = B * H * T * q.element_size()
+    chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(bytes_per_query, 1)))
+    out = q.new_empty(B, Hkv, group, T, Dv)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        first = 0 if window is None else max(0, start - window + 1)
+        qi = queries[:, :, :, start:end].reshape(B, Hkv, group * (end - start), D)
+        scores = torch.matmul(qi, keys[..., first:end]) * scale
+        scores = scores.view(B, Hkv, group, end - start, end - first)
+        i = torch.arange(start, end, device=q.device)[:, None]
+        j = torch.arange(first, end, device=q.device)[None, :]
+        visible = j <= i
+        if window is not None:
+            visible = visible & (j > i - window)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(B, Hkv, group * (end - start), end - first)
+        out[:, :, :, start:end] = torch.matmul(probs, values[:, :, first:end]).view(B, Hkv, group, end - start, Dv)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, Dv)
+
+
+class GatedMLP:
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
+                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None):
+        self.inner = gate.shape[0]
+        self.gate_up = torch.cat((gate, up), dim=0)
+        self.gate_up_bias = None if gate_bias is None else torch.cat((gate_bias, up_bias), dim=0)
+        self.down, self.down_bias = down, down_bias
+        self.act = activation(act)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.inner, dim=-1)
+        return F.linear(self.act(gate) * up, self.down, self.down_bias)
+
+    @staticmethod
+    def names(prefix: str, bias: bool = False) -> list[str]:
+        names = [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        return names + ([f"{prefix}.{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")] if bias else [])
+
+    @classmethod
+    def load(cls, prefix: str, fetch: Fetch, act: str, bias: bool = False) -> "GatedMLP":
+        w = {p: fetch(f"{prefix}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
+        b = {p: fetch(f"{prefix}.{p}.bias") if bias else None for p in ("gate_proj", "up_proj", "down_proj")}
+        return cls(w["gate_proj"], w["up_proj"], w["down_proj"], act, b["gate_proj"], b["up_proj"], b["down_proj"])
+
+
+class Family:
+    """One architecture, as the runner streams it. Subclasses set `args` and implement the layer methods."""
+
+    embed_name = "model.embed_tokens.weight"
+    norm_name = "model.norm.weight"
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    # sizes the runner needs
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    @property
+    def head_name(self) -> str:
+        return self.embed_name if self.tie_word_embeddings else "lm_head.weight"
+
+    def layer_names(self, i: int) -> list[str]:
+        raise NotImplementedError
+
+    def load_layer(self, i: int, fetch: Fetch):
+        """A callable layer(x [B, T, hidden], rope) -> [B, T, hidden]."""
+        raise NotImplementedError
+
+    def rope_tables(self, length: int, dtype: torch.dtype, device) -> object:
+        raise NotImplementedError
+
+    def required_names(self) -> list[str]:
+        names = [self.embed_name, self.norm_name, self.head_name]
+        for i in range(self.n_layers):
+            names += self.layer_names(i)
+        return names
+
+
+def head_dim_of(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def softmax_scale(head_dim: int) -> float:
+    return head_dim ** -0.5  # the exact float HF multiplies by

@@ -1,0 +1,177 @@
+"""Llama-style dense decoders: Llama, Mistral, Qwen2, Qwen3 (per-head q/k RMSNorm). GQA, RoPE, optional biases and
+sliding windows, tied or untied head."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .common import Family, Fetch, GatedMLP, causal_attention, head_dim_of, require, rms_norm, softmax_scale
+from .rope import RopeArgs, cos_sin, rotate_half_split
+
+
+@dataclass
+class AttentionArgs:
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False          # Qwen3: RMSNorm over each head's dims, before RoPE
+    rope: RopeArgs = None
+
+
+def sliding_windows(cfg: dict, arch: str, n_layers: int) -> list[int | None]:
+    """Per-layer window, following each HF config class's rule."""
+    window = cfg.get("sliding_window")
+    if arch.startswith(("Qwen2", "Qwen3")):
+        if not cfg.get("use_sliding_window", False):
+            return [None] * n_layers
+        types = cfg.get("layer_types")
+        if types is None:
+            start = cfg.get("max_window_layers", n_layers)
+            types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(n_layers)]
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n_layers
+
+
+@dataclass
+class LlamaArgs:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    attention: AttentionArgs
+    rms_norm_eps: float
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    windows: list = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "LlamaArgs":
+        arch = cfg["architectures"][0]
+        n_heads = require(cfg, "num_attention_heads", arch)
+        head_dim = head_dim_of(cfg)
+        bias = bool(cfg.get("attention_bias", False))
+        qkv_bias, o_bias = {"Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False)}.get(arch, (bias, bias))
+        n_layers = require(cfg, "num_hidden_layers", arch)
+        return cls(
+            arch=arch,
+            vocab_size=require(cfg, "vocab_size", arch),
+            hidden_size=require(cfg, "hidden_size", arch),
+            intermediate_size=require(cfg, "intermediate_size", arch),
+            n_layers=n_layers,
+            attention=attention_args(cfg, arch, qkv_bias=qkv_bias, o_bias=o_bias,
+                                     qk_norm=arch.startswith("Qwen3")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            windows=sliding_windows(cfg, arch, n_layers),
+        )
+
+
+def attention_args(cfg: dict, arch: str, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> AttentionArgs:
+    n_heads = require(cfg, "num_attention_heads", arch)
+    head_dim = head_dim_of(cfg)
+    return AttentionArgs(
+        hidden_size=require(cfg, "hidden_size", arch),
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
+        rope=RopeArgs.from_config(cfg, head_dim),
+    )
+
+
+class Attention:
+    """GQA self-attention with RoPE; q, k, v projections fused into one matmul."""
+
+    def __init__(self, a: AttentionArgs, prefix: str, fetch: Fetch, window: int | None):
+        self.a, self.window = a, window
+        parts = ("q_proj", "k_proj", "v_proj")
+        self.qkv = torch.cat([fetch(f"{prefix}.{p}.weight") for p in parts], dim=0)
+        self.qkv_bias = torch.cat([fetch(f"{prefix}.{p}.bias") for p in parts], dim=0) if a.qkv_bias else None
+        self.o = fetch(f"{prefix}.o_proj.weight")
+        self.o_bias = fetch(f"{prefix}.o_proj.bias") if a.o_bias else None
+        if a.qk_norm:
+            self.q_norm, self.k_norm = fetch(f"{prefix}.q_norm.weight"), fetch(f"{prefix}.k_norm.weight")
+        self.split = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)
+        self.scale = softmax_scale(a.head_dim)
+
+    @staticmethod
+    def names(a: AttentionArgs, prefix: str) -> list[str]:
+        names = [f"{prefix}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if a.qkv_bias:
+            names += [f"{prefix}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+        if a.o_bias:
+            names.append(f"{prefix}.o_proj.bias")
+        if a.qk_norm:
+            names += [f"{prefix}.q_norm.weight", f"{prefix}.k_norm.weight"]
+        return names
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a = self.a
+        B, T, _ = x.shape
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.split, dim=-1)
+        q = q.view(B, T, a.n_heads, a.head_dim)
+        k = k.view(B, T, a.n_kv_heads, a.head_dim)
+        v = v.view(B, T, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = rms_norm(q, self.q_norm, a.rms_norm_eps), rms_norm(k, self.k_norm, a.rms_norm_eps)
+        cos, sin = rope
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        out = causal_attention(q, k, v, self.scale, self.window)
+        return F.linear(out.reshape(B, T, -1), self.o, self.o_bias)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return rotate_half_split(x, cos, sin)
+    return torch.cat((rotate_half_split(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+
+
+class DecoderLayer:
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). `mlp` is any callable on [B, T, hidden]."""
+
+    def __init__(self, attn, mlp, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float):
+        self.attn, self.mlp = attn, mlp
+        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
+
+    def __call__(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), rope)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+
+
+def norm_names(prefix: str) -> list[str]:
+    return [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
+
+
+class LlamaFamily(Family):
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.args = a = LlamaArgs.from_config(config)
+        self.n_layers, self.hidden_size, self.vocab_size = a.n_layers, a.hidden_size, a.vocab_size
+        self.rms_norm_eps, self.tie_word_embeddings = a.rms_norm_eps, a.tie_word_embeddings
+
+    def layer_names(self, i: int) -> list[str]:
+        p = f"model.layers.{i}"
+        return norm_names(p) + Attention.names(self.args.attention, f"{p}.self_attn") + \
+            GatedMLP.names(f"{p}.mlp", self.args.mlp_bias)
+
+    def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
+        a, p = self.args, f"model.layers.{i}"
+        return DecoderLayer(
+            Attention(a.attention, f"{p}.self_attn", fetch, a.windows[i]),
+            GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act, a.mlp_bias),
+            fetch(f"{p}.input_layernorm.weight"), fetch(f"{p}.post_attention_layernorm.weight"), a.rms_norm_eps)
+
+    def rope_tables(self, length: int, dtype: torch.dtype, device):
+        return cos_sin(self.args.attention.rope, length, dtype, device)

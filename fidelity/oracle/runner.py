@@ -1,0 +1,187 @@
+"""The streaming runner: every row through layer i, then layer i+1, so peak memory is one layer's weights plus the
+activations, never the whole model."""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..errors import FidelityError, PackError
+from .common import Family, rms_norm
+
+# Target bytes of one logits chunk in apply_head / iter_logits.
+HEAD_CHUNK_BYTES = 256 * 2**20
+# Rows of equal length are batched together up to this many tokens.
+BATCH_TOKENS = 8192
+
+
+def exact_math(device: torch.device) -> None:
+    """No TF32 or reduced-precision reductions anywhere."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cudnn.deterministic = True
+
+
+class Oracle:
+    """Exact reference forward of a pack.
+
+    Oracle(pack, device="cpu", dtype=torch.float32). `dtype=torch.float64` runs everything in float64 (outputs too).
+    `keep_weights=True` keeps layers in memory after the first pass (for repeated small runs of a model that fits).
+    """
+
+    def __init__(self, pack, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 keep_weights: bool = False):
+        from . import family_for  # late import: the registry imports this module's siblings
+        if dtype not in (torch.float32, torch.float64):
+            raise FidelityError(f"the oracle computes in float32 or float64, not {dtype}")
+        self.pack = pack
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.keep_weights = keep_weights
+        self.family: Family = family_for(pack.config)
+        exact_math(self.device)
+        self._check_names()
+        self._head: torch.Tensor | None = None
+        self._norm: torch.Tensor | None = None
+        self._layers: dict[int, object] = {}
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def _check_names(self) -> None:
+        have = set(self.pack.names())
+        missing = [n for n in self.family.required_names() if n not in have]
+        if missing:
+            raise PackError(f"pack lacks {len(missing)} tensor(s) the {self.pack.config['architectures'][0]} oracle "
+                            f"needs, first {missing[0]!r}" + (f" (also {missing[1:4]})" if len(missing) > 1 else ""),
+                            file=getattr(self.pack, "path", None), tensor=missing[0])
+
+    def fetch(self, name: str) -> torch.Tensor:
+        return self.pack.tensor(name).to(device=self.device, dtype=self.dtype)
+
+    def load_layer(self, i: int):
+        """The one place a layer's weights are read (prefetch and expert parallelism slot in here)."""
+        layer = self._layers.get(i)
+        if layer is None:
+            layer = self.family.load_layer(i, self.fetch)
+            if self.keep_weights:
+                self._layers[i] = layer
+        return layer
+
+    def head_weight(self) -> torch.Tensor:
+        if self._head is None:
+            self._head = self.fetch(self.family.head_name)
+        return self._head
+
+    def release(self) -> None:
+        """Drop cached head and layer weights."""
+        self._head, self._norm, self._layers = None, None, {}
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def hidden_states(self, rows: list[list[int]], progress: bool = True) -> list[torch.Tensor]:
+        """Final hidden state (after the last norm) of every row: list of [T_i, hidden] in the oracle's dtype."""
+        rows = [self._validate_row(r, i) for i, r in enumerate(rows)]
+        batches = self._batches(rows)
+        fam = self.family
+        embed = self.fetch(fam.embed_name)
+        acts = [F.embedding(torch.stack([rows[i] for i in idx]).to(self.device), embed) for idx in batches]
+        del embed
+        for idx, x in zip(batches, acts):
+            self._check_finite(x, idx, "the embeddings")
+        max_len = max((len(r) for r in rows), default=0)
+        rope = fam.rope_tables(max_len, self.dtype, self.device) if rows else None
+        bar = tqdm(total=fam.n_layers * len(rows), disable=not progress, desc="oracle", unit="row-layer")
+        for layer_index in range(fam.n_layers):
+            layer = self.load_layer(layer_index)
+            for b, idx in enumerate(batches):
+                T = acts[b].shape[1]
+                acts[b] = layer(acts[b], _slice_rope(rope, T))
+                self._check_finite(acts[b], idx, f"layer {layer_index}")
+                bar.update(len(idx))
+            del layer
+        bar.close()
+        norm = self.fetch(fam.norm_name)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for idx, x in zip(batches, acts):
+            x = rms_norm(x, norm, fam.rms_norm_eps)
+            for j, row in enumerate(idx):
+                out[row] = x[j]
+        return out
+
+    def logits(self, tokens: torch.Tensor, progress: bool = False) -> torch.Tensor:
+        """tokens LongTensor [B, T] -> logits [B, T, vocab] (float32, or float64 in float64 mode)."""
+        if tokens.dim() != 2:
+            raise FidelityError(f"tokens must be a [batch, length] tensor, got shape {list(tokens.shape)}")
+        hidden = self.hidden_states(tokens.tolist(), progress=progress)
+        if not hidden:
+            return torch.empty(0, tokens.shape[1], self.family.vocab_size, dtype=self.dtype)
+        return self.apply_head(torch.stack(hidden))
+
+    # -- head ----------------------------------------------------------------------------------------------
+    def iter_logits(self, hidden: torch.Tensor, chunk_positions: int | None = None) -> Iterator[tuple[slice, torch.Tensor]]:
+        """Yields (positions slice, logits [n, vocab]) over hidden flattened to [N, hidden]; never all logits at once."""
+        head = self.head_weight()
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if chunk_positions is None:
+            chunk_positions = max(1, HEAD_CHUNK_BYTES // (head.shape[0] * head.element_size()))
+        for start in range(0, flat.shape[0], chunk_positions):
+            end = min(flat.shape[0], start + chunk_positions)
+            x = flat[start:end].to(device=self.device, dtype=self.dtype)
+            yield slice(start, end), F.linear(x, head)
+
+    def map_logits(self, hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
+                   chunk_positions: int | None = None) -> torch.Tensor:
+        """fn(logits chunk [n, vocab]) -> [n, ...] per chunk; results concatenated and shaped like hidden's leading dims."""
+        parts = [fn(chunk).cpu() for _, chunk in self.iter_logits(hidden, chunk_positions)]
+        out = torch.cat(parts) if parts else torch.empty(0)
+        return out.reshape(*hidden.shape[:-1], *out.shape[1:])
+
+    def apply_head(self, hidden: torch.Tensor, chunk_positions: int | None = None) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., vocab] on the CPU, computed chunk by chunk."""
+        vocab = self.family.vocab_size if self._head is None else self._head.shape[0]
+        out = torch.empty(hidden.numel() // hidden.shape[-1], vocab, dtype=self.dtype)
+        for where, chunk in self.iter_logits(hidden, chunk_positions):
+            out[where] = chunk.cpu()
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _validate_row(self, row, i: int) -> torch.Tensor:
+        t = torch.as_tensor(row, dtype=torch.long)
+        if t.dim() != 1 or t.numel() == 0:
+            raise FidelityError(f"row {i} must be a non-empty list of token ids")
+        bad = (t < 0) | (t >= self.family.vocab_size)
+        if bad.any():
+            pos = int(bad.nonzero()[0])
+            raise FidelityError(f"row {i} position {pos}: token id {int(t[pos])} is outside the vocabulary "
+                                f"(size {self.family.vocab_size})")
+        return t
+
+    @staticmethod
+    def _batches(rows: list[torch.Tensor]) -> list[list[int]]:
+        """Row indices grouped by length (no padding anywhere), each group at most BATCH_TOKENS tokens."""
+        by_len: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_len.setdefault(len(r), []).append(i)
+        batches = []
+        for length, idx in by_len.items():
+            per = max(1, BATCH_TOKENS // length)
+            batches += [idx[s:s + per] for s in range(0, len(idx), per)]
+        return batches
+
+    @staticmethod
+    def _check_finite(x: torch.Tensor, rows: list[int], where: str) -> None:
+        finite = torch.isfinite(x).flatten(1).all(dim=1)
+        if not bool(finite.all()):
+            j = int((~finite).nonzero()[0])
+            kind = "NaN" if bool(torch.isnan(x[j]).any()) else "Inf"
+            pos = int((~torch.isfinite(x[j])).any(dim=-1).nonzero()[0])
+            raise FidelityError(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})")
+
+
+def _slice_rope(rope, length: int):
+    """Rope tables are [max_len, ...] tensors or tuples of them; rows of length T use the first T positions."""
+    if isinstance(rope, torch.Tensor):
+        return rope[:length]
+    return tuple(_slice_rope(r, length) for r in rope)

@@ -1,0 +1,165 @@
+"""Oracle vs HF transformers fp32 (eager attention) on tiny random-init models of every supported architecture."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from fidelity import open_pack
+from fidelity.errors import ConfigError, FidelityError, PackError
+from fidelity.oracle import Oracle, supported_architectures
+from test_oracle_support import build, hf_logits
+
+TOL = 1e-4
+
+# Odd sizes on purpose: head_dim != hidden/heads, kv heads < heads, vocab and widths not powers of two.
+COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=72, num_hidden_layers=3, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=12, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+DENSE = {
+    "llama-llama3-untied-bias": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=16))),
+    "llama-linear-tied": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=3.0))),
+    "mistral-sliding-window": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=5, tie_word_embeddings=False)),
+    "qwen2-yarn-tied": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0,
+                                                       original_max_position_embeddings=32))),
+    "qwen3-qknorm-default": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(tie_word_embeddings=False, attention_bias=True)),
+}
+
+
+def make(tmp_path, case: str, seed: int, cases=DENSE):
+    cfg_cls, model_cls, extra = cases[case]
+    config = cfg_cls(**{**COMMON, **extra})
+    model = build(config, model_cls, tmp_path / case, seed)
+    return model, open_pack(tmp_path / case)
+
+
+@pytest.mark.parametrize("case", sorted(DENSE))
+def test_dense_matches_transformers(tmp_path, rng_seed, case):
+    model, pack = make(tmp_path, case, rng_seed)
+    tokens = torch.randint(0, COMMON["vocab_size"], (3, 23))
+    want = hf_logits(model, tokens)
+    got = Oracle(pack).logits(tokens)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    delta = (got - want).abs().max().item()
+    print(f"{case}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
+    assert delta <= TOL
+    assert want.abs().max() > 1.0  # logits of a meaningful size, not a near-zero model
+
+
+def test_variable_length_rows_match_individual_runs(tmp_path, rng_seed):
+    """Rows of different lengths in one call: each equals HF run on that row alone (no padding leakage)."""
+    model, pack = make(tmp_path, "qwen3-qknorm-default", rng_seed)
+    lengths = [7, 19, 7, 1, 12]
+    rows = [torch.randint(0, COMMON["vocab_size"], (n,)).tolist() for n in lengths]
+    oracle = Oracle(pack)
+    hidden = oracle.hidden_states(rows, progress=False)
+    for row, h in zip(rows, hidden):
+        want = hf_logits(model, torch.tensor([row]))[0]
+        assert h.shape == (len(row), COMMON["hidden_size"])
+        assert (oracle.apply_head(h) - want).abs().max().item() <= TOL
+
+
+def test_head_chunks_and_map_logits(tmp_path, rng_seed):
+    model, pack = make(tmp_path, "llama-llama3-untied-bias", rng_seed)
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 9))
+    oracle = Oracle(pack)
+    hidden = torch.stack(oracle.hidden_states(tokens.tolist(), progress=False))
+    full = oracle.apply_head(hidden, chunk_positions=4)
+    want = hf_logits(model, tokens)
+    assert (full - want).abs().max().item() <= TOL
+    seen = []
+    for where, chunk in oracle.iter_logits(hidden, chunk_positions=5):
+        assert chunk.shape[0] <= 5
+        seen.append(where)
+    assert [s.start for s in seen] == [0, 5, 10, 15]
+    argmax = oracle.map_logits(hidden, lambda c: c.argmax(-1), chunk_positions=7)
+    assert torch.equal(argmax, want.argmax(-1))
+
+
+def test_float64_mode_agrees(tmp_path, rng_seed):
+    model, pack = make(tmp_path, "mistral-sliding-window", rng_seed)
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 11))
+    got = Oracle(pack, dtype=torch.float64).logits(tokens)
+    assert got.dtype == torch.float64
+    assert (got - hf_logits(model, tokens).double()).abs().max().item() <= TOL
+
+
+def test_deterministic(tmp_path, rng_seed):
+    _, pack = make(tmp_path, "qwen2-yarn-tied", rng_seed)
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    assert torch.equal(Oracle(pack).logits(tokens), Oracle(pack).logits(tokens))
+
+
+# -- bad input --------------------------------------------------------------------------------------------------------
+
+def test_unsupported_architecture_names_it_and_lists_supported(tmp_path, rng_seed):
+    _, pack = make(tmp_path, "qwen3-qknorm-default", rng_seed)
+    pack.config = {**pack.config, "architectures": ["GPTNeoXForCausalLM"]}
+    with pytest.raises(ConfigError) as e:
+        Oracle(pack)
+    assert "GPTNeoXForCausalLM" in str(e.value)
+    for arch in supported_architectures():
+        assert arch in str(e.value)
+
+
+def test_missing_layer_tensor_fails_before_compute(tmp_path, rng_seed, monkeypatch):
+    from safetensors.torch import load_file, save_file
+    _, _ = make(tmp_path, "llama-linear-tied", rng_seed)
+    folder = tmp_path / "llama-linear-tied"
+    tensors = load_file(folder / "model.safetensors")
+    victim = "model.layers.2.mlp.up_proj.weight"
+    del tensors[victim]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    pack = open_pack(folder)
+    reads = []
+    monkeypatch.setattr(pack, "tensor", lambda name: reads.append(name))
+    with pytest.raises(PackError) as e:
+        Oracle(pack).logits(torch.zeros(1, 3, dtype=torch.long))
+    assert victim in str(e.value) and e.value.tensor == victim
+    assert reads == []  # nothing was read, let alone computed
+
+
+def test_nan_in_a_layer_reports_layer_and_row(tmp_path, rng_seed):
+    _, pack = make(tmp_path, "qwen3-qknorm-default", rng_seed)
+    original = pack.tensor
+
+    def poisoned(name):
+        t = original(name)
+        if name == "model.layers.1.self_attn.o_proj.weight":
+            t[0, 0] = float("nan")
+        return t
+
+    pack.tensor = poisoned
+    with pytest.raises(FidelityError) as e:
+        Oracle(pack).logits(torch.randint(0, COMMON["vocab_size"], (2, 5)))
+    assert "NaN" in str(e.value) and "layer 1" in str(e.value) and "row 0" in str(e.value)
+
+
+def test_nan_in_one_row_names_that_row(tmp_path, rng_seed):
+    _, pack = make(tmp_path, "llama-linear-tied", rng_seed)
+    original = pack.tensor
+    poison_token = 5
+
+    def poisoned(name):
+        t = original(name)
+        if name == "model.embed_tokens.weight":
+            t[poison_token, 3] = float("nan")
+        return t
+
+    pack.tensor = poisoned
+    rows = [[1, 2, 3, 4], [6, 7, 8, 9], [1, poison_token, 2, 3]]
+    with pytest.raises(FidelityError) as e:
+        Oracle(pack).hidden_states(rows, progress=False)
+    assert "row 2" in str(e.value) and "position 1" in str(e.value)
+
+
+def test_token_outside_vocab_names_row_and_position(tmp_path, rng_seed):
+    _, pack = make(tmp_path, "llama-linear-tied", rng_seed)
+    with pytest.raises(FidelityError) as e:
+        Oracle(pack).hidden_states([[1, 2], [3, COMMON["vocab_size"] + 4]], progress=False)
+    assert "row 1 position 1" in str(e.value) and str(COMMON["vocab_size"] + 4) in str(e.value)

@@ -1,0 +1,46 @@
+"""Helpers for the oracle tests (no tests here): tiny random-init HF models. Every parameter (norms and biases included)
+gets a random value so a misused
+weight cannot hide behind HF's ones/zeros init."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point() or "inv_freq" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.1 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def build(config: transformers.PretrainedConfig, model_cls, folder: Path, seed: int):
+    """Random-init model in fp32 with eager attention, saved as safetensors to folder. Returns the model (eval)."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    randomize(model, seed)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.save_pretrained(folder)
+    return model
+
+
+def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens, use_cache=False).logits.to(torch.float32)
