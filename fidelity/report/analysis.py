@@ -1,0 +1,120 @@
+"""Numbers the report derives from per-position records: KL quantiles, KL by reference confidence, worst positions and rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+import pandas as pd
+
+from .inputs import CompareRun
+
+QUANTILES = (0.5, 0.9, 0.99, 0.999)
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
+
+
+def scored_kl(run: CompareRun, label: str) -> pd.DataFrame | None:
+    """Reference records joined with one pack's KL on scored positions whose KL is finite (non-finite ones are counted by compare)."""
+    if run.positions is None or label not in run.pack_positions:
+        return None
+    ref = run.positions
+    df = ref.merge(run.pack_positions[label], on=["row_id", "position"], how="inner", suffixes=("", "_pack"))
+    df = df[df["scored"].astype(bool)]
+    return df[np.isfinite(df["kl"].to_numpy(dtype=np.float64))]
+
+
+def kl_quantiles(kl: np.ndarray, qs=QUANTILES) -> dict[str, float]:
+    kl = np.asarray(kl, dtype=np.float64)
+    out = {f"p{q * 100:g}": float(np.quantile(kl, q)) for q in qs}
+    out["max"] = float(kl.max())
+    out["mean"] = float(kl.mean())
+    return out
+
+
+def reference_top1_prob(df: pd.DataFrame) -> np.ndarray:
+    """Reference confidence: probability of its own top token (top-K logprobs are stored sorted, best first)."""
+    return np.exp(np.array([float(np.max(lp)) for lp in df["ref_top_logprobs"]], dtype=np.float64))
+
+
+def kl_by_confidence(df: pd.DataFrame, edges=CONFIDENCE_EDGES) -> pd.DataFrame:
+    """Mean KL and position count per reference top-1 probability bucket [lo, hi) (the last one closed)."""
+    p = reference_top1_prob(df)
+    kl = df["kl"].to_numpy(dtype=np.float64)
+    idx = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, len(edges) - 2)
+    rows = []
+    for b in range(len(edges) - 1):
+        m = idx == b
+        rows.append({"bucket": f"[{edges[b]:g}, {edges[b + 1]:g}{']' if b == len(edges) - 2 else ')'}", "lo": edges[b],
+                     "hi": edges[b + 1], "positions": int(m.sum()), "kld_mean": float(kl[m].mean()) if m.any() else float("nan")})
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class WorstPosition:
+    label: str
+    row_id: str
+    domain: str
+    position: int
+    kl: float
+    before: str
+    token: str
+    after: str
+    reference_top: list[tuple[str, float]]
+    pack_top: list[tuple[str, float]] | None
+
+
+class TokenText:
+    """Token ids to text: a tokenizer when we have one, else the run folder's id->text map, else ⟨id⟩."""
+
+    def __init__(self, tokenizer=None, table: dict[int, str] | None = None):
+        self.tokenizer, self.table = tokenizer, table
+
+    def piece(self, tid: int) -> str:
+        return self.text([tid])
+
+    def text(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids)
+        if self.table is not None:
+            return "".join(self.table.get(i, f"⟨{i}⟩") for i in ids)
+        return "".join(f"⟨{i}⟩" for i in ids)
+
+
+def _top(ids, logprobs, text: TokenText, k: int) -> list[tuple[str, float]]:
+    order = np.argsort(-np.asarray(logprobs, dtype=np.float64))[:k]
+    return [(text.piece(int(ids[j])), float(np.exp(logprobs[j]))) for j in order]
+
+
+def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, context: int = 24, after: int = 4,
+                    k: int = 5) -> list[WorstPosition]:
+    """The n highest-KL scored positions with the text around them; the token at `position` is the one being predicted."""
+    df = scored_kl(run, label)
+    if df is None or df.empty:
+        return []
+    worst = df.nlargest(n, "kl")
+    by_row = {rid: g.sort_values("position") for rid, g in run.positions.groupby("row_id")}
+    has_pack_top = "top_ids" in df.columns and "top_logprobs" in df.columns
+    out = []
+    for _, r in worst.iterrows():
+        row = by_row[r["row_id"]]
+        pos = row["position"].to_numpy()
+        toks = row["token"].to_numpy()
+        out.append(WorstPosition(
+            label=label, row_id=str(r["row_id"]), domain=str(r.get("domain", "")), position=int(r["position"]), kl=float(r["kl"]),
+            before=text.text(toks[(pos < r["position"]) & (pos >= r["position"] - context)]),
+            token=text.piece(int(r["token"])),
+            after=text.text(toks[(pos > r["position"]) & (pos <= r["position"] + after)]),
+            reference_top=_top(r["ref_top_ids"], r["ref_top_logprobs"], text, k),
+            pack_top=_top(r["top_ids"], r["top_logprobs"], text, k) if has_pack_top else None))
+    return out
+
+
+def worst_rows(run: CompareRun, label: str, n: int = 5) -> pd.DataFrame:
+    """Rows with the highest mean KL over their scored positions."""
+    df = scored_kl(run, label)
+    if df is None or df.empty:
+        return pd.DataFrame(columns=["row_id", "domain", "positions", "kld_mean", "kld_max"])
+    cols = {"positions": ("kl", "size"), "kld_mean": ("kl", "mean"), "kld_max": ("kl", "max")}
+    keys = ["row_id", "domain"] if "domain" in df.columns else ["row_id"]
+    g = df.groupby(keys, sort=False).agg(**cols).reset_index()
+    return g.nlargest(n, "kld_mean")
+

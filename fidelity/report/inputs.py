@@ -1,0 +1,248 @@
+"""Read what `fidelity report` is given: compare JSON or run folders, suite-compare JSON, gate JSON; group compare results by panel."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import FidelityError
+
+
+class ReportInputError(FidelityError):
+    """A file given to the report is unreadable or of a kind the report does not know. Names the file."""
+
+
+@dataclass
+class PackResult:
+    """One candidate pack measured against the reference (one entry of compare's `results`)."""
+
+    label: str
+    pack: str
+    bpw: float | None
+    overall: dict
+    domains: dict[str, dict]
+    fingerprint: str | None
+    source: str
+
+
+@dataclass
+class CompareRun:
+    """One compare JSON, with its per-position records when it came from an `--out` run folder."""
+
+    source: str
+    panel: dict
+    reference: dict
+    results: list[PackResult]
+    paired: list[dict]
+    meta: dict                                   # version, command line, anything else compare recorded
+    positions: pd.DataFrame | None = None        # reference side: row_id, domain, position, token, scored, ref_top_ids, ref_top_logprobs
+    pack_positions: dict[str, pd.DataFrame] = field(default_factory=dict)   # label -> row_id, position, kl[, top_ids, top_logprobs]
+    token_text: dict[int, str] | None = None      # token id -> text, when the run folder stored it
+
+    @property
+    def panel_key(self) -> tuple[str, str]:
+        return (str(self.panel.get("sha256") or ""), str(self.reference.get("fingerprint") or ""))
+
+
+@dataclass
+class Group:
+    """Compare results that can share a plot: the same panel (sha256) and the same reference."""
+
+    panel: dict
+    reference: dict
+    runs: list[CompareRun]
+    warning: str | None = None
+
+    @property
+    def packs(self) -> list[PackResult]:
+        return [p for r in self.runs for p in r.results]
+
+
+@dataclass
+class Inputs:
+    groups: list[Group]
+    suites: list[tuple[str, dict]]
+    gates: list[tuple[str, dict]]
+    warnings: list[str]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReportInputError(f"cannot read {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ReportInputError(f"{path} is not valid JSON: {e}") from None
+
+
+def classify(data, source: str) -> str:
+    """'compare', 'suite' or 'gate' from a JSON document's shape."""
+    if isinstance(data, dict):
+        if "results" in data and "panel" in data:
+            return "compare"
+        if "gates" in data or ("gate" in data and ("passed" in data or "status" in data)):
+            return "gate"
+        if "suite" in data or "suites" in data:
+            return "suite"
+    raise ReportInputError(f"{source}: not a compare, suite-compare or gate result (expected keys 'panel'+'results', "
+                           f"'suite'/'suites' or 'gates'; found {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__})")
+
+
+def _bpw(value) -> float | None:
+    """compare writes a number; tolerate a bits table ({category: {bpw}} or [{category, bpw}])."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value) if np.isfinite(value) else None
+    rows = value if isinstance(value, list) else [{"category": k, **v} for k, v in value.items() if isinstance(v, dict)]
+    by_cat = {r.get("category"): r.get("bpw") for r in rows}
+    for cat in ("all_linear", "per_decoded_token", "total"):
+        if by_cat.get(cat) is not None:
+            return float(by_cat[cat])
+    return None
+
+
+def _compare_run(data: dict, source: str) -> CompareRun:
+    panel, reference = data.get("panel") or {}, data.get("reference") or {}
+    if not isinstance(panel, dict) or "sha256" not in panel:
+        raise ReportInputError(f"{source}: compare result has no panel sha256 (panel = {panel!r})")
+    results = []
+    for i, r in enumerate(data.get("results") or []):
+        if "overall" not in r:
+            raise ReportInputError(f"{source}: results[{i}] ({r.get('label') or r.get('pack')!r}) has no 'overall' block")
+        label = str(r.get("label") or Path(str(r.get("pack", f"pack{i}"))).name)
+        results.append(PackResult(label=label, pack=str(r.get("pack", label)), bpw=_bpw(r.get("bpw")), overall=r["overall"],
+                                  domains=r.get("domains") or {}, fingerprint=r.get("fingerprint"), source=source))
+    meta = {k: v for k, v in data.items() if k not in ("panel", "reference", "results", "paired")}
+    return CompareRun(source=source, panel=panel, reference=reference, results=results, paired=list(data.get("paired") or []), meta=meta)
+
+
+# ---- run folders -------------------------------------------------------------------------------------------------------
+
+def _find_compare_json(folder: Path) -> Path:
+    for name in ("compare.json", "result.json", "results.json"):
+        if (folder / name).is_file():
+            return folder / name
+    for p in sorted(folder.glob("*.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and "results" in d and "panel" in d:
+            return p
+    raise ReportInputError(f"{folder}: run folder has no compare JSON (looked for compare.json or any *.json with 'panel' and 'results')")
+
+
+def _attach_records(run: CompareRun, folder: Path):
+    """Per-position records: `reference.parquet` + one `pack-<label>.parquet` per pack (the layout `compare --out` writes)."""
+    ref_path = folder / "reference.parquet"
+    if not ref_path.is_file():
+        return
+    ref = pd.read_parquet(ref_path)
+    need = {"row_id", "position", "token", "scored"}
+    if not need <= set(ref.columns):
+        raise ReportInputError(f"{ref_path}: per-position records lack columns {sorted(need - set(ref.columns))}")
+    ref = ref.rename(columns={"topk_ids": "ref_top_ids", "topk_logprobs": "ref_top_logprobs"})
+    run.positions = ref
+    for res in run.results:
+        p = folder / f"pack-{res.label}.parquet"
+        if p.is_file():
+            df = pd.read_parquet(p).rename(columns={"topk_ids": "top_ids", "topk_logprobs": "top_logprobs"})
+            if "kl" not in df.columns:
+                raise ReportInputError(f"{p}: per-position records of pack {res.label!r} have no 'kl' column")
+            run.pack_positions[res.label] = df
+    vocab = folder / "tokens.json"
+    if vocab.is_file():
+        run.token_text = {int(k): v for k, v in _read_json(vocab).items()}
+
+
+def load_compare(item, source: str | None = None) -> CompareRun:
+    """A compare JSON file, a run folder, or an already-loaded dict."""
+    if isinstance(item, dict):
+        return _compare_run(item, source or "<dict>")
+    path = Path(item)
+    if path.is_dir():
+        j = _find_compare_json(path)
+        run = _compare_run(_read_json(j), str(path))
+        _attach_records(run, path)
+        return run
+    return _compare_run(_read_json(path), str(path))
+
+
+# ---- grouping ---------------------------------------------------------------------------------------------------------
+
+def _unique_labels(runs: list[CompareRun]):
+    """The same label from two files would be merged in a plot; tell them apart by file name."""
+    seen: dict[str, int] = {}
+    for run in runs:
+        for res in run.results:
+            seen[res.label] = seen.get(res.label, 0) + 1
+    for run in runs:
+        for res in run.results:
+            if seen[res.label] > 1:
+                new = f"{res.label} ({Path(run.source).name})"
+                if res.label in run.pack_positions:
+                    run.pack_positions[new] = run.pack_positions.pop(res.label)
+                res.label = new
+
+
+def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
+    """Group by (panel sha256, reference fingerprint), first-seen group first; every other group carries a warning."""
+    order: list[tuple[str, str]] = []
+    by_key: dict[tuple[str, str], list[CompareRun]] = {}
+    for run in runs:
+        if run.panel_key not in by_key:
+            order.append(run.panel_key)
+            by_key[run.panel_key] = []
+        by_key[run.panel_key].append(run)
+    groups, warnings = [], []
+    first = by_key[order[0]][0] if order else None
+    for i, key in enumerate(order):
+        members = by_key[key]
+        _unique_labels(members)
+        g = Group(panel=members[0].panel, reference=members[0].reference, runs=members)
+        if i > 0:
+            files = ", ".join(r.source for r in members)
+            if key[0] != first.panel_key[0]:
+                why = (f"panel {g.panel.get('name')!r} (sha256 {key[0][:12]}) differs from the first group's panel "
+                       f"{first.panel.get('name')!r} (sha256 {first.panel_key[0][:12]})")
+            else:
+                why = (f"reference {g.reference.get('fingerprint')!r} differs from the first group's reference "
+                       f"{first.reference.get('fingerprint')!r}")
+            g.warning = f"{files}: {why}; its numbers are not comparable and are shown as a separate group, never in the same plot."
+            warnings.append(g.warning)
+        groups.append(g)
+    return groups, warnings
+
+
+def load_inputs(items) -> Inputs:
+    """Paths (files or run folders) or dicts, in order; compare results are grouped by panel."""
+    runs, suites, gates = [], [], []
+    for n, item in enumerate(items):
+        if isinstance(item, CompareRun):
+            runs.append(item)
+            continue
+        if isinstance(item, dict):
+            data, source = item, f"<result {n + 1}>"
+        else:
+            path = Path(item)
+            if not path.exists():
+                raise ReportInputError(f"{path}: no such file or folder")
+            if path.is_dir():
+                runs.append(load_compare(path))
+                continue
+            data, source = _read_json(path), str(path)
+        kind = classify(data, source)
+        if kind == "compare":
+            runs.append(load_compare(data, source))
+        elif kind == "suite":
+            suites.append((source, data))
+        else:
+            gates.append((source, data))
+    if not (runs or suites or gates):
+        raise ReportInputError("nothing to report: give at least one compare, suite-compare or gate result")
+    groups, warnings = group_runs(runs)
+    return Inputs(groups=groups, suites=suites, gates=gates, warnings=warnings)

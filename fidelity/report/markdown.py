@@ -1,0 +1,59 @@
+"""summary.md: the report's tables as GitHub-flavoured Markdown, ready to paste into a model card."""
+from __future__ import annotations
+
+from .tables import Table, num
+
+
+def escape(text: str) -> str:
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", "⏎").replace("`", "ˋ")
+
+
+def table(t: Table | None, level: int = 3) -> str:
+    if t is None:
+        return ""
+    lines = [f"{'#' * level} {t.title}", "", "| " + " | ".join(escape(h) for h in t.headers) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(t.headers))) + "|"]
+    lines += ["| " + " | ".join(escape(c) for c in r) + " |" for r in t.rows]
+    if t.note:
+        lines += ["", t.note]
+    return "\n".join(lines) + "\n"
+
+
+def worst_table(worst) -> str:
+    if not worst:
+        return ""
+    lines = ["### Worst positions (highest KL)", "",
+             "The token in **bold** is the one predicted at that position.", "",
+             "| pack | row | domain | pos | KL | text | reference top | pack top |", "|---|---|---|---:|---:|---|---|---|"]
+    for w in worst:
+        ref = ", ".join(f"`{escape(t)}` {p:.2f}" for t, p in w.reference_top[:3])
+        pack = ", ".join(f"`{escape(t)}` {p:.2f}" for t, p in (w.pack_top or [])[:3]) or "—"
+        text = f"…{escape(w.before[-80:])}**{escape(w.token)}**{escape(w.after[:30])}…"
+        lines.append(f"| {escape(w.label)} | {escape(w.row_id)} | {escape(w.domain)} | {w.position} | {num(w.kl)} | {text} | {ref} | {pack} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(title: str, warnings: list[str], groups: list, suites: Table | None, gates: Table | None, provenance: Table) -> str:
+    out = [f"# {title}", "", "KL is KL(reference ‖ pack) in nats over scored positions (full vocabulary); 95% CIs are bootstrap "
+           "intervals over panel rows.", ""]
+    out += [f"> **Warning:** {escape(w)}\n" for w in warnings]
+    for g in groups:
+        out += [f"## {g.heading}", ""]
+        if g.warning:
+            out += [f"> **Warning:** {escape(g.warning)}", ""]
+        out.append(table(g.overall))
+        out += [f"![{f.caption}]({f.name})\n" for f in g.figures_top]
+        out += [table(t) for t in g.domain_tables]
+        out.append(table(g.paired))
+        out += [f"![{f.caption}]({f.name})\n" for f in g.figures_records]
+        out.append(table(g.quantiles))
+        out.append(table(g.confidence))
+        out += [n + "\n" for n in g.notes]
+        out.append(worst_table(g.worst))
+        out += [table(t) for t in g.worst_rows]
+    if suites:
+        out.append(table(suites, 2))
+    if gates:
+        out.append(table(gates, 2))
+    out.append(table(provenance, 2))
+    return "\n".join(s for s in out if s is not None).rstrip() + "\n"

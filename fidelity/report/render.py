@@ -1,0 +1,180 @@
+"""Turn compare / suite / gate results into index.html (self-contained), PNG figures and summary.md."""
+from __future__ import annotations
+
+import base64
+import datetime
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from .. import __version__
+from ..errors import FidelityError
+from . import analysis, figures, markdown, tables
+from .inputs import Group, load_inputs
+from .templates import INDEX_HTML
+
+
+@dataclass
+class FigureFile:
+    name: str
+    caption: str
+    path: Path
+
+    @property
+    def base64(self) -> str:
+        return base64.b64encode(self.path.read_bytes()).decode("ascii")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        head = self.path.read_bytes()[16:24]      # PNG IHDR: width, height
+        return struct.unpack(">II", head)
+
+    @property
+    def width(self) -> int:
+        return self.size[0]
+
+    @property
+    def height(self) -> int:
+        return self.size[1]
+
+
+@dataclass
+class GroupView:
+    heading: str
+    warning: str | None
+    overall: tables.Table
+    domain_tables: list[tables.Table]
+    paired: tables.Table | None
+    figures_top: list[FigureFile] = field(default_factory=list)
+    figures_records: list[FigureFile] = field(default_factory=list)
+    quantiles: tables.Table | None = None
+    confidence: tables.Table | None = None
+    notes: list[str] = field(default_factory=list)
+    worst: list[analysis.WorstPosition] = field(default_factory=list)
+    worst_rows: list[tables.Table] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    index_html: Path
+    summary_md: Path
+    figures: list[Path]
+    warnings: list[str]
+    groups: list[GroupView]
+
+
+def _reference_tokenizer(group: Group):
+    """The reference pack's own tokenizer, when its path is readable here; None otherwise (token ids are shown instead)."""
+    path = group.reference.get("path")
+    if not path or not Path(path).exists():
+        return None
+    try:
+        from ..packs import open_pack
+        from ..packs.tokenizer import load_tokenizer
+
+        return load_tokenizer(open_pack(path))
+    except (ImportError, FidelityError, OSError, ValueError):
+        return None
+
+
+def _figure(out: Path, name: str, caption: str, draw) -> FigureFile | None:
+    path = draw(out / name)
+    return FigureFile(name, caption, path) if path is not None else None
+
+
+def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> GroupView:
+    suffix = "" if index == 1 else f"-group{index}"
+    panel = g.panel.get("name", "?")
+    heading = f"Panel {panel} (sha256 {str(g.panel.get('sha256', '?'))[:12]}), reference {g.reference.get('fingerprint', '?')}"
+    if index > 1:
+        heading = f"Separate group {index}: {heading}"
+    packs = g.packs
+    colors = {p.label: i for i, p in enumerate(packs)}
+    view = GroupView(heading=heading, warning=g.warning, overall=tables.overall_table(g), domain_tables=tables.per_domain_tables(g),
+                     paired=tables.paired_table(g))
+    view.figures_top = [f for f in (
+        _figure(out, f"per_domain_kld{suffix}.png", f"KLD per domain, pooled and domains weighted equally, 95% CI ({panel})",
+                lambda p: figures.per_domain_kld(packs, p, f"KLD per domain — panel {panel}")),
+        _figure(out, f"kld_vs_bpw{suffix}.png", f"KLD and top-1 disagreement against bits per weight, noise floor dashed ({panel})",
+                lambda p: figures.kld_vs_bpw(packs, p, f"Packs against bits per weight — panel {panel}")),
+    ) if f]
+
+    samples, quantiles, confidence, missing = {}, {}, {}, []
+    want_tokens = tokenizer
+    for run in g.runs:
+        for res in run.results:
+            df = analysis.scored_kl(run, res.label)
+            if df is None or df.empty:
+                missing.append(res.label)
+                o = res.overall
+                quantiles[res.label] = {"p50": o.get("kld_median"), "p99": o.get("kld_p99"), "p99.9": o.get("kld_p999"),
+                                        "max": o.get("kld_max"), "mean": o.get("kld_mean")}
+                continue
+            kl = df["kl"].to_numpy()
+            samples[res.label] = kl
+            quantiles[res.label] = {**analysis.kl_quantiles(kl), "positions": int(kl.size)}
+            if "ref_top_logprobs" in df.columns:
+                confidence[res.label] = analysis.kl_by_confidence(df)
+            if run.token_text is None and want_tokens == "auto":
+                want_tokens = _reference_tokenizer(g)
+            text = analysis.TokenText(None if want_tokens == "auto" else want_tokens, run.token_text)
+            if "ref_top_ids" in df.columns:
+                view.worst += analysis.worst_positions(run, res.label, text, n=n_worst)
+            wr = analysis.worst_rows(run, res.label)
+            view.worst_rows.append(tables.Table(f"Worst rows by mean KL: {res.label}", ["row", "domain", "positions", "KLD mean", "KLD max"],
+                                                [[str(r.row_id), str(getattr(r, "domain", "")), tables.num(int(r.positions)),
+                                                  tables.num(r.kld_mean), tables.num(r.kld_max)] for r in wr.itertuples()]))
+    view.figures_records = [f for f in (
+        _figure(out, f"kl_distribution{suffix}.png", f"Per-position KL distribution to p99.9 ({panel})",
+                lambda p: figures.kl_distribution(samples, quantiles, colors, p, f"KL distribution — panel {panel}")),
+        _figure(out, f"kl_by_confidence{suffix}.png", f"Mean KL by reference confidence ({panel})",
+                lambda p: figures.kl_by_confidence(confidence, colors, p, f"KL by reference confidence — panel {panel}")),
+    ) if f]
+    view.quantiles = tables.quantile_table(g, quantiles)
+    view.confidence = tables.confidence_table(confidence)
+    if missing:
+        view.notes.append(f"No per-position records for {', '.join(missing)}: give the `fidelity compare --out` folder instead of the "
+                          "JSON to see the full KL distribution, KL by reference confidence and the worst positions "
+                          "(the distribution shows compare's quantiles as dots).")
+    if view.worst and all(w.token.startswith("⟨") for w in view.worst):
+        view.notes.append("Token text is shown as ⟨id⟩: the reference pack's tokenizer was not available here.")
+    return view
+
+
+def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto", worst: int = 8,
+           command_line: str | None = None) -> Report:
+    """Write index.html, the PNG figures and summary.md for `results` (paths to compare JSON / run folders, suite-compare and gate
+    JSON, or loaded dicts) into `out_dir`. `tokenizer`: "auto" loads the reference pack's when readable, None shows token ids."""
+    if isinstance(results, (str, Path, dict)):
+        results = [results]
+    inputs = load_inputs(list(results))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    views = [_group_view(g, i, out, tokenizer, worst) for i, g in enumerate(inputs.groups, 1)]
+    meta = {"version": __version__, "command_line": command_line or "fidelity.report.render(...) (Python API)",
+            "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    suites, gates = tables.suite_table(inputs.suites), tables.gate_table(inputs.gates)
+    provenance = tables.provenance_table(inputs.groups, meta)
+
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(num=tables.num, status_class=_status_class)
+    html = env.from_string(INDEX_HTML).render(title=title, warnings=inputs.warnings, groups=views, suites=suites, gates=gates,
+                                              provenance=provenance)
+    index = out / "index.html"
+    index.write_text(html, encoding="utf-8")
+    summary = out / "summary.md"
+    summary.write_text(markdown.summary(title, inputs.warnings, views, suites, gates, provenance), encoding="utf-8")
+    figs = [f.path for v in views for f in v.figures_top + v.figures_records]
+    return Report(out_dir=out, index_html=index, summary_md=summary, figures=figs, warnings=inputs.warnings, groups=views)
+
+
+def _status_class(cell: str) -> str:
+    c = str(cell).lower()
+    if c in ("pass", "passed", "ok", "no significant drop") or c.startswith("pass"):
+        return "pass"
+    if c.startswith("fail"):
+        return "fail"
+    return "error" if c.startswith("error") else ""

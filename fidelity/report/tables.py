@@ -1,0 +1,215 @@
+"""Tables shared by the HTML page and the Markdown summary, so both print the same numbers the same way."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .figures import domain_rows
+from .inputs import Group
+
+
+@dataclass
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    note: str = ""
+    status_column: int | None = None     # a pass/fail column the HTML colours
+    classes: list[str] = field(default_factory=list)
+
+
+def num(x, digits: int = 4) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.{digits}g}"
+
+
+def pct(x) -> str:
+    return "—" if x is None else f"{100 * float(x):.2f}%"
+
+
+def ci(block: dict, key: str) -> str:
+    v = block.get(key)
+    if isinstance(v, (list, tuple)) and len(v) == 2:
+        return f"[{num(v[0])}, {num(v[1])}]"
+    return ""
+
+
+def with_ci(block: dict, mean_key: str, ci_key: str) -> str:
+    c = ci(block, ci_key)
+    return f"{num(block.get(mean_key))} {c}".strip()
+
+
+def times_floor(o: dict) -> str:
+    k, f = o.get("kld_mean"), o.get("noise_floor_kld")
+    if k is None or not f:
+        return "—"
+    r = float(k) / float(f)
+    return f"{r:.0f}×" if r >= 100 else f"{r:.3g}×"
+
+
+def overall_table(g: Group) -> Table:
+    headers = ["pack", "bpw", "KLD mean [95% CI]", "KLD domains equal", "top-1", "PPL", "PPL ref", "KL median", "KL p99",
+               "KL p99.9", "KL max", "× noise floor", "non-finite"]
+    rows = []
+    for p in g.packs:
+        o = p.overall
+        rows.append([p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95"),
+                     with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95"), pct(o.get("top1")), num(o.get("ppl")),
+                     num(o.get("ppl_ref")), num(o.get("kld_median")), num(o.get("kld_p99")), num(o.get("kld_p999")),
+                     num(o.get("kld_max")), times_floor(o), num(o.get("nonfinite"))])
+    floor = next((p.overall.get("noise_floor_kld") for p in g.packs if p.overall.get("noise_floor_kld")), None)
+    note = "KL(reference ‖ pack) in nats over scored positions; 95% CIs by bootstrap over panel rows."
+    if floor:
+        note += f" Noise floor (reference re-run with a tiny seeded perturbation): {num(floor)}."
+    return Table("Overall", headers, rows, note)
+
+
+def domain_table(g: Group, key: str, title: str, fmt) -> Table:
+    packs = g.packs
+    rows = []
+    for d in domain_rows(packs):
+        cells = [fmt(p.domains[d], key) if d in p.domains else "—" for p in packs]
+        n = next((p.domains[d].get("positions") for p in packs if d in p.domains), None)
+        rows.append([d, num(n)] + cells)
+    return Table(title, ["domain", "positions"] + [p.label for p in packs], rows)
+
+
+def per_domain_tables(g: Group) -> list[Table]:
+    return [domain_table(g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, k + "_ci95")),
+            domain_table(g, "top1", "Top-1 agreement per domain", lambda b, k: pct(b.get(k))),
+            domain_table(g, "ppl", "Perplexity per domain", lambda b, k: num(b.get(k)))]
+
+
+def paired_table(g: Group) -> Table | None:
+    rows = []
+    for run in g.runs:
+        for pr in run.paired:
+            rows.append([str(pr.get("a")), str(pr.get("b")), num(pr.get("kld_mean_diff")),
+                         ci(pr, "ci95"), num(pr.get("p_value"), 3)])
+    if not rows:
+        return None
+    return Table("Paired, pack A vs pack B (per-row KL difference)", ["A", "B", "KLD mean A − B", "95% CI", "p-value"], rows,
+                 "Negative: A is closer to the reference than B.")
+
+
+def quantile_table(g: Group, quantiles: dict[str, dict]) -> Table:
+    headers = ["pack", "positions", "mean", "median", "p90", "p99", "p99.9", "max"]
+    rows = []
+    for label, q in quantiles.items():
+        rows.append([label, num(q.get("positions")), num(q.get("mean")), num(q.get("p50")), num(q.get("p90")), num(q.get("p99")),
+                     num(q.get("p99.9")), num(q.get("max"))])
+    return Table("KL distribution per pack", headers, rows)
+
+
+def confidence_table(tables: dict) -> Table | None:
+    if not tables:
+        return None
+    labels = list(tables)
+    first = tables[labels[0]]
+    rows = []
+    for i, b in enumerate(first["bucket"]):
+        rows.append([b, num(int(first["positions"].iloc[i]))] + [num(tables[lb]["kld_mean"].iloc[i]) for lb in labels])
+    return Table("Mean KL by reference confidence (reference probability of its top token)", ["bucket", "positions"] + labels, rows)
+
+
+# ---- suites and gates: their JSON is read generously; known keys first -------------------------------------------------------
+
+_SUITE_KEYS = ["suite", "a", "b", "items", "n", "n_items", "pass_rate_a", "pass_rate_b", "score_a", "score_b", "delta", "drop",
+               "flips_a_to_b", "flips_b_to_a", "pass_to_fail", "fail_to_pass", "test", "p_value", "errors", "verdict"]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, (str, int, float, bool)) or v is None:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _cell(v) -> str:
+    if isinstance(v, str):
+        return v if len(v) <= 60 else v[:57] + "…"
+    return num(v)
+
+
+def suite_table(entries: list[tuple[str, dict]]) -> Table | None:
+    flat = []
+    for source, data in entries:
+        items = data["suites"] if isinstance(data.get("suites"), list) else [data]
+        for it in items:
+            flat.append(_flatten(it))
+    if not flat:
+        return None
+    keys = [k for k in _SUITE_KEYS if any(k in f for f in flat)]
+    keys += sorted({k for f in flat for k in f} - set(keys) - {"a_path", "b_path"})[: max(0, 14 - len(keys))]
+    status = keys.index("verdict") if "verdict" in keys else None
+    return Table("Suites (paired against the other build)", keys, [[_cell(f.get(k)) for k in keys] for f in flat],
+                 status_column=status)
+
+
+def _gate_status(gt: dict) -> str:
+    if gt.get("error"):
+        return "error"
+    for k in ("passed", "pass", "ok"):
+        if k in gt:
+            return "pass" if gt[k] else "fail"
+    return str(gt.get("status") or gt.get("verdict") or "?")
+
+
+def gate_table(entries: list[tuple[str, dict]]) -> Table | None:
+    rows = []
+    for source, data in entries:
+        gates = data.get("gates", [data])
+        if isinstance(gates, dict):
+            gates = [{"name": k, **v} for k, v in gates.items()]
+        for gt in gates:
+            name = str(gt.get("name") or gt.get("gate") or "?")
+            status = _gate_status(gt)
+            measured = _flatten(gt.get("measured") or gt.get("values") or {})
+            limits = _flatten(gt.get("thresholds") or gt.get("threshold") or {})
+            if not measured:
+                skip = {"name", "gate", "passed", "pass", "ok", "status", "verdict", "error"}
+                measured = {k: v for k, v in _flatten(gt).items() if k not in skip and not k.startswith("threshold")}
+            metrics = list(measured) or [""]
+            for m in metrics:
+                limit = limits.get(m, limits.get(f"{m}_max", limits.get(f"{m}_min")))
+                rows.append([name, status, m, _cell(measured.get(m)) if m else "—", _cell(limit) if limit is not None else "—"])
+            if gt.get("error"):
+                rows.append([name, "error", "error", _cell(str(gt["error"])), "—"])
+    if not rows:
+        return None
+    return Table("Engine gates", ["gate", "status", "measured", "value", "threshold"], rows, status_column=1)
+
+
+def provenance_table(groups: list[Group], report_meta: dict) -> Table:
+    rows = []
+    for i, g in enumerate(groups, 1):
+        p = g.panel
+        rows.append([f"group {i}: panel", f"{p.get('name', '?')} · sha256 {p.get('sha256', '?')} · rows {num(p.get('rows'))} · "
+                     f"scored positions {num(p.get('scored_positions'))}"])
+        rows.append([f"group {i}: reference", f"{g.reference.get('path', '?')} · fingerprint {g.reference.get('fingerprint', '?')}"])
+        for pk in g.packs:
+            rows.append([f"group {i}: pack {pk.label}", f"{pk.pack} · fingerprint {pk.fingerprint or '—'} · bpw {num(pk.bpw)} · "
+                         f"from {Path(pk.source).name}"])
+        for run in g.runs:
+            ver = run.meta.get("fidelity_version") or run.meta.get("version") or run.meta.get("library_version")
+            cmd = run.meta.get("command_line") or run.meta.get("command") or run.meta.get("argv")
+            if isinstance(cmd, list):
+                cmd = " ".join(map(str, cmd))
+            rows.append([f"group {i}: {Path(run.source).name}", f"fidelity {ver or '?'} · command: {cmd or '—'}"])
+    rows.append(["this report", f"fidelity {report_meta['version']} · command: {report_meta['command_line']} · "
+                 f"generated {report_meta['generated']}"])
+    return Table("Provenance", ["what", "value"], rows)

@@ -1,0 +1,75 @@
+"""The page template: one self-contained HTML file (inline CSS, figures as data: URIs, no scripts, nothing fetched)."""
+from __future__ import annotations
+
+INDEX_HTML = r"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'">
+<link rel="icon" href="data:,">
+<title>{{ title }}</title>
+<style>
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 2em; }
+table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.88em; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: right; vertical-align: top; }
+th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
+.note { color: #555; font-size: 0.88em; }
+.warning { background: #fff4e5; border-left: 4px solid #e69500; padding: 0.6em 1em; margin: 1em 0; }
+.pass { background: #e8f5e9; } .fail { background: #ffebee; } .error { background: #fff3e0; }
+figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 0.88em; }
+.worst { border: 1px solid #ddd; border-radius: 4px; padding: 0.5em 0.8em; margin: 0.6em 0; }
+.worst .meta { font-size: 0.85em; color: #555; }
+.ctx { font-family: ui-monospace, "DejaVu Sans Mono", monospace; white-space: pre-wrap; background: #fafafa; padding: 0.4em; margin: 0.3em 0; }
+.ctx mark { background: #ffcc80; outline: 1px solid #e65100; }
+.tops { display: flex; gap: 2em; font-size: 0.85em; } .tops ol { margin: 0.2em 0; padding-left: 1.6em; }
+code { background: #f4f4f4; padding: 0 0.2em; }
+</style>
+</head>
+<body>
+<h1>{{ title }}</h1>
+<p class="note">KL is KL(reference ‖ pack) in nats over scored positions, computed over the full vocabulary by <code>fidelity compare</code>.
+Confidence intervals are 95% bootstrap intervals over panel rows.</p>
+{% for w in warnings %}<div class="warning"><strong>Warning:</strong> {{ w }}</div>
+{% endfor %}
+{% macro table(t) %}
+{% if t %}<h3>{{ t.title }}</h3>
+<table><thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead>
+<tbody>{% for r in t.rows %}<tr>{% for c in r %}<td{% if t.status_column == loop.index0 %} class="{{ status_class(c) }}"{% endif %}>{{ c }}</td>{% endfor %}</tr>
+{% endfor %}</tbody></table>
+{% if t.note %}<p class="note">{{ t.note }}</p>{% endif %}{% endif %}
+{% endmacro %}
+{% macro figure(f) %}<figure><img src="data:image/png;base64,{{ f.base64 }}" alt="{{ f.caption }}" width="{{ f.width }}" height="{{ f.height }}">
+<figcaption>{{ f.caption }} (<code>{{ f.name }}</code>)</figcaption></figure>{% endmacro %}
+{% for g in groups %}
+<h2 id="group-{{ loop.index }}">{{ g.heading }}</h2>
+{% if g.warning %}<div class="warning"><strong>Warning:</strong> {{ g.warning }}</div>{% endif %}
+{{ table(g.overall) }}
+{% for f in g.figures_top %}{{ figure(f) }}{% endfor %}
+{% for t in g.domain_tables %}{{ table(t) }}{% endfor %}
+{{ table(g.paired) }}
+{% for f in g.figures_records %}{{ figure(f) }}{% endfor %}
+{{ table(g.quantiles) }}
+{{ table(g.confidence) }}
+{% for n in g.notes %}<p class="note">{{ n }}</p>{% endfor %}
+{% if g.worst %}<h3>Worst positions (highest KL)</h3>
+<p class="note">The highlighted token is the one being predicted at that position; the lists are the reference's and the pack's most likely
+tokens there, with probabilities.</p>
+{% for w in g.worst %}<div class="worst"><div class="meta">{{ w.label }} · row <code>{{ w.row_id }}</code> · {{ w.domain }} ·
+position {{ w.position }} · KL {{ num(w.kl) }}</div>
+<div class="ctx">{{ w.before }}<mark>{{ w.token }}</mark>{{ w.after }}</div>
+<div class="tops"><div>reference<ol>{% for t, p in w.reference_top %}<li><code>{{ t }}</code> {{ "%.3f"|format(p) }}</li>{% endfor %}</ol></div>
+{% if w.pack_top %}<div>{{ w.label }}<ol>{% for t, p in w.pack_top %}<li><code>{{ t }}</code> {{ "%.3f"|format(p) }}</li>{% endfor %}</ol></div>{% endif %}
+</div></div>
+{% endfor %}{% endif %}
+{% for t in g.worst_rows %}{{ table(t) }}{% endfor %}
+{% endfor %}
+{% if suites %}<h2 id="suites">Suites</h2>{{ table(suites) }}{% endif %}
+{% if gates %}<h2 id="gates">Engine gates</h2>{{ table(gates) }}{% endif %}
+<h2 id="provenance">Provenance</h2>
+{{ table(provenance) }}
+</body>
+</html>
+"""

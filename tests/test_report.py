@@ -1,0 +1,316 @@
+"""`fidelity report`: numbers on the page equal the results', groups by panel, self-contained HTML checked in headless Chromium."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fidelity.cli import main as cli_main
+from fidelity.report import ReportInputError, render
+
+# ---- a small real computation in compare's output shape (JSON + per-position records) ---------------------------------------
+
+DOMAINS = ("code", "math", "chat")
+
+
+@dataclass
+class Truth:
+    """What the fixture computed directly with torch, independent of the report's code paths."""
+
+    kl: dict[str, torch.Tensor]          # label -> [rows, T] KL(ref || pack)
+    scored: torch.Tensor                 # [rows, T] bool
+    ref_top1_prob: torch.Tensor          # [rows, T]
+    ref_top_id: torch.Tensor             # [rows, T]
+    row_ids: list[str]
+    domains: list[str]
+    tokens: torch.Tensor                 # [rows, T]
+
+
+def _bootstrap_ci(per_row: np.ndarray, weights: np.ndarray, gen: np.random.Generator, n: int = 400):
+    idx = gen.integers(0, len(per_row), size=(n, len(per_row)))
+    means = (per_row[idx] * weights[idx]).sum(1) / weights[idx].sum(1)
+    return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
+
+
+def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel_sha: str | None = None,
+                     packs=(("q8", 8.5, 0.15), ("q4", 4.5, 0.6)), rows_per_domain: int = 4, T: int = 24, V: int = 40,
+                     write_records: bool = True) -> tuple[dict, Truth]:
+    """Random reference logits, each pack = reference + Gaussian noise of its scale; KL/top-1/PPL through plain torch."""
+    g = torch.Generator().manual_seed(seed)
+    gen = np.random.default_rng(seed)
+    R = rows_per_domain * len(DOMAINS)
+    domains = [d for d in DOMAINS for _ in range(rows_per_domain)]
+    row_ids = [f"{d}-{i}" for i, d in enumerate(domains)]
+    ref_logits = 3.0 * torch.randn(R, T, V, generator=g, dtype=torch.float64)
+    ref_lp = ref_logits.log_softmax(-1)
+    tokens = torch.distributions.Categorical(logits=ref_logits).sample()
+    scored = torch.zeros(R, T, dtype=torch.bool)
+    scored[:, 6:] = True
+    K = 8
+    ref_top_lp, ref_top_ids = ref_lp.topk(K, dim=-1)
+    nll_ref = -ref_lp.gather(-1, tokens[..., None])[..., 0]
+
+    def kl_of(scale):
+        lp = (ref_logits + scale * torch.randn(R, T, V, generator=g, dtype=torch.float64)).log_softmax(-1)
+        return lp, (ref_lp.exp() * (ref_lp - lp)).sum(-1)
+
+    _, floor_kl = kl_of(0.01)
+    noise_floor = float(floor_kl[scored].mean())
+    sha = panel_sha or f"{seed:08x}" * 8
+    results, per_row_kl, truth_kl = [], {}, {}
+    dom = np.array(domains)
+    rec_dir = folder
+    folder.mkdir(parents=True, exist_ok=True)
+    base = pd.DataFrame({"row_id": np.repeat(row_ids, T), "domain": np.repeat(domains, T), "position": np.tile(np.arange(T), R),
+                         "token": tokens.reshape(-1).numpy(), "scored": scored.reshape(-1).numpy(), "nll": nll_ref.reshape(-1).numpy(),
+                         "topk_ids": list(ref_top_ids.reshape(-1, K).numpy()), "topk_logprobs": list(ref_top_lp.reshape(-1, K).numpy())})
+    if write_records:
+        base.to_parquet(rec_dir / "reference.parquet")
+        (rec_dir / "tokens.json").write_text(json.dumps({i: f"w{i} " for i in range(V)}))
+    for label, bpw, scale in packs:
+        lp, kl = kl_of(scale)
+        truth_kl[label] = kl
+        top1 = (lp.argmax(-1) == ref_lp.argmax(-1))
+        nll = -lp.gather(-1, tokens[..., None])[..., 0]
+        s = scored.numpy()
+        row_mean = np.array([kl[r][scored[r]].mean().item() for r in range(R)])
+        per_row_kl[label] = row_mean
+        ones = np.full(R, float(scored[0].sum()))
+        kls = kl[scored].numpy()
+        domain_blocks = {}
+        for d in DOMAINS:
+            m = dom == d
+            domain_blocks[d] = {"kld_mean": float(kl[m][s[m]].mean()), "kld_mean_ci95": _bootstrap_ci(row_mean[m], ones[m], gen),
+                                "top1": float(top1[m][s[m]].float().mean()), "ppl": float(nll[m][s[m]].mean().exp()),
+                                "positions": int(s[m].sum())}
+        overall = {"kld_mean": float(kls.mean()), "kld_mean_ci95": _bootstrap_ci(row_mean, ones, gen),
+                   "kld_domains_equal": float(np.mean([b["kld_mean"] for b in domain_blocks.values()])),
+                   "top1": float(top1[scored].float().mean()), "ppl": float(nll[scored].mean().exp()),
+                   "ppl_ref": float(nll_ref[scored].mean().exp()), "kld_median": float(np.median(kls)),
+                   "kld_p99": float(np.quantile(kls, 0.99)), "kld_p999": float(np.quantile(kls, 0.999)), "kld_max": float(kls.max()),
+                   "nonfinite": 0, "noise_floor_kld": noise_floor}
+        results.append({"pack": f"/packs/{label}", "label": label, "bpw": bpw, "overall": overall, "domains": domain_blocks})
+        if write_records:
+            pd.DataFrame({"row_id": np.repeat(row_ids, T), "position": np.tile(np.arange(T), R), "kl": kl.reshape(-1).numpy(),
+                          "topk_ids": list(lp.topk(K, -1).indices.reshape(-1, K).numpy()),
+                          "topk_logprobs": list(lp.topk(K, -1).values.reshape(-1, K).numpy())}).to_parquet(rec_dir / f"pack-{label}.parquet")
+    paired = []
+    labels = [p[0] for p in packs]
+    for i in range(len(labels)):
+        for j in range(i + 1, len(labels)):
+            d = per_row_kl[labels[i]] - per_row_kl[labels[j]]
+            from scipy import stats
+            paired.append({"a": labels[i], "b": labels[j], "kld_mean_diff": float(d.mean()),
+                           "ci95": _bootstrap_ci(d, np.ones(R), gen), "p_value": float(stats.ttest_1samp(d, 0.0).pvalue)})
+    data = {"panel": {"name": panel_name, "sha256": sha, "rows": R, "scored_positions": int(scored.sum())},
+            "reference": {"path": "/packs/native", "fingerprint": "ref0fingerprint"}, "results": results, "paired": paired,
+            "fidelity_version": "0.1.0", "command_line": "fidelity compare /packs/native " + " ".join(f"/packs/{x}" for x in labels)}
+    (folder / "compare.json").write_text(json.dumps(data))
+    return data, Truth(kl=truth_kl, scored=scored, ref_top1_prob=ref_lp.exp().amax(-1), ref_top_id=ref_lp.argmax(-1), row_ids=row_ids, domains=domains,
+                       tokens=tokens)
+
+
+# ---- Markdown: parse the numbers back ---------------------------------------------------------------------------------------
+
+def md_tables(md: str) -> dict[str, list[dict[str, str]]]:
+    """Every Markdown table under its heading: heading -> rows as {header: cell}."""
+    out, heading, lines = {}, None, md.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif line.startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("|--"):
+            headers = [h.strip() for h in line.strip("|").split(" | ")]
+            rows = []
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                cells = [c.strip() for c in re.split(r"(?<!\\)\|", lines[i].strip()[1:-1])]
+                rows.append(dict(zip(headers, cells)))
+                i += 1
+            key = heading
+            while key in out:
+                key += "'"
+            out[key] = rows
+            continue
+        i += 1
+    return out
+
+
+def close_to_printed(cell: str, value: float, sig: int = 4):
+    """`cell` is `value` printed with `sig` significant digits: parse it back and allow half a unit in the last digit."""
+    parsed = float(cell)
+    tol = 0.5 * 10 ** (math.floor(math.log10(abs(value))) - sig + 1) if value else 0.0
+    assert abs(parsed - value) <= tol * 1.0001, (cell, value)
+
+
+def parse_with_ci(cell: str) -> tuple[float, float | None, float | None]:
+    m = re.fullmatch(r"(\S+)(?: \[(\S+), (\S+)\])?", cell)
+    assert m, cell
+    return float(m[1]), (float(m[2]) if m[2] else None), (float(m[3]) if m[3] else None)
+
+
+@pytest.fixture
+def run_a(tmp_path, rng_seed):
+    return make_compare_run(tmp_path / "run_a", rng_seed)
+
+
+def test_summary_numbers_equal_the_json(tmp_path, run_a):
+    data, _ = run_a
+    rep = render([tmp_path / "run_a" / "compare.json"], tmp_path / "out")
+    t = md_tables(rep.summary_md.read_text())
+    overall = {r["pack"]: r for r in t["Overall"]}
+    assert set(overall) == {r["label"] for r in data["results"]}
+    for res in data["results"]:
+        o, row = res["overall"], overall[res["label"]]
+        m, lo, hi = parse_with_ci(row["KLD mean [95% CI]"])
+        for printed, v in ((m, o["kld_mean"]), (lo, o["kld_mean_ci95"][0]), (hi, o["kld_mean_ci95"][1])):
+            close_to_printed(repr(printed), v)
+        for header, key in (("KLD domains equal", "kld_domains_equal"), ("PPL", "ppl"), ("PPL ref", "ppl_ref"),
+                            ("KL median", "kld_median"), ("KL p99", "kld_p99"), ("KL p99.9", "kld_p999"), ("KL max", "kld_max"),
+                            ("bpw", None)):
+            close_to_printed(row[header], o[key] if key else res["bpw"])
+        assert abs(float(row["top-1"].rstrip("%")) / 100 - o["top1"]) <= 0.5e-4 + 1e-12
+        assert abs(float(row["× noise floor"].rstrip("×")) - o["kld_mean"] / o["noise_floor_kld"]) <= 0.5e-2 * o["kld_mean"] / o["noise_floor_kld"]
+        domain_rows = {r["domain"]: r for r in t["KLD mean per domain [95% CI]"]}
+        top1_rows = {r["domain"]: r for r in t["Top-1 agreement per domain"]}
+        for d, b in res["domains"].items():
+            m, lo, hi = parse_with_ci(domain_rows[d][res["label"]])
+            for printed, v in ((m, b["kld_mean"]), (lo, b["kld_mean_ci95"][0]), (hi, b["kld_mean_ci95"][1])):
+                close_to_printed(repr(printed), v)
+            assert int(domain_rows[d]["positions"]) == b["positions"]
+            assert abs(float(top1_rows[d][res["label"]].rstrip("%")) / 100 - b["top1"]) <= 0.5e-4 + 1e-12
+    paired = t["Paired, pack A vs pack B (per-row KL difference)"]
+    for pr, row in zip(data["paired"], paired):
+        assert (row["A"], row["B"]) == (pr["a"], pr["b"])
+        close_to_printed(row["KLD mean A − B"], pr["kld_mean_diff"])
+        close_to_printed(row["p-value"], pr["p_value"], sig=3)
+    prov = {r["what"]: r["value"] for r in t["Provenance"]}
+    assert data["panel"]["sha256"] in prov["group 1: panel"]
+    assert "ref0fingerprint" in prov["group 1: reference"]
+    assert data["command_line"] in prov["group 1: compare.json"]
+
+
+def test_record_derived_numbers_equal_a_direct_computation(tmp_path, run_a):
+    """KL quantiles, KL by confidence bucket and the worst position, from the run folder, against the fixture's own torch tensors."""
+    data, truth = run_a
+    rep = render([tmp_path / "run_a"], tmp_path / "out", worst=3)
+    t = md_tables(rep.summary_md.read_text())
+    q = {r["pack"]: r for r in t["KL distribution per pack"]}
+    conf = t["Mean KL by reference confidence (reference probability of its top token)"]
+    edges = [0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0]
+    for label, kl in truth.kl.items():
+        kls = kl[truth.scored].numpy()
+        assert int(q[label]["positions"]) == kls.size
+        for header, v in (("mean", kls.mean()), ("p99", np.quantile(kls, 0.99)), ("p99.9", np.quantile(kls, 0.999)),
+                          ("max", kls.max()), ("median", np.median(kls))):
+            close_to_printed(q[label][header], float(v))
+        p = truth.ref_top1_prob[truth.scored].numpy()
+        for row, lo, hi in zip(conf, edges[:-1], edges[1:]):
+            m = (p >= lo) & ((p < hi) if hi < 1.0 else (p <= hi))
+            assert int(row["positions"]) == int(m.sum())
+            if m.any():
+                close_to_printed(row[label], float(kls[m].mean()))
+        worst = [w for v in rep.groups for w in v.worst if w.label == label]
+        flat = kl.masked_fill(~truth.scored, -1.0)
+        r, pos = divmod(int(flat.argmax()), flat.shape[1])
+        assert (worst[0].row_id, worst[0].position) == (truth.row_ids[r], pos)
+        assert worst[0].kl == pytest.approx(float(flat.max()), rel=1e-6)
+        assert worst[0].token == f"w{int(truth.tokens[r, pos])} "
+        assert worst[0].before.endswith(f"w{int(truth.tokens[r, pos - 1])} ")
+        ref_best = int(truth.ref_top_id[r, pos])
+        assert worst[0].reference_top[0][0] == f"w{ref_best} "
+    assert len(rep.figures) == 4 and all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in rep.figures)
+
+
+def test_other_panel_is_a_separate_group_with_a_warning(tmp_path, rng_seed):
+    make_compare_run(tmp_path / "a", rng_seed)
+    make_compare_run(tmp_path / "b", rng_seed + 1, panel_name="other", packs=(("q3", 3.5, 0.9),))
+    alone = render([tmp_path / "a"], tmp_path / "alone")
+    both = render([tmp_path / "a", tmp_path / "b"], tmp_path / "both")
+    assert len(both.groups) == 2 and len(both.warnings) == 1
+    assert "panel 'other'" in both.warnings[0] and str(tmp_path / "b") in both.warnings[0]
+    assert [r[0] for r in both.groups[0].overall.rows] == ["q8", "q4"]
+    assert [r[0] for r in both.groups[1].overall.rows] == ["q3"]
+    # group 1's figures are byte-identical with and without the foreign result: nothing of it was drawn there
+    for name in ("per_domain_kld.png", "kld_vs_bpw.png", "kl_distribution.png", "kl_by_confidence.png"):
+        assert (tmp_path / "alone" / name).read_bytes() == (tmp_path / "both" / name).read_bytes(), name
+        assert (tmp_path / "both" / name.replace(".png", "-group2.png")).is_file()
+    md, html = both.summary_md.read_text(), both.index_html.read_text()
+    assert md.count("> **Warning:**") == 2 and "Separate group 2: Panel other" in md
+    assert html.count('class="warning"') == 2
+
+
+def test_same_label_from_two_files_is_kept_apart(tmp_path, rng_seed):
+    make_compare_run(tmp_path / "a", rng_seed, panel_sha="ab" * 32)
+    make_compare_run(tmp_path / "b", rng_seed + 1, panel_sha="ab" * 32, packs=(("q8", 8.5, 0.3),))
+    rep = render([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert len(rep.groups) == 1
+    assert [r[0] for r in rep.groups[0].overall.rows] == ["q8 (a)", "q4", "q8 (b)"]
+
+
+def test_suite_and_gate_tables(tmp_path, run_a):
+    suite = {"suite": "humaneval", "a": "native", "b": "q4", "items": 164, "pass_rate_a": 0.32, "pass_rate_b": 0.29,
+             "flips": {"pass_to_fail": 7, "fail_to_pass": 2}, "test": "mcnemar-exact", "p_value": 0.1797, "verdict": "pass"}
+    gate = {"engine": "http://127.0.0.1:8000", "gates": [
+        {"name": "oracle-kl", "passed": False, "measured": {"kl_mean": 0.0412, "top1": 0.981}, "thresholds": {"kl_mean": 0.01, "top1": 0.99}},
+        {"name": "batch-invariance", "passed": True, "measured": {"identical_fraction": 1.0}, "thresholds": {"identical_fraction": 1.0}},
+        {"name": "prefix-cache", "error": "connection refused"}]}
+    (tmp_path / "suite.json").write_text(json.dumps(suite))
+    (tmp_path / "gate.json").write_text(json.dumps(gate))
+    rep = render([tmp_path / "run_a" / "compare.json", tmp_path / "suite.json", tmp_path / "gate.json"], tmp_path / "out")
+    t = md_tables(rep.summary_md.read_text())
+    s = t["Suites (paired against the other build)"][0]
+    assert (s["suite"], s["items"], s["flips.pass_to_fail"], s["p_value"], s["verdict"]) == ("humaneval", "164", "7", "0.1797", "pass")
+    g = t["Engine gates"]
+    kl = next(r for r in g if r["measured"] == "kl_mean")
+    assert (kl["gate"], kl["status"], float(kl["value"]), float(kl["threshold"])) == ("oracle-kl", "fail", 0.0412, 0.01)
+    assert any(r["gate"] == "batch-invariance" and r["status"] == "pass" for r in g)
+    assert any(r["gate"] == "prefix-cache" and r["status"] == "error" and "connection refused" in r["value"] for r in g)
+    html = rep.index_html.read_text()
+    assert '<td class="fail">fail</td>' in html and '<td class="pass">pass</td>' in html
+
+
+def test_cli_writes_the_report(tmp_path, run_a, capsys):
+    make_compare_run(tmp_path / "b", 7, panel_name="other", packs=(("q3", 3.5, 0.9),))
+    rc = cli_main(["report", str(tmp_path / "run_a"), str(tmp_path / "b" / "compare.json"), "-o", str(tmp_path / "out"), "--worst", "2"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "panel 'other'" in err
+    html = (tmp_path / "out" / "index.html").read_text()
+    assert "fidelity report " + str(tmp_path / "run_a") in html
+    assert len(list((tmp_path / "out").glob("*.png"))) == 4 + 3     # group 2 has no records: no confidence figure
+
+
+@pytest.mark.parametrize("case", ["missing", "not_json", "unknown_kind", "no_sha", "folder_without_json", "records_without_columns"])
+def test_bad_input_names_the_file(tmp_path, run_a, case, capsys):
+    data, _ = run_a
+    if case == "missing":
+        bad, expect = tmp_path / "nope.json", "no such file"
+    elif case == "not_json":
+        bad, expect = tmp_path / "x.json", "not valid JSON"
+        bad.write_text("{oops")
+    elif case == "unknown_kind":
+        bad, expect = tmp_path / "x.json", "not a compare, suite-compare or gate result"
+        bad.write_text(json.dumps({"hello": 1}))
+    elif case == "no_sha":
+        bad, expect = tmp_path / "x.json", "no panel sha256"
+        bad.write_text(json.dumps({**data, "panel": {"name": "p"}}))
+    elif case == "folder_without_json":
+        bad, expect = tmp_path / "empty", "run folder has no compare JSON"
+        bad.mkdir()
+    else:
+        bad, expect = tmp_path / "run_a", "lack columns ['scored']"
+        pd.read_parquet(bad / "reference.parquet").drop(columns=["scored"]).to_parquet(bad / "reference.parquet")
+    with pytest.raises(ReportInputError, match=re.escape(expect)) as e:
+        render([bad], tmp_path / "out")
+    assert bad.name in str(e.value)
+    assert cli_main(["report", str(bad), "-o", str(tmp_path / "out2")]) == 2
+    assert bad.name in capsys.readouterr().err
