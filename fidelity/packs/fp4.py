@@ -1,0 +1,154 @@
+"""FP4 e2m1 weights, two per byte (low nibble = even element): MXFP4 (blocks of 32, e8m0 power-of-two scales) and
+NVFP4 (blocks of 16, e4m3 scales, one fp32 global scale).
+
+Stored forms read here (compressed-tensors' `weight_packed` forms are read by `compressed`, through these decoders):
+- gpt-oss MXFP4 (`quant_method: mxfp4`): `P_blocks` uint8 [..., G, 16] + `P_scales` uint8/F8_E8M0 [..., G]. Exposed as
+  the tensor transformers' dequantizing loader builds, under the name `P`: a 3-D expert tensor is transposed to
+  gpt-oss's HF layout, e.g. `model.layers.L.mlp.experts.gate_up_proj` [E, hidden, 2*intermediate] (columns interleave
+  gate and up: gate = [..., ::2], up = [..., 1::2], as stored) and `...experts.down_proj` [E, intermediate, hidden];
+  a 2-D `P_blocks` stays [out, in].
+- ModelOpt NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4`): `X.weight` uint8 [..., out, in/2], `X.weight_scale`
+  F8_E4M3 [..., out, in/16], `X.weight_scale_2` fp32 scalar: value = e2m1 * scale * scale_2 (scale_2 multiplies).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import PackError
+from .base import LogicalTensor, Storage
+from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
+from .fp8 import ceil_div, read_scales
+
+KNOWN_QUANT_METHODS.update({"mxfp4", "modelopt"})
+
+# e2m1 code -> value; bit 3 is the sign
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+MX_BLOCK = 32
+NV_BLOCK = 16
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] -> fp32 [..., 2n]; element 2i is the low nibble of byte i."""
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+    return E2M1_VALUES[codes.long()]
+
+
+def expand_groups(s: torch.Tensor, group: int, cols: int) -> torch.Tensor:
+    """Per-group scales [..., G] -> per-element [..., cols] (the last group may be partial)."""
+    return s.repeat_interleave(group, dim=-1)[..., :cols]
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [..., in/2], fp32 power-of-two scales [..., in/32] -> fp32 [..., in] (products are exact)."""
+    q = unpack_e2m1(packed)
+    return q * expand_groups(scales, MX_BLOCK, q.shape[-1])
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
+                     global_divides: bool) -> torch.Tensor:
+    """NVFP4 in each convention's own order of operations, in fp32:
+    ModelOpt  q * s * s2   (q * s is exact; one rounding for * s2);
+    compressed-tensors  q * (s / g)   (its dequantize divides the block scale by the global scale first)."""
+    q = unpack_e2m1(packed)
+    s = expand_groups(scales, NV_BLOCK, q.shape[-1])
+    g = global_scale.reshape(())
+    return q * (s / g) if global_divides else (q * s) * g
+
+
+def check_group_grid(pack: SafetensorsPack, packed_name: str, scale_name: str, group: int) -> tuple[int, ...]:
+    """Scales [..., ceil(in/group)] for packed [..., in/2]; returns the logical shape [..., in]."""
+    raw = pack.raw
+    shape, sshape = raw.info(packed_name).shape, raw.info(scale_name).shape
+    logical = (*shape[:-1], 2 * shape[-1])
+    want = (*shape[:-1], ceil_div(logical[-1], group))
+    if tuple(sshape) != want:
+        raise PackError(f"scales of the wrong grid: shape {list(sshape)}, expected {list(want)} for a weight of "
+                        f"{list(logical)} in groups of {group}", file=raw.file_path(scale_name), tensor=scale_name)
+    return logical
+
+
+# -- gpt-oss MXFP4 blocks -----------------------------------------------------------------------------------------
+def gpt_oss_entry(pack: SafetensorsPack, blocks: str, scales: str) -> LogicalTensor:
+    raw = pack.raw
+    name = blocks[: -len("_blocks")]
+    info, sinfo = raw.info(blocks), raw.info(scales)
+    if info.dtype != "U8" or len(info.shape) < 3 or info.shape[-1] != MX_BLOCK // 2:
+        raise PackError(f"MXFP4 blocks must be uint8 [..., groups, 16], got {info.dtype} {list(info.shape)}",
+                        file=raw.file_path(blocks), tensor=blocks)
+    if tuple(sinfo.shape) != tuple(info.shape[:-1]):
+        raise PackError(f"scales of the wrong grid: shape {list(sinfo.shape)}, expected {list(info.shape[:-1])} "
+                        f"(one per 32-element block of {blocks})", file=raw.file_path(scales), tensor=scales)
+    *lead, groups, _ = info.shape
+    stored = (*lead, groups * MX_BLOCK)
+    transpose = len(stored) == 3  # transformers' convert_moe_packed_tensors: [E, out, in] -> [E, in, out]
+    shape = (stored[0], stored[2], stored[1]) if transpose else stored
+
+    def decode() -> torch.Tensor:
+        s = read_scales(pack, scales)
+        w = dequantize_mxfp4(raw.get(blocks).reshape(*lead, groups * MX_BLOCK // 2), s)
+        return w.transpose(1, 2) if transpose else w
+
+    storage = Storage(name, "mxfp4", f"E2M1 x {sinfo.dtype} e8m0 per-32", shape, info.nbytes + sinfo.nbytes,
+                      block=(1, MX_BLOCK), files=raw.files_of(blocks, scales), raw=(blocks, scales))
+    return LogicalTensor(storage, decode)
+
+
+# -- ModelOpt NVFP4 ---------------------------------------------------------------------------------------------
+def modelopt_nvfp4_entry(pack: SafetensorsPack, weight: str, scale: str, scale_2: str) -> LogicalTensor:
+    raw = pack.raw
+    info, sinfo, ginfo = raw.info(weight), raw.info(scale), raw.info(scale_2)
+    if sinfo.dtype != "F8_E4M3":
+        raise PackError(f"NVFP4 block scales must be F8_E4M3, got {sinfo.dtype}", file=raw.file_path(scale), tensor=scale)
+    if len(ginfo.shape) > 1 or (ginfo.shape and ginfo.shape[0] != 1):
+        raise PackError(f"NVFP4 weight_scale_2 must be a single value, got shape {list(ginfo.shape)}",
+                        file=raw.file_path(scale_2), tensor=scale_2)
+    shape = check_group_grid(pack, weight, scale, NV_BLOCK)
+
+    def decode() -> torch.Tensor:
+        s, g = read_scales(pack, scale), read_scales(pack, scale_2)
+        return dequantize_nvfp4(raw.get(weight), s, g, global_divides=False)
+
+    storage = Storage(weight, "nvfp4", "E2M1 x F8_E4M3 per-16 x F32 global", shape,
+                      info.nbytes + sinfo.nbytes + ginfo.nbytes, block=(1, NV_BLOCK),
+                      files=raw.files_of(weight, scale, scale_2), raw=(weight, scale, scale_2))
+    return LogicalTensor(storage, decode)
+
+
+def _check_modelopt_algo(pack: SafetensorsPack):
+    qc = pack.quant_config or {}
+    if pack.format != "modelopt":
+        return
+    algo = str(qc.get("quant_algo") or "").upper()
+    if algo and algo not in ("FP8", "NVFP4", "MIXED_PRECISION"):
+        raise PackError(f"ModelOpt quant_algo {algo!r} is not supported (FP8 and NVFP4 are)", file=pack.root / "config.json")
+
+
+def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
+    if pack.format == "compressed-tensors":
+        return {}
+    _check_modelopt_algo(pack)
+    raw = pack.raw
+    out = {}
+    for name in sorted(pool):
+        if name not in pool or not raw.available(name):
+            continue
+        if name.endswith("_blocks"):
+            scales = name[: -len("_blocks")] + "_scales"
+            if scales in pool and raw.available(scales):
+                entry = gpt_oss_entry(pack, name, scales)
+                out[entry.storage.name] = entry
+                pool.difference_update({name, scales})
+        elif name.endswith(".weight") and raw.info(name).dtype == "U8":
+            base = name[: -len(".weight")]
+            scale, scale_2 = f"{base}.weight_scale", f"{base}.weight_scale_2"
+            if scale in pool and scale_2 in pool:
+                out[name] = modelopt_nvfp4_entry(pack, name, scale, scale_2)
+                pool.difference_update({name, scale, scale_2})
+            elif scale in pool:
+                raise PackError("packed uint8 weight with a weight_scale but no weight_scale_2 (NVFP4 global scale)",
+                                file=raw.file_path(name), tensor=name)
+    return out
+
+
+register_claimer("fp4", claim)

@@ -1,0 +1,171 @@
+"""FP8 (e4m3 / e5m2) weights with scales: the DeepSeek `weight_scale_inv` 128x128 block grid (fp32 or power-of-two
+ue8m0 scales, stored as F32, F8_E8M0 or uint8 exponents), per-channel and per-tensor `weight_scale`.
+
+value = float(fp8) * scale, computed in fp32 (one rounding: an fp8 x fp32 product is exact unless it overflows).
+The scale helpers here are shared by the other scaled formats (fp4, compressed-tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PackError
+from .base import LogicalTensor, Storage
+from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
+
+FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}
+E8M0_DTYPES = ("F8_E8M0", "U8")
+FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3")
+DEFAULT_BLOCK = (128, 128)
+
+KNOWN_QUANT_METHODS.update({"fp8", "modelopt"})
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- scales -------------------------------------------------------------------------------------------------------
+def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
+    """2**(e - 127) built from its fp32 bit pattern (exact, including e = 0 -> 2**-127, an fp32 subnormal)."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e > 0, e << 23, torch.full_like(e, 0x00400000))
+    return bits.view(torch.float32)
+
+
+def read_scales(pack: SafetensorsPack, name: str, *, power_of_two: bool = False) -> torch.Tensor:
+    """A stored scale tensor as exact fp32. NaN/inf scales (or e8m0's NaN code 255) are errors naming the tensor."""
+    raw = pack.raw
+    info = raw.info(name)
+    t = raw.get(name)
+    if info.dtype in E8M0_DTYPES:
+        e = t.view(torch.uint8)
+        if bool((e == 255).any()):
+            raise PackError(f"NaN in scales: {int((e == 255).sum())} e8m0 exponents are 255 (the NaN code)",
+                            file=raw.file_path(name), tensor=name)
+        return e8m0_to_float(e)
+    if info.dtype not in FLOAT_SCALE_DTYPES:
+        raise PackError(f"scale dtype {info.dtype} is not a float or e8m0 type", file=raw.file_path(name), tensor=name)
+    s = t.to(torch.float32)
+    bad = ~torch.isfinite(s)
+    if bool(bad.any()):
+        kind = "NaN" if bool(torch.isnan(s).any()) else "inf"
+        raise PackError(f"{kind} in scales: {int(bad.sum())} of {s.numel()} are not finite",
+                        file=raw.file_path(name), tensor=name)
+    if power_of_two:
+        mantissa = s.view(torch.int32) & 0x007FFFFF
+        if bool(((mantissa != 0) | (s <= 0)).any()):
+            raise PackError("the config declares ue8m0 (power-of-two) scales but some are not powers of two",
+                            file=raw.file_path(name), tensor=name)
+    return s
+
+
+@dataclass(frozen=True)
+class ScaleLayout:
+    """How a scale tensor covers its weight's last two axes: one value, one per row, or one per (rows x cols) block."""
+
+    kind: str                            # "tensor" | "channel" | "block"
+    block: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        return f"block {self.block[0]}x{self.block[1]}" if self.kind == "block" else f"per-{self.kind}"
+
+
+def block_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    *lead, rows, cols = shape
+    return (*lead, ceil_div(rows, block[0]), ceil_div(cols, block[1]))
+
+
+def scale_layout(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, int] | None,
+                 *, file, tensor: str) -> ScaleLayout:
+    """Recognise the scale grid from the shapes; a grid that fits none is an error naming the scale tensor."""
+    *lead, rows, _ = weight_shape
+    numel = 1
+    for s in scale_shape:
+        numel *= s
+    if numel == 1:
+        return ScaleLayout("tensor")
+    if tuple(scale_shape) in ((*lead, rows), (*lead, rows, 1)):
+        return ScaleLayout("channel")
+    want_block = block or DEFAULT_BLOCK
+    if tuple(scale_shape) == block_grid(weight_shape, want_block):
+        return ScaleLayout("block", tuple(want_block))
+    raise PackError(f"scales of the wrong grid: shape {list(scale_shape)} fits weight {list(weight_shape)} neither "
+                    f"per-tensor, per-channel nor in {want_block[0]}x{want_block[1]} blocks "
+                    f"(expected {list(block_grid(weight_shape, want_block))})", file=file, tensor=tensor)
+
+
+def apply_block_scales(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w[..., r, c] * s[..., r // bh, c // bw]; the last row/column blocks may be partial (ceil-div grid)."""
+    *lead, rows, cols = w.shape
+    bh, bw = block
+    gr, gc = s.shape[-2:]
+    pr, pc = gr * bh, gc * bw
+    if (pr, pc) != (rows, cols):
+        padded = w.new_zeros(*lead, pr, pc)
+        padded[..., :rows, :cols] = w
+        w = padded
+    w = w.reshape(*lead, gr, bh, gc, bw) * s.reshape(*lead, gr, 1, gc, 1)
+    return w.reshape(*lead, pr, pc)[..., :rows, :cols]
+
+
+def apply_scales(w: torch.Tensor, s: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    if layout.kind == "tensor":
+        return w * s.reshape(())
+    if layout.kind == "channel":
+        return w * s.reshape(*w.shape[:-1], 1)
+    return apply_block_scales(w, s, layout.block)
+
+
+# -- the claimer --------------------------------------------------------------------------------------------------
+def config_block(pack: SafetensorsPack) -> tuple[int, int] | None:
+    qc = pack.quant_config or {}
+    b = qc.get("weight_block_size")
+    return (int(b[0]), int(b[1])) if b else None
+
+
+def declares_ue8m0(pack: SafetensorsPack) -> bool:
+    return (pack.quant_config or {}).get("scale_fmt") == "ue8m0"
+
+
+def fp8_entry(pack: SafetensorsPack, name: str, scale_name: str, block: tuple[int, int] | None,
+              *, power_of_two: bool = False, logical_name: str | None = None) -> LogicalTensor:
+    """A scaled fp8 weight: `name` holds the fp8 values, `scale_name` the scales (grid recognised from the shapes)."""
+    raw = pack.raw
+    info, sinfo = raw.info(name), raw.info(scale_name)
+    layout = scale_layout(info.shape, sinfo.shape, block, file=raw.file_path(scale_name), tensor=scale_name)
+    logical = logical_name or name
+
+    def decode() -> torch.Tensor:
+        s = read_scales(pack, scale_name, power_of_two=power_of_two)
+        return apply_scales(raw.get(name).to(torch.float32), s, layout)
+
+    storage = Storage(logical, FP8_DTYPES[info.dtype], f"{info.dtype} x {sinfo.dtype} {layout.describe()}", info.shape,
+                      info.nbytes + sinfo.nbytes, block=layout.block, files=raw.files_of(name, scale_name),
+                      raw=(name, scale_name))
+    return LogicalTensor(storage, decode)
+
+
+def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
+    if pack.format == "compressed-tensors":  # its own module reads its scheme
+        return {}
+    raw = pack.raw
+    out = {}
+    for name in sorted(pool):
+        if not name.endswith(".weight") or name not in pool:
+            continue
+        base = name[: -len(".weight")]
+        scale_name = next((f"{base}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{base}.{s}" in pool), None)
+        if scale_name is None or not (raw.available(name) and raw.available(scale_name)):
+            continue
+        if raw.info(name).dtype not in FP8_DTYPES:
+            continue
+        inv = scale_name.endswith("_inv")
+        block = config_block(pack) or (DEFAULT_BLOCK if inv else None)
+        out[name] = fp8_entry(pack, name, scale_name, block, power_of_two=declares_ue8m0(pack))
+        pool.difference_update({name, scale_name})
+    return out
+
+
+register_claimer("fp8", claim)
