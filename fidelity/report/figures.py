@@ -48,7 +48,7 @@ def domain_rows(packs: list[PackResult]) -> list[str]:
 
 
 def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
-    """Horizontal grouped bars: KLD mean per domain with its 95% CI, then pooled and domains-weighted-equally rows."""
+    """KLD mean per domain as points with 95% CI whiskers (honest on a log axis, unlike bars), then pooled and domains-equal rows."""
     cats = domain_rows(packs) + ["pooled (all positions)", "domains weighted equally"]
     height = 0.8 / max(len(packs), 1)
     fig = Figure(figsize=(8.5, 1.0 + 0.32 * len(cats) * max(len(packs), 1.5)))
@@ -62,18 +62,17 @@ def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
         m = np.array([np.nan if v is None else float(v) for v in mean])
         lo = np.array([m[j] - c[0] if c else 0.0 for j, c in enumerate(cis)])
         hi = np.array([c[1] - m[j] if c else 0.0 for j, c in enumerate(cis)])
-        ax.barh(y, m, height=height * 0.9, color=_color(i), label=p.label)
-        ax.errorbar(m, y, xerr=[lo, hi], fmt="none", ecolor="black", elinewidth=0.9, capsize=2.5)
+        ax.errorbar(m, y, xerr=[lo, hi], fmt="o", color=_color(i), ecolor=_color(i), elinewidth=1.2, capsize=3, label=p.label)
         values += [v for v in m if np.isfinite(v)]
     ax.set_yticks(np.arange(len(cats)), cats)
     ax.invert_yaxis()
     ax.axhline(len(cats) - 2.5, color="grey", lw=0.8, ls=":")
     if _positive(values):
         ax.set_xscale("log")
-    ax.set_xlabel(f"mean {KL_LABEL} (bars: 95% CI)")
+    ax.set_xlabel(f"mean {KL_LABEL} (whiskers: 95% CI)")
     ax.set_title(title)
     ax.grid(axis="x", which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     return _save(fig, path)
 
 

@@ -191,7 +191,7 @@ def gate_table(entries: list[tuple[str, dict]]) -> Table | None:
                 rows.append([name, "error", "error", _cell(str(gt["error"])), "—"])
     if not rows:
         return None
-    return Table("Engine gates", ["gate", "status", "measured", "value", "threshold"], rows, status_column=1)
+    return Table("Engine gates", ["gate", "status", "measured", "value", "threshold"], rows, status_column=1, classes=["left"])
 
 
 def provenance_table(groups: list[Group], report_meta: dict) -> Table:
@@ -212,4 +212,4 @@ def provenance_table(groups: list[Group], report_meta: dict) -> Table:
             rows.append([f"group {i}: {Path(run.source).name}", f"fidelity {ver or '?'} · command: {cmd or '—'}"])
     rows.append(["this report", f"fidelity {report_meta['version']} · command: {report_meta['command_line']} · "
                  f"generated {report_meta['generated']}"])
-    return Table("Provenance", ["what", "value"], rows)
+    return Table("Provenance", ["what", "value"], rows, classes=["left"])

@@ -15,6 +15,8 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom:
 table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.88em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: right; vertical-align: top; }
 th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
+table.left td, table.left th { text-align: left; }
+.worstgrid { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 0 1em; }
 .note { color: #555; font-size: 0.88em; }
 .warning { background: #fff4e5; border-left: 4px solid #e69500; padding: 0.6em 1em; margin: 1em 0; }
 .pass { background: #e8f5e9; } .fail { background: #ffebee; } .error { background: #fff3e0; }
@@ -36,7 +38,7 @@ Confidence intervals are 95% bootstrap intervals over panel rows.</p>
 {% endfor %}
 {% macro table(t) %}
 {% if t %}<h3>{{ t.title }}</h3>
-<table><thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead>
+<table{% if t.classes %} class="{{ t.classes|join(' ') }}"{% endif %}><thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead>
 <tbody>{% for r in t.rows %}<tr>{% for c in r %}<td{% if t.status_column == loop.index0 %} class="{{ status_class(c) }}"{% endif %}>{{ c }}</td>{% endfor %}</tr>
 {% endfor %}</tbody></table>
 {% if t.note %}<p class="note">{{ t.note }}</p>{% endif %}{% endif %}
@@ -57,13 +59,14 @@ Confidence intervals are 95% bootstrap intervals over panel rows.</p>
 {% if g.worst %}<h3>Worst positions (highest KL)</h3>
 <p class="note">The highlighted token is the one being predicted at that position; the lists are the reference's and the pack's most likely
 tokens there, with probabilities.</p>
+<div class="worstgrid">
 {% for w in g.worst %}<div class="worst"><div class="meta">{{ w.label }} · row <code>{{ w.row_id }}</code> · {{ w.domain }} ·
 position {{ w.position }} · KL {{ num(w.kl) }}</div>
 <div class="ctx">{{ w.before }}<mark>{{ w.token }}</mark>{{ w.after }}</div>
 <div class="tops"><div>reference<ol>{% for t, p in w.reference_top %}<li><code>{{ t }}</code> {{ "%.3f"|format(p) }}</li>{% endfor %}</ol></div>
 {% if w.pack_top %}<div>{{ w.label }}<ol>{% for t, p in w.pack_top %}<li><code>{{ t }}</code> {{ "%.3f"|format(p) }}</li>{% endfor %}</ol></div>{% endif %}
 </div></div>
-{% endfor %}{% endif %}
+{% endfor %}</div>{% endif %}
 {% for t in g.worst_rows %}{{ table(t) }}{% endfor %}
 {% endfor %}
 {% if suites %}<h2 id="suites">Suites</h2>{{ table(suites) }}{% endif %}
