@@ -1,0 +1,264 @@
+"""GGUF packs: one memory-mapped .gguf file, decoded tensor by tensor to exact float32 in Hugging Face naming.
+
+Exactness: every tensor is decoded by gguf-py's own `gguf.quants.dequantize` (the reference), applied to the raw
+blocks as stored. gguf-py widens each fp16/bf16 scale to float32 *before* multiplying and returns float32, so no fp16
+rounding happens on the way; we only slice rows (one expert of a stacked tensor) before it and move rows (undoing
+llama.cpp's Q/K permutation) after it, both exact. tests/test_packs_gguf.py checks `torch.equal` against gguf-py for
+every type we can write.
+
+Naming: gguf-py's `TensorNameMap` for the architecture maps HF module names to llama.cpp names; we invert it, choosing
+among its candidates the one in the HF llama-family convention (`model.layers.N.self_attn...`, `mlp...`).
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import PackError
+from .base import LogicalTensor, Pack, Storage
+
+# gguf architecture name -> (HF model_type, HF architectures[0])
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+# llama.cpp's convert_hf_to_gguf permutes the rows of q_proj / k_proj for these (LlamaModel.permute) so that its
+# rope kernel can rotate adjacent pairs; HF rotates halves.
+PERMUTED_QK_ARCHS = {"llama", "mistral"}
+# llama.cpp metadata names for tensors that are not model parameters
+NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
+
+
+def _gguf():
+    import gguf
+    return gguf
+
+
+def supported_types() -> set[str]:
+    """GGML type names gguf-py can dequantize."""
+    g = _gguf()
+    from gguf.quants import _type_traits  # the registry `dequantize` dispatches on
+    return {"F32", "F16"} | {t.name for t in _type_traits}
+
+
+def field_value(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+# -- name mapping -------------------------------------------------------------------------------------------------
+# the llama-family HF convention our archs share: the leaf module names and the module they sit in
+_HF_LEAVES = {"embed_tokens", "norm", "lm_head", "input_layernorm", "post_attention_layernorm", "q_proj", "k_proj",
+              "v_proj", "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj", "down_proj", "gate", "shared_expert_gate"}
+_HF_PARENTS = re.compile(r"^(model|lm_head|model\.layers\.\d+(\.(self_attn|mlp|mlp\.experts|mlp\.shared_expert))?)$")
+
+
+def _hf_style(name: str) -> bool:
+    parent, _, leaf = name.rpartition(".")
+    return (leaf or parent) in _HF_LEAVES and (not parent or bool(_HF_PARENTS.match(parent)))
+
+
+@lru_cache(maxsize=None)
+def gguf_to_hf_names(arch: str, n_blocks: int) -> dict[str, str]:
+    """llama.cpp base name (no .weight/.bias) -> HF module name, by inverting gguf-py's TensorNameMap."""
+    g = _gguf()
+    arch_enum = next(k for k, v in g.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = g.get_tensor_name_map(arch_enum, n_blocks)
+    candidates: dict[str, list[str]] = {}
+    for hf, (_, gg) in name_map.mapping.items():
+        candidates.setdefault(gg, []).append(hf)
+    out = {}
+    for gg, hfs in candidates.items():
+        ok = [h for h in hfs if (h.startswith("model.") or h.startswith("lm_head")) and "layers.layers" not in h
+              and "_no_perm" not in h]
+        if not ok:
+            continue
+        styled = [h for h in ok if _hf_style(h)]
+        out[gg] = (styled or ok)[0]
+    return out
+
+
+def _split_suffix(name: str) -> tuple[str, str]:
+    if name.endswith(".weight") or name.endswith(".bias"):
+        base, suffix = name.rsplit(".", 1)
+        return base, "." + suffix
+    return name, ""
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's LlamaModel.permute: rows grouped (head, pair, 2) back to HF's (head, 2, half)."""
+    rows = w.shape[0]
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute (HF -> GGUF row order)."""
+    rows = w.shape[0]
+    half = rows // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# -- config -------------------------------------------------------------------------------------------------------
+def recover_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict:
+    """An HF config.json dict from GGUF metadata (llama-family architectures)."""
+    def meta(key, default=None):
+        return field_value(reader, f"{arch}.{key}", default)
+
+    def need(key):
+        v = meta(key)
+        if v is None:
+            raise PackError(f"GGUF metadata lacks {arch}.{key}", file=path)
+        return v
+
+    model_type, hf_arch = ARCHITECTURES[arch]
+    name = str(field_value(reader, "general.name", "") or "")
+    if arch == "llama" and "mistral" in name.lower():  # llama.cpp writes Mistral models as arch "llama"
+        model_type, hf_arch = ARCHITECTURES["mistral"]
+    hidden = int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    n_kv = meta("attention.head_count_kv", n_head)
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or hidden // n_head
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(t.shape[1])
+    cfg = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(head_dim),
+        "hidden_act": "silu",
+        # GGUF stores float32; the exact float32 value, as llama.cpp and transformers' GGUF loader use it
+        "rms_norm_eps": float(np.float32(need("attention.layer_norm_rms_epsilon"))),
+        "rope_theta": float(np.float32(meta("rope.freq_base", 10000.0))),
+        "rope_scaling": _rope_scaling(meta),
+        "max_position_embeddings": int(need("context_length")),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                        ("padding_token_id", "pad_token_id")):
+        v = field_value(reader, f"tokenizer.ggml.{key}")
+        if v is not None:
+            cfg[hf_key] = int(v)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    if model_type == "mistral":
+        cfg["sliding_window"] = None
+    if model_type == "qwen3_moe":
+        cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises the top-k weights
+                   decoder_sparse_step=1, mlp_only_layers=[])
+    return cfg
+
+
+def _rope_scaling(meta) -> dict | None:
+    kind = meta("rope.scaling.type")
+    factor = meta("rope.scaling.factor")
+    if kind in (None, "none") or not factor:
+        return None
+    out = {"rope_type": str(kind), "factor": float(np.float32(factor))}
+    orig = meta("rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    return out
+
+
+# -- the pack -----------------------------------------------------------------------------------------------------
+class GGUFPack(Pack):
+    """A single .gguf file. Tensors are decoded on request from the memory map."""
+
+    format = "gguf"
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        g = _gguf()
+        try:
+            self.reader = g.GGUFReader(self.path, "r")
+        except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on malformed files
+            raise PackError(f"cannot read GGUF file ({type(e).__name__}: {e}); truncated or corrupt?", file=self.path) from None
+        r = self.reader
+        self.arch = str(field_value(r, "general.architecture", ""))
+        if self.arch not in ARCHITECTURES:
+            raise PackError(f"unsupported GGUF architecture {self.arch!r}; supported: {sorted(ARCHITECTURES)}",
+                            file=self.path)
+        self.gguf_tensors = {t.name: t for t in r.tensors}
+        self.config = recover_config(r, self.arch, set(self.gguf_tensors), self.path)
+        self.metadata_chat_template = field_value(r, "tokenizer.chat_template")
+        ok_types = supported_types()
+        names = gguf_to_hf_names(self.arch, self.config["num_hidden_layers"])
+        self.skipped: list[str] = []  # GGUF tensors that are no model parameter (e.g. rope_freqs)
+        for t in r.tensors:
+            if t.name in NON_PARAMETER_TENSORS:
+                self.skipped.append(t.name)
+                continue
+            base, suffix = _split_suffix(t.name)
+            hf_base = names.get(base)
+            if hf_base is None:
+                raise PackError(f"no Hugging Face name for GGUF tensor of architecture {self.arch!r}",
+                                file=self.path, tensor=t.name)
+            if t.tensor_type.name not in ok_types:
+                raise PackError(f"GGUF tensor type {t.tensor_type.name} is not supported (gguf-py cannot dequantize it; "
+                                f"supported: {sorted(ok_types)})", file=self.path, tensor=t.name)
+            self._check_extent(t)
+            if base.endswith("_exps"):  # stacked experts [E, out, in] -> one HF tensor per expert
+                stem, proj = hf_base.rsplit(".", 1)
+                for e in range(int(t.shape[-1])):
+                    self._add(f"{stem}.{e}.{proj}{suffix}", t, expert=e)
+            else:
+                self._add(hf_base + suffix, t)
+
+    def _check_extent(self, t):
+        size = self.path.stat().st_size
+        if t.data_offset + t.n_bytes > size:
+            raise PackError(f"tensor data runs past the end of the file ({t.data_offset + t.n_bytes} > {size} bytes); "
+                            "truncated?", file=self.path, tensor=t.name)
+
+    def _add(self, name: str, t, expert: int | None = None):
+        g = _gguf()
+        block, type_bytes = g.GGML_QUANT_SIZES[t.tensor_type]
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        nbytes = int(t.n_bytes)
+        if expert is not None:
+            shape = shape[1:]
+            nbytes //= int(t.shape[-1])
+        storage = Storage(name, "gguf", t.tensor_type.name, shape, nbytes, block=(block,) if block > 1 else None,
+                          files=(str(self.path),), raw=(t.name,))
+        self._entries[name] = LogicalTensor(storage, lambda: self._decode(t, name, shape, expert))
+
+    def _decode(self, t, name: str, shape: tuple[int, ...], expert: int | None) -> torch.Tensor:
+        g = _gguf()
+        data = t.data if expert is None else t.data[expert]
+        try:
+            values = g.quants.dequantize(data, t.tensor_type)
+        except Exception as e:
+            raise PackError(f"gguf-py could not dequantize {t.tensor_type.name}: {e}", file=self.path, tensor=name) from None
+        w = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape)
+        if self.arch in PERMUTED_QK_ARCHS and ".attn_q." in t.name:
+            w = unpermute_qk(w, self.config["num_attention_heads"])
+        elif self.arch in PERMUTED_QK_ARCHS and ".attn_k." in t.name:
+            w = unpermute_qk(w, self.config["num_key_value_heads"])
+        return w
+
+    def tokenizer_source(self) -> Path:
+        return self.path
