@@ -1,0 +1,117 @@
+"""Run a benchmark suite (humaneval, humaneval+, mbpp+, ifeval, needle, toolcall) against an engine, or compare two runs item by item.
+
+  fidelity suite run SUITE --engine URL --model NAME -o RUN_DIR [--limit N] [--concurrency C]
+  fidelity suite compare RUN_A RUN_B [--json FILE] [--threshold 1.0] [--alpha 0.05] [--aa]
+
+A run folder holds manifest.json, records.parquet and the journals that let a killed run resume. `compare` pairs items, tests
+(McNemar / paired t + Wilcoxon) and applies "fail if the drop is larger than THRESHOLD points at p < ALPHA"; exit code 1 on fail.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from rich.console import Console
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    from ..suites import SUITE_NAMES
+
+    sub = p.add_subparsers(dest="suite_command", metavar="{run,compare}", required=True)
+    r = sub.add_parser("run", help="run one suite against an OpenAI-compatible engine")
+    r.add_argument("suite", choices=SUITE_NAMES)
+    r.add_argument("--engine", required=True, help="base URL of the OpenAI-compatible server")
+    r.add_argument("--model", required=True, help="model name to send")
+    r.add_argument("-o", "--out", required=True, help="run folder (resumes if it holds an unfinished run of the same settings)")
+    r.add_argument("--limit", type=int, help="first N items only")
+    r.add_argument("--concurrency", type=int, default=4)
+    r.add_argument("--mode", choices=["chat", "completion"], default="chat")
+    r.add_argument("--max-tokens", type=int, help="per-item generation budget (default: the suite's)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) by default")
+    r.add_argument("--thinking", choices=["on", "off"], help="chat_template_kwargs.enable_thinking, where the template has it")
+    r.add_argument("--data", help="local data file or folder instead of the default source (see the suite's docs)")
+    r.add_argument("--lengths", help="needle: context lengths in tokens, comma-separated (default 1024,2048)")
+    r.add_argument("--depths", help="needle: needle depths in [0, 1], comma-separated (default 0,0.5,1)")
+    r.add_argument("--seeds", type=int, help="needle: seeds per (length, depth) cell (default 2)")
+    r.add_argument("--categories", help="toolcall: BFCL categories, comma-separated (default all five)")
+    c = sub.add_parser("compare", help="paired comparison of two runs of one suite")
+    c.add_argument("run_a", help="reference run folder (native)")
+    c.add_argument("run_b", help="candidate run folder")
+    c.add_argument("--json", dest="json_out", help="write the report as JSON to this file")
+    c.add_argument("--threshold", type=float, default=1.0, help="largest tolerated drop in points (default 1)")
+    c.add_argument("--alpha", type=float, default=0.05)
+    c.add_argument("--aa", action="store_true", help="A/A mode: the same build twice; reports the engine's own noise floor")
+
+
+def _suite_options(args) -> dict:
+    opts = {"data": args.data}
+    if args.suite == "needle":
+        if args.lengths:
+            opts["lengths"] = [int(x) for x in args.lengths.split(",")]
+        if args.depths:
+            opts["depths"] = [float(x) for x in args.depths.split(",")]
+        if args.seeds:
+            opts["seeds"] = args.seeds
+    if args.suite == "toolcall" and args.categories:
+        opts["categories"] = args.categories.split(",")
+    return opts
+
+
+def run_command(args) -> int:
+    from ..suites import make_suite
+    from ..suites.runner import Settings, run_suite
+
+    suite = make_suite(args.suite, **_suite_options(args))
+    settings = Settings(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit,
+                        thinking=None if args.thinking is None else args.thinking == "on")
+    con = Console(stderr=True)
+    done = [0]
+
+    def progress(rec):
+        done[0] += 1
+        if done[0] % 10 == 0:
+            con.print(f"{done[0]} items scored")
+
+    summary = asyncio.run(run_suite(suite, args.out, engine=args.engine, model=args.model, settings=settings,
+                                    concurrency=args.concurrency, progress=progress))
+    ok = summary.items - summary.errors
+    line = f"{suite.name}: {summary.items} items ({summary.resumed} resumed), {summary.errors} engine errors"
+    if summary.passed is not None:
+        line += f", passed {summary.passed}/{ok}"
+    if summary.mean_score is not None:
+        line += f", mean score {summary.mean_score:.4f}"
+    print(line)
+    print(f"records: {summary.run_dir}/records.parquet")
+    return 0
+
+
+def compare_command(args) -> int:
+    from ..suites.compare import compare_runs
+
+    rep = compare_runs(args.run_a, args.run_b, threshold_points=args.threshold, alpha=args.alpha, aa=args.aa)
+    con = Console()
+    con.print(f"[bold]{rep['suite']}[/bold] {rep['mode']}: {rep['n_items']} paired items "
+              f"(only in A: {len(rep['only_in_a'])}, only in B: {len(rep['only_in_b'])}, prompt changed: "
+              f"{len(rep['prompt_changed'])}, engine errors A/B: {rep['errors']['a']}/{rep['errors']['b']}, excluded pairs: "
+              f"{rep['errors']['excluded_pairs']})")
+    for metric in ("passed", "score"):
+        m = rep.get(metric)
+        if not m:
+            continue
+        rates = (f"pass rate {m['pass_rate_a']:.4f} -> {m['pass_rate_b']:.4f}" if metric == "passed"
+                 else f"mean score {m['score_a']:.4f} -> {m['score_b']:.4f}")
+        extra = f", Wilcoxon p={m['wilcoxon']['p_value']:.4g}" if metric == "score" else ""
+        con.print(f"  {metric}: {rates}, drop {m['drop']:+.2f} points, flips A->B {m['flips_a_to_b']} / B->A "
+                  f"{m['flips_b_to_a']}, {m['test']} p={m['p_value']:.4g}{extra}: {m['verdict']}")
+    if rep.get("warning"):
+        con.print(f"[yellow]warning: {rep['warning']}[/yellow]")
+    con.print(f"verdict: {rep['verdict']}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rep, f, indent=2)
+    return 1 if rep["verdict"] == "fail" else 0
+
+
+def run(args) -> int:
+    return run_command(args) if args.suite_command == "run" else compare_command(args)

@@ -1,0 +1,144 @@
+"""A suite run's folder: `manifest.json` (what was run against what), `records.jsonl` (the item journal: one line per finished
+item, fsync'ed, so a killed run resumes without losing or repeating an item), `requests.jsonl` (the engine client's request
+journal) and `records.parquet` (the final per-item table, written from the journal in dataset order)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import FidelityError
+
+MANIFEST, JOURNAL, REQUESTS, RECORDS = "manifest.json", "records.jsonl", "requests.jsonl", "records.parquet"
+
+
+class RunError(FidelityError):
+    """A run folder is missing, corrupt, or was made with different settings. Names the file."""
+
+    def __init__(self, message: str, *, file: str | os.PathLike | None = None, item: str | None = None):
+        self.file, self.item = (str(file) if file is not None else None), item
+        where = [w for w in (f"item {item!r}" if item else None, f"file {file}" if file is not None else None) if w]
+        super().__init__(f"{message} [{', '.join(where)}]" if where else message)
+
+
+@dataclass
+class Record:
+    item_id: str
+    passed: bool | None  # pass/fail suites; None for an engine error
+    score: float | None  # scored suites (and pass/fail suites' partial credit where they have one)
+    prompt_hash: str
+    request: str  # JSON of the request body sent
+    response: str  # the engine's text (tool calls as JSON for toolcall)
+    extracted: str  # what the scorer judged (code, answer, calls)
+    verdict: str  # why it passed or failed, in words
+    error: str  # non-empty: the engine failed on this item; excluded from paired tests
+    latency_s: float
+    details: str = "{}"  # suite-specific JSON (IFEval's per-instruction results, ...)
+
+
+SCHEMA = pa.schema([("item_id", pa.string()), ("passed", pa.bool_()), ("score", pa.float64()), ("prompt_hash", pa.string()),
+                    ("request", pa.string()), ("response", pa.string()), ("extracted", pa.string()), ("verdict", pa.string()),
+                    ("error", pa.string()), ("latency_s", pa.float64()), ("details", pa.string())])
+
+
+def prompt_hash(request: dict) -> str:
+    """sha256 of what decides the answer: messages or prompt, and tools."""
+    key = {k: request.get(k) for k in ("messages", "prompt", "tools")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class ItemJournal:
+    """Append-only JSONL of finished `Record`s. The last line, if a kill cut it short, is dropped on open. A later line for
+    the same item (an engine error retried on resume) replaces the earlier one."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.records: dict[str, Record] = {}
+        self._lock = threading.Lock()
+        if self.path.exists():
+            self._load()
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _load(self):
+        data = self.path.read_bytes()
+        cut = data.rfind(b"\n") + 1
+        if cut < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(cut)
+        for lineno, line in enumerate(data[:cut].decode("utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = Record(**json.loads(line))
+            except (json.JSONDecodeError, TypeError) as e:
+                raise RunError(f"line {lineno} is not an item record ({e}); delete the file to start over", file=self.path)
+            self.records[rec.item_id] = rec
+
+    def append(self, rec: Record):
+        line = json.dumps(asdict(rec), ensure_ascii=False)
+        with self._lock:
+            self.records[rec.item_id] = rec
+            self._file.write(line + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self):
+        with self._lock:
+            self._file.close()
+
+
+def write_records(path: str | os.PathLike, records: list[Record]):
+    cols = {name: [getattr(r, name) for r in records] for name in SCHEMA.names}
+    tmp = Path(str(path) + ".tmp")
+    pq.write_table(pa.table(cols, schema=SCHEMA), tmp)
+    os.replace(tmp, path)
+
+
+def read_records(run_dir: str | os.PathLike):
+    """The run's records as a pandas DataFrame (from records.parquet)."""
+    path = Path(run_dir) / RECORDS
+    if not path.exists():
+        raise RunError("no records.parquet: not a suite run folder, or the run has not finished", file=path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise RunError(f"cannot read records: {e}", file=path)
+    missing = set(SCHEMA.names) - set(table.column_names)
+    if missing:
+        raise RunError(f"records lack columns {sorted(missing)}", file=path)
+    df = table.to_pandas()
+    dup = df["item_id"][df["item_id"].duplicated()]
+    if len(dup):
+        raise RunError(f"duplicate item ids in records: {sorted(set(dup))[:5]}", file=path)
+    return df
+
+
+def read_manifest(run_dir: str | os.PathLike) -> dict:
+    path = Path(run_dir) / MANIFEST
+    if not path.exists():
+        raise RunError("no manifest.json: not a suite run folder", file=path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RunError(f"manifest is not JSON: {e}", file=path)
+
+
+def write_manifest(run_dir: str | os.PathLike, manifest: dict):
+    path = Path(run_dir) / MANIFEST
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, path)

@@ -1,0 +1,192 @@
+"""Runs one suite against an OpenAI-compatible engine: items → requests (greedy by default) → scored records, resumable."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..engine.client import ClientConfig, EngineClient, EngineError
+from .records import (JOURNAL, MANIFEST, RECORDS, REQUESTS, ItemJournal, Record, RunError, prompt_hash, read_manifest,
+                      write_manifest, write_records)
+
+
+@dataclass
+class Item:
+    item_id: str
+    prompt: str  # the user message (chat) or the raw prompt (completion)
+    data: dict = field(default_factory=dict)  # what the scorer needs
+    messages: list[dict] | None = None  # chat messages, when more than one user turn
+    tools: list[dict] | None = None
+
+
+@dataclass
+class Outcome:
+    extracted: str
+    passed: bool | None = None
+    score: float | None = None
+    verdict: str = ""
+    details: dict = field(default_factory=dict)
+
+
+@dataclass
+class Settings:
+    mode: str = "chat"  # "chat" or "completion"
+    max_tokens: int | None = None  # None: the suite's default
+    temperature: float = 0.0
+    thinking: bool | None = None  # None: leave the template's default
+    limit: int | None = None
+    seed: int = 0
+
+
+class Suite:
+    """One benchmark. Subclasses set `name`, `metric` ("passed" or "score") and implement `load`, `score`."""
+
+    name = "?"
+    metric = "passed"
+    default_max_tokens = 512
+    modes = ("chat", "completion")
+
+    def load(self) -> list[Item]:
+        raise NotImplementedError
+
+    def source(self) -> dict:
+        """Where the data came from and its hash (goes into the manifest)."""
+        return {}
+
+    def config(self) -> dict:
+        """Suite options that change results (go into the manifest; a resume must match them)."""
+        return {}
+
+    async def prepare(self, items: list[Item], client, settings: Settings) -> list[Item]:
+        """Hook for suites that need the engine to build items (needle measures lengths with the engine's tokenizer)."""
+        return items
+
+    def stop(self, settings: Settings) -> list[str] | None:
+        return None
+
+    def score(self, item: Item, text: str, tool_calls: list) -> Outcome:
+        raise NotImplementedError
+
+
+def request_body(suite: Suite, item: Item, settings: Settings, model: str) -> dict:
+    """The exact body sent (also stored in the record)."""
+    max_tokens = settings.max_tokens or suite.default_max_tokens
+    body = {"model": model, "max_tokens": max_tokens, "temperature": settings.temperature, "seed": settings.seed}
+    stop = suite.stop(settings)
+    if stop:
+        body["stop"] = stop
+    if settings.mode == "completion":
+        body["prompt"] = item.prompt
+        return body
+    body["messages"] = item.messages or [{"role": "user", "content": item.prompt}]
+    if item.tools:
+        body["tools"] = item.tools
+    if settings.thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": settings.thinking}
+    return body
+
+
+async def _ask(client, body: dict, tag: str):
+    """Sends `body` through the client; returns (text, tool_calls as dicts)."""
+    common = {k: body[k] for k in ("max_tokens", "temperature", "stop", "seed") if k in body}
+    if "prompt" in body:
+        comp = await client.completion(body["prompt"], tag=tag, **common)
+        return comp.text, []
+    extra = {"chat_template_kwargs": body["chat_template_kwargs"]} if "chat_template_kwargs" in body else None
+    chat = await client.chat(body["messages"], tools=body.get("tools"), extra=extra, tag=tag, **common)
+    calls = [{"name": c.name, "arguments": c.arguments} for c in chat.tool_calls]
+    return chat.content or "", calls
+
+
+def manifest_for(suite: Suite, settings: Settings, engine: str, model: str, items: list[Item], isolation: str | None) -> dict:
+    return {"suite": suite.name, "metric": suite.metric, "data": suite.source(), "suite_config": suite.config(),
+            "engine": engine, "model": model, "settings": asdict(settings), "items": [it.item_id for it in items],
+            "sandbox": isolation}
+
+
+_RESUME_KEYS = ("suite", "data", "suite_config", "engine", "model", "settings", "items")
+
+
+def check_resume(run_dir: Path, new: dict):
+    old = read_manifest(run_dir)
+    for k in _RESUME_KEYS:
+        if old.get(k) != new.get(k):
+            raise RunError(f"the run folder holds a run with a different {k!r} ({str(old.get(k))[:120]} vs "
+                           f"{str(new.get(k))[:120]}); use a fresh folder", file=run_dir / MANIFEST)
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    items: int
+    resumed: int  # items taken from the journal
+    errors: int
+    passed: int | None
+    mean_score: float | None
+
+
+async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: str, settings: Settings | None = None,
+                    concurrency: int = 4, client=None, retry_errors: bool = True, progress=None) -> RunSummary:
+    """Runs (or resumes) `suite` into `run_dir`. `client` defaults to an `EngineClient` with its request journal in the run
+    folder; tests pass a stand-in with the same `chat`/`completion` methods."""
+    settings = settings or Settings()
+    if settings.mode not in suite.modes:
+        raise RunError(f"suite {suite.name} supports modes {list(suite.modes)}, not {settings.mode!r}")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    own_client = client is None
+    if own_client:
+        client = EngineClient(ClientConfig(engine, model=model, concurrency=concurrency, journal=run_dir / REQUESTS))
+    try:
+        items = suite.load()
+        if settings.limit is not None:
+            items = items[: settings.limit]
+        items = await suite.prepare(items, client, settings)
+        ids = [it.item_id for it in items]
+        if len(set(ids)) != len(ids):
+            raise RunError(f"suite {suite.name} produced duplicate item ids")
+        manifest = manifest_for(suite, settings, engine, model, items, getattr(suite, "isolation", None))
+        if (run_dir / MANIFEST).exists():
+            check_resume(run_dir, manifest)
+        else:
+            write_manifest(run_dir, {**manifest, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        journal = ItemJournal(run_dir / JOURNAL)
+        done = {k for k, r in journal.records.items() if not (retry_errors and r.error)}
+        resumed = len(done & set(ids))
+        todo = [it for it in items if it.item_id not in done]
+
+        async def one(item: Item):
+            body = request_body(suite, item, settings, model)
+            t0 = time.monotonic()
+            try:
+                text, calls = await _ask(client, body, tag=f"{suite.name}:{item.item_id}")
+            except EngineError as e:
+                rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), "", "", "engine error", str(e),
+                             time.monotonic() - t0)
+            else:
+                latency = time.monotonic() - t0
+                out = await asyncio.to_thread(suite.score, item, text, calls)
+                response = text if not calls else json.dumps({"content": text, "tool_calls": calls})
+                rec = Record(item.item_id, out.passed, out.score, prompt_hash(body), json.dumps(body), response, out.extracted,
+                             out.verdict, "", latency, json.dumps(out.details, default=str))
+            journal.append(rec)
+            if progress:
+                progress(rec)
+
+        await asyncio.gather(*(one(it) for it in todo))
+        journal.close()
+        records = [journal.records[i] for i in ids]
+        write_records(run_dir / RECORDS, records)
+        manifest = {**read_manifest(run_dir), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "errors": sum(bool(r.error) for r in records)}
+        write_manifest(run_dir, manifest)
+    finally:
+        if own_client:
+            await client.aclose()
+    ok = [r for r in records if not r.error]
+    passed = sum(bool(r.passed) for r in ok) if suite.metric == "passed" else None
+    scores = [r.score for r in ok if r.score is not None]
+    return RunSummary(str(run_dir), len(records), resumed, len(records) - len(ok), passed,
+                      sum(scores) / len(scores) if scores else None)
