@@ -1,0 +1,272 @@
+"""Engine gates: each an async function of an `EngineClient` returning a `GateResult` (measured values, thresholds, pass/fail,
+worst examples). A gate that cannot get valid answers from the engine returns status "error", never "pass" or "fail".
+
+- oracle-kl: the engine's prompt logprobs on the reference store's panel vs the oracle's exact distributions.
+- batch-invariance: each prompt alone vs inside concurrent batches; greedy continuations and per-token logprobs must be equal.
+- decode-vs-prefill: greedy generation with logprobs vs the same tokens prefilled with `echo`.
+- prefix-cache: a long prompt cold vs warm, and a shared prefix with different suffixes cold vs warm.
+
+Default thresholds (`DEFAULT_THRESHOLDS`, overridden per gate from TOML) assume the engine serves the reference weights in fp32/fp16
+and claims determinism; a bf16 or quantized engine should raise `kl_mean_max` in its gate.toml.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .client import Completion, EngineClient, EngineError, TokenLogprob
+
+DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
+    # mean KL(reference || engine) in nats over scored positions (top-k estimator, see oracle_kl), and top-1 agreement
+    "oracle-kl": {"kl_mean_max": 1e-3, "top1_min": 0.98},
+    # fraction of (prompt, batch size) pairs whose greedy continuation equals the alone one; max |delta logprob| on equal tokens
+    "batch-invariance": {"identical_min": 1.0, "max_abs_dlogprob_max": 1e-5},
+    # generated tokens' logprobs from decode vs from prefill (echo): max |delta| and mean KL over the returned top-k
+    "decode-vs-prefill": {"max_abs_dlogprob_max": 1e-3, "kl_mean_max": 1e-5},
+    # cold vs warm: identical outputs, max |delta logprob| over echoed prompt and generated tokens
+    "prefix-cache": {"identical_min": 1.0, "max_abs_dlogprob_max": 1e-5},
+}
+GATES = tuple(DEFAULT_THRESHOLDS)
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+]
+
+
+@dataclass
+class Check:
+    metric: str
+    value: float
+    op: str  # "<=" or ">="
+    threshold: float
+
+    @property
+    def passed(self) -> bool:
+        if self.value is None or math.isnan(self.value):
+            return False
+        return self.value <= self.threshold if self.op == "<=" else self.value >= self.threshold
+
+
+@dataclass
+class GateResult:
+    gate: str
+    status: str  # "pass" | "fail" | "error"
+    checks: list[Check] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)
+    worst: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["checks"] = [{**asdict(c), "passed": c.passed} for c in self.checks]
+        return d
+
+
+@dataclass
+class GateSettings:
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    prompt_prefix: str = ""  # e.g. the BOS text; some servers misalign echo logprobs without a BOS (see notes)
+    max_tokens: int = 16
+    top_k: int = 5
+    batch_sizes: list[int] = field(default_factory=lambda: [2, 4])
+    long_prompt_repeats: int = 4  # prefix-cache: the long prompt is this many prompts joined
+    worst: int = 5
+
+
+def _verdict(name: str, checks: list[Check], **kw) -> GateResult:
+    return GateResult(name, "pass" if all(c.passed for c in checks) else "fail", checks=checks, **kw)
+
+
+def _thresholds(name: str, overrides: dict | None) -> dict[str, float]:
+    th = dict(DEFAULT_THRESHOLDS[name])
+    th.update(overrides or {})
+    return th
+
+
+def _checks(th: dict[str, float], measured: dict) -> list[Check]:
+    out = []
+    for key, limit in th.items():
+        metric, kind = key.rsplit("_", 1)
+        out.append(Check(metric, measured.get(metric, float("nan")), "<=" if kind == "max" else ">=", float(limit)))
+    return out
+
+
+async def run_gate(name: str, fn: Callable, *args, **kw) -> GateResult:
+    t0 = time.monotonic()
+    try:
+        res = await fn(*args, **kw)
+    except EngineError as e:
+        res = GateResult(name, "error", error=str(e))
+    res.seconds = round(time.monotonic() - t0, 3)
+    return res
+
+
+# ---- comparing two sets of per-token logprobs ---------------------------------------------------------------------------
+
+def topk_kl(p_top: dict[str, float], q_top: dict[str, float]) -> float:
+    """KL(p || q) between two top-k lists coarsened onto (keys both return) + one tail bucket. Both distributions are known
+    exactly on that partition, so this is an exact KL of the coarsened pair and a lower bound of the full-vocabulary KL."""
+    common = [k for k in p_top if k in q_top and p_top[k] is not None and q_top[k] is not None]
+    lp = np.array([p_top[k] for k in common], dtype=np.float64)
+    lq = np.array([q_top[k] for k in common], dtype=np.float64)
+    kl = float(np.sum(np.exp(lp) * (lp - lq)))
+    pt = max(0.0, 1.0 - float(np.exp(lp).sum()))
+    qt = max(0.0, 1.0 - float(np.exp(lq).sum()))
+    if pt > 1e-12:
+        kl += pt * (math.log(pt) - math.log(max(qt, 1e-12)))
+    return max(kl, 0.0)
+
+
+@dataclass
+class SeqDiff:
+    identical: bool
+    max_abs: float
+    kl_mean: float
+    first_divergence: int | None
+
+
+def compare_positions(a: list[TokenLogprob], b: list[TokenLogprob]) -> SeqDiff:
+    """Tokens must match position by position; logprob deltas are taken over the common prefix of equal tokens."""
+    n = min(len(a), len(b))
+    first = next((i for i in range(n) if a[i].token != b[i].token), None)
+    identical = first is None and len(a) == len(b)
+    upto = n if first is None else first
+    deltas, kls = [], []
+    for i in range(upto):
+        if a[i].logprob is not None and b[i].logprob is not None:
+            deltas.append(abs(a[i].logprob - b[i].logprob))
+        if a[i].top and b[i].top:
+            kls.append(topk_kl(a[i].top, b[i].top))
+    return SeqDiff(identical, max(deltas, default=0.0), float(np.mean(kls)) if kls else 0.0, first)
+
+
+def _generated(c: Completion, echo: bool) -> list[TokenLogprob]:
+    lp = c.logprobs or []
+    if echo:
+        n = int(c.usage.get("completion_tokens", 0))
+        return lp[len(lp) - n:] if n else []
+    return lp
+
+
+def _need_logprobs(c: Completion, what: str):
+    if c.logprobs is None:
+        raise EngineError(f"{what}: the engine returned no logprobs")
+
+
+# ---- batch-invariance ---------------------------------------------------------------------------------------------------
+
+async def batch_invariance(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
+    prompts = [s.prompt_prefix + p for p in s.prompts]
+    notes = []
+    if client.config.concurrency < max(s.batch_sizes):
+        notes.append(f"client concurrency {client.config.concurrency} < batch size {max(s.batch_sizes)}: batches are smaller than asked")
+
+    async def one(i: int, tag: str) -> Completion:
+        c = await client.completion(prompts[i], max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"batch-invariance/{tag}/{i}")
+        _need_logprobs(c, f"prompt {i}")
+        return c
+
+    alone = [await one(i, "alone") for i in range(len(prompts))]  # strictly one at a time
+    rows = []
+    for b in s.batch_sizes:
+        for start in range(len(prompts)):
+            members = [(start + j) % len(prompts) for j in range(b)]
+            batch = await asyncio.gather(*(one(i, f"b{b}-at{start}") for i in members))
+            i, c = members[0], batch[0]
+            d = compare_positions(alone[i].logprobs, c.logprobs)
+            rows.append({"prompt": i, "batch_size": b, "identical": d.identical, "max_abs_dlogprob": d.max_abs,
+                         "first_divergence": d.first_divergence, "alone": alone[i].text, "batched": c.text})
+    measured = {"identical": float(np.mean([r["identical"] for r in rows])),
+                "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "pairs": len(rows)}
+    worst = sorted(rows, key=lambda r: (r["identical"], -r["max_abs_dlogprob"]))[: s.worst]
+    th = _thresholds("batch-invariance", thresholds)
+    return _verdict("batch-invariance", _checks(th, measured), measured=measured, worst=worst, notes=notes)
+
+
+# ---- decode-vs-prefill --------------------------------------------------------------------------------------------------
+
+async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
+    prompts = [s.prompt_prefix + p for p in s.prompts]
+
+    async def one(i: int):
+        gen = await client.completion(prompts[i], max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"decode-vs-prefill/gen/{i}")
+        _need_logprobs(gen, f"prompt {i} generation")
+        pre = await client.completion(prompts[i] + gen.text, max_tokens=1, logprobs=s.top_k, echo=True,
+                                      tag=f"decode-vs-prefill/prefill/{i}")
+        _need_logprobs(pre, f"prompt {i} prefill")
+        decoded = gen.logprobs
+        n_gen = int(pre.usage.get("completion_tokens", 1))
+        echoed = pre.logprobs[: len(pre.logprobs) - n_gen] if n_gen else pre.logprobs
+        prefilled = echoed[len(echoed) - len(decoded):] if len(echoed) >= len(decoded) else []
+        return i, gen, decoded, prefilled
+
+    rows, notes = [], []
+    for i, gen, decoded, prefilled in await asyncio.gather(*(one(i) for i in range(len(prompts)))):
+        if [t.token for t in prefilled] != [t.token for t in decoded]:
+            notes.append(f"prompt {i}: prompt+generation re-tokenizes differently; compared up to the first differing token")
+        d = compare_positions(decoded, prefilled)
+        deltas = [abs(a.logprob - b.logprob) for a, b in zip(decoded, prefilled)
+                  if a.token == b.token and a.logprob is not None and b.logprob is not None]
+        rows.append({"prompt": i, "positions": len(deltas), "max_abs_dlogprob": d.max_abs, "kl_mean": d.kl_mean,
+                     "generation": gen.text})
+    n = sum(r["positions"] for r in rows)
+    if n == 0:
+        return GateResult("decode-vs-prefill", "error", error="no generated position could be aligned with its prefill", notes=notes)
+    measured = {"max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows),
+                "kl_mean": float(sum(r["kl_mean"] * r["positions"] for r in rows) / n), "positions": n}
+    worst = sorted(rows, key=lambda r: -r["max_abs_dlogprob"])[: s.worst]
+    th = _thresholds("decode-vs-prefill", thresholds)
+    return _verdict("decode-vs-prefill", _checks(th, measured), measured=measured, worst=worst, notes=notes)
+
+
+# ---- prefix-cache -------------------------------------------------------------------------------------------------------
+
+async def prefix_cache(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
+    """Sequential on purpose: the order of requests is what makes a computation cold or warm. "Cold" is the first request after an
+    unrelated flush request; an engine with a multi-entry cache may still serve it from cache (then this measures warm vs warm)."""
+    base = s.prompt_prefix + " ".join((s.prompts * s.long_prompt_repeats)[: len(s.prompts) * s.long_prompt_repeats // 2 + 1])
+    suffixes = [" " + p for p in s.prompts[: max(2, len(s.prompts) // 2)]]
+    flush_prompt = s.prompt_prefix + "Unrelated text to evict single-entry caches."
+
+    async def ask(prompt: str, tag: str) -> Completion:
+        c = await client.completion(prompt, max_tokens=s.max_tokens, logprobs=s.top_k, echo=True, tag=f"prefix-cache/{tag}")
+        _need_logprobs(c, tag)
+        return c
+
+    async def flush(tag: str):
+        await client.completion(flush_prompt, max_tokens=1, tag=f"prefix-cache/flush/{tag}")
+
+    pairs = []
+    await flush("long")
+    cold = await ask(base, "long/cold")
+    warm = await ask(base, "long/warm")
+    pairs.append(("long prompt", cold, warm))
+    for j, suf in enumerate(suffixes):
+        await flush(f"suffix{j}")
+        c = await ask(base + suf, f"suffix{j}/cold")
+        await ask(base, f"suffix{j}/prime")
+        w = await ask(base + suf, f"suffix{j}/warm")
+        pairs.append((f"shared prefix + suffix {j}", c, w))
+    rows = []
+    for label, c, w in pairs:
+        d = compare_positions(c.logprobs, w.logprobs)
+        rows.append({"case": label, "identical": d.identical and c.text == w.text, "max_abs_dlogprob": d.max_abs,
+                     "first_divergence": d.first_divergence, "positions": len(c.logprobs)})
+    measured = {"identical": float(np.mean([r["identical"] for r in rows])),
+                "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "cases": len(rows),
+                "long_prompt_tokens": int(cold.usage.get("prompt_tokens", 0))}
+    worst = sorted(rows, key=lambda r: (r["identical"], -r["max_abs_dlogprob"]))[: s.worst]
+    th = _thresholds("prefix-cache", thresholds)
+    return _verdict("prefix-cache", _checks(th, measured), measured=measured, worst=worst, notes=[prefix_cache.__doc__.split(". ", 1)[1].strip()])
