@@ -256,26 +256,69 @@ def test_same_label_from_two_files_is_kept_apart(tmp_path, rng_seed):
     assert [r[0] for r in rep.groups[0].overall.rows] == ["q8 (a)", "q4", "q8 (b)"]
 
 
-def test_suite_and_gate_tables(tmp_path, run_a):
-    suite = {"suite": "humaneval", "a": "native", "b": "q4", "items": 164, "pass_rate_a": 0.32, "pass_rate_b": 0.29,
-             "flips": {"pass_to_fail": 7, "fail_to_pass": 2}, "test": "mcnemar-exact", "p_value": 0.1797, "verdict": "pass"}
-    gate = {"engine": "http://127.0.0.1:8000", "gates": [
-        {"name": "oracle-kl", "passed": False, "measured": {"kl_mean": 0.0412, "top1": 0.981}, "thresholds": {"kl_mean": 0.01, "top1": 0.99}},
-        {"name": "batch-invariance", "passed": True, "measured": {"identical_fraction": 1.0}, "thresholds": {"identical_fraction": 1.0}},
-        {"name": "prefix-cache", "error": "connection refused"}]}
+def _suite_compare_json(tmp_path: Path, seed: int) -> dict:
+    """A real `suite compare` result: two runs of random pass/fail items through fidelity.suites.compare."""
+    compare = pytest.importorskip("fidelity.suites.compare")
+    records = pytest.importorskip("fidelity.suites.records")
+    rng = np.random.default_rng(seed)
+    a_pass = rng.random(80) < 0.6
+    b_pass = np.where(rng.random(80) < 0.2, ~a_pass, a_pass)
+    runs = []
+    for name, passed in (("native", a_pass), ("q4", b_pass)):
+        d = tmp_path / "suite" / name
+        d.mkdir(parents=True)
+        records.write_manifest(d, {"suite": "humaneval", "metric": "passed", "data": {"sha256": "x"}})
+        recs = [records.Record(f"t{i}", bool(p), None, f"h{i}", "{}", "", "", "", "", 0.1) for i, p in enumerate(passed)]
+        recs[5] = records.Record("t5", None, None, "h5", "{}", "", "", "", "HTTP 503", 0.1) if name == "q4" else recs[5]
+        records.write_records(d / "records.parquet", recs)
+        runs.append(d)
+    return compare.compare_runs(*runs)
+
+
+def _gate_json(seed: int) -> dict:
+    """Gate results as `fidelity.engine.gates.GateResult.to_dict()` writes them, with random measurements."""
+    gates = pytest.importorskip("fidelity.engine.gates")
+    rng = np.random.default_rng(seed)
+    kl = float(rng.uniform(0.001, 0.1))
+    results = [gates.GateResult("oracle-kl", "fail" if kl > 0.02 else "pass", checks=[gates.Check("kl_mean", kl, "<=", 0.02)],
+                                measured={"kl_mean": kl}),
+               gates.GateResult("batch-invariance", "pass", checks=[gates.Check("identical_fraction", 1.0, ">=", 1.0)]),
+               gates.GateResult("prefix-cache", "error", error="connection refused")]
+    return {"engine": "http://127.0.0.1:8000", "gates": [r.to_dict() for r in results]}
+
+
+def test_suite_and_gate_tables(tmp_path, run_a, rng_seed):
+    suite = _suite_compare_json(tmp_path, rng_seed)
+    gate = _gate_json(rng_seed)
     (tmp_path / "suite.json").write_text(json.dumps(suite))
     (tmp_path / "gate.json").write_text(json.dumps(gate))
     rep = render([tmp_path / "run_a" / "compare.json", tmp_path / "suite.json", tmp_path / "gate.json"], tmp_path / "out")
     t = md_tables(rep.summary_md.read_text())
-    s = t["Suites (paired against the other build)"][0]
-    assert (s["suite"], s["items"], s["flips.pass_to_fail"], s["p_value"], s["verdict"]) == ("humaneval", "164", "7", "0.1797", "pass")
+    s = t["Suites, candidate (B) paired against the reference build (A)"][0]
+    assert (s["suite"], s["candidate"], int(s["items"]), s["verdict"]) == ("humaneval", "q4", suite["n_items"], suite["verdict"])
+    assert int(s["A✓ B✗"]) == suite["flips_a_to_b"] and int(s["A✗ B✓"]) == suite["flips_b_to_a"]
+    close_to_printed(s["p-value"], suite["p_value"], sig=3)
+    assert abs(float(s["pass rate B"].rstrip("%")) / 100 - suite["pass_rate_b"]) <= 0.5e-4 + 1e-12
+    assert s["excluded / unpaired"] == "1 errors / 0"
     g = t["Engine gates"]
-    kl = next(r for r in g if r["measured"] == "kl_mean")
-    assert (kl["gate"], kl["status"], float(kl["value"]), float(kl["threshold"])) == ("oracle-kl", "fail", 0.0412, 0.01)
-    assert any(r["gate"] == "batch-invariance" and r["status"] == "pass" for r in g)
-    assert any(r["gate"] == "prefix-cache" and r["status"] == "error" and "connection refused" in r["value"] for r in g)
+    kl_check = gate["gates"][0]["checks"][0]
+    kl = next(r for r in g if r["check"] == "kl_mean")
+    assert (kl["gate"], kl["gate status"], kl["threshold"], kl["check status"]) == (
+        "oracle-kl", gate["gates"][0]["status"], "<= 0.02", "pass" if kl_check["passed"] else "fail")
+    close_to_printed(kl["measured"], kl_check["value"])
+    assert any(r["gate"] == "batch-invariance" and r["check status"] == "pass" for r in g)
+    assert any(r["gate"] == "prefix-cache" and r["gate status"] == "error" and "connection refused" in r["measured"] for r in g)
     html = rep.index_html.read_text()
-    assert '<td class="fail">fail</td>' in html and '<td class="pass">pass</td>' in html
+    assert '<td class="error">error</td>' in html and '<td class="pass">pass</td>' in html
+
+
+def test_gate_and_suite_json_without_a_compare_result(tmp_path):
+    """Only gate results (a list of gate dicts, measured/thresholds without checks): still a page, no empty plots."""
+    gates = [{"gate": "oracle-kl", "status": "fail", "measured": {"kl_mean": 0.5}, "thresholds": {"kl_mean_max": 0.02}}]
+    rep = render([gates], tmp_path / "out")
+    assert rep.figures == [] and rep.groups == []
+    row = md_tables(rep.summary_md.read_text())["Engine gates"][0]
+    assert (row["check"], row["measured"], row["threshold"]) == ("kl_mean", "0.5", "0.02")
 
 
 def test_cli_writes_the_report(tmp_path, run_a, capsys):

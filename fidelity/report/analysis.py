@@ -12,12 +12,16 @@ CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 
 
 def scored_kl(run: CompareRun, label: str) -> pd.DataFrame | None:
-    """Reference records joined with one pack's KL on scored positions whose KL is finite (non-finite ones are counted by compare)."""
+    """Reference records joined with one pack's records on scored positions whose KL is finite (compare counts the others).
+    The pack's KL column is `kl` (`kld` is accepted too)."""
     if run.positions is None or label not in run.pack_positions:
         return None
-    ref = run.positions
-    df = ref.merge(run.pack_positions[label], on=["row_id", "position"], how="inner", suffixes=("", "_pack"))
-    df = df[df["scored"].astype(bool)]
+    pack = run.pack_positions[label]
+    if "kl" not in pack.columns and "kld" in pack.columns:
+        pack = pack.rename(columns={"kld": "kl"})
+    df = run.positions.merge(pack, on=["row_id", "position"], how="inner", suffixes=("", "_pack"))
+    if "scored" in df.columns:
+        df = df[df["scored"].astype(bool)]
     return df[np.isfinite(df["kl"].to_numpy(dtype=np.float64))]
 
 
@@ -29,14 +33,20 @@ def kl_quantiles(kl: np.ndarray, qs=QUANTILES) -> dict[str, float]:
     return out
 
 
-def reference_top1_prob(df: pd.DataFrame) -> np.ndarray:
-    """Reference confidence: probability of its own top token (top-K logprobs are stored sorted, best first)."""
-    return np.exp(np.array([float(np.max(lp)) for lp in df["ref_top_logprobs"]], dtype=np.float64))
+def reference_top1_prob(df: pd.DataFrame) -> np.ndarray | None:
+    """Reference confidence: probability of its own top token (`ref_pmax`, or the best of the stored top-K logprobs)."""
+    if "ref_pmax" in df.columns:
+        return df["ref_pmax"].to_numpy(dtype=np.float64)
+    if "ref_top_logprobs" in df.columns:
+        return np.exp(np.array([float(np.max(lp)) for lp in df["ref_top_logprobs"]], dtype=np.float64))
+    return None
 
 
-def kl_by_confidence(df: pd.DataFrame, edges=CONFIDENCE_EDGES) -> pd.DataFrame:
+def kl_by_confidence(df: pd.DataFrame, edges=CONFIDENCE_EDGES) -> pd.DataFrame | None:
     """Mean KL and position count per reference top-1 probability bucket [lo, hi) (the last one closed)."""
     p = reference_top1_prob(df)
+    if p is None:
+        return None
     kl = df["kl"].to_numpy(dtype=np.float64)
     idx = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, len(edges) - 2)
     rows = []
@@ -57,8 +67,8 @@ class WorstPosition:
     before: str
     token: str
     after: str
-    reference_top: list[tuple[str, float]]
-    pack_top: list[tuple[str, float]] | None
+    reference_top: list[tuple[str, float | None]]
+    pack_top: list[tuple[str, float | None]] | None
 
 
 class TokenText:
@@ -79,9 +89,14 @@ class TokenText:
         return "".join(f"⟨{i}⟩" for i in ids)
 
 
-def _top(ids, logprobs, text: TokenText, k: int) -> list[tuple[str, float]]:
-    order = np.argsort(-np.asarray(logprobs, dtype=np.float64))[:k]
-    return [(text.piece(int(ids[j])), float(np.exp(logprobs[j]))) for j in order]
+def _top(r, ids_key: str, lp_key: str, top1_key: str, text: TokenText, k: int) -> list[tuple[str, float | None]] | None:
+    """Most likely tokens at a position: from stored top-K (with probabilities) or just the argmax id (probability unknown)."""
+    if ids_key in r.index and lp_key in r.index and r[ids_key] is not None:
+        ids, lps = r[ids_key], np.asarray(r[lp_key], dtype=np.float64)
+        return [(text.piece(int(ids[j])), float(np.exp(lps[j]))) for j in np.argsort(-lps)[:k]]
+    if top1_key in r.index and pd.notna(r[top1_key]):
+        return [(text.piece(int(r[top1_key])), None)]
+    return None
 
 
 def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, context: int = 24, after: int = 4,
@@ -92,7 +107,6 @@ def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, co
         return []
     worst = df.nlargest(n, "kl")
     by_row = {rid: g.sort_values("position") for rid, g in run.positions.groupby("row_id")}
-    has_pack_top = "top_ids" in df.columns and "top_logprobs" in df.columns
     out = []
     for _, r in worst.iterrows():
         row = by_row[r["row_id"]]
@@ -103,8 +117,8 @@ def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, co
             before=text.text(toks[(pos < r["position"]) & (pos >= r["position"] - context)]),
             token=text.piece(int(r["token"])),
             after=text.text(toks[(pos > r["position"]) & (pos <= r["position"] + after)]),
-            reference_top=_top(r["ref_top_ids"], r["ref_top_logprobs"], text, k),
-            pack_top=_top(r["top_ids"], r["top_logprobs"], text, k) if has_pack_top else None))
+            reference_top=_top(r, "ref_top_ids", "ref_top_logprobs", "ref_top1", text, k) or [],
+            pack_top=_top(r, "top_ids", "top_logprobs", "pack_top1", text, k)))
     return out
 
 

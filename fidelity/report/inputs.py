@@ -64,8 +64,8 @@ class Group:
 @dataclass
 class Inputs:
     groups: list[Group]
-    suites: list[tuple[str, dict]]
-    gates: list[tuple[str, dict]]
+    suites: list[tuple[str, dict | list]]
+    gates: list[tuple[str, dict | list]]
     warnings: list[str]
 
 
@@ -80,6 +80,10 @@ def _read_json(path: Path) -> dict:
 
 def classify(data, source: str) -> str:
     """'compare', 'suite' or 'gate' from a JSON document's shape."""
+    if isinstance(data, list) and data and all(isinstance(d, dict) and "gate" in d and "status" in d for d in data):
+        return "gate"
+    if isinstance(data, list) and data and all(isinstance(d, dict) and "suite" in d for d in data):
+        return "suite"
     if isinstance(data, dict):
         if "results" in data and "panel" in data:
             return "compare"
@@ -226,6 +230,8 @@ def load_inputs(items) -> Inputs:
             runs.append(item)
             continue
         if isinstance(item, dict):
+            data, source = item, f"<result {n + 1}>"
+        elif isinstance(item, list):
             data, source = item, f"<result {n + 1}>"
         else:
             path = Path(item)

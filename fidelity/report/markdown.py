@@ -19,6 +19,10 @@ def table(t: Table | None, level: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _token(text: str, prob: float | None) -> str:
+    return f"`{escape(text)}`" + (f" {prob:.2f}" if prob is not None else "")
+
+
 def worst_table(worst) -> str:
     if not worst:
         return ""
@@ -26,8 +30,8 @@ def worst_table(worst) -> str:
              "The token in **bold** is the one predicted at that position.", "",
              "| pack | row | domain | pos | KL | text | reference top | pack top |", "|---|---|---|---:|---:|---|---|---|"]
     for w in worst:
-        ref = ", ".join(f"`{escape(t)}` {p:.2f}" for t, p in w.reference_top[:3])
-        pack = ", ".join(f"`{escape(t)}` {p:.2f}" for t, p in (w.pack_top or [])[:3]) or "—"
+        ref = ", ".join(_token(t, p) for t, p in w.reference_top[:3]) or "—"
+        pack = ", ".join(_token(t, p) for t, p in (w.pack_top or [])[:3]) or "—"
         text = f"…{escape(w.before[-80:])}**{escape(w.token)}**{escape(w.after[:30])}…"
         lines.append(f"| {escape(w.label)} | {escape(w.row_id)} | {escape(w.domain)} | {w.position} | {num(w.kl)} | {text} | {ref} | {pack} |")
     return "\n".join(lines) + "\n"

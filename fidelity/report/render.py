@@ -116,13 +116,13 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
             kl = df["kl"].to_numpy()
             samples[res.label] = kl
             quantiles[res.label] = {**analysis.kl_quantiles(kl), "positions": int(kl.size)}
-            if "ref_top_logprobs" in df.columns:
-                confidence[res.label] = analysis.kl_by_confidence(df)
+            conf = analysis.kl_by_confidence(df)
+            if conf is not None:
+                confidence[res.label] = conf
             if run.token_text is None and want_tokens == "auto":
                 want_tokens = _reference_tokenizer(g)
             text = analysis.TokenText(None if want_tokens == "auto" else want_tokens, run.token_text)
-            if "ref_top_ids" in df.columns:
-                view.worst += analysis.worst_positions(run, res.label, text, n=n_worst)
+            view.worst += analysis.worst_positions(run, res.label, text, n=n_worst)
             wr = analysis.worst_rows(run, res.label)
             view.worst_rows.append(tables.Table(f"Worst rows by mean KL: {res.label}", ["row", "domain", "positions", "KLD mean", "KLD max"],
                                                 [[str(r.row_id), str(getattr(r, "domain", "")), tables.num(int(r.positions)),

@@ -15,7 +15,7 @@ class Table:
     headers: list[str]
     rows: list[list[str]]
     note: str = ""
-    status_column: int | None = None     # a pass/fail column the HTML colours
+    status_columns: tuple[int, ...] = ()     # pass/fail columns the HTML colours
     classes: list[str] = field(default_factory=list)
 
 
@@ -123,10 +123,12 @@ def confidence_table(tables: dict) -> Table | None:
     return Table("Mean KL by reference confidence (reference probability of its top token)", ["bucket", "positions"] + labels, rows)
 
 
-# ---- suites and gates: their JSON is read generously; known keys first -------------------------------------------------------
+# ---- suites and gates: the JSON of `fidelity suite compare` and `fidelity gate`, read generously ------------------------------
 
-_SUITE_KEYS = ["suite", "a", "b", "items", "n", "n_items", "pass_rate_a", "pass_rate_b", "score_a", "score_b", "delta", "drop",
-               "flips_a_to_b", "flips_b_to_a", "pass_to_fail", "fail_to_pass", "test", "p_value", "errors", "verdict"]
+_SUITE_COLUMNS = [("suite", "suite"), ("mode", "mode"), ("b", "candidate"), ("n_items", "items"), ("pass_rate_a", "pass rate A"),
+                  ("pass_rate_b", "pass rate B"), ("score.score_a", "score A"), ("score.score_b", "score B"), ("drop", "drop (points)"),
+                  ("flips_a_to_b", "A✓ B✗"), ("flips_b_to_a", "A✗ B✓"), ("test", "test"), ("p_value", "p-value"),
+                  ("excluded", "excluded / unpaired"), ("verdict", "verdict")]
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -145,53 +147,94 @@ def _cell(v) -> str:
     return num(v)
 
 
+def _suite_items(data) -> list[dict]:
+    if isinstance(data, list):
+        return [x for d in data for x in _suite_items(d)]
+    if isinstance(data.get("suites"), list):
+        return [x for d in data["suites"] for x in _suite_items(d)]
+    return [data]
+
+
 def suite_table(entries: list[tuple[str, dict]]) -> Table | None:
     flat = []
-    for source, data in entries:
-        items = data["suites"] if isinstance(data.get("suites"), list) else [data]
-        for it in items:
-            flat.append(_flatten(it))
+    for _, data in entries:
+        for it in _suite_items(data):
+            f = _flatten(it)
+            errors = it.get("errors") if isinstance(it.get("errors"), dict) else {}
+            unpaired = sum(len(it.get(k) or []) for k in ("only_in_a", "only_in_b", "prompt_changed"))
+            if errors or unpaired:
+                f["excluded"] = f"{errors.get('excluded_pairs', 0)} errors / {unpaired}"
+            for side in ("a", "b"):
+                if isinstance(f.get(side), str):
+                    f[side] = Path(f[side]).name or f[side]
+            flat.append(f)
     if not flat:
         return None
-    keys = [k for k in _SUITE_KEYS if any(k in f for f in flat)]
-    keys += sorted({k for f in flat for k in f} - set(keys) - {"a_path", "b_path"})[: max(0, 14 - len(keys))]
-    status = keys.index("verdict") if "verdict" in keys else None
-    return Table("Suites (paired against the other build)", keys, [[_cell(f.get(k)) for k in keys] for f in flat],
-                 status_column=status)
+    cols = [(k, h) for k, h in _SUITE_COLUMNS if any(k in f for f in flat)]
+    rows = []
+    for f in flat:
+        row = []
+        for k, _ in cols:
+            v = f.get(k)
+            if k.startswith("pass_rate") and v is not None:
+                row.append(pct(v))
+            elif k == "p_value":
+                row.append(num(v, 3))
+            else:
+                row.append(_cell(v))
+        rows.append(row)
+    notes = sorted({f["warning"] for f in flat if f.get("warning")})
+    return Table("Suites, candidate (B) paired against the reference build (A)", [h for _, h in cols], rows,
+                 note=" ".join(notes) + (" " if notes else "") + "A drop counts in percentage points; the verdict fails a "
+                 "candidate when the drop is larger than the threshold at p below alpha.",
+                 status_columns=tuple(i for i, (k, _) in enumerate(cols) if k == "verdict"))
+
+
+def _gate_list(data) -> list[dict]:
+    if isinstance(data, list):
+        return data
+    gates = data.get("gates", [data])
+    if isinstance(gates, dict):
+        gates = [{"gate": k, **v} for k, v in gates.items()]
+    return gates
 
 
 def _gate_status(gt: dict) -> str:
     if gt.get("error"):
         return "error"
+    if gt.get("status"):
+        return str(gt["status"])
     for k in ("passed", "pass", "ok"):
         if k in gt:
             return "pass" if gt[k] else "fail"
-    return str(gt.get("status") or gt.get("verdict") or "?")
+    return str(gt.get("verdict") or "?")
 
 
 def gate_table(entries: list[tuple[str, dict]]) -> Table | None:
+    """One line per check: measured value against its threshold, from GateResult.to_dict() (`checks`) or measured/thresholds."""
     rows = []
-    for source, data in entries:
-        gates = data.get("gates", [data])
-        if isinstance(gates, dict):
-            gates = [{"name": k, **v} for k, v in gates.items()]
-        for gt in gates:
-            name = str(gt.get("name") or gt.get("gate") or "?")
-            status = _gate_status(gt)
-            measured = _flatten(gt.get("measured") or gt.get("values") or {})
-            limits = _flatten(gt.get("thresholds") or gt.get("threshold") or {})
-            if not measured:
-                skip = {"name", "gate", "passed", "pass", "ok", "status", "verdict", "error"}
-                measured = {k: v for k, v in _flatten(gt).items() if k not in skip and not k.startswith("threshold")}
-            metrics = list(measured) or [""]
-            for m in metrics:
-                limit = limits.get(m, limits.get(f"{m}_max", limits.get(f"{m}_min")))
-                rows.append([name, status, m, _cell(measured.get(m)) if m else "—", _cell(limit) if limit is not None else "—"])
+    for _, data in entries:
+        for gt in _gate_list(data):
+            name, status = str(gt.get("gate") or gt.get("name") or "?"), _gate_status(gt)
+            checks = gt.get("checks") or []
+            for c in checks:
+                ok = c.get("passed")
+                rows.append([name, status, str(c.get("metric")), _cell(c.get("value")),
+                             f"{c.get('op', '')} {_cell(c.get('threshold'))}".strip(), "pass" if ok else "fail"])
+            if not checks:
+                measured = _flatten(gt.get("measured") or {})
+                limits = _flatten(gt.get("thresholds") or {})
+                for m, v in measured.items():
+                    limit = next((limits[k] for k in (m, f"{m}_max", f"{m}_min") if k in limits), None)
+                    rows.append([name, status, m, _cell(v), _cell(limit) if limit is not None else "—", "—"])
             if gt.get("error"):
-                rows.append([name, "error", "error", _cell(str(gt["error"])), "—"])
+                rows.append([name, "error", "error", _cell(str(gt["error"])), "—", "—"])
+            elif not checks and not gt.get("measured"):
+                rows.append([name, status, "—", "—", "—", "—"])
     if not rows:
         return None
-    return Table("Engine gates", ["gate", "status", "measured", "value", "threshold"], rows, status_column=1, classes=["left"])
+    return Table("Engine gates", ["gate", "gate status", "check", "measured", "threshold", "check status"], rows, status_columns=(1, 5),
+                 classes=["left"])
 
 
 def provenance_table(groups: list[Group], report_meta: dict) -> Table:

@@ -39,7 +39,7 @@ Confidence intervals are 95% bootstrap intervals over panel rows.</p>
 {% macro table(t) %}
 {% if t %}<h3>{{ t.title }}</h3>
 <table{% if t.classes %} class="{{ t.classes|join(' ') }}"{% endif %}><thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead>
-<tbody>{% for r in t.rows %}<tr>{% for c in r %}<td{% if t.status_column == loop.index0 %} class="{{ status_class(c) }}"{% endif %}>{{ c }}</td>{% endfor %}</tr>
+<tbody>{% for r in t.rows %}<tr>{% for c in r %}<td{% if loop.index0 in t.status_columns %} class="{{ status_class(c) }}"{% endif %}>{{ c }}</td>{% endfor %}</tr>
 {% endfor %}</tbody></table>
 {% if t.note %}<p class="note">{{ t.note }}</p>{% endif %}{% endif %}
 {% endmacro %}
@@ -63,8 +63,8 @@ tokens there, with probabilities.</p>
 {% for w in g.worst %}<div class="worst"><div class="meta">{{ w.label }} · row <code>{{ w.row_id }}</code> · {{ w.domain }} ·
 position {{ w.position }} · KL {{ num(w.kl) }}</div>
 <div class="ctx">{{ w.before }}<mark>{{ w.token }}</mark>{{ w.after }}</div>
-<div class="tops"><div>reference<ol>{% for t, p in w.reference_top %}<li><code>{{ t }}</code> {{ "%.3f"|format(p) }}</li>{% endfor %}</ol></div>
-{% if w.pack_top %}<div>{{ w.label }}<ol>{% for t, p in w.pack_top %}<li><code>{{ t }}</code> {{ "%.3f"|format(p) }}</li>{% endfor %}</ol></div>{% endif %}
+<div class="tops"><div>reference<ol>{% for t, p in w.reference_top %}<li><code>{{ t }}</code>{% if p is not none %} {{ "%.3f"|format(p) }}{% endif %}</li>{% endfor %}</ol></div>
+{% if w.pack_top %}<div>{{ w.label }}<ol>{% for t, p in w.pack_top %}<li><code>{{ t }}</code>{% if p is not none %} {{ "%.3f"|format(p) }}{% endif %}</li>{% endfor %}</ol></div>{% endif %}
 </div></div>
 {% endfor %}</div>{% endif %}
 {% for t in g.worst_rows %}{{ table(t) }}{% endfor %}
