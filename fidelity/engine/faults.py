@@ -265,3 +265,17 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def toy_reference(texts: list[str], model: ToyModel | None = None):
+    """The toy model's exact distributions as a gate `Reference` (every position after the first scored)."""
+    from .gates import Reference, ReferenceRow
+
+    model = model or ToyModel()
+    rows = []
+    for i, text in enumerate(texts):
+        ids = model.tokenize(text)
+        scored = list(range(1, len(ids)))
+        lp = np.stack([model.logprobs_after(ids[:t]) for t in scored])
+        rows.append(ReferenceRow(id=f"toy{i}", domain="toy", tokens=ids, scored=scored, logprobs=lp))
+    return Reference(rows=rows, pieces=list(VOCAB), detokenize=model.detokenize)

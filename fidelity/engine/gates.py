@@ -269,4 +269,138 @@ async def prefix_cache(client: EngineClient, s: GateSettings, thresholds: dict |
                 "long_prompt_tokens": int(cold.usage.get("prompt_tokens", 0))}
     worst = sorted(rows, key=lambda r: (r["identical"], -r["max_abs_dlogprob"]))[: s.worst]
     th = _thresholds("prefix-cache", thresholds)
-    return _verdict("prefix-cache", _checks(th, measured), measured=measured, worst=worst, notes=[prefix_cache.__doc__.split(". ", 1)[1].strip()])
+    return _verdict("prefix-cache", _checks(th, measured), measured=measured, worst=worst, notes=[" ".join(prefix_cache.__doc__.split(". ", 1)[1].split())])
+
+
+# ---- oracle-kl ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class ReferenceRow:
+    """One panel row of the reference: `logprobs[j]` is the oracle's full log-distribution (length V) for predicting
+    `tokens[scored[j]]` from `tokens[:scored[j]]`."""
+
+    id: str
+    domain: str
+    tokens: list[int]
+    scored: list[int]
+    logprobs: np.ndarray  # [len(scored), V]
+
+
+@dataclass
+class Reference:
+    rows: list[ReferenceRow]
+    pieces: list[str]  # decoded text of each token id alone (what engines put in `top_logprobs` keys)
+    detokenize: Callable[[list[int]], str]  # ids -> text with special tokens kept, for engines that only take text
+
+    def piece_ids(self) -> dict[str, int]:
+        """Unambiguous text -> id; pieces that several ids decode to are left out (their mass goes to the tail bucket)."""
+        seen: dict[str, int] = {}
+        dup: set[str] = set()
+        for i, p in enumerate(self.pieces):
+            if p in seen:
+                dup.add(p)
+            seen[p] = i
+        return {p: i for p, i in seen.items() if p not in dup}
+
+
+@dataclass
+class PositionKL:
+    kl: float  # KL(ref || engine) on the partition {engine's returned ids} + one tail bucket: a lower bound of the full KL
+    tail_mass: float  # reference probability outside the engine's returned ids: the full KL exceeds `kl` by tail_mass * KL(tails)
+    top1_agree: bool
+
+
+def position_kl(ref_lp: np.ndarray, engine: dict[int, float]) -> PositionKL:
+    """The top-k estimator. The engine gives log q for a set E of ids (its top-k and the actual token); the reference gives
+    log p for every id. On the partition {x} for x in E, plus T = everything else, both distributions are known exactly, so
+    KL_E = sum_E p log(p/q) + p(T) log(p(T)/q(T)) is exact for the coarsened pair and, by the data-processing inequality, never
+    above the full-vocabulary KL. The gap is p(T) * KL(p|T || q|T): it is small when p(T) is, and p(T) is reported with it.
+    When the engine returns the full distribution, T is empty and KL_E is the full KL."""
+    ids = np.fromiter(engine.keys(), dtype=np.int64)
+    lq = np.fromiter(engine.values(), dtype=np.float64)
+    lp = ref_lp[ids].astype(np.float64)
+    p = np.exp(lp)
+    kl = float(np.sum(p * (lp - lq)))
+    pt = max(0.0, 1.0 - float(p.sum()))
+    qt = max(0.0, 1.0 - float(np.exp(lq).sum()))
+    if pt > 1e-12:
+        kl += pt * (math.log(pt) - math.log(max(qt, 1e-12)))
+    return PositionKL(max(kl, 0.0), pt, int(ids[np.argmax(lq)]) == int(np.argmax(ref_lp)))
+
+
+def _engine_position(tl: TokenLogprob, actual: int, piece_ids: dict[str, int]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    if tl.top_ids:
+        out.update({i: v for i, v in tl.top_ids.items() if v is not None})
+    else:
+        for text, v in tl.top.items():
+            if v is not None and text in piece_ids:
+                out[piece_ids[text]] = v
+    if tl.logprob is not None:
+        out[actual] = tl.logprob
+    return out
+
+
+async def _row_prompt(client: EngineClient, row: ReferenceRow, ref: Reference, mode: str):
+    if mode == "ids":
+        return row.tokens
+    text = ref.detokenize(row.tokens)
+    if mode == "text":
+        return text
+    ids = await client.tokenize(text)
+    return text if ids == row.tokens else row.tokens
+
+
+async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thresholds: dict | None = None,
+                    prompt_as: str = "auto") -> GateResult:
+    """prompt_as: "ids" sends token ids, "text" the detokenized row, "auto" text when the engine's tokenizer gives back exactly the
+    reference ids, else ids."""
+    piece_ids = ref.piece_ids()
+
+    async def one(row: ReferenceRow):
+        prompt = await _row_prompt(client, row, ref, prompt_as)
+        c = await client.completion(prompt, max_tokens=1, logprobs=s.top_k, echo=True, prompt_logprobs=None,
+                                    tag=f"oracle-kl/{row.id}")
+        if c.prompt_logprobs is not None:
+            echoed = c.prompt_logprobs
+        else:
+            _need_logprobs(c, f"row {row.id}")
+            n_gen = int(c.usage.get("completion_tokens", 1))
+            echoed = c.logprobs[: len(c.logprobs) - n_gen] if n_gen else c.logprobs
+        n = len(row.tokens)
+        if len(echoed) > n or len(echoed) < n - 1:
+            raise EngineError(f"row {row.id}: engine echoed {len(echoed)} prompt tokens, the reference row has {n}", tag=f"oracle-kl/{row.id}")
+        start = n - len(echoed)  # engines drop a leading BOS from the echo
+        per = []
+        for j, t in enumerate(row.scored):
+            if t < start or echoed[t - start] is None:
+                continue
+            tl = echoed[t - start]
+            piece = ref.pieces[row.tokens[t]]
+            if tl.token and piece and "\ufffd" not in piece and tl.token != piece and tl.token_id is None:
+                raise EngineError(f"row {row.id} position {t}: engine echoed token {tl.token!r}, reference has "
+                                  f"{piece!r} (tokenization differs)", tag=f"oracle-kl/{row.id}")
+            per.append(position_kl(row.logprobs[j],
+                                   _engine_position(tl, row.tokens[t], piece_ids)))
+        return row, per
+
+    rows, all_pos = [], []
+    for row, per in await asyncio.gather(*(one(r) for r in ref.rows)):
+        if not per:
+            continue
+        all_pos += per
+        rows.append({"row": row.id, "domain": row.domain, "positions": len(per), "kl_mean": float(np.mean([p.kl for p in per])),
+                     "kl_max": max(p.kl for p in per), "top1": float(np.mean([p.top1_agree for p in per])),
+                     "tail_mass_max": max(p.tail_mass for p in per)})
+    if not all_pos:
+        return GateResult("oracle-kl", "error", error="no scored position could be compared")
+    kl = np.array([p.kl for p in all_pos])
+    tail = np.array([p.tail_mass for p in all_pos])
+    measured = {"kl_mean": float(kl.mean()), "top1": float(np.mean([p.top1_agree for p in all_pos])),
+                "kl_max": float(kl.max()), "kl_p99": float(np.quantile(kl, 0.99)), "positions": len(all_pos), "rows": len(rows),
+                "ref_tail_mass_mean": float(tail.mean()), "ref_tail_mass_max": float(tail.max()), "top_k": s.top_k,
+                "estimator": "KL(ref||engine) on engine top-k ids + one tail bucket: a lower bound of the full KL; "
+                             "the gap is tail_mass * KL(ref tail || engine tail), tail_mass reported as ref_tail_mass_*"}
+    worst = sorted(rows, key=lambda r: -r["kl_mean"])[: s.worst]
+    th = _thresholds("oracle-kl", thresholds)
+    return _verdict("oracle-kl", _checks(th, measured), measured=measured, worst=worst)

@@ -1,0 +1,200 @@
+"""Gate a running OpenAI-compatible engine: oracle KL, batch invariance, decode vs prefill, prefix cache; exit 0 pass, 1 fail, 2 could not run.
+
+Default thresholds (nats for KL, logprob units for deltas), overridable per gate in --config TOML:
+
+  oracle-kl          kl_mean_max = 1e-3   top1_min = 0.98
+  batch-invariance   identical_min = 1.0  max_abs_dlogprob_max = 1e-5
+  decode-vs-prefill  max_abs_dlogprob_max = 1e-3   kl_mean_max = 1e-5
+  prefix-cache       identical_min = 1.0  max_abs_dlogprob_max = 1e-5
+
+gate.toml:
+  [settings]            # prompts, prompt_prefix, max_tokens, top_k, batch_sizes, long_prompt_repeats, prompt_as,
+                        # concurrency, timeout_s, retries, journal
+  [oracle-kl]           # any threshold above
+  kl_mean_max = 0.02
+
+Exit code: 1 when any gate failed, else 2 when any gate could not run (engine errors, malformed replies, no reference), else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from xml.sax.saxutils import escape, quoteattr
+
+from ..errors import ConfigError
+from ..engine import gates as G
+from ..engine.client import ClientConfig, EngineClient
+
+CLIENT_KEYS = {"concurrency", "timeout_s", "retries", "journal", "backoff_s"}
+SETTINGS_KEYS = {f.name for f in fields(G.GateSettings)} | {"prompt_as"}
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--engine", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="model name to send in requests")
+    p.add_argument("--reference-store", help="reference store folder (needed by oracle-kl)")
+    p.add_argument("--config", help="gate.toml with [settings] and per-gate thresholds")
+    p.add_argument("--only", help=f"comma-separated subset of: {','.join(G.GATES)}")
+    p.add_argument("--junit", help="write JUnit XML here")
+    p.add_argument("--json", dest="json_out", help="write the results as JSON here")
+    p.add_argument("--journal", help="request journal (JSONL): a rerun after an interruption resumes without re-sending")
+    p.add_argument("--timeout", type=float, help="seconds per request (default 120)")
+    p.add_argument("--retries", type=int, help="extra attempts on 5xx / connection errors / timeouts (default 3)")
+    p.add_argument("--concurrency", type=int, help="requests in flight at most (default: the largest batch size)")
+
+
+def load_config(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"gate config {path} does not exist")
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"gate config {path} is not valid TOML: {e}")
+    for section, table in cfg.items():
+        if section == "settings":
+            bad = set(table) - SETTINGS_KEYS - CLIENT_KEYS
+            if bad:
+                raise ConfigError(f"gate config {path}: unknown key(s) {sorted(bad)} in [settings] (known: {sorted(SETTINGS_KEYS | CLIENT_KEYS)})")
+        elif section in G.DEFAULT_THRESHOLDS:
+            bad = set(table) - set(G.DEFAULT_THRESHOLDS[section])
+            if bad:
+                raise ConfigError(f"gate config {path}: unknown threshold(s) {sorted(bad)} in [{section}] "
+                                  f"(known: {sorted(G.DEFAULT_THRESHOLDS[section])})")
+            for k, v in table.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ConfigError(f"gate config {path}: [{section}] {k} must be a number, got {v!r}")
+        else:
+            raise ConfigError(f"gate config {path}: unknown section [{section}] (known: settings, {', '.join(G.GATES)})")
+    return cfg
+
+
+def select_gates(only: str | None) -> list[str]:
+    if not only:
+        return list(G.GATES)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    bad = [n for n in names if n not in G.GATES]
+    if bad:
+        raise ConfigError(f"--only: unknown gate(s) {bad} (known: {', '.join(G.GATES)})")
+    return names
+
+
+def load_reference(store: str):
+    """The reference store as a gate Reference (lazy import: the store module belongs to `compare`)."""
+    from ..engine.reference import reference_from_store
+
+    return reference_from_store(store)
+
+
+async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, store: str | None = None,
+                    journal: str | None = None, timeout: float | None = None, retries: int | None = None,
+                    concurrency: int | None = None) -> dict:
+    st = dict(cfg.get("settings", {}))
+    prompt_as = st.pop("prompt_as", "auto")
+    client_kw = {k: st.pop(k) for k in list(st) if k in CLIENT_KEYS}
+    settings = G.GateSettings(**st)
+    client_kw.update({k: v for k, v in {"journal": journal, "timeout_s": timeout, "retries": retries,
+                                        "concurrency": concurrency}.items() if v is not None})
+    client_kw.setdefault("concurrency", max(settings.batch_sizes))
+    results = []
+    async with EngineClient(ClientConfig(engine, model=model, **client_kw)) as client:
+        for name in names:
+            th = cfg.get(name)
+            if name == "oracle-kl":
+                if not store:
+                    results.append(G.GateResult(name, "error", error="oracle-kl needs --reference-store"))
+                    continue
+                try:
+                    ref = load_reference(store)
+                except Exception as e:  # a missing/incompatible store means this gate could not run
+                    results.append(G.GateResult(name, "error", error=f"reference store {store}: {e}"))
+                    continue
+                results.append(await G.run_gate(name, G.oracle_kl, client, ref, settings, th, prompt_as=prompt_as))
+            else:
+                fn = {"batch-invariance": G.batch_invariance, "decode-vs-prefill": G.decode_vs_prefill,
+                      "prefix-cache": G.prefix_cache}[name]
+                results.append(await G.run_gate(name, fn, client, settings, th))
+        stats = client.stats
+    return {"engine": engine, "model": model, "reference_store": store, "gates": [r.to_dict() for r in results],
+            "client": {"sent": stats.sent, "retries": stats.retries, "journal_hits": stats.journal_hits, "errors": stats.errors},
+            "exit_code": exit_code(results), "status": {0: "pass", 1: "fail", 2: "error"}[exit_code(results)]}
+
+
+def exit_code(results: list[G.GateResult]) -> int:
+    if any(r.status == "fail" for r in results):
+        return 1
+    if any(r.status == "error" for r in results):
+        return 2
+    return 0
+
+
+def junit_xml(report: dict) -> str:
+    gates = report["gates"]
+    fails = sum(g["status"] == "fail" for g in gates)
+    errors = sum(g["status"] == "error" for g in gates)
+    out = [f'<?xml version="1.0" encoding="UTF-8"?>',
+           f'<testsuite name="fidelity gate" tests="{len(gates)}" failures="{fails}" errors="{errors}" '
+           f'time="{sum(g["seconds"] for g in gates):.3f}">']
+    for g in gates:
+        out.append(f'  <testcase classname="fidelity.gate" name={quoteattr(g["gate"])} time="{g["seconds"]:.3f}">')
+        if g["status"] == "fail":
+            bad = "; ".join(f'{c["metric"]}={c["value"]:.6g} not {c["op"]} {c["threshold"]:.6g}' for c in g["checks"] if not c["passed"])
+            out.append(f'    <failure message={quoteattr(bad)}/>')
+        elif g["status"] == "error":
+            out.append(f'    <error message={quoteattr(g["error"] or "error")}/>')
+        out.append(f'    <system-out>{escape(json.dumps(g["measured"], default=str))}</system-out>')
+        out.append('  </testcase>')
+    out.append('</testsuite>')
+    return "\n".join(out) + "\n"
+
+
+def print_summary(report: dict):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"fidelity gate: {report['engine']} ({report['model']})")
+    for c in ("gate", "status", "check", "measured", "threshold"):
+        t.add_column(c)
+    color = {"pass": "green", "fail": "red", "error": "yellow"}
+    for g in report["gates"]:
+        st = f"[{color[g['status']]}]{g['status']}[/]"
+        if g["status"] == "error":
+            t.add_row(g["gate"], st, "error", str(g["error"])[:160], "")
+        for c in g["checks"]:
+            mark = "" if c["passed"] else " ✗"
+            t.add_row(g["gate"], st, c["metric"], f"{c['value']:.6g}{mark}", f"{c['op']} {c['threshold']:.6g}")
+    con = Console()
+    con.print(t)
+    for g in report["gates"]:
+        for n in g["notes"]:
+            con.print(f"[dim]{g['gate']}: {n}[/dim]")
+    cl = report["client"]
+    con.print(f"requests sent {cl['sent']}, retries {cl['retries']}, from journal {cl['journal_hits']}, errors {cl['errors']}; "
+              f"exit {report['exit_code']} ({report['status']})")
+
+
+def run(args) -> int:
+    cfg = load_config(args.config)
+    names = select_gates(args.only)
+    t0 = time.time()
+    report = asyncio.run(run_gates(args.engine, args.model, names, cfg, store=args.reference_store, journal=args.journal,
+                                   timeout=args.timeout, retries=args.retries, concurrency=args.concurrency))
+    report["seconds"] = round(time.time() - t0, 3)
+    print_summary(report)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2, default=str))
+    if args.junit:
+        Path(args.junit).write_text(junit_xml(report))
+    sys.stdout.flush()
+    return report["exit_code"]
