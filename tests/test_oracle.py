@@ -163,3 +163,73 @@ def test_token_outside_vocab_names_row_and_position(tmp_path, rng_seed):
     with pytest.raises(FidelityError) as e:
         Oracle(pack).hidden_states([[1, 2], [3, COMMON["vocab_size"] + 4]], progress=False)
     assert "row 1 position 1" in str(e.value) and str(COMMON["vocab_size"] + 4) in str(e.value)
+
+
+# -- mixture of experts -----------------------------------------------------------------------------------------------
+
+MOE_COMMON = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+MOE = {
+    "qwen3moe-renorm-sparse-step": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+        num_experts=7, num_experts_per_tok=3, moe_intermediate_size=20, intermediate_size=36, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0, original_max_position_embeddings=16))),
+    "qwen3moe-no-renorm-tied": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=20, norm_topk_prob=False, tie_word_embeddings=True)),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(
+        num_local_experts=5, num_experts_per_tok=2, intermediate_size=28, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    "deepseek-v3-qlora-yarn": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=None, intermediate_size=44,
+        n_routed_experts=12, n_shared_experts=2, num_experts_per_tok=3, n_group=4, topk_group=2,
+        moe_intermediate_size=16, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+        rope_interleave=True, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
+    "deepseek-v3-no-qlora-no-renorm": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=None, intermediate_size=44,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=16, first_k_dense_replace=0, routed_scaling_factor=1.7, norm_topk_prob=False,
+        q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=14,
+        rope_interleave=False, attention_bias=True, tie_word_embeddings=True)),
+}
+
+
+def make_moe(tmp_path, case: str, seed: int):
+    cfg_cls, model_cls, extra = MOE[case]
+    kwargs = {k: v for k, v in {**MOE_COMMON, **extra}.items() if v is not None or k != "head_dim"}
+    config = cfg_cls(**kwargs)
+    model = build(config, model_cls, tmp_path / case, seed)
+    return model, open_pack(tmp_path / case)
+
+
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_moe_matches_transformers(tmp_path, rng_seed, case):
+    model, pack = make_moe(tmp_path, case, rng_seed)
+    tokens = torch.randint(0, COMMON["vocab_size"], (3, 21))
+    want = hf_logits(model, tokens)
+    got = Oracle(pack).logits(tokens)
+    delta = (got - want).abs().max().item()
+    print(f"{case}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
+    assert got.shape == want.shape and delta <= TOL
+    assert want.abs().max() > 1.0
+
+
+def test_experts_read_only_when_routed(tmp_path, rng_seed):
+    """The experts the oracle reads are exactly those HF's router picks (from its own router logits)."""
+    config = T.Qwen3MoeConfig(**{**MOE_COMMON, **MOE["qwen3moe-renorm-sparse-step"][2], "num_experts": 9,
+                                 "num_experts_per_tok": 1, "mlp_only_layers": []})
+    model = build(config, T.Qwen3MoeForCausalLM, tmp_path / "m", rng_seed)
+    pack = open_pack(tmp_path / "m")
+    tokens = torch.randint(0, COMMON["vocab_size"], (1, 3))
+    with torch.no_grad():
+        router_logits = model(input_ids=tokens, use_cache=False, output_router_logits=True).router_logits
+    read = []
+    original = pack.tensor
+    pack.tensor = lambda name: (read.append(name), original(name))[1]
+    Oracle(pack).logits(tokens)
+    for layer, logits in enumerate(router_logits):
+        routed = set(logits.topk(1, dim=-1).indices.flatten().tolist())
+        fetched = {int(n.split(".experts.")[1].split(".")[0]) for n in read
+                   if n.startswith(f"model.layers.{layer}.mlp.experts.")}
+        assert fetched == routed and len(fetched) <= 3 < config.num_experts

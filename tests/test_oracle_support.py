@@ -34,6 +34,8 @@ def build(config: transformers.PretrainedConfig, model_cls, folder: Path, seed: 
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # the per-expert loop, not grouped_mm
     randomize(model, seed)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

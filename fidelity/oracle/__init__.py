@@ -20,6 +20,9 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama:LlamaFamily",
     "Qwen2ForCausalLM": "llama:LlamaFamily",
     "Qwen3ForCausalLM": "llama:LlamaFamily",
+    "Qwen3MoeForCausalLM": "moe:MoeFamily",
+    "MixtralForCausalLM": "moe:MoeFamily",
+    "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3Family",
 }
 
 

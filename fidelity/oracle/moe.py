@@ -1,0 +1,146 @@
+"""Softmax-routed mixture-of-experts decoders: Qwen3Moe (top-k, renormalised when norm_topk_prob) and Mixtral (top-k,
+always renormalised). Attention is the Llama family's. Experts are read from the pack only when a token routes to them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .common import Family, Fetch, GatedMLP, require
+from .llama import Attention, AttentionArgs, DecoderLayer, attention_args, norm_names, sliding_windows
+from .rope import cos_sin
+
+
+class RoutedExperts:
+    """Experts of one layer, materialised on first use and kept for the layer's lifetime.
+
+    `names(e)` gives expert e's (gate, up, down) weight names."""
+
+    def __init__(self, n_experts: int, names: Callable[[int], tuple[str, str, str]], fetch: Fetch, act: str):
+        self.n_experts, self.names, self.fetch, self.act = n_experts, names, fetch, act
+        self.loaded: dict[int, GatedMLP] = {}
+
+    def expert(self, e: int) -> GatedMLP:
+        mlp = self.loaded.get(e)
+        if mlp is None:
+            gate, up, down = self.names(e)
+            mlp = self.loaded[e] = GatedMLP(self.fetch(gate), self.fetch(up), self.fetch(down), self.act)
+        return mlp
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden]; indices, weights [N, k] -> sum_k weights * expert_k(x), experts applied in ascending order."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(indices).tolist():
+            token, slot = torch.where(indices == e)
+            y = self.expert(e)(x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out
+
+
+def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1)
+    weights, indices = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, indices
+
+
+class SoftmaxMoE:
+    def __init__(self, router: torch.Tensor, experts: RoutedExperts, k: int, renormalize: bool):
+        self.router, self.experts, self.k, self.renormalize = router, experts, k, renormalize
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, indices = softmax_top_k(F.linear(flat, self.router), self.k, self.renormalize)
+        return self.experts(flat, indices, weights).view_as(x)
+
+
+@dataclass
+class MoeArgs:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    attention: AttentionArgs
+    rms_norm_eps: float
+    n_experts: int
+    top_k: int
+    renormalize: bool
+    moe_layers: list          # per layer: True when the MLP is the routed block
+    dense_intermediate_size: int | None
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    windows: list = None
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "MoeArgs":
+        arch = cfg["architectures"][0]
+        n_layers = require(cfg, "num_hidden_layers", arch)
+        n_experts = cfg.get("num_experts") or require(cfg, "num_local_experts", arch)
+        if arch == "MixtralForCausalLM":
+            moe_layers, renormalize, qk_norm = [True] * n_layers, True, False
+        else:
+            step, dense_only = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+            moe_layers = [i not in dense_only and (i + 1) % step == 0 for i in range(n_layers)]
+            renormalize, qk_norm = bool(cfg.get("norm_topk_prob", False)), True
+        bias = bool(cfg.get("attention_bias", False)) and arch != "MixtralForCausalLM"
+        return cls(
+            arch=arch,
+            vocab_size=require(cfg, "vocab_size", arch),
+            hidden_size=require(cfg, "hidden_size", arch),
+            n_layers=n_layers,
+            attention=attention_args(cfg, arch, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            n_experts=n_experts,
+            top_k=require(cfg, "num_experts_per_tok", arch),
+            renormalize=renormalize,
+            moe_layers=moe_layers,
+            dense_intermediate_size=cfg.get("intermediate_size"),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            windows=sliding_windows(cfg, arch, n_layers),
+        )
+
+
+class MoeFamily(Family):
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.args = a = MoeArgs.from_config(config)
+        self.n_layers, self.hidden_size, self.vocab_size = a.n_layers, a.hidden_size, a.vocab_size
+        self.rms_norm_eps, self.tie_word_embeddings = a.rms_norm_eps, a.tie_word_embeddings
+        self.mixtral = a.arch == "MixtralForCausalLM"
+
+    def _moe_prefix(self, i: int) -> str:
+        return f"model.layers.{i}.block_sparse_moe" if self.mixtral else f"model.layers.{i}.mlp"
+
+    def expert_names(self, i: int, e: int) -> tuple[str, str, str]:
+        p = f"{self._moe_prefix(i)}.experts.{e}"
+        if self.mixtral:
+            return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+        return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+    def layer_names(self, i: int) -> list[str]:
+        p = f"model.layers.{i}"
+        names = norm_names(p) + Attention.names(self.args.attention, f"{p}.self_attn")
+        if not self.args.moe_layers[i]:
+            return names + GatedMLP.names(f"{p}.mlp")
+        names.append(f"{self._moe_prefix(i)}.gate.weight")
+        for e in range(self.args.n_experts):
+            names += self.expert_names(i, e)
+        return names
+
+    def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
+        a, p = self.args, f"model.layers.{i}"
+        if a.moe_layers[i]:
+            experts = RoutedExperts(a.n_experts, lambda e: self.expert_names(i, e), fetch, a.hidden_act)
+            mlp = SoftmaxMoE(fetch(f"{self._moe_prefix(i)}.gate.weight"), experts, a.top_k, a.renormalize)
+        else:
+            mlp = GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act)
+        return DecoderLayer(Attention(a.attention, f"{p}.self_attn", fetch, a.windows[i]), mlp,
+                            fetch(f"{p}.input_layernorm.weight"), fetch(f"{p}.post_attention_layernorm.weight"),
+                            a.rms_norm_eps)
+
+    def rope_tables(self, length: int, dtype: torch.dtype, device):
+        return cos_sin(self.args.attention.rope, length, dtype, device)
