@@ -226,7 +226,7 @@ def test_record_derived_numbers_equal_a_direct_computation(tmp_path, run_a):
         assert worst[0].token == f"w{int(truth.tokens[r, pos])} "
         assert worst[0].before.endswith(f"w{int(truth.tokens[r, pos - 1])} ")
         ref_best = int(truth.ref_top_id[r, pos])
-        assert worst[0].reference_top[0][0] == f"w{ref_best} "
+        assert worst[0].reference_top[0][0] == f"w{ref_best}␣"      # edge whitespace made visible in token lists
     assert len(rep.figures) == 4 and all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in rep.figures)
 
 

@@ -71,6 +71,11 @@ class WorstPosition:
     pack_top: list[tuple[str, float | None]] | None
 
 
+def visible(text: str) -> str:
+    """Whitespace a reader would not see, made visible (for token lists and a highlighted whitespace token)."""
+    return text.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "␣") if text.strip() == "" or text != text.strip() else text
+
+
 class TokenText:
     """Token ids to text: a tokenizer when we have one, else the run folder's id->text map, else ⟨id⟩."""
 
@@ -78,7 +83,7 @@ class TokenText:
         self.tokenizer, self.table = tokenizer, table
 
     def piece(self, tid: int) -> str:
-        return self.text([tid])
+        return visible(self.text([tid]))
 
     def text(self, ids) -> str:
         ids = [int(i) for i in ids]
@@ -87,6 +92,15 @@ class TokenText:
         if self.table is not None:
             return "".join(self.table.get(i, f"⟨{i}⟩") for i in ids)
         return "".join(f"⟨{i}⟩" for i in ids)
+
+    def around(self, before, token: int, after) -> tuple[str, str, str]:
+        """Text before, of, and after `token`, decoded together so word boundaries and spaces come out as in the full text."""
+        head = self.text(before)
+        with_token = self.text([*before, token])
+        tok = with_token[len(head):] if with_token.startswith(head) else self.text([token])
+        full = self.text([*before, token, *after])
+        tail = full[len(with_token):] if full.startswith(with_token) else self.text(after)
+        return head, visible(tok) if tok.strip() == "" else tok, tail
 
 
 def _top(r, ids_key: str, lp_key: str, top1_key: str, text: TokenText, k: int) -> list[tuple[str, float | None]] | None:
@@ -114,9 +128,9 @@ def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, co
         toks = row["token"].to_numpy()
         out.append(WorstPosition(
             label=label, row_id=str(r["row_id"]), domain=str(r.get("domain", "")), position=int(r["position"]), kl=float(r["kl"]),
-            before=text.text(toks[(pos < r["position"]) & (pos >= r["position"] - context)]),
-            token=text.piece(int(r["token"])),
-            after=text.text(toks[(pos > r["position"]) & (pos <= r["position"] + after)]),
+            **dict(zip(("before", "token", "after"), text.around(toks[(pos < r["position"]) & (pos >= r["position"] - context)],
+                                                                 int(r["token"]),
+                                                                 toks[(pos > r["position"]) & (pos <= r["position"] + after)]))),
             reference_top=_top(r, "ref_top_ids", "ref_top_logprobs", "ref_top1", text, k) or [],
             pack_top=_top(r, "top_ids", "top_logprobs", "pack_top1", text, k)))
     return out
