@@ -192,6 +192,7 @@ def test_summary_numbers_equal_the_json(tmp_path, run_a):
         assert (row["A"], row["B"]) == (pr["a"], pr["b"])
         close_to_printed(row["KLD mean A − B"], pr["kld_mean_diff"])
         close_to_printed(row["p-value"], pr["p_value"], sig=3)
+    assert rep._repr_html_().count("<img src=\"data:image/png;base64,") == len(rep.figures) == 3    # JSON only: no KL-by-confidence figure
     prov = {r["what"]: r["value"] for r in t["Provenance"]}
     assert data["panel"]["sha256"] in prov["group 1: panel"]
     assert "ref0fingerprint" in prov["group 1: reference"]

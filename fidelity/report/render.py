@@ -65,6 +65,13 @@ class Report:
     warnings: list[str]
     groups: list[GroupView]
 
+    def _repr_html_(self) -> str:
+        """Notebooks show the page itself: its style and body (figures are data: URIs already)."""
+        html = self.index_html.read_text(encoding="utf-8")
+        style = html[html.index("<style>"):html.index("</style>") + 8]
+        body = html[html.index("<body>") + 6:html.index("</body>")]
+        return f'<div class="fidelity-report">{style}{body}</div>'
+
 
 def _reference_tokenizer(group: Group):
     """The reference pack's own tokenizer, when its path is readable here; None otherwise (token ids are shown instead)."""
