@@ -87,6 +87,10 @@ def _reference_tokenizer(group: Group):
         return None
 
 
+def _auto(tokenizer) -> bool:
+    return isinstance(tokenizer, str) and tokenizer == "auto"
+
+
 def _figure(out: Path, name: str, caption: str, draw) -> FigureFile | None:
     path = draw(out / name)
     return FigureFile(name, caption, path) if path is not None else None
@@ -110,7 +114,6 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
     ) if f]
 
     samples, quantiles, confidence, missing = {}, {}, {}, []
-    want_tokens = tokenizer
     for run in g.runs:
         for res in run.results:
             df = analysis.scored_kl(run, res.label)
@@ -126,9 +129,9 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
             conf = analysis.kl_by_confidence(df)
             if conf is not None:
                 confidence[res.label] = conf
-            if run.token_text is None and want_tokens == "auto":
-                want_tokens = _reference_tokenizer(g)
-            text = analysis.TokenText(None if want_tokens == "auto" else want_tokens, run.token_text)
+            if _auto(tokenizer) and run.token_text is None:
+                tokenizer = _reference_tokenizer(g)         # loaded once per group, only when records need text
+            text = analysis.TokenText(None if _auto(tokenizer) else tokenizer, run.token_text)
             view.worst += analysis.worst_positions(run, res.label, text, n=n_worst)
             wr = analysis.worst_rows(run, res.label)
             view.worst_rows.append(tables.Table(f"Worst rows by mean KL: {res.label}", ["row", "domain", "positions", "KLD mean", "KLD max"],
