@@ -38,6 +38,10 @@ def inspect_pack(path: str, decode: bool = False) -> dict:
             bad = int((~torch.isfinite(t)).sum())
             if bad:
                 problems.append(f"{name}: {bad} non-finite values")
+    from ..packs.config_check import config_problems
+
+    problems.extend(str(e) for e in config_problems(pack))
+    sources = {k: len(v) for k, v in pack.sources().items()} if hasattr(pack, "sources") else None
     return {
         "path": str(pack.path),
         "format": pack.format,
@@ -47,6 +51,7 @@ def inspect_pack(path: str, decode: bool = False) -> dict:
         "bits_per_weight": pack.bits_per_weight().table(),
         "fingerprint": pack.fingerprint(),
         "problems": problems,
+        **({"sources": sources} if sources is not None else {}),
     }
 
 
@@ -55,6 +60,8 @@ def run(args) -> int:
     con = Console()
     con.print(f"[bold]{rep['path']}[/bold]  format=[cyan]{rep['format']}[/cyan]  arch={rep['architecture']}  "
               f"tensors={rep['tensors']}  fingerprint={rep['fingerprint']}")
+    if rep.get("sources"):
+        con.print("overlay: " + ", ".join(f"{n} tensors from the {k}" for k, n in rep["sources"].items()))
     t = Table(title="tensors per storage type")
     for c in ("format", "dtype", "count"):
         t.add_column(c)
