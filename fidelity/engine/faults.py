@@ -107,6 +107,12 @@ class FaultServer:
                      f"Connection: close\r\n\r\n".encode() + payload)
 
     async def respond(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter):
+        if path == "/_control":  # tests switch the plan of one running server instead of starting a new process
+            req = json.loads(body or b"{}")
+            self.plan = FaultPlan(**req.get("plan", {}))
+            self.request_log = req.get("request_log", self.request_log)
+            self.attempts.clear()
+            return self._write(writer, 200, json.dumps({"plan": asdict(self.plan)}).encode())
         key = hashlib.sha256(method.encode() + path.encode() + body).hexdigest()[:16]
         n = self.attempts[key] = self.attempts.get(key, 0) + 1
         if self.request_log:
@@ -279,3 +285,72 @@ def toy_reference(texts: list[str], model: ToyModel | None = None):
         lp = np.stack([model.logprobs_after(ids[:t]) for t in scored])
         rows.append(ReferenceRow(id=f"toy{i}", domain="toy", tokens=ids, scored=scored, logprobs=lp))
     return Reference(rows=rows, pieces=list(VOCAB), detokenize=model.detokenize)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Spawned:
+    """A server subprocess on a loopback port, waited for until it answers and killed on exit (tests and benchmarks)."""
+
+    def __init__(self, cmd: list[str], port: int, *, ready_path: str = "/v1/models", timeout_s: float = 120.0, log: str | None = None):
+        import subprocess
+        import time
+
+        import httpx
+
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.log = open(log, "w") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before answering: {' '.join(cmd)}"
+                                   + (f" (log {log})" if log else ""))
+            try:
+                httpx.get(self.url + ready_path, timeout=2)
+                return  # any HTTP answer: the server is up (it may be one that injects errors)
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"server did not answer within {timeout_s:g} s: {' '.join(cmd)}")
+            time.sleep(0.2)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        if hasattr(self.log, "close"):
+            self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def spawn_fault_server(plan: FaultPlan | dict | None = None, *, upstream: str | None = None, request_log: str | None = None) -> Spawned:
+    import sys
+
+    plan = plan if isinstance(plan, FaultPlan) else FaultPlan(**(plan or {}))
+    port = free_port()
+    cmd = [sys.executable, "-m", "fidelity.engine.faults", "--port", str(port), "--plan", json.dumps(asdict(plan))]
+    if upstream:
+        cmd += ["--upstream", upstream]
+    if request_log:
+        cmd += ["--request-log", request_log]
+    return Spawned(cmd, port, timeout_s=60)
+
+
+def set_plan(url: str, plan: dict | None = None, request_log: str | None = None):
+    """Switch a running fault server to `plan` (and a request log), forgetting its attempt counts."""
+    import httpx
+
+    httpx.post(url + "/_control", json={"plan": plan or {}, "request_log": request_log}, timeout=10).raise_for_status()
