@@ -204,3 +204,28 @@ def test_unsupported_format_and_untargeted_module(tmp_path):
     write_ct_pack(tmp_path, {"m": stored}, {"group_0": dict(scheme_json(scheme), targets=["re:nothing"])}, fmt)
     with pytest.raises(PackError, match=r"targets.*m\.weight_packed"):
         open_pack(tmp_path)
+
+
+def test_config_without_format_infers_it_from_the_stored_tensors(tmp_path, rng_seed):
+    """Older llm-compressor configs name no format: int32 weight_packed is pack-quantized."""
+    fmt, args = "pack-quantized", CASES["int4_group_asym"][1]
+    comp, scheme, stored = compress(torch.randn(24, 128).bfloat16(), args, fmt)
+    group = {k: v for k, v in scheme_json(scheme).items() if k != "format"}
+    write_ct_pack(tmp_path, {"m": stored}, {"group_0": group}, fmt)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["quantization_config"]["format"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert torch.equal(open_pack(tmp_path).tensor("m.weight"), library_fp32(comp, scheme, stored, fmt))
+
+
+@pytest.mark.parametrize("key,value,message", [("sparsity_config", {"format": "sparse-24-bitmask"}, "sparsity format"),
+                                               ("transform_config", {"config_groups": {"u": {}}}, "transform_config")])
+def test_sparse_and_rotated_packs_are_refused(tmp_path, key, value, message):
+    fmt, args = "pack-quantized", CASES["int4_group_sym"][1]
+    comp, scheme, stored = compress(torch.randn(8, 64).bfloat16(), args, fmt)
+    write_ct_pack(tmp_path, {"m": stored}, {"group_0": scheme_json(scheme)}, fmt)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"][key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PackError, match=rf"{message}.*config\.json"):
+        open_pack(tmp_path)

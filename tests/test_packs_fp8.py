@@ -168,3 +168,16 @@ def test_ue8m0_declared_but_scales_not_powers_of_two(tmp_path):
     write_pack(tmp_path, {"a.weight": random_fp8(16, 200), "a.weight_scale_inv": s}, {**DEEPSEEK_QC, "scale_fmt": "ue8m0"})
     with pytest.raises(PackError, match=r"powers of two.*a\.weight_scale_inv"):
         open_pack(tmp_path).tensor("a.weight")
+
+
+def test_scale_in_an_absent_shard_makes_the_weight_absent_not_unscaled(tmp_path):
+    """The weight's shard is here, its scale's is not: the weight must not decode as if unscaled."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    write_safetensors(tmp_path / "s1.safetensors", {name: random_fp8(130, 64)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: "s1.safetensors", name + "_scale_inv": "s2.safetensors"}}))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": DEEPSEEK_QC}))
+    pack = open_pack(tmp_path)
+    assert pack.names() == [name] and pack.storage(name).format == "absent"
+    with pytest.raises(PackError, match=r"absent.*up_proj\.weight.*s2\.safetensors"):
+        pack.tensor(name)

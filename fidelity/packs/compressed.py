@@ -20,7 +20,7 @@ from ..errors import PackError
 from .base import LogicalTensor, Storage
 from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
 from .fp4 import MX_BLOCK, NV_BLOCK, check_group_grid, dequantize_mxfp4, dequantize_nvfp4
-from .fp8 import FP8_DTYPES, ceil_div, read_scales
+from .fp8 import FP8_DTYPES, absent_entry, ceil_div, read_scales
 
 KNOWN_QUANT_METHODS.add("compressed-tensors")
 
@@ -277,8 +277,19 @@ def mxfp4_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:
     return LogicalTensor(m.storage("mxfp4", f"E2M1 x {sdtype} e8m0 per-32", shape, (1, MX_BLOCK)), decode)
 
 
+def stored_format(m: ModuleParams) -> str:
+    """The format a module's stored tensors imply, for configs that name none (or "dense"/"mixed-precision")."""
+    if m.has("weight_packed"):
+        if m.info("weight_packed").dtype == "I32":
+            return "pack-quantized"
+        return "nvfp4-pack-quantized" if m.has("weight_global_scale") else "mxfp4-pack-quantized"
+    return "float-quantized" if m.info("weight").dtype in FP8_DTYPES else "int-quantized"
+
+
 def module_entry(m: ModuleParams, scheme: Scheme) -> LogicalTensor:
     fmt, args = scheme.format, scheme.weights
+    if fmt in ("dense", "mixed-precision"):
+        fmt = stored_format(m)
     if fmt in UNSUPPORTED_FORMATS:
         raise m.error(f"compressed-tensors format {fmt!r} is not supported", "weight_scale")
     if args is None:
@@ -297,7 +308,7 @@ def module_entry(m: ModuleParams, scheme: Scheme) -> LogicalTensor:
 
 def stored_form_fits(m: ModuleParams, scheme: Scheme) -> bool:
     packed = m.has("weight_packed")
-    if scheme.format in UNSUPPORTED_FORMATS:
+    if scheme.format in UNSUPPORTED_FORMATS or scheme.format in ("dense", "mixed-precision"):
         return True  # so that `module_entry` says what is unsupported
     if scheme.format in ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized"):
         return packed
@@ -308,6 +319,13 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     if pack.format != "compressed-tensors":
         return {}
     qc = pack.quant_config or {}
+    cfg_file = pack.root / "config.json"
+    sparsity = (pack.config.get("sparsity_config") or qc.get("sparsity_config") or {}).get("format", "dense")
+    if sparsity not in ("dense", None):
+        raise PackError(f"compressed-tensors sparsity format {sparsity!r} is not supported", file=cfg_file)
+    if qc.get("transform_config"):
+        raise PackError("compressed-tensors transform_config (online rotations) is not supported: the stored weights "
+                        "are rotated", file=cfg_file)
     if qc.get("quantization_status") not in (None, "compressed"):
         return {}  # weights were saved unpacked (fake-quantized floats): they are plain tensors
     schemes = schemes_of(pack)
@@ -315,8 +333,11 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     out = {}
     for module in modules:
         m = ModuleParams(pack, module, pool)
-        if not all(pack.raw.available(n) for n in m.names.values()):
-            continue  # an absent shard: `native` records it, an error only if asked for
+        absent = absent_entry(pack, f"{module}.weight", tuple(m.names.values()))
+        if absent is not None:
+            out[f"{module}.weight"] = absent
+            pool.difference_update(m.names.values())
+            continue
         if not m.has("weight_packed"):
             if not m.has("weight") or pack.raw.info(m.name("weight")).dtype in ("BF16", "F16", "F32"):
                 continue  # an unquantized weight stored beside its scales

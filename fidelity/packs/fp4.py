@@ -17,7 +17,7 @@ import torch
 from ..errors import PackError
 from .base import LogicalTensor, Storage
 from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
-from .fp8 import ceil_div, read_scales
+from .fp8 import absent_entry, ceil_div, read_scales
 
 KNOWN_QUANT_METHODS.update({"mxfp4", "modelopt"})
 
@@ -131,21 +131,25 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     raw = pack.raw
     out = {}
     for name in sorted(pool):
-        if name not in pool or not raw.available(name):
+        if name not in pool:
             continue
         if name.endswith("_blocks"):
             scales = name[: -len("_blocks")] + "_scales"
-            if scales in pool and raw.available(scales):
-                entry = gpt_oss_entry(pack, name, scales)
-                out[entry.storage.name] = entry
+            if scales in pool:
+                logical = name[: -len("_blocks")]
+                entry = absent_entry(pack, logical, (name, scales)) or gpt_oss_entry(pack, name, scales)
+                out[logical] = entry
                 pool.difference_update({name, scales})
-        elif name.endswith(".weight") and raw.info(name).dtype == "U8":
+        elif name.endswith(".weight"):
             base = name[: -len(".weight")]
             scale, scale_2 = f"{base}.weight_scale", f"{base}.weight_scale_2"
             if scale in pool and scale_2 in pool:
-                out[name] = modelopt_nvfp4_entry(pack, name, scale, scale_2)
+                absent = absent_entry(pack, name, (name, scale, scale_2))
+                if absent is None and raw.info(name).dtype != "U8":
+                    continue  # e.g. an FP8 weight with a second scale: not FP4
+                out[name] = absent or modelopt_nvfp4_entry(pack, name, scale, scale_2)
                 pool.difference_update({name, scale, scale_2})
-            elif scale in pool:
+            elif scale in pool and raw.available(name) and raw.info(name).dtype == "U8":
                 raise PackError("packed uint8 weight with a weight_scale but no weight_scale_2 (NVFP4 global scale)",
                                 file=raw.file_path(name), tensor=name)
     return out

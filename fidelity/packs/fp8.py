@@ -118,6 +118,20 @@ def apply_scales(w: torch.Tensor, s: torch.Tensor, layout: ScaleLayout) -> torch
     return apply_block_scales(w, s, layout.block)
 
 
+def absent_entry(pack: SafetensorsPack, logical: str, raw_names: tuple[str, ...]) -> LogicalTensor | None:
+    """If a part of a quantized tensor sits in an absent shard, the whole logical tensor is absent (an error only when
+    decoded), never decoded from the parts that are there. None when every part is present."""
+    missing = [n for n in raw_names if not pack.raw.available(n)]
+    if not missing:
+        return None
+    path = pack.raw.file_path(missing[0])
+
+    def fail():
+        raise PackError(f"the index names a shard that is absent (it holds {missing[0]})", file=path, tensor=logical)
+
+    return LogicalTensor(Storage(logical, "absent", "?", (), 0, files=(str(path),), raw=raw_names), fail)
+
+
 # -- the claimer --------------------------------------------------------------------------------------------------
 def config_block(pack: SafetensorsPack) -> tuple[int, int] | None:
     qc = pack.quant_config or {}
@@ -157,7 +171,12 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
             continue
         base = name[: -len(".weight")]
         scale_name = next((f"{base}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{base}.{s}" in pool), None)
-        if scale_name is None or not (raw.available(name) and raw.available(scale_name)):
+        if scale_name is None:
+            continue
+        absent = absent_entry(pack, name, (name, scale_name))
+        if absent is not None:
+            out[name] = absent
+            pool.difference_update({name, scale_name})
             continue
         if raw.info(name).dtype not in FP8_DTYPES:
             continue
