@@ -10,6 +10,7 @@ from ..errors import PackError
 from .base import BitsReport, LogicalTensor, Pack, Storage, tensor_role
 from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
 from . import compressed, fp4, fp8  # noqa: F401  (safetensors quantized formats: register their claimers)
+from . import exl3  # noqa: F401  (EXL3 trellis packs, all five layouts; registers itself first)
 from . import native  # noqa: F401  (registers the fallback claimer; keep it imported last among claimers)
 
 __all__ = ["open_pack", "Pack", "Storage", "LogicalTensor", "BitsReport", "tensor_role", "SafetensorsPack",

@@ -275,3 +275,22 @@ def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, c
     inner_t = tiles.permute(1, 3, 0, 2).reshape(n_p, k_p)               # Q^T, so the result comes out as W^T
     w_t = rotate_back(inner_t, svh, suh)
     return w_t if (out, inp) == (n_p, k_p) else w_t[:out, :inp].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the claimer (layouts in exl3_layouts.py)
+# ---------------------------------------------------------------------------------------------------------------------
+from .folder import KNOWN_QUANT_METHODS, register_claimer  # noqa: E402
+
+KNOWN_QUANT_METHODS.update({"exl3", "deepseek_v41_exl3"})
+
+
+def claim(pack, pool: set):
+    """EXL3 linears of any of the five layouts; for official-named layouts also every other tensor, renamed to HF."""
+    from .exl3_layouts import claim as claim_layouts
+
+    return claim_layouts(pack, pool)
+
+
+# first: official-named EXL3 packs hold FP8 tensors that this claimer renames, so the fp8 claimer must not take them
+register_claimer("exl3", claim, before="compressed")

@@ -1,0 +1,107 @@
+"""Standard exllamav3 checkpoints (golden tiny Llama converted by exllamav3 1.6.5) open with open_pack and decode."""
+import json
+import shutil
+import tarfile
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import SHARED
+from fidelity import PackError, open_pack
+
+GOLDEN = SHARED / "golden" / "exl3"
+MODELS = ("exl3_4p0_mul1", "exl3_3p0_3inst")
+
+
+def _extract(tmp_path_factory, name: str):
+    tar = GOLDEN / f"{name}.tar.gz"
+    if not tar.exists():
+        pytest.skip(f"golden EXL3 model not found at {tar}")
+    out = tmp_path_factory.mktemp(name)
+    with tarfile.open(tar) as t:
+        t.extractall(out, filter="data")
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def golden_models(tmp_path_factory):
+    return {m: _extract(tmp_path_factory, m) for m in MODELS + ("tiny_llama_fp16",)}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_golden_checkpoint_opens_and_every_linear_decodes(golden_models, model):
+    pack = open_pack(golden_models[model])
+    orig = load_file(golden_models["tiny_llama_fp16"] / "model.safetensors")
+    assert pack.format == "exl3"
+    assert sorted(pack.names()) == sorted(orig)
+    qc = json.loads((golden_models[model] / "quantization_config.json").read_text())
+    bits, codebook = qc["bits"], qc["codebook"]
+    n_exl3 = 0
+    for name in pack.names():
+        s = pack.storage(name)
+        t = pack.tensor(name)
+        assert t.shape == orig[name].shape, name
+        if s.format != "exl3":
+            assert torch.equal(t, orig[name].float()), name
+            continue
+        n_exl3 += 1
+        K = 6 if name == "lm_head.weight" else bits
+        assert s.dtype == f"exl3 K={K:g} {codebook}", name
+        rel = ((t - orig[name].float()).pow(2).mean() / orig[name].float().pow(2).mean()).item()
+        # EXL3's error roughly quarters per extra bit; a wrong permutation or scale would give rel >= 1
+        assert rel < {3: 0.06, 4: 0.015, 6: 0.003}[K], (name, rel)
+    assert n_exl3 == 15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_golden_logits_close_to_exllamav3_dequantized(golden_models, model):
+    from fidelity.oracle import Oracle
+
+    path = GOLDEN / "logits.safetensors"
+    logits = load_file(path)
+    ours = Oracle(open_pack(golden_models[model])).logits(logits["input_ids"])
+    ref = logits[f"logits.{model}.dequant_hf_fp32"]      # transformers on exllamav3's fp16-rounded weights
+    quant_effect = (ref - logits["logits.orig.hf_fp32"]).abs().max().item()
+    diff = (ours - ref).abs().max().item()
+    assert diff < 0.02 and diff < 0.05 * quant_effect, (diff, quant_effect)
+
+
+def _copy(golden_models, tmp_path, model="exl3_4p0_mul1"):
+    dst = tmp_path / model
+    shutil.copytree(golden_models[model], dst)
+    return dst
+
+
+def _edit_tensors(path, fn):
+    f = path / "model.safetensors"
+    ts = load_file(f)
+    fn(ts)
+    save_file(ts, str(f))
+
+
+def test_stated_bits_disagreeing_with_trellis(golden_models, tmp_path):
+    dst = _copy(golden_models, tmp_path)
+    q = json.loads((dst / "quantization_config.json").read_text())
+    q["tensor_storage"]["model.layers.1.mlp.up_proj"]["bits_per_weight"] = 5
+    (dst / "quantization_config.json").write_text(json.dumps(q))
+    with pytest.raises(PackError, match=r"states K=5 .* implies K=4.*model\.layers\.1\.mlp\.up_proj\.trellis.*model\.safetensors"):
+        open_pack(dst)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda ts: ts.pop("model.layers.0.self_attn.q_proj.suh"), r"no suh .*q_proj\.suh.*model\.safetensors"),
+    (lambda ts: ts.__setitem__("model.layers.0.mlp.up_proj.svh", torch.ones(128).half()),
+     r"svh has shape \[128\].*needs \[256\].*up_proj\.svh.*model\.safetensors"),
+    (lambda ts: ts.__setitem__("model.layers.0.mlp.up_proj.trellis", torch.zeros(8, 16, 20, dtype=torch.int16)),
+     r"not divisible by 16.*up_proj\.trellis.*model\.safetensors"),
+    (lambda ts: ts.__setitem__("model.layers.0.mlp.up_proj.trellis", torch.zeros(8, 16, 144, dtype=torch.int16)),
+     r"K=9, outside 1\.\.8.*up_proj\.trellis.*model\.safetensors"),
+])
+def test_bad_exl3_tensors_name_tensor_and_file(golden_models, tmp_path, edit, needle):
+    dst = _copy(golden_models, tmp_path)
+    (dst / "quantization_config.json").unlink()   # no stated K: the shape checks themselves must fire
+    _edit_tensors(dst, edit)
+    with pytest.raises(PackError, match=needle):
+        open_pack(dst)
