@@ -181,3 +181,21 @@ def test_scale_in_an_absent_shard_makes_the_weight_absent_not_unscaled(tmp_path)
     assert pack.names() == [name] and pack.storage(name).format == "absent"
     with pytest.raises(PackError, match=r"absent.*up_proj\.weight.*s2\.safetensors"):
         pack.tensor(name)
+
+
+def test_modelopt_fp8_pb_wo_four_dim_block_scales(tmp_path, rng_seed):
+    """ModelOpt FP8_PB_WO exports weight_scale as [out_blocks, 1, in_blocks, 1] (vLLM squeezes it)."""
+    q = random_fp8(200, 256)
+    s = torch.rand(2, 1, 2, 1) + 0.1
+    write_pack(tmp_path, {"m.weight": q, "m.weight_scale": s}, {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"})
+    pack = open_pack(tmp_path)
+    assert torch.equal(pack.tensor("m.weight"), reference(q, expand_grid(s.double().reshape(2, 2), 200, 256, 128, 128)))
+    assert pack.storage("m.weight").block == (128, 128)
+
+
+def test_modelopt_mxfp8_e8m0_per_32(tmp_path, rng_seed):
+    q = random_fp8(5, 96)
+    e = torch.randint(110, 140, (5, 3), dtype=torch.uint8)
+    write_pack(tmp_path, {"m.weight": q, "m.weight_scale": e}, {"quant_method": "modelopt", "quant_algo": "MXFP8"})
+    got = open_pack(tmp_path).tensor("m.weight")
+    assert torch.equal(got, reference(q, expand_grid(e.view(torch.float8_e8m0fnu).double(), 5, 96, 1, 32)))

@@ -25,6 +25,8 @@ KNOWN_QUANT_METHODS.update({"mxfp4", "modelopt"})
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 MX_BLOCK = 32
 NV_BLOCK = 16
+# ModelOpt algorithms whose tensors `fp8` and this module read (vLLM's list, less none)
+MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8", "NVFP4", "W4A16_NVFP4", "MIXED_PRECISION")
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -120,8 +122,9 @@ def _check_modelopt_algo(pack: SafetensorsPack):
     if pack.format != "modelopt":
         return
     algo = str(qc.get("quant_algo") or "").upper()
-    if algo and algo not in ("FP8", "NVFP4", "MIXED_PRECISION"):
-        raise PackError(f"ModelOpt quant_algo {algo!r} is not supported (FP8 and NVFP4 are)", file=pack.root / "config.json")
+    if algo and algo not in MODELOPT_ALGOS:
+        raise PackError(f"ModelOpt quant_algo {algo!r} is not supported (supported: {', '.join(MODELOPT_ALGOS)})",
+                        file=pack.root / "config.json")
 
 
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:

@@ -1,5 +1,7 @@
 """FP8 (e4m3 / e5m2) weights with scales: the DeepSeek `weight_scale_inv` 128x128 block grid (fp32 or power-of-two
-ue8m0 scales, stored as F32, F8_E8M0 or uint8 exponents), per-channel and per-tensor `weight_scale`.
+ue8m0 scales, stored as F32, F8_E8M0 or uint8 exponents), per-channel and per-tensor `weight_scale`, ModelOpt's
+FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO (`weight_scale` [R, 1, C, 1]) and MXFP8 (uint8 e8m0 `weight_scale` per 32
+inputs).
 
 value = float(fp8) * scale, computed in fp32 (one rounding: an fp8 x fp32 product is exact unless it overflows).
 The scale helpers here are shared by the other scaled formats (fp4, compressed-tensors).
@@ -77,9 +79,13 @@ def block_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...
     return (*lead, ceil_div(rows, block[0]), ceil_div(cols, block[1]))
 
 
-def scale_layout(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, int] | None,
+MX_BLOCK = (1, 32)  # MXFP8: one e8m0 scale per 32 consecutive inputs
+
+
+def scale_layout(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], blocks: list[tuple[int, int]],
                  *, file, tensor: str) -> ScaleLayout:
-    """Recognise the scale grid from the shapes; a grid that fits none is an error naming the scale tensor."""
+    """Recognise the scale grid from the shapes: one value, one per row, or one per block of any of `blocks` (stored
+    [.., R, C] or as ModelOpt's [.., R, 1, C, 1]). A grid that fits none is an error naming the scale tensor."""
     *lead, rows, _ = weight_shape
     numel = 1
     for s in scale_shape:
@@ -88,19 +94,20 @@ def scale_layout(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], bl
         return ScaleLayout("tensor")
     if tuple(scale_shape) in ((*lead, rows), (*lead, rows, 1)):
         return ScaleLayout("channel")
-    want_block = block or DEFAULT_BLOCK
-    if tuple(scale_shape) == block_grid(weight_shape, want_block):
-        return ScaleLayout("block", tuple(want_block))
+    for block in blocks:
+        *glead, gr, gc = block_grid(weight_shape, block)
+        if tuple(scale_shape) in ((*glead, gr, gc), (*glead, gr, 1, gc, 1)):
+            return ScaleLayout("block", tuple(block))
+    want = ", ".join(f"{list(block_grid(weight_shape, b))} for {b[0]}x{b[1]} blocks" for b in blocks)
     raise PackError(f"scales of the wrong grid: shape {list(scale_shape)} fits weight {list(weight_shape)} neither "
-                    f"per-tensor, per-channel nor in {want_block[0]}x{want_block[1]} blocks "
-                    f"(expected {list(block_grid(weight_shape, want_block))})", file=file, tensor=tensor)
+                    f"per-tensor, per-channel nor in blocks (expected {want})", file=file, tensor=tensor)
 
 
 def apply_block_scales(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """w[..., r, c] * s[..., r // bh, c // bw]; the last row/column blocks may be partial (ceil-div grid)."""
     *lead, rows, cols = w.shape
     bh, bw = block
-    gr, gc = s.shape[-2:]
+    gr, gc = ceil_div(rows, bh), ceil_div(cols, bw)
     pr, pc = gr * bh, gc * bw
     if (pr, pc) != (rows, cols):
         padded = w.new_zeros(*lead, pr, pc)
@@ -148,7 +155,8 @@ def fp8_entry(pack: SafetensorsPack, name: str, scale_name: str, block: tuple[in
     """A scaled fp8 weight: `name` holds the fp8 values, `scale_name` the scales (grid recognised from the shapes)."""
     raw = pack.raw
     info, sinfo = raw.info(name), raw.info(scale_name)
-    layout = scale_layout(info.shape, sinfo.shape, block, file=raw.file_path(scale_name), tensor=scale_name)
+    blocks = [block or DEFAULT_BLOCK] + ([MX_BLOCK] if sinfo.dtype in E8M0_DTYPES else [])
+    layout = scale_layout(info.shape, sinfo.shape, blocks, file=raw.file_path(scale_name), tensor=scale_name)
     logical = logical_name or name
 
     def decode() -> torch.Tensor:
