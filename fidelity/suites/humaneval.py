@@ -98,7 +98,7 @@ class HumanEval(CodeSuite):
         res = self.sandbox.run(program)
         done = res.ok and res.stdout.strip().splitlines()[-1:] == [nonce]
         verdict = "passed" if done else (res.reason or "exited before the tests finished")
-        return Outcome(extracted=code, passed=done, verdict=verdict, details={"sandbox_wall_s": round(res.wall_s, 3)})
+        return Outcome(extracted=code, passed=done, verdict=verdict)
 
 
 HARNESS = """\

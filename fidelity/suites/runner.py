@@ -128,9 +128,12 @@ class RunSummary:
 
 
 async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: str, settings: Settings | None = None,
-                    concurrency: int = 4, client=None, retry_errors: bool = True, progress=None) -> RunSummary:
+                    concurrency: int = 4, client=None, retry_errors: bool = True, progress=None,
+                    client_options: dict | None = None) -> RunSummary:
     """Runs (or resumes) `suite` into `run_dir`. `client` defaults to an `EngineClient` with its request journal in the run
-    folder; tests pass a stand-in with the same `chat`/`completion` methods."""
+    folder (`client_options`: more `ClientConfig` fields, e.g. retries); tests pass a stand-in with the same
+    `chat`/`completion` methods. Items whose engine request failed are recorded as errors, and sent again on resume when
+    `retry_errors`."""
     settings = settings or Settings()
     if settings.mode not in suite.modes:
         raise RunError(f"suite {suite.name} supports modes {list(suite.modes)}, not {settings.mode!r}")
@@ -138,7 +141,8 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
     run_dir.mkdir(parents=True, exist_ok=True)
     own_client = client is None
     if own_client:
-        client = EngineClient(ClientConfig(engine, model=model, concurrency=concurrency, journal=run_dir / REQUESTS))
+        client = EngineClient(ClientConfig(engine, model=model, concurrency=concurrency, journal=run_dir / REQUESTS,
+                                           **(client_options or {})))
     try:
         items = suite.load()
         if settings.limit is not None:
@@ -167,10 +171,15 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
                              time.monotonic() - t0)
             else:
                 latency = time.monotonic() - t0
-                out = await asyncio.to_thread(suite.score, item, text, calls)
                 response = text if not calls else json.dumps({"content": text, "tool_calls": calls})
-                rec = Record(item.item_id, out.passed, out.score, prompt_hash(body), json.dumps(body), response, out.extracted,
-                             out.verdict, "", latency, json.dumps(out.details, default=str))
+                try:
+                    out = await asyncio.to_thread(suite.score, item, text, calls)
+                except Exception as e:  # a scorer bug must not sink the run nor count against the model
+                    rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), response, "", "scorer error",
+                                 f"scorer error: {type(e).__name__}: {e}", latency)
+                else:
+                    rec = Record(item.item_id, out.passed, out.score, prompt_hash(body), json.dumps(body), response,
+                                 out.extracted, out.verdict, "", latency, json.dumps(out.details, default=str))
             journal.append(rec)
             if progress:
                 progress(rec)
