@@ -102,18 +102,23 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor
     return vals.to(torch.int32) - (1 << (num_bits - 1))
 
 
-def expand_param(t: torch.Tensor, args: WeightArgs, shape: tuple[int, ...], g_idx: torch.Tensor | None) -> torch.Tensor:
-    """A per-tensor/channel/group/block parameter broadcast to the weight's [..., rows, cols]."""
-    *lead, rows, cols = shape
+def apply_param_(w: torch.Tensor, t: torch.Tensor, op, args: WeightArgs, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """In place: w = op(w, t broadcast from its per-tensor/channel/group/block grid to w's [..., rows, cols])."""
+    *lead, rows, cols = w.shape
     if args.strategy == "tensor":
-        return t.reshape(())
+        return op(w, t.reshape(()))
     if args.strategy == "channel":
-        return t.reshape(*lead, rows, 1)
+        return op(w, t.reshape(*lead, rows, 1))
     if args.strategy in ("group", "tensor_group"):
-        cols_group = g_idx if g_idx is not None else torch.arange(cols) // args.group_size
-        return t[..., cols_group]
+        gs = args.group_size
+        whole = cols // gs
+        if g_idx is None and whole * gs == cols:  # the common case: a view, no full-size temporary
+            op(w.unflatten(-1, (whole, gs)), t[..., None])
+            return w
+        cols_group = g_idx if g_idx is not None else torch.arange(cols) // gs
+        return op(w, t[..., cols_group])
     bh, bw = args.block
-    return t[..., torch.arange(rows) // bh, :][..., torch.arange(cols) // bw]
+    return op(w, t[..., torch.arange(rows) // bh, :][..., torch.arange(cols) // bw])
 
 
 def param_grid(args: WeightArgs, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -211,10 +216,10 @@ def weight_shape_of(m: ModuleParams, args: WeightArgs) -> tuple[int, ...]:
 def int_dequantize(m: ModuleParams, args: WeightArgs, q: torch.Tensor, shape, zp) -> torch.Tensor:
     s = read_scales(m.pack, m.name("weight_scale"))
     g_idx = m.g_idx(args, shape)
-    w = q.to(torch.float32)
+    w = q.to(torch.float32).reshape(shape)
     if zp is not None:
-        w = w - expand_param(zp.to(torch.float32), args, shape, g_idx)
-    return w * expand_param(s, args, shape, g_idx)
+        apply_param_(w, zp.to(torch.float32), torch.Tensor.sub_, args, g_idx)
+    return apply_param_(w, s, torch.Tensor.mul_, args, g_idx)
 
 
 def pack_quantized_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:

@@ -30,21 +30,33 @@ MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8", "NVF
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n] -> fp32 [..., 2n]; element 2i is the low nibble of byte i."""
+    """uint8 [..., n] -> fp32 [..., 2n]; element 2i is the low nibble of byte i. Decoded in slices of rows so that
+    the index temporaries stay small next to the fp32 result."""
     b = packed.view(torch.uint8)
-    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
-    return E2M1_VALUES[codes.long()]
+    n = b.shape[-1]
+    out = torch.empty(*b.shape[:-1], 2 * n)
+    b_rows, out_rows = b.reshape(-1, n), out.view(-1, 2 * n)
+    step = max(1, (1 << 22) // max(n, 1))
+    for i in range(0, b_rows.shape[0], step):
+        chunk = b_rows[i:i + step]
+        out_rows[i:i + step, 0::2] = E2M1_VALUES[(chunk & 0x0F).long()]
+        out_rows[i:i + step, 1::2] = E2M1_VALUES[(chunk >> 4).long()]
+    return out
 
 
-def expand_groups(s: torch.Tensor, group: int, cols: int) -> torch.Tensor:
-    """Per-group scales [..., G] -> per-element [..., cols] (the last group may be partial)."""
-    return s.repeat_interleave(group, dim=-1)[..., :cols]
+def scale_groups_(q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """In place: q[..., j] *= s[..., j // group] (the last group may be partial)."""
+    whole = q.shape[-1] // group
+    if whole:
+        q[..., :whole * group].unflatten(-1, (whole, group)).mul_(s[..., :whole, None])
+    if q.shape[-1] > whole * group:
+        q[..., whole * group:].mul_(s[..., whole:whole + 1])
+    return q
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """packed uint8 [..., in/2], fp32 power-of-two scales [..., in/32] -> fp32 [..., in] (products are exact)."""
-    q = unpack_e2m1(packed)
-    return q * expand_groups(scales, MX_BLOCK, q.shape[-1])
+    return scale_groups_(unpack_e2m1(packed), scales, MX_BLOCK)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
@@ -53,9 +65,10 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     ModelOpt  q * s * s2   (q * s is exact; one rounding for * s2);
     compressed-tensors  q * (s / g)   (its dequantize divides the block scale by the global scale first)."""
     q = unpack_e2m1(packed)
-    s = expand_groups(scales, NV_BLOCK, q.shape[-1])
     g = global_scale.reshape(())
-    return q * (s / g) if global_divides else (q * s) * g
+    if global_divides:
+        return scale_groups_(q, scales / g, NV_BLOCK)
+    return scale_groups_(q, scales, NV_BLOCK).mul_(g)
 
 
 def check_group_grid(pack: SafetensorsPack, packed_name: str, scale_name: str, group: int) -> tuple[int, ...]:

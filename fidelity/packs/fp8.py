@@ -113,15 +113,16 @@ def apply_block_scales(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int])
         padded = w.new_zeros(*lead, pr, pc)
         padded[..., :rows, :cols] = w
         w = padded
-    w = w.reshape(*lead, gr, bh, gc, bw) * s.reshape(*lead, gr, 1, gc, 1)
-    return w.reshape(*lead, pr, pc)[..., :rows, :cols]
+    w.view(*lead, gr, bh, gc, bw).mul_(s.reshape(*lead, gr, 1, gc, 1))
+    return w[..., :rows, :cols]
 
 
 def apply_scales(w: torch.Tensor, s: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    """Scale a freshly decoded fp32 weight in place."""
     if layout.kind == "tensor":
-        return w * s.reshape(())
+        return w.mul_(s.reshape(()))
     if layout.kind == "channel":
-        return w * s.reshape(*w.shape[:-1], 1)
+        return w.mul_(s.reshape(*w.shape[:-1], 1))
     return apply_block_scales(w, s, layout.block)
 
 
