@@ -42,7 +42,8 @@ def test_killed_run_resumes_to_the_same_records(toy, tmp_path):
     set_plan(toy.url, {"latency_s": 0.25})
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     n = 8
-    subprocess.run(cli_run(toy.url, whole, n), check=True, capture_output=True, timeout=120)
+    asyncio.run(run_suite(make_suite("humaneval"), whole, engine=toy.url, model="toy", concurrency=1,
+                          settings=Settings(limit=n, max_tokens=24)))
     proc = subprocess.Popen(cli_run(toy.url, killed, n), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while len(journal_lines(killed)) < 3 and time.monotonic() < deadline:
