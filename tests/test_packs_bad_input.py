@@ -107,3 +107,27 @@ def test_scale_of_an_integer_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(PackError, match=r"scale dtype I32.*a\.weight_scale_inv.*model\.safetensors"):
         open_pack(tmp_path).tensor("a.weight")
+
+
+def test_mla_attention_and_vision_tower_are_not_false_problems(tmp_path):
+    """DeepSeek-V2-Lite MLA: q_proj is heads x (nope + rope), o_proj reads heads x v_head_dim; a vision tower's own
+    layers neither count as language-model layers nor use its sizes."""
+    t = llama_tensors()
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn."
+        del t[p + "k_proj.weight"], t[p + "v_proj.weight"]
+        t[p + "q_proj.weight"] = torch.randn(4 * (6 + 2), 16)
+        t[p + "o_proj.weight"] = torch.randn(16, 4 * 5)
+    t["vision_tower.encoder.layers.7.self_attn.q_proj.weight"] = torch.randn(3, 3)
+    cfg = dict(CFG, kv_lora_rank=4, qk_nope_head_dim=6, qk_rope_head_dim=2, v_head_dim=5)
+    check_against_config(write_pack(tmp_path, t, cfg))
+    cfg["v_head_dim"] = 4
+    with pytest.raises(PackError, match=r"hidden_size x o_in = \[16, 16\].*o_proj\.weight"):
+        check_against_config(write_pack(tmp_path, t, cfg))
+
+
+def test_multimodal_prefix_checked_against_text_config(tmp_path):
+    t = {k.replace("model.", "model.language_model.", 1): v for k, v in llama_tensors().items()}
+    t["model.language_model.layers.1.mlp.up_proj.weight"] = torch.randn(25, 16)
+    pack = write_pack(tmp_path, t, {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": CFG})
+    assert [e.tensor for e in config_problems(pack)] == ["model.language_model.layers.1.mlp.up_proj.weight"]

@@ -7,30 +7,37 @@ import re
 from ..errors import PackError
 from .base import Pack
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# the language model's own tensors (not a vision or audio tower's): optional multimodal prefix, then the HF names
+_LM = r"^(?:model\.language_model\.|language_model\.model\.|language_model\.|model\.)?"
+_LAYER = re.compile(_LM + r"layers\.(\d+)\.")
 
 
 def _dims(cfg: dict) -> dict[str, int]:
     """Named sizes the checks below use; a size the config does not give is left out (its checks are skipped)."""
     d = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads") if cfg.get(k)}
-    if "num_attention_heads" in d and "hidden_size" in d:
-        head_dim = cfg.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or d["num_attention_heads"]
-        d["q_out"] = d["num_attention_heads"] * head_dim
-        d["kv_out"] = kv_heads * head_dim
+    heads = d.get("num_attention_heads")
+    if heads and "hidden_size" in d:
+        if cfg.get("kv_lora_rank") is not None:  # MLA (DeepSeek): q heads carry nope+rope dims, o_proj reads v dims
+            d["q_out"] = heads * (cfg.get("qk_nope_head_dim", 0) + cfg.get("qk_rope_head_dim", 0))
+            d["o_in"] = heads * cfg.get("v_head_dim", 0)
+        else:
+            head_dim = cfg.get("head_dim") or d["hidden_size"] // heads
+            d["q_out"] = heads * head_dim * (2 if cfg.get("attn_output_gate") else 1)  # Qwen3-Next gates from q_proj
+            d["o_in"] = heads * head_dim
+            d["kv_out"] = (cfg.get("num_key_value_heads") or heads) * head_dim
     return d
 
 
 # logical-name pattern -> expected shape as config size names
 _EXPECTED: list[tuple[re.Pattern, tuple[str, ...]]] = [(re.compile(p), s) for p, s in [
-    (r"^(model\.)?embed_tokens\.weight$", ("vocab_size", "hidden_size")),
-    (r"^lm_head\.weight$", ("vocab_size", "hidden_size")),
-    (r"\.self_attn\.q_proj\.weight$", ("q_out", "hidden_size")),
-    (r"\.self_attn\.[kv]_proj\.weight$", ("kv_out", "hidden_size")),
-    (r"\.self_attn\.o_proj\.weight$", ("hidden_size", "q_out")),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight$", ("intermediate_size", "hidden_size")),
-    (r"layers\.\d+\.mlp\.down_proj\.weight$", ("hidden_size", "intermediate_size")),
-    (r"(input_layernorm|post_attention_layernorm)\.weight$|^model\.norm\.weight$", ("hidden_size",)),
+    (_LM + r"embed_tokens\.weight$", ("vocab_size", "hidden_size")),
+    (r"^(?:language_model\.)?lm_head\.weight$", ("vocab_size", "hidden_size")),
+    (_LM + r"layers\.\d+\.self_attn\.q_proj\.weight$", ("q_out", "hidden_size")),
+    (_LM + r"layers\.\d+\.self_attn\.[kv]_proj\.weight$", ("kv_out", "hidden_size")),
+    (_LM + r"layers\.\d+\.self_attn\.o_proj\.weight$", ("hidden_size", "o_in")),
+    (_LM + r"layers\.\d+\.mlp\.(gate|up)_proj\.weight$", ("intermediate_size", "hidden_size")),
+    (_LM + r"layers\.\d+\.mlp\.down_proj\.weight$", ("hidden_size", "intermediate_size")),
+    (_LM + r"(layers\.\d+\.(input_layernorm|post_attention_layernorm)|norm)\.weight$", ("hidden_size",)),
 ]]
 
 
@@ -53,7 +60,7 @@ def _disagreements(pack: Pack) -> list[tuple[str, str, str]]:
     problems = []
     layers = set()
     for name in pack.names():
-        m = _LAYER.search(name)
+        m = _LAYER.match(name)
         if m:
             layers.add(int(m.group(1)))
         s = pack.storage(name)
