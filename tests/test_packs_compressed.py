@@ -84,12 +84,14 @@ def scheme_json(scheme) -> dict:
     return json.loads(scheme.model_dump_json())
 
 
+INT = dict(type="int")
 CASES = {
-    "int4_group_sym": ("pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32), (70, 160)),
-    "int4_group_asym": ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64), (37, 192)),
+    "int4_group_sym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=True, strategy="group", group_size=32), (70, 160)),
+    "int4_group_asym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=False, strategy="group", group_size=64), (37, 192)),
     "int8_channel_sym": ("pack-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (45, 100)),
     "int4_channel_asym": ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="channel"), (37, 99)),
-    "int3_group_asym": ("pack-quantized", dict(num_bits=3, type="int", symmetric=False, strategy="group", group_size=16), (29, 80)),
+    "int3_group_asym": ("pack-quantized", dict(num_bits=3, **INT, symmetric=False, strategy="group", group_size=16),
+                        (29, 80)),
     "int8_naive_channel": ("int-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (33, 70)),
     "fp8_block": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="block",
                                           block_structure=[128, 128]), (300, 200)),

@@ -102,7 +102,8 @@ def test_e8m0_smallest_exponent_is_exact(tmp_path):
 def test_per_tensor_and_per_channel_weight_scale(tmp_path, rng_seed, scale_shape):
     r, c = 37, 65
     q = random_fp8(r, c)
-    s = {"scalar": torch.rand(()), "one": torch.rand(1), "channel": torch.rand(r), "channel_col": torch.rand(r, 1)}[scale_shape]
+    s = {"scalar": torch.rand(()), "one": torch.rand(1), "channel": torch.rand(r),
+         "channel_col": torch.rand(r, 1)}[scale_shape]
     s = s + 1e-3
     name = "model.layers.0.self_attn.q_proj.weight"
     write_pack(tmp_path, {name: q, "model.layers.0.self_attn.q_proj.weight_scale": s},

@@ -45,7 +45,8 @@ def test_overlay_replaces_named_tensors_and_lists_sources(tmp_path, rng_seed):
         want = (ref_over if n in over else ref_base)[n].float()
         assert torch.equal(pack.tensor(n), want), n
         assert pack.origin(n) == ("overlay" if n in over else "base")
-    assert {k: sorted(v) for k, v in pack.sources().items()} == {"overlay": sorted(over), "base": sorted(set(NAMES) - set(over))}
+    listing = {k: sorted(v) for k, v in pack.sources().items()}
+    assert listing == {"overlay": sorted(over), "base": sorted(set(NAMES) - set(over))}
     assert pack.storage(NAMES[2]).dtype == "F16" and pack.storage(NAMES[0]).dtype == "BF16"
     assert pack.storage(NAMES[1]).files == (str(tmp_path / "build" / "build.safetensors"),)
     assert pack.config["vocab_size"] == 50 and pack.tokenizer_source() == tmp_path / "base"

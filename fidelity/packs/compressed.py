@@ -204,7 +204,8 @@ class ModuleParams:
 def weight_shape_of(m: ModuleParams, args: WeightArgs) -> tuple[int, ...]:
     shape = tuple(int(v) for v in m.get("weight_shape").tolist())
     pshape = m.info("weight_packed").shape
-    if len(shape) != len(pshape) or shape[:-1] != tuple(pshape[:-1]) or pshape[-1] != ceil_div(shape[-1] * args.num_bits, 32):
+    width = ceil_div(shape[-1] * args.num_bits, 32)
+    if len(shape) != len(pshape) or shape[:-1] != tuple(pshape[:-1]) or pshape[-1] != width:
         hint = ""
         if len(shape) == len(pshape) and pshape[-1] == ceil_div(shape[-1], 32 // args.num_bits):
             hint = " (this is the older compressed-tensors layout without values straddling words; not supported)"

@@ -81,7 +81,8 @@ def _disagreements(pack: Pack) -> list[tuple[str, str, str]]:
         beyond = sorted(i for i in layers if i >= n_layers + extra)
         if missing:
             problems.append((f"{where} says num_hidden_layers={n_layers} but the pack has no tensors for layers "
-                             f"{missing[:5]}{'...' if len(missing) > 5 else ''}", str(pack.path), f"model.layers.{missing[0]}"))
+                             f"{missing[:5]}{'...' if len(missing) > 5 else ''}", str(pack.path),
+                             f"model.layers.{missing[0]}"))
         if beyond:
             problems.append((f"{where} says num_hidden_layers={n_layers} but the pack has layers up to {beyond[-1]}",
                              str(pack.path), f"model.layers.{beyond[0]}"))
