@@ -6,8 +6,8 @@ that fills a given context length, then asked for. Our own generator, determinis
 - Needle values are drawn from a seeded generator and redrawn until they occur nowhere in the haystack, so only the needle can
   supply the answer.
 - Lengths are in the engine's own tokens: measured with its tokenize endpoint (plus the chat template's overhead, measured
-  once from `usage.prompt_tokens`), or, without one, calibrated from `usage.prompt_tokens` of probe requests. The prompt is
-  cut so that prompt + `max_tokens` (the room reserved for the answer) fits the context length.
+  once from `usage.prompt_tokens`), or, without one, from `usage.prompt_tokens` of probe requests (max_tokens=1). The filler
+  is bisected so that prompt + `max_tokens` (the room reserved for the answer) fits the context length.
 - Grid: lengths × depths × seeds; item ids `L{length}-d{depth}-s{seed}`.
 - Scoring: the first number in the answer (digit groups joined, so "1,234,567" reads 1234567) must equal the needle exactly.
 """
@@ -134,28 +134,34 @@ class Needle(Suite):
         return items
 
     async def _fit(self, counter: "TokenCounter", budget: int) -> str:
-        """Longest haystack prefix (cut at a sentence end) whose prompt, needle included, fits in `budget` tokens."""
+        """Longest haystack prefix whose prompt, needle included, fits in `budget` tokens (bisection on characters)."""
         if budget < 64:
             raise ConfigError(f"needle: a context length leaves only {budget} tokens for the prompt after the answer's room")
         probe = lambda n: build_prompt(self._prefix(n), "amber-harbor", "1234567", 0.5)
-        slack = max(8, budget // 100)
-        chars = min(len(self.haystack), budget * 4)
-        for _ in range(6):
-            used = await counter.count(probe(chars))
-            if used <= budget and budget - used <= slack:
-                return self._prefix(chars)
-            if used < budget and chars == len(self.haystack):
-                raise ConfigError(f"needle: the haystack ({len(self.haystack)} chars, {used} tokens) is too short for "
+        whole = await counter.count(probe(len(self.haystack)))
+        if whole <= budget:
+            if whole < budget - max(8, budget // 100):
+                raise ConfigError(f"needle: the haystack ({len(self.haystack)} chars, {whole} tokens) is too short for "
                                   f"{budget} prompt tokens; give a larger haystack folder")
-            chars = min(len(self.haystack), int(chars * (budget - slack / 2) / used))
-        while await counter.count(probe(chars)) > budget:
-            chars = int(chars * 0.97)
-        return self._prefix(chars)
+            return self._prefix(len(self.haystack))
+        lo, hi = 0, len(self.haystack)
+        while hi - lo > 16:
+            mid = (lo + hi) // 2
+            if await counter.count(probe(mid)) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return self._prefix(lo)
 
     def _prefix(self, chars: int) -> str:
+        """The first `chars` characters, cut back to a sentence end nearby, else to a word boundary."""
         text = self.haystack[:chars]
-        end = max(text.rfind(". "), text.rfind("\n\n"))
-        return text[: end + 1] if end > chars // 2 else text
+        if chars >= len(self.haystack):
+            return text
+        end = max(text.rfind(". "), text.rfind("\n"))
+        if end >= chars - 200:
+            return text[: end + 1]
+        return text[: max(text.rfind(" "), 0)]
 
     def score(self, item: Item, text: str, tool_calls: list) -> Outcome:
         got, want = read_number(text), item.data["value"]
