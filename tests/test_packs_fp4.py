@@ -176,3 +176,30 @@ def test_modelopt_unsupported_algo(tmp_path):
                                                                                    "quant_algo": "W4A8_AWQ"}})
     with pytest.raises(PackError, match=r"W4A8_AWQ.*config\.json"):
         open_pack(tmp_path)
+
+
+def test_modelopt_nvfp4_agrees_with_compressed_tensors_converter(tmp_path, rng_seed):
+    """Cross-check of the ModelOpt convention (weight_scale_2 multiplies) with an independent library: compressed-
+    tensors' own ModelOpt->CT converter (1/weight_scale_2 becomes its dividing global scale), then its decompress.
+    Its order of operations, q * (s / (1/s2)), rounds differently from ModelOpt's (q * s) * s2: equal to within 1 ulp."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    out, inp = 24, 64
+    name = "model.layers.0.mlp.up_proj"
+    ts = {name + ".weight": torch.randint(0, 256, (out, inp // 2), dtype=torch.uint8),
+          name + ".weight_scale": random_e4m3_scales(out, inp // 16), name + ".weight_scale_2": torch.rand(()) * 1e-2,
+          name + ".input_scale": torch.rand(())}
+    write_pack(tmp_path, ts, {"quantization_config": NVFP4_QC})
+    ours = open_pack(tmp_path).tensor(name + ".weight")
+    ct = ModelOptNvfp4Converter(targets=[f"re:{name}"]).process(dict(ts))
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+    q = unpack_fp4_from_uint8(ct[name + ".weight_packed"], out, inp, dtype=torch.float32)
+    theirs = dequantize(q, ct[name + ".weight_scale"].float(), args=args, dtype=torch.float32,
+                        global_scale=ct[name + ".weight_global_scale"].reshape(1))
+    ulp = torch.finfo(torch.float32).eps * ours.abs()
+    assert ((ours - theirs).abs() <= ulp).all()
+    assert (ours != 0).any()
