@@ -24,14 +24,14 @@ from .base import LogicalTensor, Pack, Storage
 # gguf architecture name -> (HF model_type, HF architectures[0])
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # llama.cpp's convert_hf_to_gguf permutes the rows of q_proj / k_proj for these (LlamaModel.permute) so that its
 # rope kernel can rotate adjacent pairs; HF rotates halves.
-PERMUTED_QK_ARCHS = {"llama", "mistral"}
+PERMUTED_QK_ARCHS = {"llama"}
+MISTRAL = ("mistral", "MistralForCausalLM")  # llama.cpp writes Mistral models as arch "llama"
 # llama.cpp metadata names for tensors that are not model parameters
 NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 
@@ -123,8 +123,8 @@ def recover_config(reader, arch: str, tensor_names: set[str], path: Path) -> dic
 
     model_type, hf_arch = ARCHITECTURES[arch]
     name = str(field_value(reader, "general.name", "") or "")
-    if arch == "llama" and "mistral" in name.lower():  # llama.cpp writes Mistral models as arch "llama"
-        model_type, hf_arch = ARCHITECTURES["mistral"]
+    if arch == "llama" and "mistral" in name.lower():
+        model_type, hf_arch = MISTRAL
     hidden = int(need("embedding_length"))
     n_head = int(need("attention.head_count"))
     n_kv = meta("attention.head_count_kv", n_head)
@@ -132,8 +132,11 @@ def recover_config(reader, arch: str, tensor_names: set[str], path: Path) -> dic
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
     if vocab is None:
-        t = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        vocab = int(t.shape[1])
+        embd = [t for t in reader.tensors if t.name == "token_embd.weight"]
+        if not embd:
+            raise PackError(f"cannot tell the vocabulary size: no {arch}.vocab_size, tokenizer or token_embd.weight",
+                            file=path)
+        vocab = int(embd[0].shape[1])
     cfg = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -260,5 +263,5 @@ class GGUFPack(Pack):
             w = unpermute_qk(w, self.config["num_key_value_heads"])
         return w
 
-    def tokenizer_source(self) -> Path:
-        return self.path
+    def tokenizer_source(self) -> Path | None:
+        return self.path if "tokenizer.ggml.tokens" in self.reader.fields else None

@@ -262,6 +262,8 @@ def _write_tokenizer_metadata(writer, pack: Pack, tokenizer_from: Pack | None, p
         return
     from .tokenizer import load_tokenizer
 
+    if source.tokenizer_source() is None or not (Path(source.tokenizer_source()) / "tokenizer.json").exists():
+        return  # no tokenizer to carry: the GGUF opens in our reader, llama.cpp needs one
     tok = load_tokenizer(source)
     root = Path(source.tokenizer_source())
     n = max(len(tok), int(pack.config.get("vocab_size", 0)))
@@ -287,3 +289,33 @@ def _write_tokenizer_metadata(writer, pack: Pack, tokenizer_from: Pack | None, p
         raise PackError("write_gguf builds GGUF tokenizers for BPE (tokenizer.json with merges) only", file=root)
     special.chat_template = tok.chat_template or special.chat_template
     special.add_to_gguf(writer, quiet=True)
+
+
+def write_gguf_tensors(path: str | Path, arch: str, hparams: dict, tensors: dict[str, tuple[np.ndarray, str]],
+                       extra: dict[str, object] | None = None) -> Path:
+    """A raw GGUF for tests: `hparams` become `{arch}.{key}` metadata (ints -> uint32, floats -> float32),
+    `tensors` maps llama.cpp names to (stored array, GGML type name): uint8 bytes [..., bytes per row] for quantized
+    types, the values for F32/F16. `extra` adds string/int metadata under its full key."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in hparams.items():
+        if isinstance(value, bool):
+            writer.add_bool(f"{arch}.{key}", value)
+        elif isinstance(value, int):
+            writer.add_uint32(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_string(f"{arch}.{key}", str(value))
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=None if qtype in ("F32", "F16") else _ggml_type(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
