@@ -231,3 +231,40 @@ def test_sparse_and_rotated_packs_are_refused(tmp_path, key, value, message):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PackError, match=rf"{message}.*config\.json"):
         open_pack(tmp_path)
+
+
+@pytest.mark.slow
+def test_real_smollm2_weights_in_every_safetensors_form(tmp_path, smollm2_gguf):
+    """Trained weights (SmolLM2's layer-0 MLP, 576 rows as in DeepSeek's kv_a_proj) quantized by compressed-tensors
+    (int4 group asym, FP8 128x128 block) and by the DeepSeek recipe (FP8 with weight_scale_inv), each read back."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    reader = GGUFReader(smollm2_gguf)
+    by_name = {t.name: t for t in reader.tensors}
+    real = {hf: torch.from_numpy(gguf_dequantize(by_name[g].data, by_name[g].tensor_type).copy())
+            for hf, g in [("mlp.down_proj", "blk.0.ffn_down.weight"), ("mlp.up_proj", "blk.0.ffn_up.weight")]}
+    assert real["mlp.down_proj"].shape == (576, 1536)
+    for fmt, args in [CASES["int4_group_asym"][:2], CASES["fp8_block"][:2]]:
+        d = tmp_path / fmt
+        d.mkdir()
+        comps = {f"model.layers.0.{n}": compress(w.bfloat16(), args, fmt) for n, w in real.items()}
+        scheme = scheme_json(comps["model.layers.0.mlp.up_proj"][1])
+        write_ct_pack(d, {m: c[2] for m, c in comps.items()}, {"group_0": scheme}, fmt)
+        pack = open_pack(d)
+        for m, (comp, scheme, stored) in comps.items():
+            assert torch.equal(pack.tensor(m + ".weight"), library_fp32(comp, scheme, stored, fmt)), (fmt, m)
+    # DeepSeek's own recipe: per 128x128 block, scale = amax / 448, q = fp8(w / scale)
+    w = real["mlp.down_proj"]
+    grid = torch.nn.functional.pad(w, (0, 0, 0, 64)).reshape(5, 128, 12, 128).abs().amax((1, 3)) / 448.0
+    s_full = grid[torch.arange(576) // 128][:, torch.arange(1536) // 128]
+    q = (w / s_full).to(torch.float8_e4m3fn)
+    d = tmp_path / "deepseek"
+    d.mkdir()
+    write_safetensors(d / "model.safetensors", {"model.layers.0.mlp.down_proj.weight": q,
+                                                "model.layers.0.mlp.down_proj.weight_scale_inv": grid})
+    (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8",
+                                                                       "weight_block_size": [128, 128]}}))
+    got = open_pack(d).tensor("model.layers.0.mlp.down_proj.weight")
+    assert torch.equal(got, (q.double() * s_full.double()).float())
+    assert (got - w).abs().max() <= w.abs().max() / 16  # and it is the trained weight, to fp8 precision
