@@ -118,10 +118,9 @@ def test_equals_compressed_tensors_decompress(tmp_path, rng_seed, case):
     assert got.shape == shape and got.dtype == torch.float32
     ref = library_fp32(comp, scheme, stored, fmt)
     assert torch.equal(got, ref.float()), f"max |d| {(got - ref).abs().max()}"
-    # the library's unmodified path computes in bf16: our exact value rounded to bf16 is what it returns
-    if fmt in ("pack-quantized", "int-quantized", "float-quantized"):
-        lib_bf16 = comp.decompress(stored, scheme)["weight"]
-        assert lib_bf16.dtype == torch.bfloat16 and torch.equal(got.bfloat16(), lib_bf16)
+    # the library's unmodified path returns bf16: our exact value rounded to bf16
+    lib_bf16 = comp.decompress(stored, scheme)["weight"]
+    assert lib_bf16.dtype == torch.bfloat16 and torch.equal(got.bfloat16(), lib_bf16)
     st = pack.storage(name + ".weight")
     assert st.nbytes == sum(v.numel() * v.element_size() for v in stored.values())  # scales, zp, shape counted
     assert set(st.raw) == {f"{name}.{k}" for k in stored}
