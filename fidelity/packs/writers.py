@@ -106,6 +106,8 @@ def choose_type(hf_name: str, shape: tuple[int, ...], ftype: str, n_layers: int,
         return "F32"
     base = MIXES.get(ftype, ftype)
     cols = shape[-1]
+    if base in ("F32", "F16", "BF16"):  # llama.cpp applies its per-tensor rules to quantized file types only
+        return base
     if hf_name == "lm_head.weight" or (tied and hf_name == "model.embed_tokens.weight"):
         # llama.cpp's output rule: Q8_0 when the row is not a 256 multiple, else Q6_K unless the type is Q8_0
         if cols % 256 != 0:
