@@ -38,6 +38,10 @@ def test_code_extraction_from_chat_and_completion():
     assert extract_code(chat, prompt, "add", "chat") == "import math\n\ndef add(a, b):\n    return a + b\n"
     assert extract_code("```\n    return a + b\n```", prompt, "add", "chat") == prompt + "    return a + b\n"
     assert extract_code("    return a + b\n", prompt, "add", "completion") == prompt + "    return a + b\n"
+    typed = "from typing import List\nimport math\n\n\ndef norm(xs: List[float]) -> float:\n    \"\"\"Norm.\"\"\"\n"
+    answer = "```python\nimport math\ndef norm(xs: List[float]) -> float:\n    return math.sqrt(sum(x * x for x in xs))\n```"
+    assert extract_code(answer, typed, "norm", "chat") == ("from typing import List\nimport math\ndef norm(xs: List[float]) -> float:\n"
+                                                         "    return math.sqrt(sum(x * x for x in xs))\n")
 
 
 def evalplus_file(tmp_path: Path, humaneval) -> Path:

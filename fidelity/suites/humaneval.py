@@ -8,7 +8,8 @@ solution on its inputs (trusted code, in this process, as evalplus does); the ge
 same inputs through evalplus's own `unsafe_execute`, base inputs then plus inputs. `passed` = base and plus both pass.
 
 Chat mode asks with evalplus's instruction ("Please provide a self-contained Python script ... in a markdown code block") and
-takes the first fenced block that defines the entry point (the task's prompt is prepended when the block lacks it); completion
+takes the first fenced block that defines the entry point, with the prompt's import lines put back in front (chat answers
+often drop `from typing import List`), or the prompt plus the block when it is a bare body; completion
 mode sends the bare prompt and appends the completion, stopping at the usual top-level markers.
 """
 from __future__ import annotations
@@ -38,8 +39,9 @@ def extract_code(text: str, prompt: str, entry_point: str, mode: str) -> str:
     defining = [b for b in blocks if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", b, re.M)]
     code = (defining or blocks)[0]
     if not defining:
-        code = prompt + code  # a bare function body
-    return code
+        return prompt + code  # a bare function body
+    imports = [ln for ln in prompt.splitlines() if re.match(r"(from\s+\S+\s+)?import\s", ln) and ln not in code]
+    return "\n".join(imports) + "\n" + code if imports else code  # the prompt's imports (List, math, ...) the answer assumes
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -17,8 +17,10 @@ Data: `data=` a local jsonl in Google's format (key, prompt, instruction_id_list
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import random
 import sys
@@ -56,7 +58,8 @@ def load_checkers():
             created.append(pkg)
     mods = {}
     try:
-        with mock.patch.object(nltk, "download", lambda *a, **k: False):
+        # no download (offline, and not ours to trigger); the module prints "Downloaded punkt_tab" regardless: hide that
+        with mock.patch.object(nltk, "download", lambda *a, **k: False), contextlib.redirect_stdout(io.StringIO()):
             for name in ("instructions_util", "instructions", "instructions_registry", "utils"):
                 full = f"lm_eval.tasks.ifeval.{name}"
                 if full not in sys.modules:

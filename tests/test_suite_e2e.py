@@ -1,0 +1,104 @@
+"""Every suite end to end against a real engine: llama-cpp-python's OpenAI server with SmolLM2-135M on loopback, a few items
+each with small budgets; then `suite compare` of two real runs against statsmodels/scipy on the same tables."""
+import asyncio
+import json
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats
+from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
+
+from fidelity.engine.faults import Spawned, free_port
+from fidelity.suites import make_suite
+from fidelity.suites.compare import compare_runs
+from fidelity.suites.records import read_manifest, read_records
+from fidelity.suites.runner import Settings, run_suite
+
+from test_suite_scoring import SHARED_IFEVAL, evalplus_file
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llama(smollm2_gguf, tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    port = free_port()
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf), "--host", "127.0.0.1", "--port", str(port),
+           "--n_ctx", "2048", "--n_threads", "2", "--verbose", "False"]
+    with Spawned(cmd, port, log=str(log), timeout_s=180) as srv:
+        yield srv
+
+
+def mbpp_file(tmp_path):
+    row = {"task_id": "Mbpp/900", "entry_point": "sum_of_squares", "atol": 0, "contract": "",
+           "prompt": '"""\nWrite a function to return the sum of the squares of a list of integers.\n'
+                     'assert sum_of_squares([1, 2, 3]) == 14\n"""\n',
+           "canonical_solution": "def sum_of_squares(xs):\n    return sum(x * x for x in xs)\n",
+           "base_input": [[[1, 2, 3]], [[0]]], "plus_input": [[[]], [[-4, 5]]]}
+    path = tmp_path / "MbppPlus-mini.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "task_id": "Mbpp/901", "entry_point": "double_all",
+                                                          "prompt": '"""\nWrite a function that doubles every item of a list.\n'
+                                                                    'assert double_all([1, 2]) == [2, 4]\n"""\n',
+                                                          "canonical_solution": "def double_all(xs):\n    return [2 * x for x in xs]\n"}) + "\n")
+    return path
+
+
+def suite_case(name, tmp_path):
+    if name == "humaneval":
+        return make_suite("humaneval"), Settings(limit=2, max_tokens=40)
+    if name == "humaneval+":
+        return make_suite("humaneval+", data=str(evalplus_file(tmp_path, make_suite("humaneval")))), Settings(max_tokens=40)
+    if name == "mbpp+":
+        return make_suite("mbpp+", data=str(mbpp_file(tmp_path))), Settings(max_tokens=40)
+    if name == "ifeval":
+        if not SHARED_IFEVAL.exists():
+            pytest.skip(f"{SHARED_IFEVAL} is absent")
+        return make_suite("ifeval", data=str(SHARED_IFEVAL)), Settings(limit=2, max_tokens=24)
+    if name == "needle":
+        return make_suite("needle", lengths=[384], depths=[0.0, 1.0], seeds=1), Settings(max_tokens=12)
+    return make_suite("toolcall", categories=["simple", "irrelevance"]), Settings(limit=2, max_tokens=24)
+
+
+@pytest.mark.parametrize("name", ["humaneval", "humaneval+", "mbpp+", "ifeval", "needle", "toolcall"])
+def test_suite_runs_end_to_end(llama, tmp_path, name):
+    suite, settings = suite_case(name, tmp_path)
+    summary = asyncio.run(run_suite(suite, tmp_path / "run", engine=llama.url, model="smollm2", settings=settings,
+                                    concurrency=2))
+    df = read_records(tmp_path / "run")
+    print(df[["item_id", "passed", "score", "verdict", "response"]].to_string())
+    assert summary.errors == 0 and len(df) == summary.items == 2
+    assert (df["error"] == "").all() and df["passed"].notna().all()
+    assert df["response"].str.len().gt(0).any()
+    for req in df["request"]:
+        body = json.loads(req)
+        assert body["temperature"] == 0.0 and body["max_tokens"] == settings.max_tokens
+    m = read_manifest(tmp_path / "run")
+    assert m["suite"] == name and m["engine"] == llama.url and m["items"] == list(df["item_id"]) and m["finished"]
+    if name == "needle":
+        assert m["suite_config"]["measure"].startswith("tokenize")  # llama-cpp-python's /extras/tokenize
+        prompts = [json.loads(d)["prompt_tokens"] for d in df["details"]]
+        assert all(384 - 12 - 16 <= p <= 384 - 12 for p in prompts), prompts
+    if name == "ifeval":
+        assert df["score"].notna().all()
+
+
+def test_compare_two_real_runs_matches_statsmodels(llama, tmp_path):
+    if not SHARED_IFEVAL.exists():
+        pytest.skip(f"{SHARED_IFEVAL} is absent")
+    suite = make_suite("ifeval", data=str(SHARED_IFEVAL))
+    for run, max_tokens in (("a", 32), ("b", 6)):  # the same prompts; B's answers are cut short
+        asyncio.run(run_suite(suite, tmp_path / run, engine=llama.url, model="smollm2",
+                              settings=Settings(limit=4, max_tokens=max_tokens), concurrency=2))
+    rep = compare_runs(tmp_path / "a", tmp_path / "b")
+    a, b = read_records(tmp_path / "a"), read_records(tmp_path / "b")
+    pa_, pb_ = a["passed"].astype(bool).to_numpy(), b["passed"].astype(bool).to_numpy()
+    table = np.array([[np.sum(pa_ & pb_), np.sum(pa_ & ~pb_)], [np.sum(~pa_ & pb_), np.sum(~pa_ & ~pb_)]])
+    print(table, rep)
+    assert rep["n_items"] == 4 and (rep["flips_a_to_b"], rep["flips_b_to_a"]) == (table[0, 1], table[1, 0])
+    expected = sm_mcnemar(table, exact=True).pvalue if table[0, 1] + table[1, 0] else 1.0
+    assert rep["passed"]["p_value"] == pytest.approx(expected, rel=1e-12)
+    diff = a["score"].to_numpy(float) - b["score"].to_numpy(float)
+    t_ref = stats.ttest_rel(a["score"], b["score"]).pvalue if np.std(diff) > 0 else (1.0 if not diff.any() else 0.0)
+    assert rep["score"]["p_value"] == pytest.approx(t_ref, rel=1e-9)
