@@ -90,6 +90,7 @@ CASES = {
     "int4_group_asym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=False, strategy="group", group_size=64), (37, 192)),
     "int8_channel_sym": ("pack-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (45, 100)),
     "int4_channel_asym": ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="channel"), (37, 99)),
+    "int4_tensor_asym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=False, strategy="tensor"), (9, 24)),
     "int3_group_asym": ("pack-quantized", dict(num_bits=3, **INT, symmetric=False, strategy="group", group_size=16),
                         (29, 80)),
     "int8_naive_channel": ("int-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (33, 70)),
@@ -270,3 +271,12 @@ def test_real_smollm2_weights_in_every_safetensors_form(tmp_path, smollm2_gguf):
     got = open_pack(d).tensor("model.layers.0.mlp.down_proj.weight")
     assert torch.equal(got, (q.double() * s_full.double()).float())
     assert (got - w).abs().max() <= w.abs().max() / 16  # and it is the trained weight, to fp8 precision
+
+
+def test_zero_points_of_the_wrong_grid(tmp_path):
+    fmt, args = "pack-quantized", CASES["int4_group_asym"][1]
+    comp, scheme, stored = compress(torch.randn(16, 128).bfloat16(), args, fmt)
+    stored["weight_zero_point"] = stored["weight_zero_point"][:1].contiguous()
+    write_ct_pack(tmp_path, {"model.layers.0.mlp.gate_proj": stored}, {"group_0": scheme_json(scheme)}, fmt)
+    with pytest.raises(PackError, match=r"zero points of the wrong grid.*\[2, 2\].*gate_proj\.weight_zero_point"):
+        open_pack(tmp_path)

@@ -174,8 +174,21 @@ class ModuleParams:
         got = tuple(self.info(p).shape)
         allowed = param_grid(args, shape)
         if got not in allowed:
-            raise self.error(f"scales of the wrong grid: {p} has shape {list(got)}, the {args.strategy} strategy on a "
+            kind = "zero points" if p.endswith("zero_point") else "scales"
+            raise self.error(f"{kind} of the wrong grid: {p} has shape {list(got)}, the {args.strategy} strategy on a "
                              f"{list(shape)} weight needs {[list(a) for a in allowed]}", p)
+
+    def check_zero_point_grid(self, args: WeightArgs, shape, packed: bool) -> None:
+        if args.symmetric or not self.has("weight_zero_point"):
+            return
+        if packed and args.strategy in ("group", "channel"):  # packed along the rows
+            n_groups = self.info("weight_scale").shape[-1]
+            want = (*shape[:-2], ceil_div(shape[-2] * args.num_bits, 32), n_groups)
+            if tuple(self.info("weight_zero_point").shape) != want:
+                raise self.error(f"zero points of the wrong grid: shape {list(self.info('weight_zero_point').shape)}, "
+                                 f"expected {list(want)} (packed along the rows)", "weight_zero_point")
+        else:
+            self.check_grid("weight_zero_point", args, shape)
 
     def g_idx(self, args: WeightArgs, shape) -> torch.Tensor | None:
         if not self.has("weight_g_idx"):
@@ -231,6 +244,7 @@ def pack_quantized_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:
         raise m.error(f"weight_packed must be int32, got {m.info('weight_packed').dtype}", "weight_packed")
     shape = weight_shape_of(m, args)
     m.check_grid("weight_scale", args, shape)
+    m.check_zero_point_grid(args, shape, packed=True)
 
     def decode() -> torch.Tensor:
         q = unpack_int32(m.get("weight_packed"), args.num_bits, shape[-1])
@@ -247,6 +261,7 @@ def naive_entry(m: ModuleParams, args: WeightArgs, fmt: str) -> LogicalTensor:
     info = m.info("weight")
     shape = tuple(info.shape)
     m.check_grid("weight_scale", args, shape)
+    m.check_zero_point_grid(args, shape, packed=False)
     is_float = info.dtype in FP8_DTYPES
     if not is_float and info.dtype not in ("I8", "I16", "I32"):
         raise m.error(f"{fmt} weight must be int or fp8, got {info.dtype}", "weight")
