@@ -13,7 +13,29 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 
-Fetch = Callable[[str], torch.Tensor]
+
+
+class Fetch:
+    """Reads weights for a family: `fetch(name)` -> tensor on the oracle's device and dtype; `fetch.concat(names)`
+    stacks tensors along dim 0 into one preallocated buffer, so fusing never holds the parts and the whole at once."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple] | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.read, self.shape_of, self.device, self.dtype = read, shape_of, torch.device(device), dtype
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.read(name).to(device=self.device, dtype=self.dtype)
+
+    def concat(self, names: list[str]) -> torch.Tensor:
+        shapes = [tuple(self.shape_of(n)) if self.shape_of else () for n in names]
+        if any(len(s) == 0 for s in shapes) or len({s[1:] for s in shapes}) != 1:
+            return torch.cat([self(n) for n in names], dim=0)
+        out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), device=self.device, dtype=self.dtype)
+        start = 0
+        for name, shape in zip(names, shapes):
+            out[start:start + shape[0]] = self(name)
+            start += shape[0]
+        return out
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -80,14 +102,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 class GatedMLP:
-    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul (`gate_up` = [gate; up])."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str,
-                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None):
-        self.inner = gate.shape[0]
-        self.gate_up = torch.cat((gate, up), dim=0)
-        self.gate_up_bias = None if gate_bias is None else torch.cat((gate_bias, up_bias), dim=0)
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
+        self.inner = gate_up.shape[0] // 2
+        self.gate_up, self.gate_up_bias = gate_up, gate_up_bias
         self.down, self.down_bias = down, down_bias
         self.act = activation(act)
 
@@ -102,9 +122,14 @@ class GatedMLP:
 
     @classmethod
     def load(cls, prefix: str, fetch: Fetch, act: str, bias: bool = False) -> "GatedMLP":
-        w = {p: fetch(f"{prefix}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
-        b = {p: fetch(f"{prefix}.{p}.bias") if bias else None for p in ("gate_proj", "up_proj", "down_proj")}
-        return cls(w["gate_proj"], w["up_proj"], w["down_proj"], act, b["gate_proj"], b["up_proj"], b["down_proj"])
+        return cls.from_names(fetch, f"{prefix}.gate_proj", f"{prefix}.up_proj", f"{prefix}.down_proj", act, bias)
+
+    @classmethod
+    def from_names(cls, fetch: Fetch, gate: str, up: str, down: str, act: str, bias: bool = False) -> "GatedMLP":
+        """gate/up/down: module names (without `.weight`)."""
+        return cls(fetch.concat([f"{gate}.weight", f"{up}.weight"]), fetch(f"{down}.weight"), act,
+                   fetch.concat([f"{gate}.bias", f"{up}.bias"]) if bias else None,
+                   fetch(f"{down}.bias") if bias else None)
 
 
 class Family:

@@ -180,7 +180,7 @@ class DeepseekV3Family(Family):
     @staticmethod
     def expert_names(i: int, e: int) -> tuple[str, str, str]:
         p = f"model.layers.{i}.mlp.experts.{e}"
-        return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+        return f"{p}.gate_proj", f"{p}.up_proj", f"{p}.down_proj"
 
     def layer_names(self, i: int) -> list[str]:
         p = f"model.layers.{i}"
@@ -191,7 +191,7 @@ class DeepseekV3Family(Family):
         if self.args.n_shared_experts:
             names += GatedMLP.names(f"{p}.mlp.shared_experts")
         for e in range(self.args.n_routed_experts):
-            names += self.expert_names(i, e)
+            names += [f"{m}.weight" for m in self.expert_names(i, e)]
         return names
 
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:

@@ -96,8 +96,8 @@ class Attention:
     def __init__(self, a: AttentionArgs, prefix: str, fetch: Fetch, window: int | None):
         self.a, self.window = a, window
         parts = ("q_proj", "k_proj", "v_proj")
-        self.qkv = torch.cat([fetch(f"{prefix}.{p}.weight") for p in parts], dim=0)
-        self.qkv_bias = torch.cat([fetch(f"{prefix}.{p}.bias") for p in parts], dim=0) if a.qkv_bias else None
+        self.qkv = fetch.concat([f"{prefix}.{p}.weight" for p in parts])
+        self.qkv_bias = fetch.concat([f"{prefix}.{p}.bias" for p in parts]) if a.qkv_bias else None
         self.o = fetch(f"{prefix}.o_proj.weight")
         self.o_bias = fetch(f"{prefix}.o_proj.bias") if a.o_bias else None
         if a.qk_norm:

@@ -16,7 +16,7 @@ from .rope import cos_sin
 class RoutedExperts:
     """Experts of one layer, materialised on first use and kept for the layer's lifetime.
 
-    `names(e)` gives expert e's (gate, up, down) weight names."""
+    `names(e)` gives expert e's (gate, up, down) module names (without `.weight`)."""
 
     def __init__(self, n_experts: int, names: Callable[[int], tuple[str, str, str]], fetch: Fetch, act: str):
         self.n_experts, self.names, self.fetch, self.act = n_experts, names, fetch, act
@@ -25,8 +25,7 @@ class RoutedExperts:
     def expert(self, e: int) -> GatedMLP:
         mlp = self.loaded.get(e)
         if mlp is None:
-            gate, up, down = self.names(e)
-            mlp = self.loaded[e] = GatedMLP(self.fetch(gate), self.fetch(up), self.fetch(down), self.act)
+            mlp = self.loaded[e] = GatedMLP.from_names(self.fetch, *self.names(e), self.act)
         return mlp
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -118,8 +117,8 @@ class MoeFamily(Family):
     def expert_names(self, i: int, e: int) -> tuple[str, str, str]:
         p = f"{self._moe_prefix(i)}.experts.{e}"
         if self.mixtral:
-            return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
-        return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+            return f"{p}.w1", f"{p}.w3", f"{p}.w2"
+        return f"{p}.gate_proj", f"{p}.up_proj", f"{p}.down_proj"
 
     def layer_names(self, i: int) -> list[str]:
         p = f"model.layers.{i}"
@@ -128,7 +127,7 @@ class MoeFamily(Family):
             return names + GatedMLP.names(f"{p}.mlp")
         names.append(f"{self._moe_prefix(i)}.gate.weight")
         for e in range(self.args.n_experts):
-            names += self.expert_names(i, e)
+            names += [f"{m}.weight" for m in self.expert_names(i, e)]
         return names
 
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:

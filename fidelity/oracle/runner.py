@@ -9,12 +9,26 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..errors import FidelityError, PackError
-from .common import Family, rms_norm
+from .common import Family, Fetch, rms_norm
 
 # Target bytes of one logits chunk in apply_head / iter_logits.
 HEAD_CHUNK_BYTES = 256 * 2**20
 # Rows of equal length are batched together up to this many tokens.
 BATCH_TOKENS = 8192
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc keeps freed blocks below its (self-raising) mmap threshold in the heap; trimming after each layer hands a
+    released layer's memory back to the OS, so peak RSS tracks one layer, not a few."""
+    try:
+        import ctypes
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+        return lambda: trim(0) and None
+    except (OSError, AttributeError):
+        return lambda: None
+
+
+release_freed_memory = _malloc_trim()
 
 
 def exact_math(device: torch.device) -> None:
@@ -45,6 +59,7 @@ class Oracle:
         self.family: Family = family_for(pack.config)
         exact_math(self.device)
         self._check_names()
+        self.fetch = Fetch(lambda name: self.pack.tensor(name), self._stored_shape, self.device, dtype)
         self._head: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._layers: dict[int, object] = {}
@@ -58,8 +73,8 @@ class Oracle:
                             f"needs, first {missing[0]!r}" + (f" (also {missing[1:4]})" if len(missing) > 1 else ""),
                             file=getattr(self.pack, "path", None), tensor=missing[0])
 
-    def fetch(self, name: str) -> torch.Tensor:
-        return self.pack.tensor(name).to(device=self.device, dtype=self.dtype)
+    def _stored_shape(self, name: str) -> tuple:
+        return tuple(self.pack.storage(name).shape)
 
     def load_layer(self, i: int):
         """The one place a layer's weights are read (prefetch and expert parallelism slot in here)."""
@@ -88,6 +103,7 @@ class Oracle:
         embed = self.fetch(fam.embed_name)
         acts = [F.embedding(torch.stack([rows[i] for i in idx]).to(self.device), embed) for idx in batches]
         del embed
+        release_freed_memory()
         for idx, x in zip(batches, acts):
             self._check_finite(x, idx, "the embeddings")
         max_len = max((len(r) for r in rows), default=0)
@@ -101,6 +117,7 @@ class Oracle:
                 self._check_finite(acts[b], idx, f"layer {layer_index}")
                 bar.update(len(idx))
             del layer
+            release_freed_memory()
         bar.close()
         norm = self.fetch(fam.norm_name)
         out: list[torch.Tensor | None] = [None] * len(rows)
