@@ -47,7 +47,7 @@ def mbpp_file(tmp_path):
 
 def suite_case(name, tmp_path):
     if name == "humaneval":
-        return make_suite("humaneval"), Settings(limit=2, max_tokens=40)
+        return make_suite("humaneval"), Settings(mode="completion", limit=2, max_tokens=40)
     if name == "humaneval+":
         return make_suite("humaneval+", data=str(evalplus_file(tmp_path, make_suite("humaneval")))), Settings(max_tokens=40)
     if name == "mbpp+":
@@ -82,6 +82,10 @@ def test_suite_runs_end_to_end(llama, tmp_path, name):
         assert all(384 - 12 - 16 <= p <= 384 - 12 for p in prompts), prompts
     if name == "ifeval":
         assert df["score"].notna().all()
+    if name == "humaneval":  # completion mode: the bare prompt, stop markers, prompt + completion executed
+        body = json.loads(df["request"][0])
+        assert "messages" not in body and body["prompt"] == suite.problems["HumanEval/0"]["prompt"] and "\ndef " in body["stop"]
+        assert df["extracted"][0] == body["prompt"] + df["response"][0]
 
 
 def test_compare_two_real_runs_matches_statsmodels(llama, tmp_path):

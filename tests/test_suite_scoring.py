@@ -194,6 +194,31 @@ def test_needle_fits_lengths_with_room_for_the_answer(rng_seed):
     assert read_number("no digits here") == ""
 
 
+class UsageOnlyClient(WordTokenizerClient):
+    async def tokenize(self, text):
+        return None  # no tokenize endpoint: lengths come from usage.prompt_tokens
+
+
+def test_needle_calibrates_from_usage_without_a_tokenizer():
+    suite = make_suite("needle", lengths=[500], depths=[0.5], seeds=1)
+    items = asyncio.run(suite.prepare(suite.load(), UsageOnlyClient(), Settings(max_tokens=30)))
+    assert suite.config()["measure"] == "usage.prompt_tokens"
+    n = len(items[0].prompt.split()) + 7
+    assert 500 - 30 - 16 <= n <= 500 - 30 and items[0].data["prompt_tokens"] is None
+
+
+def test_request_body_modes_and_thinking():
+    from fidelity.suites.runner import Item, request_body
+
+    suite = make_suite("humaneval")
+    item = Item("HumanEval/0", "hello")
+    chat = request_body(suite, item, Settings(thinking=False, max_tokens=9), "m")
+    assert chat["messages"] == [{"role": "user", "content": "hello"}] and chat["chat_template_kwargs"] == {"enable_thinking": False}
+    assert chat["max_tokens"] == 9 and chat["temperature"] == 0.0 and "stop" not in chat
+    comp = request_body(suite, item, Settings(mode="completion"), "m")
+    assert comp["prompt"] == "hello" and comp["max_tokens"] == suite.default_max_tokens and "chat_template_kwargs" not in comp
+
+
 def test_needle_errors(tmp_path):
     with pytest.raises(ConfigError, match="depths must lie in"):
         make_suite("needle", depths=[1.5])
