@@ -39,9 +39,17 @@ def _bootstrap_ci(per_row: np.ndarray, weights: np.ndarray, gen: np.random.Gener
     return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
 
 
+def _buckets(kl: np.ndarray, pmax: np.ndarray, edges=(0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)) -> list[dict]:
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        m = (pmax >= lo) & ((pmax < hi) if hi < 1.0 else (pmax <= hi))
+        out.append({"ref_confidence": [lo, hi], "positions": int(m.sum()), "kld_mean": float(kl[m].mean()) if m.any() else None})
+    return out
+
+
 def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel_sha: str | None = None,
                      packs=(("q8", 8.5, 0.15), ("q4", 4.5, 0.6)), rows_per_domain: int = 4, T: int = 24, V: int = 40,
-                     write_records: bool = True) -> tuple[dict, Truth]:
+                     write_records: bool = True, store: bool = True) -> tuple[dict, Truth]:
     """Random reference logits, each pack = reference + Gaussian noise of its scale; KL/top-1/PPL through plain torch."""
     g = torch.Generator().manual_seed(seed)
     gen = np.random.default_rng(seed)
@@ -66,14 +74,20 @@ def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel
     sha = panel_sha or f"{seed:08x}" * 8
     results, per_row_kl, truth_kl = [], {}, {}
     dom = np.array(domains)
-    rec_dir = folder
     folder.mkdir(parents=True, exist_ok=True)
-    base = pd.DataFrame({"row_id": np.repeat(row_ids, T), "domain": np.repeat(domains, T), "position": np.tile(np.arange(T), R),
-                         "token": tokens.reshape(-1).numpy(), "scored": scored.reshape(-1).numpy(), "nll": nll_ref.reshape(-1).numpy(),
-                         "topk_ids": list(ref_top_ids.reshape(-1, K).numpy()), "topk_logprobs": list(ref_top_lp.reshape(-1, K).numpy())})
+    if write_records and store:
+        # the reference store's records (fidelity.store layout): every token; top-K and NLL on scored ones
+        (folder / "reference").mkdir()
+        flat_scored = scored.reshape(-1).numpy()
+        pd.DataFrame({"row_id": np.repeat(row_ids, T), "domain": np.repeat(domains, T), "position": np.tile(np.arange(T), R),
+                      "token": tokens.reshape(-1).numpy(), "scored": flat_scored,
+                      "nll": np.where(flat_scored, nll_ref.reshape(-1).numpy(), np.nan),
+                      "topk_ids": [x if f else None for x, f in zip(ref_top_ids.reshape(-1, K).numpy(), flat_scored)],
+                      "topk_logprobs": [x if f else None for x, f in zip(ref_top_lp.reshape(-1, K).numpy(), flat_scored)]}
+                     ).to_parquet(folder / "reference" / "records.parquet")
+        (folder / "reference" / "manifest.json").write_text(json.dumps({"panel": {"name": panel_name, "sha256": sha}, "top_k": K}))
     if write_records:
-        base.to_parquet(rec_dir / "reference.parquet")
-        (rec_dir / "tokens.json").write_text(json.dumps({i: f"w{i} " for i in range(V)}))
+        (folder / "tokens.json").write_text(json.dumps({i: f"w{i} " for i in range(V)}))
     for label, bpw, scale in packs:
         lp, kl = kl_of(scale)
         truth_kl[label] = kl
@@ -95,12 +109,20 @@ def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel
                    "top1": float(top1[scored].float().mean()), "ppl": float(nll[scored].mean().exp()),
                    "ppl_ref": float(nll_ref[scored].mean().exp()), "kld_median": float(np.median(kls)),
                    "kld_p99": float(np.quantile(kls, 0.99)), "kld_p999": float(np.quantile(kls, 0.999)), "kld_max": float(kls.max()),
-                   "nonfinite": 0, "noise_floor_kld": noise_floor}
+                   "nonfinite": 0, "noise_floor_kld": noise_floor, "positions": int(kls.size),
+                   "kld_by_ref_confidence": _buckets(kls, ref_lp.exp().amax(-1)[scored].numpy())}
         results.append({"pack": f"/packs/{label}", "label": label, "bpw": bpw, "overall": overall, "domains": domain_blocks})
-        if write_records:
-            pd.DataFrame({"row_id": np.repeat(row_ids, T), "position": np.tile(np.arange(T), R), "kl": kl.reshape(-1).numpy(),
-                          "topk_ids": list(lp.topk(K, -1).indices.reshape(-1, K).numpy()),
-                          "topk_logprobs": list(lp.topk(K, -1).values.reshape(-1, K).numpy())}).to_parquet(rec_dir / f"pack-{label}.parquet")
+        if write_records:     # compare's `<label>.parquet`: scored positions only, fidelity.metrics.PositionMetrics columns
+            sel = scored.reshape(-1).numpy()
+            ref_top2 = ref_lp.topk(2, -1).values
+            pd.DataFrame({"row_id": np.repeat(row_ids, T)[sel], "domain": np.repeat(domains, T)[sel],
+                          "position": np.tile(np.arange(T), R)[sel], "token": tokens.reshape(-1).numpy()[sel],
+                          "kld": kl.reshape(-1).numpy()[sel], "ref_top1": ref_lp.argmax(-1).reshape(-1).numpy()[sel],
+                          "pack_top1": lp.argmax(-1).reshape(-1).numpy()[sel],
+                          "ref_margin": (ref_top2[..., 0] - ref_top2[..., 1]).reshape(-1).numpy()[sel],
+                          "ref_pmax": ref_lp.exp().amax(-1).reshape(-1).numpy()[sel], "ref_nll": nll_ref.reshape(-1).numpy()[sel],
+                          "pack_nll": nll.reshape(-1).numpy()[sel], "finite": np.ones(int(sel.sum()), bool)}
+                         ).to_parquet(folder / f"{label}.parquet")
     paired = []
     labels = [p[0] for p in packs]
     for i in range(len(labels)):
@@ -192,7 +214,13 @@ def test_summary_numbers_equal_the_json(tmp_path, run_a):
         assert (row["A"], row["B"]) == (pr["a"], pr["b"])
         close_to_printed(row["KLD mean A − B"], pr["kld_mean_diff"])
         close_to_printed(row["p-value"], pr["p_value"], sig=3)
-    assert rep._repr_html_().count("<img src=\"data:image/png;base64,") == len(rep.figures) == 3    # JSON only: no KL-by-confidence figure
+    assert rep._repr_html_().count("<img src=\"data:image/png;base64,") == len(rep.figures) == 4
+    conf = t["Mean KL by reference confidence (reference probability of its top token)"]
+    for res in data["results"]:
+        for row, b in zip(conf, res["overall"]["kld_by_ref_confidence"]):
+            assert row["bucket"].startswith(f"[{b['ref_confidence'][0]:g}, {b['ref_confidence'][1]:g}")
+            if b["kld_mean"] is not None:
+                close_to_printed(row[res["label"]], b["kld_mean"])
     prov = {r["what"]: r["value"] for r in t["Provenance"]}
     assert data["panel"]["sha256"] in prov["group 1: panel"]
     assert "ref0fingerprint" in prov["group 1: reference"]
@@ -229,6 +257,20 @@ def test_record_derived_numbers_equal_a_direct_computation(tmp_path, run_a):
         ref_best = int(truth.ref_top_id[r, pos])
         assert worst[0].reference_top[0][0] == f"w{ref_best}␣"      # edge whitespace made visible in token lists
     assert len(rep.figures) == 4 and all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in rep.figures)
+
+
+def test_worst_positions_without_a_reference_store(tmp_path, rng_seed):
+    """compare's records alone: the worst position is still found; context is the scored tokens, reference shows its top-1."""
+    _, truth = make_compare_run(tmp_path / "a", rng_seed, store=False, packs=(("q4", 4.5, 0.6),))
+    rep = render([tmp_path / "a"], tmp_path / "out", worst=1)
+    w = rep.groups[0].worst[0]
+    kl = truth.kl["q4"].masked_fill(~truth.scored, -1.0)
+    r, pos = divmod(int(kl.argmax()), kl.shape[1])
+    assert (w.row_id, w.position, w.token) == (truth.row_ids[r], pos, f"w{int(truth.tokens[r, pos])} ")
+    first_scored = int(truth.scored[r].nonzero()[0])
+    assert w.before == "".join(f"w{int(t)} " for t in truth.tokens[r, max(first_scored, pos - 24):pos])
+    assert w.reference_top == [(f"w{int(truth.ref_top_id[r, pos])}␣", None)]
+    assert any("show scored tokens only" in n for n in rep.groups[0].notes)
 
 
 def test_other_panel_is_a_separate_group_with_a_warning(tmp_path, rng_seed):
@@ -330,10 +372,11 @@ def test_cli_writes_the_report(tmp_path, run_a, capsys):
     assert "warning:" in err and "panel 'other'" in err
     html = (tmp_path / "out" / "index.html").read_text()
     assert "fidelity report " + str(tmp_path / "run_a") in html
-    assert len(list((tmp_path / "out").glob("*.png"))) == 4 + 3     # group 2 has no records: no confidence figure
+    assert len(list((tmp_path / "out").glob("*.png"))) == 4 + 4
 
 
-@pytest.mark.parametrize("case", ["missing", "not_json", "unknown_kind", "no_sha", "folder_without_json", "records_without_columns"])
+@pytest.mark.parametrize("case", ["missing", "not_json", "unknown_kind", "no_sha", "folder_without_json", "records_without_columns",
+                                  "store_of_another_panel"])
 def test_bad_input_names_the_file(tmp_path, run_a, case, capsys):
     data, _ = run_a
     if case == "missing":
@@ -350,9 +393,12 @@ def test_bad_input_names_the_file(tmp_path, run_a, case, capsys):
     elif case == "folder_without_json":
         bad, expect = tmp_path / "empty", "run folder has no compare JSON"
         bad.mkdir()
+    elif case == "store_of_another_panel":
+        bad, expect = tmp_path / "run_a", "reference store is for panel sha256 ffffffffffff"
+        (bad / "reference" / "manifest.json").write_text(json.dumps({"panel": {"sha256": "f" * 64}}))
     else:
-        bad, expect = tmp_path / "run_a", "lack columns ['scored']"
-        pd.read_parquet(bad / "reference.parquet").drop(columns=["scored"]).to_parquet(bad / "reference.parquet")
+        bad, expect = tmp_path / "run_a", "q4.parquet: per-position records of pack 'q4' lack columns ['kl']"
+        pd.read_parquet(bad / "q4.parquet").drop(columns=["kld"]).to_parquet(bad / "q4.parquet")
     with pytest.raises(ReportInputError, match=re.escape(expect)) as e:
         render([bad], tmp_path / "out")
     assert bad.name in str(e.value)

@@ -154,7 +154,7 @@ def test_report_opens_in_chromium_with_every_figure(tmp_path, rng_seed):
     assert "http://" not in html and "https://" not in html and "<script" not in html
     check = open_page(rep.index_html, tmp_path)
     (tmp_path / "report" / "screenshot.png").write_bytes(check.screenshot)
-    assert len(check.images) == len(rep.figures) == 7
+    assert len(check.images) == len(rep.figures) == 8
     for img, fig in zip(check.images, rep.figures):
         assert img["complete"] and img["width"] > 0 and img["height"] > 0, img
         assert (img["width"], img["height"]) == _decoded(fig.read_bytes()).shape[1::-1]

@@ -12,17 +12,28 @@ CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 
 
 def scored_kl(run: CompareRun, label: str) -> pd.DataFrame | None:
-    """Reference records joined with one pack's records on scored positions whose KL is finite (compare counts the others).
-    The pack's KL column is `kl` (`kld` is accepted too)."""
-    if run.positions is None or label not in run.pack_positions:
+    """One pack's scored positions with finite KL (compare counts the others), joined with the reference store's records
+    (top-K) when the run has them."""
+    if label not in run.pack_positions:
         return None
-    pack = run.pack_positions[label]
-    if "kl" not in pack.columns and "kld" in pack.columns:
-        pack = pack.rename(columns={"kld": "kl"})
-    df = run.positions.merge(pack, on=["row_id", "position"], how="inner", suffixes=("", "_pack"))
+    df = run.pack_positions[label]
+    if run.positions is not None:
+        ref = run.positions.drop(columns=[c for c in ("domain", "token") if c in df.columns])
+        df = df.merge(ref, on=["row_id", "position"], how="left", suffixes=("", "_ref"))
     if "scored" in df.columns:
-        df = df[df["scored"].astype(bool)]
+        df = df[df["scored"].fillna(True).astype(bool)]
+    if "finite" in df.columns:
+        df = df[df["finite"].astype(bool)]
     return df[np.isfinite(df["kl"].to_numpy(dtype=np.float64))]
+
+
+def row_tokens(run: CompareRun, label: str) -> tuple[dict[str, pd.DataFrame], bool]:
+    """Tokens of each row by position: every token from the reference store, else only the pack's scored tokens."""
+    if run.positions is not None:
+        src, full = run.positions, True
+    else:
+        src, full = run.pack_positions[label], False
+    return {rid: g.sort_values("position") for rid, g in src[["row_id", "position", "token"]].groupby("row_id")}, full
 
 
 def kl_quantiles(kl: np.ndarray, qs=QUANTILES) -> dict[str, float]:
@@ -54,6 +65,19 @@ def kl_by_confidence(df: pd.DataFrame, edges=CONFIDENCE_EDGES) -> pd.DataFrame |
         m = idx == b
         rows.append({"bucket": f"[{edges[b]:g}, {edges[b + 1]:g}{']' if b == len(edges) - 2 else ')'}", "lo": edges[b],
                      "hi": edges[b + 1], "positions": int(m.sum()), "kld_mean": float(kl[m].mean()) if m.any() else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def confidence_from_json(buckets) -> pd.DataFrame | None:
+    """compare's `kld_by_ref_confidence` ([{ref_confidence: [lo, hi], positions, kld_mean}]) in kl_by_confidence's shape."""
+    if not buckets:
+        return None
+    rows = []
+    for i, b in enumerate(buckets):
+        lo, hi = b["ref_confidence"]
+        last = i == len(buckets) - 1
+        rows.append({"bucket": f"[{lo:g}, {hi:g}{']' if last else ')'}", "lo": lo, "hi": hi, "positions": int(b["positions"]),
+                     "kld_mean": float("nan") if b.get("kld_mean") is None else float(b["kld_mean"])})
     return pd.DataFrame(rows)
 
 
@@ -120,7 +144,7 @@ def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, co
     if df is None or df.empty:
         return []
     worst = df.nlargest(n, "kl")
-    by_row = {rid: g.sort_values("position") for rid, g in run.positions.groupby("row_id")}
+    by_row, _ = row_tokens(run, label)
     out = []
     for _, r in worst.iterrows():
         row = by_row[r["row_id"]]

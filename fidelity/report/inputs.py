@@ -38,8 +38,8 @@ class CompareRun:
     results: list[PackResult]
     paired: list[dict]
     meta: dict                                   # version, command line, anything else compare recorded
-    positions: pd.DataFrame | None = None        # reference side: row_id, domain, position, token, scored, ref_top_ids, ref_top_logprobs
-    pack_positions: dict[str, pd.DataFrame] = field(default_factory=dict)   # label -> row_id, position, kl[, top_ids, top_logprobs]
+    positions: pd.DataFrame | None = None        # reference store: every token: row_id, domain, position, token, scored, ref_top_*
+    pack_positions: dict[str, pd.DataFrame] = field(default_factory=dict)   # label -> scored positions: row_id, position, token, kl, ...
     token_text: dict[int, str] | None = None      # token id -> text, when the run folder stored it
 
     @property
@@ -140,27 +140,54 @@ def _find_compare_json(folder: Path) -> Path:
     raise ReportInputError(f"{folder}: run folder has no compare JSON (looked for compare.json or any *.json with 'panel' and 'results')")
 
 
+REFERENCE_COLUMNS = ["row_id", "domain", "position", "token", "scored", "nll", "topk_ids", "topk_logprobs"]
+
+
+def _reference_store(run: CompareRun, folder: Path) -> Path | None:
+    """A reference store (records.parquet + manifest.json) in the run folder, a subfolder of it, or where the JSON says."""
+    candidates = [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
+    if run.reference.get("store"):
+        candidates.append(Path(run.reference["store"]))
+    for c in candidates:
+        if (c / "records.parquet").is_file() and (c / "manifest.json").is_file():
+            return c
+    return None
+
+
 def _attach_records(run: CompareRun, folder: Path):
-    """Per-position records: `reference.parquet` + one `pack-<label>.parquet` per pack (the layout `compare --out` writes)."""
-    ref_path = folder / "reference.parquet"
-    if not ref_path.is_file():
-        return
-    ref = pd.read_parquet(ref_path)
-    need = {"row_id", "position", "token", "scored"}
-    if not need <= set(ref.columns):
-        raise ReportInputError(f"{ref_path}: per-position records lack columns {sorted(need - set(ref.columns))}")
-    ref = ref.rename(columns={"topk_ids": "ref_top_ids", "topk_logprobs": "ref_top_logprobs"})
-    run.positions = ref
+    """Per-position records of a `compare --out` folder: `<label>.parquet` per pack (row_id, domain, position, token, kld,
+    ref_top1, pack_top1, ref_pmax, finite, ...), and the reference store's records (every token of every row, the reference
+    top-K) when the folder holds or names one: then the worst positions get full text and the reference's top tokens."""
     for res in run.results:
-        p = folder / f"pack-{res.label}.parquet"
-        if p.is_file():
-            df = pd.read_parquet(p).rename(columns={"topk_ids": "top_ids", "topk_logprobs": "top_logprobs"})
-            if "kl" not in df.columns:
-                raise ReportInputError(f"{p}: per-position records of pack {res.label!r} have no 'kl' column")
-            run.pack_positions[res.label] = df
+        path = next((p for p in (folder / f"{res.label}.parquet", folder / f"pack-{res.label}.parquet") if p.is_file()), None)
+        if path is None:
+            continue
+        df = pd.read_parquet(path).rename(columns={"kld": "kl", "topk_ids": "top_ids", "topk_logprobs": "top_logprobs"})
+        missing = {"row_id", "position", "token", "kl"} - set(df.columns)
+        if missing:
+            raise ReportInputError(f"{path}: per-position records of pack {res.label!r} lack columns {sorted(missing)}")
+        run.pack_positions[res.label] = df
+    store = _reference_store(run, folder)
+    if store is not None:
+        manifest = _read_json(store / "manifest.json")
+        sha = (manifest.get("panel") or {}).get("sha256")
+        if sha and sha != run.panel.get("sha256"):
+            raise ReportInputError(f"{store}: reference store is for panel sha256 {sha[:12]}, the compare result "
+                                   f"{run.source} for {str(run.panel.get('sha256'))[:12]}")
+        ref = pd.read_parquet(store / "records.parquet", columns=REFERENCE_COLUMNS if _has_columns(store) else None)
+        missing = {"row_id", "position", "token", "scored"} - set(ref.columns)
+        if missing:
+            raise ReportInputError(f"{store / 'records.parquet'}: reference records lack columns {sorted(missing)}")
+        run.positions = ref.rename(columns={"topk_ids": "ref_top_ids", "topk_logprobs": "ref_top_logprobs", "nll": "ref_nll"})
     vocab = folder / "tokens.json"
     if vocab.is_file():
         run.token_text = {int(k): v for k, v in _read_json(vocab).items()}
+
+
+def _has_columns(store: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    return set(REFERENCE_COLUMNS) <= set(pq.read_schema(store / "records.parquet").names)
 
 
 def load_compare(item, source: str | None = None) -> CompareRun:

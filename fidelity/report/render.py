@@ -113,22 +113,30 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
                 lambda p: figures.kld_vs_bpw(packs, p, f"Packs against bits per weight — panel {panel}")),
     ) if f]
 
-    samples, quantiles, confidence, missing = {}, {}, {}, []
+    samples, quantiles, confidence, missing, partial_context = {}, {}, {}, [], []
     for run in g.runs:
         for res in run.results:
             df = analysis.scored_kl(run, res.label)
             if df is None or df.empty:
                 missing.append(res.label)
                 o = res.overall
-                quantiles[res.label] = {"p50": o.get("kld_median"), "p99": o.get("kld_p99"), "p99.9": o.get("kld_p999"),
-                                        "max": o.get("kld_max"), "mean": o.get("kld_mean")}
+                quantiles[res.label] = {"p50": o.get("kld_median"), "p90": o.get("kld_p90"), "p99": o.get("kld_p99"),
+                                        "p99.9": o.get("kld_p999"), "max": o.get("kld_max"), "mean": o.get("kld_mean"),
+                                        "positions": o.get("positions")}
+                conf = analysis.confidence_from_json(o.get("kld_by_ref_confidence"))
+                if conf is not None:
+                    confidence[res.label] = conf
                 continue
             kl = df["kl"].to_numpy()
             samples[res.label] = kl
             quantiles[res.label] = {**analysis.kl_quantiles(kl), "positions": int(kl.size)}
             conf = analysis.kl_by_confidence(df)
+            if conf is None:
+                conf = analysis.confidence_from_json(res.overall.get("kld_by_ref_confidence"))
             if conf is not None:
                 confidence[res.label] = conf
+            if run.positions is None:
+                partial_context.append(res.label)
             if _auto(tokenizer) and run.token_text is None:
                 tokenizer = _reference_tokenizer(g)         # loaded once per group, only when records need text
             text = analysis.TokenText(None if _auto(tokenizer) else tokenizer, run.token_text)
@@ -149,6 +157,10 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
         view.notes.append(f"No per-position records for {', '.join(missing)}: give the `fidelity compare --out` folder instead of the "
                           "JSON to see the full KL distribution, KL by reference confidence and the worst positions "
                           "(the distribution shows compare's quantiles as dots).")
+    if partial_context and view.worst:
+        view.notes.append(f"Worst positions of {', '.join(partial_context)} show scored tokens only as context (no prompt text) "
+                          "and no reference top tokens beyond its top-1: put the reference store (`fidelity reference`) in the "
+                          "run folder, or keep the path in the JSON's reference.store readable, for full rows and top-K.")
     if view.worst and all(w.token.startswith("⟨") for w in view.worst):
         view.notes.append("Token text is shown as ⟨id⟩: the reference pack's tokenizer was not available here.")
     return view
