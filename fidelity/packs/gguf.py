@@ -43,7 +43,6 @@ def _gguf():
 
 def supported_types() -> set[str]:
     """GGML type names gguf-py can dequantize."""
-    g = _gguf()
     from gguf.quants import _type_traits  # the registry `dequantize` dispatches on
     return {"F32", "F16"} | {t.name for t in _type_traits}
 
@@ -175,6 +174,30 @@ def recover_config(reader, arch: str, tensor_names: set[str], path: Path) -> dic
     return cfg
 
 
+# (low_freq_factor, high_freq_factor, original_max_position_embeddings) of the Llama 3.x releases
+_LLAMA3_ROPE_CANDIDATES = [(1.0, 4.0, 8192)]
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
+    """The per-frequency factors llama.cpp's converter stores as rope_freqs.weight for rope_type "llama3"."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    wavelen = 2 * np.pi / freqs
+    smooth = (orig / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid)).astype(np.float32)
+
+
+def recover_llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict:
+    """rope_freqs.weight -> HF rope_scaling, accepted only when it reproduces the stored factors."""
+    factor = float(factors.max())
+    for low, high, orig in _LLAMA3_ROPE_CANDIDATES:
+        if np.allclose(llama3_rope_factors(theta, head_dim, factor, low, high, orig), factors, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": orig}
+    raise PackError("rope_freqs.weight matches no llama3 rope_scaling we can name; refusing to guess RoPE",
+                    file=path, tensor="rope_freqs.weight")
+
+
 def _rope_scaling(meta) -> dict | None:
     kind = meta("rope.scaling.type")
     factor = meta("rope.scaling.factor")
@@ -207,6 +230,10 @@ class GGUFPack(Pack):
                             file=self.path)
         self.gguf_tensors = {t.name: t for t in r.tensors}
         self.config = recover_config(r, self.arch, set(self.gguf_tensors), self.path)
+        if "rope_freqs.weight" in self.gguf_tensors:  # Llama 3.x RoPE scaling lives in a tensor, not in metadata
+            factors = np.asarray(self.gguf_tensors["rope_freqs.weight"].data, dtype=np.float32)
+            self.config["rope_scaling"] = recover_llama3_scaling(factors, self.config["rope_theta"],
+                                                                 self.config["head_dim"], self.path)
         self.metadata_chat_template = field_value(r, "tokenizer.chat_template")
         ok_types = supported_types()
         names = gguf_to_hf_names(self.arch, self.config["num_hidden_layers"])
