@@ -98,8 +98,9 @@ def test_e8m0_smallest_exponent_is_exact(tmp_path):
     assert torch.equal(got.double(), q.double() * 2.0 ** -127)
 
 
-@pytest.mark.parametrize("scale_shape", ["scalar", "one", "channel", "channel_col"])
-def test_per_tensor_and_per_channel_weight_scale(tmp_path, rng_seed, scale_shape):
+@pytest.mark.parametrize("scale_shape,method", [("scalar", "fp8"), ("one", "modelopt"), ("channel", "fp8"),
+                                                ("channel_col", "fbgemm_fp8")])
+def test_per_tensor_and_per_channel_weight_scale(tmp_path, rng_seed, scale_shape, method):
     r, c = 37, 65
     q = random_fp8(r, c)
     s = {"scalar": torch.rand(()), "one": torch.rand(1), "channel": torch.rand(r),
@@ -107,8 +108,9 @@ def test_per_tensor_and_per_channel_weight_scale(tmp_path, rng_seed, scale_shape
     s = s + 1e-3
     name = "model.layers.0.self_attn.q_proj.weight"
     write_pack(tmp_path, {name: q, "model.layers.0.self_attn.q_proj.weight_scale": s},
-               {"quant_method": "fp8", "activation_scheme": "static"})
+               {"quant_method": method, "activation_scheme": "static"})
     pack = open_pack(tmp_path)
+    assert pack.format == method
     s_ref = s.double().reshape(-1, 1) if s.numel() > 1 else s.double().reshape(())
     assert torch.equal(pack.tensor(name), reference(q, s_ref))
     assert pack.names() == [name]

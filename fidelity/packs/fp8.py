@@ -21,7 +21,7 @@ E8M0_DTYPES = ("F8_E8M0", "U8")
 FLOAT_SCALE_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3")
 DEFAULT_BLOCK = (128, 128)
 
-KNOWN_QUANT_METHODS.update({"fp8", "modelopt"})
+KNOWN_QUANT_METHODS.update({"fp8", "modelopt", "fbgemm_fp8"})  # fbgemm_fp8: per-channel `weight_scale` [out, 1]
 
 
 def ceil_div(a: int, b: int) -> int:
