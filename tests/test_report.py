@@ -270,7 +270,7 @@ def test_worst_positions_without_a_reference_store(tmp_path, rng_seed):
     first_scored = int(truth.scored[r].nonzero()[0])
     assert w.before == "".join(f"w{int(t)} " for t in truth.tokens[r, max(first_scored, pos - 24):pos])
     assert w.reference_top == [(f"w{int(truth.ref_top_id[r, pos])}␣", None)]
-    assert any("show scored tokens only" in n for n in rep.groups[0].notes)
+    assert any("scored tokens only as context" in n for n in rep.groups[0].notes)
 
 
 def test_other_panel_is_a_separate_group_with_a_warning(tmp_path, rng_seed):

@@ -12,6 +12,7 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("-o", "--out", required=True, help="output folder for index.html, summary.md and the PNG figures")
     p.add_argument("--title", default="Fidelity report")
     p.add_argument("--worst", type=int, default=8, help="worst positions shown per pack (default 8)")
+    p.add_argument("--panel", help="the panel folder the results were measured on: full text around the worst positions")
     p.add_argument("--token-ids", action="store_true", help="show token ids instead of loading the reference pack's tokenizer")
 
 
@@ -19,9 +20,9 @@ def run(args) -> int:
     from ..report import render
 
     argv = ["fidelity", "report", *args.results, "-o", args.out, "--title", args.title, "--worst", str(args.worst)]
-    argv += ["--token-ids"] if args.token_ids else []
+    argv += (["--panel", args.panel] if args.panel else []) + (["--token-ids"] if args.token_ids else [])
     rep = render(args.results, args.out, title=args.title, worst=args.worst, tokenizer=None if args.token_ids else "auto",
-                 command_line=shlex.join(argv))
+                 panel=args.panel, command_line=shlex.join(argv))
     for w in rep.warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(f"wrote {rep.index_html}, {rep.summary_md} and {len(rep.figures)} figure(s) in {rep.out_dir}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
+import pandas as pd
 
 from .. import __version__
 from ..errors import FidelityError
@@ -87,6 +88,21 @@ def _reference_tokenizer(group: Group):
         return None
 
 
+def _panel_positions(panel_source, group: Group, tokenizer) -> tuple[pd.DataFrame | None, str | None]:
+    """Every token of every panel row (row_id, domain, position, token, scored), tokenized as compare did, so the worst
+    positions get their prompt text too. The panel must be the one the results were measured on (same sha256)."""
+    from ..panels import load_panel, tokenize_panel
+
+    panel = load_panel(panel_source)
+    if panel.sha256 != group.panel.get("sha256"):
+        return None, (f"panel {panel_source} (sha256 {panel.sha256[:12]}) is not the panel of this group "
+                      f"(sha256 {str(group.panel.get('sha256'))[:12]}); not used for context")
+    rows = tokenize_panel(panel, tokenizer)
+    return pd.DataFrame({"row_id": [r.id for r in rows for _ in r.tokens], "domain": [r.domain for r in rows for _ in r.tokens],
+                         "position": [t for r in rows for t in range(len(r.tokens))],
+                         "token": [t for r in rows for t in r.tokens], "scored": [s for r in rows for s in r.scored]}), None
+
+
 def _auto(tokenizer) -> bool:
     return isinstance(tokenizer, str) and tokenizer == "auto"
 
@@ -96,7 +112,7 @@ def _figure(out: Path, name: str, caption: str, draw) -> FigureFile | None:
     return FigureFile(name, caption, path) if path is not None else None
 
 
-def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> GroupView:
+def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_source=None) -> GroupView:
     suffix = "" if index == 1 else f"-group{index}"
     panel = g.panel.get("name", "?")
     heading = f"Panel {panel} (sha256 {str(g.panel.get('sha256', '?'))[:12]}), reference {g.reference.get('fingerprint', '?')}"
@@ -114,6 +130,17 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
     ) if f]
 
     samples, quantiles, confidence, missing, partial_context = {}, {}, {}, [], []
+    panel_source = panel_source or g.panel.get("path")
+    if panel_source and any(r.positions is None and r.pack_positions for r in g.runs):
+        if _auto(tokenizer):
+            tokenizer = _reference_tokenizer(g)
+        if tokenizer is not None and not _auto(tokenizer) and Path(panel_source).exists():
+            positions, problem = _panel_positions(panel_source, g, tokenizer)
+            if problem:
+                view.notes.append(problem)
+            for run in g.runs:
+                if run.positions is None:
+                    run.positions = positions
     for run in g.runs:
         for res in run.results:
             df = analysis.scored_kl(run, res.label)
@@ -135,7 +162,7 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
                 conf = analysis.confidence_from_json(res.overall.get("kld_by_ref_confidence"))
             if conf is not None:
                 confidence[res.label] = conf
-            if run.positions is None:
+            if run.positions is None or "ref_top_ids" not in run.positions.columns:
                 partial_context.append(res.label)
             if _auto(tokenizer) and run.token_text is None:
                 tokenizer = _reference_tokenizer(g)         # loaded once per group, only when records need text
@@ -158,24 +185,26 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int) -> Gro
                           "JSON to see the full KL distribution, KL by reference confidence and the worst positions "
                           "(the distribution shows compare's quantiles as dots).")
     if partial_context and view.worst:
-        view.notes.append(f"Worst positions of {', '.join(partial_context)} show scored tokens only as context (no prompt text) "
-                          "and no reference top tokens beyond its top-1: put the reference store (`fidelity reference`) in the "
-                          "run folder, or keep the path in the JSON's reference.store readable, for full rows and top-K.")
+        view.notes.append(f"Worst positions of {', '.join(partial_context)}: the reference's and the pack's top-1 only"
+                          f"{'' if all(r.positions is not None for r in g.runs) else ', and scored tokens only as context (give --panel for the prompt text)'}"
+                          "; put the reference store (`fidelity reference`) in the run folder, or keep the JSON's "
+                          "reference.store path readable, for the top-K lists.")
     if view.worst and all(w.token.startswith("⟨") for w in view.worst):
         view.notes.append("Token text is shown as ⟨id⟩: the reference pack's tokenizer was not available here.")
     return view
 
 
-def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto", worst: int = 8,
+def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto", worst: int = 8, panel=None,
            command_line: str | None = None) -> Report:
     """Write index.html, the PNG figures and summary.md for `results` (paths to compare JSON / run folders, suite-compare and gate
-    JSON, or loaded dicts) into `out_dir`. `tokenizer`: "auto" loads the reference pack's when readable, None shows token ids."""
+    JSON, or loaded dicts) into `out_dir`. `tokenizer`: "auto" loads the reference pack's when readable, None shows token ids.
+    `panel`: the panel folder the results were measured on, for the full text around the worst positions."""
     if isinstance(results, (str, Path, dict)):
         results = [results]
     inputs = load_inputs(list(results))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    views = [_group_view(g, i, out, tokenizer, worst) for i, g in enumerate(inputs.groups, 1)]
+    views = [_group_view(g, i, out, tokenizer, worst, panel) for i, g in enumerate(inputs.groups, 1)]
     meta = {"version": __version__, "command_line": command_line or "fidelity.report.render(...) (Python API)",
             "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     suites, gates = tables.suite_table(inputs.suites), tables.gate_table(inputs.gates)
