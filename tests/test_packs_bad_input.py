@@ -131,3 +131,17 @@ def test_multimodal_prefix_checked_against_text_config(tmp_path):
     t["model.language_model.layers.1.mlp.up_proj.weight"] = torch.randn(25, 16)
     pack = write_pack(tmp_path, t, {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": CFG})
     assert [e.tensor for e in config_problems(pack)] == ["model.language_model.layers.1.mlp.up_proj.weight"]
+
+
+def test_inspect_cli_prints_the_tensor_and_file_of_a_problem(tmp_path, capsys):
+    """Problems quote "[tensor ..., file ...]", which rich would otherwise swallow as markup."""
+    import argparse
+
+    from fidelity.commands import inspect as inspect_command
+
+    t = llama_tensors()
+    t["lm_head.weight"] = torch.randn(51, 16)
+    write_pack(tmp_path, t, CFG)
+    rc = inspect_command.run(argparse.Namespace(pack=str(tmp_path), json_out=None, decode=False))
+    out = capsys.readouterr().out
+    assert rc == 1 and "'lm_head.weight'" in out and "model.safetensors" in out

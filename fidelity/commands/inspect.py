@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -77,7 +78,7 @@ def run(args) -> int:
     if rep["problems"]:
         con.print(f"[red]{len(rep['problems'])} problem(s):[/red]")
         for pr in rep["problems"]:
-            con.print(f"  - {pr}")
+            con.print(f"  - {escape(pr)}")  # problems quote "[tensor ..., file ...]": not rich markup
     else:
         con.print("[green]no problems found[/green]")
     if args.json_out:
