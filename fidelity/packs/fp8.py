@@ -56,8 +56,8 @@ def read_scales(pack: SafetensorsPack, name: str, *, power_of_two: bool = False)
         raise PackError(f"{kind} in scales: {int(bad.sum())} of {s.numel()} are not finite",
                         file=raw.file_path(name), tensor=name)
     if power_of_two:
-        mantissa = s.view(torch.int32) & 0x007FFFFF
-        if bool(((mantissa != 0) | (s <= 0)).any()):
+        mantissa, _ = torch.frexp(s)  # 0.5 exactly for a positive power of two, subnormals included
+        if bool((mantissa != 0.5).any()):
             raise PackError("the config declares ue8m0 (power-of-two) scales but some are not powers of two",
                             file=raw.file_path(name), tensor=name)
     return s
