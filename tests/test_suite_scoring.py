@@ -116,7 +116,8 @@ def test_ifeval_wrapper_agrees_with_lm_eval_process_results(ifeval_rows, rng_see
     suite, items = ifeval_rows
     utils = load_checkers()[0]["utils"]
     rng = random.Random(rng_seed)
-    for key in rng.sample(sorted(items), 12):
+    capital = [k for k in sorted(items) if "change_case:capital_word_frequency" in suite._rows[k]["instruction_id_list"]]
+    for key in rng.sample(sorted(items), 12) + capital[:2]:
         row = suite._rows[key]
         response = rng.choice(["", "HELLO WORLD, THIS IS ALL CAPS.", "a short answer in lower case", "*x*\n\n***\n\nP.S. done",
                                "Title: <<t>>\n" + " ".join(["lorem"] * rng.randrange(5, 400))])

@@ -136,8 +136,13 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, threshold_points: floa
     n = len(usable)
     out = {"suite": ma["suite"], "a": str(run_a), "b": str(run_b), "mode": "A/A" if aa else "A/B", "n_items": n,
            "threshold_points": threshold_points, "alpha": alpha, **report}
+    warnings = []
     if ma.get("data") != mb.get("data"):
-        out["warning"] = "the runs' data sources differ (hash or path); pairing used item ids and prompt hashes"
+        warnings.append("the runs' data sources differ (hash or path); pairing used item ids and prompt hashes")
+    if ma.get("suite_config") != mb.get("suite_config"):
+        warnings.append(f"the runs' suite settings differ: {ma.get('suite_config')} vs {mb.get('suite_config')}")
+    if warnings:
+        out["warning"] = "; ".join(warnings)
     metric = ma.get("metric", "passed")
     out["metric"] = metric
     if usable["passed_a"].notna().all() and usable["passed_b"].notna().all() and n and "passed_a" in usable:

@@ -9,7 +9,9 @@ Differences from the official scorer, on purpose, so runs are deterministic and 
 - Sentence counting uses nltk's Punkt English model when its data is installed; otherwise (the default offline, where the
   scorer would try `nltk.download("punkt_tab")`) an untrained `PunktSentenceTokenizer`, which knows no English abbreviations:
   "Dr. Smith arrived." counts as two sentences instead of one. Only the `length_constraints:number_sentences` instruction
-  uses it. The manifest records which splitter was used, and a paired comparison only pairs runs that used the same one.
+  uses it. In the same mode `nltk.word_tokenize` (used by `change_case:capital_word_frequency`) tokenizes the whole text as
+  one line instead of sentence by sentence: a sentence-final period can stay attached to a word ("DONE." is one token), which
+  does not change whether the word is all capitals. The manifest records which splitter was used.
 - The checkers' modules are loaded straight from lm-eval's files, without importing the rest of lm-eval (which needs its full
   dependency set); the checking code itself is lm-eval's, unchanged.
 
@@ -81,9 +83,25 @@ def load_checkers():
 
         local = PunktSentenceTokenizer()
         util._get_sentence_tokenizer = lambda: local
+        util.nltk = _OfflineNltk(nltk)  # the checkers reach nltk through this module; the real one stays untouched
         splitter = "untrained PunktSentenceTokenizer (no nltk data)"
     _CHECKERS = (mods, splitter)
     return _CHECKERS
+
+
+class _OfflineNltk(types.ModuleType):
+    """nltk, except `word_tokenize` skips its Punkt sentence split (which needs downloaded data): the Treebank word
+    tokenizer then runs over the whole text at once."""
+
+    def __init__(self, real):
+        super().__init__("nltk")
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def word_tokenize(self, text, language="english", preserve_line=False):
+        return self._real.word_tokenize(text, language=language, preserve_line=True)
 
 
 def score_response(row: dict, response: str) -> Outcome:
