@@ -127,6 +127,9 @@ def test_report_numbers_equal_an_independent_computation(real_run, tmp_path):
         assert o["kld_mean"] == pytest.approx(kl.mean(), rel=1e-4)
         assert lo < kl.mean() < hi
         assert o["top1"] == pytest.approx((ind["ref_top1"] == ind["pack_top1"]).mean(), abs=1e-12)
+        assert overall[label]["top-1 flips clear / near-tie"] == f"{o['top1_flips_clear']} / {o['top1_flips_near_tie']}"
+        close_to_printed(overall[label]["KL p99.9"], o["kld_p999"])
+        assert float(overall[label]["× noise floor"].rstrip("×")) == pytest.approx(o["x_noise_floor"], rel=5e-3)
         # the report's own record-derived numbers against the independent KL
         for header, v in (("mean", kl.mean()), ("median", np.median(kl)), ("p90", np.quantile(kl, 0.9)),
                           ("p99", np.quantile(kl, 0.99)), ("p99.9", np.quantile(kl, 0.999)), ("max", kl.max())):

@@ -52,24 +52,34 @@ def with_ci(block: dict, mean_key: str, ci_key: str) -> str:
 
 def times_floor(o: dict) -> str:
     k, f = o.get("kld_mean"), o.get("noise_floor_kld")
-    if k is None or not f:
+    r = o.get("x_noise_floor")
+    if r is None and (k is None or not f):
         return "—"
-    r = float(k) / float(f)
+    r = float(r) if r is not None else float(k) / float(f)
     return f"{r:.0f}×" if r >= 100 else f"{r:.3g}×"
 
 
 def overall_table(g: Group) -> Table:
     headers = ["pack", "bpw", "KLD mean [95% CI]", "KLD domains equal", "top-1", "PPL", "PPL ref", "KL median", "KL p99",
                "KL p99.9", "KL max", "× noise floor", "non-finite"]
+    flips = any("top1_flips_clear" in p.overall for p in g.packs)
+    if flips:
+        headers.insert(5, "top-1 flips clear / near-tie")
     rows = []
     for p in g.packs:
         o = p.overall
-        rows.append([p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95"),
-                     with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95"), pct(o.get("top1")), num(o.get("ppl")),
-                     num(o.get("ppl_ref")), num(o.get("kld_median")), num(o.get("kld_p99")), num(o.get("kld_p999")),
-                     num(o.get("kld_max")), times_floor(o), num(o.get("nonfinite"))])
+        row = [p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95"),
+               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95"), pct(o.get("top1")), num(o.get("ppl")),
+               num(o.get("ppl_ref")), num(o.get("kld_median")), num(o.get("kld_p99")), num(o.get("kld_p999")),
+               num(o.get("kld_max")), times_floor(o), num(o.get("nonfinite"))]
+        if flips:
+            row.insert(5, f"{num(o.get('top1_flips_clear'))} / {num(o.get('top1_flips_near_tie'))}")
+        rows.append(row)
     floor = next((p.overall.get("noise_floor_kld") for p in g.packs if p.overall.get("noise_floor_kld")), None)
     note = "KL(reference ‖ pack) in nats over scored positions; 95% CIs by bootstrap over panel rows."
+    tie = next((p.overall.get("tie_margin") for p in g.packs if p.overall.get("tie_margin") is not None), None)
+    if flips and tie is not None:
+        note += f" A near-tie flip is a top-1 change where the reference's top-2 margin is below {num(tie)} nats."
     if floor:
         note += f" Noise floor (reference re-run with a tiny seeded perturbation): {num(floor)}."
     return Table("Overall", headers, rows, note)
@@ -233,8 +243,10 @@ def gate_table(entries: list[tuple[str, dict]]) -> Table | None:
                 rows.append([name, status, "—", "—", "—", "—"])
     if not rows:
         return None
-    return Table("Engine gates", ["gate", "gate status", "check", "measured", "threshold", "check status"], rows, status_columns=(1, 5),
-                 classes=["left"])
+    runs = [f"{d['engine']}" + (f" ({d['model']})" if d.get("model") else "") + (f": {d['status']}" if d.get("status") else "")
+            for _, d in entries if isinstance(d, dict) and d.get("engine")]
+    return Table("Engine gates", ["gate", "gate status", "check", "measured", "threshold", "check status"], rows,
+                 note="; ".join(runs), status_columns=(1, 5), classes=["left"])
 
 
 def provenance_table(groups: list[Group], report_meta: dict) -> Table:

@@ -13,7 +13,8 @@ INDEX_HTML = r"""<!DOCTYPE html>
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 2em; }
 table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.88em; }
-th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: right; vertical-align: top; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: right; vertical-align: top; white-space: nowrap; }
+table.left td { white-space: normal; }
 th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
 table.left td, table.left th { text-align: left; }
 .worstgrid { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 0 1em; }
