@@ -294,3 +294,241 @@ def claim(pack, pool: set):
 
 # first: official-named EXL3 packs hold FP8 tensors that this claimer renames, so the fp8 claimer must not take them
 register_claimer("exl3", claim, before="compressed")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reference encoder
+# ---------------------------------------------------------------------------------------------------------------------
+CODEBOOK_SCALE = 1.24371088     # std of the 3INST codebook: regularised rows are brought to this RMS (as exllamav3)
+_VITERBI_BUDGET = 1 << 28       # bytes of per-step minima kept for the traceback, per batch of tiles
+
+
+def _viterbi_forward(x: torch.Tensor, rate: Bitrate, table: torch.Tensor, order: list[int],
+                     start_edge: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Min-cost state sequences over the ring positions `order`. cost_t[s] = (cb[s] - x_t)^2 + m_{t-1}[s >> k_t], where
+    m_{t-1}[e] is the least cost of a state at the previous position whose low 16-k_t bits are e. Returns the final
+    costs [T, 65536] and every m_{t-1} (for the traceback, which recomputes the argmins)."""
+    T = x.shape[0]
+    steps = rate.steps().tolist()
+    cb = table.expand(T, -1)
+    cb2 = (table * table).expand(T, -1)
+    minima = []
+    cost = None
+    for t in order:
+        k = steps[t]
+        xt = x[:, t : t + 1]
+        err = torch.addcmul(cb2, cb, xt, value=-2.0).add_(xt * xt)
+        if cost is None:
+            if start_edge is not None:      # tail-biting: the first state must continue the ring's last one
+                allowed = (torch.arange(65536, device=x.device)[None, :] >> k) == start_edge[:, None]
+                err = err.masked_fill(~allowed, float("inf"))
+            cost = err
+            continue
+        m = cost.view(T, 1 << k, 1 << (16 - k)).amin(dim=1)
+        minima.append(m)
+        cost = err.view(T, 1 << (16 - k), 1 << k).add_(m[:, :, None]).view(T, 65536)
+    return cost, minima
+
+
+def _viterbi_traceback(x: torch.Tensor, rate: Bitrate, table: torch.Tensor, order: list[int], minima: list[torch.Tensor],
+                       last_state: torch.Tensor, stop_at: int = 0, start_edge: torch.Tensor | None = None) -> torch.Tensor:
+    """States [T, len(order)] along `order`, walking back from `last_state` (down to index `stop_at`)."""
+    steps = rate.steps().tolist()
+    T = x.shape[0]
+    states = torch.zeros(T, len(order), dtype=torch.int64, device=x.device)
+    states[:, -1] = last_state
+    rows = torch.arange(T, device=x.device)
+    for i in range(len(order) - 1, stop_at, -1):
+        k = steps[order[i]]
+        k_prev = steps[order[i - 1]]
+        e = states[:, i] >> k                                            # low 16-k bits of the previous state
+        cand = (torch.arange(1 << k, device=x.device)[None, :] << (16 - k)) | e[:, None]   # [T, 2^k] predecessors
+        xp = x[:, order[i - 1]][:, None]
+        cost = (table[cand] - xp) ** 2
+        if i - 1 > 0:
+            cost = cost + minima[i - 2][rows[:, None], cand >> k_prev]
+        elif start_edge is not None:
+            cost = cost.masked_fill((cand >> k_prev) != start_edge[:, None], float("inf"))
+        states[:, i - 1] = cand[rows, cost.argmin(dim=1)]
+    return states
+
+
+def viterbi_tiles(x: torch.Tensor, rate: Bitrate, codebook: str) -> torch.Tensor:
+    """Tail-biting trellis quantization of tiles x [T, 256] (ring order): int64 states [T, 256] whose windows form one
+    consistent ring. Two passes like exllamav3's kernel: a pass rotated by half a tile picks the state that wraps around
+    position 0, a second pass from position 0 is constrained to start and end on it."""
+    table = codebook_values(codebook, x.device)
+    L = TILE_LEN
+    out = torch.empty(x.shape[0], L, dtype=torch.int64, device=x.device)
+    per_tile = 4 * L * (1 << (16 - rate.base))
+    batch = max(1, min(256, _VITERBI_BUDGET // per_tile))
+    rolled = [(i + L // 2) % L for i in range(L)]
+    natural = list(range(L))
+    k0 = int(rate.steps()[0])
+    for a in range(0, x.shape[0], batch):
+        xb = x[a : a + batch].float()
+        cost, minima = _viterbi_forward(xb, rate, table, rolled, None)
+        walk = _viterbi_traceback(xb, rate, table, rolled, minima, cost.argmin(dim=1), stop_at=L // 2)
+        wrap_edge = walk[:, L // 2] >> k0                   # in-edge of position 0 = low bits of position 255
+        del cost, minima
+        cost, minima = _viterbi_forward(xb, rate, table, natural, wrap_edge)
+        ends_ok = (torch.arange(65536, device=x.device)[None, :] & ((1 << (16 - k0)) - 1)) == wrap_edge[:, None]
+        last = cost.masked_fill(~ends_ok, float("inf")).argmin(dim=1)
+        out[a : a + batch] = _viterbi_traceback(xb, rate, table, natural, minima, last, start_edge=wrap_edge)
+    return out
+
+
+@dataclass
+class Encoded:
+    """An EXL3 linear as exllamav3 stores it, and its exact decoded torch weight."""
+
+    tensors: dict[str, torch.Tensor]    # trellis, suh, svh (+ the mcg / mul1 marker for those codebooks)
+    weight: torch.Tensor                # decode_weight of `tensors`, cut to the input's shape: [out, in] float32
+    K: float
+    codebook: str
+    g_scale: float
+
+
+def codebook_marker(codebook: str) -> dict[str, torch.Tensor]:
+    """The scalar marker stored next to the trellis (uint32 multiplier viewed as int32); none for 3INST."""
+    mult = {"mcg": MCG_MULT, "mul1": MUL1_MULT}.get(codebook)
+    return {} if mult is None else {codebook: torch.tensor(mult - (1 << 32), dtype=torch.int32)}
+
+
+def _had(x: torch.Tensor, side: str) -> torch.Tensor:
+    """Block Hadamard / sqrt(128) applied to rows ("left": H x) or columns ("right": x H) of a [k, n] matrix."""
+    H = _hadamard_pm1(str(x.device), x.dtype) / math.sqrt(HAD)
+    k, n = x.shape
+    if side == "left":
+        return torch.matmul(H, x.reshape(k // HAD, HAD, n)).reshape(k, n)
+    return torch.matmul(x.reshape(k, n // HAD, HAD), H).reshape(k, n)
+
+
+def _tiles_to_ring(w: torch.Tensor) -> torch.Tensor:
+    """[k, n] -> [k/16 * n/16, 256] tiles in ring order."""
+    k, n = w.shape
+    tiles = w.reshape(k // TILE, TILE, n // TILE, TILE).permute(0, 2, 1, 3).reshape(-1, TILE_LEN)
+    return tiles[:, tensor_core_perm().to(w.device)]
+
+
+def _ring_to_tiles(ring: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    tiles = ring[:, _tensor_core_perm_inv().to(ring.device)]
+    return tiles.reshape(k // TILE, n // TILE, TILE, TILE).permute(0, 2, 1, 3).reshape(k, n)
+
+
+def _quantize(w: torch.Tensor, rate: Bitrate, codebook: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of tiles of w [16*m, n]: (states [m, n/16, 256] ring order, quantized values [16*m, n])."""
+    k, n = w.shape
+    states = viterbi_tiles(_tiles_to_ring(w), rate, codebook)
+    q = codebook_values(codebook, w.device)[states]
+    return states.reshape(k // TILE, n // TILE, TILE_LEN), _ring_to_tiles(q, k, n)
+
+
+def _search_g_scale(w: torch.Tensor, rate: Bitrate, codebook: str, n_sample: int = 8) -> float:
+    """Global scale minimising the tile quantization MSE on a spread-out sample of tiles (coarse grid, then finer)."""
+    ring = _tiles_to_ring(w)
+    idx = torch.linspace(0, ring.shape[0] - 1, min(n_sample, ring.shape[0])).round().long().unique()
+    sample = ring[idx]
+
+    def best_of(scales: list[float]) -> float:
+        batch = torch.cat([sample * s for s in scales])
+        q = codebook_values(codebook, w.device)[viterbi_tiles(batch, rate, codebook)]
+        mse = [((q[i * len(idx):(i + 1) * len(idx)] / s - sample) ** 2).mean().item() for i, s in enumerate(scales)]
+        return scales[min(range(len(scales)), key=mse.__getitem__)]
+
+    g = best_of([0.5 + 0.1 * i for i in range(9)])
+    return best_of([g - 0.05, g, g + 0.05])
+
+
+def _block_ldl(H: torch.Tensor, block: int = TILE) -> torch.Tensor:
+    """Unit block-lower-triangular L with H = L D L^T (D block diagonal), from the Cholesky factor."""
+    C = torch.linalg.cholesky(H)
+    L = torch.empty_like(C)
+    for b in range(0, H.shape[0], block):
+        diag = C[b : b + block, b : b + block]
+        L[:, b : b + block] = torch.linalg.solve_triangular(diag, C[:, b : b + block], upper=False, left=False)
+    return L
+
+
+def _ldlq(w: torch.Tensor, L: torch.Tensor, rate: Bitrate, codebook: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """LDLQ: quantize rows of tiles from the bottom up, each target corrected by the error already made below it."""
+    k, n = w.shape
+    q = torch.zeros_like(w)
+    states = torch.zeros(k // TILE, n // TILE, TILE_LEN, dtype=torch.int64, device=w.device)
+    for b in range(k - TILE, -1, -TILE):
+        target = w[b : b + TILE] + L[b + TILE :, b : b + TILE].t() @ (w[b + TILE :] - q[b + TILE :])
+        s, qb = _quantize(target, rate, codebook)
+        states[b // TILE], q[b : b + TILE] = s[0], qb
+    return states, q
+
+
+def _refit_scales(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor | None, rounds: int = 2):
+    """Per-column then per-row scales c, r minimising the (H-weighted) error of diag(r) q diag(c) against w."""
+    k, n = w.shape
+    r, c = torch.ones(k, 1, dtype=w.dtype, device=w.device), torch.ones(1, n, dtype=w.dtype, device=w.device)
+    Hm = H if H is not None else None
+    for _ in range(rounds):
+        qq = q * r * c
+        Hq, Hw = (Hm @ qq, Hm @ w) if Hm is not None else (qq, w)
+        num, den = (qq * Hw).sum(0), (qq * Hq).sum(0)
+        c = c * torch.where(den > 1e-30, num / den.clamp(min=1e-30), torch.ones_like(num))[None, :]
+        qq = q * r * c
+        if Hm is None:
+            num, den = (qq * w).sum(1), (qq * qq).sum(1)
+            step = torch.where(den > 1e-30, num / den.clamp(min=1e-30), torch.ones_like(num))
+        else:
+            A = (qq @ qq.t()) * Hm
+            A.diagonal().add_(1e-6 * A.diagonal().mean())
+            step = torch.linalg.solve(A, (qq * (Hm @ w)).sum(1))
+            step = torch.where(torch.isfinite(step) & (step > 0), step, torch.ones_like(step))
+        r = r * step[:, None]
+    return r.flatten(), c.flatten()
+
+
+def encode(weight: torch.Tensor, K: float, codebook: str = "mul1", hessian: torch.Tensor | None = None, *,
+           seed: int = 0, sigma_reg: float = 0.025) -> Encoded:
+    """Quantize a torch weight [out, in] to EXL3 the way exllamav3 does: random signs and channel scales, 128-block
+    Hadamard rotations on both sides, a global scale searched on sample tiles, tail-biting Viterbi per 16x16 tile
+    (with LDLQ error feedback when an input Hessian [in, in] is given), then the per-channel fp16 scales refit to the
+    quantized weight. Pure torch: runs on the weight's device (CUDA makes it fast)."""
+    rate = Bitrate.of(K)
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"unknown EXL3 codebook {codebook!r}")
+    if rate.half and codebook != "mul1":
+        raise ValueError(f"half-integer K={K} needs the mul1 codebook")
+    out_f, in_f = weight.shape
+    k_p, n_p = -(-in_f // HAD) * HAD, -(-out_f // HAD) * HAD
+    dev = weight.device
+    w0 = torch.zeros(k_p, n_p, dtype=torch.float32, device=dev)
+    w0[:in_f, :out_f] = weight.t().float()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    su_sign = (torch.randint(0, 2, (k_p,), generator=gen) * 2 - 1).float().to(dev)
+    sv_sign = (torch.randint(0, 2, (n_p,), generator=gen) * 2 - 1).float().to(dev)
+
+    col_rms = w0.square().mean(0).sqrt()
+    zero_cols = col_rms < 1e-30
+    col_scale = col_rms / col_rms.mean().clamp(min=1e-30)
+    sv = sv_sign * torch.where(zero_cols, torch.full_like(col_scale, 0.1), col_scale)
+    w = _had(w0 / sv, "right")
+    row_rms = w.square().mean(1).sqrt()
+    su = su_sign * torch.where(row_rms < 1e-30, torch.full_like(row_rms, 0.1), row_rms) / CODEBOOK_SCALE
+    w = _had(w / su[:, None], "left")
+    g = _search_g_scale(w, rate, codebook)
+    w, su = w * g, su / g
+
+    H = None
+    if hessian is None:
+        states, q = _quantize(w, rate, codebook)
+    else:
+        H = torch.zeros(k_p, k_p, dtype=torch.float32, device=dev)
+        H[:in_f, :in_f] = hessian.float().to(dev)
+        H.diagonal().add_(sigma_reg * H.diagonal().mean())
+        Hr = _had(_had(H * su[:, None] * su[None, :], "left"), "right")     # the Hessian of the rotated weight
+        states, q = _ldlq(w, _block_ldl(Hr), rate, codebook)
+    sv = torch.where(zero_cols, torch.zeros_like(sv), sv)
+    w_hat = _had(_had(q, "left") * su[:, None], "right") * sv[None, :]        # original basis [k, n]
+    r, c = _refit_scales(w0, w_hat, H)
+    tensors = {"trellis": pack_states(states, rate).contiguous(), "suh": (su * r).half(), "svh": (sv * c).half(),
+               **codebook_marker(codebook)}
+    decoded = decode_weight(tensors["trellis"], tensors["suh"], tensors["svh"], codebook, shape=(out_f, in_f))
+    return Encoded(tensors, decoded, rate.K, codebook, g)
