@@ -1,11 +1,43 @@
-"""The reference store (written by `fidelity reference`) as a gate `Reference`: token ids, scored positions and the oracle's full
-log-distributions re-derived from the stored final hidden states."""
+"""Gate references: the oracle's full log-distributions on panel rows, either from a reference store written by
+`fidelity reference` or computed live from a pack."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import FidelityError
+from .gates import Reference, ReferenceRow
 
 
-def reference_from_store(store_dir: str):
+def token_pieces(tokenizer, vocab: int) -> list[str]:
+    """Text of each token id alone, as engines spell `top_logprobs` keys."""
+    n = min(vocab, len(tokenizer))
+    return [tokenizer.decode([i]) for i in range(n)] + [""] * (vocab - n)
+
+
+def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
+    """rows: [{"id", "domain", "tokens": [...], "scored": [positions]}] (scored defaults to every position after the first).
+    Runs the fp32 oracle on `pack` and keeps the full log-distributions of the scored positions."""
+    import torch
+
+    from ..oracle import Oracle
+    from ..packs.tokenizer import load_tokenizer
+
+    oracle = oracle or Oracle(pack)
+    tok = load_tokenizer(pack)
+    hidden = oracle.hidden_states([r["tokens"] for r in rows], progress=False)
+    out = []
+    for r, h in zip(rows, hidden):
+        scored = list(r.get("scored") or range(1, len(r["tokens"])))
+        if not scored or min(scored) < 1 or max(scored) >= len(r["tokens"]):
+            raise FidelityError(f"reference row {r['id']!r}: scored positions must lie in 1..{len(r['tokens']) - 1}")
+        logits = oracle.apply_head(h[torch.tensor(scored) - 1])
+        lp = torch.log_softmax(logits.double(), dim=-1).numpy()
+        out.append(ReferenceRow(id=str(r["id"]), domain=str(r.get("domain", "")), tokens=list(r["tokens"]), scored=scored, logprobs=lp))
+    return Reference(rows=out, pieces=token_pieces(tok, oracle.family.vocab_size),
+                     detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False), special_ids=set(tok.all_special_ids))
+
+
+def reference_from_store(store_dir: str) -> Reference:
     try:
         from .. import store  # noqa: F401
     except ImportError:
