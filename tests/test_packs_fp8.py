@@ -9,6 +9,11 @@ from fidelity import PackError, open_pack
 from fidelity.commands.inspect import inspect_pack
 from fidelity.packs.safetensors_io import write_safetensors
 
+try:  # HF transformers' own FP8 block dequantizer (private; the formula below is the reference when it is gone)
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight as transformers_fp8_dequantize
+except ImportError:
+    transformers_fp8_dequantize = None
+
 
 def random_fp8(*shape, dtype=torch.float8_e4m3fn) -> torch.Tensor:
     """Every bit pattern but NaN, so subnormals, zeros of both signs and the extremes all occur."""
@@ -58,6 +63,9 @@ def test_deepseek_block_fp32_scales_ceil_div_grid(tmp_path, rng_seed):
         got = pack.tensor(name)
         assert got.dtype == torch.float32 and got.shape == (r, c)
         assert torch.equal(got, ref[name]), name
+        if transformers_fp8_dequantize is not None:
+            hf = transformers_fp8_dequantize(tensors[name], tensors[name + "_scale_inv"], [128, 128], torch.float32)
+            assert torch.equal(got, hf), name
         st = pack.storage(name)
         assert st.format == "fp8_e4m3" and st.block == (128, 128)
         assert st.nbytes == r * c + 4 * (-(-r // 128)) * (-(-c // 128))  # scales counted
@@ -87,6 +95,8 @@ def test_ue8m0_power_of_two_scales(tmp_path, rng_seed, stored_as):
     pack = open_pack(tmp_path)
     assert torch.equal(pack.tensor(name), reference(q, expand_grid(s_ref, r, c, 128, 128)))
     assert stored_as in pack.storage(name).dtype
+    if transformers_fp8_dequantize is not None and stored_as != "U8":
+        assert torch.equal(pack.tensor(name), transformers_fp8_dequantize(q, s, [128, 128], torch.float32))
 
 
 def test_e8m0_smallest_exponent_is_exact(tmp_path):
