@@ -1,0 +1,34 @@
+"""Run a reference pack over a panel once and keep the result (hidden states, top-K, NLL) as a reference store."""
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("pack", help="reference pack")
+    p.add_argument("--panel", help="panel folder, .jsonl/.parquet file or hf:NAME[:SPLIT] (default: panels/default)")
+    p.add_argument("-o", "--out", required=True, help="folder to write the store into")
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context")
+
+
+def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", truncate: bool = False, progress: bool = True):
+    from ..compare import _oracle, prepare
+    from ..store import run_reference, write_store
+
+    ref_pack, panel, rows, tok_fp = prepare(pack, panel, truncate=truncate)
+    oracle = _oracle(ref_pack, device)
+    ref = run_reference(oracle, rows, progress=progress)
+    return write_store(out, ref, oracle, panel, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp,
+                       k=top_k)
+
+
+def run(args) -> int:
+    m = build_store(args.pack, args.panel, args.out, top_k=args.top_k, device=args.device, truncate=args.truncate)
+    v = m["hidden_size"]
+    Console().print(f"wrote {args.out}: {m['panel']['scored_positions']} scored positions, {m['bytes'] / 1e6:.2f} MB, "
+                    f"{m['bytes_per_scored_position']:.0f} bytes per scored position")
+    return 0

@@ -1,0 +1,195 @@
+"""The reference store: one reference run of a panel, kept so packs can be compared without re-running the reference.
+
+`records.parquet` has one record per token of every panel row: row id, domain, position, token, scored flag, and for
+scored tokens the reference NLL, its top-K ids and log-probabilities and the final hidden state (float32) that produced
+that distribution. Re-applying the reference pack's head to the hidden state gives back the *exact* full-vocabulary
+logits (checked against the stored top-K every time they are re-derived), at ~1/40 of the bytes of storing logits.
+`manifest.json` pins the panel (sha256), the reference pack (fingerprint), the tokenizer (fingerprint) and the library
+version; a store is refused for any other panel, pack or tokenizer.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import __version__
+from .errors import FidelityError
+from .panels import Panel, TokenizedRow
+
+RECORDS_FILE = "records.parquet"
+MANIFEST_FILE = "manifest.json"
+TOP_K = 20
+
+
+class StoreError(FidelityError):
+    """A reference store is malformed, or was built for another panel, pack or tokenizer."""
+
+
+@dataclass
+class ReferenceRun:
+    """The reference's side of a comparison: for every row, the final hidden states at the positions that predict its
+    scored tokens (`hidden[i]` [n_i, hidden]) and those tokens (`targets[i]` [n_i]). `topk` is set when it came from a
+    store (ids, logprobs per row) and is checked when logits are re-derived."""
+
+    rows: list[TokenizedRow]
+    hidden: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    topk: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def scored_positions(self) -> int:
+        return sum(len(t) for t in self.targets)
+
+
+def scored_index(row: TokenizedRow) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions whose logits predict a scored token, those tokens)."""
+    pos = torch.tensor([t - 1 for t, s in enumerate(row.scored) if s], dtype=torch.long)
+    return pos, torch.tensor(row.tokens, dtype=torch.long)[pos + 1]
+
+
+def run_reference(oracle, rows: list[TokenizedRow], progress: bool = True) -> ReferenceRun:
+    full = oracle.hidden_states([r.tokens for r in rows], progress=progress)
+    hidden, targets = [], []
+    for r, h in zip(rows, full):
+        pos, tgt = scored_index(r)
+        hidden.append(h[pos].to(torch.float32).contiguous())
+        targets.append(tgt)
+    return ReferenceRun(rows, hidden, targets)
+
+
+def check_topk(ref: ReferenceRun, i: int, logits: torch.Tensor, where: Path | str) -> None:
+    """Re-derived logits must reproduce the stored top-K exactly (ids and float32 log-probabilities)."""
+    from .metrics import topk_logprobs
+
+    ids, lps = ref.topk[i]
+    k = ids.shape[1]
+    got_ids, got_lps = topk_logprobs(logits, k)
+    bad = ~((got_ids == ids).all(1) & (got_lps == lps).all(1))
+    if bool(bad.any()):
+        j = int(bad.nonzero()[0])
+        pos = int(scored_index(ref.rows[i])[0][j])
+        dev = float((got_lps[j] - lps[j]).abs().max())
+        raise StoreError(f"{where}: row {ref.rows[i].id!r} position {pos}: logits re-derived from the stored hidden state "
+                         f"do not reproduce the stored top-{k} (max log-prob deviation {dev:.3g}); the reference pack's "
+                         f"head or this machine's matmul differs from the one that built the store")
+
+
+def head_sha256(oracle) -> str:
+    """Content hash of the float32 head the store's hidden states go through (pack fingerprints describe storage
+    only, so two packs of one layout share them)."""
+    import hashlib
+    return hashlib.sha256(oracle.head_weight().detach().cpu().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *, pack_fingerprint: str,
+                tokenizer_fingerprint: str, k: int = TOP_K) -> dict:
+    """Write records.parquet + manifest.json; the reference NLL and top-K come from the same head the store re-applies."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .metrics import topk_logprobs
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cols = {k_: [] for k_ in ("row_id", "domain", "position", "token", "scored", "nll", "topk_ids", "topk_logprobs", "hidden")}
+    for r, h, tgt in zip(ref.rows, ref.hidden, ref.targets):
+        logits = oracle.apply_head(h).float()
+        ids, lps = topk_logprobs(logits, k)
+        nll = (torch.logsumexp(logits.double(), -1) - logits.double().gather(1, tgt[:, None])[:, 0]).float()
+        j = 0
+        for t, (tok, s) in enumerate(zip(r.tokens, r.scored)):
+            cols["row_id"].append(r.id)
+            cols["domain"].append(r.domain)
+            cols["position"].append(t)
+            cols["token"].append(tok)
+            cols["scored"].append(bool(s))
+            if s:
+                cols["nll"].append(float(nll[j]))
+                cols["topk_ids"].append(ids[j].to(torch.int32).numpy())
+                cols["topk_logprobs"].append(lps[j].numpy())
+                cols["hidden"].append(h[j].numpy().tobytes())
+                j += 1
+            else:
+                for c in ("nll", "topk_ids", "topk_logprobs", "hidden"):
+                    cols[c].append(None)
+    table = pa.table({
+        "row_id": pa.array(cols["row_id"], pa.string()), "domain": pa.array(cols["domain"], pa.string()),
+        "position": pa.array(cols["position"], pa.int32()), "token": pa.array(cols["token"], pa.int32()),
+        "scored": pa.array(cols["scored"], pa.bool_()), "nll": pa.array(cols["nll"], pa.float32()),
+        "topk_ids": pa.array(cols["topk_ids"], pa.list_(pa.int32(), k)),
+        "topk_logprobs": pa.array(cols["topk_logprobs"], pa.list_(pa.float32(), k)),
+        "hidden": pa.array(cols["hidden"], pa.binary()),
+    })
+    pq.write_table(table, out / RECORDS_FILE, compression="zstd")
+    nbytes = (out / RECORDS_FILE).stat().st_size
+    scored = ref.scored_positions
+    manifest = {
+        "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(ref.rows), "scored_positions": scored},
+        "pack_fingerprint": pack_fingerprint, "head_sha256": head_sha256(oracle),
+        "tokenizer_fingerprint": tokenizer_fingerprint, "fidelity_version": __version__, "top_k": k, "hidden_size": int(ref.hidden[0].shape[1]) if ref.hidden else 0,
+        "hidden_dtype": "float32", "bytes": nbytes, "bytes_per_scored_position": nbytes / max(scored, 1),
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(path: str | Path) -> dict:
+    p = Path(path) / MANIFEST_FILE
+    if not p.exists():
+        raise StoreError(f"{Path(path)}: not a reference store ({MANIFEST_FILE} is missing)")
+    return json.loads(p.read_text())
+
+
+def load_store(path: str | Path, panel: Panel, rows: list[TokenizedRow], *, pack_fingerprint: str,
+               tokenizer_fingerprint: str, oracle=None) -> ReferenceRun:
+    """Read a store for `panel` tokenized as `rows`; refuse one built for another panel, pack or tokenizer."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    m = read_manifest(path)
+    if m["panel"]["sha256"] != panel.sha256:
+        raise StoreError(f"{path}: this store was built for panel {m['panel']['name']!r} (sha256 "
+                         f"{m['panel']['sha256'][:12]}...), not for panel {panel.name!r} (sha256 {panel.sha256[:12]}...)")
+    if m["tokenizer_fingerprint"] != tokenizer_fingerprint:
+        raise StoreError(f"{path}: this store was built with tokenizer {m['tokenizer_fingerprint']}, the reference pack's "
+                         f"tokenizer is {tokenizer_fingerprint}")
+    head = head_sha256(oracle) if oracle is not None else m.get("head_sha256")
+    if m["pack_fingerprint"] != pack_fingerprint or m.get("head_sha256") != head:
+        raise StoreError(f"{path}: this store was built from reference pack {m['pack_fingerprint']} (head "
+                         f"{m.get('head_sha256')}), not from {pack_fingerprint} (head {head}): its hidden states only "
+                         f"give exact logits through the same head")
+    table = pq.read_table(path / RECORDS_FILE)
+    by_row: dict[str, dict] = {}
+    row_ids = table.column("row_id").to_pylist()
+    tokens = table.column("token").to_numpy()
+    scored = table.column("scored").to_numpy(zero_copy_only=False)
+    hidden_col = table.column("hidden").to_pylist()
+    ids_col = table.column("topk_ids")
+    lps_col = table.column("topk_logprobs")
+    k = m["top_k"]
+    start = 0
+    for i in range(1, len(row_ids) + 1):
+        if i == len(row_ids) or row_ids[i] != row_ids[start]:
+            by_row[row_ids[start]] = {"slice": (start, i)}
+            start = i
+    hidden_size = m["hidden_size"]
+    ref = ReferenceRun(rows, [], [], [])
+    for r in rows:
+        entry = by_row.get(r.id)
+        if entry is None:
+            raise StoreError(f"{path}: row {r.id!r} of the panel is not in the store")
+        s, e = entry["slice"]
+        if tokens[s:e].tolist() != r.tokens or scored[s:e].tolist() != r.scored:
+            raise StoreError(f"{path}: row {r.id!r}: stored tokens differ from the panel's tokenization")
+        sel = [j for j in range(s, e) if scored[j]]
+        hid = np.frombuffer(b"".join(hidden_col[j] for j in sel), dtype=np.float32).reshape(len(sel), hidden_size)
+        ref.hidden.append(torch.from_numpy(hid.copy()))
+        ref.targets.append(torch.tensor(tokens[sel], dtype=torch.long))
+        ids = np.stack([ids_col[j].values.to_numpy() for j in sel]) if sel else np.zeros((0, k), np.int32)
+        lps = np.stack([lps_col[j].values.to_numpy() for j in sel]) if sel else np.zeros((0, k), np.float32)
+        ref.topk.append((torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(lps.copy())))
+    return ref

@@ -1,0 +1,201 @@
+"""compare() end to end on tiny Llama packs that carry SmolLM2's real tokenizer (fast), checked against HF transformers."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fidelity.compare import compare, write_records
+from fidelity.errors import PackError
+from fidelity.panels import PanelRow, write_panel
+from fidelity.store import StoreError
+
+VOCAB = 49152
+
+
+def _config(vocab=VOCAB):
+    from fidelity.oracle.synthetic import llama_config
+    return llama_config(hidden_size=64, intermediate_size=128, n_layers=2, vocab_size=vocab, n_heads=4, n_kv_heads=2)
+
+
+def _weights(cfg, gen):
+    from fidelity.oracle.synthetic import llama_shapes
+    out = {}
+    for name, shape in llama_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            out[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            out[name] = torch.randn(shape, generator=gen) / shape[-1] ** 0.5 * (3.0 if "embed" in name or "lm_head" in name else 1.0)
+    return out
+
+
+def _save(path, cfg, weights, tokenizer=None):
+    from safetensors.torch import save_file
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_gguf):
+    from fidelity.packs import open_pack
+    from fidelity.packs.tokenizer import load_tokenizer
+    seed = int.from_bytes(np.random.bytes(4), "little")
+    print(f"tiny packs seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    root = tmp_path_factory.mktemp("tiny")
+    tok = load_tokenizer(open_pack(smollm2_gguf))
+    cfg = _config()
+    w = _weights(cfg, gen)
+    packs = {"ref": _save(root / "ref", cfg, w, tok)}
+    for name, scale in (("small", 0.01), ("large", 0.05)):
+        packs[name] = _save(root / name, cfg, {k: v + scale * v.abs().mean() * torch.randn(v.shape, generator=gen)
+                                                for k, v in w.items()}, tok)
+    nan_w = dict(w)
+    nan_w["lm_head.weight"] = w["lm_head.weight"].clone()
+    nan_w["lm_head.weight"][VOCAB - 7] = float("nan")
+    packs["nan"] = _save(root / "nan", cfg, nan_w, tok)
+    small_cfg = _config(vocab=1000)
+    packs["vocab1000"] = _save(root / "vocab1000", small_cfg, _weights(small_cfg, gen))
+    rows = [PanelRow("c1", "chat", messages=[{"role": "user", "content": "Name three colors."},
+                                             {"role": "assistant", "content": "Red, green and blue."}]),
+            PanelRow("c2", "chat", messages=[{"role": "user", "content": "What is 3 times 4?"},
+                                             {"role": "assistant", "content": "3 times 4 is 12."},
+                                             {"role": "user", "content": "And plus one?"},
+                                             {"role": "assistant", "content": "13."}]),
+            PanelRow("t1", "text", text="The river flows through the old town towards the sea."),
+            PanelRow("t2", "text", text="def square(x):\n    return x * x\n")]
+    packs["panel"] = write_panel(root / "panel", rows, name="tiny-test").path
+    packs["tokenizer"] = tok
+    return packs
+
+
+def _hf_logits(path, tokens):
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].double()
+
+
+@pytest.fixture(scope="module")
+def live(tiny):
+    return compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False)
+
+
+def test_compare_matches_transformers(tiny, live):
+    """KL(ref||pack), top-1 and PPL equal plain-torch numbers on HF transformers' fp32 logits, to 1e-4 relative."""
+    from fidelity.panels import load_panel, tokenize_panel
+    rows = tokenize_panel(load_panel(tiny["panel"]), tiny["tokenizer"])
+    for label in ("small", "large"):
+        kl, agree, nll_ref, nll_pack = [], [], [], []
+        for r in rows:
+            pos = torch.tensor([t - 1 for t, s in enumerate(r.scored) if s])
+            tgt = torch.tensor(r.tokens)[pos + 1]
+            lp = torch.log_softmax(_hf_logits(tiny["ref"], r.tokens)[pos], -1)
+            lq = torch.log_softmax(_hf_logits(tiny[label], r.tokens)[pos], -1)
+            kl.append((lp.exp() * (lp - lq)).sum(-1))
+            agree.append(lp.argmax(-1) == lq.argmax(-1))
+            nll_ref.append(-lp.gather(1, tgt[:, None])[:, 0])
+            nll_pack.append(-lq.gather(1, tgt[:, None])[:, 0])
+        res = next(r for r in live.report["results"] if r["label"] == label)["overall"]
+        assert res["positions"] == sum(len(k) for k in kl) == live.report["panel"]["scored_positions"]
+        assert res["kld_mean"] == pytest.approx(float(torch.cat(kl).mean()), rel=1e-4)
+        assert res["top1"] == pytest.approx(float(torch.cat(agree).double().mean()), rel=1e-4)
+        assert res["ppl"] == pytest.approx(float(torch.cat(nll_pack).mean().exp()), rel=1e-4)
+        assert res["ppl_ref"] == pytest.approx(float(torch.cat(nll_ref).mean().exp()), rel=1e-4)
+    small, large = (next(r for r in live.report["results"] if r["label"] == k)["overall"] for k in ("small", "large"))
+    assert small["kld_mean"] < large["kld_mean"]
+    (pair,) = live.report["paired"]
+    assert pair["a"] == "small" and pair["b"] == "large"
+    assert pair["kld_mean_diff"] == pytest.approx(small["kld_mean"] - large["kld_mean"], rel=1e-9)
+    nf = live.report["noise_floor"]["kld_mean"]
+    assert 0 < nf < small["kld_mean"] and small["noise_floor_kld"] == nf
+
+
+def test_store_equals_live_exactly(tiny, live, tmp_path):
+    from fidelity.commands.reference import build_store
+    m = build_store(tiny["ref"], tiny["panel"], tmp_path / "store", progress=False)
+    assert m["bytes_per_scored_position"] < 2 * VOCAB / 20
+    stored = compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], reference_store=tmp_path / "store",
+                     n_boot=300, progress=False)
+    a, b = dict(live.report), dict(stored.report)
+    a["reference"] = {k: v for k, v in a["reference"].items() if k != "store"}
+    b["reference"] = {k: v for k, v in b["reference"].items() if k != "store"}
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    for label in live.metrics:
+        assert np.array_equal(live.metrics[label].kld.numpy(), stored.metrics[label].kld.numpy(), equal_nan=True)
+
+
+def test_store_is_refused_for_another_panel_pack_or_tokenizer(tiny, tmp_path):
+    from fidelity.commands.reference import build_store
+    store = tmp_path / "store"
+    build_store(tiny["ref"], tiny["panel"], store, progress=False)
+    other = write_panel(tmp_path / "other", [PanelRow("x", "text", text="Something else entirely here.")], name="other")
+    with pytest.raises(StoreError, match=r"built for panel 'tiny-test' .* not for panel 'other'"):
+        compare(tiny["ref"], [tiny["small"]], panel=other.path, reference_store=store, progress=False)
+    with pytest.raises(StoreError, match="built from reference pack"):
+        compare(tiny["small"], [tiny["large"]], panel=tiny["panel"], reference_store=store, progress=False)
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["tokenizer_fingerprint"] = "0123456789abcdef"
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="built with tokenizer 0123456789abcdef"):
+        compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], reference_store=store, progress=False)
+
+
+def test_store_topk_check_catches_a_changed_head(tiny, tmp_path):
+    """Hidden states tampered with in the store no longer reproduce the stored top-K: refused, naming row and position."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from fidelity.commands.reference import build_store
+    store = tmp_path / "store"
+    build_store(tiny["ref"], tiny["panel"], store, progress=False)
+    t = pq.read_table(store / "records.parquet")
+    hidden = t.column("hidden").to_pylist()
+    j = next(i for i, h in enumerate(hidden) if h is not None)
+    h = np.frombuffer(hidden[j], np.float32).copy()
+    h[:] = h[::-1]
+    hidden[j] = h.tobytes()
+    t = t.set_column(t.schema.get_field_index("hidden"), "hidden", pa.array(hidden, pa.binary()))
+    pq.write_table(t, store / "records.parquet")
+    with pytest.raises(StoreError, match=r"row 'c1' position \d+: logits re-derived .* do not reproduce the stored top-20"):
+        compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], reference_store=store, noise_floor=False, progress=False)
+
+
+def test_nan_logits_are_counted_and_reported(tiny):
+    res = compare(tiny["ref"], [tiny["nan"]], panel=tiny["panel"], noise_floor=False, n_boot=100, progress=False)
+    o = res.report["results"][0]["overall"]
+    assert o["nonfinite"] == res.report["panel"]["scored_positions"] and o["positions"] == 0
+    assert o["kld_mean"] is None
+
+
+def test_different_vocabularies_are_refused_naming_both(tiny):
+    with pytest.raises(PackError, match=rf"reference {tiny['ref']} has 49152 tokens, {tiny['vocab1000']} has 1000"):
+        compare(tiny["ref"], [tiny["vocab1000"]], panel=tiny["panel"], progress=False)
+
+
+def test_cli_writes_json_markdown_and_records(tiny, tmp_path, capsys):
+    from fidelity.cli import main
+    j, md, out = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "records"
+    rc = main(["compare", str(tiny["ref"]), str(tiny["small"]), str(tiny["large"]), "--panel", str(tiny["panel"]),
+               "--json", str(j), "--markdown", str(md), "--out", str(out), "--bootstrap", "100", "--no-noise-floor"])
+    assert rc == 0
+    rep = json.loads(j.read_text())
+    assert set(rep["panel"]) >= {"name", "sha256", "rows", "scored_positions"}
+    assert set(rep["reference"]) >= {"path", "fingerprint"}
+    for r in rep["results"]:
+        assert set(r) >= {"pack", "label", "bpw", "overall", "domains"}
+        assert set(r["overall"]) >= {"kld_mean", "kld_mean_ci95", "kld_domains_equal", "top1", "ppl", "ppl_ref", "kld_median",
+                                     "kld_p99", "kld_p999", "kld_max", "nonfinite", "noise_floor_kld"}
+        for d in r["domains"].values():
+            assert set(d) >= {"kld_mean", "kld_mean_ci95", "top1", "ppl", "positions"}
+    assert set(rep["paired"][0]) >= {"a", "b", "kld_mean_diff", "ci95", "p_value"}
+    text = md.read_text()
+    assert "| small |" in text and "| small | **domains equal** |" in text
+    assert "overall" in capsys.readouterr().out
+    import pyarrow.parquet as pq
+    recs = pq.read_table(out / "small.parquet").to_pandas()
+    assert len(recs) == rep["panel"]["scored_positions"]
+    assert recs["kld"].mean() == pytest.approx(rep["results"][0]["overall"]["kld_mean"], rel=1e-12)
