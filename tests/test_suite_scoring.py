@@ -240,6 +240,21 @@ def first_option(options):
     return v
 
 
+def plain_answer(row: dict) -> bool:
+    """Answers whose first options are plain values for plain-typed parameters and cover every required parameter: a call
+    built from them is right."""
+    for fn in row["answer"]:
+        (name, params), = fn.items()
+        spec = next(f for f in row["function"] if f["name"] == name)["parameters"]
+        if any(not opts or isinstance(opts[0], (dict, list)) for opts in params.values()):
+            return False
+        if any(spec["properties"].get(k, {}).get("type") in ("array", "tuple", "dict") for k in params):
+            return False
+        if any(params.get(r, [""])[0] == "" for r in spec.get("required", [])):
+            return False
+    return True
+
+
 def call_from_answer(answer: list[dict]) -> list[dict]:
     calls = []
     for fn in answer:
@@ -259,10 +274,11 @@ def test_toolcall_ground_truth_passes_bfcl_checker(toolcall, rng_seed):
     assert len(items) == 1240 and {it.data["category"] for it in items} == {"simple", "multiple", "parallel",
                                                                               "parallel_multiple", "irrelevance"}
     rng = random.Random(rng_seed)
-    sample = rng.sample([it for it in items if it.data["category"] != "irrelevance"], 20)
-    for it in sample:
+    plain = [it for it in items if it.data["category"] != "irrelevance" and plain_answer(toolcall._rows[it.item_id])]
+    assert len(plain) > 600
+    for it in rng.sample(plain, 40):
         out = toolcall.score(it, "", call_from_answer(toolcall._rows[it.item_id]["answer"]))
-        assert out.passed, (it.item_id, out.verdict)
+        assert out.passed and out.details["integrity"] == [], (it.item_id, out.verdict)
 
 
 def test_toolcall_integrity_and_checker_failures(toolcall):
@@ -274,13 +290,17 @@ def test_toolcall_integrity_and_checker_failures(toolcall):
     cases = {
         "arguments are not valid JSON": {"name": "calculate_triangle_area", "arguments": "{base: 10"},
         "unknown function (offered: calculate_triangle_area)": {"name": "area", "arguments": "{}"},
-        "'10' is not of type 'integer'": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": "10", "height": 5})},
-        "'height' is a required property": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": 10})},
+        "Missing required parameter: 'height'. (schema: call 0 (calculate_triangle_area): arguments break the schema: "
+        "'height' is a required property)": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": 10})},
         "Expected one of [5]": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": 10, "height": 6})},
     }
     for reason, call in cases.items():
         out = toolcall.score(it, "", [call])
         assert not out.passed and reason in out.verdict, (reason, out.verdict)
+    # a type the schema forbids is recorded; BFCL's checker fails it too
+    out = toolcall.score(it, "", [{"name": "calculate_triangle_area", "arguments": json.dumps({"base": "10", "height": 5})}])
+    assert not out.passed and out.details["integrity"] == [
+        "call 0 (calculate_triangle_area): arguments break the schema: '10' is not of type 'integer'"]
     assert toolcall.score(it, "The area is 25.", []).verdict == "no function call"
     irr = items["irrelevance_0"]
     assert toolcall.score(irr, "None of the tools fits.", []).passed

@@ -2,8 +2,11 @@
 `bfcl-eval`, sent as OpenAI `tools`, judged by BFCL's own AST checker, after our integrity checks.
 
 Integrity checks (each failure names the call): arguments are valid JSON objects; the function name is one of the offered
-tools; arguments validate against the tool's JSON schema (types, required fields, enums); and for `irrelevance` items, where no
-offered tool fits, there is no call at all. Then BFCL's `ast_checker` compares the calls with the possible answers.
+tools; for `irrelevance` items, where no offered tool fits, there is no call at all; these fail the item. Arguments are also
+validated against the tool's JSON schema (types, required fields, enums); a violation is recorded in `details.integrity` and the
+verdict but does not by itself fail the item, because a few of BFCL's own possible answers break their declared schema (e.g.
+simple_python_96 passes a list where the schema says string; 5 of the 1,000 answerable items). Then BFCL's `ast_checker`
+compares the calls with the possible answers and decides.
 
 Function names with dots are sent with underscores (OpenAI's name pattern), as BFCL does for function-calling models; its
 checker maps the expected names the same way. BFCL's checker module imports every model handler through its model-config
@@ -187,13 +190,17 @@ class ToolCall(Suite):
             ok = not tool_calls
             return Outcome(extracted, ok, verdict="no call, as none fits" if ok else f"called {len(tool_calls)} function(s) "
                            f"though none fits", details=details)
-        if problems:
-            return Outcome(extracted, False, verdict="; ".join(problems), details=details)
+        fatal = [p for p in problems if "arguments break the schema: " not in p]
+        if fatal:
+            return Outcome(extracted, False, verdict="; ".join(fatal), details=details)
         if not parsed:
             return Outcome(extracted, False, verdict="no function call", details=details)
         checker, language = load_checker()
         res = checker(row["function"], parsed, row["answer"], language.PYTHON, row["category"], "fidelity")
         ok = bool(res.get("valid"))
-        details["checker"] = {k: res[k] for k in ("error_type",) if k in res}
-        return Outcome(extracted, ok, verdict="matches a possible answer" if ok else "; ".join(map(str, res.get("error", [])))[:500],
-                       details=details)
+        if not ok:
+            details["checker"] = {k: res[k] for k in ("error_type",) if k in res}
+        verdict = "matches a possible answer" if ok else "; ".join(map(str, res.get("error", [])))[:500]
+        if problems:  # recorded, not fatal: a few of BFCL's own possible answers break their declared schema
+            verdict += " (schema: " + "; ".join(problems) + ")"
+        return Outcome(extracted, ok, verdict=verdict, details=details)
