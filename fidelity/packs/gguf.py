@@ -15,6 +15,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -36,11 +37,6 @@ MISTRAL = ("mistral", "MistralForCausalLM")  # llama.cpp writes Mistral models a
 NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 
 
-def _gguf():
-    import gguf
-    return gguf
-
-
 def supported_types() -> set[str]:
     """GGML type names gguf-py can dequantize."""
     from gguf.quants import _type_traits  # the registry `dequantize` dispatches on
@@ -49,10 +45,7 @@ def supported_types() -> set[str]:
 
 def field_value(reader, key: str, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return default if f is None else f.contents()
 
 
 # -- name mapping -------------------------------------------------------------------------------------------------
@@ -70,9 +63,8 @@ def _hf_style(name: str) -> bool:
 @lru_cache(maxsize=None)
 def gguf_to_hf_names(arch: str, n_blocks: int) -> dict[str, str]:
     """llama.cpp base name (no .weight/.bias) -> HF module name, by inverting gguf-py's TensorNameMap."""
-    g = _gguf()
-    arch_enum = next(k for k, v in g.MODEL_ARCH_NAMES.items() if v == arch)
-    name_map = g.get_tensor_name_map(arch_enum, n_blocks)
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(arch_enum, n_blocks)
     candidates: dict[str, list[str]] = {}
     for hf, (_, gg) in name_map.mapping.items():
         candidates.setdefault(gg, []).append(hf)
@@ -218,9 +210,8 @@ class GGUFPack(Pack):
 
     def __init__(self, path: str | Path):
         super().__init__(path)
-        g = _gguf()
         try:
-            self.reader = g.GGUFReader(self.path, "r")
+            self.reader = gguf.GGUFReader(self.path, "r")
         except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on malformed files
             raise PackError(f"cannot read GGUF file ({type(e).__name__}: {e}); truncated or corrupt?", file=self.path) from None
         r = self.reader
@@ -236,6 +227,7 @@ class GGUFPack(Pack):
                                                                  self.config["head_dim"], self.path)
         self.metadata_chat_template = field_value(r, "tokenizer.chat_template")
         ok_types = supported_types()
+        file_size = self.path.stat().st_size
         names = gguf_to_hf_names(self.arch, self.config["num_hidden_layers"])
         self.skipped: list[str] = []  # GGUF tensors that are no model parameter (e.g. rope_freqs)
         for t in r.tensors:
@@ -250,7 +242,7 @@ class GGUFPack(Pack):
             if t.tensor_type.name not in ok_types:
                 raise PackError(f"GGUF tensor type {t.tensor_type.name} is not supported (gguf-py cannot dequantize it; "
                                 f"supported: {sorted(ok_types)})", file=self.path, tensor=t.name)
-            self._check_extent(t)
+            self._check_extent(t, file_size)
             if base.endswith("_exps"):  # stacked experts [E, out, in] -> one HF tensor per expert
                 stem, proj = hf_base.rsplit(".", 1)
                 for e in range(int(t.shape[-1])):
@@ -258,15 +250,13 @@ class GGUFPack(Pack):
             else:
                 self._add(hf_base + suffix, t)
 
-    def _check_extent(self, t):
-        size = self.path.stat().st_size
+    def _check_extent(self, t, size: int):
         if t.data_offset + t.n_bytes > size:
             raise PackError(f"tensor data runs past the end of the file ({t.data_offset + t.n_bytes} > {size} bytes); "
                             "truncated?", file=self.path, tensor=t.name)
 
     def _add(self, name: str, t, expert: int | None = None):
-        g = _gguf()
-        block, type_bytes = g.GGML_QUANT_SIZES[t.tensor_type]
+        block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         nbytes = int(t.n_bytes)
         if expert is not None:
@@ -277,10 +267,9 @@ class GGUFPack(Pack):
         self._entries[name] = LogicalTensor(storage, lambda: self._decode(t, name, shape, expert))
 
     def _decode(self, t, name: str, shape: tuple[int, ...], expert: int | None) -> torch.Tensor:
-        g = _gguf()
         data = t.data if expert is None else t.data[expert]
         try:
-            values = g.quants.dequantize(data, t.tensor_type)
+            values = gguf.quants.dequantize(data, t.tensor_type)
         except Exception as e:
             raise PackError(f"gguf-py could not dequantize {t.tensor_type.name}: {e}", file=self.path, tensor=name) from None
         w = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape)

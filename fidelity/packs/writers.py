@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import PackError
-from .base import Pack, tensor_role
+from .base import Pack
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -148,12 +148,15 @@ def write_gguf(pack: Pack, out_path: str | Path, qtype: str, *, types: dict[str,
                tokenizer_from: Pack | None = None, tokenizer_pre: str = "default") -> Path:
     """Quantize `pack` (read through its exact fp32 tensors) into a llama.cpp-loadable GGUF.
 
-    `qtype`: a GGML type name for the linear weights (head and tied embedding follow llama.cpp's output rule,
-    norms stay F32) or a recipe in MIXES. `types` overrides the type per HF tensor name. Tokenizer metadata is
-    copied verbatim from `tokenizer_from` (or `pack` itself) when that is a GGUF, else built from the HF tokenizer
-    files (BPE tokenizers; `tokenizer_pre` names llama.cpp's pre-tokenizer)."""
+    `qtype` is a llama-quantize file type: a GGML type name (Q8_0, Q6_K, Q4_0, IQ4_XS, ...) or a mix in MIXES
+    (Q4_K_M, Q5_K_M, Q2_K), with llama.cpp's per-tensor rules (output / tied embedding, fallbacks for rows that are
+    not 256 multiples, norms and router F32); for Q4_0..Q8_0, Q6_K, Q4_K_M and Q2_K the tests check the file equals
+    what llama.cpp's own `llama_model_quantize` writes from the F32 GGUF, tensor for tensor and byte for byte.
+    `types` overrides the type per HF tensor name. Tokenizer metadata is copied verbatim from `tokenizer_from` (or
+    `pack` itself) when that is a GGUF, else built from the HF tokenizer files (byte-level BPE; `tokenizer_pre` names
+    llama.cpp's pre-tokenizer, e.g. "smollm", "llama-bpe", "qwen2")."""
     import gguf
-    from .gguf import GGUFPack, permute_qk
+    from .gguf import permute_qk
 
     cfg = pack.config
     model_type = cfg.get("model_type")
