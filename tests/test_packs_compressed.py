@@ -67,6 +67,8 @@ def library_fp32(comp, scheme, stored: dict, fmt: str) -> torch.Tensor:
         q = unpack_fp4_from_uint8(p, p.shape[0], 2 * p.shape[1], dtype=torch.float32)
         return dequantize(q, decompress_mx_scale(stored["weight_scale"]).float(), args=scheme.weights,
                           dtype=torch.float32)
+    if fmt == "mxfp8-quantized":  # power-of-two scales: the library's bf16 products are exact
+        return comp.decompress(stored, scheme)["weight"].float()
     sd = dict(stored, weight_scale=stored["weight_scale"].float())
     return comp.decompress(sd, scheme)["weight"]
 
@@ -100,6 +102,8 @@ CASES = {
     "fp8_block": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="block",
                                           block_structure=[128, 128]), (300, 200)),
     "fp8_channel": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="channel"), (31, 64)),
+    "mxfp8": ("mxfp8-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32,
+                                      scale_dtype=torch.uint8), (10, 96)),
     "nvfp4": ("nvfp4-pack-quantized", dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
                                            group_size=16, scale_dtype=torch.float8_e4m3fn), (37, 48)),
     "mxfp4": ("mxfp4-pack-quantized", dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,

@@ -4,7 +4,8 @@ Per module the scheme (from `config_groups`, matched by `targets`) says the stor
 - `pack-quantized`: `weight_packed` int32 (num_bits-wide two's-complement-offset integers, densely packed from bit 0 of
   each row), `weight_shape`, `weight_scale`, optional `weight_zero_point` (packed the same way along dim 0) and
   `weight_g_idx` (activation order: column j uses group g_idx[j]);
-- `naive-quantized` / `int-quantized` / `float-quantized`: `weight` int8 or fp8 + `weight_scale` (+ zero point);
+- `naive-quantized` / `int-quantized` / `float-quantized` / `mxfp8-quantized`: `weight` int8 or fp8 + `weight_scale`
+  (float, or uint8 e8m0 exponents for MXFP8) (+ zero point);
 - `nvfp4-pack-quantized` (the global scale divides) and `mxfp4-pack-quantized`, decoded by `fp4`.
 value = (q - zero_point) * scale, computed in fp32 with one rounding (the library's own order of operations; its bf16
 output is this value rounded to bf16).
@@ -25,7 +26,8 @@ from .fp8 import FP8_DTYPES, absent_entry, ceil_div, read_scales
 KNOWN_QUANT_METHODS.add("compressed-tensors")
 
 SIDE_PARAMS = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape", "weight_g_idx")
-UNSUPPORTED_FORMATS = ("sparse-bitmask", "sparse-24-bitmask", "marlin-24", "mxfp6-pack-quantized", "mxfp8-quantized")
+UNSUPPORTED_FORMATS = ("sparse-bitmask", "sparse-24-bitmask", "marlin-24", "mxfp6-pack-quantized")
+NAIVE_FORMATS = ("naive-quantized", "int-quantized", "float-quantized", "mxfp8-quantized")
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,10 @@ def naive_entry(m: ModuleParams, args: WeightArgs, fmt: str) -> LogicalTensor:
     def decode() -> torch.Tensor:
         return int_dequantize(m, args, m.get("weight"), shape, m.zero_point(args, shape, packed=False))
 
-    kind = FP8_DTYPES[info.dtype] if is_float else f"int{args.num_bits}-quantized"
+    if fmt == "mxfp8-quantized":
+        kind = "mxfp8"
+    else:
+        kind = FP8_DTYPES[info.dtype] if is_float else f"int{args.num_bits}-quantized"
     desc = f"block {args.block[0]}x{args.block[1]}" if args.strategy == "block" else args.strategy
     block = (1, args.group_size) if args.strategy == "group" else args.block
     return LogicalTensor(m.storage(kind, f"{info.dtype} x {m.info('weight_scale').dtype} {desc}", shape, block), decode)
@@ -304,7 +309,9 @@ def stored_format(m: ModuleParams) -> str:
         if m.info("weight_packed").dtype == "I32":
             return "pack-quantized"
         return "nvfp4-pack-quantized" if m.has("weight_global_scale") else "mxfp4-pack-quantized"
-    return "float-quantized" if m.info("weight").dtype in FP8_DTYPES else "int-quantized"
+    if m.info("weight").dtype not in FP8_DTYPES:
+        return "int-quantized"
+    return "mxfp8-quantized" if m.info("weight_scale").dtype == "U8" else "float-quantized"
 
 
 def module_entry(m: ModuleParams, scheme: Scheme) -> LogicalTensor:
@@ -322,7 +329,7 @@ def module_entry(m: ModuleParams, scheme: Scheme) -> LogicalTensor:
         return nvfp4_entry(m, args)
     if fmt == "mxfp4-pack-quantized":
         return mxfp4_entry(m, args)
-    if fmt in ("naive-quantized", "int-quantized", "float-quantized"):
+    if fmt in NAIVE_FORMATS:
         return naive_entry(m, args, fmt)
     raise m.error(f"compressed-tensors format {fmt!r} is not known", "weight_scale")
 
