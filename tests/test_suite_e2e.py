@@ -15,7 +15,7 @@ from fidelity.suites.compare import compare_runs
 from fidelity.suites.records import read_manifest, read_records
 from fidelity.suites.runner import Settings, run_suite
 
-from test_suite_scoring import SHARED_IFEVAL, evalplus_file
+from test_suite_scoring import SHARED_IFEVAL, evalplus_file, mbpp_file
 
 pytestmark = pytest.mark.slow
 
@@ -29,20 +29,6 @@ def llama(smollm2_gguf, tmp_path_factory):
            "--n_ctx", "2048", "--n_threads", "2", "--verbose", "False"]
     with Spawned(cmd, port, log=str(log), timeout_s=180) as srv:
         yield srv
-
-
-def mbpp_file(tmp_path):
-    row = {"task_id": "Mbpp/900", "entry_point": "sum_of_squares", "atol": 0, "contract": "",
-           "prompt": '"""\nWrite a function to return the sum of the squares of a list of integers.\n'
-                     'assert sum_of_squares([1, 2, 3]) == 14\n"""\n',
-           "canonical_solution": "def sum_of_squares(xs):\n    return sum(x * x for x in xs)\n",
-           "base_input": [[[1, 2, 3]], [[0]]], "plus_input": [[[]], [[-4, 5]]]}
-    path = tmp_path / "MbppPlus-mini.jsonl"
-    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "task_id": "Mbpp/901", "entry_point": "double_all",
-                                                          "prompt": '"""\nWrite a function that doubles every item of a list.\n'
-                                                                    'assert double_all([1, 2]) == [2, 4]\n"""\n',
-                                                          "canonical_solution": "def double_all(xs):\n    return [2 * x for x in xs]\n"}) + "\n")
-    return path
 
 
 def suite_case(name, tmp_path):

@@ -72,6 +72,31 @@ def test_evalplus_base_and_plus_oracle(tmp_path, humaneval):
     assert not slow.passed and "base: fail" in slow.verdict
 
 
+def mbpp_file(tmp_path):
+    row = {"task_id": "Mbpp/900", "entry_point": "sum_of_squares", "atol": 0, "contract": "",
+           "prompt": '"""\nWrite a function to return the sum of the squares of a list of integers.\n'
+                     'assert sum_of_squares([1, 2, 3]) == 14\n"""\n',
+           "canonical_solution": "def sum_of_squares(xs):\n    return sum(x * x for x in xs)\n",
+           "base_input": [[[1, 2, 3]], [[0]]], "plus_input": [[[]], [[-4, 5]]]}
+    path = tmp_path / "MbppPlus-mini.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "task_id": "Mbpp/901", "entry_point": "double_all",
+                                                          "prompt": '"""\nWrite a function that doubles every item of a list.\n'
+                                                                    'assert double_all([1, 2]) == [2, 4]\n"""\n',
+                                                          "canonical_solution": "def double_all(xs):\n    return [2 * x for x in xs]\n"}) + "\n")
+    return path
+
+
+def test_mbpp_plus_through_the_override_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("MBPP_OVERRIDE_PATH", str(mbpp_file(tmp_path)))
+    suite = make_suite("mbpp+")
+    assert suite.source()["source"].endswith("MbppPlus-mini.jsonl") and list(suite.problems) == ["Mbpp/900", "Mbpp/901"]
+    for tid, p in suite.problems.items():
+        assert suite.check(tid, p["prompt"] + p["canonical_solution"]).passed, tid
+    # right on the base inputs, wrong on the plus input [-4, 5]
+    out = suite.check("Mbpp/900", "def sum_of_squares(xs):\n    return sum(x * abs(x) for x in xs) if xs else 0\n")
+    assert not out.passed and out.details["base"]["status"] == "pass" and out.details["plus"]["status"] == "fail"
+
+
 def test_evalplus_offline_without_data_names_the_override(monkeypatch, tmp_path):
     monkeypatch.delenv("HUMANEVAL_OVERRIDE_PATH", raising=False)
     monkeypatch.setattr("evalplus.data.utils.CACHE_DIR", str(tmp_path))
