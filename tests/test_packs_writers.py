@@ -222,3 +222,17 @@ def test_smollm2_gguf_loads_and_runs_in_llama_cpp(smollm2_native, tmp_path, ftyp
     else:  # llama.cpp rounds activations to 8 bits for quantized dot products (the original Q4_1 file: KL ~1e-2)
         assert kl.max() < 0.05 and (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
     assert back.reader.fields["tokenizer.chat_template"].contents() == gguf_pack.metadata_chat_template
+
+
+# -- tokenizer ------------------------------------------------------------------------------------------------------
+def test_load_tokenizer_without_tokenizer_names_the_pack(tmp_path):
+    from fidelity.packs.tokenizer import load_tokenizer
+
+    folder = open_pack(tiny_llama(tmp_path / "m", 0, layers=1, vocab=16))
+    with pytest.raises(PackError) as e:
+        load_tokenizer(folder)
+    assert "tokenizer" in str(e.value) and str(tmp_path / "m") in str(e.value)
+    bare = open_pack(write_gguf(folder, tmp_path / "bare.gguf", "Q8_0"))  # no tokenizer metadata to carry
+    with pytest.raises(PackError) as e:
+        load_tokenizer(bare)
+    assert str(tmp_path / "bare.gguf") in str(e.value)
