@@ -300,7 +300,7 @@ register_claimer("exl3", claim, before="compressed")
 # reference encoder
 # ---------------------------------------------------------------------------------------------------------------------
 CODEBOOK_SCALE = 1.24371088     # std of the 3INST codebook: regularised rows are brought to this RMS (as exllamav3)
-_VITERBI_BUDGET = 1 << 28       # bytes of per-step minima kept for the traceback, per batch of tiles
+_VITERBI_BUDGET = {"cpu": 1 << 28, "cuda": 1 << 34}   # bytes of per-step minima kept for the traceback, per batch
 
 
 def _viterbi_forward(x: torch.Tensor, rate: Bitrate, table: torch.Tensor, order: list[int],
@@ -361,7 +361,8 @@ def viterbi_tiles(x: torch.Tensor, rate: Bitrate, codebook: str) -> torch.Tensor
     L = TILE_LEN
     out = torch.empty(x.shape[0], L, dtype=torch.int64, device=x.device)
     per_tile = 4 * L * (1 << (16 - rate.base))
-    batch = max(1, min(256, _VITERBI_BUDGET // per_tile))
+    budget = _VITERBI_BUDGET.get(x.device.type, _VITERBI_BUDGET["cpu"])
+    batch = max(1, min(256 if x.device.type == "cpu" else 8192, budget // per_tile))
     rolled = [(i + L // 2) % L for i in range(L)]
     natural = list(range(L))
     k0 = int(rate.steps()[0])

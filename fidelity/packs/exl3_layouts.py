@@ -301,6 +301,9 @@ class Layout:
 
 
 def _is_official(names) -> bool:
+    names = list(names)
+    if any(n.startswith("model.layers.") or n == "lm_head.weight" or n.startswith("lm_head.") for n in names):
+        return False
     return any(n.startswith("layers.") or n in ("embed.weight", "head.weight") or n.startswith("head.") for n in names)
 
 
@@ -500,8 +503,6 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
     raw = pack.raw
     out = {}
     for name in sorted(pool):
-        if name not in pool:
-            continue
         logical = official_to_hf(name)
         if name.endswith(".weight") and raw.available(name) and raw.info(name).dtype in fp8.FP8_DTYPES:
             base = name[: -len(".weight")]
@@ -511,7 +512,8 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
                                 tensor=name)
             out[logical] = fp8.fp8_entry(pack, name, scale, block, power_of_two=power_of_two, logical_name=logical)
             pool.difference_update({name, scale})
-            continue
+    for name in sorted(pool):
+        logical = official_to_hf(name)
         entry = native._entry(pack, name)
         out[logical] = LogicalTensor(replace(entry.storage, name=logical), entry.decode)
         pool.discard(name)
