@@ -273,6 +273,28 @@ def test_worst_positions_without_a_reference_store(tmp_path, rng_seed):
     assert any("scored tokens only as context" in n for n in rep.groups[0].notes)
 
 
+def test_json_records_folder_and_store_given_separately(tmp_path, rng_seed):
+    """`fidelity compare --json X --out DIR` and `fidelity reference -o STORE` leave three places; the report joins them."""
+    data, truth = make_compare_run(tmp_path / "a", rng_seed, packs=(("q4", 4.5, 0.6),))
+    (tmp_path / "a" / "compare.json").rename(tmp_path / "compare.json")
+    (tmp_path / "a" / "reference").rename(tmp_path / "store")
+    with pytest.raises(ReportInputError, match="match the labels of no compare result given"):
+        render([tmp_path / "a"], tmp_path / "out")
+    rep = render([tmp_path / "compare.json", tmp_path / "a", tmp_path / "store"], tmp_path / "out", worst=1)
+    w = rep.groups[0].worst[0]
+    r = truth.row_ids.index(w.row_id)
+    assert w.kl == pytest.approx(float(truth.kl["q4"].masked_fill(~truth.scored, -1).max()), rel=1e-6)
+    assert len(w.reference_top) == 5 and w.reference_top[0][0] == f"w{int(truth.ref_top_id[r, w.position])}␣"
+    assert w.reference_top[0][1] == pytest.approx(float(truth.ref_top1_prob[r, w.position]), rel=1e-5)
+    assert w.before.startswith(f"w{int(truth.tokens[r, max(0, w.position - 24)])} ")      # unscored prompt tokens too
+    other = tmp_path / "other_store"
+    other.mkdir()
+    (other / "records.parquet").write_bytes((tmp_path / "store" / "records.parquet").read_bytes())
+    (other / "manifest.json").write_text(json.dumps({"panel": {"sha256": "e" * 64}}))
+    with pytest.raises(ReportInputError, match="other_store: reference store for panel sha256 eeeeeeeeeeee matches no compare"):
+        render([tmp_path / "compare.json", other], tmp_path / "out2")
+
+
 def test_other_panel_is_a_separate_group_with_a_warning(tmp_path, rng_seed):
     make_compare_run(tmp_path / "a", rng_seed)
     make_compare_run(tmp_path / "b", rng_seed + 1, panel_name="other", packs=(("q3", 3.5, 0.9),))

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from fidelity.cli import main as cli_main
 from fidelity.report import render
 from test_report import close_to_printed, md_tables, parse_with_ci
 
-compare_mod = pytest.importorskip("fidelity.compare")
+pytest.importorskip("fidelity.compare")
+pytest.importorskip("fidelity.commands.compare")
 T = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
@@ -82,18 +84,18 @@ def real_run(tmp_path_factory) -> RealRun:
     rows = [PanelRow(f"{d}-{i}", d, text=" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(20, 32))))
             for d in DOMAINS for i in range(4)]
     write_panel(base / "panel", rows, name="tiny-words")
-    res = compare_mod.compare(base / "native", [base / "q8", base / "q4"], panel=base / "panel", n_boot=200, progress=False)
     out = base / "run"
-    out.mkdir()
-    (out / "compare.json").write_text(json.dumps(res.report))
-    compare_mod.write_records(res, out)
+    packs = [str(base / x) for x in ("native", "q8", "q4")]
+    assert cli_main(["reference", packs[0], "--panel", str(base / "panel"), "-o", str(base / "store"), "--top-k", "5"]) == 0
+    assert cli_main(["compare", *packs, "--panel", str(base / "panel"), "--reference-store", str(base / "store"),
+                     "--bootstrap", "200", "--json", str(base / "compare.json"), "--out", str(out)]) == 0
     token_rows = [(r.id, r.domain, tok(r.text)["input_ids"]) for r in rows]
-    return RealRun(base, out, base / "panel", res.report, models, tok, token_rows)
+    return RealRun(base, out, base / "panel", json.loads((base / "compare.json").read_text()), models, tok, token_rows)
 
 
 def independent_kl(run: RealRun, label: str) -> dict:
     """HF transformers fp32 logits for native and pack; KL(P_ref || Q_pack) in float64 plain torch, per scored position."""
-    out = {"row": [], "position": [], "kl": [], "pmax": [], "ref_top1": [], "pack_top1": []}
+    out = {"row": [], "position": [], "kl": [], "pmax": [], "ref_top1": [], "pack_top1": [], "ref_top5": []}
     with torch.no_grad():
         for rid, _, ids in run.rows:
             x = torch.tensor([ids])
@@ -106,11 +108,18 @@ def independent_kl(run: RealRun, label: str) -> dict:
             out["pmax"] += p.exp().amax(-1).tolist()
             out["ref_top1"] += p.argmax(-1).tolist()
             out["pack_top1"] += q.argmax(-1).tolist()
+            out["ref_top5"] += p.exp().topk(5, -1).values.tolist()
     return {k: np.asarray(v) for k, v in out.items()}
 
 
 def test_report_numbers_equal_an_independent_computation(real_run, tmp_path):
-    rep = render([real_run.out], tmp_path / "report", panel=real_run.panel, worst=2)
+    """`fidelity report compare.json RECORDS_DIR` (the compare --out folder): the JSON's numbers printed, the records' KL
+    quantiles / confidence buckets / worst positions against HF transformers logits through plain torch."""
+    assert cli_main(["report", str(real_run.base / "compare.json"), str(real_run.out), "-o", str(tmp_path / "report"),
+                     "--panel", str(real_run.panel), "--worst", "2"]) == 0
+    rep = render([real_run.base / "compare.json", real_run.out], tmp_path / "report", panel=real_run.panel, worst=2)
+    assert (tmp_path / "report" / "summary.md").read_text().split("## Provenance")[0] == rep.summary_md.read_text().split(
+        "## Provenance")[0]
     md = rep.summary_md.read_text()
     t = md_tables(md)
     overall = {r["pack"]: r for r in t["Overall"]}
@@ -149,6 +158,8 @@ def test_report_numbers_equal_an_independent_computation(real_run, tmp_path):
         assert w.before + w.token + w.after == tok.decode(ids[max(0, w.position - 24):w.position + 5])
         assert w.token.strip() == tok.decode([ids[w.position]])
         assert w.reference_top[0][0] == tok.decode([int(ind["ref_top1"][j])])
+        # the reference's top-5 comes from the store `fidelity compare --reference-store` recorded in the JSON
+        assert [p for _, p in w.reference_top] == pytest.approx(ind["ref_top5"][j].tolist(), abs=1e-5)
         assert w.pack_top[0][0] == tok.decode([int(ind["pack_top1"][j])])
     assert real_run.report["panel"]["sha256"] in md
 
@@ -157,7 +168,7 @@ def test_real_compare_report_opens_in_chromium(real_run, tmp_path):
     browser = pytest.importorskip("test_report_browser")
     if browser.CHROMIUM is None:
         pytest.skip("chromium is not installed")
-    rep = render([real_run.out], tmp_path / "report", panel=real_run.panel)
+    rep = render([real_run.base / "compare.json", real_run.out], tmp_path / "report")
     check = browser.open_page(rep.index_html, tmp_path)
     (tmp_path / "report" / "screenshot.png").write_bytes(check.screenshot)
     assert len(check.images) == len(rep.figures) == 4

@@ -126,7 +126,7 @@ def _compare_run(data: dict, source: str) -> CompareRun:
 
 # ---- run folders -------------------------------------------------------------------------------------------------------
 
-def _find_compare_json(folder: Path) -> Path:
+def _find_compare_json(folder: Path) -> Path | None:
     for name in ("compare.json", "result.json", "results.json"):
         if (folder / name).is_file():
             return folder / name
@@ -137,28 +137,30 @@ def _find_compare_json(folder: Path) -> Path:
             continue
         if isinstance(d, dict) and "results" in d and "panel" in d:
             return p
-    raise ReportInputError(f"{folder}: run folder has no compare JSON (looked for compare.json or any *.json with 'panel' and 'results')")
+    return None
 
 
 REFERENCE_COLUMNS = ["row_id", "domain", "position", "token", "scored", "nll", "topk_ids", "topk_logprobs"]
 
 
-def _reference_store(run: CompareRun, folder: Path) -> Path | None:
-    """A reference store (records.parquet + manifest.json) in the run folder, a subfolder of it, or where the JSON says."""
-    candidates = [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
-    if run.reference.get("store"):
-        candidates.append(Path(run.reference["store"]))
-    for c in candidates:
-        if (c / "records.parquet").is_file() and (c / "manifest.json").is_file():
-            return c
-    return None
+def _is_store(folder: Path) -> bool:
+    return (folder / "records.parquet").is_file() and (folder / "manifest.json").is_file()
 
 
-def _attach_records(run: CompareRun, folder: Path):
+def _reference_store(run: CompareRun, folder: Path | None) -> Path | None:
+    """A reference store (records.parquet + manifest.json): given with the results, in the run folder or a subfolder of it,
+    or where the JSON's reference.store says."""
+    candidates = [Path(run.reference["store"])] if run.reference.get("store") else []
+    if folder is not None:
+        candidates += [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
+    return next((c for c in candidates if c.is_dir() and _is_store(c)), None)
+
+
+def _attach_records(run: CompareRun, folder: Path | None, store: Path | None = None):
     """Per-position records of a `compare --out` folder: `<label>.parquet` per pack (row_id, domain, position, token, kld,
     ref_top1, pack_top1, ref_pmax, finite, ...), and the reference store's records (every token of every row, the reference
     top-K) when the folder holds or names one: then the worst positions get full text and the reference's top tokens."""
-    for res in run.results:
+    for res in run.results if folder is not None else []:
         path = next((p for p in (folder / f"{res.label}.parquet", folder / f"pack-{res.label}.parquet") if p.is_file()), None)
         if path is None:
             continue
@@ -167,8 +169,8 @@ def _attach_records(run: CompareRun, folder: Path):
         if missing:
             raise ReportInputError(f"{path}: per-position records of pack {res.label!r} lack columns {sorted(missing)}")
         run.pack_positions[res.label] = df
-    store = _reference_store(run, folder)
-    if store is not None:
+    store = store or _reference_store(run, folder)
+    if store is not None and run.positions is None:
         manifest = _read_json(store / "manifest.json")
         sha = (manifest.get("panel") or {}).get("sha256")
         if sha and sha != run.panel.get("sha256"):
@@ -179,8 +181,8 @@ def _attach_records(run: CompareRun, folder: Path):
         if missing:
             raise ReportInputError(f"{store / 'records.parquet'}: reference records lack columns {sorted(missing)}")
         run.positions = ref.rename(columns={"topk_ids": "ref_top_ids", "topk_logprobs": "ref_top_logprobs", "nll": "ref_nll"})
-    vocab = folder / "tokens.json"
-    if vocab.is_file():
+    vocab = folder / "tokens.json" if folder is not None else None
+    if vocab is not None and vocab.is_file():
         run.token_text = {int(k): v for k, v in _read_json(vocab).items()}
 
 
@@ -191,16 +193,43 @@ def _has_columns(store: Path) -> bool:
 
 
 def load_compare(item, source: str | None = None) -> CompareRun:
-    """A compare JSON file, a run folder, or an already-loaded dict."""
+    """A compare JSON file (its folder's `<label>.parquet` records are picked up), a run folder holding one, or a dict."""
     if isinstance(item, dict):
         return _compare_run(item, source or "<dict>")
     path = Path(item)
     if path.is_dir():
         j = _find_compare_json(path)
+        if j is None:
+            raise ReportInputError(f"{path}: run folder has no compare JSON (looked for compare.json or any *.json with "
+                                   "'panel' and 'results')")
         run = _compare_run(_read_json(j), str(path))
         _attach_records(run, path)
         return run
-    return _compare_run(_read_json(path), str(path))
+    run = _compare_run(_read_json(path), str(path))
+    _attach_records(run, path.parent)
+    return run
+
+
+def _attach_folder(folder: Path, runs: list[CompareRun]):
+    """A folder given without a compare JSON: a reference store, or `compare --out` records for a compare JSON given too."""
+    if _is_store(folder):
+        sha = (_read_json(folder / "manifest.json").get("panel") or {}).get("sha256")
+        matched = [r for r in runs if r.panel.get("sha256") == sha and r.positions is None]
+        for r in matched:
+            _attach_records(r, None, store=folder)
+        if not matched:
+            raise ReportInputError(f"{folder}: reference store for panel sha256 {str(sha)[:12]} matches no compare result given "
+                                   "without records of its own")
+        return
+    names = {p.stem for p in folder.glob("*.parquet")}
+    if not names:
+        raise ReportInputError(f"{folder}: run folder has no compare JSON and no per-position records (*.parquet)")
+    for r in runs:
+        if not r.pack_positions and any(res.label in names for res in r.results):
+            _attach_records(r, folder)
+            return
+    raise ReportInputError(f"{folder}: its per-position records ({', '.join(sorted(names))}) match the labels of no compare "
+                           "result given; pass the compare JSON too (`fidelity compare --json`)")
 
 
 # ---- grouping ---------------------------------------------------------------------------------------------------------
@@ -251,7 +280,7 @@ def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
 
 def load_inputs(items) -> Inputs:
     """Paths (files or run folders) or dicts, in order; compare results are grouped by panel."""
-    runs, suites, gates = [], [], []
+    runs, suites, gates, folders = [], [], [], []
     for n, item in enumerate(items):
         if isinstance(item, CompareRun):
             runs.append(item)
@@ -265,7 +294,10 @@ def load_inputs(items) -> Inputs:
             if not path.exists():
                 raise ReportInputError(f"{path}: no such file or folder")
             if path.is_dir():
-                runs.append(load_compare(path))
+                if _find_compare_json(path) is None:
+                    folders.append(path)
+                else:
+                    runs.append(load_compare(path))
                 continue
             data, source = _read_json(path), str(path)
         kind = classify(data, source)
@@ -275,6 +307,8 @@ def load_inputs(items) -> Inputs:
             suites.append((source, data))
         else:
             gates.append((source, data))
+    for folder in folders:
+        _attach_folder(folder, runs)
     if not (runs or suites or gates):
         raise ReportInputError("nothing to report: give at least one compare, suite-compare or gate result")
     groups, warnings = group_runs(runs)
