@@ -18,6 +18,7 @@ from test_report import close_to_printed, md_tables, parse_with_ci
 
 pytest.importorskip("fidelity.compare")
 pytest.importorskip("fidelity.commands.compare")
+pytest.importorskip("fidelity.commands.reference")
 T = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
