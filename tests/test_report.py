@@ -347,7 +347,9 @@ def _gate_json(seed: int) -> dict:
     kl = float(rng.uniform(0.001, 0.1))
     results = [gates.GateResult("oracle-kl", "fail" if kl > 0.02 else "pass", checks=[gates.Check("kl_mean", kl, "<=", 0.02)],
                                 measured={"kl_mean": kl}),
-               gates.GateResult("batch-invariance", "pass", checks=[gates.Check("identical_fraction", 1.0, ">=", 1.0)]),
+               gates.GateResult("batch-invariance", "pass", checks=[gates.Check("identical_fraction", 1.0, ">=", 1.0)],
+                                worst=[{"prompt": i, "identical": True, "max_abs_dlogprob": float(rng.uniform(0, 1e-6))}
+                                       for i in range(2)]),
                gates.GateResult("prefix-cache", "error", error="connection refused")]
     return {"engine": "http://127.0.0.1:8000", "gates": [r.to_dict() for r in results]}
 
@@ -373,6 +375,10 @@ def test_suite_and_gate_tables(tmp_path, run_a, rng_seed):
     close_to_printed(kl["measured"], kl_check["value"])
     assert any(r["gate"] == "batch-invariance" and r["check status"] == "pass" for r in g)
     assert any(r["gate"] == "prefix-cache" and r["gate status"] == "error" and "connection refused" in r["measured"] for r in g)
+    worst = t["Worst examples: batch-invariance"]
+    for row, w in zip(worst, gate["gates"][1]["worst"]):
+        assert int(row["prompt"]) == w["prompt"] and row["identical"] == "yes"
+        close_to_printed(row["max_abs_dlogprob"], w["max_abs_dlogprob"])
     html = rep.index_html.read_text()
     assert '<td class="error">error</td>' in html and '<td class="pass">pass</td>' in html
 

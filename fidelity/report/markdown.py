@@ -37,7 +37,8 @@ def worst_table(worst) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary(title: str, warnings: list[str], groups: list, suites: Table | None, gates: Table | None, provenance: Table) -> str:
+def summary(title: str, warnings: list[str], groups: list, suites: Table | None, gates: Table | None, provenance: Table,
+            gate_worst: list[Table] = ()) -> str:
     out = [f"# {title}", "", "KL is KL(reference ‖ pack) in nats over scored positions (full vocabulary); 95% CIs are bootstrap "
            "intervals over panel rows.", ""]
     out += [f"> **Warning:** {escape(w)}\n" for w in warnings]
@@ -59,5 +60,6 @@ def summary(title: str, warnings: list[str], groups: list, suites: Table | None,
         out.append(table(suites, 2))
     if gates:
         out.append(table(gates, 2))
+        out += [table(t) for t in gate_worst]
     out.append(table(provenance, 2))
     return "\n".join(s for s in out if s is not None).rstrip() + "\n"

@@ -208,16 +208,17 @@ def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto"
     meta = {"version": __version__, "command_line": command_line or "fidelity.report.render(...) (Python API)",
             "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     suites, gates = tables.suite_table(inputs.suites), tables.gate_table(inputs.gates)
+    gate_worst = tables.gate_worst_tables(inputs.gates)
     provenance = tables.provenance_table(inputs.groups, meta)
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.globals.update(num=tables.num, status_class=_status_class)
     html = env.from_string(INDEX_HTML).render(title=title, warnings=inputs.warnings, groups=views, suites=suites, gates=gates,
-                                              provenance=provenance)
+                                              gate_worst=gate_worst, provenance=provenance)
     index = out / "index.html"
     index.write_text(html, encoding="utf-8")
     summary = out / "summary.md"
-    summary.write_text(markdown.summary(title, inputs.warnings, views, suites, gates, provenance), encoding="utf-8")
+    summary.write_text(markdown.summary(title, inputs.warnings, views, suites, gates, provenance, gate_worst), encoding="utf-8")
     figs = [f.path for v in views for f in v.figures_top + v.figures_records]
     return Report(out_dir=out, index_html=index, summary_md=summary, figures=figs, warnings=inputs.warnings, groups=views)
 

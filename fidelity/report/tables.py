@@ -249,6 +249,21 @@ def gate_table(entries: list[tuple[str, dict]]) -> Table | None:
                  note="; ".join(runs), status_columns=(1, 5), classes=["left"])
 
 
+def gate_worst_tables(entries: list[tuple[str, dict]]) -> list[Table]:
+    """Each gate's worst examples (its own columns), so a failing gate shows where it failed."""
+    out = []
+    for _, data in entries:
+        for gt in _gate_list(data):
+            worst = [_flatten(w) for w in gt.get("worst") or [] if isinstance(w, dict)]
+            if not worst:
+                continue
+            keys = list(dict.fromkeys(k for w in worst for k in w))[:10]
+            notes = " ".join(str(n) for n in gt.get("notes") or [])
+            out.append(Table(f"Worst examples: {gt.get('gate') or gt.get('name')}", keys,
+                             [[_cell(w.get(k)) for k in keys] for w in worst], note=notes, classes=["left"]))
+    return out
+
+
 def provenance_table(groups: list[Group], report_meta: dict) -> Table:
     rows = []
     for i, g in enumerate(groups, 1):

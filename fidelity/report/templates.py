@@ -71,7 +71,7 @@ position {{ w.position }} · KL {{ num(w.kl) }}</div>
 {% for t in g.worst_rows %}{{ table(t) }}{% endfor %}
 {% endfor %}
 {% if suites %}<h2 id="suites">Suites</h2>{{ table(suites) }}{% endif %}
-{% if gates %}<h2 id="gates">Engine gates</h2>{{ table(gates) }}{% endif %}
+{% if gates %}<h2 id="gates">Engine gates</h2>{{ table(gates) }}{% for t in gate_worst %}{{ table(t) }}{% endfor %}{% endif %}
 <h2 id="provenance">Provenance</h2>
 {{ table(provenance) }}
 </body>
