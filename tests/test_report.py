@@ -313,6 +313,22 @@ def test_other_panel_is_a_separate_group_with_a_warning(tmp_path, rng_seed):
     assert html.count('class="warning"') == 2
 
 
+def test_grouping_by_panel_and_reference(tmp_path, rng_seed):
+    """The main group is the one with the most packs, even when the odd one is given first; a different reference on the
+    same panel is a separate group too."""
+    from fidelity.report import load_inputs
+
+    odd, _ = make_compare_run(tmp_path / "odd", rng_seed, panel_name="other", packs=(("q3", 3.5, 0.9),), write_records=False)
+    main, _ = make_compare_run(tmp_path / "main", rng_seed + 1, write_records=False)
+    other_ref = {**main, "reference": {"path": "/packs/bf16", "fingerprint": "bf16fingerprint"}}
+    inputs = load_inputs([odd, main, other_ref])
+    assert [([p.label for p in g.packs], g.reference["fingerprint"]) for g in inputs.groups] == [
+        (["q8", "q4"], "ref0fingerprint"), (["q8", "q4"], "bf16fingerprint"), (["q3"], "ref0fingerprint")]
+    assert inputs.groups[0].warning is None
+    assert "reference 'bf16fingerprint' differs" in inputs.groups[1].warning and "<result 3>" in inputs.groups[1].warning
+    assert "panel 'other'" in inputs.groups[2].warning and "<result 1>" in inputs.groups[2].warning
+
+
 def test_same_label_from_two_files_is_kept_apart(tmp_path, rng_seed):
     make_compare_run(tmp_path / "a", rng_seed, panel_sha="ab" * 32)
     make_compare_run(tmp_path / "b", rng_seed + 1, panel_sha="ab" * 32, packs=(("q8", 8.5, 0.3),))

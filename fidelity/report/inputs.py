@@ -250,7 +250,8 @@ def _unique_labels(runs: list[CompareRun]):
 
 
 def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
-    """Group by (panel sha256, reference fingerprint), first-seen group first; every other group carries a warning."""
+    """Group by (panel sha256, reference fingerprint). The main group is the one with the most packs (first seen on a tie);
+    every other group carries a warning naming its files and what differs."""
     order: list[tuple[str, str]] = []
     by_key: dict[tuple[str, str], list[CompareRun]] = {}
     for run in runs:
@@ -259,6 +260,7 @@ def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
             by_key[run.panel_key] = []
         by_key[run.panel_key].append(run)
     groups, warnings = [], []
+    order.sort(key=lambda k: -sum(len(r.results) for r in by_key[k]))       # stable: first seen wins a tie
     first = by_key[order[0]][0] if order else None
     for i, key in enumerate(order):
         members = by_key[key]
@@ -267,10 +269,10 @@ def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
         if i > 0:
             files = ", ".join(r.source for r in members)
             if key[0] != first.panel_key[0]:
-                why = (f"panel {g.panel.get('name')!r} (sha256 {key[0][:12]}) differs from the first group's panel "
+                why = (f"panel {g.panel.get('name')!r} (sha256 {key[0][:12]}) differs from the main group's panel "
                        f"{first.panel.get('name')!r} (sha256 {first.panel_key[0][:12]})")
             else:
-                why = (f"reference {g.reference.get('fingerprint')!r} differs from the first group's reference "
+                why = (f"reference {g.reference.get('fingerprint')!r} differs from the main group's reference "
                        f"{first.reference.get('fingerprint')!r}")
             g.warning = f"{files}: {why}; its numbers are not comparable and are shown as a separate group, never in the same plot."
             warnings.append(g.warning)
