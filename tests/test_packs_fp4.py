@@ -181,7 +181,8 @@ def test_modelopt_unsupported_algo(tmp_path):
 def test_modelopt_nvfp4_agrees_with_compressed_tensors_converter(tmp_path, rng_seed):
     """Cross-check of the ModelOpt convention (weight_scale_2 multiplies) with an independent library: compressed-
     tensors' own ModelOpt->CT converter (1/weight_scale_2 becomes its dividing global scale), then its decompress.
-    Its order of operations, q * (s / (1/s2)), rounds differently from ModelOpt's (q * s) * s2: equal to within 1 ulp."""
+    Its order of operations, q * (s / fl(1/s2)), rounds three times where ModelOpt's (q * s) * s2 rounds once: the two
+    agree to within 2 ulp (about one element in ten differs; 2 ulp was the worst over 300 seeds)."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
@@ -200,6 +201,6 @@ def test_modelopt_nvfp4_agrees_with_compressed_tensors_converter(tmp_path, rng_s
     q = unpack_fp4_from_uint8(ct[name + ".weight_packed"], out, inp, dtype=torch.float32)
     theirs = dequantize(q, ct[name + ".weight_scale"].float(), args=args, dtype=torch.float32,
                         global_scale=ct[name + ".weight_global_scale"].reshape(1))
-    ulp = torch.finfo(torch.float32).eps * ours.abs()
-    assert ((ours - theirs).abs() <= ulp).all()
+    assert (torch.sign(ours) == torch.sign(theirs)).all()
+    assert (ours.view(torch.int32) - theirs.view(torch.int32)).abs().max() <= 2  # ulp distance
     assert (ours != 0).any()
