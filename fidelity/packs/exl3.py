@@ -428,7 +428,9 @@ def _quantize(w: torch.Tensor, rate: Bitrate, codebook: str) -> tuple[torch.Tens
 def _search_g_scale(w: torch.Tensor, rate: Bitrate, codebook: str, n_sample: int = 8) -> float:
     """Global scale minimising the tile quantization MSE on a spread-out sample of tiles (coarse grid, then finer)."""
     ring = _tiles_to_ring(w)
-    idx = torch.linspace(0, ring.shape[0] - 1, min(n_sample, ring.shape[0])).round().long().unique()
+    spread = torch.linspace(0, ring.shape[0] - 1, min(n_sample, ring.shape[0])).round().long().to(w.device)
+    peaks = ring.abs().amax(dim=1).topk(min(n_sample // 2, ring.shape[0])).indices      # outliers clip first
+    idx = torch.cat([spread, peaks]).unique()
     sample = ring[idx]
 
     def best_of(scales: list[float]) -> float:

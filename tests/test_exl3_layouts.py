@@ -1,0 +1,192 @@
+"""The five EXL3 seed layouts, written by fidelity.packs.minipacks from a tiny random-init DeepSeek-V3-style model
+(tests/fixtures/exl3; encodings pre-computed on a GPU by our reference encoder, see the README there)."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fidelity import PackError, open_pack
+from fidelity.packs import exl3, minipacks
+from fidelity.packs.exl3_layouts import hf_to_official, official_to_hf
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "exl3"
+SPEC = minipacks.MiniPackSpec()
+FORMATS = {"exllamav3": "exl3", "cuda-exl3": "cuda-exl3", "deepseek_v41_exl3": "deepseek_v41_exl3",
+           "exl3-expert-packs": "exl3-expert-packs", "exl3-mixed": "exl3-mixed"}
+# relative MSE of an EXL3 tensor against its native weight, generous per K (EXL3 roughly quarters it per bit)
+REL_MSE_BOUND = {2: 0.15, 3: 0.05, 4: 0.015, 5: 0.005, 6: 0.0015}
+
+
+@pytest.fixture(scope="module")
+def native():
+    return open_pack(FIXTURES / "tiny_deepseek")
+
+
+@pytest.fixture(scope="module")
+def packs(native, tmp_path_factory):
+    cache = minipacks.EncodingCache(FIXTURES / "tiny_deepseek_encodings.safetensors")
+    paths = minipacks.write_all(native, tmp_path_factory.mktemp("minipacks"), SPEC, cache)
+    assert cache.misses == 0, "fixture encodings are stale: rerun tests/fixtures/exl3/make_fixtures.py encodings"
+    return paths
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _expected_k(layout: str, name: str) -> float | None:
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    if m:
+        return SPEC.layer_k if layout == "cuda-exl3" else SPEC.expert_bits(int(m.group(1)))
+    if layout in ("exllamav3", "deepseek_v41_exl3"):
+        if name == "lm_head.weight":
+            return SPEC.head_k
+        if re.search(r"_(proj|mqa)\.weight$", name) or (name.endswith("wo_a.weight") and layout == "deepseek_v41_exl3"):
+            return SPEC.dense_k
+    return None
+
+
+def test_name_maps_round_trip(native):
+    for n in native.names():
+        assert official_to_hf(hf_to_official(n)) == n
+    assert official_to_hf("layers.3.ffn.experts.17.w1.weight") == "model.layers.3.mlp.experts.17.gate_proj.weight"
+    assert official_to_hf("layers.3.ffn.experts.17.w3.weight") == "model.layers.3.mlp.experts.17.up_proj.weight"
+    assert official_to_hf("layers.3.ffn.experts.17.w2.weight") == "model.layers.3.mlp.experts.17.down_proj.weight"
+
+
+@pytest.mark.parametrize("layout", minipacks.LAYOUTS)
+def test_layout_opens_and_every_tensor_decodes(packs, native, layout):
+    pack = open_pack(packs[layout])
+    assert pack.format == FORMATS[layout]
+    extra = {"engram.tables.0.weight"} if layout == "exl3-expert-packs" else set()
+    assert set(pack.names()) == set(native.names()) | extra
+    n_exl3 = 0
+    for name in native.names():
+        ref = native.tensor(name)
+        got = pack.tensor(name)
+        s = pack.storage(name)
+        assert got.shape == ref.shape, name
+        K = _expected_k(layout, name)
+        if K is None:
+            if s.format == "fp8_e4m3":
+                assert ((got - ref).abs() <= 0.07 * ref.abs() + 1e-6).all(), name   # e4m3: 3 mantissa bits
+            else:
+                dtype = torch.float16 if layout == "exllamav3" else torch.bfloat16
+                assert torch.equal(got, ref.to(dtype).float()), name
+            continue
+        n_exl3 += 1
+        assert s.format == "exl3" and s.dtype.startswith(f"exl3 K={K:g} {SPEC.codebook}"), (name, s.dtype)
+        rel = ((got - ref).pow(2).mean() / ref.pow(2).mean()).item()
+        assert rel < REL_MSE_BOUND[K], (name, K, rel)
+    assert n_exl3 == {"exllamav3": 29, "cuda-exl3": 12, "deepseek_v41_exl3": 30, "exl3-expert-packs": 12, "exl3-mixed": 12}[layout]
+    bpw = pack.bits_per_weight()
+    assert "routed_experts" in bpw.rows
+
+
+def test_same_encoding_decodes_identically_in_every_layout(packs):
+    """Expert 1 is K=3 everywhere: five different file arrangements must give bit-identical tensors."""
+    name = "model.layers.1.mlp.experts.1.down_proj.weight"
+    tensors = [open_pack(p).tensor(name) for p in packs.values()]
+    assert all(torch.equal(t, tensors[0]) for t in tensors[1:])
+
+
+def test_expert_packs_absent_engram_shard_only_fails_when_read(packs):
+    pack = open_pack(packs["exl3-expert-packs"])
+    with pytest.raises(PackError, match=r"absent.*engram\.tables\.0\.weight.*model-00003-of-00003\.safetensors"):
+        pack.tensor("engram.tables.0.weight")
+
+
+def test_wo_a_head_group_slices_stack_along_output(packs, native):
+    pack = open_pack(packs["deepseek_v41_exl3"])
+    raw = load_file(packs["deepseek_v41_exl3"] / "model-exl3-dense.safetensors")
+    assert {"layers.1.attn.wo_a.0.trellis", "layers.1.attn.wo_a.1.trellis"} <= set(raw)
+    w = pack.tensor("layers.1.attn.wo_a.weight")
+    for g in range(2):
+        t = {p: raw[f"layers.1.attn.wo_a.{g}.{p}"] for p in ("trellis", "suh", "svh")}
+        part = exl3.decode_weight(t["trellis"], t["suh"], t["svh"], "mul1", shape=(32, 16))
+        assert torch.equal(w[32 * g: 32 * (g + 1)], part)
+
+
+# -- a K stated by a plan/config must equal the trellis' K -----------------------------------------------------------
+def _edit_json(path: Path, fn):
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
+
+
+def _set_digit(digits: str, expert: int, k: int) -> str:
+    return digits[:expert] + str(k) + digits[expert + 1:]
+
+
+K_DISAGREEMENTS = {
+    "exllamav3": ("quantization_config.json",
+                  lambda d: d["tensor_storage"]["model.layers.1.mlp.experts.2.up_proj"].__setitem__("bits_per_weight", 5),
+                  r"states K=5 but .* implies K=4.*experts\.2\.up_proj\.trellis.*model\.safetensors"),
+    "cuda-exl3": ("quantization_config.json", lambda d: d["expert_bits"].__setitem__("1", 4),
+                  r"expert_bits\[1\] states K=4 but .* implies K=3.*layers\.1\.ffn\.experts\.0\.w1\.trellis.*model-00002-of-00002"),
+    "deepseek_v41_exl3": ("exl3_moe_plan.json", lambda d: d["layers"].__setitem__("1", _set_digit(d["layers"]["1"], 2, 7)),
+                          r"expert plan .* states K=7 but .* implies K=4.*experts\.2\.w1\.trellis.*model-exl3-L01-p1"),
+    "exl3-expert-packs": ("exl3_moe_plan.json", lambda d: d["layers"][1].__setitem__("k", _set_digit(d["layers"][1]["k"], 0, 8)),
+                          r"states K=8 but .* implies K=2.*experts\.0\.w1\.trellis.*model-experts-L01"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(K_DISAGREEMENTS))
+def test_stated_k_disagreeing_with_trellis_is_caught(packs, tmp_path, layout):
+    fname, edit, needle = K_DISAGREEMENTS[layout]
+    dst = _copy(packs[layout], tmp_path / layout)
+    _edit_json(dst / fname, edit)
+    with pytest.raises(PackError, match=needle):
+        open_pack(dst)
+
+
+def test_mixed_k_reads_k_from_each_trellis(packs, tmp_path):
+    pack = open_pack(packs["exl3-mixed"])
+    for e in range(4):
+        assert pack.storage(f"model.layers.1.mlp.experts.{e}.gate_proj.weight").dtype == f"exl3 K={SPEC.expert_bits(e)} mul1"
+    dst = _copy(packs["exl3-mixed"], tmp_path / "mixed")
+    ts = load_file(dst / "model.safetensors")
+    ts["layers.1.ffn.experts.3.w2.trellis"] = ts["layers.1.ffn.experts.3.w2.trellis"][..., :72].contiguous()
+    save_file(ts, str(dst / "model.safetensors"))
+    with pytest.raises(PackError, match=r"last dim 72 is not divisible by 16.*experts\.3\.w2\.trellis.*model\.safetensors"):
+        open_pack(dst)
+
+
+# -- bad plans and tensors -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout,edit,needle", [
+    ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "234"), r"layers\[1\] lists 3 experts.*n_routed_experts=4"),
+    ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "23456"), r"layers\[1\] lists 5 experts"),
+    ("deepseek_v41_exl3", lambda d: d["layers"].pop("1"), r"no entry for layers 1.*experts\.0\.w1"),
+    ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "2349"), r"K digits outside 1\.\.8"),
+    ("exl3-expert-packs", lambda d: d["layers"][1].__setitem__("k", "23"), r"layers\[1\] lists 2 experts"),
+])
+def test_bad_plan_names_plan_file_and_item(packs, tmp_path, layout, edit, needle):
+    dst = _copy(packs[layout], tmp_path / layout)
+    _edit_json(dst / "exl3_moe_plan.json", edit)
+    with pytest.raises(PackError, match=needle) as e:
+        open_pack(dst)
+    assert "exl3_moe_plan.json" in str(e.value)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda ts: ts.pop("layers.1.ffn.experts.2.w3.suh"), r"no suh.*experts\.2\.w3\.suh.*model-exl3-L01-p1"),
+    (lambda ts: ts.__setitem__("layers.1.ffn.experts.2.w3.svh", torch.ones(256).half()),
+     r"svh has shape \[256\].*needs \[128\].*experts\.2\.w3\.svh.*model-exl3-L01-p1"),
+])
+def test_bad_expert_tensors_name_tensor_and_file(packs, tmp_path, edit, needle):
+    dst = _copy(packs["deepseek_v41_exl3"], tmp_path / "v41")
+    f = dst / "model-exl3-L01-p1.safetensors"
+    ts = load_file(f)
+    edit(ts)
+    save_file(ts, str(f))
+    idx = json.loads((dst / "model.safetensors.index.json").read_text())
+    idx["weight_map"] = {n: v for n, v in idx["weight_map"].items() if v != f.name}   # index follows the file
+    (dst / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(PackError, match=needle):
+        open_pack(dst)
