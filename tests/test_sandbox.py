@@ -124,3 +124,20 @@ def test_rlimits_mode_is_reported_weaker():
     assert weak.describe() == "rlimits (WEAKER: network reachable, host files writable, no process limit)"
     res = Sandbox(SandboxLimits(wall_s=5), weak).run("print(6 * 7)")
     assert res.ok and res.stdout.strip() == "42"
+
+
+def test_user_namespace_mode_blocks_network_and_host_writes(tmp_path):
+    """The mode an unprivileged user gets (here forced): same namespaces, no uid change."""
+    from fidelity.suites.sandbox import Isolation
+
+    box = Sandbox(SandboxLimits(wall_s=10), Isolation("userns", True, True, True))
+    probe = box.run("import os; print(os.getuid())")
+    if not probe.ok:
+        pytest.skip(f"user namespaces unavailable here: {probe.reason}")
+    target = tmp_path / "escape"
+    write = box.run(f"open({str(target)!r}, 'w').write('x')")
+    assert not write.ok and "Read-only file system" in write.reason and not target.exists()
+    net = box.run("import socket; socket.create_connection(('127.0.0.1', 22), timeout=2)")
+    assert not net.ok and "Network is unreachable" in net.reason
+    local = box.run("open('f', 'w').write('ok'); print(open('f').read())")
+    assert local.ok and local.stdout.strip() == "ok"

@@ -116,7 +116,7 @@ class Sandbox:
         """Runs `program` (Python source) as `main.py` in a fresh work dir holding `files`, with the scrubbed environment
         plus `env`; returns how it ended."""
         mode = self.isolation.mode
-        drop_to_nobody = os.geteuid() == 0 and (mode == "namespaced" or self.isolation.process_limit)
+        drop_to_nobody = os.geteuid() == 0 and (mode == "namespaced" or (mode == "rlimits" and self.isolation.process_limit))
         with tempfile.TemporaryDirectory(prefix="fidelity-sandbox-") as host_dir:
             work = Path(host_dir) / "work"
             work.mkdir()
