@@ -26,6 +26,7 @@ class PackResult:
     domains: dict[str, dict]
     fingerprint: str | None
     source: str
+    format: str | None = None
 
 
 @dataclass
@@ -119,7 +120,8 @@ def _compare_run(data: dict, source: str) -> CompareRun:
             raise ReportInputError(f"{source}: results[{i}] ({r.get('label') or r.get('pack')!r}) has no 'overall' block")
         label = str(r.get("label") or Path(str(r.get("pack", f"pack{i}"))).name)
         results.append(PackResult(label=label, pack=str(r.get("pack", label)), bpw=_bpw(r.get("bpw")), overall=r["overall"],
-                                  domains=r.get("domains") or {}, fingerprint=r.get("fingerprint"), source=source))
+                                  domains=r.get("domains") or {}, fingerprint=r.get("fingerprint"), source=source,
+                                  format=r.get("format")))
     meta = {k: v for k, v in data.items() if k not in ("panel", "reference", "results", "paired")}
     return CompareRun(source=source, panel=panel, reference=reference, results=results, paired=list(data.get("paired") or []), meta=meta)
 

@@ -33,7 +33,8 @@ def worst_table(worst) -> str:
         ref = ", ".join(_token(t, p) for t, p in w.reference_top[:3]) or "—"
         pack = ", ".join(_token(t, p) for t, p in (w.pack_top or [])[:3]) or "—"
         text = f"…{escape(w.before[-80:])}**{escape(w.token)}**{escape(w.after[:30])}…"
-        lines.append(f"| {escape(w.label)} | {escape(w.row_id)} | {escape(w.domain)} | {w.position} | {num(w.kl)} | {text} | {ref} | {pack} |")
+        cells = [escape(w.label), escape(w.row_id), escape(w.domain), str(w.position), num(w.kl), text, ref, pack]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

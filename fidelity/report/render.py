@@ -169,9 +169,10 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
             text = analysis.TokenText(None if _auto(tokenizer) else tokenizer, run.token_text)
             view.worst += analysis.worst_positions(run, res.label, text, n=n_worst)
             wr = analysis.worst_rows(run, res.label)
-            view.worst_rows.append(tables.Table(f"Worst rows by mean KL: {res.label}", ["row", "domain", "positions", "KLD mean", "KLD max"],
-                                                [[str(r.row_id), str(getattr(r, "domain", "")), tables.num(int(r.positions)),
-                                                  tables.num(r.kld_mean), tables.num(r.kld_max)] for r in wr.itertuples()]))
+            view.worst_rows.append(tables.Table(
+                f"Worst rows by mean KL: {res.label}", ["row", "domain", "positions", "KLD mean", "KLD max"],
+                [[str(r.row_id), str(getattr(r, "domain", "")), tables.num(int(r.positions)), tables.num(r.kld_mean),
+                  tables.num(r.kld_max)] for r in wr.itertuples()]))
     view.figures_records = [f for f in (
         _figure(out, f"kl_distribution{suffix}.png", f"Per-position KL distribution to p99.9 ({panel})",
                 lambda p: figures.kl_distribution(samples, quantiles, colors, p, f"KL distribution — panel {panel}")),
@@ -185,8 +186,9 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
                           "JSON to see the full KL distribution, KL by reference confidence and the worst positions "
                           "(the distribution shows compare's quantiles as dots).")
     if partial_context and view.worst:
-        view.notes.append(f"Worst positions of {', '.join(partial_context)}: the reference's and the pack's top-1 only"
-                          f"{'' if all(r.positions is not None for r in g.runs) else ', and scored tokens only as context (give --panel for the prompt text)'}"
+        context = "" if all(r.positions is not None for r in g.runs) else \
+            ", and scored tokens only as context (give --panel for the prompt text)"
+        view.notes.append(f"Worst positions of {', '.join(partial_context)}: the reference's and the pack's top-1 only{context}"
                           "; put the reference store (`fidelity reference`) in the run folder, or keep the JSON's "
                           "reference.store path readable, for the top-K lists.")
     if view.worst and all(w.token.startswith("⟨") for w in view.worst):

@@ -270,10 +270,12 @@ def provenance_table(groups: list[Group], report_meta: dict) -> Table:
         p = g.panel
         rows.append([f"group {i}: panel", f"{p.get('name', '?')} · sha256 {p.get('sha256', '?')} · rows {num(p.get('rows'))} · "
                      f"scored positions {num(p.get('scored_positions'))}"])
-        rows.append([f"group {i}: reference", f"{g.reference.get('path', '?')} · fingerprint {g.reference.get('fingerprint', '?')}"])
+        ref = g.reference
+        rows.append([f"group {i}: reference", f"{ref.get('path', '?')} · {ref.get('format') or 'format ?'} · fingerprint "
+                     f"{ref.get('fingerprint', '?')}" + (f" · store {ref['store']}" if ref.get("store") else "")])
         for pk in g.packs:
-            rows.append([f"group {i}: pack {pk.label}", f"{pk.pack} · fingerprint {pk.fingerprint or '—'} · bpw {num(pk.bpw)} · "
-                         f"from {Path(pk.source).name}"])
+            rows.append([f"group {i}: pack {pk.label}", f"{pk.pack} · {pk.format or 'format ?'} · fingerprint "
+                         f"{pk.fingerprint or '—'} · bpw {num(pk.bpw)} · from {Path(pk.source).name}"])
         for run in g.runs:
             ver = run.meta.get("fidelity_version") or run.meta.get("version") or run.meta.get("library_version")
             cmd = run.meta.get("command_line") or run.meta.get("command") or run.meta.get("argv")
