@@ -128,6 +128,26 @@ def test_verdict_rule_and_threshold(tmp_path):
     assert aa["mode"] == "A/A" and aa["verdict"].startswith("A/A noise floor: 8 of 40 items flip (20.00%)")
 
 
+def test_noise_floor_and_drop_intervals_match_statsmodels(tmp_path, rng_seed):
+    from statsmodels.stats.proportion import proportion_confint
+
+    rng = np.random.default_rng(rng_seed)
+    n = int(rng.integers(30, 200))
+    pa_ = rng.random(n) < 0.5
+    pb_ = np.where(rng.random(n) < 0.05, ~pa_, pa_)
+    ra = make_run(tmp_path / "a", "s", [_record(f"t{i}", bool(x)) for i, x in enumerate(pa_)])
+    rb = make_run(tmp_path / "b", "s", [_record(f"t{i}", bool(x)) for i, x in enumerate(pb_)])
+    rep = compare_runs(ra, rb, aa=True)["passed"]
+    flips = int((pa_ != pb_).sum())
+    assert rep["flip_rate"] == flips / n
+    assert rep["flip_rate_ci95"] == pytest.approx(proportion_confint(flips, n, alpha=0.05, method="beta"), abs=1e-12)
+    sa, sb = rng.uniform(size=n), rng.uniform(size=n)
+    ra = make_run(tmp_path / "sa", "s", [_record(f"t{i}", score=float(x)) for i, x in enumerate(sa)], metric="score")
+    rb = make_run(tmp_path / "sb", "s", [_record(f"t{i}", score=float(x)) for i, x in enumerate(sb)], metric="score")
+    ci = compare_runs(ra, rb)["score"]["drop_ci95"]
+    assert np.array(ci) / 100 == pytest.approx(DescrStatsW(sa - sb).tconfint_mean(0.05), rel=1e-10)
+
+
 def test_score_suite_uses_paired_t_and_reports_wilcoxon(tmp_path, rng_seed):
     rng = np.random.default_rng(rng_seed)
     sa = rng.integers(0, 5, size=50) / 4

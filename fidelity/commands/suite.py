@@ -101,7 +101,12 @@ def compare_command(args) -> int:
             continue
         rates = (f"pass rate {m['pass_rate_a']:.4f} -> {m['pass_rate_b']:.4f}" if metric == "passed"
                  else f"mean score {m['score_a']:.4f} -> {m['score_b']:.4f}")
-        extra = f", Wilcoxon p={m['wilcoxon']['p_value']:.4g}" if metric == "score" else ""
+        if metric == "score":
+            lo, hi = m["drop_ci95"]
+            extra = f" (95% CI {lo:+.2f}..{hi:+.2f}), Wilcoxon p={m['wilcoxon']['p_value']:.4g}"
+        else:
+            lo, hi = m["flip_rate_ci95"]
+            extra = f", flip rate {100 * m['flip_rate']:.2f}% (95% CI {100 * lo:.2f}..{100 * hi:.2f}%)"
         con.print(f"  {metric}: {rates}, drop {m['drop']:+.2f} points, flips A->B {m['flips_a_to_b']} / B->A "
                   f"{m['flips_b_to_a']}, {m['test']} p={m['p_value']:.4g}{extra}: {m['verdict']}")
     if rep.get("warning"):

@@ -119,6 +119,25 @@ def _pairs(a, b):
     return usable, report
 
 
+def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Exact binomial interval for k successes in n trials."""
+    if n == 0:
+        return (0.0, 1.0)
+    a = (1 - level) / 2
+    lo = 0.0 if k == 0 else float(stats.beta.ppf(a, k, n - k + 1))
+    hi = 1.0 if k == n else float(stats.beta.ppf(1 - a, k + 1, n - k))
+    return lo, hi
+
+
+def mean_ci(diff: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """t interval of the mean paired difference."""
+    n = diff.size
+    if n < 2:
+        return (math.nan, math.nan)
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * diff.std(ddof=1) / math.sqrt(n)
+    return float(diff.mean() - half), float(diff.mean() + half)
+
+
 def _verdict(drop_points: float, p: float, threshold: float, alpha: float, aa: bool, flips: int, n: int) -> str:
     if aa:
         return f"A/A noise floor: {flips} of {n} items flip ({100 * flips / n if n else 0:.2f}%)"
@@ -152,6 +171,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, threshold_points: floa
         drop = 100.0 * (b - c) / n
         out["passed"] = {"pass_rate_a": float(pa_.mean()), "pass_rate_b": float(pb_.mean()), "drop": drop,
                          "flips_a_to_b": b, "flips_b_to_a": c, "test": mc.method, "p_value": mc.p_value,
+                         "flip_rate": (b + c) / n, "flip_rate_ci95": clopper_pearson(b + c, n),
                          "verdict": _verdict(drop, mc.p_value, threshold_points, alpha, aa, b + c, n)}
     sa, sb = usable["score_a"], usable["score_b"]
     if n and sa.notna().all() and sb.notna().all():
@@ -160,7 +180,8 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, threshold_points: floa
         drop = 100.0 * t.mean
         out["score"] = {"score_a": float(sa.mean()), "score_b": float(sb.mean()), "drop": drop,
                         "flips_a_to_b": int((diff > 0).sum()), "flips_b_to_a": int((diff < 0).sum()),
-                        "test": "paired-t", "t": t.t, "df": t.df, "p_value": t.p_value,
+                        "drop_ci95": [100.0 * x for x in mean_ci(diff)], "test": "paired-t", "t": t.t, "df": t.df,
+                        "p_value": t.p_value,
                         "wilcoxon": {"n": w.n, "w_plus": w.w_plus, "p_value": w.p_value, "method": w.method},
                         "verdict": _verdict(drop, t.p_value, threshold_points, alpha, aa, int((diff != 0).sum()), n)}
     primary = out.get(metric) or out.get("passed") or out.get("score")
