@@ -113,6 +113,9 @@ def test_sandbox_reports_isolation_and_limits():
     assert not big.ok and "file size limit (1 MB)" in big.reason
     ok = box.run("import sys; print(open('data.txt').read() + sys.argv[1])", files={"data.txt": "abc"}, args=["def"])
     assert ok.ok and ok.stdout.strip() == "abcdef" and ok.reason == ""
+    chatty = box.run("print('x' * 100_000); print('last line')")
+    assert chatty.ok and chatty.stdout.rstrip().endswith("last line") and "bytes cut" in chatty.stdout
+    assert len(chatty.stdout) < 25_000
     with pytest.raises(ValueError, match="plain names.*'../x'"):
         box.run("pass", files={"../x": "y"})
 

@@ -167,6 +167,26 @@ def test_ifeval_is_deterministic_offline(ifeval_rows):
     assert len({suite.score(items[lang_rows[0]], mixed, []).details["strict"][0] for _ in range(5)}) == 1
 
 
+def test_ifeval_from_the_hub_format(monkeypatch):
+    """The `datasets` path: google/IFEval rows carry every kwarg name, None where unused; the checkers get them dropped."""
+    import datasets
+
+    rows = [{"key": 5, "prompt": "Answer without commas.", "instruction_id_list": ["punctuation:no_comma"],
+             "kwargs": [{"num_highlights": None, "relation": None, "num_words": None}]}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: rows if (name, split) == ("google/IFEval", "train") else None)
+    suite = make_suite("ifeval")
+    (item,) = suite.load()
+    assert suite.source()["source"] == "hf:google/IFEval" and len(suite.source()["sha256"]) == 64
+    assert suite.score(item, "No commas here at all", []).passed and not suite.score(item, "One, two", []).passed
+
+    def offline(*a, **k):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ConfigError, match="cannot load google/IFEval.*pass a local input_data.jsonl with --data"):
+        make_suite("ifeval").load()
+
+
 def test_ifeval_bad_data_names_the_row(tmp_path):
     bad = tmp_path / "if.jsonl"
     bad.write_text(json.dumps({"key": 7, "prompt": "x", "instruction_id_list": ["punctuation:no_comma"], "kwargs": []}) + "\n")

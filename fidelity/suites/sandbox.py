@@ -161,8 +161,16 @@ def _kill_group(proc: subprocess.Popen):
 
 
 def _read_head(path: Path, limit: int) -> str:
+    """The output if short, else its first and last halves of `limit` (the end holds the harness's result lines)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        return f.read(limit).decode("utf-8", errors="replace")
+        if size <= limit:
+            return f.read().decode("utf-8", errors="replace")
+        head = f.read(limit // 2)
+        f.seek(size - limit // 2)
+        tail = f.read()
+    return (head.decode("utf-8", errors="replace") + f"\n[... {size - limit} bytes cut ...]\n"
+            + tail.decode("utf-8", errors="replace"))
 
 
 def _last_error_line(stderr: str) -> str:
