@@ -140,6 +140,21 @@ def test_config_agrees_with_transformers_gguf_config(tmp_path, rng_seed, arch):
             (their_config.num_experts, their_config.num_experts_per_tok) == (8, 2)
 
 
+def test_mistral_named_llama_file_and_qwen2_biases(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    q = _random_rows(rng, 64, 64)
+    path = write_gguf_tensors(tmp_path / "mi.gguf", "llama", HPARAMS | {"rope.dimension_count": 16},
+                              {"blk.0.attn_q.weight": (q, "F32")}, extra={"general.name": "Mistral-7B-Instruct-v0.3"})
+    pack = open_pack(path)
+    assert (pack.config["model_type"], pack.config["architectures"]) == ("mistral", ["MistralForCausalLM"])
+    assert not torch.equal(pack.tensor("model.layers.0.self_attn.q_proj.weight"), torch.from_numpy(q))  # unpermuted
+
+    bias = rng.standard_normal(64).astype(np.float32)
+    pack = open_pack(write_gguf_tensors(tmp_path / "q2.gguf", "qwen2", HPARAMS, {"blk.0.attn_q.bias": (bias, "F32")}))
+    assert torch.equal(pack.tensor("model.layers.0.self_attn.q_proj.bias"), torch.from_numpy(bias))  # no permutation
+    assert pack.config["attention_bias"] is True and pack.config["model_type"] == "qwen2"
+
+
 def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path, rng_seed):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
