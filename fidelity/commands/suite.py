@@ -66,6 +66,9 @@ def run_command(args) -> int:
     settings = Settings(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit,
                         thinking=None if args.thinking is None else args.thinking == "on")
     con = Console(stderr=True)
+    isolation = getattr(suite, "isolation", None)
+    if isolation and "WEAKER" in isolation:
+        con.print(f"[yellow]warning: generated code runs in a weaker sandbox here: {isolation}[/yellow]")
     done = [0]
 
     def progress(rec):
