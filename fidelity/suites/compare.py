@@ -164,7 +164,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, threshold_points: floa
         out["warning"] = "; ".join(warnings)
     metric = ma.get("metric", "passed")
     out["metric"] = metric
-    if usable["passed_a"].notna().all() and usable["passed_b"].notna().all() and n and "passed_a" in usable:
+    if n and usable["passed_a"].notna().all() and usable["passed_b"].notna().all():
         pa_, pb_ = usable["passed_a"].astype(bool).to_numpy(), usable["passed_b"].astype(bool).to_numpy()
         b, c = int((pa_ & ~pb_).sum()), int((~pa_ & pb_).sum())
         mc = mcnemar(b, c, exact_max)
