@@ -175,6 +175,16 @@ def test_write_gguf_equals_llama_cpp_quantize_byte_for_byte(tmp_path, rng_seed, 
     assert _same_bytes(tmp_path / "ref.gguf", ours) == []
 
 
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q2_K"])
+def test_write_gguf_qwen3moe_equals_llama_cpp_quantize(tmp_path, rng_seed, ftype):
+    pytest.importorskip("llama_cpp")
+    src = open_pack(tiny_llama(tmp_path / "m", rng_seed, hidden=256, n_head=4, n_kv=2, inter=256, layers=8,
+                               vocab=256, moe_experts=4))
+    f32 = write_gguf(src, tmp_path / "f32.gguf", "F32")
+    _llama_cpp_quantize(f32, tmp_path / "ref.gguf", ftype)
+    assert _same_bytes(tmp_path / "ref.gguf", write_gguf(src, tmp_path / "ours.gguf", ftype)) == []
+
+
 # -- the real model -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_native(smollm2_gguf, tmp_path_factory):
