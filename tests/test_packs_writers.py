@@ -117,6 +117,16 @@ def test_write_gguf_f32_round_trips_names_rows_and_config_exactly(tmp_path, rng_
             assert back.config[key] == pytest.approx(value), key
 
 
+def test_write_gguf_carries_llama3_rope_scaling(tmp_path, rng_seed):
+    root = tiny_llama(tmp_path / "m", rng_seed, layers=1, vocab=32)
+    cfg = json.loads((root / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    (root / "config.json").write_text(json.dumps(cfg | {"rope_theta": 500000.0, "rope_scaling": scaling}))
+    back = open_pack(write_gguf(open_pack(root), tmp_path / "r.gguf", "Q8_0"))
+    assert back.config["rope_scaling"] == scaling and "rope_freqs.weight" in back.skipped
+
+
 @pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M", "Q2_K", "IQ4_XS"])
 def test_write_gguf_reopens_to_the_reference_dequantization(tmp_path, rng_seed, ftype):
     src = open_pack(tiny_llama(tmp_path / "m", rng_seed, hidden=256, n_head=4, layers=2, vocab=64))

@@ -192,6 +192,14 @@ def write_gguf(pack: Pack, out_path: str | Path, qtype: str, *, types: dict[str,
         elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             w = permute_qk(w, int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])))
         _add(writer, name_map, name, w, (types or {}).get(name) or choose(name, tuple(w.shape)))
+    scaling = cfg.get("rope_scaling") or {}
+    if (scaling.get("rope_type") or scaling.get("type")) == "llama3":  # as llama.cpp's converter writes it
+        from .gguf import llama3_rope_factors
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        factors = llama3_rope_factors(float(cfg.get("rope_theta", 10000.0)), head_dim, float(scaling["factor"]),
+                                      float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0)),
+                                      int(scaling.get("original_max_position_embeddings", 8192)))
+        writer.add_tensor("rope_freqs.weight", factors)
     for stacked, by_expert in experts.items():
         w = torch.stack([pack.tensor(by_expert[e]) for e in sorted(by_expert)])
         first = by_expert[min(by_expert)]
@@ -236,8 +244,8 @@ def _write_model_metadata(writer, cfg: dict, arch: str, qtype: str, pack: Pack):
     writer.add_value_length(head_dim)
     writer.add_vocab_size(int(cfg["vocab_size"]))
     scaling = cfg.get("rope_scaling")
-    if scaling:
-        kind = scaling.get("rope_type") or scaling.get("type")
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if scaling and kind != "llama3":  # llama3 scaling goes in as the rope_freqs.weight tensor (see write_gguf)
         if kind not in ("linear", "yarn"):
             raise PackError(f"write_gguf cannot express rope_scaling type {kind!r}", file=pack.path)
         writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
