@@ -244,6 +244,51 @@ def test_smollm2_gguf_loads_and_runs_in_llama_cpp(smollm2_native, tmp_path, ftyp
     assert back.reader.fields["tokenizer.chat_template"].contents() == gguf_pack.metadata_chat_template
 
 
+def _save_tokenizer(root: Path, kind: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "pack fidelity: 4-bit grids drift", "KL divergence 0.013"] * 20
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>", "<|user|>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    else:
+        tok = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>" if kind == "bpe" else None)
+    fast.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+    fast.save_pretrained(str(root))
+
+
+def test_write_gguf_builds_tokenizer_metadata_transformers_reads_back(tmp_path, rng_seed):
+    from transformers import AutoTokenizer
+    from fidelity.packs.tokenizer import load_tokenizer
+
+    root = tiny_llama(tmp_path / "m", rng_seed, layers=1, vocab=300)
+    _save_tokenizer(root, "bpe")
+    src = open_pack(root)
+    path = write_gguf(src, tmp_path / "t.gguf", "Q8_0")
+    from_gguf = load_tokenizer(open_pack(path))
+    want = AutoTokenizer.from_pretrained(str(root))
+    text = "the lazy fox: 4-bit drift, KL 0.013 <|user|>"
+    assert from_gguf(text)["input_ids"] == want(text)["input_ids"]
+    assert from_gguf.chat_template == want.chat_template
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert reader.fields["tokenizer.ggml.eos_token_id"].contents() == want.eos_token_id
+
+
+def test_write_gguf_refuses_non_byte_level_tokenizers(tmp_path):
+    root = tiny_llama(tmp_path / "m", 0, layers=1, vocab=16)
+    _save_tokenizer(root, "wordlevel")
+    with pytest.raises(PackError) as e:
+        write_gguf(open_pack(root), tmp_path / "t.gguf", "Q8_0")
+    assert str(root / "tokenizer.json") in str(e.value) and "tokenizer_from" in str(e.value)
+
+
 # -- tokenizer ------------------------------------------------------------------------------------------------------
 def test_load_tokenizer_without_tokenizer_names_the_pack(tmp_path):
     from fidelity.packs.tokenizer import load_tokenizer

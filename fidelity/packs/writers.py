@@ -277,8 +277,13 @@ def _write_tokenizer_metadata(writer, pack: Pack, tokenizer_from: Pack | None, p
 
     if source.tokenizer_source() is None or not (Path(source.tokenizer_source()) / "tokenizer.json").exists():
         return  # no tokenizer to carry: the GGUF opens in our reader, llama.cpp needs one
-    tok = load_tokenizer(source)
     root = Path(source.tokenizer_source())
+    spec = json.loads((root / "tokenizer.json").read_text())
+    model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder.get("type") != "ByteLevel":
+        raise PackError("write_gguf builds byte-level BPE (gpt2-style) tokenizers only; for SentencePiece-style ones "
+                        "pass tokenizer_from=<a GGUF of this model>", file=root / "tokenizer.json")
+    tok = load_tokenizer(source)
     n = max(len(tok), int(pack.config.get("vocab_size", 0)))
     specials = {tid for t, tid in tok.get_added_vocab().items() if t in set(tok.all_special_tokens)}
     added = set(tok.get_added_vocab().values())
