@@ -105,3 +105,35 @@ def test_bad_exl3_tensors_name_tensor_and_file(golden_models, tmp_path, edit, ne
     _edit_tensors(dst, edit)
     with pytest.raises(PackError, match=needle):
         open_pack(dst)
+
+
+def test_bias_is_its_own_logical_tensor_cut_to_the_config_shape(golden_models, tmp_path, rng_seed):
+    dst = _copy(golden_models, tmp_path)
+    bias = torch.randn(128).half()                       # k_proj has 64 outputs, stored padded to 128
+    _edit_tensors(dst, lambda ts: ts.__setitem__("model.layers.0.self_attn.k_proj.bias", bias))
+    pack = open_pack(dst)
+    assert pack.storage("model.layers.0.self_attn.k_proj.bias").shape == (64,)
+    assert torch.equal(pack.tensor("model.layers.0.self_attn.k_proj.bias"), bias[:64].float())
+    assert pack.tensor("model.layers.0.self_attn.k_proj.weight").shape == (64, 128)
+
+
+def test_legacy_sign_bitfields_decode_like_the_signs_they_encode(golden_models, tmp_path):
+    from fidelity.packs import exl3
+
+    dst = _copy(golden_models, tmp_path)
+    base = "model.layers.1.mlp.down_proj"
+    ts = load_file(dst / "model.safetensors")
+    signs_u, signs_v = ts[f"{base}.suh"].sign(), ts[f"{base}.svh"].sign()
+
+    def bits(signs):
+        neg = (signs < 0).to(torch.int64).view(-1, 16)
+        words = (neg << torch.arange(16)).sum(1)
+        return (((words + 32768) & 0xFFFF) - 32768).to(torch.int16)
+
+    def edit(t):
+        t[f"{base}.su"], t[f"{base}.sv"] = bits(signs_u), bits(signs_v)
+        del t[f"{base}.suh"], t[f"{base}.svh"]
+    _edit_tensors(dst, edit)
+    got = open_pack(dst).tensor(f"{base}.weight")
+    ref = exl3.decode_weight(ts[f"{base}.trellis"], signs_u, signs_v, "mul1")
+    assert torch.equal(got, ref)
