@@ -288,6 +288,10 @@ def test_json_records_folder_and_store_given_separately(tmp_path, rng_seed):
     assert len(w.reference_top) == 5 and w.reference_top[0][0] == f"w{int(truth.ref_top_id[r, w.position])}␣"
     assert w.reference_top[0][1] == pytest.approx(float(truth.ref_top1_prob[r, w.position]), rel=1e-5)
     assert w.before.startswith(f"w{int(truth.tokens[r, max(0, w.position - 24)])} ")      # unscored prompt tokens too
+    # the store path compare recorded, relative to the JSON's folder, is found without giving the store
+    (tmp_path / "compare.json").write_text(json.dumps({**data, "reference": {**data["reference"], "store": "store"}}))
+    again = render([tmp_path / "compare.json", tmp_path / "a"], tmp_path / "out3", worst=1).groups[0].worst[0]
+    assert again.reference_top == w.reference_top
     other = tmp_path / "other_store"
     other.mkdir()
     (other / "records.parquet").write_bytes((tmp_path / "store" / "records.parquet").read_bytes())

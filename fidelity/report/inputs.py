@@ -43,6 +43,19 @@ class CompareRun:
     pack_positions: dict[str, pd.DataFrame] = field(default_factory=dict)   # label -> scored positions: row_id, position, token, kl, ...
     token_text: dict[int, str] | None = None      # token id -> text, when the run folder stored it
 
+    def local_path(self, value) -> Path | None:
+        """A path the compare run recorded, as readable here: absolute, or relative to the result's folder or to the cwd."""
+        if not value:
+            return None
+        p = Path(str(value))
+        if p.is_absolute():
+            return p if p.exists() else None
+        src = Path(self.source)
+        for base in (src if src.is_dir() else src.parent, Path.cwd()):
+            if (base / p).exists():
+                return base / p
+        return None
+
     @property
     def panel_key(self) -> tuple[str, str]:
         return (str(self.panel.get("sha256") or ""), str(self.reference.get("fingerprint") or ""))
@@ -152,7 +165,8 @@ def _is_store(folder: Path) -> bool:
 def _reference_store(run: CompareRun, folder: Path | None) -> Path | None:
     """A reference store (records.parquet + manifest.json): given with the results, in the run folder or a subfolder of it,
     or where the JSON's reference.store says."""
-    candidates = [Path(run.reference["store"])] if run.reference.get("store") else []
+    recorded = run.local_path(run.reference.get("store"))
+    candidates = [recorded] if recorded is not None else []
     if folder is not None:
         candidates += [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
     return next((c for c in candidates if c.is_dir() and _is_store(c)), None)

@@ -76,8 +76,8 @@ class Report:
 
 def _reference_tokenizer(group: Group):
     """The reference pack's own tokenizer, when its path is readable here; None otherwise (token ids are shown instead)."""
-    path = group.reference.get("path")
-    if not path or not Path(path).exists():
+    path = next((p for p in (r.local_path(group.reference.get("path")) for r in group.runs) if p is not None), None)
+    if path is None:
         return None
     try:
         from ..packs import open_pack
@@ -130,7 +130,7 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
     ) if f]
 
     samples, quantiles, confidence, missing, partial_context = {}, {}, {}, [], []
-    panel_source = panel_source or g.panel.get("path")
+    panel_source = panel_source or next((p for p in (r.local_path(g.panel.get("path")) for r in g.runs) if p), None)
     if panel_source and any(r.positions is None and r.pack_positions for r in g.runs):
         if _auto(tokenizer):
             tokenizer = _reference_tokenizer(g)

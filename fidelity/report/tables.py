@@ -129,7 +129,8 @@ def confidence_table(tables: dict) -> Table | None:
     first = tables[labels[0]]
     rows = []
     for i, b in enumerate(first["bucket"]):
-        rows.append([b, num(int(first["positions"].iloc[i]))] + [num(tables[lb]["kld_mean"].iloc[i]) for lb in labels])
+        rows.append([b, num(int(first["positions"].iloc[i]))] + [
+            num(tables[lb]["kld_mean"].iloc[i]) if tables[lb]["positions"].iloc[i] else "—" for lb in labels])
     return Table("Mean KL by reference confidence (reference probability of its top token)", ["bucket", "positions"] + labels, rows)
 
 

@@ -15,6 +15,7 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom:
 table { border-collapse: collapse; margin: 0.6em 0 1.2em; font-size: 0.88em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: right; vertical-align: top; white-space: nowrap; }
 table.left td { white-space: normal; }
+.scroll { overflow-x: auto; max-width: 100%; }
 th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
 table.left td, table.left th { text-align: left; }
 .worstgrid { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 0 1em; }
@@ -37,11 +38,11 @@ code { background: #f4f4f4; padding: 0 0.2em; }
 Confidence intervals are 95% bootstrap intervals over panel rows.</p>
 {% for w in warnings %}<div class="warning"><strong>Warning:</strong> {{ w }}</div>
 {% endfor %}
-{% macro table(t) %}
-{% if t %}<h3>{{ t.title }}</h3>
-<table{% if t.classes %} class="{{ t.classes|join(' ') }}"{% endif %}><thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead>
+{% macro table(t, level=3) %}
+{% if t %}<h{{ level }}>{{ t.title }}</h{{ level }}>
+<div class="scroll"><table{% if t.classes %} class="{{ t.classes|join(' ') }}"{% endif %}><thead><tr>{% for h in t.headers %}<th>{{ h }}</th>{% endfor %}</tr></thead>
 <tbody>{% for r in t.rows %}<tr>{% for c in r %}<td{% if loop.index0 in t.status_columns %} class="{{ status_class(c) }}"{% endif %}>{{ c }}</td>{% endfor %}</tr>
-{% endfor %}</tbody></table>
+{% endfor %}</tbody></table></div>
 {% if t.note %}<p class="note">{{ t.note }}</p>{% endif %}{% endif %}
 {% endmacro %}
 {% macro figure(f) %}<figure><img src="data:image/png;base64,{{ f.base64 }}" alt="{{ f.caption }}" width="{{ f.width }}" height="{{ f.height }}">
@@ -70,10 +71,9 @@ position {{ w.position }} · KL {{ num(w.kl) }}</div>
 {% endfor %}</div>{% endif %}
 {% for t in g.worst_rows %}{{ table(t) }}{% endfor %}
 {% endfor %}
-{% if suites %}<h2 id="suites">Suites</h2>{{ table(suites) }}{% endif %}
-{% if gates %}<h2 id="gates">Engine gates</h2>{{ table(gates) }}{% for t in gate_worst %}{{ table(t) }}{% endfor %}{% endif %}
-<h2 id="provenance">Provenance</h2>
-{{ table(provenance) }}
+{{ table(suites, 2) }}
+{% if gates %}{{ table(gates, 2) }}{% for t in gate_worst %}{{ table(t) }}{% endfor %}{% endif %}
+{{ table(provenance, 2) }}
 </body>
 </html>
 """
