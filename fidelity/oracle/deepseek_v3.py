@@ -113,10 +113,18 @@ class MLA:
         return [f"{prefix}.{n}" for n in names]
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, k, v, _ = self.project(x, rope)
+        out = causal_attention(q, k, v, self.a.softmax_scale)
+        return self.output(out)
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """(q [B, T, H, Dqk], k [B, T, H, Dqk], v [B, T, H, Dv], q latent after its norm or None without q LoRA)."""
         a = self.a
         B, T, _ = x.shape
+        q_latent = None
         if a.q_lora_rank:
-            q = F.linear(rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS), self.q_b)
+            q_latent = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            q = F.linear(q_latent, self.q_b)
         else:
             q = F.linear(x, self.q)
         q = q.view(B, T, a.n_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
@@ -130,8 +138,11 @@ class MLA:
         k_rot = self.rotate(k_rot.view(B, T, 1, a.qk_rope_head_dim), cos, sin)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(B, T, a.n_heads, a.qk_rope_head_dim)), dim=-1)
-        out = causal_attention(q, k, v.contiguous(), a.softmax_scale)
-        return F.linear(out.reshape(B, T, -1), self.o, self.o_bias)
+        return q, k, v.contiguous(), q_latent
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, T, H, Dv] -> [B, T, hidden]."""
+        return F.linear(out.reshape(*out.shape[:2], -1), self.o, self.o_bias)
 
 
 def group_limited_top_k(scores: torch.Tensor, selection_bias: torch.Tensor, a: DeepseekV3Args) -> torch.Tensor:

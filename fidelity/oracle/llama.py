@@ -147,7 +147,7 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), rope)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+        return x.add_(self.mlp(rms_norm(x, self.post_norm, self.eps)))
 
 
 def norm_names(prefix: str) -> list[str]:

@@ -126,10 +126,12 @@ def cos_sin(a: RopeArgs, length: int, dtype: torch.dtype = torch.float32, device
 
 def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., T, heads, dim]; cos/sin [T, dim]. Pairs are (i, i + dim/2)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    cos, sin = cos[:, None, :], sin[:, None, :half]  # sin's two halves are equal
+    out = x * cos
+    out[..., :half].sub_(x[..., half:] * sin)  # separate multiply and add (no FMA): HF's rounding, bit for bit
+    out[..., half:].add_(x[..., :half] * sin)
+    return out
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

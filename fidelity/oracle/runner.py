@@ -97,6 +97,27 @@ class Oracle:
     # -- forward -------------------------------------------------------------------------------------------
     def hidden_states(self, rows: list[list[int]], progress: bool = True) -> list[torch.Tensor]:
         """Final hidden state (after the last norm) of every row: list of [T_i, hidden] in the oracle's dtype."""
+        batches, acts = self._forward(rows, progress)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for idx, x in zip(batches, acts):
+            for j, row in enumerate(idx):
+                out[row] = x[j]
+        return out
+
+    def logits(self, tokens: torch.Tensor, progress: bool = False) -> torch.Tensor:
+        """tokens LongTensor [B, T] -> logits [B, T, vocab] (float32, or float64 in float64 mode)."""
+        if tokens.dim() != 2:
+            raise FidelityError(f"tokens must be a [batch, length] tensor, got shape {list(tokens.shape)}")
+        B, T = tokens.shape
+        batches, acts = self._forward(tokens.tolist(), progress)
+        head = self.head_weight() if B * T else None
+        out = torch.empty(B, T, self.family.vocab_size if head is None else head.shape[0], dtype=self.dtype)
+        for idx, x in zip(batches, acts):  # equal-length rows batch as consecutive index ranges
+            self._head_into(x, out[idx[0]:idx[-1] + 1])
+        return out
+
+    def _forward(self, rows: list[list[int]], progress: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """All rows through every layer and the final norm: (row-index batches, activations [b, T, hidden] each)."""
         rows = [self._validate_row(r, i) for i, r in enumerate(rows)]
         batches = self._batches(rows)
         fam = self.family
@@ -120,25 +141,13 @@ class Oracle:
             release_freed_memory()
         bar.close()
         norm = self.fetch(fam.norm_name)
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        for idx, x in zip(batches, acts):
-            x = rms_norm(x, norm, fam.rms_norm_eps)
-            for j, row in enumerate(idx):
-                out[row] = x[j]
-        return out
-
-    def logits(self, tokens: torch.Tensor, progress: bool = False) -> torch.Tensor:
-        """tokens LongTensor [B, T] -> logits [B, T, vocab] (float32, or float64 in float64 mode)."""
-        if tokens.dim() != 2:
-            raise FidelityError(f"tokens must be a [batch, length] tensor, got shape {list(tokens.shape)}")
-        hidden = self.hidden_states(tokens.tolist(), progress=progress)
-        if not hidden:
-            return torch.empty(0, tokens.shape[1], self.family.vocab_size, dtype=self.dtype)
-        return self.apply_head(torch.stack(hidden))
+        return batches, [rms_norm(x, norm, fam.rms_norm_eps) for x in acts]
 
     # -- head ----------------------------------------------------------------------------------------------
-    def iter_logits(self, hidden: torch.Tensor, chunk_positions: int | None = None) -> Iterator[tuple[slice, torch.Tensor]]:
-        """Yields (positions slice, logits [n, vocab]) over hidden flattened to [N, hidden]; never all logits at once."""
+    def iter_logits(self, hidden: torch.Tensor, chunk_positions: int | None = None,
+                    into: torch.Tensor | None = None) -> Iterator[tuple[slice, torch.Tensor]]:
+        """Yields (positions slice, logits [n, vocab]) over hidden flattened to [N, hidden]; never all logits at once.
+        `into` [N, vocab] (CPU, same device as the oracle): chunks are computed straight into it."""
         head = self.head_weight()
         flat = hidden.reshape(-1, hidden.shape[-1])
         if chunk_positions is None:
@@ -146,7 +155,10 @@ class Oracle:
         for start in range(0, flat.shape[0], chunk_positions):
             end = min(flat.shape[0], start + chunk_positions)
             x = flat[start:end].to(device=self.device, dtype=self.dtype)
-            yield slice(start, end), F.linear(x, head)
+            if into is None:
+                yield slice(start, end), F.linear(x, head)
+            else:
+                yield slice(start, end), torch.matmul(x, head.t(), out=into[start:end])
 
     def map_logits(self, hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
                    chunk_positions: int | None = None) -> torch.Tensor:
@@ -157,11 +169,21 @@ class Oracle:
 
     def apply_head(self, hidden: torch.Tensor, chunk_positions: int | None = None) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] on the CPU, computed chunk by chunk."""
-        vocab = self.family.vocab_size if self._head is None else self._head.shape[0]
-        out = torch.empty(hidden.numel() // hidden.shape[-1], vocab, dtype=self.dtype)
-        for where, chunk in self.iter_logits(hidden, chunk_positions):
-            out[where] = chunk.cpu()
-        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+        head = self.head_weight()
+        out = torch.empty(*hidden.shape[:-1], head.shape[0], dtype=self.dtype)
+        self._head_into(hidden, out, chunk_positions)
+        return out
+
+    def _head_into(self, hidden: torch.Tensor, out: torch.Tensor, chunk_positions: int | None = None) -> None:
+        """Writes logits of hidden [..., hidden] into the contiguous CPU tensor out [..., vocab], chunk by chunk."""
+        flat_out = out.view(-1, out.shape[-1])
+        if self.device.type == "cpu":
+            for _ in self.iter_logits(hidden, chunk_positions, into=flat_out):
+                pass
+        else:
+            for where, chunk in self.iter_logits(hidden, chunk_positions):
+                flat_out[where] = chunk.cpu()
+
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _validate_row(self, row, i: int) -> torch.Tensor:
@@ -189,6 +211,8 @@ class Oracle:
 
     @staticmethod
     def _check_finite(x: torch.Tensor, rows: list[int], where: str) -> None:
+        if bool(torch.isfinite(x.sum())):  # one cheap pass; NaN and Inf both survive a sum
+            return
         finite = torch.isfinite(x).flatten(1).all(dim=1)
         if not bool(finite.all()):
             j = int((~finite).nonzero()[0])

