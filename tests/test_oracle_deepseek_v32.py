@@ -1,0 +1,138 @@
+"""DeepSeek-V3.2 oracle vs transformers fp32 (eager) on tiny random models, with contexts longer than index_topk so the
+lightning indexer's sparse selection is exercised, and the dense-equivalent short-context path."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as T
+
+from fidelity import open_pack
+from fidelity.errors import ConfigError
+from fidelity.oracle import Oracle
+from test_oracle_support import build, hf_logits
+
+TOL = 1e-4
+
+BASE = dict(vocab_size=89, hidden_size=40, intermediate_size=52, moe_intermediate_size=18, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=20, kv_lora_rank=14, qk_nope_head_dim=10,
+            qk_rope_head_dim=6, v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+            n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.0, norm_topk_prob=True,
+            index_n_heads=8, index_head_dim=16, index_topk=7, rms_norm_eps=1e-6, max_position_embeddings=512,
+            tie_word_embeddings=False)
+
+CASES = {
+    "default-rope": {},
+    "yarn-no-renorm-two-dense": dict(
+        norm_topk_prob=False, first_k_dense_replace=2, index_topk=11, n_shared_experts=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                             mscale=1.0, mscale_all_dim=0.7, beta_fast=32, beta_slow=1)),
+}
+
+
+def make(tmp_path, case: str, seed: int, **over):
+    config = T.DeepseekV32Config(**{**BASE, **CASES[case], **over})
+    model = build(config, T.DeepseekV32ForCausalLM, tmp_path / case, seed)
+    return model, open_pack(tmp_path / case)
+
+
+def hf_indexer_selections(model, tokens) -> list[torch.Tensor]:
+    """Each layer's top-k indices as transformers' indexer returns them."""
+    picks = []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: picks.append(o.long()))
+             for layer in model.model.layers]
+    hf_logits(model, tokens)
+    for h in hooks:
+        h.remove()
+    return picks
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sparse_context_matches_transformers(tmp_path, rng_seed, case):
+    model, pack = make(tmp_path, case, rng_seed)
+    topk = model.config.index_topk
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 4 * topk + 3))
+    want = hf_logits(model, tokens)
+    got = Oracle(pack).logits(tokens)
+    delta = (got - want).abs().max().item()
+    print(f"{case}: T={tokens.shape[1]} topk={topk} max |dlogit| = {delta:.3g}, scale {want.abs().max().item():.3g}")
+    assert got.shape == want.shape and delta <= TOL
+    assert want.abs().max() > 1.0
+
+
+def test_indexer_selection_equals_transformers_and_matters(tmp_path, rng_seed):
+    """The oracle's kept keys are, per query, HF's top-k clipped to the causal past; and selection changes the output
+    (turning the indexer off, i.e. dense MLA, moves the logits far beyond the tolerance)."""
+    from fidelity.oracle.deepseek_v32 import IndexedMLA
+    model, pack = make(tmp_path, "default-rope", rng_seed)
+    T_len, topk = 30, model.config.index_topk
+    tokens = torch.randint(0, BASE["vocab_size"], (1, T_len))
+    hf_picks = hf_indexer_selections(model, tokens)
+    oracle = Oracle(pack, keep_weights=True)
+    kept = []
+    original = IndexedMLA.__call__
+
+    def spy(self, x, rope):
+        q, k, v, q_latent = self.project(x, rope)
+        kept.append(self.indexer.selected(x, q_latent, rope))
+        return original(self, x, rope)
+
+    IndexedMLA.__call__ = spy
+    try:
+        sparse = oracle.logits(tokens)
+    finally:
+        IndexedMLA.__call__ = original
+    causal = torch.ones(T_len, T_len, dtype=torch.bool).tril()
+    for layer, (mine, theirs) in enumerate(zip(kept, hf_picks)):
+        want = torch.zeros(T_len, T_len, dtype=torch.bool).scatter_(-1, theirs[0], True) & causal
+        assert torch.equal(mine[0], want), f"layer {layer}"
+        assert int(mine[0].sum(-1).max()) == topk  # late queries keep exactly top-k of their > top-k past tokens
+    for layer in oracle._layers.values():
+        layer.attn.index.topk = 10**9  # every earlier token: dense MLA
+    dense = oracle.logits(tokens)
+    assert (dense - sparse).abs().max().item() > 100 * TOL
+
+
+def test_short_context_is_dense_and_skips_the_indexer(tmp_path, rng_seed, monkeypatch):
+    from fidelity.oracle import deepseek_v32
+    model, pack = make(tmp_path, "default-rope", rng_seed)
+    tokens = torch.randint(0, BASE["vocab_size"], (3, model.config.index_topk))
+    monkeypatch.setattr(deepseek_v32.LightningIndexer, "selected", lambda *a: pytest.fail("indexer computed"))
+    got = Oracle(pack).logits(tokens)
+    assert (got - hf_logits(model, tokens)).abs().max().item() <= TOL
+
+
+def test_rows_of_different_lengths(tmp_path, rng_seed):
+    model, pack = make(tmp_path, "default-rope", rng_seed)
+    rows = [torch.randint(0, BASE["vocab_size"], (n,)).tolist() for n in (5, 19, 26)]
+    oracle = Oracle(pack)
+    for row, h in zip(rows, oracle.hidden_states(rows, progress=False)):
+        assert (oracle.apply_head(h) - hf_logits(model, torch.tensor([row]))[0]).abs().max().item() <= TOL
+
+
+# -- bad input --------------------------------------------------------------------------------------------------------
+
+def _config_with(tmp_path, seed, **edit):
+    _, _ = make(tmp_path, "default-rope", seed)
+    path = tmp_path / "default-rope" / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in edit.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+    return open_pack(tmp_path / "default-rope")
+
+
+def test_missing_index_topk_names_the_key(tmp_path, rng_seed):
+    pack = _config_with(tmp_path, rng_seed, index_topk=None)
+    with pytest.raises(ConfigError, match="DeepseekV32ForCausalLM.*'index_topk'"):
+        Oracle(pack)
+
+
+def test_bad_mlp_layer_types_named(tmp_path, rng_seed):
+    pack = _config_with(tmp_path, rng_seed, mlp_layer_types=["dense", "moe", "sparse"])
+    with pytest.raises(ConfigError, match="mlp_layer_types"):
+        Oracle(pack)
