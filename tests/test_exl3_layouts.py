@@ -190,3 +190,49 @@ def test_bad_expert_tensors_name_tensor_and_file(packs, tmp_path, edit, needle):
     (dst / "model.safetensors.index.json").write_text(json.dumps(idx))
     with pytest.raises(PackError, match=needle):
         open_pack(dst)
+
+
+def test_missing_expert_half_fails_only_for_its_experts(packs, tmp_path):
+    dst = _copy(packs["deepseek_v41_exl3"], tmp_path / "v41")
+    (dst / "model-exl3-L01-p1.safetensors").unlink()            # experts 2 and 3; the index still names the file
+    pack = open_pack(dst)
+    assert pack.tensor("model.layers.1.mlp.experts.1.up_proj.weight").shape == (32, 64)
+    with pytest.raises(PackError, match=r"absent.*experts\.2\.up_proj\.weight.*model-exl3-L01-p1\.safetensors"):
+        pack.tensor("model.layers.1.mlp.experts.2.up_proj.weight")
+
+
+def test_plan_drafter_section_is_checked(packs, tmp_path):
+    dst = _copy(packs["deepseek_v41_exl3"], tmp_path / "v41")
+    _edit_json(dst / "exl3_moe_plan.json", lambda d: d["drafter"]["layers"].__setitem__("0", "22"))
+    with pytest.raises(PackError, match=r"mtp\[0\] lists 2 experts.*exl3_moe_plan\.json"):
+        open_pack(dst)
+
+
+def test_cuda_exl3_layer_without_expert_bits(packs, tmp_path):
+    dst = _copy(packs["cuda-exl3"], tmp_path / "cuda")
+    _edit_json(dst / "quantization_config.json", lambda d: d.__setitem__("expert_bits", {"7": 3}))
+    with pytest.raises(PackError, match=r"expert_bits has no entry for layer 1.*quantization_config\.json"):
+        open_pack(dst)
+
+
+def test_cuda_exl3_untouched_mxfp4_tensor(packs, tmp_path, rng_seed):
+    """Official MXFP4 (int8 [out, in/2], low nibble first, e8m0 [out, in/32]) next to the EXL3 experts."""
+    dst = _copy(packs["cuda-exl3"], tmp_path / "cuda")
+    f = dst / "model-00001-of-00002.safetensors"
+    ts = load_file(f)
+    codes = torch.randint(0, 256, (32, 32), dtype=torch.uint8)
+    exps = torch.randint(120, 130, (32, 2), dtype=torch.uint8)
+    for k in ("layers.1.ffn.shared_experts.w1.weight", "layers.1.ffn.shared_experts.w1.scale"):
+        ts.pop(k)
+    ts["layers.1.ffn.shared_experts.w1.weight"] = codes.view(torch.int8)
+    ts["layers.1.ffn.shared_experts.w1.scale"] = exps.view(torch.float8_e8m0fnu)
+    save_file(ts, str(f))
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    ref = torch.empty(32, 64)
+    for r in range(32):
+        for c in range(64):
+            byte = int(codes[r, c // 2])
+            ref[r, c] = e2m1[(byte >> 4) if c % 2 else (byte & 15)] * 2.0 ** (int(exps[r, c // 32]) - 127)
+    pack = open_pack(dst)
+    assert pack.storage("model.layers.1.mlp.shared_experts.gate_proj.weight").format == "mxfp4"
+    assert torch.equal(pack.tensor("model.layers.1.mlp.shared_experts.gate_proj.weight"), ref)

@@ -10,7 +10,7 @@ model config implies (see `logical_shape`). Layouts:
    stated K is `quantization_config.json`'s `tensor_storage[module].bits_per_weight` where present.
 2. `cuda-exl3` - DeepSeek official names (`layers.L.ffn.experts.E.w1/w3/w2.{trellis,suh,svh,mul1}`) inside release-numbered
    shards (`model-0000i-of-0000n.safetensors` + index) next to untouched official tensors (FP8 e4m3 weights with
-   `.scale` or `.weight_scale_inv` block scales, bf16 norms...). `quantization_config.json` =
+   `.scale` or `.weight_scale_inv` block scales, MXFP4 int8 [out, in/2] with e8m0 `.scale` [out, in/32], bf16 norms...). `quantization_config.json` =
    `{"quant_method": "exl3", "format": "cuda-exl3", "expert_bits": {"<L>": K, ...}, "original_quantization_config":
    {...the official fp8 block...}}`; config.json carries no quantization_config. Stated K: expert_bits[L] for every
    routed expert of layer L (a layer with EXL3 experts but no entry is an error).
@@ -30,7 +30,9 @@ model config implies (see `logical_shape`). Layouts:
 5. `exl3-mixed` - self-describing mixed-K: official names, EXL3 routed experts at any K per expert, no plan and no stated
    K (K comes from each trellis alone); any pack holding `.trellis` tensors that none of the above claims lands here.
 
-Plans must list exactly `n_routed_experts` digits per layer, and only layers whose experts exist. Official names map to
+Plans must list exactly `n_routed_experts` digits per layer. In every layout a tensor with a part in a shard that the
+index names but that is absent is an error only when requested. The pack's `format` becomes the layout's name
+(`exl3` for layout 1). Official names map to
 the Hugging Face DeepSeek names the oracle uses (w1/w3/w2 = gate_proj/up_proj/down_proj,
 `layers.L.ffn.experts.E.w1` -> `model.layers.L.mlp.experts.E.gate_proj.weight`; names without an HF counterpart, such
 as `wo_a`, `hc_*`, `engram.*`, stay as they are).
@@ -430,6 +432,8 @@ _WO_A_SLICE = re.compile(r"(.*\.wo_a)\.(\d+)$")
 
 
 def claim(pack, pool: set) -> dict[str, LogicalTensor]:
+    from . import fp8
+
     layout = detect_layout(pack, pool)
     if layout is None:
         return {}
@@ -441,8 +445,12 @@ def claim(pack, pool: set) -> dict[str, LogicalTensor]:
     slices: dict[str, list[tuple[int, CheckedLinear]]] = {}
     for base in sorted(linears):
         lin = linears[base]
-        checked = check_linear(pack, lin, layout.stated_k(base))
         pool.difference_update(lin.parts.values())
+        absent = fp8.absent_entry(pack, rename(f"{base}.weight"), tuple(lin.parts.values()))
+        if absent is not None:      # a shard the index names is not here: an error only if this tensor is requested
+            out[absent.storage.name] = absent
+            continue
+        checked = check_linear(pack, lin, layout.stated_k(base))
         if m := _WO_A_SLICE.fullmatch(base):
             slices.setdefault(m.group(1), []).append((int(m.group(2)), checked))
             continue
@@ -494,27 +502,51 @@ def _stacked_slices(pack, base: str, parts: list[tuple[int, CheckedLinear]]) -> 
 
 
 def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTensor]:
-    """Every other tensor of an official-named pack, renamed to HF: FP8 weights with their scales, the rest native."""
-    from . import fp8, native
+    """Every other tensor of an official-named pack, renamed to HF: scaled weights (`.weight` + `.scale` or
+    `.weight_scale_inv`: FP8 e4m3 with block scales, or MXFP4 packed int8/uint8 with per-32 e8m0 scales), the rest native.
+    A tensor with a part in an absent shard is absent (an error only when requested)."""
+    from . import fp4, fp8, native
 
     qc = layout.original_quant_config or {}
     block = tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else fp8.DEFAULT_BLOCK
     power_of_two = qc.get("scale_fmt") == "ue8m0"
     raw = pack.raw
     out = {}
-    for name in sorted(pool):
+    for name in sorted(n for n in pool if n.endswith(".weight")):
+        base = name[: -len(".weight")]
+        scale = next((f"{base}.{s}" for s in ("scale", "weight_scale_inv", "weight_scale") if f"{base}.{s}" in pool), None)
+        if scale is None:
+            continue
         logical = official_to_hf(name)
-        if name.endswith(".weight") and raw.available(name) and raw.info(name).dtype in fp8.FP8_DTYPES:
-            base = name[: -len(".weight")]
-            scale = next((f"{base}.{s}" for s in ("scale", "weight_scale_inv", "weight_scale") if f"{base}.{s}" in pool), None)
-            if scale is None:
-                raise PackError("fp8 weight without a scale tensor (.scale or .weight_scale_inv)", file=raw.file_path(name),
-                                tensor=name)
+        pool.difference_update({name, scale})
+        absent = fp8.absent_entry(pack, logical, (name, scale))
+        if absent is not None:
+            out[logical] = absent
+        elif raw.info(name).dtype in fp8.FP8_DTYPES:
             out[logical] = fp8.fp8_entry(pack, name, scale, block, power_of_two=power_of_two, logical_name=logical)
-            pool.difference_update({name, scale})
+        elif raw.info(name).dtype in ("I8", "U8") and raw.info(scale).dtype in fp8.E8M0_DTYPES:
+            out[logical] = _mxfp4_entry(pack, name, scale, logical)
+        else:
+            raise PackError(f"scaled weight of dtype {raw.info(name).dtype} with {raw.info(scale).dtype} scales: neither "
+                            f"FP8 e4m3/e5m2 nor MXFP4 (int8/uint8 + e8m0)", file=raw.file_path(name), tensor=name)
     for name in sorted(pool):
         logical = official_to_hf(name)
         entry = native._entry(pack, name)
         out[logical] = LogicalTensor(replace(entry.storage, name=logical), entry.decode)
         pool.discard(name)
     return out
+
+
+def _mxfp4_entry(pack, name: str, scale: str, logical: str) -> LogicalTensor:
+    """DeepSeek official MXFP4: int8/uint8 [out, in/2] (low nibble = even element) and e8m0 scales [out, in/32]."""
+    from . import fp4, fp8
+
+    raw = pack.raw
+    shape = fp4.check_group_grid(pack, name, scale, fp4.MX_BLOCK)
+    nbytes = raw.info(name).nbytes + raw.info(scale).nbytes
+
+    def decode() -> torch.Tensor:
+        return fp4.dequantize_mxfp4(raw.get(name).view(torch.uint8), fp8.read_scales(pack, scale))
+
+    return LogicalTensor(Storage(logical, "mxfp4", "MXFP4", tuple(shape), nbytes, block=(1, fp4.MX_BLOCK),
+                                 files=raw.files_of(name, scale), raw=(name, scale)), decode)
