@@ -50,12 +50,12 @@ def _buckets(kl: np.ndarray, pmax: np.ndarray, edges=(0.0, 0.3, 0.5, 0.7, 0.9, 0
 
 def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel_sha: str | None = None,
                      packs=(("q8", 8.5, 0.15), ("q4", 4.5, 0.6)), rows_per_domain: int = 4, T: int = 24, V: int = 40,
-                     write_records: bool = True, store: bool = True) -> tuple[dict, Truth]:
+                     write_records: bool = True, store: bool = True, domain_names=DOMAINS) -> tuple[dict, Truth]:
     """Random reference logits, each pack = reference + Gaussian noise of its scale; KL/top-1/PPL through plain torch."""
     g = torch.Generator().manual_seed(seed)
     gen = np.random.default_rng(seed)
-    R = rows_per_domain * len(DOMAINS)
-    domains = [d for d in DOMAINS for _ in range(rows_per_domain)]
+    R = rows_per_domain * len(domain_names)
+    domains = [d for d in domain_names for _ in range(rows_per_domain)]
     row_ids = [f"{d}-{i}" for i, d in enumerate(domains)]
     ref_logits = 3.0 * torch.randn(R, T, V, generator=g, dtype=torch.float64)
     ref_lp = ref_logits.log_softmax(-1)
@@ -100,7 +100,7 @@ def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel
         ones = np.full(R, float(scored[0].sum()))
         kls = kl[scored].numpy()
         domain_blocks = {}
-        for d in DOMAINS:
+        for d in domain_names:
             m = dom == d
             domain_blocks[d] = {"kld_mean": float(kl[m][s[m]].mean()), "kld_mean_ci95": _bootstrap_ci(row_mean[m], ones[m], gen),
                                 "top1": float(top1[m][s[m]].float().mean()), "ppl": float(nll[m][s[m]].mean().exp()),

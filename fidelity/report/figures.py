@@ -51,7 +51,7 @@ def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
     """KLD mean per domain as points with 95% CI whiskers (honest on a log axis, unlike bars), then pooled and domains-equal rows."""
     cats = domain_rows(packs) + ["pooled (all positions)", "domains weighted equally"]
     height = 0.8 / max(len(packs), 1)
-    fig = Figure(figsize=(8.5, 1.0 + 0.32 * len(cats) * max(len(packs), 1.5)))
+    fig = Figure(figsize=(8.5, 1.2 + len(cats) * (0.3 + 0.12 * len(packs))))
     ax = fig.add_subplot()
     values = []
     for i, p in enumerate(packs):
@@ -129,9 +129,9 @@ def kl_distribution(samples: dict[str, np.ndarray], quantiles: dict[str, dict], 
     for label, kl in samples.items():
         kl = np.sort(np.asarray(kl, dtype=np.float64))
         kl = np.clip(kl, 1e-12, None)
-        surv = 1.0 - np.arange(1, kl.size + 1) / kl.size
+        surv = np.maximum(1.0 - np.arange(1, kl.size + 1) / kl.size, 1.0 / kl.size)   # the max drawn at 1/n, not at 0
         keep = surv >= min(1e-3, 1.0 / kl.size)
-        ax.step(kl[keep], np.clip(surv[keep], 1.0 / kl.size, None), where="post", color=_color(colors[label]), label=label)
+        ax.step(kl[keep], surv[keep], where="post", color=_color(colors[label]), label=label)
     for label, q in quantiles.items():
         xs = [q.get(k) for k in marks]
         ax.plot([x for x in xs if x], [marks[k] for k, x in zip(marks, xs) if x], "o", color=_color(colors[label]),
