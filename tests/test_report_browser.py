@@ -9,7 +9,9 @@ import os
 import queue
 import shutil
 import subprocess
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from test_report import make_compare_run
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions", "--mute-audio"]
+         "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions", "--mute-audio",
+         "--disable-dev-shm-usage"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")]
 
@@ -39,12 +42,13 @@ class DevTools:
     """Chromium with `--remote-debugging-pipe`: CDP messages are NUL-terminated JSON, written to its fd 3 and read from its fd 4."""
 
     def __init__(self, user_data_dir: Path, timeout: float = 60.0):
+        self._log = tempfile.TemporaryFile()        # a file, not a pipe: a chatty browser must never block on stderr
         to_chrome_r, self._to_chrome = os.pipe()
         self._from_chrome, from_chrome_w = os.pipe()
         cmd = [CHROMIUM, *FLAGS, f"--user-data-dir={user_data_dir}", "--remote-debugging-pipe", "about:blank"]
         shell = f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-'
         self.proc = subprocess.Popen(["bash", "-c", shell, "chromium", *cmd], pass_fds=(to_chrome_r, from_chrome_w),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=self._log)
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         self.timeout = timeout
@@ -74,14 +78,28 @@ class DevTools:
             msg["sessionId"] = session
         q = self._replies[self._next_id] = queue.Queue()
         os.write(self._to_chrome, json.dumps(msg).encode() + b"\0")
-        reply = q.get(timeout=self.timeout)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                reply = q.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    self._log.seek(0)
+                    raise RuntimeError(f"chromium exited with {self.proc.returncode} during {method}: "
+                                       f"{self._log.read()[-2000:].decode(errors='replace')}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"chromium did not answer {method} within {self.timeout:.0f} s") from None
         if "error" in reply:
             raise RuntimeError(f"{method}: {reply['error']}")
         return reply["result"]
 
     def wait_event(self, method: str, seen: list) -> dict:
         while True:
-            ev = self.events.get(timeout=self.timeout)
+            try:
+                ev = self.events.get(timeout=self.timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no {method} from chromium within {self.timeout:.0f} s") from None
             seen.append(ev)
             if ev.get("method") == method:
                 return ev
@@ -97,6 +115,7 @@ class DevTools:
             self.proc.kill()
             self.proc.wait()
         os.close(self._to_chrome)
+        self._log.close()
 
 
 def open_page(path: Path, tmp: Path) -> PageCheck:
