@@ -340,6 +340,20 @@ def test_same_label_from_two_files_is_kept_apart(tmp_path, rng_seed):
     rep = render([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
     assert len(rep.groups) == 1
     assert [r[0] for r in rep.groups[0].overall.rows] == ["q8 (a)", "q4", "q8 (b)"]
+    assert [r[:2] for r in rep.groups[0].paired.rows] == [["q8 (a)", "q4"]]
+
+
+def test_a_pack_with_only_non_finite_positions(tmp_path, rng_seed):
+    """NaN logits everywhere: compare reports None means and counts non-finite positions; the page says so, plots skip it."""
+    data, _ = make_compare_run(tmp_path / "a", rng_seed, write_records=False)
+    broken = data["results"][1]
+    n = broken["overall"]["positions"]
+    broken["overall"] = {**{k: None for k in broken["overall"]}, "nonfinite": n, "positions": 0}
+    broken["domains"] = {d: {**{k: None for k in b}, "positions": 0} for d, b in broken["domains"].items()}
+    rep = render([data], tmp_path / "out")
+    row = {r["pack"]: r for r in md_tables(rep.summary_md.read_text())["Overall"]}["q4"]
+    assert (row["KLD mean [95% CI]"], row["top-1"], row["non-finite"]) == ("—", "—", str(n))
+    assert len(rep.figures) == 4
 
 
 def _suite_compare_json(tmp_path: Path, seed: int) -> dict:

@@ -78,7 +78,7 @@ def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
 
 def kld_vs_bpw(packs: list[PackResult], path: Path, title: str) -> Path | None:
     """KLD and top-1 disagreement against bits per weight, both log-scaled, with the noise floor drawn on the KLD panel."""
-    with_bpw = [p for p in packs if p.bpw is not None]
+    with_bpw = [p for p in packs if p.bpw is not None and p.overall.get("kld_mean") is not None]
     if not with_bpw:
         return None
     fig = Figure(figsize=(11, 4.2), layout="constrained")
@@ -86,7 +86,7 @@ def kld_vs_bpw(packs: list[PackResult], path: Path, title: str) -> Path | None:
     by_bpw = sorted(with_bpw, key=lambda p: p.bpw)
     if len(by_bpw) > 1:
         ax_kl.plot([p.bpw for p in by_bpw], [p.overall.get("kld_mean") for p in by_bpw], color="lightgrey", zorder=0)
-    floors = sorted({float(p.overall["noise_floor_kld"]) for p in packs if p.overall.get("noise_floor_kld")})
+    floors = sorted({float(p.overall["noise_floor_kld"]) for p in with_bpw if p.overall.get("noise_floor_kld")})
     for i, p in enumerate(with_bpw):
         k = p.overall.get("kld_mean")
         ci = _ci(p.overall, "kld_mean_ci95")

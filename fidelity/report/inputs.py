@@ -27,6 +27,10 @@ class PackResult:
     fingerprint: str | None
     source: str
     format: str | None = None
+    original_label: str = ""          # the label in its compare JSON (paired entries refer to it)
+
+    def __post_init__(self):
+        self.original_label = self.original_label or self.label
 
 
 @dataclass

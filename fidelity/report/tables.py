@@ -104,8 +104,10 @@ def per_domain_tables(g: Group) -> list[Table]:
 def paired_table(g: Group) -> Table | None:
     rows = []
     for run in g.runs:
+        shown = {r.original_label: r.label for r in run.results}
         for pr in run.paired:
-            rows.append([str(pr.get("a")), str(pr.get("b")), num(pr.get("kld_mean_diff")),
+            a, b = (shown.get(str(pr.get(k)), str(pr.get(k))) for k in ("a", "b"))
+            rows.append([a, b, num(pr.get("kld_mean_diff")),
                          ci(pr, "ci95"), num(pr.get("p_value"), 3)])
     if not rows:
         return None
