@@ -236,3 +236,17 @@ def test_cuda_exl3_untouched_mxfp4_tensor(packs, tmp_path, rng_seed):
     pack = open_pack(dst)
     assert pack.storage("model.layers.1.mlp.shared_experts.gate_proj.weight").format == "mxfp4"
     assert torch.equal(pack.tensor("model.layers.1.mlp.shared_experts.gate_proj.weight"), ref)
+
+
+def test_official_fp8_with_weight_scale_inv_is_renamed_too(packs, native, tmp_path):
+    """The fp8 claimer would take `.weight` + `.weight_scale_inv` under their official names; EXL3 packs claim first."""
+    dst = _copy(packs["cuda-exl3"], tmp_path / "cuda")
+    f = dst / "model-00001-of-00002.safetensors"
+    ts = {re.sub(r"\.scale$", ".weight_scale_inv", k): v for k, v in load_file(f).items()}
+    save_file(ts, str(f))
+    idx = json.loads((dst / "model.safetensors.index.json").read_text())
+    idx["weight_map"] = {re.sub(r"\.scale$", ".weight_scale_inv", k): v for k, v in idx["weight_map"].items()}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(idx))
+    pack = open_pack(dst)
+    assert set(pack.names()) == set(native.names())
+    assert pack.storage("model.layers.0.self_attn.q_a_proj.weight").format == "fp8_e4m3"

@@ -27,6 +27,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import PackError
+from .folder import CLAIMERS, KNOWN_QUANT_METHODS, register_claimer
 
 TILE = 16                 # tile side
 TILE_LEN = 256            # weights per tile
@@ -237,13 +238,16 @@ def _hadamard_pm1(device: str, dtype: torch.dtype) -> torch.Tensor:
 def rotate_back(inner: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
     """W = diag(suh) . H . Q . H . diag(svh), computed in float64 (exact Hadamard sums), returned in float32.
     Also serves the transposed problem: rotate_back(Q^T, svh, suh) = W^T."""
-    k, n = inner.shape
-    H = _hadamard_pm1(str(inner.device), torch.float64)
-    x = inner.to(torch.float64)
+    return _rotate_back_f64(inner.to(torch.float64), suh, svh)
+
+
+def _rotate_back_f64(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+    k, n = x.shape
+    H = _hadamard_pm1(str(x.device), torch.float64)
     x = torch.matmul(H, x.view(k // HAD, HAD, n))                       # left: rows within each 128-block
     x = torch.matmul(x.view(k, n // HAD, HAD), H).view(k, n)            # right: columns within each 128-block
-    x = x * (suh.to(torch.float64) / HAD)[:, None]                      # 1/sqrt(128) per side
-    x = x * svh.to(torch.float64)[None, :]
+    x.mul_((suh.to(torch.float64) / HAD)[:, None])                      # 1/sqrt(128) per side
+    x.mul_(svh.to(torch.float64)[None, :])
     return x.to(torch.float32)
 
 
@@ -272,28 +276,10 @@ def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, c
     out, inp = shape if shape is not None else (n_p, k_p)
     if out > n_p or inp > k_p:
         raise PackError(f"logical shape [{out}, {inp}] exceeds the padded EXL3 weight [{n_p}, {k_p}]", file=file, tensor=tensor)
-    inner_t = tiles.permute(1, 3, 0, 2).reshape(n_p, k_p)               # Q^T, so the result comes out as W^T
-    w_t = rotate_back(inner_t, svh, suh)
+    inner_t = torch.empty(n_p, k_p, dtype=torch.float64, device=tiles.device)
+    inner_t.view(nt, TILE, kt, TILE).copy_(tiles.permute(1, 3, 0, 2))   # Q^T, so the result comes out as W^T
+    w_t = _rotate_back_f64(inner_t, svh, suh)
     return w_t if (out, inp) == (n_p, k_p) else w_t[:out, :inp].contiguous()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the claimer (layouts in exl3_layouts.py)
-# ---------------------------------------------------------------------------------------------------------------------
-from .folder import KNOWN_QUANT_METHODS, register_claimer  # noqa: E402
-
-KNOWN_QUANT_METHODS.update({"exl3", "deepseek_v41_exl3"})
-
-
-def claim(pack, pool: set):
-    """EXL3 linears of any of the five layouts; for official-named layouts also every other tensor, renamed to HF."""
-    from .exl3_layouts import claim as claim_layouts
-
-    return claim_layouts(pack, pool)
-
-
-# first: official-named EXL3 packs hold FP8 tensors that this claimer renames, so the fp8 claimer must not take them
-register_claimer("exl3", claim, before="compressed")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -535,3 +521,20 @@ def encode(weight: torch.Tensor, K: float, codebook: str = "mul1", hessian: torc
                **codebook_marker(codebook)}
     decoded = decode_weight(tensors["trellis"], tensors["suh"], tensors["svh"], codebook, shape=(out_f, in_f))
     return Encoded(tensors, decoded, rate.K, codebook, g)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the claimer (layouts in exl3_layouts.py)
+# ---------------------------------------------------------------------------------------------------------------------
+KNOWN_QUANT_METHODS.update({"exl3", "deepseek_v41_exl3"})
+
+
+def claim(pack, pool: set):
+    """EXL3 linears of any of the five layouts; for official-named layouts also every other tensor, renamed to HF."""
+    from .exl3_layouts import claim as claim_layouts
+
+    return claim_layouts(pack, pool)
+
+
+# first: official-named EXL3 packs hold FP8 tensors that this claimer renames, so the fp8 claimer must not take them
+register_claimer("exl3", claim, before=CLAIMERS[0][0] if CLAIMERS else None)
