@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "moe:MoeFamily",
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3Family",
     "DeepseekV32ForCausalLM": "deepseek_v32:DeepseekV32Family",
+    "DeepseekV4ForCausalLM": "deepseek_v4:DeepseekV4Family",
 }
 
 

@@ -167,6 +167,20 @@ class Family:
     def rope_tables(self, length: int, dtype: torch.dtype, device) -> object:
         raise NotImplementedError
 
+    # Optional hooks; the defaults keep the residual stream a plain [B, T, hidden] tensor.
+    wants_tokens = False  # True: layers are called layer(x, rope, tokens [B, T])
+
+    def resolve_names(self, available) -> None:
+        """Called once with the pack's tensor names before they are checked (families whose stored names vary)."""
+
+    def embed_hook(self, x: torch.Tensor) -> torch.Tensor:
+        """The embeddings [B, T, hidden] -> the residual stream the first layer reads."""
+        return x
+
+    def final_hook(self, x: torch.Tensor, fetch: Fetch) -> torch.Tensor:
+        """The last layer's residual stream -> [B, T, hidden] for the final norm."""
+        return x
+
     def required_names(self) -> list[str]:
         names = [self.embed_name, self.norm_name, self.head_name]
         for i in range(self.n_layers):

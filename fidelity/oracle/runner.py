@@ -58,6 +58,7 @@ class Oracle:
         self.keep_weights = keep_weights
         self.family: Family = family_for(pack.config)
         exact_math(self.device)
+        self.family.resolve_names(self.pack.names())
         self._check_names()
         self.fetch = Fetch(lambda name: self.pack.tensor(name), self._stored_shape, self.device, dtype)
         self._head: torch.Tensor | None = None
@@ -122,7 +123,8 @@ class Oracle:
         batches = self._batches(rows)
         fam = self.family
         embed = self.fetch(fam.embed_name)
-        acts = [F.embedding(torch.stack([rows[i] for i in idx]).to(self.device), embed) for idx in batches]
+        ids = [torch.stack([rows[i] for i in idx]).to(self.device) for idx in batches]
+        acts = [fam.embed_hook(F.embedding(t, embed)) for t in ids]
         del embed
         release_freed_memory()
         for idx, x in zip(batches, acts):
@@ -134,14 +136,14 @@ class Oracle:
             layer = self.load_layer(layer_index)
             for b, idx in enumerate(batches):
                 T = acts[b].shape[1]
-                acts[b] = layer(acts[b], _slice_rope(rope, T))
+                acts[b] = layer(acts[b], _slice_rope(rope, T), *([ids[b]] if fam.wants_tokens else []))
                 self._check_finite(acts[b], idx, f"layer {layer_index}")
                 bar.update(len(idx))
             del layer
             release_freed_memory()
         bar.close()
         norm = self.fetch(fam.norm_name)
-        return batches, [rms_norm(x, norm, fam.rms_norm_eps) for x in acts]
+        return batches, [rms_norm(fam.final_hook(x, self.fetch), norm, fam.rms_norm_eps) for x in acts]
 
     # -- head ----------------------------------------------------------------------------------------------
     def iter_logits(self, hidden: torch.Tensor, chunk_positions: int | None = None,
@@ -217,7 +219,7 @@ class Oracle:
         if not bool(finite.all()):
             j = int((~finite).nonzero()[0])
             kind = "NaN" if bool(torch.isnan(x[j]).any()) else "Inf"
-            pos = int((~torch.isfinite(x[j])).any(dim=-1).nonzero()[0])
+            pos = int((~torch.isfinite(x[j])).flatten(1).any(dim=-1).nonzero()[0])
             raise FidelityError(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})")
 
 
