@@ -107,3 +107,17 @@ def test_inspect_cli(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--decode", "--json", str(tmp_path / "r.json")]) == 0
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["format"] == "native" and rep["bits_per_weight"][0]["bpw"] == 16
+
+
+def test_tied_embedding_is_reported_as_head_and_counted_once(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {
+        "model.embed_tokens.weight": torch.randn(50, 8).half(),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": torch.randn(4, 32),
+    })
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    bpw = open_pack(tmp_path).bits_per_weight()
+    assert bpw["head"] == {"params": 400, "bytes": 800, "bpw": 16.0}
+    assert bpw["total"]["params"] == 400 + 128 + 128
+    assert "routed_experts" not in bpw.rows  # an expert bias is not an expert weight
+    assert bpw["all_linear"]["params"] == 400 + 128

@@ -47,7 +47,7 @@ class LogicalTensor:
     decode: Callable[[], torch.Tensor]
 
 
-_NON_LINEAR = re.compile(r"(norm|embed_tokens|wte|tok_embeddings|\.bias$|e_score_correction_bias|\.gate\.weight$|router)")
+_NON_LINEAR = re.compile(r"(norm|embed_tokens|wte|tok_embeddings|[._]bias$|e_score_correction_bias|\.gate\.weight$|router)")
 
 
 def tensor_role(name: str, shape: tuple[int, ...]) -> str:
@@ -127,9 +127,17 @@ class Pack:
             sums[cat] = [p + weight * s.numel, b + weight * s.nbytes]
 
         per_token_fraction = self._active_expert_fraction()
-        for name in self.names():
+        names = self.names()
+        tied_head = None
+        if not any(tensor_role(n, ()) == "head" for n in names) and self.config.get("tie_word_embeddings", True):
+            tied_head = next((n for n in names if tensor_role(n, self.storage(n).shape) == "embedding"), None)
+        for name in names:
             s = self.storage(name)
             role = tensor_role(name, s.shape)
+            if name == tied_head:  # a tied embedding is also the head: the head row reports it, total counts it once
+                add("head", s)
+                add("all_linear", s)
+                add("per_decoded_token", s)
             add("total", s)
             if role in ("linear", "routed_expert", "head"):
                 add("all_linear", s)
