@@ -410,6 +410,8 @@ def test_suite_and_gate_tables(tmp_path, run_a, rng_seed):
     close_to_printed(kl["measured"], kl_check["value"])
     assert any(r["gate"] == "batch-invariance" and r["check status"] == "pass" for r in g)
     assert any(r["gate"] == "prefix-cache" and r["gate status"] == "error" and "connection refused" in r["measured"] for r in g)
+    prov = {r["what"]: r["value"] for r in t["Provenance"]}
+    assert prov["suite humaneval"] == f"A {suite['a']} · B {suite['b']} · from suite.json"
     worst = t["Worst examples: batch-invariance"]
     for row, w in zip(worst, gate["gates"][1]["worst"]):
         assert int(row["prompt"]) == w["prompt"] and row["identical"] == "yes"

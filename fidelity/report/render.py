@@ -211,7 +211,7 @@ def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto"
             "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     suites, gates = tables.suite_table(inputs.suites), tables.gate_table(inputs.gates)
     gate_worst = tables.gate_worst_tables(inputs.gates)
-    provenance = tables.provenance_table(inputs.groups, meta)
+    provenance = tables.provenance_table(inputs.groups, meta, inputs.suites, inputs.gates)
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.globals.update(num=tables.num, status_class=_status_class)

@@ -267,7 +267,7 @@ def gate_worst_tables(entries: list[tuple[str, dict]]) -> list[Table]:
     return out
 
 
-def provenance_table(groups: list[Group], report_meta: dict) -> Table:
+def provenance_table(groups: list[Group], report_meta: dict, suites=(), gates=()) -> Table:
     rows = []
     for i, g in enumerate(groups, 1):
         p = g.panel
@@ -285,6 +285,13 @@ def provenance_table(groups: list[Group], report_meta: dict) -> Table:
             if isinstance(cmd, list):
                 cmd = " ".join(map(str, cmd))
             rows.append([f"group {i}: {Path(run.source).name}", f"fidelity {ver or '?'} · command: {cmd or '—'}"])
+    for source, data in suites:
+        for it in _suite_items(data):
+            rows.append([f"suite {it.get('suite', '?')}", f"A {it.get('a', '?')} · B {it.get('b', '?')} · from {Path(source).name}"])
+    for source, data in gates:
+        d = data if isinstance(data, dict) else {}
+        rows.append(["gates", f"engine {d.get('engine', '?')} · model {d.get('model', '?')} · reference store "
+                     f"{d.get('reference_store') or '—'} · from {Path(source).name}"])
     rows.append(["this report", f"fidelity {report_meta['version']} · command: {report_meta['command_line']} · "
                  f"generated {report_meta['generated']}"])
     return Table("Provenance", ["what", "value"], rows, classes=["left"])
