@@ -208,10 +208,7 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
                                       tag=f"decode-vs-prefill/prefill/{i}")
         _need_logprobs(pre, f"prompt {i} prefill")
         decoded = gen.logprobs
-        n_gen = int(pre.usage.get("completion_tokens", 1))
-        echoed = pre.logprobs[: len(pre.logprobs) - n_gen] if n_gen else pre.logprobs
-        prefilled = echoed[len(echoed) - len(decoded):] if len(echoed) >= len(decoded) else []
-        return i, gen, decoded, prefilled
+        return i, gen, decoded, _prefilled_span(pre, decoded)
 
     rows, notes = [], []
     for i, gen, decoded, prefilled in await asyncio.gather(*(one(i) for i in range(len(prompts)))):
@@ -230,6 +227,19 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
     worst = sorted(rows, key=lambda r: -r["max_abs_dlogprob"])[: s.worst]
     th = _thresholds("decode-vs-prefill", thresholds)
     return _verdict("decode-vs-prefill", _checks(th, measured), measured=measured, worst=worst, notes=notes)
+
+
+def _prefilled_span(pre: Completion, decoded: list[TokenLogprob]) -> list[TokenLogprob]:
+    """The echo entries of the generated tokens: the echo ends with the prompt+generation, then (usually) the one token the
+    prefill request generated, which some engines leave out; take the placement whose tokens match."""
+    echo, n = pre.logprobs, len(decoded)
+    n_gen = int(pre.usage.get("completion_tokens", 1))
+    want = [t.token for t in decoded]
+    starts = [len(echo) - n_gen - n, len(echo) - n] if n_gen else [len(echo) - n]
+    for start in starts:
+        if start >= 0 and [t.token for t in echo[start:start + n]] == want:
+            return echo[start:start + n]
+    return echo[max(starts[0], 0):max(starts[0], 0) + n]
 
 
 # ---- prefix-cache -------------------------------------------------------------------------------------------------------
