@@ -199,3 +199,34 @@ def test_cli_writes_json_markdown_and_records(tiny, tmp_path, capsys):
     recs = pq.read_table(out / "small.parquet").to_pandas()
     assert len(recs) == rep["panel"]["scored_positions"]
     assert recs["kld"].mean() == pytest.approx(rep["results"][0]["overall"]["kld_mean"], rel=1e-12)
+
+
+def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
+    """Each answer equals a token-by-token greedy decode through the oracle (no transformers draft involved)."""
+    from fidelity.commands.panel import build_panel
+    from fidelity.oracle import Oracle
+    from fidelity.packs import open_pack
+    from fidelity.panels import load_panel
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p1", "domain": "chat", "prompt": "Say something about rivers."}) + "\n" +
+                       json.dumps({"id": "p2", "domain": "math", "messages": [{"role": "user", "content": "2+2?"}]}) + "\n")
+    panel = build_panel(prompts, tiny["ref"], tmp_path / "built", max_new_tokens=6, progress=False)
+    assert load_panel(tmp_path / "built").sha256 == panel.sha256
+    tok = tiny["tokenizer"]
+    oracle = Oracle(open_pack(tiny["ref"]), keep_weights=True)
+    stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    for row in panel.rows:
+        ids = tok(tok.apply_chat_template(row.messages[:-1], add_generation_prompt=True, tokenize=False),
+                  add_special_tokens=False)["input_ids"]
+        new = []
+        while len(new) < 6:
+            nxt = int(oracle.logits(torch.tensor([ids + new]))[0, -1].argmax())
+            if nxt in stop:
+                break
+            new.append(nxt)
+        assert row.messages[-1] == {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "b1", "domain": "x", "messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
+    from fidelity.panels import PanelError
+    with pytest.raises(PanelError, match=r"bad\.jsonl line 1 \(row 'b1'\): needs a string 'prompt' or 'messages' ending"):
+        build_panel(bad, tiny["ref"], tmp_path / "nope", progress=False)

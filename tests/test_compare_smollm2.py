@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory, smollm2_gguf):
     # one cache per test session, shared with test_demo.py
-    return build_demo_packs(tmp_path_factory.getbasetemp() / "demo_cache")
+    return build_demo_packs(tmp_path_factory.getbasetemp() / "fidelity_cache" / "demo")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,52 @@
+"""`fidelity demo` and the quickstart notebook, end to end on a reduced panel (slow: real SmolLM2 packs)."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory, smollm2_gguf):
+    # shared by every slow test of the session (test_compare_smollm2.py builds into the same folder)
+    return tmp_path_factory.getbasetemp() / "fidelity_cache"
+
+
+def test_demo_builds_once_and_prints_the_table(cache_root, capsys):
+    from fidelity.cli import main
+    cache = cache_root / "demo"
+    args = ["demo", "--cache", str(cache), "--rows-per-domain", "1", "--formats", "Q8_0,Q2_K", "--json",
+            str(cache_root / "demo.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "domains equal" in out.replace("\n", " ") or "overall" in out
+    rep = json.loads((cache_root / "demo.json").read_text())
+    assert [r["label"] for r in rep["results"]] == ["Q8_0", "Q2_K"]
+    assert rep["panel"]["rows"] == 8 and len(rep["results"][0]["domains"]) == 8
+    q8, q2 = (r["overall"] for r in rep["results"])
+    assert q8["kld_mean"] < q2["kld_mean"] and q8["top1"] > q2["top1"]
+    assert (cache / "demo-report.json").exists()
+    stamps = {p.name: p.stat().st_mtime for p in cache.iterdir()}
+    assert main(args + ["--no-noise-floor"]) == 0
+    assert "building" not in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime for p in cache.iterdir() if p.name in stamps and p.suffix == ".gguf"} == \
+        {k: v for k, v in stamps.items() if k.endswith(".gguf")}
+
+
+def test_quickstart_notebook_runs(cache_root, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+    monkeypatch.setenv("FIDELITY_CACHE", str(cache_root))
+    monkeypatch.setenv("FIDELITY_NOTEBOOK_ROWS", "1")
+    monkeypatch.setenv("FIDELITY_NOTEBOOK_PACKS", "Q8_0,Q2_K")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the plots were drawn"
+    html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    assert "kld_mean" in html and "instruction_following" in html
