@@ -341,6 +341,8 @@ def test_same_label_from_two_files_is_kept_apart(tmp_path, rng_seed):
     assert len(rep.groups) == 1
     assert [r[0] for r in rep.groups[0].overall.rows] == ["q8 (a)", "q4", "q8 (b)"]
     assert [r[:2] for r in rep.groups[0].paired.rows] == [["q8 (a)", "q4"]]
+    twice = render([tmp_path / "a", tmp_path / "a"], tmp_path / "twice")
+    assert [r[0] for r in twice.groups[0].overall.rows] == ["q8 (a)", "q4 (a)", "q8 (a) #2", "q4 (a) #2"]
 
 
 def test_a_pack_with_only_non_finite_positions(tmp_path, rng_seed):

@@ -255,18 +255,24 @@ def _attach_folder(folder: Path, runs: list[CompareRun]):
 # ---- grouping ---------------------------------------------------------------------------------------------------------
 
 def _unique_labels(runs: list[CompareRun]):
-    """The same label from two files would be merged in a plot; tell them apart by file name."""
-    seen: dict[str, int] = {}
+    """The same label from two files would be merged in a plot; tell them apart by file name (and a number if that is the
+    same too, e.g. one file given twice)."""
+    counts: dict[str, int] = {}
     for run in runs:
         for res in run.results:
-            seen[res.label] = seen.get(res.label, 0) + 1
+            counts[res.label] = counts.get(res.label, 0) + 1
+    taken: set[str] = set()
     for run in runs:
         for res in run.results:
-            if seen[res.label] > 1:
-                new = f"{res.label} ({Path(run.source).name})"
-                if res.label in run.pack_positions:
-                    run.pack_positions[new] = run.pack_positions.pop(res.label)
-                res.label = new
+            new = res.label if counts[res.label] == 1 else f"{res.label} ({Path(run.source).name})"
+            base, n = new, 1
+            while new in taken:
+                n += 1
+                new = f"{base} #{n}"
+            taken.add(new)
+            if new != res.label and res.label in run.pack_positions:
+                run.pack_positions[new] = run.pack_positions.pop(res.label)
+            res.label = new
 
 
 def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
