@@ -81,3 +81,147 @@ def test_matches_transformers_past_window_and_topk(tmp_path, rng_seed, case):
     print(f"{case}: T={T_len} max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
     assert got.shape == want.shape and delta <= TOL
     assert want.abs().max() > 1.0
+
+
+def official_name(saved: str) -> str:
+    """transformers' save_pretrained V4 name -> DeepSeek's official checkpoint name."""
+    special = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
+               "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    if saved in special:
+        return special[saved]
+    name = saved.removeprefix("model.")
+    return name.replace(".attn.norm.", ".attn.kv_norm.")
+
+
+@pytest.mark.parametrize("naming", ["official", "exl3-hf"])
+def test_official_and_exl3_names_load(tmp_path, rng_seed, naming):
+    """The same weights stored under DeepSeek's official names, or under the Hugging Face names the EXL3 layouts map
+    official names to, give the same logits as transformers."""
+    from fidelity.packs.exl3_layouts import official_to_hf
+    model, _ = make(tmp_path, "mixed-default-rope", rng_seed)
+    folder = tmp_path / "mixed-default-rope"
+    tensors = load_file(folder / "model.safetensors")
+    rename = official_name if naming == "official" else (lambda n: official_to_hf(official_name(n)))
+    renamed = {rename(k): v for k, v in tensors.items()}
+    assert len(renamed) == len(tensors)
+    if naming == "official":
+        assert "layers.1.attn.kv_norm.weight" in renamed and "layers.0.ffn.experts.3.w2.weight" in renamed
+    else:
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in renamed
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, BASE["vocab_size"], (1, 17))
+    got = Oracle(open_pack(folder)).logits(tokens)
+    assert (got - hf_logits(model, tokens)).abs().max().item() <= TOL
+
+
+def test_official_config_keys(tmp_path, rng_seed):
+    """A config.json in the official style (compress_ratios 0/4/128, num_hash_layers, qk_rope_head_dim, flat
+    rope_scaling) reads like transformers folds it; a 140-token row finishes one 128-token HCA window."""
+    over = dict(layer_types=None, mlp_layer_types=None, compress_rates=None, partial_rotary_factor=None,
+                compress_ratios=[128, 4, 0, 4], num_hash_layers=1, qk_rope_head_dim=4, num_hidden_layers=4,
+                rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))
+    model, pack = make(tmp_path, "mixed-default-rope", rng_seed, **over)
+    official = {k: v for k, v in BASE.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
+                                                           "partial_rotary_factor")}
+    official.update(architectures=["DeepseekV4ForCausalLM"], compress_ratios=[128, 4, 0, 4], num_hash_layers=1,
+                    qk_rope_head_dim=4, rope_theta=10000.0, compress_rope_theta=160000.0,
+                    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64),
+                    hc_eps=1e-6, scoring_func="sqrtsoftplus")
+    (tmp_path / "mixed-default-rope" / "config.json").write_text(json.dumps(official))
+    tokens = torch.randint(0, BASE["vocab_size"], (1, 140))
+    got = Oracle(open_pack(tmp_path / "mixed-default-rope")).logits(tokens)
+    assert (got - hf_logits(model, tokens)).abs().max().item() <= TOL
+
+
+def test_indexer_keeps_top_k_and_selection_matters(tmp_path, rng_seed):
+    """Late queries of a CSA layer keep exactly index_topk of their finished entries (fewer than they have), and
+    keeping all of them instead moves the logits well past the tolerance."""
+    from fidelity.oracle import deepseek_v4
+    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+    tokens = torch.randint(0, BASE["vocab_size"], (1, 30))
+    kept = []
+    original = deepseek_v4.Indexer.selected
+
+    def spy(self, *args):
+        keep = original(self, *args)
+        kept.append(keep)
+        return keep
+
+    deepseek_v4.Indexer.selected = spy
+    try:
+        sparse = Oracle(pack).logits(tokens)
+    finally:
+        deepseek_v4.Indexer.selected = original
+    finished = deepseek_v4.finished_entries(30, 3, "cpu")
+    assert len(kept) == 2
+    for keep in kept:
+        assert bool((keep[0] <= finished).all())
+        assert keep[0].sum(-1).tolist()[-1] == BASE["index_topk"] < int(finished[-1].sum())
+    deepseek_v4.Indexer.selected = lambda self, x, *a: finished_entries_like(x, 3)
+    try:
+        dense = Oracle(pack).logits(tokens)
+    finally:
+        deepseek_v4.Indexer.selected = original
+    assert (dense - sparse).abs().max().item() > 100 * TOL
+
+
+def finished_entries_like(x, ratio):
+    from fidelity.oracle.deepseek_v4 import finished_entries
+    return finished_entries(x.shape[1], ratio, x.device).expand(x.shape[0], -1, -1)
+
+
+def test_hash_routing_reads_the_table(tmp_path, rng_seed):
+    """Hash layers read exactly the experts tid2eid names for the row's tokens."""
+    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+    tokens = torch.randint(0, BASE["vocab_size"], (1, 3))
+    read = []
+    original = pack.tensor
+    pack.tensor = lambda name: (read.append(name), original(name))[1]
+    Oracle(pack).logits(tokens)
+    table = model.model.layers[0].mlp.gate.tid2eid
+    want = set(table[tokens[0]].flatten().tolist())
+    got = {int(n.split(".experts.")[1].split(".")[0]) for n in read if n.startswith("model.layers.0.ffn.experts.")}
+    assert got == want
+
+
+# -- bad input --------------------------------------------------------------------------------------------------------
+
+def test_missing_tensor_named_in_stored_naming(tmp_path, rng_seed):
+    _, _ = make(tmp_path, "mixed-default-rope", rng_seed)
+    folder = tmp_path / "mixed-default-rope"
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.3.attn.indexer.compressor.ape"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackError, match=r"layers\.3\.attn\.indexer\.compressor\.ape"):
+        Oracle(open_pack(folder))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (dict(layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+     "layer_types"),
+    (dict(index_topk=None), "index_n_heads/index_head_dim/index_topk"),
+    (dict(scoring_func="relu"), "scoring_func 'relu'"),
+    (dict(mlp_layer_types=["moe"]), "mlp_layer_types"),
+    (dict(hc_mult=None), "'hc_mult'"),
+])
+def test_bad_config_named(tmp_path, rng_seed, edit, needle):
+    _, _ = make(tmp_path, "mixed-default-rope", rng_seed)
+    path = tmp_path / "mixed-default-rope" / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in edit.items():
+        if v is None:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        Oracle(open_pack(tmp_path / "mixed-default-rope"))
+    assert needle in str(e.value) and "DeepseekV4ForCausalLM" in str(e.value)
+
+
+def test_rows_of_different_lengths_including_shorter_than_a_window(tmp_path, rng_seed):
+    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+    rows = [torch.randint(0, BASE["vocab_size"], (n,)).tolist() for n in (1, 2, 9, 21)]
+    oracle = Oracle(pack)
+    for row, h in zip(rows, oracle.hidden_states(rows, progress=False)):
+        assert (oracle.apply_head(h) - hf_logits(model, torch.tensor([row]))[0]).abs().max().item() <= TOL

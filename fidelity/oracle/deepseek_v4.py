@@ -354,6 +354,8 @@ class Compressor:
         B, T, _ = x.shape
         m, d = self.ratio, self.width
         n_win = T // m
+        if n_win == 0:
+            return x.new_zeros(B, 0, d)
         kv = F.linear(x[:, :n_win * m], self.wkv).view(B, n_win, m, -1)
         gate = F.linear(x[:, :n_win * m], self.wgate).view(B, n_win, m, -1) + self.ape
         if self.overlap:
