@@ -112,6 +112,67 @@ def _figure(out: Path, name: str, caption: str, draw) -> FigureFile | None:
     return FigureFile(name, caption, path) if path is not None else None
 
 
+@dataclass
+class _Distributions:
+    """What the record figures and tables of one group draw from, per pack label."""
+
+    samples: dict = field(default_factory=dict)          # label -> per-position KL (records)
+    quantiles: dict = field(default_factory=dict)        # label -> {p50, p90, p99, p99.9, max, mean, positions}
+    confidence: dict = field(default_factory=dict)       # label -> KL by reference-confidence bucket
+    without_records: list = field(default_factory=list)
+    top1_only: list = field(default_factory=list)        # labels whose worst positions lack the reference's top-K
+
+
+def _from_json(d: _Distributions, res):
+    o = res.overall
+    d.without_records.append(res.label)
+    d.quantiles[res.label] = {"p50": o.get("kld_median"), "p90": o.get("kld_p90"), "p99": o.get("kld_p99"),
+                              "p99.9": o.get("kld_p999"), "max": o.get("kld_max"), "mean": o.get("kld_mean"),
+                              "positions": o.get("positions")}
+    conf = analysis.confidence_from_json(o.get("kld_by_ref_confidence"))
+    if conf is not None:
+        d.confidence[res.label] = conf
+
+
+def _from_records(d: _Distributions, view: GroupView, run, res, df, text: analysis.TokenText, n_worst: int):
+    kl = df["kl"].to_numpy()
+    d.samples[res.label] = kl
+    d.quantiles[res.label] = {**analysis.kl_quantiles(kl), "positions": int(kl.size)}
+    conf = analysis.kl_by_confidence(df)
+    if conf is None:
+        conf = analysis.confidence_from_json(res.overall.get("kld_by_ref_confidence"))
+    if conf is not None:
+        d.confidence[res.label] = conf
+    if run.positions is None or "ref_top_ids" not in run.positions.columns:
+        d.top1_only.append(res.label)
+    view.worst += analysis.worst_positions(run, res.label, text, n=n_worst)
+    wr = analysis.worst_rows(run, res.label)
+    view.worst_rows.append(tables.Table(
+        f"Worst rows by mean KL: {res.label}", ["row", "domain", "positions", "KLD mean", "KLD max"],
+        [[str(r.row_id), str(getattr(r, "domain", "")), tables.num(int(r.positions)), tables.num(r.kld_mean),
+          tables.num(r.kld_max)] for r in wr.itertuples()]))
+
+
+def _panel_context(g: Group, view: GroupView, panel_source, tokenizer):
+    """Runs with pack records but no reference store get every token of their rows from the panel, when we have it and the
+    reference tokenizer. Returns the tokenizer (resolved from "auto" if it had to be)."""
+    panel_source = panel_source or next((p for p in (r.local_path(g.panel.get("path")) for r in g.runs) if p), None)
+    if not panel_source or not Path(panel_source).exists() or \
+            not any(r.positions is None and r.pack_positions for r in g.runs):
+        return tokenizer
+    if _auto(tokenizer):
+        tokenizer = _reference_tokenizer(g)
+    if tokenizer is None:
+        return tokenizer
+    positions, problem = _panel_positions(panel_source, g, tokenizer)
+    if problem:
+        view.notes.append(problem)
+    for run in g.runs:
+        if run.positions is None:
+            run.positions = positions
+    return tokenizer
+
+
 def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_source=None) -> GroupView:
     suffix = "" if index == 1 else f"-group{index}"
     panel = g.panel.get("name", "?")
@@ -129,71 +190,43 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
                 lambda p: figures.kld_vs_bpw(packs, p, f"Packs against bits per weight — panel {panel}")),
     ) if f]
 
-    samples, quantiles, confidence, missing, partial_context = {}, {}, {}, [], []
-    panel_source = panel_source or next((p for p in (r.local_path(g.panel.get("path")) for r in g.runs) if p), None)
-    if panel_source and any(r.positions is None and r.pack_positions for r in g.runs):
-        if _auto(tokenizer):
-            tokenizer = _reference_tokenizer(g)
-        if tokenizer is not None and not _auto(tokenizer) and Path(panel_source).exists():
-            positions, problem = _panel_positions(panel_source, g, tokenizer)
-            if problem:
-                view.notes.append(problem)
-            for run in g.runs:
-                if run.positions is None:
-                    run.positions = positions
+    tokenizer = _panel_context(g, view, panel_source, tokenizer)
+    d = _Distributions()
     for run in g.runs:
         for res in run.results:
             df = analysis.scored_kl(run, res.label)
             if df is None or df.empty:
-                missing.append(res.label)
-                o = res.overall
-                quantiles[res.label] = {"p50": o.get("kld_median"), "p90": o.get("kld_p90"), "p99": o.get("kld_p99"),
-                                        "p99.9": o.get("kld_p999"), "max": o.get("kld_max"), "mean": o.get("kld_mean"),
-                                        "positions": o.get("positions")}
-                conf = analysis.confidence_from_json(o.get("kld_by_ref_confidence"))
-                if conf is not None:
-                    confidence[res.label] = conf
+                _from_json(d, res)
                 continue
-            kl = df["kl"].to_numpy()
-            samples[res.label] = kl
-            quantiles[res.label] = {**analysis.kl_quantiles(kl), "positions": int(kl.size)}
-            conf = analysis.kl_by_confidence(df)
-            if conf is None:
-                conf = analysis.confidence_from_json(res.overall.get("kld_by_ref_confidence"))
-            if conf is not None:
-                confidence[res.label] = conf
-            if run.positions is None or "ref_top_ids" not in run.positions.columns:
-                partial_context.append(res.label)
             if _auto(tokenizer) and run.token_text is None:
                 tokenizer = _reference_tokenizer(g)         # loaded once per group, only when records need text
             text = analysis.TokenText(None if _auto(tokenizer) else tokenizer, run.token_text)
-            view.worst += analysis.worst_positions(run, res.label, text, n=n_worst)
-            wr = analysis.worst_rows(run, res.label)
-            view.worst_rows.append(tables.Table(
-                f"Worst rows by mean KL: {res.label}", ["row", "domain", "positions", "KLD mean", "KLD max"],
-                [[str(r.row_id), str(getattr(r, "domain", "")), tables.num(int(r.positions)), tables.num(r.kld_mean),
-                  tables.num(r.kld_max)] for r in wr.itertuples()]))
+            _from_records(d, view, run, res, df, text, n_worst)
     view.figures_records = [f for f in (
         _figure(out, f"kl_distribution{suffix}.png", f"Per-position KL distribution to p99.9 ({panel})",
-                lambda p: figures.kl_distribution(samples, quantiles, colors, p, f"KL distribution — panel {panel}")),
+                lambda p: figures.kl_distribution(d.samples, d.quantiles, colors, p, f"KL distribution — panel {panel}")),
         _figure(out, f"kl_by_confidence{suffix}.png", f"Mean KL by reference confidence ({panel})",
-                lambda p: figures.kl_by_confidence(confidence, colors, p, f"KL by reference confidence — panel {panel}")),
+                lambda p: figures.kl_by_confidence(d.confidence, colors, p, f"KL by reference confidence — panel {panel}")),
     ) if f]
-    view.quantiles = tables.quantile_table(g, quantiles)
-    view.confidence = tables.confidence_table(confidence)
-    if missing:
-        view.notes.append(f"No per-position records for {', '.join(missing)}: give the `fidelity compare --out` folder instead of the "
-                          "JSON to see the full KL distribution, KL by reference confidence and the worst positions "
-                          "(the distribution shows compare's quantiles as dots).")
-    if partial_context and view.worst:
+    view.quantiles = tables.quantile_table(g, d.quantiles)
+    view.confidence = tables.confidence_table(d.confidence)
+    _notes(view, g, d)
+    return view
+
+
+def _notes(view: GroupView, g: Group, d: _Distributions):
+    if d.without_records:
+        view.notes.append(f"No per-position records for {', '.join(d.without_records)}: give the `fidelity compare --out` "
+                          "folder with the JSON to see the full KL distribution and the worst positions (the distribution "
+                          "shows compare's quantiles as dots).")
+    if d.top1_only and view.worst:
         context = "" if all(r.positions is not None for r in g.runs) else \
             ", and scored tokens only as context (give --panel for the prompt text)"
-        view.notes.append(f"Worst positions of {', '.join(partial_context)}: the reference's and the pack's top-1 only{context}"
-                          "; put the reference store (`fidelity reference`) in the run folder, or keep the JSON's "
+        view.notes.append(f"Worst positions of {', '.join(d.top1_only)}: the reference's and the pack's top-1 only{context}; "
+                          "put the reference store (`fidelity reference`) in the run folder, or keep the JSON's "
                           "reference.store path readable, for the top-K lists.")
     if view.worst and all(w.token.startswith("⟨") for w in view.worst):
         view.notes.append("Token text is shown as ⟨id⟩: the reference pack's tokenizer was not available here.")
-    return view
 
 
 def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto", worst: int = 8, panel=None,
