@@ -471,3 +471,13 @@ def test_bad_input_names_the_file(tmp_path, run_a, case, capsys):
     assert bad.name in str(e.value)
     assert cli_main(["report", str(bad), "-o", str(tmp_path / "out2")]) == 2
     assert bad.name in capsys.readouterr().err
+
+
+def test_labels_and_text_are_escaped(tmp_path, rng_seed):
+    """Labels and token text are data, never markup: a label that looks like HTML stays text, a '|' keeps Markdown tables whole."""
+    data, _ = make_compare_run(tmp_path / "a", rng_seed, packs=(("<img src=x>|q4", 4.5, 0.6),), write_records=False)
+    rep = render([data], tmp_path / "out")
+    html = rep.index_html.read_text()
+    assert html.count("<img ") == len(rep.figures) and "&lt;img src=x&gt;|q4" in html
+    row = md_tables(rep.summary_md.read_text())["Overall"][0]
+    assert row["pack"] == "<img src=x>\\|q4" and row["bpw"] == "4.5"
