@@ -1,4 +1,11 @@
-"""Write an HTML page (self-contained), PNG figures and a Markdown summary from compare, suite-compare and gate results."""
+"""Write an HTML page (self-contained), PNG figures and a Markdown summary from compare, suite-compare and gate results.
+
+  fidelity compare NATIVE Q8 Q4 --json run/compare.json --out run
+  fidelity report run/compare.json -o report/          # index.html, summary.md, *.png
+
+Compare results from another panel (or against another reference) than the main group are shown as a separate group with a
+warning, never in the same plot. The worst positions need per-position records (`compare --out`); the reference's top-K
+lists there come from a reference store (`fidelity reference`, used by `compare --reference-store` or given here)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +15,8 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("results", nargs="+", metavar="RESULT",
-                   help="compare JSON or `compare --out` run folder; suite-compare JSON; gate JSON (any order, any mix)")
+                   help="compare JSON (records next to it are picked up), a `compare --out` folder, a reference store folder, "
+                        "suite-compare JSON, gate JSON (any order, any mix)")
     p.add_argument("-o", "--out", required=True, help="output folder for index.html, summary.md and the PNG figures")
     p.add_argument("--title", default="Fidelity report")
     p.add_argument("--worst", type=int, default=8, help="worst positions shown per pack (default 8)")
