@@ -1,7 +1,6 @@
 """Write an HTML page (self-contained), PNG figures and a Markdown summary from compare, suite-compare and gate results.
 
-  fidelity compare NATIVE Q8 Q4 --json run/compare.json --out run
-  fidelity report run/compare.json -o report/          # index.html, summary.md, *.png
+Typical use: `fidelity compare NATIVE Q8 Q4 --json run/compare.json --out run`, then `fidelity report run/compare.json -o report`.
 
 Compare results from another panel (or against another reference) than the main group are shown as a separate group with a
 warning, never in the same plot. The worst positions need per-position records (`compare --out`); the reference's top-K
