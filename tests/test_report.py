@@ -481,3 +481,13 @@ def test_labels_and_text_are_escaped(tmp_path, rng_seed):
     assert html.count("<img ") == len(rep.figures) and "&lt;img src=x&gt;|q4" in html
     row = md_tables(rep.summary_md.read_text())["Overall"][0]
     assert row["pack"] == "<img src=x>\\|q4" and row["bpw"] == "4.5"
+
+
+def test_token_ids_when_no_tokenizer_is_available(tmp_path, rng_seed):
+    _, truth = make_compare_run(tmp_path / "a", rng_seed, packs=(("q4", 4.5, 0.6),))
+    (tmp_path / "a" / "tokens.json").unlink()
+    rep = render([tmp_path / "a"], tmp_path / "out", tokenizer=None, worst=1)
+    w = rep.groups[0].worst[0]
+    r = truth.row_ids.index(w.row_id)
+    assert w.token == f"⟨{int(truth.tokens[r, w.position])}⟩"
+    assert any("shown as ⟨id⟩" in n for n in rep.groups[0].notes)
