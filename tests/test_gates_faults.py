@@ -205,3 +205,23 @@ def test_interrupted_run_resumes_without_resending_and_ends_equal(server, tmp_pa
     assert b["client"]["journal_hits"] == done
     strip = lambda rep: [(g["gate"], g["status"], g["measured"], g["worst"]) for g in rep["gates"]]
     assert strip(a) == strip(b)
+
+
+def test_documented_defaults_match_the_code():
+    from fidelity.commands import gate as cmd
+
+    for name, th in G.DEFAULT_THRESHOLDS.items():
+        import re
+        line = next(l for l in cmd.__doc__.splitlines() if l.strip().startswith(name + " "))
+        documented = {k: float(v) for k, v in re.findall(r"(\w+) = ([0-9.e+-]+)", line)}
+        assert documented == th, (name, line)
+
+
+def test_oracle_kl_without_a_usable_reference_could_not_run(server, tmp_path):
+    from fidelity.commands.gate import run_gates
+
+    set_plan(server.url)
+    rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}))
+    assert rep["exit_code"] == 2 and "needs --reference-store" in rep["gates"][0]["error"]
+    rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}, store=str(tmp_path / "nowhere")))
+    assert rep["exit_code"] == 2 and "--reference-pack" in rep["gates"][0]["error"] and "nowhere" in rep["gates"][0]["error"]

@@ -13,6 +13,9 @@ gate.toml:
   [oracle-kl]           # any threshold above
   kl_mean_max = 0.02
 
+oracle-kl reads the store with the pack it was built from (--reference-pack; its head re-derives the exact distributions)
+and the panel (--panel, default panels/default); --rows-per-domain N keeps the run short.
+
 Exit code: 1 when any gate failed, else 2 when any gate could not run (engine errors, malformed replies, no reference), else 0.
 """
 from __future__ import annotations
@@ -35,9 +38,13 @@ SETTINGS_KEYS = {f.name for f in fields(G.GateSettings)} | {"prompt_as"}
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the thresholds table
     p.add_argument("--engine", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name to send in requests")
-    p.add_argument("--reference-store", help="reference store folder (needed by oracle-kl)")
+    p.add_argument("--reference-store", help="reference store folder from `fidelity reference` (needed by oracle-kl)")
+    p.add_argument("--reference-pack", help="the pack the store was built from (its head re-derives the exact distributions)")
+    p.add_argument("--panel", help="the panel the store was built on (default: panels/default)")
+    p.add_argument("--rows-per-domain", type=int, help="oracle-kl on the first N rows of each domain only")
     p.add_argument("--config", help="gate.toml with [settings] and per-gate thresholds")
     p.add_argument("--only", help=f"comma-separated subset of: {','.join(G.GATES)}")
     p.add_argument("--junit", help="write JUnit XML here")
@@ -90,14 +97,14 @@ def select_gates(only: str | None) -> list[str]:
     return names
 
 
-def load_reference(store: str):
-    """The reference store as a gate Reference (lazy import: the store module belongs to `compare`)."""
+def load_reference(store: str, pack: str | None, panel: str | None, rows_per_domain: int | None):
     from ..engine.reference import reference_from_store
 
-    return reference_from_store(store)
+    return reference_from_store(store, pack, panel, rows_per_domain=rows_per_domain)
 
 
 async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, store: str | None = None,
+                    reference_pack: str | None = None, panel: str | None = None, rows_per_domain: int | None = None,
                     journal: str | None = None, timeout: float | None = None, retries: int | None = None,
                     concurrency: int | None = None) -> dict:
     st = dict(cfg.get("settings", {}))
@@ -116,7 +123,7 @@ async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, sto
                     results.append(G.GateResult(name, "error", error="oracle-kl needs --reference-store"))
                     continue
                 try:
-                    ref = load_reference(store)
+                    ref = load_reference(store, reference_pack, panel, rows_per_domain)
                 except Exception as e:  # a missing/incompatible store means this gate could not run
                     results.append(G.GateResult(name, "error", error=f"reference store {store}: {e}"))
                     continue
@@ -188,7 +195,9 @@ def run(args) -> int:
     cfg = load_config(args.config)
     names = select_gates(args.only)
     t0 = time.time()
-    report = asyncio.run(run_gates(args.engine, args.model, names, cfg, store=args.reference_store, journal=args.journal,
+    report = asyncio.run(run_gates(args.engine, args.model, names, cfg, store=args.reference_store,
+                                   reference_pack=args.reference_pack, panel=args.panel, rows_per_domain=args.rows_per_domain,
+                                   journal=args.journal,
                                    timeout=args.timeout, retries=args.retries, concurrency=args.concurrency))
     report["seconds"] = round(time.time() - t0, 3)
     print_summary(report)

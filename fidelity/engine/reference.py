@@ -37,9 +37,35 @@ def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False), special_ids=set(tok.all_special_ids))
 
 
-def reference_from_store(store_dir: str) -> Reference:
-    try:
-        from .. import store  # noqa: F401
-    except ImportError:
-        raise FidelityError(f"reading reference store {store_dir} needs fidelity.store, which this build lacks")
-    raise FidelityError(f"reference store {store_dir}: the store reader is not wired to the gate yet")
+def reference_from_store(store_dir, reference_pack, panel=None, *, rows_per_domain: int | None = None,
+                         device: str = "cpu") -> Reference:
+    """A reference store (from `fidelity reference`) as a gate Reference. The store keeps final hidden states; the reference
+    pack's head turns them back into the exact full-vocabulary distributions (checked against the stored top-K). The store is
+    refused for another panel, pack or tokenizer. `rows_per_domain` keeps the first N rows of each domain."""
+    import torch
+
+    from ..compare import _oracle, prepare
+    from ..packs.tokenizer import load_tokenizer
+    from ..store import check_topk, load_store
+
+    if reference_pack is None:
+        raise FidelityError(f"reading reference store {store_dir} needs the reference pack it was built from (--reference-pack)")
+    ref_pack, panel, rows, tok_fp = prepare(reference_pack, panel)
+    oracle = _oracle(ref_pack, device)
+    run = load_store(store_dir, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp, oracle=oracle)
+    keep, seen = [], {}
+    for i, r in enumerate(run.rows):
+        if rows_per_domain is None or seen.get(r.domain, 0) < rows_per_domain:
+            keep.append(i)
+            seen[r.domain] = seen.get(r.domain, 0) + 1
+    out = []
+    for i in keep:
+        r = run.rows[i]
+        logits = oracle.apply_head(run.hidden[i])
+        check_topk(run, i, logits, store_dir)
+        scored = [t for t, s in enumerate(r.scored) if s]
+        out.append(ReferenceRow(id=r.id, domain=r.domain, tokens=list(r.tokens), scored=scored,
+                                logprobs=torch.log_softmax(logits.double(), dim=-1).numpy()))
+    tok = load_tokenizer(ref_pack)
+    return Reference(rows=out, pieces=token_pieces(tok, oracle.family.vocab_size),
+                     detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False), special_ids=set(tok.all_special_ids))
