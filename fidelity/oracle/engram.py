@@ -1,0 +1,272 @@
+"""Engram layers of DeepSeek-V4.1 (as exllamav3's `architecture/deepseek_v41.py` and `modules/ngram_embedding.py`
+describe them): each token's last 2..ngram_size tokens are hashed, per n-gram length, into `heads_per_ngram` rows of a
+huge table (one row range per head, each range a prime number of rows); the rows, concatenated, project to one key per
+hc stream plus one shared value; each stream's RMS-normed activation dotted with its normed key gates the value
+(sigmoid of the signed square root of dot / sqrt(hidden)), and the gated value is added to that stream.
+
+The tables are ~200 GB in the real model, so they are never loaded: `RowTable` reads the rows a forward touches, row
+by row, straight from the safetensors file (`os.pread`), and nothing else of the table enters memory.
+
+Token ids are first mapped to the "compressed vocabulary" (tokens whose normalised text is equal share an id);
+`compressed_token_map` builds that map from tokenizer.json.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, PackError
+from ..packs.safetensors_io import DTYPES, SafetensorsFile
+from .common import rms_norm
+
+ARCH = "DeepseekV41ForCausalLM"
+ROW_DTYPES = ("F32", "F16", "BF16")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# config: per-head table sizes (consecutive primes) and per-layer hash multipliers
+# ---------------------------------------------------------------------------------------------------------------------
+def next_prime(p: int) -> int:
+    """The smallest prime > p."""
+    def is_prime(v: int) -> bool:
+        if v < 2:
+            return False
+        if v % 2 == 0:
+            return v == 2
+        d = 3
+        while d * d <= v:
+            if v % d == 0:
+                return False
+            d += 2
+        return True
+    p += 1
+    while not is_prime(p):
+        p += 1
+    return p
+
+
+def head_vocab_sizes(cfg: dict) -> dict[int, list[int]]:
+    """layer -> rows of each of its (ngram_size - 1) * n_heads hash heads: consecutive primes above
+    engram_vocab_size - 1, continuing from one Engram layer to the next; each layer's sum must equal its
+    engram_num_embeddings entry."""
+    layers = list(cfg.get("engram_layer_ids") or [])
+    totals = list(cfg.get("engram_num_embeddings") or [])
+    ngram, n_heads = int(cfg.get("engram_max_ngram_size", 4)), int(cfg.get("engram_n_heads", 8))
+    if len(totals) != len(layers):
+        raise ConfigError(f"config.json of {ARCH}: engram_num_embeddings has {len(totals)} entries for "
+                          f"{len(layers)} engram_layer_ids")
+    p = int(cfg.get("engram_vocab_size", 0)) - 1
+    out = {}
+    for layer, total in zip(layers, totals):
+        sizes = []
+        for _ in range((ngram - 1) * n_heads):
+            p = next_prime(p)
+            sizes.append(p)
+        if sum(sizes) != total:
+            raise ConfigError(f"config.json of {ARCH}: Engram layer {layer}'s heads sum to {sum(sizes)} rows, but "
+                              f"engram_num_embeddings says {total}")
+        out[layer] = sizes
+    return out
+
+
+def layer_multipliers(layer: int, ngram_size: int, compressed_vocab_size: int) -> list[int]:
+    """Odd int64 multipliers, one per n-gram position, drawn from numpy's PCG64 seeded with 10007 * layer."""
+    bound = (2 ** 63 - 1) // compressed_vocab_size // 2
+    rng = np.random.default_rng(10007 * layer)
+    return (rng.integers(0, bound, size=ngram_size, dtype=np.int64) * 2 + 1).tolist()
+
+
+@dataclass
+class EngramArgs:
+    layer: int
+    ngram_size: int
+    heads_per_ngram: int
+    head_sizes: list
+    multipliers: list
+    pad_id: int                # compressed id the n-grams of the first tokens are padded with
+    hc_mult: int
+    hidden_size: int
+    eps: float
+
+    @property
+    def n_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def head_offsets(self) -> list[int]:
+        return np.cumsum([0] + self.head_sizes[:-1]).tolist()
+
+    @classmethod
+    def from_config(cls, cfg: dict, layer: int, token_map: torch.Tensor | None = None) -> "EngramArgs":
+        sizes = head_vocab_sizes(cfg)
+        if layer not in sizes:
+            raise ConfigError(f"config.json of {ARCH}: layer {layer} is not in engram_layer_ids {list(sizes)}")
+        compressed = int(cfg.get("engram_compressed_vocab_size") or 0)
+        if compressed <= 0:
+            raise ConfigError(f"config.json of {ARCH} has no engram_compressed_vocab_size")
+        ngram = int(cfg.get("engram_max_ngram_size", 4))
+        pad = int(cfg.get("engram_pad_token_id", 2))
+        return cls(layer=layer, ngram_size=ngram, heads_per_ngram=int(cfg.get("engram_n_heads", 8)),
+                   head_sizes=sizes[layer], multipliers=layer_multipliers(layer, ngram, compressed),
+                   pad_id=int(token_map[pad]) if token_map is not None else pad,
+                   hc_mult=int(cfg["hc_mult"]), hidden_size=int(cfg["hidden_size"]),
+                   eps=float(cfg.get("rms_norm_eps", 1e-6)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# hashing
+# ---------------------------------------------------------------------------------------------------------------------
+def ngram_rows(ids: torch.Tensor, a: EngramArgs) -> torch.Tensor:
+    """Compressed token ids [B, T] (rows start at the sequence start) -> global table rows [B, T, n_heads].
+
+    For n-gram length g (2..ngram_size), position t mixes its last g tokens: XOR over s < g of token[t - s] *
+    multiplier[s] (int64, wrapping), padded with pad_id before the start; head h of that length takes the mix modulo
+    its size, offset to its row range."""
+    B, T = ids.shape
+    ctx = a.ngram_size - 1
+    history = torch.cat((ids.new_full((B, ctx), a.pad_id), ids.long()), dim=1)
+    shifted = [history[:, ctx - s: ctx - s + T] for s in range(a.ngram_size)]
+    mult = torch.tensor(a.multipliers, dtype=torch.int64)
+    sizes = torch.tensor(a.head_sizes, dtype=torch.int64).view(a.ngram_size - 1, a.heads_per_ngram)
+    offsets = torch.tensor(a.head_offsets, dtype=torch.int64).view(a.ngram_size - 1, a.heads_per_ngram)
+    blocks = []
+    mixed = shifted[0] * mult[0]
+    for g in range(2, a.ngram_size + 1):
+        mixed = torch.bitwise_xor(mixed, shifted[g - 1] * mult[g - 1])
+        blocks.append(torch.remainder(mixed.unsqueeze(-1), sizes[g - 2]) + offsets[g - 2])
+    return torch.cat(blocks, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the table, read row by row
+# ---------------------------------------------------------------------------------------------------------------------
+class RowTable:
+    """Rows of a [rows, dim] table stored as one or more safetensors tensors (shards with equal row counts, the last
+    may be shorter), read on request with one `os.pread` per row. Nothing is cached or mapped."""
+
+    def __init__(self, shards: list[tuple[str, str]]):
+        """shards: (file, tensor name) in row order."""
+        self.parts = []   # (path, begin, rows, row_bytes, torch dtype)
+        self.dim = None
+        for path, name in shards:
+            info = SafetensorsFile(path).info(name)
+            if info.dtype not in ROW_DTYPES or len(info.shape) != 2:
+                raise PackError(f"an Engram table must be a 2-D {'/'.join(ROW_DTYPES)} tensor, found {info.dtype} "
+                                f"{list(info.shape)} (quantised tables are not supported)", file=path, tensor=name)
+            if self.dim is not None and info.shape[1] != self.dim:
+                raise PackError(f"Engram table shard has {info.shape[1]} columns, the first has {self.dim}",
+                                file=path, tensor=name)
+            self.dim = info.shape[1]
+            dtype, size = DTYPES[info.dtype]
+            self.parts.append((str(path), info.begin, info.shape[0], info.shape[1] * size, dtype))
+        self.rows_per_shard = self.parts[0][2]
+        self.n_rows = sum(p[2] for p in self.parts)
+        if any(p[2] != self.rows_per_shard for p in self.parts[:-1]) or self.parts[-1][2] > self.rows_per_shard:
+            raise PackError("Engram table shards must hold equal row counts (the last may be shorter)",
+                            file=self.parts[0][0], tensor=shards[0][1])
+        self.rows_read = 0
+
+    @classmethod
+    def from_pack(cls, pack, prefix: str) -> "RowTable":
+        """`{prefix}.weight`, or `{prefix}.shard_0.weight`, `{prefix}.shard_1.weight`... of a safetensors pack."""
+        have = set(pack.names())
+        if f"{prefix}.weight" in have:
+            names = [f"{prefix}.weight"]
+        else:
+            names = []
+            while f"{prefix}.shard_{len(names)}.weight" in have:
+                names.append(f"{prefix}.shard_{len(names)}.weight")
+        if not names:
+            raise PackError(f"pack has no Engram table {prefix}.weight or {prefix}.shard_0.weight",
+                            file=getattr(pack, "path", None), tensor=f"{prefix}.weight")
+        shards = []
+        for name in names:
+            storage = pack.storage(name)
+            if len(storage.files) != 1:
+                raise PackError("Engram table tensor must live in one safetensors file", tensor=name,
+                                file=getattr(pack, "path", None))
+            shards.append((storage.files[0], storage.raw[0] if storage.raw else name))
+        return cls(shards)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (any shape of int64) -> float32 [*index.shape, dim]; each distinct row is read once."""
+        flat = index.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.n_rows):
+            raise PackError(f"Engram row {int(flat.max())} outside the table's {self.n_rows} rows",
+                            file=self.parts[0][0])
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        out = torch.empty(unique.numel(), self.dim, dtype=torch.float32)
+        fds = {}
+        try:
+            for i, row in enumerate(unique.tolist()):
+                path, begin, _, row_bytes, dtype = self.parts[row // self.rows_per_shard]
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                data = os.pread(fd, row_bytes, begin + (row % self.rows_per_shard) * row_bytes)
+                out[i] = torch.frombuffer(bytearray(data), dtype=dtype).float()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        self.rows_read += unique.numel()
+        return out[inverse].view(*index.shape, self.dim)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the layer
+# ---------------------------------------------------------------------------------------------------------------------
+class EngramLayer:
+    """streams [B, T, hc, hidden] + compressed token ids [B, T] -> streams + gated n-gram value.
+
+    Weights (official names under `layers.L.engram.`): `embed` table [rows, dim], `wkv.weight`
+    [(hc + 1) * hidden, n_heads * dim], `k_weight` and `q_weight` [hc * hidden] (per-stream RMSNorm weights)."""
+
+    def __init__(self, a: EngramArgs, table: RowTable, wkv: torch.Tensor, k_weight: torch.Tensor,
+                 q_weight: torch.Tensor):
+        self.a, self.table, self.wkv = a, table, wkv
+        self.k_weight = k_weight.reshape(a.hc_mult, a.hidden_size)
+        self.q_weight = q_weight.reshape(a.hc_mult, a.hidden_size)
+
+    @staticmethod
+    def names(layer: int) -> list[str]:
+        return [f"layers.{layer}.engram.{w}" for w in ("wkv.weight", "k_weight", "q_weight")]
+
+    def __call__(self, streams: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        a = self.a
+        B, T, hc, D = streams.shape
+        embed = self.table.rows(ngram_rows(ids.cpu(), a)).flatten(2).to(streams)   # [B, T, n_heads * dim]
+        kv = F.linear(embed, self.wkv)
+        key = rms_norm(kv[..., :hc * D].view(B, T, hc, D), self.k_weight, a.eps)
+        value = kv[..., hc * D:]
+        query = rms_norm(streams, self.q_weight, a.eps)
+        gate = (query * key).sum(-1) * D ** -0.5
+        weight = torch.sigmoid(gate.sign() * gate.abs().sqrt())
+        return streams + weight.unsqueeze(-1) * value.unsqueeze(-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# compressed vocabulary
+# ---------------------------------------------------------------------------------------------------------------------
+def compressed_token_map(tokenizer_json: str | os.PathLike) -> torch.Tensor:
+    """token id -> compressed id: tokens whose decoded text normalises (NFKC, NFD, accents stripped, lower case,
+    whitespace runs to one space, then stripped unless the text is only a space) to the same key share an id, in order
+    of first appearance; a token that decodes to invalid UTF-8 keys on its own token string."""
+    from tokenizers import Regex, Tokenizer, normalizers
+    tokenizer = Tokenizer.from_file(str(Path(tokenizer_json)))
+    normalizer = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), "\ue000"),
+        normalizers.Strip(), normalizers.Replace("\ue000", " "),
+    ])
+    keys: dict[str, int] = {}
+    ids = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        key = tokenizer.id_to_token(i) if "\ufffd" in text else normalizer.normalize_str(text) or text
+        ids.append(keys.setdefault(key, len(keys)))
+    return torch.tensor(ids, dtype=torch.long)

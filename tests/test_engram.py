@@ -1,0 +1,226 @@
+"""Engram (DeepSeek-V4.1 hashed n-gram layers) against independent formulations: a naive per-position loop with Python
+integers for the hashing, a whole-table loop for the layer, a sieve for the prime table sizes; and a multi-GB sparse
+table file read with resident memory growing only by the rows touched."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import unicodedata
+
+import numpy as np
+import pytest
+import torch
+
+from fidelity.errors import ConfigError, PackError
+from fidelity.oracle.engram import (EngramArgs, EngramLayer, RowTable, compressed_token_map, head_vocab_sizes,
+                                    layer_multipliers, ngram_rows)
+from fidelity.packs.safetensors_io import write_safetensors
+
+
+def primes_above(start: int, count: int) -> list[int]:
+    limit = max(100, start * 2 + 200)
+    while True:
+        sieve = np.ones(limit + 1, dtype=bool)
+        sieve[:2] = False
+        for i in range(2, int(limit ** 0.5) + 1):
+            if sieve[i]:
+                sieve[i * i::i] = False
+        found = [int(p) for p in np.nonzero(sieve)[0] if p > start][:count]
+        if len(found) == count:
+            return found
+        limit *= 2
+
+
+def small_args(rng: np.random.Generator, hc=2, hidden=8, ngram=4, heads=3, dim=5) -> EngramArgs:
+    sizes = primes_above(int(rng.integers(20, 60)), (ngram - 1) * heads)
+    mult = [int(m) * 2 + 1 for m in rng.integers(0, 2 ** 62, size=ngram, dtype=np.int64)]
+    return EngramArgs(layer=1, ngram_size=ngram, heads_per_ngram=heads, head_sizes=sizes, multipliers=mult,
+                      pad_id=int(rng.integers(0, 30)), hc_mult=hc, hidden_size=hidden, eps=1e-6)
+
+
+def as_int64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def naive_rows(ids: list[int], a: EngramArgs) -> list[list[int]]:
+    offsets = [sum(a.head_sizes[:h]) for h in range(a.n_heads)]
+    out = []
+    for t in range(len(ids)):
+        token = lambda s: ids[t - s] if t - s >= 0 else a.pad_id  # noqa: E731
+        row = []
+        for g in range(2, a.ngram_size + 1):
+            mixed = 0
+            for s in range(g):
+                mixed ^= as_int64(token(s) * a.multipliers[s])
+            for k in range(a.heads_per_ngram):
+                h = (g - 2) * a.heads_per_ngram + k
+                row.append(as_int64(mixed) % a.head_sizes[h] + offsets[h])
+        out.append(row)
+    return out
+
+
+def test_hash_rows_match_naive_loop(rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    a = small_args(rng)
+    ids = torch.as_tensor(rng.integers(0, 1000, size=(3, 17)))
+    got = ngram_rows(ids, a)
+    assert got.shape == (3, 17, a.n_heads)
+    for b in range(3):
+        assert got[b].tolist() == naive_rows(ids[b].tolist(), a)
+    assert int(got.max()) < sum(a.head_sizes) and int(got.min()) >= 0
+
+
+def test_config_sizes_and_multipliers(rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    vocab, ngram, heads = int(rng.integers(100, 5000)), 3, 2
+    primes = primes_above(vocab - 1, 2 * (ngram - 1) * heads)
+    per = (ngram - 1) * heads
+    cfg = dict(engram_layer_ids=[2, 5], engram_vocab_size=vocab, engram_max_ngram_size=ngram, engram_n_heads=heads,
+               engram_num_embeddings=[sum(primes[:per]), sum(primes[per:])])
+    assert head_vocab_sizes(cfg) == {2: primes[:per], 5: primes[per:]}
+    mult = layer_multipliers(5, ngram, 1000)
+    assert mult == layer_multipliers(5, ngram, 1000) != layer_multipliers(2, ngram, 1000)
+    assert all(m % 2 == 1 and 0 < m < 2 ** 63 // 1000 for m in mult)
+    cfg["engram_num_embeddings"][1] += 1
+    with pytest.raises(ConfigError, match="Engram layer 5"):
+        head_vocab_sizes(cfg)
+
+
+def write_table(path, name, table: torch.Tensor):
+    write_safetensors(path, {name: table})
+
+
+def naive_layer(streams, ids, a, table, wkv, k_weight, q_weight):
+    B, T, hc, D = streams.shape
+    out = streams.clone()
+    for b in range(B):
+        rows = naive_rows(ids[b].tolist(), a)
+        for t in range(T):
+            embed = torch.cat([table[r] for r in rows[t]])
+            kv = wkv @ embed
+            value = kv[hc * D:]
+            for h in range(hc):
+                k = kv[h * D:(h + 1) * D]
+                k = k / torch.sqrt((k * k).mean() + a.eps) * k_weight[h * D:(h + 1) * D]
+                s = streams[b, t, h]
+                q = s / torch.sqrt((s * s).mean() + a.eps) * q_weight[h * D:(h + 1) * D]
+                g = float(q @ k) / math.sqrt(D)
+                w = 1 / (1 + math.exp(-math.copysign(math.sqrt(abs(g)), g)))
+                out[b, t, h] = s + w * value
+    return out
+
+
+def test_layer_matches_naive_loop(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    a = small_args(rng)
+    dim, D, hc = 5, a.hidden_size, a.hc_mult
+    table = torch.randn(sum(a.head_sizes), dim)
+    write_table(tmp_path / "t.safetensors", "layers.1.engram.embed.weight", table)
+    wkv = torch.randn((hc + 1) * D, a.n_heads * dim) / math.sqrt(a.n_heads * dim)
+    k_weight, q_weight = 1 + 0.2 * torch.randn(hc * D), 1 + 0.2 * torch.randn(hc * D)
+    layer = EngramLayer(a, RowTable([(tmp_path / "t.safetensors", "layers.1.engram.embed.weight")]), wkv,
+                        k_weight, q_weight)
+    streams = torch.randn(2, 9, hc, D)
+    ids = torch.as_tensor(rng.integers(0, 500, size=(2, 9)))
+    got = layer(streams, ids)
+    want = naive_layer(streams, ids, a, table, wkv, k_weight, q_weight)
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (got - streams).abs().max().item() > 0.1   # the layer adds something
+
+
+def test_sharded_table_from_pack(tmp_path, rng_seed):
+    """A table split into shard_N tensors across files reads the same rows as the whole table."""
+    from fidelity import open_pack
+    g = torch.Generator().manual_seed(rng_seed)
+    table = torch.randn(23, 4, generator=g).to(torch.bfloat16)
+    folder = tmp_path / "pack"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["DeepseekV41ForCausalLM"]}))
+    shards = {"model-00001-of-00002.safetensors": {"layers.0.engram.embed.shard_0.weight": table[:10],
+                                                   "layers.0.engram.embed.shard_1.weight": table[10:20]},
+              "model-00002-of-00002.safetensors": {"layers.0.engram.embed.shard_2.weight": table[20:]}}
+    weight_map = {}
+    for file, tensors in shards.items():
+        write_safetensors(folder / file, tensors)
+        weight_map.update({n: file for n in tensors})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    rt = RowTable.from_pack(open_pack(folder), "layers.0.engram.embed")
+    index = torch.randint(0, 23, (3, 7), generator=g)
+    assert rt.n_rows == 23 and torch.equal(rt.rows(index), table.float()[index])
+    with pytest.raises(PackError, match="layers.0.engram.nope"):
+        RowTable.from_pack(open_pack(folder), "layers.0.engram.nope")
+    with pytest.raises(PackError, match="outside the table's 23 rows"):
+        rt.rows(torch.tensor([23]))
+
+
+def test_quantised_table_refused_naming_it(tmp_path):
+    write_safetensors(tmp_path / "q.safetensors", {"layers.3.engram.embed.weight": torch.zeros(4, 8, dtype=torch.int16)})
+    with pytest.raises(PackError) as e:
+        RowTable([(tmp_path / "q.safetensors", "layers.3.engram.embed.weight")])
+    assert "layers.3.engram.embed.weight" in str(e.value) and "q.safetensors" in str(e.value)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc for resident memory")
+def test_multi_gb_table_memory_grows_only_by_rows_touched(tmp_path, rng_seed):
+    """A 4 GiB table (a sparse file: its header and a few written rows, holes elsewhere) is used through RowTable;
+    resident memory grows by a few MB (the rows read), not by the table."""
+    rows, dim = 1 << 20, 1024                          # 1M rows x 4 KiB = 4 GiB
+    name = "layers.7.engram.embed.weight"
+    header = json.dumps({name: {"dtype": "F32", "shape": [rows, dim], "data_offsets": [0, rows * dim * 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "engram.safetensors"
+    g = torch.Generator().manual_seed(rng_seed)
+    written = torch.randint(0, rows, (64,), generator=g).unique()
+    values = torch.randn(written.numel(), dim, generator=g)
+    start = 8 + len(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(start + rows * dim * 4)
+        for r, v in zip(written.tolist(), values):
+            f.seek(start + r * dim * 4)
+            f.write(v.numpy().tobytes())
+    assert path.stat().st_size > 4 * 2 ** 30
+    table = RowTable([(path, name)])
+    index = torch.cat([written, torch.randint(0, rows, (2000,), generator=g)])
+    table.rows(index[:8])                              # warm up allocator and file machinery
+    before = resident_bytes()
+    got = table.rows(index)
+    grown = resident_bytes() - before
+    touched = index.unique().numel() * dim * 4
+    print(f"table {path.stat().st_size / 2**30:.1f} GiB, rows touched {touched / 2**20:.1f} MiB, "
+          f"resident growth {grown / 2**20:.1f} MiB")
+    assert grown < 4 * touched + 32 * 2 ** 20 < path.stat().st_size / 50
+    assert torch.equal(got[:written.numel()], values)
+    others = ~torch.isin(index[written.numel():], written)
+    assert torch.count_nonzero(got[written.numel():][others]) == 0
+
+
+def test_compressed_token_map_matches_python_normalisation(tmp_path):
+    from tokenizers import Tokenizer, models
+    vocab = ["Hello", "hello", "HÉLLO", " ", "  ", "\t", "world", "Wörld", "ﬁne", "fine", " x ", "x", "[PAD]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="[PAD]"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    def key(text):
+        s = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+        s = "".join(c for c in s if unicodedata.category(c) != "Mn").lower()
+        s = " ".join(part for part in s.replace("\t", " ").split(" ")) if s else s
+        while "  " in s:
+            s = s.replace("  ", " ")
+        return s if s == " " else s.strip() or text
+
+    keys, want = {}, []
+    for w in vocab:
+        want.append(keys.setdefault(key(tok.decode([vocab.index(w)])), len(keys)))
+    got = compressed_token_map(tmp_path / "tokenizer.json")
+    assert got.tolist() == want
+    assert got[0] == got[1] == got[2] and got[6] == got[7] and got[8] == got[9] and got[10] == got[11]
+    assert got[3] == got[4] == got[5] != got[11]
