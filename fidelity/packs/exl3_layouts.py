@@ -49,7 +49,7 @@ import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Storage
-from .exl3 import CODEBOOKS, HAD, Bitrate, bitrate_from_trellis, decode_weight, unpack_sign_bits
+from .exl3 import HAD, Bitrate, bitrate_from_trellis, decode_weight, unpack_sign_bits
 
 PLAN_FILE = "exl3_moe_plan.json"
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
@@ -138,7 +138,7 @@ def _round_up(x: int, m: int = HAD) -> int:
 
 def logical_shape(hf_name: str, config: dict, padded: tuple[int, int]) -> tuple[int, int]:
     """[out, in] of a linear weight (HF name) from an HF config; the padded shape when the name is not recognised."""
-    c = config
+    c = {**(config.get("text_config") or {}), **config}     # multimodal configs nest the language model's fields
     hidden = c.get("hidden_size")
     heads = c.get("num_attention_heads")
     kv_heads = c.get("num_key_value_heads") or heads
@@ -505,7 +505,7 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
     """Every other tensor of an official-named pack, renamed to HF: scaled weights (`.weight` + `.scale` or
     `.weight_scale_inv`: FP8 e4m3 with block scales, or MXFP4 packed int8/uint8 with per-32 e8m0 scales), the rest native.
     A tensor with a part in an absent shard is absent (an error only when requested)."""
-    from . import fp4, fp8, native
+    from . import fp8, native
 
     qc = layout.original_quant_config or {}
     block = tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else fp8.DEFAULT_BLOCK
