@@ -136,3 +136,11 @@ def test_bad_mlp_layer_types_named(tmp_path, rng_seed):
     pack = _config_with(tmp_path, rng_seed, mlp_layer_types=["dense", "moe", "sparse"])
     with pytest.raises(ConfigError, match="mlp_layer_types"):
         Oracle(pack)
+
+
+def test_query_chunking_changes_nothing(tmp_path, rng_seed, monkeypatch):
+    from fidelity.oracle import deepseek_v32
+    model, pack = make(tmp_path, "default-rope", rng_seed)
+    monkeypatch.setattr(deepseek_v32, "ATTENTION_CHUNK_BYTES", 1)
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 20))
+    assert (Oracle(pack).logits(tokens) - hf_logits(model, tokens)).abs().max().item() <= TOL

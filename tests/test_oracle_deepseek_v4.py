@@ -225,3 +225,12 @@ def test_rows_of_different_lengths_including_shorter_than_a_window(tmp_path, rng
     oracle = Oracle(pack)
     for row, h in zip(rows, oracle.hidden_states(rows, progress=False)):
         assert (oracle.apply_head(h) - hf_logits(model, torch.tensor([row]))[0]).abs().max().item() <= TOL
+
+
+def test_query_chunking_changes_nothing(tmp_path, rng_seed, monkeypatch):
+    """One query per chunk in the attention and the indexer (what long rows get) gives transformers' logits too."""
+    from fidelity.oracle import deepseek_v4
+    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+    monkeypatch.setattr(deepseek_v4, "ATTENTION_CHUNK_BYTES", 1)
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 20))
+    assert (Oracle(pack).logits(tokens) - hf_logits(model, tokens)).abs().max().item() <= TOL

@@ -401,12 +401,16 @@ class Indexer:
         q = F.linear(q_latent, self.wq_b).view(B, T, a.index_n_heads, a.index_head_dim)
         q = rope_tail(q, *compress_rope)
         head_weights = F.linear(x, self.weights_proj) * a.index_n_heads ** -0.5
-        scores = torch.einsum("bthd,bwd->bthw", q, keys).relu_() * a.index_head_dim ** -0.5
-        index = torch.einsum("bthw,bth->btw", scores, head_weights)
         finished = finished_entries(T, self.compressor.ratio, x.device)
-        index = index.masked_fill(~finished, float("-inf"))
-        top = index.topk(min(a.index_topk, n_entries), dim=-1).indices
-        keep = torch.zeros(B, T, n_entries, dtype=torch.bool, device=x.device).scatter_(-1, top, True)
+        keep = torch.zeros(B, T, n_entries, dtype=torch.bool, device=x.device)
+        chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * a.index_n_heads * n_entries * 4, 1)))
+        for start in range(0, T, chunk):
+            end = min(T, start + chunk)
+            scores = torch.einsum("bthd,bwd->bthw", q[:, start:end], keys).relu_() * a.index_head_dim ** -0.5
+            index = torch.einsum("bthw,bth->btw", scores, head_weights[:, start:end])
+            index = index.masked_fill(~finished[start:end], float("-inf"))
+            top = index.topk(min(a.index_topk, n_entries), dim=-1).indices
+            keep[:, start:end].scatter_(-1, top, True)
         return keep & finished
 
 
