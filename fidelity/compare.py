@@ -48,8 +48,9 @@ def check_same_vocab(ref, pack) -> None:
 
 
 def _oracle(pack, device: str):
+    from . import distributed
     from .oracle import Oracle
-    return Oracle(pack, device=device)
+    return distributed.parallelize(Oracle(pack, device=distributed.local_device(device)))
 
 
 class PerturbedOracle:
@@ -70,7 +71,8 @@ class PerturbedOracle:
                     layer = _perturb(layer, seed * 1_000_003 + 2 * i, rel)
                 return layer
 
-        return _Perturbed(pack, device=device)
+        from . import distributed
+        return distributed.parallelize(_Perturbed(pack, device=distributed.local_device(device)))
 
 
 def _perturb(fn, seed: int, rel: float):

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context instead of failing")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parallel", choices=("rows", "experts"), default="rows",
+                   help="under torchrun: split panel rows (default) or MoE experts across ranks")
 
 
 def fmt(x, spec=".4f") -> str:
@@ -69,6 +71,8 @@ def summary_rows(result: dict) -> list[list[str]]:
 
 def print_report(result: dict, console: Console | None = None):
     con = console or Console()
+    if not con.is_terminal:
+        con = Console(width=160, file=con.file)   # pipes and logs default to 80 columns, too narrow for the tables
     p = result["panel"]
     con.print(f"panel [bold]{p['name']}[/bold] ({p['rows']} rows, {p['scored_positions']} scored tokens, sha256 "
               f"{p['sha256'][:12]})  reference [cyan]{result['reference']['path']}[/cyan]  {result['direction']}")
@@ -124,11 +128,19 @@ def write_outputs(res, args) -> None:
 
 
 def run(args) -> int:
+    from .. import distributed
     from ..compare import compare
 
-    res = compare(args.reference, args.packs, panel=args.panel, reference_store=args.reference_store, device=args.device,
-                  labels=args.label, noise_floor=not args.no_noise_floor, n_boot=args.bootstrap, seed=args.seed,
-                  truncate=args.truncate)
-    print_report(res.report)
-    write_outputs(res, args)
+    distributed.configure(parallel=getattr(args, "parallel", "rows"))
+    try:
+        res = compare(args.reference, args.packs, panel=args.panel, reference_store=args.reference_store,
+                      device=args.device, labels=args.label, noise_floor=not args.no_noise_floor, n_boot=args.bootstrap,
+                      seed=args.seed, truncate=args.truncate, progress=distributed.is_main())
+    except BaseException as e:
+        distributed.finish(e)
+        raise
+    distributed.finish()  # every rank got here: the result is complete
+    if distributed.is_main():
+        print_report(res.report)
+        write_outputs(res, args)
     return 0

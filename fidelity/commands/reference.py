@@ -13,6 +13,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--device", default="cpu")
     p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context")
+    p.add_argument("--parallel", choices=("rows", "experts"), default="rows",
+                   help="under torchrun: split panel rows (default) or MoE experts across ranks")
 
 
 def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", truncate: bool = False, progress: bool = True):
@@ -22,12 +24,26 @@ def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", trunc
     ref_pack, panel, rows, tok_fp = prepare(pack, panel, truncate=truncate)
     oracle = _oracle(ref_pack, device)
     ref = run_reference(oracle, rows, progress=progress)
+    from .. import distributed
+    if not distributed.is_main():  # under torchrun rank 0 writes the store
+        return None
     return write_store(out, ref, oracle, panel, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp,
                        k=top_k)
 
 
 def run(args) -> int:
-    m = build_store(args.pack, args.panel, args.out, top_k=args.top_k, device=args.device, truncate=args.truncate)
+    from .. import distributed
+
+    distributed.configure(parallel=getattr(args, "parallel", "rows"))
+    try:
+        m = build_store(args.pack, args.panel, args.out, top_k=args.top_k, device=args.device, truncate=args.truncate,
+                        progress=distributed.is_main())
+    except BaseException as e:
+        distributed.finish(e)
+        raise
+    distributed.finish()
+    if m is None:
+        return 0
     v = m["hidden_size"]
     Console().print(f"wrote {args.out}: {m['panel']['scored_positions']} scored positions, {m['bytes'] / 1e6:.2f} MB, "
                     f"{m['bytes_per_scored_position']:.0f} bytes per scored position")

@@ -1,0 +1,384 @@
+"""The oracle across processes, GPUs and nodes with torch.distributed (launched by `torchrun`).
+
+    torchrun --nproc-per-node N [--nnodes M ...] -m fidelity compare REF PACK ... [--device cuda] [--parallel experts]
+
+Row parallel (default): the oracle's row batches (rows grouped by length, exactly as a single process groups them) are
+dealt to ranks; each rank streams every layer for its batches only; results are broadcast batch by batch, so every rank
+ends with the same tensors a single process computes (same batch shapes, same kernels, same numbers).
+
+Expert parallel (`parallel="experts"`): every rank runs every row, but a MoE layer's routed experts are split across
+ranks (each rank reads only its own experts); per-expert outputs are exchanged with one all_reduce into per-(token,
+slot) buffers where exactly one rank contributes a value and the others zeros, then summed in ascending expert order,
+exactly as `RoutedExperts` sums them in one process.
+
+Failure: every exchange is preceded by a checkpoint on the process group's store. A rank that raises posts its error
+there; a rank that dies stops its heartbeat. The others fail with a message naming that rank instead of waiting on a
+collective forever, and nothing is written by rank 0 unless every exchange completed.
+
+Layer prefetch: `prefetch(oracle)` loads layer i+1 in a background thread while layer i computes (behind the oracle's
+`load_layer` seam; on CUDA on a side stream, synchronised before hand-over).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from .errors import FidelityError
+
+STORE_PREFIX = "fidelity"
+HEARTBEAT_S = 1.0
+
+
+class RankFailed(FidelityError):
+    """Another rank of a distributed run died, hung or raised."""
+
+
+def _env_float(name: str, default: float | None) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass
+class Settings:
+    parallel: str = "rows"                   # "rows" or "experts"
+    stale_s: float = field(default_factory=lambda: _env_float("FIDELITY_DIST_STALE_S", 120.0))
+    timeout_s: float | None = field(default_factory=lambda: _env_float("FIDELITY_DIST_TIMEOUT_S", None))
+    prefetch: bool = field(default_factory=lambda: os.environ.get("FIDELITY_PREFETCH", "1") != "0")
+
+
+SETTINGS = Settings()
+
+
+def configure(**kwargs) -> Settings:
+    """Set how `parallelize` spreads the work (`parallel="rows"|"experts"`, `prefetch=`, `stale_s=`, `timeout_s=`)."""
+    for key, value in kwargs.items():
+        if not hasattr(SETTINGS, key):
+            raise FidelityError(f"unknown distributed setting {key!r}")
+        setattr(SETTINGS, key, value)
+    if SETTINGS.parallel not in ("rows", "experts"):
+        raise FidelityError(f"parallel must be 'rows' or 'experts', not {SETTINGS.parallel!r}")
+    return SETTINGS
+
+
+def launched() -> bool:
+    """True when this process is one rank of several (torchrun or an env:// launcher set WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+class Group:
+    """This process's view of the run: rank, world size, backend, and store-based checkpoints with failure detection."""
+
+    def __init__(self, device: str | torch.device = "cpu", timeout_s: float = 1800.0):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        requested = torch.device(device)
+        if requested.type == "cuda":
+            self.device = torch.device("cuda", self.local_rank if requested.index is None else requested.index)
+            torch.cuda.set_device(self.device)
+            self.backend = "nccl"
+        else:
+            self.device, self.backend = requested, "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s), rank=self.rank,
+                                    world_size=self.world_size)
+        self.store = dist.distributed_c10d._get_default_store()
+        self._step = 0
+        self._stop = threading.Event()
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._heart = threading.Thread(target=self._heartbeat, daemon=True, name=f"fidelity-heartbeat-{self.rank}")
+        self._heart.start()
+
+    # -- liveness ------------------------------------------------------------------------------------------
+    def _key(self, *parts) -> str:
+        return "/".join([STORE_PREFIX, *map(str, parts)])
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.add(self._key("beat", self.rank), 1)
+            except Exception:   # the store's host is gone; the main thread reports it at its next checkpoint
+                return
+
+    def post_error(self, message: str) -> None:
+        """Tell the other ranks why this one is about to stop (best effort)."""
+        try:
+            self.store.set(self._key("error", self.rank), message)
+        except Exception:
+            pass
+
+    def _store_call(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise RankFailed(f"rank {self.rank} lost the distributed store (hosted by rank 0 or the torchrun agent): "
+                             f"{e}; rank 0 or the launcher probably died, no result was written") from None
+
+    def checkpoint(self, what: str) -> None:
+        """Wait until every rank reaches this point. Raises RankFailed naming a rank that posted an error, stopped its
+        heartbeat for `stale_s` seconds, or (with `timeout_s`) did not arrive in time."""
+        self._step += 1
+        here = [self._key("at", self._step, r) for r in range(self.world_size)]
+        self._store_call(self.store.set, here[self.rank], "1")
+        started, pause = time.monotonic(), 0.001
+        last_look = 0.0
+        while not self._store_call(self.store.check, here):
+            now = time.monotonic()
+            if now - last_look >= HEARTBEAT_S:
+                last_look = now
+                self._look_for_failures(what, here, now)
+                if SETTINGS.timeout_s is not None and now - started > SETTINGS.timeout_s:
+                    missing = self._missing(here)
+                    raise RankFailed(f"rank(s) {missing} did not reach {what} within {SETTINGS.timeout_s:.0f} s "
+                                     f"(FIDELITY_DIST_TIMEOUT_S); the run is abandoned, no result was written")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def _missing(self, here: list[str]) -> list[int]:
+        return [r for r, key in enumerate(here) if not self._store_call(self.store.check, [key])]
+
+    def _look_for_failures(self, what: str, here: list[str], now: float) -> None:
+        for r in self._missing(here):
+            if self._store_call(self.store.check, [self._key("error", r)]):
+                message = self._store_call(self.store.get, self._key("error", r)).decode(errors="replace")
+                raise RankFailed(f"rank {r} failed before {what}: {message}")
+            beats = self._store_call(self.store.add, self._key("beat", r), 0)
+            seen, since = self._beats.get(r, (None, now))
+            if beats != seen:
+                self._beats[r] = (beats, now)
+            elif now - since > SETTINGS.stale_s:
+                raise RankFailed(f"rank {r} stopped responding before {what} (no heartbeat for {now - since:.0f} s, "
+                                 f"FIDELITY_DIST_STALE_S={SETTINGS.stale_s:g}): it died or hangs; see its log or "
+                                 f"torchrun's failure summary. The run is abandoned, no result was written")
+
+    # -- collectives ---------------------------------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """In place on the backend's device; a CPU tensor under NCCL travels through the GPU and comes back."""
+        if self.backend == "nccl" and tensor.device.type != "cuda":
+            staged = tensor.to(self.device)
+            self.dist.broadcast(staged, src=src)
+            if self.rank != src:
+                tensor.copy_(staged)
+            return tensor
+        self.dist.broadcast(tensor, src=src)
+        return tensor
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM)
+        return tensor
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+_GROUP: Group | None = None
+
+
+def group(device: str | torch.device = "cpu") -> Group | None:
+    """The run's Group (created, and the process group initialised, on first call), or None in a single process."""
+    global _GROUP
+    if _GROUP is None and launched():
+        _GROUP = Group(device)
+    return _GROUP
+
+
+def is_main() -> bool:
+    """Rank 0, or a single process: the one that prints and writes results."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def local_device(device: str | torch.device) -> torch.device:
+    """`cuda` means this rank's GPU (LOCAL_RANK) under a launcher; anything else is returned as is."""
+    g = group(device)
+    return g.device if g is not None else torch.device(device)
+
+
+def finish(error: BaseException | None = None) -> None:
+    """End the run: post this rank's error (so others name it), wait for everyone on success, tear the group down."""
+    global _GROUP
+    g, _GROUP = _GROUP, None
+    if g is None:
+        return
+    try:
+        if error is not None:
+            g.post_error(f"{type(error).__name__}: {error}")
+        else:
+            g.checkpoint("the end of the run")
+    finally:
+        g.close()
+
+
+# -- row parallel ------------------------------------------------------------------------------------------------
+
+def deal(batches: list[list[int]], lengths: list[int], world_size: int) -> list[int]:
+    """Owner rank of each batch: largest batches (in tokens) first, each to the least-loaded rank (lowest on ties)."""
+    load = [0] * world_size
+    owner = [0] * len(batches)
+    sizes = [len(b) * lengths[b[0]] for b in batches]
+    for b in sorted(range(len(batches)), key=lambda b: (-sizes[b], b)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[b], load[r] = r, load[r] + sizes[b]
+    return owner
+
+
+class RowParallel:
+    """An Oracle whose `hidden_states` and `logits` split the row batches across ranks; everything else delegates."""
+
+    def __init__(self, oracle, g: Group):
+        self.oracle, self.group = oracle, g
+
+    def __getattr__(self, name):
+        return getattr(self.oracle, name)
+
+    def _plan(self, rows) -> tuple[list[list[int]], list[int], list[int]]:
+        tensors = [self.oracle._validate_row(r, i) for i, r in enumerate(rows)]
+        lengths = [len(t) for t in tensors]
+        batches = self.oracle._batches(tensors)
+        return batches, deal(batches, lengths, self.group.world_size), lengths
+
+    def _local(self, rows, batches, owner, progress: bool) -> dict[int, torch.Tensor]:
+        """Hidden states of this rank's rows. Its batches keep their global order, so the oracle regroups them into
+        exactly the same batches (only a length's last batch is partial, and it stays last)."""
+        g = self.group
+        mine = [i for b, o in zip(batches, owner) if o == g.rank for i in b]
+        try:
+            hidden = self.oracle.hidden_states([rows[i] for i in mine], progress=progress and g.rank == 0) if mine else []
+        except FidelityError as e:
+            message = f"{e} (row numbers count rank {g.rank}'s rows; its row j is panel row {mine}[j])"
+            g.post_error(message)
+            raise FidelityError(f"rank {g.rank}: {message}") from None
+        return dict(zip(mine, hidden))
+
+    def hidden_states(self, rows, progress: bool = True) -> list[torch.Tensor]:
+        g = self.group
+        batches, owner, lengths = self._plan(rows)
+        local = self._local(rows, batches, owner, progress)
+        g.checkpoint("the exchange of hidden states")
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for b, o in zip(batches, owner):
+            if o == g.rank:
+                buf = torch.stack([local[i] for i in b])
+            else:
+                buf = torch.empty(len(b), lengths[b[0]], self.oracle.family.hidden_size, dtype=self.oracle.dtype,
+                                  device=self.oracle.device)
+            g.broadcast(buf, src=o)
+            for j, i in enumerate(b):
+                out[i] = buf[j]
+        return out
+
+    def logits(self, tokens: torch.Tensor, progress: bool = False) -> torch.Tensor:
+        """As Oracle.logits: each rank applies the head to its own batches (same shapes as one process), then the
+        logits are broadcast batch by batch."""
+        if tokens.dim() != 2:
+            raise FidelityError(f"tokens must be a [batch, length] tensor, got shape {list(tokens.shape)}")
+        g = self.group
+        rows = tokens.tolist()
+        batches, owner, _ = self._plan(rows)
+        local = self._local(rows, batches, owner, progress)
+        B, T = tokens.shape
+        vocab = self.oracle.head_weight().shape[0] if B * T else self.oracle.family.vocab_size
+        out = torch.empty(B, T, vocab, dtype=self.oracle.dtype)
+        for b, o in zip(batches, owner):
+            if o == g.rank:
+                self.oracle._head_into(torch.stack([local[i] for i in b]), out[b[0]:b[-1] + 1])
+        g.checkpoint("the exchange of logits")
+        for b, o in zip(batches, owner):
+            g.broadcast(out[b[0]:b[-1] + 1], src=o)
+        return out
+
+
+# -- expert parallel ---------------------------------------------------------------------------------------------
+
+class ExpertParallel:
+    """Plugged into `oracle.fetch.expert_parallel`; `RoutedExperts` hands its call to `combine`."""
+
+    def __init__(self, g: Group):
+        self.group = g
+
+    def owner(self, expert: int, n_experts: int) -> int:
+        """Contiguous blocks of experts per rank."""
+        return expert * self.group.world_size // n_experts
+
+    def combine(self, experts, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Same result, bit for bit, as RoutedExperts.__call__ in one process: out = 0, then each token's weighted
+        expert outputs added in ascending expert order. Slot j of a token holds its j-th smallest expert's output;
+        only that expert's owner writes it, so the all_reduce adds zeros to it and changes nothing."""
+        g = self.group
+        N, k = indices.shape
+        slots = x.new_zeros(N, k, x.shape[-1])
+        for e in torch.unique(indices).tolist():
+            if self.owner(e, experts.n_experts) != g.rank:
+                continue
+            token, slot = torch.where(indices == e)
+            y = experts.expert(e)(x[token]) * weights[token, slot, None]
+            order = (indices[token] < e).sum(dim=1)  # e's position among the token's experts, ascending
+            slots[token, order] = y
+        g.checkpoint("an expert exchange")
+        g.all_reduce_sum(slots)
+        out = torch.zeros_like(x)
+        for j in range(k):
+            out += slots[:, j]
+        return out
+
+
+# -- layer prefetch ----------------------------------------------------------------------------------------------
+
+class Prefetcher:
+    """Wraps an oracle's `load_layer`: handing out layer i starts loading layer i+1 in a background thread."""
+
+    def __init__(self, oracle):
+        self.oracle, self.load = oracle, oracle.load_layer
+        self.n_layers = oracle.family.n_layers
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fidelity-prefetch")
+        self.pending: dict[int, object] = {}
+        cuda = oracle.device.type == "cuda"
+        self.stream = torch.cuda.Stream(oracle.device) if cuda else None
+
+    def _load(self, i: int):
+        if self.stream is None:
+            return self.load(i)
+        with torch.cuda.stream(self.stream):
+            layer = self.load(i)
+        self.stream.synchronize()  # weights complete before another stream reads them
+        return layer
+
+    def __call__(self, i: int):
+        future = self.pending.pop(i, None)
+        for stale in list(self.pending):  # a new pass started; drop what the old one asked for
+            self.pending.pop(stale).result()
+        if self.stream is not None:
+            # Layer i-1's kernels must finish before its freed blocks can be handed to the side stream's next load.
+            torch.cuda.current_stream(self.oracle.device).synchronize()
+        if i + 1 < self.n_layers:
+            self.pending[i + 1] = self.pool.submit(self._load, i + 1)
+        return future.result() if future is not None else self._load(i)
+
+
+def prefetch(oracle):
+    """The same oracle, its `load_layer` replaced by a prefetching one (numbers unchanged)."""
+    if not isinstance(oracle.__dict__.get("load_layer"), Prefetcher):
+        oracle.load_layer = Prefetcher(oracle)
+    return oracle
+
+
+def parallelize(oracle, parallel: str | None = None):
+    """The oracle as this run spreads it: prefetching (unless disabled), and under a launcher row or expert parallel."""
+    if SETTINGS.prefetch:
+        prefetch(oracle)
+    g = group(oracle.device)
+    if g is None:
+        return oracle
+    if (parallel or SETTINGS.parallel) == "experts":
+        oracle.fetch.expert_parallel = ExpertParallel(g)
+        return oracle
+    return RowParallel(oracle, g)

@@ -1,0 +1,202 @@
+"""The oracle across 2 processes (torch.distributed, gloo on CPU): row parallel and expert parallel equal the
+single-process oracle exactly (torch.equal); a rank that dies or raises fails the run with that rank named."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+from fidelity import distributed, open_pack
+from fidelity.oracle import Oracle, runner
+from test_oracle import COMMON, MOE, make_moe
+from test_oracle_support import build
+
+WORLD = 2
+SMALL_BATCH_TOKENS = 40  # several batches per row length, some partial: exercises the deal and the regrouping
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, job: str, root: str) -> None:
+    """One rank of a test run: the launcher's environment, then `job`; results and errors go to root/<job>.<rank>.pt."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    runner.BATCH_TOKENS = SMALL_BATCH_TOKENS
+    out = Path(root) / f"{job}.{rank}.pt"
+    try:
+        result = JOBS[job](rank, Path(root))
+        distributed.finish()
+        torch.save({"ok": result}, out)
+    except BaseException as e:
+        distributed.finish(e)
+        torch.save({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, out)
+
+
+def _equal_job(rank: int, root: Path) -> dict:
+    inputs = torch.load(root / "inputs.pt")
+    llama = distributed.parallelize(Oracle(open_pack(root / "llama")), parallel="rows")
+    result = {"llama_logits": llama.logits(inputs["tokens"]),
+              "llama_hidden": llama.hidden_states(inputs["rows"], progress=False)}
+    for case in inputs["moe_cases"]:
+        pack = open_pack(root / case)
+        read = []
+        original = pack.tensor
+        pack.tensor = lambda name, original=original: (read.append(name), original(name))[1]
+        oracle = distributed.parallelize(Oracle(pack), parallel="experts")
+        result[case] = oracle.logits(inputs["moe_tokens"])
+        result[f"{case}_experts_read"] = sorted({n.split(".experts.")[0] + "." + n.split(".experts.")[1].split(".")[0]
+                                                 for n in read if ".experts." in n})
+    return result
+
+
+def _killed_job(rank: int, root: Path) -> dict:
+    distributed.configure(stale_s=3.0)
+    oracle = distributed.parallelize(Oracle(open_pack(root / "llama")), parallel="rows")
+    if rank == 1:
+        load = oracle.load_layer
+
+        def dying(i):
+            if i == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return load(i)
+        oracle.oracle.load_layer = dying
+    return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
+
+
+def _raising_job(rank: int, root: Path) -> dict:
+    pack = open_pack(root / "llama")
+    if rank == 1:
+        original = pack.tensor
+        pack.tensor = lambda name: original(name) * (float("nan") if name.endswith("layers.1.mlp.down_proj.weight") else 1)
+    oracle = distributed.parallelize(Oracle(pack), parallel="rows")
+    return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
+
+
+JOBS = {"equal": _equal_job, "killed": _killed_job, "raising": _raising_job}
+
+
+def run_ranks(job: str, root: Path, timeout: float = 240) -> list[dict]:
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, job, str(root))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            pytest.fail(f"rank process {p.pid} of job {job} hung")
+    return [torch.load(root / f"{job}.{r}.pt") if (root / f"{job}.{r}.pt").exists() else None for r in range(WORLD)]
+
+
+MOE_CASES = ["qwen3moe-renorm-sparse-step", "deepseek-v3-qlora-yarn"]
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"distributed packs seed {seed}")
+    root = tmp_path_factory.mktemp("dist")
+    build(T.LlamaConfig(**{**COMMON, "tie_word_embeddings": False}), T.LlamaForCausalLM, root / "llama", seed)
+    for case in MOE_CASES:
+        make_moe(root, case, seed)
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 7, 7, 7, 7, 7, 13, 5, 13, 7, 5]
+    inputs = {"tokens": torch.randint(0, COMMON["vocab_size"], (9, 11), generator=g),
+              "rows": [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in lengths],
+              "moe_tokens": torch.randint(0, COMMON["vocab_size"], (5, 9), generator=g),
+              "moe_cases": MOE_CASES}
+    torch.save(inputs, root / "inputs.pt")
+    return root, inputs
+
+
+def single_process(root: Path, inputs: dict, monkeypatch) -> dict:
+    monkeypatch.setattr(runner, "BATCH_TOKENS", SMALL_BATCH_TOKENS)
+    llama = Oracle(open_pack(root / "llama"))
+    want = {"llama_logits": llama.logits(inputs["tokens"]),
+            "llama_hidden": llama.hidden_states(inputs["rows"], progress=False)}
+    for case in MOE_CASES:
+        want[case] = Oracle(open_pack(root / case)).logits(inputs["moe_tokens"])
+    return want
+
+
+def test_deal_is_balanced_and_deterministic():
+    batches = [[0, 1], [2], [3, 4, 5], [6]]
+    lengths = [10, 10, 40, 5, 5, 5, 100]
+    assert distributed.deal(batches, lengths, 2) == [1, 1, 1, 0]   # 100-token batch alone vs 20 + 40 + 15
+    assert distributed.deal(batches, lengths, 1) == [0, 0, 0, 0]
+    assert distributed.deal(batches, lengths, 2) == distributed.deal(batches, lengths, 2)
+
+
+def test_prefetch_gives_the_same_numbers_and_reads_ahead(tmp_path, rng_seed):
+    build(T.LlamaConfig(**{**COMMON, "tie_word_embeddings": False}), T.LlamaForCausalLM, tmp_path / "m", rng_seed)
+    pack = open_pack(tmp_path / "m")
+    tokens = torch.randint(0, COMMON["vocab_size"], (3, 17))
+    want = Oracle(pack).logits(tokens)
+    oracle = distributed.prefetch(Oracle(pack))
+    asked = []
+    inner = oracle.load_layer.load
+    oracle.load_layer.load = lambda i: (asked.append((i, threading.current_thread().name)), inner(i))[1]
+    got = oracle.logits(tokens)
+    assert torch.equal(got, want)
+    main = threading.main_thread().name
+    # layer 0 on demand, every next one in the background thread while the previous one computes
+    assert sorted(asked) == [(0, main), (1, "fidelity-prefetch_0"), (2, "fidelity-prefetch_0")]
+    assert torch.equal(oracle.logits(tokens), want) and len(asked) == 6
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_exactly(packs, monkeypatch):
+    root, inputs = packs
+    results = run_ranks("equal", root)
+    for rank, res in enumerate(results):
+        assert res is not None and "ok" in res, f"rank {rank}: {res and res.get('trace')}"
+    want = single_process(root, inputs, monkeypatch)
+    for rank, res in enumerate(results):
+        got = res["ok"]
+        assert torch.equal(got["llama_logits"], want["llama_logits"]), f"rank {rank} row-parallel logits differ"
+        assert len(got["llama_hidden"]) == len(inputs["rows"])
+        for i, (a, b) in enumerate(zip(got["llama_hidden"], want["llama_hidden"])):
+            assert torch.equal(a, b), f"rank {rank} row {i} hidden state differs"
+        for case in MOE_CASES:
+            delta = (got[case] - want[case]).abs().max().item()
+            assert torch.equal(got[case], want[case]), f"rank {rank} {case} expert-parallel logits differ by {delta}"
+    # Each rank read only its own block of experts: disjoint across ranks.
+    for case in MOE_CASES:
+        read = [set(res["ok"][f"{case}_experts_read"]) for res in results]
+        assert read[0] and read[1] and not read[0] & read[1]
+        n_experts = MOE[case][2].get("num_experts") or MOE[case][2].get("n_routed_experts")
+        for rank, names in enumerate(read):
+            assert all(int(n.rsplit(".", 1)[1]) * WORLD // n_experts == rank for n in names)
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_the_run_naming_it(packs):
+    root, _ = packs
+    results = run_ranks("killed", root)
+    assert results[1] is None  # SIGKILLed: wrote nothing
+    assert "error" in results[0], "rank 0 returned a result although rank 1 died"
+    message = results[0]["error"]
+    assert "RankFailed" in message and "rank 1 stopped responding" in message and "no result" in message
+
+
+@pytest.mark.slow
+def test_raising_rank_fails_the_run_with_its_error(packs):
+    root, _ = packs
+    results = run_ranks("raising", root)
+    assert all("error" in r for r in results)
+    assert "rank 1 failed" in results[0]["error"] and "NaN" in results[0]["error"] and "layer 1" in results[0]["error"]
+    assert "rank 1:" in results[1]["error"] and "panel row" in results[1]["error"]
