@@ -250,3 +250,15 @@ def test_official_fp8_with_weight_scale_inv_is_renamed_too(packs, native, tmp_pa
     pack = open_pack(dst)
     assert set(pack.names()) == set(native.names())
     assert pack.storage("model.layers.0.self_attn.q_a_proj.weight").format == "fp8_e4m3"
+
+
+@pytest.mark.slow
+def test_oracle_runs_on_every_layout(packs, native, rng_seed):
+    from fidelity.oracle import Oracle
+
+    ids = torch.randint(0, native.config["vocab_size"], (1, 16))
+    ref = Oracle(native).logits(ids)
+    for layout, path in packs.items():
+        got = Oracle(open_pack(path)).logits(ids)
+        diff = (got - ref).abs().max().item()
+        assert 0 < diff < 0.25 * ref.abs().max().item(), (layout, diff)
