@@ -199,19 +199,27 @@ async def batch_invariance(client: EngineClient, s: GateSettings, thresholds: di
 # ---- decode-vs-prefill --------------------------------------------------------------------------------------------------
 
 async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
+    """Generations run concurrently; each prefill then runs alone right after an unrelated flush request, so an engine with a
+    single-entry prefix cache recomputes the prompt instead of replaying the decode's own cache."""
     prompts = [s.prompt_prefix + p for p in s.prompts]
+    flush_prompt = s.prompt_prefix + "Unrelated text to evict single-entry caches."
 
-    async def one(i: int):
+    async def generate(i: int) -> Completion:
         gen = await client.completion(prompts[i], max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"decode-vs-prefill/gen/{i}")
         _need_logprobs(gen, f"prompt {i} generation")
+        return gen
+
+    gens = await asyncio.gather(*(generate(i) for i in range(len(prompts))))
+    done = []
+    for i, gen in enumerate(gens):
+        await client.completion(flush_prompt, max_tokens=1, tag=f"decode-vs-prefill/flush/{i}")
         pre = await client.completion(prompts[i] + gen.text, max_tokens=1, logprobs=s.top_k, echo=True,
                                       tag=f"decode-vs-prefill/prefill/{i}")
         _need_logprobs(pre, f"prompt {i} prefill")
-        decoded = gen.logprobs
-        return i, gen, decoded, _prefilled_span(pre, decoded)
+        done.append((i, gen, gen.logprobs, _prefilled_span(pre, gen.logprobs)))
 
     rows, notes = [], []
-    for i, gen, decoded, prefilled in await asyncio.gather(*(one(i) for i in range(len(prompts)))):
+    for i, gen, decoded, prefilled in done:
         if [t.token for t in prefilled] != [t.token for t in decoded]:
             notes.append(f"prompt {i}: prompt+generation re-tokenizes differently; compared up to the first differing token")
         d = compare_positions(decoded, prefilled)
