@@ -233,3 +233,46 @@ def test_experts_read_only_when_routed(tmp_path, rng_seed):
         fetched = {int(n.split(".experts.")[1].split(".")[0]) for n in read
                    if n.startswith(f"model.layers.{layer}.mlp.experts.")}
         assert fetched == routed and len(fetched) <= 3 < config.num_experts
+
+
+# -- RoPE schedules against transformers' own init functions, legacy `rope_scaling` configs included ------------------
+
+ROPE_CONFIGS = {
+    "linear": dict(rope_theta=5e5, rope_scaling=dict(type="linear", factor=4.0)),
+    "llama3": dict(rope_theta=5e5, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "yarn-deepseek-legacy": dict(rope_theta=1e4, rope_scaling=dict(
+        type="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+        original_max_position_embeddings=4096)),
+    "yarn-mscale-ratio": dict(rope_theta=1e4, rope_scaling=dict(
+        type="yarn", factor=16.0, mscale=0.9, mscale_all_dim=0.7, original_max_position_embeddings=2048)),
+    "yarn-plain": dict(rope_theta=1e6, rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                         original_max_position_embeddings=32768)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CONFIGS))
+def test_rope_schedules_equal_transformers(case):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from fidelity.oracle.rope import RopeArgs, inverse_frequencies
+    raw = {"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "num_attention_heads": 8, "head_dim": 128,
+           "max_position_embeddings": 163840, **ROPE_CONFIGS[case]}
+    hf_config = T.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    rope_type = hf_config.rope_parameters["rope_type"]
+    want, want_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    got, got_factor = inverse_frequencies(RopeArgs.from_config(raw, 128))
+    assert torch.equal(got, want.to(torch.float32))
+    assert got_factor == pytest.approx(want_factor, rel=1e-15)
+
+
+def test_missing_routed_expert_fails_up_front(tmp_path, rng_seed):
+    from safetensors.torch import load_file, save_file
+    make_moe(tmp_path, "deepseek-v3-qlora-yarn", rng_seed)
+    folder = tmp_path / "deepseek-v3-qlora-yarn"
+    tensors = load_file(folder / "model.safetensors")
+    victim = "model.layers.2.mlp.experts.11.down_proj.weight"
+    del tensors[victim]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackError) as e:
+        Oracle(open_pack(folder))
+    assert e.value.tensor == victim and victim in str(e.value)

@@ -50,7 +50,7 @@ def test_smollm2_cuda_equals_cpu():
     from transformers import AutoTokenizer
     gguf = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    text = "The oracle is the fixed point every pack and every kernel is measured against. " * 6
+    text = "The oracle is the fixed point every pack and every kernel is measured against. " * 12
     ids = tokenizer(text)["input_ids"]
     tokens = torch.tensor([ids[:96], ids[5:101]])
     pack = open_pack(gguf)

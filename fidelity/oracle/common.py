@@ -6,6 +6,7 @@ all have length T (no padding), so causal masks never see another row's tokens.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -47,6 +48,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 # Bytes of attention scores one query chunk may hold; longer rows are processed in query chunks.
 ATTENTION_CHUNK_BYTES = 256 * 2**20
+# Queries per chunk at most: a chunk only scores the keys up to its last query, so smaller chunks skip more of the
+# causally masked half of the score matrix.
+QUERY_BLOCK = 128
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -81,14 +85,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     keys = k.transpose(1, 2).reshape(B * Hkv, T, D).transpose(1, 2)   # [B*Hkv, D, T]
     values = v.transpose(1, 2).reshape(B * Hkv, T, Dv)
     queries = q.view(B, T, Hkv, group, D).permute(0, 2, 3, 1, 4)        # [B, Hkv, group, T, D]
-    chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * H * T * q.element_size(), 1)))
+    chunk = max(1, min(T, QUERY_BLOCK, ATTENTION_CHUNK_BYTES // max(B * H * T * q.element_size(), 1)))
     out = q.new_empty(B, T, Hkv, group, Dv)
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         first = 0 if window is None else max(0, start - window + 1)
         n, m = end - start, end - first
         qi = queries[:, :, :, start:end].reshape(B * Hkv, group * n, D)
-        mask = mask_bias(start, end, first, window, q.dtype, q.device).repeat(group, 1)  # rows ordered (group, t)
+        mask = mask_bias(start, end, first, window, group, q.dtype, q.device)
         scores = torch.baddbmm(mask, qi, keys[:, :, first:end], alpha=scale)  # scale * q.k + (0 or -inf)
         probs = torch.softmax(scores, dim=-1)
         ctx = torch.bmm(probs, values[:, first:end]).view(B, Hkv, group, n, Dv)
@@ -96,14 +100,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.view(B, T, H, Dv)
 
 
-def mask_bias(start: int, end: int, first: int, window: int | None, dtype, device) -> torch.Tensor:
-    """[end - start, end - first]: 0 where query i (start <= i < end) sees key j (first <= j < end), else -inf."""
+@lru_cache(maxsize=64)
+def mask_bias(start: int, end: int, first: int, window: int | None, group: int, dtype, device) -> torch.Tensor:
+    """[group * (end - start), end - first]: 0 where query i (start <= i < end) sees key j (first <= j < end), else
+    -inf; repeated for the `group` query heads that share a KV head (rows ordered (group, i)). Cached: every layer of
+    a forward asks for the same masks."""
     i = torch.arange(start, end, device=device)[:, None]
     j = torch.arange(first, end, device=device)[None, :]
     visible = j <= i
     if window is not None:
         visible = visible & (j > i - window)
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return bias.repeat(group, 1)
 
 
 class GatedMLP:
