@@ -300,6 +300,7 @@ def test_json_records_folder_and_store_given_separately(tmp_path, rng_seed):
         render([tmp_path / "compare.json", other], tmp_path / "out2")
 
 
+@pytest.mark.slow
 def test_other_panel_is_a_separate_group_with_a_warning(tmp_path, rng_seed):
     make_compare_run(tmp_path / "a", rng_seed)
     make_compare_run(tmp_path / "b", rng_seed + 1, panel_name="other", packs=(("q3", 3.5, 0.9),))
@@ -334,6 +335,7 @@ def test_grouping_by_panel_and_reference(tmp_path, rng_seed):
     assert "panel 'other'" in inputs.groups[2].warning and "<result 1>" in inputs.groups[2].warning
 
 
+@pytest.mark.slow
 def test_same_label_from_two_files_is_kept_apart(tmp_path, rng_seed):
     make_compare_run(tmp_path / "a", rng_seed, panel_sha="ab" * 32)
     make_compare_run(tmp_path / "b", rng_seed + 1, panel_sha="ab" * 32, packs=(("q8", 8.5, 0.3),))
@@ -431,6 +433,7 @@ def test_gate_and_suite_json_without_a_compare_result(tmp_path):
     assert (row["check"], row["measured"], row["threshold"]) == ("kl_mean", "0.5", "0.02")
 
 
+@pytest.mark.slow
 def test_cli_writes_the_report(tmp_path, run_a, capsys):
     make_compare_run(tmp_path / "b", 7, panel_name="other", packs=(("q3", 3.5, 0.9),))
     rc = cli_main(["report", str(tmp_path / "run_a"), str(tmp_path / "b" / "compare.json"), "-o", str(tmp_path / "out"), "--worst", "2"])
