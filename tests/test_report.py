@@ -406,6 +406,8 @@ def test_suite_and_gate_tables(tmp_path, run_a, rng_seed):
     close_to_printed(s["p-value"], suite["p_value"], sig=3)
     assert abs(float(s["pass rate B"].rstrip("%")) / 100 - suite["pass_rate_b"]) <= 0.5e-4 + 1e-12
     assert s["excluded / unpaired"] == "1 errors / 0"
+    if "flip_rate" in suite["passed"]:
+        assert abs(float(s["flip rate"].rstrip("%")) / 100 - suite["passed"]["flip_rate"]) <= 0.5e-4 + 1e-12
     g = t["Engine gates"]
     kl_check = gate["gates"][0]["checks"][0]
     kl = next(r for r in g if r["check"] == "kl_mean")

@@ -140,7 +140,7 @@ def confidence_table(tables: dict) -> Table | None:
 
 _SUITE_COLUMNS = [("suite", "suite"), ("mode", "mode"), ("b", "candidate"), ("n_items", "items"), ("pass_rate_a", "pass rate A"),
                   ("pass_rate_b", "pass rate B"), ("score.score_a", "score A"), ("score.score_b", "score B"), ("drop", "drop (points)"),
-                  ("flips_a_to_b", "A✓ B✗"), ("flips_b_to_a", "A✗ B✓"), ("test", "test"), ("p_value", "p-value"),
+                  ("flips_a_to_b", "A✓ B✗"), ("flips_b_to_a", "A✗ B✓"), ("passed.flip_rate", "flip rate"), ("test", "test"), ("p_value", "p-value"),
                   ("excluded", "excluded / unpaired"), ("verdict", "verdict")]
 
 
@@ -189,7 +189,7 @@ def suite_table(entries: list[tuple[str, dict]]) -> Table | None:
         row = []
         for k, _ in cols:
             v = f.get(k)
-            if k.startswith("pass_rate") and v is not None:
+            if (k.startswith("pass_rate") or k.endswith("flip_rate")) and v is not None:
                 row.append(pct(v))
             elif k == "p_value":
                 row.append(num(v, 3))
