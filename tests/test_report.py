@@ -166,6 +166,14 @@ def md_tables(md: str) -> dict[str, list[dict[str, str]]]:
     return out
 
 
+def overall_rows(t: dict) -> dict[str, dict[str, str]]:
+    """The overall table and its perplexity / KL-tail half, joined by pack."""
+    rows = {r["pack"]: dict(r) for r in t["Overall"]}
+    for r in t["Perplexity and KL tail"]:
+        rows[r["pack"]].update(r)
+    return rows
+
+
 def close_to_printed(cell: str, value: float, sig: int = 4):
     """`cell` is `value` printed with `sig` significant digits: parse it back and allow half a unit in the last digit."""
     parsed = float(cell)
@@ -188,7 +196,7 @@ def test_summary_numbers_equal_the_json(tmp_path, run_a):
     data, _ = run_a
     rep = render([tmp_path / "run_a" / "compare.json"], tmp_path / "out")
     t = md_tables(rep.summary_md.read_text())
-    overall = {r["pack"]: r for r in t["Overall"]}
+    overall = overall_rows(t)
     assert set(overall) == {r["label"] for r in data["results"]}
     for res in data["results"]:
         o, row = res["overall"], overall[res["label"]]
@@ -355,7 +363,7 @@ def test_a_pack_with_only_non_finite_positions(tmp_path, rng_seed):
     broken["overall"] = {**{k: None for k in broken["overall"]}, "nonfinite": n, "positions": 0}
     broken["domains"] = {d: {**{k: None for k in b}, "positions": 0} for d, b in broken["domains"].items()}
     rep = render([data], tmp_path / "out")
-    row = {r["pack"]: r for r in md_tables(rep.summary_md.read_text())["Overall"]}["q4"]
+    row = overall_rows(md_tables(rep.summary_md.read_text()))["q4"]
     assert (row["KLD mean [95% CI]"], row["top-1"], row["non-finite"]) == ("—", "—", str(n))
     assert len(rep.figures) == 4
 

@@ -14,7 +14,7 @@ import torch
 
 from fidelity.cli import main as cli_main
 from fidelity.report import render
-from test_report import close_to_printed, md_tables, parse_with_ci
+from test_report import close_to_printed, md_tables, overall_rows, parse_with_ci
 
 pytest.importorskip("fidelity.compare")
 pytest.importorskip("fidelity.commands.compare")
@@ -123,7 +123,7 @@ def test_report_numbers_equal_an_independent_computation(real_run, tmp_path):
         "## Provenance")[0]
     md = rep.summary_md.read_text()
     t = md_tables(md)
-    overall = {r["pack"]: r for r in t["Overall"]}
+    overall = overall_rows(t)
     quant = {r["pack"]: r for r in t["KL distribution per pack"]}
     conf = t["Mean KL by reference confidence (reference probability of its top token)"]
     for res in real_run.report["results"]:

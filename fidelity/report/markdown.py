@@ -48,6 +48,7 @@ def summary(title: str, warnings: list[str], groups: list, suites: Table | None,
         if g.warning:
             out += [f"> **Warning:** {escape(g.warning)}", ""]
         out.append(table(g.overall))
+        out.append(table(g.tails))
         out += [f"![{f.caption}]({f.name})\n" for f in g.figures_top]
         out += [table(t) for t in g.domain_tables]
         out.append(table(g.paired))

@@ -46,6 +46,7 @@ class GroupView:
     heading: str
     warning: str | None
     overall: tables.Table
+    tails: tables.Table
     domain_tables: list[tables.Table]
     paired: tables.Table | None
     figures_top: list[FigureFile] = field(default_factory=list)
@@ -181,8 +182,8 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
         heading = f"Separate group {index}: {heading}"
     packs = g.packs
     colors = {p.label: i for i, p in enumerate(packs)}
-    view = GroupView(heading=heading, warning=g.warning, overall=tables.overall_table(g), domain_tables=tables.per_domain_tables(g),
-                     paired=tables.paired_table(g))
+    view = GroupView(heading=heading, warning=g.warning, overall=tables.overall_table(g), tails=tables.tails_table(g),
+                     domain_tables=tables.per_domain_tables(g), paired=tables.paired_table(g))
     view.figures_top = [f for f in (
         _figure(out, f"per_domain_kld{suffix}.png", f"KLD per domain, pooled and domains weighted equally, 95% CI ({panel})",
                 lambda p: figures.per_domain_kld(packs, p, f"KLD per domain — panel {panel}")),

@@ -60,20 +60,18 @@ def times_floor(o: dict) -> str:
 
 
 def overall_table(g: Group) -> Table:
-    headers = ["pack", "bpw", "KLD mean [95% CI]", "KLD domains equal", "top-1", "PPL", "PPL ref", "KL median", "KL p99",
-               "KL p99.9", "KL max", "× noise floor", "non-finite"]
+    headers = ["pack", "bpw", "KLD mean [95% CI]", "KLD domains equal", "× noise floor", "top-1", "non-finite"]
     flips = any("top1_flips_clear" in p.overall for p in g.packs)
     if flips:
-        headers.insert(5, "top-1 flips clear / near-tie")
+        headers.insert(6, "top-1 flips clear / near-tie")
     rows = []
     for p in g.packs:
         o = p.overall
         row = [p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95"),
-               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95"), pct(o.get("top1")), num(o.get("ppl")),
-               num(o.get("ppl_ref")), num(o.get("kld_median")), num(o.get("kld_p99")), num(o.get("kld_p999")),
-               num(o.get("kld_max")), times_floor(o), num(o.get("nonfinite"))]
+               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95"), times_floor(o), pct(o.get("top1")),
+               num(o.get("nonfinite"))]
         if flips:
-            row.insert(5, f"{num(o.get('top1_flips_clear'))} / {num(o.get('top1_flips_near_tie'))}")
+            row.insert(6, f"{num(o.get('top1_flips_clear'))} / {num(o.get('top1_flips_near_tie'))}")
         rows.append(row)
     floor = next((p.overall.get("noise_floor_kld") for p in g.packs if p.overall.get("noise_floor_kld")), None)
     note = "KL(reference ‖ pack) in nats over scored positions; 95% CIs by bootstrap over panel rows."
@@ -83,6 +81,13 @@ def overall_table(g: Group) -> Table:
     if floor:
         note += f" Noise floor (reference re-run with a tiny seeded perturbation): {num(floor)}."
     return Table("Overall", headers, rows, note)
+
+
+def tails_table(g: Group) -> Table:
+    """Perplexities and the KL tail compare measured on all scored positions (the overall table's second half)."""
+    rows = [[p.label, num(p.overall.get("ppl")), num(p.overall.get("ppl_ref")), num(p.overall.get("kld_median")),
+             num(p.overall.get("kld_p99")), num(p.overall.get("kld_p999")), num(p.overall.get("kld_max"))] for p in g.packs]
+    return Table("Perplexity and KL tail", ["pack", "PPL", "PPL ref", "KL median", "KL p99", "KL p99.9", "KL max"], rows)
 
 
 def domain_table(g: Group, key: str, title: str, fmt) -> Table:

@@ -51,6 +51,7 @@ Confidence intervals are 95% bootstrap intervals over panel rows.</p>
 <h2 id="group-{{ loop.index }}">{{ g.heading }}</h2>
 {% if g.warning %}<div class="warning"><strong>Warning:</strong> {{ g.warning }}</div>{% endif %}
 {{ table(g.overall) }}
+{{ table(g.tails) }}
 {% for f in g.figures_top %}{{ figure(f) }}{% endfor %}
 {% for t in g.domain_tables %}{{ table(t) }}{% endfor %}
 {{ table(g.paired) }}
