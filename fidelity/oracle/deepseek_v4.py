@@ -278,43 +278,49 @@ class ClampedGatedMLP(GatedMLP):
     or None)."""
 
     limit: float | None = None
+    act_quant = staticmethod(lambda x: x)  # fake quantisation of the GEMM inputs (deepseek_v4_quant), or none
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).split(self.inner, dim=-1)
+        gate, up = F.linear(self.act_quant(x), self.gate_up, self.gate_up_bias).split(self.inner, dim=-1)
         if self.limit:
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return F.linear(self.act(gate) * up, self.down, self.down_bias)
+        return F.linear(self.act_quant(self.act(gate) * up), self.down, self.down_bias)
 
 
 class ClampedExperts(RoutedExperts):
-    def __init__(self, n_experts, names, fetch, act, limit):
+    def __init__(self, n_experts, names, fetch, act, limit, act_quant):
         super().__init__(n_experts, names, fetch, act)
-        self.limit = limit
+        self.limit, self.act_quant = limit, act_quant
 
     def expert(self, e: int) -> GatedMLP:
         mlp = self.loaded.get(e)
         if mlp is None:
             mlp = self.loaded[e] = ClampedGatedMLP.from_names(self.fetch, *self.names(e), self.act)
-            mlp.limit = self.limit
+            mlp.limit, mlp.act_quant = self.limit, self.act_quant
         return mlp
+
+
+def no_quant(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class MoE:
     """Routed experts (sqrt-softplus scores, selection bias or token hash) plus one shared expert."""
 
-    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch):
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
         p = f"layers.{layer}.ffn"
         self.a, self.hashed = a, a.hash_layers[layer]
+        act_quant = emulation.act if emulation is not None else no_quant
         self.router = fetch(n(f"{p}.gate.weight"))
         if self.hashed:
             self.tid2eid = fetch(n(f"{p}.gate.tid2eid")).round().long()
         else:
             self.selection_bias = fetch(n(f"{p}.gate.bias"))
         self.experts = ClampedExperts(a.n_routed_experts, lambda e: expert_names(n, layer, e), fetch, a.hidden_act,
-                                      a.swiglu_limit)
+                                      a.swiglu_limit, act_quant)
         self.shared = ClampedGatedMLP.from_names(fetch, *[n(f"{p}.shared_experts.{w}.weight")[:-len(".weight")]
                                                           for w in ("w1", "w3", "w2")], a.hidden_act)
-        self.shared.limit = a.swiglu_limit
+        self.shared.limit, self.shared.act_quant = a.swiglu_limit, act_quant
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -340,10 +346,11 @@ class Compressor:
     rows)."""
 
     def __init__(self, prefix: str, n, fetch: Fetch, width: int, ratio: int, overlap: bool, eps: float,
-                 rope: RopeArgs):
+                 rope: RopeArgs, round_kv=None):
         self.wkv, self.wgate = fetch(n(f"{prefix}.wkv.weight")), fetch(n(f"{prefix}.wgate.weight"))
         self.ape, self.norm = fetch(n(f"{prefix}.ape")), fetch(n(f"{prefix}.norm.weight"))
         self.width, self.ratio, self.overlap, self.eps, self.rope = width, ratio, overlap, eps, rope
+        self.round_kv = round_kv or no_quant
 
     @staticmethod
     def names(prefix: str) -> list[str]:
@@ -364,7 +371,7 @@ class Compressor:
             pooled_kv[:, :, m:], pooled_gate[:, :, m:] = kv[..., d:], gate[..., d:]
             pooled_kv[:, 1:, :m], pooled_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
             kv, gate = pooled_kv, pooled_gate
-        entries = rms_norm((kv * gate.softmax(dim=2)).sum(dim=2), self.norm, self.eps)
+        entries = self.round_kv(rms_norm((kv * gate.softmax(dim=2)).sum(dim=2), self.norm, self.eps))
         cos, sin = rope_table(self.rope, torch.arange(n_win, device=x.device) * m, x.dtype)
         return rope_tail(entries, cos.to(x.device), sin.to(x.device))
 
@@ -415,9 +422,11 @@ class Indexer:
 
 
 class Attention:
-    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch):
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
         p = f"layers.{layer}.attn"
         self.a, self.kind, self.ratio = a, a.layer_types[layer], a.ratios[layer]
+        self.act_quant = emulation.act if emulation is not None else no_quant
+        self.round_kv = (lambda kv: emulation.kv_nope(kv, a.rope_dim)) if emulation is not None else no_quant
         self.wq_a, self.q_norm = fetch(n(f"{p}.wq_a.weight")), fetch(n(f"{p}.q_norm.weight"))
         self.wq_b = fetch(n(f"{p}.wq_b.weight"))
         self.wkv, self.kv_norm = fetch(n(f"{p}.wkv.weight")), fetch(n(f"{p}.kv_norm.weight"))
@@ -426,7 +435,7 @@ class Attention:
         self.compressor = self.indexer = None
         if self.kind != SLIDING:
             self.compressor = Compressor(f"{p}.compressor", n, fetch, a.head_dim, self.ratio, self.kind == CSA,
-                                         a.rms_norm_eps, a.compress_rope)
+                                         a.rms_norm_eps, a.compress_rope, self.round_kv)
         if self.kind == CSA:
             self.indexer = Indexer(a, f"{p}.indexer", n, fetch, self.ratio)
 
@@ -446,10 +455,12 @@ class Attention:
         B, T, _ = x.shape
         main_rope, compress_rope = rope[:2], rope[2:]
         cos, sin = main_rope if self.kind == SLIDING else compress_rope
-        q_latent = rms_norm(F.linear(x, self.wq_a), self.q_norm, a.rms_norm_eps)
-        q = unweighted_rms_norm(F.linear(q_latent, self.wq_b).view(B, T, a.n_heads, a.head_dim), a.rms_norm_eps)
-        q = rope_tail(q, cos, sin)
-        kv = rope_tail(rms_norm(F.linear(x, self.wkv), self.kv_norm, a.rms_norm_eps), cos, sin)   # [B, T, D]
+        fq = self.act_quant
+        q_latent = rms_norm(F.linear(fq(x), self.wq_a), self.q_norm, a.rms_norm_eps)
+        q = F.linear(fq(q_latent), self.wq_b).view(B, T, a.n_heads, a.head_dim)
+        q = rope_tail(unweighted_rms_norm(q, a.rms_norm_eps), cos, sin)
+        kv = self.round_kv(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, a.rms_norm_eps))
+        kv = rope_tail(kv, cos, sin)   # [B, T, D]
         entries = visible = None
         if self.compressor is not None:
             entries = self.compressor(x)
@@ -459,8 +470,8 @@ class Attention:
         out = sink_attention(q, kv, entries, visible, self.sinks, a.head_dim ** -0.5, a.sliding_window)
         out = rope_tail(out, cos, -sin)  # undo the rotation the values carried, at the query's position
         groups = out.reshape(B, T, a.o_groups, -1)
-        low_rank = torch.einsum("btgi,gri->btgr", groups, self.wo_a.view(a.o_groups, a.o_lora_rank, -1))
-        return F.linear(low_rank.flatten(2), self.wo_b)
+        low_rank = torch.einsum("btgi,gri->btgr", fq(groups), self.wo_a.view(a.o_groups, a.o_lora_rank, -1))
+        return F.linear(fq(low_rank.flatten(2)), self.wo_b)
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None, visible: torch.Tensor | None,
@@ -494,13 +505,13 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | No
 class DecoderLayer:
     """Both blocks read and write the hc streams through their own hyper-connection."""
 
-    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch):
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
         self.a = a
         self.attn_hc, self.ffn_hc = (hyper_connection(a, f"layers.{layer}.hc_{site}", n, fetch)
                                      for site in ("attn", "ffn"))
         self.attn_norm, self.ffn_norm = (fetch(n(f"layers.{layer}.{w}.weight")) for w in ("attn_norm", "ffn_norm"))
-        self.attn = Attention(a, layer, n, fetch)
-        self.ffn = MoE(a, layer, n, fetch)
+        self.attn = Attention(a, layer, n, fetch, emulation)
+        self.ffn = MoE(a, layer, n, fetch, emulation)
 
     def __call__(self, streams: torch.Tensor, rope, tokens: torch.Tensor) -> torch.Tensor:
         eps = self.a.rms_norm_eps
@@ -536,6 +547,11 @@ class DeepseekV4Family(Family):
         self.rms_norm_eps, self.tie_word_embeddings = a.rms_norm_eps, a.tie_word_embeddings
         self.stored: dict[str, str] = {}
         self.embed_name, self.norm_name = "embed.weight", "norm.weight"
+        self.emulation = None  # a deepseek_v4_quant.QuantEmulation: the reference's fake quantisation, else exact
+
+    @property
+    def numerics(self) -> str:
+        return "exact (no fake quantisation)" if self.emulation is None else self.emulation.label
 
     @classmethod
     def arch(cls) -> str:
@@ -576,7 +592,7 @@ class DeepseekV4Family(Family):
 
     # -- compute ----------------------------------------------------------------------------------------------
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
-        return DecoderLayer(self.args, i, self.n, fetch)
+        return DecoderLayer(self.args, i, self.n, fetch, self.emulation)
 
     def rope_tables(self, length: int, dtype: torch.dtype, device):
         positions = torch.arange(length)
