@@ -3,6 +3,8 @@
     from fidelity.packs.minipacks import write_minipack, MiniPackSpec, EncodingCache
     write_minipack("tiny-native/", "deepseek_v41_exl3", "out/", MiniPackSpec(), EncodingCache("enc.safetensors"))
 
+    python -m fidelity.packs.minipacks NATIVE OUT_ROOT [--layouts a,b] [--cache enc.safetensors] [--device cuda]
+
 The native pack is a Hugging Face DeepSeek-V3-style checkpoint (HF names, e.g. from `DeepseekV3ForCausalLM.save_pretrained`);
 tensors with official names (e.g. `layers.L.attn.wo_a.weight`) pass through. Encoding runs the reference Viterbi encoder
 (`exl3.encode`), which is slow on a CPU: an EncodingCache (optionally backed by a safetensors file) keeps every
@@ -265,3 +267,31 @@ def write_all(native: Pack | str | Path, out_root: str | Path, spec: MiniPackSpe
     """One miniature pack per layout under out_root/<layout>."""
     cache = cache or EncodingCache()
     return {layout: write_minipack(native, layout, Path(out_root) / layout, spec, cache, device) for layout in LAYOUTS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m fidelity.packs.minipacks", description="Write miniature EXL3 packs.")
+    ap.add_argument("native", help="a small native (HF-named) pack")
+    ap.add_argument("out_root", help="one folder per layout is written under it")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--cache", default=None, help="safetensors file of encodings: read if present, updated after")
+    ap.add_argument("--device", default=None, help="where to run the encoder (cuda is much faster)")
+    ap.add_argument("--codebook", default=MiniPackSpec.codebook)
+    ap.add_argument("--expert-k", default=MiniPackSpec.expert_k, help="K digits cycled over the experts")
+    args = ap.parse_args(argv)
+    from . import open_pack
+
+    spec = MiniPackSpec(codebook=args.codebook, expert_k=args.expert_k)
+    cache = EncodingCache(args.cache)
+    native = open_pack(args.native)
+    for layout in args.layouts.split(","):
+        print(write_minipack(native, layout, Path(args.out_root) / layout, spec, cache, args.device))
+    if args.cache and cache.misses:
+        cache.save(args.cache)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
