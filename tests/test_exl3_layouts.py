@@ -262,3 +262,12 @@ def test_oracle_runs_on_every_layout(packs, native, rng_seed):
         got = Oracle(open_pack(path)).logits(ids)
         diff = (got - ref).abs().max().item()
         assert 0 < diff < 0.25 * ref.abs().max().item(), (layout, diff)
+
+
+def test_cuda_exl3_per_expert_bits_list(packs, tmp_path):
+    dst = _copy(packs["cuda-exl3"], tmp_path / "cuda")
+    _edit_json(dst / "quantization_config.json", lambda d: d["expert_bits"].__setitem__("1", [3, 3, 3, 3]))
+    assert open_pack(dst).storage("model.layers.1.mlp.experts.3.gate_proj.weight").dtype == "exl3 K=3 mul1"
+    _edit_json(dst / "quantization_config.json", lambda d: d["expert_bits"].__setitem__("1", [3, 3, 6, 3]))
+    with pytest.raises(PackError, match=r"expert_bits\[1\]\[2\] states K=6 but .* implies K=3.*experts\.2\.w1\.trellis"):
+        open_pack(dst)

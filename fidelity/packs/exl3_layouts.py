@@ -13,7 +13,8 @@ model config implies (see `logical_shape`). Layouts:
    `.scale` or `.weight_scale_inv` block scales, MXFP4 int8 [out, in/2] with e8m0 `.scale` [out, in/32], bf16 norms...). `quantization_config.json` =
    `{"quant_method": "exl3", "format": "cuda-exl3", "expert_bits": {"<L>": K, ...}, "original_quantization_config":
    {...the official fp8 block...}}`; config.json carries no quantization_config. Stated K: expert_bits[L] for every
-   routed expert of layer L (a layer with EXL3 experts but no entry is an error).
+   routed expert of layer L (or expert_bits[L][E] when a layer lists one K per expert; a layer with EXL3 experts but
+   no entry is an error).
 3. `deepseek_v41_exl3` - config.json `quantization_config = {"quant_method": "deepseek_v41_exl3", "exl3_moe": {"plan":
    "exl3_moe_plan.json", "codebook": ..., "parts": 2}, ...}`. `exl3_moe_plan.json` = `{"layers": {"<L>": "<one digit per
    expert = its K>"}, "drafter": {"layers": {"<i>": "<digits>"}}}` (drafter = `mtp.<i>.ffn.experts.*`). Routed experts of
@@ -381,7 +382,13 @@ def detect_layout(pack, pool: set) -> Layout | None:
             if e[1] not in bits:
                 raise PackError(f"quantization_config.json expert_bits has no entry for layer {e[1]}, whose routed experts "
                                 f"are EXL3", file=qc_path, tensor=base)
-            return float(bits[e[1]]), f"quantization_config.json expert_bits[{e[1]}]"
+            entry = bits[e[1]]
+            if isinstance(entry, (list, str)):          # one K per expert instead of one per layer
+                if e[2] >= len(entry):
+                    raise PackError(f"quantization_config.json expert_bits[{e[1]}] lists {len(entry)} experts; expert "
+                                    f"{e[2]} is beyond it", file=qc_path, tensor=base)
+                return float(entry[e[2]]), f"quantization_config.json expert_bits[{e[1]}][{e[2]}]"
+            return float(entry), f"quantization_config.json expert_bits[{e[1]}]"
         return Layout("cuda-exl3", True, stated, qc.get("original_quantization_config"))
     if plan_path.exists() and method != "exl3":
         plan = _read_json(plan_path)
