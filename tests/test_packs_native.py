@@ -121,3 +121,12 @@ def test_tied_embedding_is_reported_as_head_and_counted_once(tmp_path):
     assert bpw["total"]["params"] == 400 + 128 + 128
     assert "routed_experts" not in bpw.rows  # an expert bias is not an expert weight
     assert bpw["all_linear"]["params"] == 400 + 128
+
+
+def test_fingerprint_sees_content_changes(tmp_path, rng_seed):
+    w = torch.randn(300, 200)
+    for name, t in (("a", w), ("b", w.clone()), ("c", torch.where(torch.arange(w.numel()).view_as(w) == 12345, w + 1, w))):
+        (tmp_path / name).mkdir()
+        write_safetensors(tmp_path / name / "model.safetensors", {"x.weight": t})
+    fa, fb, fc = (open_pack(tmp_path / n).fingerprint() for n in "abc")
+    assert fa == fb and fa != fc
