@@ -1,0 +1,158 @@
+"""Gates against a real engine: llama-cpp-python's OpenAI server on loopback, serving SmolLM2 GGUFs written by write_gguf."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import numpy as np
+import pytest
+
+from fidelity.engine import gates as G
+from fidelity.engine.client import ClientConfig, EngineClient
+from fidelity.engine.faults import Spawned, free_port
+
+pytestmark = pytest.mark.slow
+llama_cpp = pytest.importorskip("llama_cpp")
+pytest.importorskip("uvicorn")
+
+CHATS = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Name a primary color.", "Red is a primary color."),
+    ("What is 2 plus 3?", "2 plus 3 equals 5."),
+    ("Say hello in Spanish.", "Hola!"),
+    ("What do bees make?", "Bees make honey."),
+    ("Which planet is largest?", "Jupiter is the largest planet."),
+]
+SERVER_FLAGS = ["--n_ctx", "1024", "--n_threads", "1", "--logits_all", "true", "--verbose", "false", "--type_k", "0", "--type_v", "0"]
+
+
+def llama_server(model_path, tmp_path) -> Spawned:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port), *SERVER_FLAGS]
+    return Spawned(cmd, port, timeout_s=180, log=str(tmp_path / f"llama-{port}.log"))
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf, tmp_path_factory):
+    from fidelity.packs import open_pack
+    from fidelity.packs.tokenizer import load_tokenizer
+    from fidelity.packs.writers import write_gguf
+
+    pack = open_pack(smollm2_gguf)
+    out = tmp_path_factory.mktemp("gguf")
+    # the Q4_1 weights dequantized to F32: the same function the oracle computes from the Q4_1 pack
+    return {"pack": pack, "tok": load_tokenizer(pack), "F32": write_gguf(pack, out / "smol-F32.gguf", "F32"),
+            "Q2_K": write_gguf(pack, out / "smol-Q2_K.gguf", "Q2_K")}
+
+
+def chat_rows(tok, seed: int, n: int = 2) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for j, i in enumerate(rng.choice(len(CHATS), size=n, replace=False)):
+        q, a = CHATS[i]
+        ids = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        rows.append({"id": f"chat{i}", "domain": "chat", "tokens": ids})
+    return rows
+
+
+def gate(url, fn, *args, **kw):
+    async def go():
+        async with EngineClient(ClientConfig(url, model="smol", concurrency=4, timeout_s=300)) as c:
+            return await G.run_gate(fn.__name__, fn, c, *args, **kw)
+    return asyncio.run(go())
+
+
+def llama_full_logprobs(model_path, rows) -> list[np.ndarray]:
+    """The same engine's full-vocabulary distributions, in-process (what the server's top-k only samples)."""
+    m = llama_cpp.Llama(str(model_path), logits_all=True, n_ctx=1024, n_threads=1, verbose=False, type_k=0, type_v=0)
+    out = []
+    for r in rows:
+        m.reset()
+        m.eval(r["tokens"])
+        s = np.asarray(m.scores[: len(r["tokens"])], dtype=np.float64)
+        out.append(s - (s.max(1, keepdims=True) + np.log(np.exp(s - s.max(1, keepdims=True)).sum(1, keepdims=True))))
+    del m
+    return out
+
+
+def full_vocab_kl(model_path, ref, rows, top_k: int, bos: int) -> tuple[float, float, int]:
+    """Mean full-vocabulary KL(ref || engine) over the positions the gate scores through llama-cpp-python's echo (it skips
+    BOS tokens and gives no logprob for the first echoed one), and the mean of the stated gap tail_mass * KL(tails)."""
+    full, gaps = [], []
+    for r, lq in zip(ref.rows, llama_full_logprobs(model_path, rows)):
+        for j, t in enumerate(r.scored):
+            if r.tokens[t] == bos or t == 1:
+                continue
+            lp, q = r.logprobs[j], lq[t - 1]
+            p = np.exp(lp)
+            full.append(float(np.sum(p * (lp - q))))
+            seen = set(np.argsort(-q)[:top_k]) | {r.tokens[t]}
+            tail = np.array(sorted(set(range(len(q))) - seen))
+            pt, qt = p[tail].sum(), np.exp(q[tail]).sum()
+            gaps.append(float(pt * np.sum(p[tail] / pt * (lp[tail] - np.log(pt) - q[tail] + np.log(qt)))))
+    return float(np.mean(full)), float(np.mean(gaps)), len(full)
+
+
+def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path, rng_seed):
+    from fidelity.commands.reference import build_store
+    from fidelity.compare import compare
+    from fidelity.engine.reference import reference_from_store
+    from fidelity.packs import open_pack
+    from fidelity.panels import PanelRow, write_panel
+
+    rng = np.random.default_rng(rng_seed)
+    chats = [CHATS[i] for i in rng.choice(len(CHATS), size=2, replace=False)]
+    panel = write_panel(tmp_path / "panel", [PanelRow(f"chat{i}", "chat", messages=[{"role": "user", "content": q},
+                        {"role": "assistant", "content": a}]) for i, (q, a) in enumerate(chats)], name="gate-test")
+    store = tmp_path / "store"
+    build_store(smol["pack"], panel.path, store, progress=False)
+    ref = reference_from_store(store, smol["pack"], panel.path)
+    s = G.GateSettings(top_k=20)
+    with llama_server(smol["F32"], tmp_path) as srv:
+        f32 = gate(srv.url, G.oracle_kl, ref, s)
+    with llama_server(smol["Q2_K"], tmp_path) as srv:
+        q2k = gate(srv.url, G.oracle_kl, ref, s)
+    print("F32", f32.measured, "\nQ2_K", q2k.measured)
+    assert f32.status == "pass", f32
+    assert q2k.status == "fail" and q2k.measured["kl_mean"] > 100 * f32.measured["kl_mean"]
+
+    # the same engines' full-vocabulary distributions in-process: the estimate is the full KL minus the stated gap. The server
+    # rounds logprobs through float32 log-softmax, which puts a floor of a few 1e-6 under the F32 estimate.
+    bos = smol["tok"].convert_tokens_to_ids("<|im_start|>")
+    rows = [{"tokens": r.tokens} for r in ref.rows]
+    full = {}
+    for name, res in (("F32", f32), ("Q2_K", q2k)):
+        full[name], gap, n = full_vocab_kl(smol[name], ref, rows, s.top_k, bos)
+        print(f"{name}: full-vocab KL {full[name]:.4e}, gate estimate {res.measured['kl_mean']:.4e}, stated gap {gap:.4e}")
+        assert res.measured["positions"] == n
+        assert res.measured["kl_mean"] <= full[name] * 1.02 + 2e-5
+        assert abs(full[name] - gap - res.measured["kl_mean"]) <= 0.02 * full[name] + 2e-5
+
+    # `compare` on the same panel and store: the oracle's exact KL for the Q2_K pack (dequantized, fp32), next to llama.cpp's
+    # Q2_K kernels (which also quantize activations): same order, the gate's lower-bound estimate not above either
+    cmp = compare(smol["pack"], [open_pack(smol["Q2_K"])], panel=panel.path, reference_store=store, noise_floor=False,
+                  n_boot=100, progress=False).report["results"][0]["overall"]
+    print(f"compare Q2_K kld_mean {cmp['kld_mean']:.4e} (scored {cmp.get('positions')}), llama.cpp full {full['Q2_K']:.4e}, "
+          f"gate {q2k.measured['kl_mean']:.4e}")
+    assert 0.5 < full["Q2_K"] / cmp["kld_mean"] < 2.0
+    assert q2k.measured["kl_mean"] <= max(full["Q2_K"], cmp["kld_mean"]) * 1.02
+
+
+def test_three_gates_on_llamacpp_report_what_they_measure(smollm2_gguf, tmp_path):
+    s = G.GateSettings(prompts=["The capital of France is", "Bees make"], prompt_prefix="<|im_start|>", max_tokens=4,
+                       top_k=3, batch_sizes=[2], long_prompt_repeats=2)
+    no_bos = G.GateSettings(**{**s.__dict__, "prompt_prefix": ""})
+    with llama_server(smollm2_gguf, tmp_path) as srv:
+        results = {fn.__name__: gate(srv.url, fn, s) for fn in (G.batch_invariance, G.decode_vs_prefill, G.prefix_cache)}
+        dvp_no_bos = gate(srv.url, G.decode_vs_prefill, no_bos)
+    for name, r in results.items():
+        print(name, r.status, r.measured)
+        assert r.status in ("pass", "fail") and r.error is None
+        assert all(np.isfinite(c.value) for c in r.checks)
+        assert r.status == ("pass" if all(c.passed for c in r.checks) else "fail")
+    # llama-cpp-python 0.3.x shifts echoed prompt logprobs by one position when the prompt has no BOS token: the
+    # decode-vs-prefill gate sees it (logprob changes of whole nats), while with a BOS the two paths agree closely
+    print("decode-vs-prefill without BOS", dvp_no_bos.measured)
+    assert results["decode_vs_prefill"].measured["max_abs_dlogprob"] < 0.5
+    assert dvp_no_bos.status == "fail" and dvp_no_bos.measured["max_abs_dlogprob"] > 1.0
