@@ -3,8 +3,10 @@ longer than the window and than index_topk entries, hash-routed and biased-route
 hyper-connections; plus official-name packs and bad input."""
 from __future__ import annotations
 
+import copy
 import json
-import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -68,6 +70,23 @@ def make(tmp_path, case: str, seed: int, **over):
     return model, open_pack(tmp_path / case)
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The 'mixed-default-rope' model, built once per module (fresh seed, printed) to keep the tests fast."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"module model seed {seed}")
+    folder = tmp_path_factory.mktemp("v4") / "mixed-default-rope"
+    return build_v4(T.DeepseekV4Config(**BASE), folder, seed), folder
+
+
+@pytest.fixture
+def mixed(built, tmp_path):
+    """(a private copy of the built model, its pack folder copied to tmp_path: tests may edit both)."""
+    model, folder = built
+    shutil.copytree(folder, tmp_path / "mixed-default-rope")
+    return copy.deepcopy(model), tmp_path / "mixed-default-rope"
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers_past_window_and_topk(tmp_path, rng_seed, case):
     model, pack = make(tmp_path, case, rng_seed)
@@ -94,12 +113,11 @@ def official_name(saved: str) -> str:
 
 
 @pytest.mark.parametrize("naming", ["official", "exl3-hf"])
-def test_official_and_exl3_names_load(tmp_path, rng_seed, naming):
+def test_official_and_exl3_names_load(mixed, rng_seed, naming):
     """The same weights stored under DeepSeek's official names, or under the Hugging Face names the EXL3 layouts map
     official names to, give the same logits as transformers."""
     from fidelity.packs.exl3_layouts import official_to_hf
-    model, _ = make(tmp_path, "mixed-default-rope", rng_seed)
-    folder = tmp_path / "mixed-default-rope"
+    model, folder = mixed
     tensors = load_file(folder / "model.safetensors")
     rename = official_name if naming == "official" else (lambda n: official_to_hf(official_name(n)))
     renamed = {rename(k): v for k, v in tensors.items()}
@@ -133,11 +151,11 @@ def test_official_config_keys(tmp_path, rng_seed):
     assert (got - hf_logits(model, tokens)).abs().max().item() <= TOL
 
 
-def test_indexer_keeps_top_k_and_selection_matters(tmp_path, rng_seed):
+def test_indexer_keeps_top_k_and_selection_matters(mixed, rng_seed):
     """Late queries of a CSA layer keep exactly index_topk of their finished entries (fewer than they have), and
     keeping all of them instead moves the logits well past the tolerance."""
     from fidelity.oracle import deepseek_v4
-    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+    model, pack = mixed[0], open_pack(mixed[1])
     tokens = torch.randint(0, BASE["vocab_size"], (1, 30))
     kept = []
     original = deepseek_v4.Indexer.selected
@@ -170,9 +188,9 @@ def finished_entries_like(x, ratio):
     return finished_entries(x.shape[1], ratio, x.device).expand(x.shape[0], -1, -1)
 
 
-def test_hash_routing_reads_the_table(tmp_path, rng_seed):
+def test_hash_routing_reads_the_table(mixed, rng_seed):
     """Hash layers read exactly the experts tid2eid names for the row's tokens."""
-    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+    model, pack = mixed[0], open_pack(mixed[1])
     tokens = torch.randint(0, BASE["vocab_size"], (1, 3))
     read = []
     original = pack.tensor
@@ -186,9 +204,8 @@ def test_hash_routing_reads_the_table(tmp_path, rng_seed):
 
 # -- bad input --------------------------------------------------------------------------------------------------------
 
-def test_missing_tensor_named_in_stored_naming(tmp_path, rng_seed):
-    _, _ = make(tmp_path, "mixed-default-rope", rng_seed)
-    folder = tmp_path / "mixed-default-rope"
+def test_missing_tensor_named_in_stored_naming(mixed):
+    folder = mixed[1]
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.3.attn.indexer.compressor.ape"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -204,9 +221,8 @@ def test_missing_tensor_named_in_stored_naming(tmp_path, rng_seed):
     (dict(mlp_layer_types=["moe"]), "mlp_layer_types"),
     (dict(hc_mult=None), "'hc_mult'"),
 ])
-def test_bad_config_named(tmp_path, rng_seed, edit, needle):
-    _, _ = make(tmp_path, "mixed-default-rope", rng_seed)
-    path = tmp_path / "mixed-default-rope" / "config.json"
+def test_bad_config_named(mixed, edit, needle):
+    path = mixed[1] / "config.json"
     cfg = json.loads(path.read_text())
     for k, v in edit.items():
         if v is None:
@@ -215,22 +231,22 @@ def test_bad_config_named(tmp_path, rng_seed, edit, needle):
             cfg[k] = v
     path.write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as e:
-        Oracle(open_pack(tmp_path / "mixed-default-rope"))
+        Oracle(open_pack(mixed[1]))
     assert needle in str(e.value) and "DeepseekV4ForCausalLM" in str(e.value)
 
 
-def test_rows_of_different_lengths_including_shorter_than_a_window(tmp_path, rng_seed):
-    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+def test_rows_of_different_lengths_including_shorter_than_a_window(mixed, rng_seed):
+    model, pack = mixed[0], open_pack(mixed[1])
     rows = [torch.randint(0, BASE["vocab_size"], (n,)).tolist() for n in (1, 2, 9, 21)]
     oracle = Oracle(pack)
     for row, h in zip(rows, oracle.hidden_states(rows, progress=False)):
         assert (oracle.apply_head(h) - hf_logits(model, torch.tensor([row]))[0]).abs().max().item() <= TOL
 
 
-def test_query_chunking_changes_nothing(tmp_path, rng_seed, monkeypatch):
+def test_query_chunking_changes_nothing(mixed, rng_seed, monkeypatch):
     """One query per chunk in the attention and the indexer (what long rows get) gives transformers' logits too."""
     from fidelity.oracle import deepseek_v4
-    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
+    model, pack = mixed[0], open_pack(mixed[1])
     monkeypatch.setattr(deepseek_v4, "ATTENTION_CHUNK_BYTES", 1)
     tokens = torch.randint(0, BASE["vocab_size"], (2, 20))
     assert (Oracle(pack).logits(tokens) - hf_logits(model, tokens)).abs().max().item() <= TOL

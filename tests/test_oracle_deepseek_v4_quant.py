@@ -13,7 +13,7 @@ from fidelity.errors import ConfigError
 from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek_v4_quant import (QuantEmulation, emulate_reference_quant, fake_fp4_e4m3_scales,
                                                fake_fp8, round_e2m1, round_e4m3)
-from test_oracle_deepseek_v4 import BASE, make
+from test_oracle_deepseek_v4 import BASE, built, mixed  # noqa: F401 (fixtures)
 from test_oracle_support import hf_logits
 
 E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
@@ -78,9 +78,9 @@ def hook_reference_quant(model, em: QuantEmulation, rope_dim: int):
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp4"])
-def test_emulation_equals_transformers_with_the_same_rounding(tmp_path, rng_seed, kv):
-    model, pack = make(tmp_path, "mixed-default-rope", rng_seed)
-    model = model.double()
+def test_emulation_equals_transformers_with_the_same_rounding(mixed, rng_seed, kv):
+    from fidelity import open_pack
+    model, pack = mixed[0].double(), open_pack(mixed[1])
     em = QuantEmulation(act_block=4, kv=kv, kv_block=4, kv_fp4_block=4)
     tokens = torch.randint(0, BASE["vocab_size"], (2, 19))
     exact = hf_logits(model, tokens)
