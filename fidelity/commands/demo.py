@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from rich.console import Console
 from ..errors import FidelityError
 
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
+DEMO_FORMATS = GGUF_TYPES + ("ct-W4A16",)
 MODEL = "smollm2-135m-instruct"
 
 
@@ -25,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--cache", default=None, help="folder for the demo packs (default ~/.cache/fidelity/demo, or $FIDELITY_CACHE/demo)")
     p.add_argument("--panel", help="panel to compare on (default: panels/default)")
     p.add_argument("--rows-per-domain", type=int, help="use only the first N rows of each domain (a quicker run)")
-    p.add_argument("--formats", default=",".join(GGUF_TYPES), help=f"GGUF types to build (default {','.join(GGUF_TYPES)})")
+    p.add_argument("--formats", default=",".join(DEMO_FORMATS),
+                   help=f"packs to build: GGUF types and/or ct-W4A16 (default {','.join(DEMO_FORMATS)})")
     p.add_argument("--json", dest="json_out", help="also write the report as JSON (it is always kept in the cache too)")
     p.add_argument("--markdown", help="also write the tables as Markdown")
     p.add_argument("--out", help="folder for per-position records")
@@ -54,6 +57,48 @@ def _atomic(target: Path, build) -> Path:
     return target
 
 
+CT_INT4 = "ct-W4A16"
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def write_compressed_tensors_int4(native, out: Path, group_size: int = 64) -> Path:
+    """A compressed-tensors W4A16 pack (int4, symmetric, one scale per `group_size` inputs, bf16 scales, packed in int32)
+    made by the compressed-tensors library itself from min/max observations, as llm-compressor's RTN would."""
+    import json
+
+    import torch
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    from ..packs.safetensors_io import write_safetensors
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    comp = BaseCompressor.get_value_from_registry("pack-quantized")
+    tensors = {}
+    for name in native.names():
+        w = native.tensor(name)
+        if not LINEAR.match(name):
+            tensors[name] = w.to(torch.bfloat16) if w.dim() > 1 else w
+            continue
+        g = w.reshape(w.shape[0], -1, group_size)
+        scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        stored = comp.compress({"weight": w, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zp}, scheme)
+        prefix = name[: -len(".weight")]
+        tensors.update({f"{prefix}.{k}": v for k, v in stored.items()})
+    out.mkdir(parents=True)
+    write_safetensors(out / "model.safetensors", tensors)
+    cfg = {k: v for k, v in native.config.items() if k != "quantization_config"}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "quantization_status": "compressed", "ignore": ["lm_head"],
+                                  "config_groups": {"group_0": json.loads(scheme.model_dump_json())}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    from ..packs.tokenizer import load_tokenizer
+    load_tokenizer(native).save_pretrained(str(out))
+    return out
+
+
 def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, console: Console | None = None) -> dict[str, Path]:
     """{"native": folder, "Q8_0": file, ...}, built on first use and reused afterwards."""
     from ..packs import open_pack
@@ -69,6 +114,14 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
     out["native"] = _atomic(native_dir, lambda tmp: write_native(open_pack(source_gguf()), tmp))
     native = None
     for qtype in formats:
+        if qtype == CT_INT4:
+            target = cache / f"{MODEL}-{CT_INT4}"
+            if not target.exists():
+                con.print(f"building compressed-tensors {CT_INT4} ...")
+                native = native or open_pack(out["native"])
+                _atomic(target, lambda tmp: write_compressed_tensors_int4(native, tmp))
+            out[qtype] = target
+            continue
         target = cache / f"{MODEL}-{qtype}.gguf"
         if not target.exists():
             con.print(f"building GGUF {qtype} ...")
