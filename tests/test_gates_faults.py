@@ -225,3 +225,18 @@ def test_oracle_kl_without_a_usable_reference_could_not_run(server, tmp_path):
     assert rep["exit_code"] == 2 and "needs --reference-store" in rep["gates"][0]["error"]
     rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}, store=str(tmp_path / "nowhere")))
     assert rep["exit_code"] == 2 and "--reference-pack" in rep["gates"][0]["error"] and "nowhere" in rep["gates"][0]["error"]
+
+
+@pytest.mark.slow
+def test_proxy_mode_perturbs_a_real_upstream_by_a_bounded_amount(server, rng_seed):
+    """--upstream: the same faults in front of any engine (here the toy server); +-delta per returned logprob, renormalized
+    within the returned set, so no logprob moves by more than 2 delta."""
+    set_plan(server.url)
+    delta = 0.05
+    s = G.GateSettings(prompts=random_texts(rng_seed), max_tokens=4, top_k=8)
+    with spawn_fault_server({"perturb_prefill": delta}, upstream=server.url) as proxy:
+        res = run_one(proxy.url, G.decode_vs_prefill, s)
+        assert res.status == "fail" and 0 < res.measured["max_abs_dlogprob"] <= 2 * delta + 1e-12
+        set_plan(proxy.url, {"truncate_logprobs": True})
+        assert run_one(proxy.url, G.decode_vs_prefill, s).status == "error"
+    assert run_one(server.url, G.decode_vs_prefill, s).status == "pass"

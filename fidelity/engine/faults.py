@@ -228,14 +228,17 @@ class FaultServer:
     def perturb_reply(self, reply: dict, req: dict):
         """Upstream replies: shift each returned top-k logprob by +-delta (by a hash of its token text), keeping the returned set's
         total mass, so the result is still a distribution with the same tail."""
-        delta = self.plan.perturb_prefill + (self.plan.perturb_batched if self.in_flight > 1 else 0.0)
+        batched = self.plan.perturb_batched if self.in_flight > 1 else 0.0
+        delta = batched + (self.plan.perturb_prefill if req.get("echo") else 0.0)  # prefill: echoed prompt positions only
+        if not delta:
+            return
         for ch in reply.get("choices", []):
             lp = ch.get("logprobs")
             if not isinstance(lp, dict):
                 continue
             n_prompt = (reply.get("usage") or {}).get("prompt_tokens", len(lp.get("tokens", [])))
             for i, top in enumerate(lp.get("top_logprobs") or []):
-                if not top or (self.plan.perturb_prefill and not self.plan.perturb_batched and i >= n_prompt):
+                if not top or (not batched and i >= n_prompt):
                     continue
                 keys = list(top)
                 vals = np.array([top[t] for t in keys], dtype=np.float64)
