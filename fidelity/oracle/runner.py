@@ -140,7 +140,8 @@ class Oracle:
                 self._check_finite(acts[b], idx, f"layer {layer_index}")
                 bar.update(len(idx))
             del layer
-            release_freed_memory()
+            if not self.keep_weights:
+                release_freed_memory()  # costs page faults later, so only when a layer's weights were really let go
         bar.close()
         norm = self.fetch(fam.norm_name)
         return batches, [rms_norm(fam.final_hook(x, self.fetch), norm, fam.rms_norm_eps) for x in acts]
