@@ -144,3 +144,19 @@ def test_query_chunking_changes_nothing(tmp_path, rng_seed, monkeypatch):
     monkeypatch.setattr(deepseek_v32, "ATTENTION_CHUNK_BYTES", 1)
     tokens = torch.randint(0, BASE["vocab_size"], (2, 20))
     assert (Oracle(pack).logits(tokens) - hf_logits(model, tokens)).abs().max().item() <= TOL
+
+
+def test_indexer_under_official_names(tmp_path, rng_seed):
+    """A pack whose other tensors carry Hugging Face names (as the EXL3 layouts map them) but whose indexer keeps
+    DeepSeek's official `layers.L.attn.indexer.*` names (left unmapped there) loads and matches transformers."""
+    from safetensors.torch import load_file, save_file
+    model, _ = make(tmp_path, "default-rope", rng_seed)
+    path = tmp_path / "default-rope" / "model.safetensors"
+    tensors = load_file(path)
+    renamed = {k.replace("model.layers.", "layers.").replace(".self_attn.indexer.", ".attn.indexer.")
+               if ".indexer." in k else k: v for k, v in tensors.items()}
+    assert "layers.2.attn.indexer.wq_b.weight" in renamed
+    save_file(renamed, path, metadata={"format": "pt"})
+    tokens = torch.randint(0, BASE["vocab_size"], (1, 25))
+    got = Oracle(open_pack(tmp_path / "default-rope")).logits(tokens)
+    assert (got - hf_logits(model, tokens)).abs().max().item() <= TOL

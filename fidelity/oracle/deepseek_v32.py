@@ -110,10 +110,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class IndexedMLA(MLA):
     """MLA whose keys are limited, per query, to the lightning indexer's top-k."""
 
-    def __init__(self, a: DeepseekV3Args, index: IndexerArgs, prefix: str, fetch: Fetch):
+    def __init__(self, a: DeepseekV3Args, index: IndexerArgs, prefix: str, fetch: Fetch, indexer_prefix: str):
         super().__init__(a, prefix, fetch)
         self.index = index
-        self.indexer = LightningIndexer(index, f"{prefix}.indexer", fetch)
+        self.indexer = LightningIndexer(index, indexer_prefix, fetch)
 
     def __call__(self, x: torch.Tensor, rope) -> torch.Tensor:
         if x.shape[1] <= self.index.topk:  # every earlier token is selected: dense causal MLA
@@ -139,8 +139,22 @@ class DeepseekV32Family(DeepseekV3Family):
     def is_moe(self, i: int) -> bool:
         return self.mlp_types[i] == "sparse"
 
+    def resolve_names(self, available) -> None:
+        """Indexer tensors under DeepSeek's official names (`layers.L.attn.indexer.*`, which the EXL3 layouts leave
+        unmapped) are used where the Hugging Face ones are absent."""
+        have = set(available)
+        self.indexer_prefix = {}
+        for i in range(self.n_layers):
+            official = f"layers.{i}.attn.indexer"
+            hf_present = any(n in have for n in LightningIndexer.names(f"model.layers.{i}.self_attn.indexer"))
+            if not hf_present and any(n in have for n in LightningIndexer.names(official)):
+                self.indexer_prefix[i] = official
+
+    def indexer_of(self, i: int) -> str:
+        return getattr(self, "indexer_prefix", {}).get(i, f"model.layers.{i}.self_attn.indexer")
+
     def layer_names(self, i: int) -> list[str]:
-        return super().layer_names(i) + LightningIndexer.names(f"model.layers.{i}.self_attn.indexer")
+        return super().layer_names(i) + LightningIndexer.names(self.indexer_of(i))
 
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
         a, p = self.args, f"model.layers.{i}"
@@ -149,6 +163,6 @@ class DeepseekV32Family(DeepseekV3Family):
             mlp = SigmoidMoE(a, f"{p}.mlp", fetch, experts)
         else:
             mlp = GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act)
-        return DecoderLayer(IndexedMLA(a, self.index, f"{p}.self_attn", fetch), mlp,
+        return DecoderLayer(IndexedMLA(a, self.index, f"{p}.self_attn", fetch, self.indexer_of(i)), mlp,
                             fetch(f"{p}.input_layernorm.weight"), fetch(f"{p}.post_attention_layernorm.weight"),
                             a.rms_norm_eps)
