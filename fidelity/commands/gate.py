@@ -9,7 +9,7 @@ Default thresholds (nats for KL, logprob units for deltas), overridable per gate
 
 gate.toml:
   [settings]            # prompts, prompt_prefix, max_tokens, top_k, batch_sizes, long_prompt_repeats, prompt_as,
-                        # concurrency, timeout_s, retries, journal
+                        # prompt_logprobs (vLLM), concurrency, timeout_s, retries, journal
   [oracle-kl]           # any threshold above
   kl_mean_max = 0.02
 

@@ -10,7 +10,8 @@ Faults (the `FaultPlan` fields): 5xx bursts (`fail_attempts` per distinct reques
 (`slow_s`), 200 replies whose body is not JSON (`malformed_attempts`), logprob lists cut short (`truncate_logprobs`), a connection
 dropped half-way through the body (`drop_attempts`), and logprobs perturbed by a known amount: `perturb_prefill` shifts the logits
 of echoed prompt positions by +delta (even token ids) / -delta (odd ids), `perturb_batched` does the same only while another request
-is in flight (a batch-dependent kernel).
+is in flight (a batch-dependent kernel). In front of an upstream, each returned top-k logprob moves by +-delta (by a hash of its
+text) and the returned set is renormalized to its original mass, so no logprob moves by more than 2 delta.
 """
 from __future__ import annotations
 
