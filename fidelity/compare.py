@@ -53,26 +53,25 @@ def _oracle(pack, device: str):
     return distributed.parallelize(Oracle(pack, device=distributed.local_device(device)))
 
 
-class PerturbedOracle:
-    """An Oracle whose every layer's attention and MLP outputs are multiplied by (1 + NOISE_REL * u), u ~ U(-1, 1),
-    from a generator seeded per (seed, layer, module): a reproducible stand-in for bf16 rounding of each module output."""
+def perturbed_oracle(pack, device: str = "cpu", seed: int = 0, rel: float = NOISE_REL):
+    """An Oracle whose every layer's attention and MLP outputs are multiplied by (1 + rel * u), u ~ U(-1, 1), from a
+    generator seeded per (seed, layer, module): a reproducible stand-in for bf16 rounding of each module output. It hooks
+    `Oracle.load_layer` (the one place layers are built) and wraps the layer's `attn` / `mlp` callables, or the whole
+    layer for families without them."""
+    from .oracle import Oracle
 
-    def __new__(cls, pack, device: str = "cpu", seed: int = 0, rel: float = NOISE_REL):
-        from .oracle import Oracle
+    class PerturbedOracle(Oracle):
+        def load_layer(self, i: int):
+            layer = super().load_layer(i)
+            wrapped = False
+            for j, attr in enumerate(("attn", "mlp")):
+                fn = getattr(layer, attr, None)
+                if callable(fn):
+                    setattr(layer, attr, _perturb(fn, seed * 1_000_003 + 2 * i + j, rel))
+                    wrapped = True
+            return layer if wrapped else _perturb(layer, seed * 1_000_003 + 2 * i, rel)
 
-        class _Perturbed(Oracle):
-            def load_layer(self, i: int):
-                layer = super().load_layer(i)
-                for j, attr in enumerate(("attn", "mlp")):
-                    fn = getattr(layer, attr, None)
-                    if callable(fn):
-                        setattr(layer, attr, _perturb(fn, seed * 1_000_003 + 2 * i + j, rel))
-                if not any(callable(getattr(layer, a, None)) for a in ("attn", "mlp")):
-                    layer = _perturb(layer, seed * 1_000_003 + 2 * i, rel)
-                return layer
-
-        from . import distributed
-        return distributed.parallelize(_Perturbed(pack, device=distributed.local_device(device)))
+    return PerturbedOracle(pack, device=device)
 
 
 def _perturb(fn, seed: int, rel: float):
@@ -141,7 +140,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
 
     noise = None
     if noise_floor:
-        noisy = PerturbedOracle(ref_pack, device=device, seed=seed)
+        noisy = perturbed_oracle(ref_pack, device=device, seed=seed)
         noise_pm = _row_metrics(ref, ref_oracle, _pack_hidden(noisy, rows, progress), ref_oracle,
                                 store_path=reference_store, desc="noise floor", progress=progress)
         noise = summarize(noise_pm, groups, n_boot=n_boot, seed=seed)["overall"]

@@ -230,3 +230,21 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
     from fidelity.panels import PanelError
     with pytest.raises(PanelError, match=r"bad\.jsonl line 1 \(row 'b1'\): needs a string 'prompt' or 'messages' ending"):
         build_panel(bad, tiny["ref"], tmp_path / "nope", progress=False)
+
+
+def test_noise_floor_perturbation_is_seeded_and_small(tiny):
+    from fidelity.compare import NOISE_REL, perturbed_oracle
+    from fidelity.oracle import Oracle
+    from fidelity.packs import open_pack
+    pack = open_pack(tiny["ref"])
+    rows = [[1, 50, 900, 7, 3000], [5, 6]]
+    exact = Oracle(pack).hidden_states(rows, progress=False)
+    zero = perturbed_oracle(pack, rel=0.0).hidden_states(rows, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(exact, zero))
+    one = perturbed_oracle(pack, seed=3).hidden_states(rows, progress=False)
+    again = perturbed_oracle(pack, seed=3).hidden_states(rows, progress=False)
+    other = perturbed_oracle(pack, seed=4).hidden_states(rows, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(one, again))
+    assert not torch.equal(one[0], other[0])
+    rel = max(float(((a - b).norm() / a.norm())) for a, b in zip(exact, one))
+    assert NOISE_REL / 100 < rel < NOISE_REL * 10
