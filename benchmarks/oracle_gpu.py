@@ -118,7 +118,8 @@ def roofline(device, n: int) -> float:
     return 5 * 2 * n ** 3 / seconds / 1e12
 
 
-def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: int, cpu_check: bool, out: Path) -> dict:
+def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: int, cpu_check: bool, out: Path,
+                no_int8: bool = False) -> dict:
     weights = make_weights(cfg)
     tokens = torch.randint(0, cfg["vocab_size"], (rows, length), generator=torch.Generator().manual_seed(1))
     res = {"model": name, "params": sum(w.numel() for w in weights.values()), "tokens": rows * length}
@@ -130,7 +131,7 @@ def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: i
         hf_logits = model(input_ids=small.to(device), use_cache=False).logits.float().cpu()
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    for fmt in ("fp32", "int8"):
+    for fmt in ("fp32",) if no_int8 else ("fp32", "int8"):
         pack = HostPack(cfg, weights, int8=fmt == "int8")
         for pre in (False, True):
             oracle = Oracle(pack, device=device)
@@ -175,11 +176,14 @@ def single(args) -> None:
     report["transformers"] = transformers.__version__
     report["fp32_matmul_tflops"] = roofline(device, 256 if args.tiny else 8192)
     report["tiny_moe_cuda_vs_cpu_rel"] = tiny_moe_checks(device)
-    stacks = [("tiny", TINY, 4, 32)] if args.tiny else [("smollm2_shape", SMOLLM2, 32, 512), ("llama_1b", ONE_B, 32, 512)]
+    stacks = [("tiny", TINY, 4, 32)] if args.tiny else [("smollm2_shape", SMOLLM2, args.rows, 512),
+                                                         ("llama_1b", ONE_B, args.rows, 512)]
+    stacks = [s for s in stacks if not args.only or s[0] == args.only]
     report["stacks"] = []
     for n, c, r, t in stacks:
         try:
-            report["stacks"].append(bench_stack(n, llama_config(**c), device, r, t, args.repeats, True, out))
+            report["stacks"].append(bench_stack(n, llama_config(**c), device, r, t, args.repeats, True, out,
+                                                args.no_int8))
         except Exception as e:  # report what ran; the failure is in the output
             report["stacks"].append({"model": n, "error": repr(e)})
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -198,7 +202,7 @@ def dist_run(args) -> None:
     g = distributed.group("cuda" if torch.cuda.is_available() else "cpu")
     device, out = g.device, Path(args.out)
     report = {"world_size": g.world_size, "rank": g.rank}
-    name, cfg, rows, length = ("tiny", TINY, 4, 32) if args.tiny else ("llama_1b", ONE_B, 32, 512)
+    name, cfg, rows, length = ("tiny", TINY, 4, 32) if args.tiny else ("llama_1b", ONE_B, args.rows, 512)
     cfg = llama_config(**cfg)
     pack = HostPack(cfg, make_weights(cfg))
     tokens = torch.randint(0, cfg["vocab_size"], (rows, length), generator=torch.Generator().manual_seed(1))
@@ -234,5 +238,8 @@ if __name__ == "__main__":
     p.add_argument("--out", default="/tmp/oracle_gpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--rows", type=int, default=32, help="rows of 512 tokens (16 rows make one oracle batch)")
+    p.add_argument("--only", help="single: just this stack (smollm2_shape or llama_1b)")
+    p.add_argument("--no-int8", action="store_true", help="single: skip the int8-dequantized variants")
     args = p.parse_args()
     single(args) if args.mode == "single" else dist_run(args)

@@ -343,6 +343,11 @@ class Prefetcher:
         self.pending: dict[int, object] = {}
         cuda = oracle.device.type == "cuda"
         self.stream = torch.cuda.Stream(oracle.device) if cuda else None
+        if cuda and not getattr(oracle.fetch.read, "pinned", False):
+            # Copies from pageable memory do not overlap kernels; from pinned memory they are plain DMA that does.
+            read = oracle.fetch.read
+            oracle.fetch.read = lambda name: read(name).pin_memory()
+            oracle.fetch.read.pinned = True
 
     def _load(self, i: int):
         if self.stream is None:
