@@ -32,8 +32,8 @@ BASE = dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_
 
 CASES = {
     "mixed-default-rope": {},
-    "yarn-compress-csa2-hca5": dict(
-        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 5}, index_topk=4,
+    "yarn-compress-csa2-hca5-tied": dict(
+        tie_word_embeddings=True, compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 5}, index_topk=4,
         hc_mult=2, sliding_window=7, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
         layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
                      "compressed_sparse_attention"],
