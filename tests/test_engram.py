@@ -224,3 +224,45 @@ def test_compressed_token_map_matches_python_normalisation(tmp_path):
     assert got.tolist() == want
     assert got[0] == got[1] == got[2] and got[6] == got[7] and got[8] == got[9] and got[10] == got[11]
     assert got[3] == got[4] == got[5] != got[11]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (dict(engram_num_embeddings=[5]), "engram_num_embeddings has 1 entries for 2 engram_layer_ids"),
+    (dict(layer=3), "layer 3 is not in engram_layer_ids"),
+    (dict(engram_compressed_vocab_size=None), "engram_compressed_vocab_size"),
+])
+def test_engram_config_errors_named(edit, needle):
+    per = 2 * 2
+    primes = primes_above(99, 2 * per)
+    cfg = dict(engram_layer_ids=[1, 4], engram_vocab_size=100, engram_max_ngram_size=3, engram_n_heads=2,
+               engram_num_embeddings=[sum(primes[:per]), sum(primes[per:])], engram_compressed_vocab_size=50,
+               hc_mult=2, hidden_size=8)
+    layer = edit.pop("layer", 1)
+    cfg.update(edit)
+    with pytest.raises(ConfigError) as e:
+        EngramArgs.from_config({k: v for k, v in cfg.items() if v is not None}, layer)
+    assert needle in str(e.value) and "DeepseekV41ForCausalLM" in str(e.value)
+
+
+def test_engram_args_from_config_hash_like_the_naive_loop(rng_seed):
+    per = 2 * 2
+    primes = primes_above(99, 2 * per)
+    cfg = dict(engram_layer_ids=[1, 4], engram_vocab_size=100, engram_max_ngram_size=3, engram_n_heads=2,
+               engram_num_embeddings=[sum(primes[:per]), sum(primes[per:])], engram_compressed_vocab_size=50,
+               engram_pad_token_id=7, hc_mult=2, hidden_size=8)
+    token_map = torch.arange(60) % 50
+    a = EngramArgs.from_config(cfg, 4, token_map)
+    assert a.head_sizes == primes[per:] and a.pad_id == 7 and a.multipliers == layer_multipliers(4, 3, 50)
+    ids = torch.randint(0, 50, (1, 11))
+    assert ngram_rows(ids, a)[0].tolist() == naive_rows(ids[0].tolist(), a)
+
+
+def test_row_table_shards_must_agree(tmp_path):
+    write_safetensors(tmp_path / "a.safetensors", {"t.shard_0.weight": torch.zeros(4, 3),
+                                                   "t.shard_1.weight": torch.zeros(4, 5),
+                                                   "t.shard_2.weight": torch.zeros(6, 3)})
+    with pytest.raises(PackError, match="5 columns, the first has 3"):
+        RowTable([(tmp_path / "a.safetensors", "t.shard_0.weight"), (tmp_path / "a.safetensors", "t.shard_1.weight")])
+    with pytest.raises(PackError, match="equal row counts"):
+        RowTable([(tmp_path / "a.safetensors", "t.shard_0.weight"), (tmp_path / "a.safetensors", "t.shard_2.weight"),
+                  (tmp_path / "a.safetensors", "t.shard_0.weight")])

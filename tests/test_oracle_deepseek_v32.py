@@ -160,3 +160,15 @@ def test_indexer_under_official_names(tmp_path, rng_seed):
     tokens = torch.randint(0, BASE["vocab_size"], (1, 25))
     got = Oracle(open_pack(tmp_path / "default-rope")).logits(tokens)
     assert (got - hf_logits(model, tokens)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (dict(index_head_dim=4), "index_head_dim 4"),
+    (dict(index_topk=0), "index_topk"),
+    (dict(q_lora_rank=None), "q_lora_rank"),
+])
+def test_more_bad_configs_named(tmp_path, rng_seed, edit, needle):
+    pack = _config_with(tmp_path, rng_seed, **edit)
+    with pytest.raises(ConfigError) as e:
+        Oracle(pack)
+    assert needle in str(e.value) and "DeepseekV32ForCausalLM" in str(e.value)

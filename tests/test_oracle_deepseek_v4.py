@@ -250,3 +250,22 @@ def test_query_chunking_changes_nothing(mixed, rng_seed, monkeypatch):
     monkeypatch.setattr(deepseek_v4, "ATTENTION_CHUNK_BYTES", 1)
     tokens = torch.randint(0, BASE["vocab_size"], (2, 20))
     assert (Oracle(pack).logits(tokens) - hf_logits(model, tokens)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (dict(layer_types=None, compress_ratios=[0, 4, -1, 4]), "compress_ratios"),
+    (dict(layer_types=None, compress_ratios=[0, 4]), "compress_ratios"),
+    (dict(o_groups=3), "o_groups 3"),
+])
+def test_more_bad_configs_named(mixed, edit, needle):
+    path = mixed[1] / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in edit.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        Oracle(open_pack(mixed[1]))
+    assert needle in str(e.value) and "DeepseekV4ForCausalLM" in str(e.value)
