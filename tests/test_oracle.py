@@ -28,6 +28,8 @@ DENSE = {
         tie_word_embeddings=True, rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0,
                                                        original_max_position_embeddings=32))),
     "qwen3-qknorm-default": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(tie_word_embeddings=False, attention_bias=True)),
+    "qwen2-sliding-from-layer-1": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
+        use_sliding_window=True, sliding_window=4, max_window_layers=1, tie_word_embeddings=False)),
 }
 
 
