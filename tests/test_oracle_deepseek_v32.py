@@ -172,3 +172,25 @@ def test_more_bad_configs_named(tmp_path, rng_seed, edit, needle):
     with pytest.raises(ConfigError) as e:
         Oracle(pack)
     assert needle in str(e.value) and "DeepseekV32ForCausalLM" in str(e.value)
+
+
+@pytest.mark.slow
+def test_real_index_geometry_long_row(tmp_path, rng_seed):
+    """The released indexer geometry (64 heads x 128, top-2048) on a 2300-token row, with YaRN: the 252 last positions
+    keep 2048 of their up to 2300 past tokens. Seen: max |dlogit| 0.0, sparse-vs-dense effect 3.6."""
+    cfg = dict(vocab_size=1000, hidden_size=512, intermediate_size=768, moe_intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128,
+               qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, n_shared_experts=1,
+               num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+               norm_topk_prob=True, index_n_heads=64, index_head_dim=128, index_topk=2048,
+               max_position_embeddings=163840,
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                                    original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0,
+                                    beta_fast=32, beta_slow=1))
+    model = build(T.DeepseekV32Config(**cfg), T.DeepseekV32ForCausalLM, tmp_path / "real", rng_seed)
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 2300))
+    want = hf_logits(model, tokens)
+    got = Oracle(open_pack(tmp_path / "real")).logits(tokens)
+    delta = (got - want).abs().max().item()
+    print(f"V3.2 real index geometry, T=2300: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
+    assert delta <= TOL
