@@ -155,7 +155,7 @@ def test_indexer_keeps_top_k_and_selection_matters(mixed, rng_seed):
     """Late queries of a CSA layer keep exactly index_topk of their finished entries (fewer than they have), and
     keeping all of them instead moves the logits well past the tolerance."""
     from fidelity.oracle import deepseek_v4
-    model, pack = mixed[0], open_pack(mixed[1])
+    pack = open_pack(mixed[1])
     tokens = torch.randint(0, BASE["vocab_size"], (1, 30))
     kept = []
     original = deepseek_v4.Indexer.selected

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import transformers as T
 
 from fidelity.errors import ConfigError
 from fidelity.oracle import Oracle

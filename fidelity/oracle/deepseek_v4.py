@@ -22,8 +22,7 @@ ones to; `resolve_names` finds whichever is there.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +73,6 @@ class DeepseekV4Args:
     compress_rope: RopeArgs
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: dict, arch: str = ARCH) -> "DeepseekV4Args":
