@@ -134,14 +134,15 @@ def test_official_and_exl3_names_load(mixed, rng_seed, naming):
 
 def test_official_config_keys(tmp_path, rng_seed):
     """A config.json in the official style (compress_ratios 0/4/128, num_hash_layers, qk_rope_head_dim, flat
-    rope_scaling) reads like transformers folds it; a 140-token row finishes one 128-token HCA window."""
+    rope_scaling; compress_ratios running past the layers, onto the MTP block) reads like transformers folds it; a
+    140-token row finishes one 128-token HCA window."""
     over = dict(layer_types=None, mlp_layer_types=None, compress_rates=None, partial_rotary_factor=None,
                 compress_ratios=[128, 4, 0, 4], num_hash_layers=1, qk_rope_head_dim=4, num_hidden_layers=4,
                 rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))
     model, pack = make(tmp_path, "mixed-default-rope", rng_seed, **over)
     official = {k: v for k, v in BASE.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
                                                            "partial_rotary_factor")}
-    official.update(architectures=["DeepseekV4ForCausalLM"], compress_ratios=[128, 4, 0, 4], num_hash_layers=1,
+    official.update(architectures=["DeepseekV4ForCausalLM"], compress_ratios=[128, 4, 0, 4, 4], num_hash_layers=1,
                     qk_rope_head_dim=4, rope_theta=10000.0, compress_rope_theta=160000.0,
                     rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64),
                     hc_eps=1e-6, scoring_func="sqrtsoftplus")
