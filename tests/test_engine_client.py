@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fidelity.engine.client import (ClientConfig, EngineClient, EngineError, EngineHTTPError, EngineProtocolError,
-                                    parse_completion, parse_vllm_prompt_logprobs)
+                                    parse_chat, parse_completion, parse_vllm_prompt_logprobs)
 from fidelity.engine.faults import ToyModel, VOCAB, set_plan, spawn_fault_server
 from fidelity.engine.journal import Journal, request_key
 from fidelity.errors import FidelityError
@@ -174,3 +174,18 @@ def test_parse_vllm_prompt_logprobs_and_token_ids():
         parse_vllm_prompt_logprobs([None, "junk"])
     with pytest.raises(EngineProtocolError, match="not a logprob"):
         parse_completion({"choices": [{"text": "", "logprobs": {"tokens": ["a"], "token_logprobs": [0.7]}}]})
+
+
+def test_parse_chat_tool_calls_and_logprobs():
+    reply = {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+        {"id": "c2", "type": "function", "function": {"name": "noop", "arguments": {"x": 1}}}]},
+        "logprobs": {"content": [{"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]}]}}]}
+    c = parse_chat(reply)
+    assert [t.name for t in c.tool_calls] == ["get_weather", "noop"] and json.loads(c.tool_calls[0].arguments) == {"city": "Paris"}
+    assert json.loads(c.tool_calls[1].arguments) == {"x": 1} and c.logprobs[0].top == {"a": -0.1}
+    bad = {"choices": [{"message": {"tool_calls": [{"id": "c3", "function": {"arguments": "{}"}}]}}]}
+    with pytest.raises(EngineProtocolError, match=r"tool_calls\[0\] has no function name"):
+        parse_chat(bad, url="http://x/v1/chat/completions", tag="item-7")
+    with pytest.raises(EngineProtocolError, match="item-7"):
+        parse_chat({"choices": []}, tag="item-7")

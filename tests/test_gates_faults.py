@@ -120,13 +120,13 @@ def exact_kl(ref_lp: np.ndarray, eng_lp: np.ndarray) -> float:
     return float(rel_entr(np.exp(ref_lp), np.exp(eng_lp)).sum())
 
 
-@pytest.mark.parametrize("k", [len(VOCAB), 4])
-def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k):
+@pytest.mark.parametrize("k,vllm", [(len(VOCAB), False), (4, False), (4, True)])
+def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vllm):
     delta = 0.4
     set_plan(server.url, {"perturb_prefill": delta})
     texts = random_texts(rng_seed, n=2, length=15)
     ref = toy_reference(texts)
-    res = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k), prompt_as="ids")
+    res = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="ids")
     assert res.status == "fail"
     toy, sign = ToyModel(), np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)
     exact = [exact_kl(r.logprobs[j], log_softmax(r.logprobs[j] + delta * sign)) for r in ref.rows for j in range(len(r.scored))]
@@ -147,7 +147,7 @@ def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k):
                 gaps.append(pt * exact_kl(p[tail] - np.log(pt), q[tail] - np.log(qt)))
         assert np.mean(exact) - res.measured["kl_mean"] == pytest.approx(np.mean(gaps), rel=1e-6, abs=1e-12)
     set_plan(server.url)
-    clean = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k), prompt_as="text")
+    clean = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="text")
     assert clean.status == "pass" and clean.measured["kl_mean"] < 1e-12 and clean.measured["top1"] == 1.0
 
 

@@ -199,6 +199,13 @@ class FaultServer:
             choice["logprobs"] = self.legacy_logprobs(rows, int(k))
             if self.plan.truncate_logprobs:
                 self.truncate({"choices": [choice]})
+        if req.get("prompt_logprobs") is not None:  # vLLM's shape: ids as keys, every prompt position
+            pk = int(req["prompt_logprobs"])
+            choice["prompt_logprobs"] = [None]
+            for t in range(1, len(ids)):
+                lp = self.model.logprobs_after(ids[:t], shift=self.plan.perturb_prefill + batched)
+                keep = set(np.argsort(-lp, kind="stable")[:pk].tolist()) | {ids[t]}
+                choice["prompt_logprobs"].append({str(i): {"logprob": float(lp[i]), "decoded_token": VOCAB[i]} for i in keep})
         return {"object": "text_completion", "model": "toy", "choices": [choice],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)}}
 
