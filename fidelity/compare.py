@@ -71,7 +71,8 @@ def perturbed_oracle(pack, device: str = "cpu", seed: int = 0, rel: float = NOIS
                     wrapped = True
             return layer if wrapped else _perturb(layer, seed * 1_000_003 + 2 * i, rel)
 
-    return PerturbedOracle(pack, device=device)
+    from . import distributed  # prefetch, and row/expert parallel under torchrun, as for every oracle here
+    return distributed.parallelize(PerturbedOracle(pack, device=distributed.local_device(device)))
 
 
 def _perturb(fn, seed: int, rel: float):

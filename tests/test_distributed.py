@@ -2,6 +2,7 @@
 single-process oracle exactly (torch.equal); a rank that dies or raises fails the run with that rank named."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -200,3 +201,61 @@ def test_raising_rank_fails_the_run_with_its_error(packs):
     assert all("error" in r for r in results)
     assert "rank 1 failed" in results[0]["error"] and "NaN" in results[0]["error"] and "layer 1" in results[0]["error"]
     assert "rank 1:" in results[1]["error"] and "panel row" in results[1]["error"]
+
+
+# -- the command line under torchrun ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_packs(tmp_path_factory, smollm2_gguf):
+    from fidelity.packs.tokenizer import load_tokenizer
+    from fidelity.panels import PanelRow, write_panel
+    from test_compare import _config, _save, _weights
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"cli packs seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    root = tmp_path_factory.mktemp("dist_cli")
+    tok = load_tokenizer(open_pack(smollm2_gguf))
+    cfg = _config()
+    w = _weights(cfg, gen)
+    ref = _save(root / "ref", cfg, w, tok)
+    pack = _save(root / "pack", cfg, {k: v + 0.02 * v.abs().mean() * torch.randn(v.shape, generator=gen)
+                                      for k, v in w.items()}, tok)
+    texts = ["The river flows through the old town towards the sea.", "def square(x):\n    return x * x\n",
+             "Red, green and blue are colors.", "One two three four five six seven eight nine ten eleven twelve.",
+             "A short one."]
+    panel = write_panel(root / "panel", [PanelRow(f"t{i}", "text" if i % 2 else "code", text=t)
+                                         for i, t in enumerate(texts)], name="dist-test").path
+    return root, ref, pack, panel
+
+
+def torchrun(args: list[str], cwd: Path, timeout: float = 300):
+    import subprocess
+    import sys
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
+           str(free_port()), "-m", "fidelity", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
+    """`torchrun --nproc-per-node 2 -m fidelity compare|reference` writes the same JSON and store as one process."""
+    import pyarrow.parquet as pq
+    from fidelity.cli import main
+    root, ref, pack, panel = cli_packs
+    common = [str(ref), str(pack), "--panel", str(panel), "--bootstrap", "200", "--seed", "3"]
+    assert main(["compare", *common, "--json", str(root / "one.json")]) == 0
+    assert main(["reference", str(ref), "--panel", str(panel), "-o", str(root / "store_one")]) == 0
+    done = torchrun(["compare", *common, "--json", str(root / "two.json")], root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import re
+    layer_rows = {int(n) for n in re.findall(r"oracle: 100%\|[^|]*\| (\d+)/", done.stderr)}
+    assert layer_rows and max(layer_rows) < 2 * 5, layer_rows
+    done = torchrun(["reference", str(ref), "--panel", str(panel), "-o", str(root / "store_two")], root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (root / "one.json").read_text(), (root / "two.json").read_text()
+    assert json.loads(one)["noise_floor"]["kld_mean"] > 0 and json.loads(one)["results"][0]["overall"]["kld_mean"] > 0
+    assert one == two
+    a, b = (pq.read_table(root / d / "records.parquet") for d in ("store_one", "store_two"))
+    assert a.equals(b)
+    assert (root / "store_one" / "manifest.json").read_text() == (root / "store_two" / "manifest.json").read_text()
