@@ -8,7 +8,6 @@ import httpx
 import numpy as np
 import pytest
 
-from fidelity.engine import gates as G
 from fidelity.engine.client import ClientConfig, EngineClient, EngineHTTPError
 from fidelity.engine.faults import Spawned, free_port
 

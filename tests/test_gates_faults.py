@@ -128,7 +128,7 @@ def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vl
     ref = toy_reference(texts)
     res = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="ids")
     assert res.status == "fail"
-    toy, sign = ToyModel(), np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)
+    sign = np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)
     exact = [exact_kl(r.logprobs[j], log_softmax(r.logprobs[j] + delta * sign)) for r in ref.rows for j in range(len(r.scored))]
     assert res.measured["positions"] == len(exact)
     if k == len(VOCAB):  # full distributions: the estimator is the full KL

@@ -150,7 +150,7 @@ def junit_xml(report: dict) -> str:
     gates = report["gates"]
     fails = sum(g["status"] == "fail" for g in gates)
     errors = sum(g["status"] == "error" for g in gates)
-    out = [f'<?xml version="1.0" encoding="UTF-8"?>',
+    out = ['<?xml version="1.0" encoding="UTF-8"?>',
            f'<testsuite name="fidelity gate" tests="{len(gates)}" failures="{fails}" errors="{errors}" '
            f'time="{sum(g["seconds"] for g in gates):.3f}">']
     for g in gates:

@@ -15,7 +15,7 @@ import asyncio
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 

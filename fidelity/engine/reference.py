@@ -2,7 +2,6 @@
 `fidelity reference` or computed live from a pack."""
 from __future__ import annotations
 
-import numpy as np
 
 from ..errors import FidelityError
 from .gates import Reference, ReferenceRow
