@@ -41,7 +41,6 @@ def test_quickstart_notebook_runs(cache_root, monkeypatch):
     monkeypatch.setenv("FIDELITY_CACHE", str(cache_root))
     monkeypatch.setenv("FIDELITY_NOTEBOOK_ROWS", "1")
     monkeypatch.setenv("FIDELITY_NOTEBOOK_PACKS", "Q8_0,Q2_K")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
     path = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
