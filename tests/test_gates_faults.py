@@ -131,6 +131,7 @@ def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vl
     sign = np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)
     exact = [exact_kl(r.logprobs[j], log_softmax(r.logprobs[j] + delta * sign)) for r in ref.rows for j in range(len(r.scored))]
     assert res.measured["positions"] == len(exact)
+    assert res.worst[0]["kl"] == res.measured["kl_max"] and {"row", "position", "token", "engine_top1"} <= set(res.worst[0])
     if k == len(VOCAB):  # full distributions: the estimator is the full KL
         assert res.measured["kl_mean"] == pytest.approx(np.mean(exact), rel=1e-9)
         assert res.measured["ref_tail_mass_max"] < 1e-9

@@ -406,6 +406,7 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
     """prompt_as: "ids" sends token ids, "text" the detokenized row, "auto" text when the engine's tokenizer gives back exactly the
     reference ids, else ids."""
     piece_ids = ref.piece_ids()
+    where_kl: list[dict] = []
 
     async def one(row: ReferenceRow):
         prompt = await _row_prompt(client, row, ref, prompt_as)
@@ -431,7 +432,12 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
                 tl = TokenLogprob(tl.token, tl.top_ids[row.tokens[t]], tl.top, row.tokens[t], tl.top_ids)
             if tl.logprob is None:
                 continue
-            per.append(position_kl(row.logprobs[j], _engine_position(tl, row.tokens[t], piece_ids)))
+            eng = _engine_position(tl, row.tokens[t], piece_ids)
+            pk = position_kl(row.logprobs[j], eng)
+            per.append(pk)
+            where_kl.append({"row": row.id, "position": t, "token": ref.pieces[row.tokens[t]], "kl": pk.kl,
+                             "ref_tail_mass": pk.tail_mass, "reference_top1": ref.pieces[int(np.argmax(row.logprobs[j]))],
+                             "engine_top1": ref.pieces[max(eng, key=eng.get)]})
         return row, per
 
     rows, all_pos = [], []
@@ -451,6 +457,7 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
                 "ref_tail_mass_mean": float(tail.mean()), "ref_tail_mass_max": float(tail.max()), "top_k": s.top_k,
                 "estimator": "KL(ref||engine) on engine top-k ids + one tail bucket: a lower bound of the full KL; "
                              "the gap is tail_mass * KL(ref tail || engine tail), tail_mass reported as ref_tail_mass_*"}
-    worst = sorted(rows, key=lambda r: -r["kl_mean"])[: s.worst]
+    measured["rows_worst"] = sorted(rows, key=lambda r: -r["kl_mean"])[: s.worst]
+    worst = sorted(where_kl, key=lambda w: -w["kl"])[: s.worst]  # positions: row, position, token, both top-1s
     th = _thresholds("oracle-kl", thresholds)
     return _verdict("oracle-kl", _checks(th, measured), measured=measured, worst=worst)
