@@ -28,7 +28,9 @@ def inspect_pack(path: str, decode: bool = False) -> dict:
     for name in pack.names():
         s = pack.storage(name)
         kinds[(s.format, s.dtype)] += 1
-        if s.format == "absent":
+        if s.format == "unclaimed":
+            problems.append(f"{name}: {s.dtype} weight with no scales any format module recognises (refused on decode)")
+        elif s.format == "absent":
             problems.append(f"{name}: its shard {s.files[0]} is absent (an error only if the model needs it)")
         elif decode:
             try:

@@ -545,15 +545,6 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
 
 
 def _mxfp4_entry(pack, name: str, scale: str, logical: str) -> LogicalTensor:
-    """DeepSeek official MXFP4: int8/uint8 [out, in/2] (low nibble = even element) and e8m0 scales [out, in/32]."""
-    from . import fp4, fp8
+    from . import fp4
 
-    raw = pack.raw
-    shape = fp4.check_group_grid(pack, name, scale, fp4.MX_BLOCK)
-    nbytes = raw.info(name).nbytes + raw.info(scale).nbytes
-
-    def decode() -> torch.Tensor:
-        return fp4.dequantize_mxfp4(raw.get(name).view(torch.uint8), fp8.read_scales(pack, scale))
-
-    return LogicalTensor(Storage(logical, "mxfp4", "MXFP4", tuple(shape), nbytes, block=(1, fp4.MX_BLOCK),
-                                 files=raw.files_of(name, scale), raw=(name, scale)), decode)
+    return fp4.mxfp4_entry(pack, name, scale, logical)

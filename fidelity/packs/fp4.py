@@ -7,6 +7,7 @@ Stored forms read here (compressed-tensors' `weight_packed` forms are read by `c
   gpt-oss's HF layout, e.g. `model.layers.L.mlp.experts.gate_up_proj` [E, hidden, 2*intermediate] (columns interleave
   gate and up: gate = [..., ::2], up = [..., 1::2], as stored) and `...experts.down_proj` [E, intermediate, hidden];
   a 2-D `P_blocks` stays [out, in].
+- DeepSeek official MXFP4 (V4 experts): `X.weight` int8/uint8 [out, in/2] + `X.scale` e8m0 (F8_E8M0/uint8) [out, in/32].
 - ModelOpt NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4`): `X.weight` uint8 [..., out, in/2], `X.weight_scale`
   F8_E4M3 [..., out, in/16], `X.weight_scale_2` fp32 scalar: value = e2m1 * scale * scale_2 (scale_2 multiplies).
 """
@@ -139,6 +140,21 @@ def _check_modelopt_algo(pack: SafetensorsPack):
                         file=pack.root / "config.json")
 
 
+def mxfp4_entry(pack: SafetensorsPack, name: str, scale: str, logical: str | None = None) -> LogicalTensor:
+    """DeepSeek official MXFP4: int8/uint8 [out, in/2] (low nibble = even element) and e8m0 scales [out, in/32]."""
+    from . import fp8
+
+    raw = pack.raw
+    shape = check_group_grid(pack, name, scale, MX_BLOCK)
+    nbytes = raw.info(name).nbytes + raw.info(scale).nbytes
+
+    def decode() -> torch.Tensor:
+        return dequantize_mxfp4(raw.get(name).view(torch.uint8), fp8.read_scales(pack, scale))
+
+    return LogicalTensor(Storage(logical or name, "mxfp4", "MXFP4", tuple(shape), nbytes, block=(1, MX_BLOCK),
+                                 files=raw.files_of(name, scale), raw=(name, scale)), decode)
+
+
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     if pack.format == "compressed-tensors":
         return {}
@@ -164,6 +180,11 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
                     continue  # e.g. an FP8 weight with a second scale: not FP4
                 out[name] = absent or modelopt_nvfp4_entry(pack, name, scale, scale_2)
                 pool.difference_update({name, scale, scale_2})
+            elif f"{base}.scale" in pool and raw.available(name) and raw.info(name).dtype in ("I8", "U8"):
+                official = f"{base}.scale"
+                if raw.available(official) and raw.info(official).dtype in ("F8_E8M0", "U8"):
+                    out[name] = mxfp4_entry(pack, name, official)
+                    pool.difference_update({name, official})
             elif scale in pool and raw.available(name) and raw.info(name).dtype == "U8":
                 raise PackError("packed uint8 weight with a weight_scale but no weight_scale_2 (NVFP4 global scale)",
                                 file=raw.file_path(name), tensor=name)

@@ -179,7 +179,9 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
         if not name.endswith(".weight") or name not in pool:
             continue
         base = name[: -len(".weight")]
-        scale_name = next((f"{base}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{base}.{s}" in pool), None)
+        # `.scale` is DeepSeek's official naming (inference/convert.py), a multiplier on the 128x128 grid like _inv
+        scale_name = next((f"{base}.{s}" for s in ("weight_scale_inv", "weight_scale", "scale") if f"{base}.{s}" in pool),
+                          None)
         if scale_name is None:
             continue
         absent = absent_entry(pack, name, (name, scale_name))
@@ -189,7 +191,7 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
             continue
         if raw.info(name).dtype not in FP8_DTYPES:
             continue
-        inv = scale_name.endswith("_inv")
+        inv = scale_name.endswith(("_inv", ".scale"))
         block = config_block(pack) or (DEFAULT_BLOCK if inv else None)
         out[name] = fp8_entry(pack, name, scale_name, block, power_of_two=declares_ue8m0(pack))
         pool.difference_update({name, scale_name})

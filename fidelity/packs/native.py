@@ -7,6 +7,8 @@ from ..errors import PackError
 from .base import LogicalTensor, Storage
 from .folder import SafetensorsPack, register_claimer
 
+# Stored codes of these types are not values without scales: a weight of such a type left to `native` is refused.
+_NEEDS_SCALES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "I16", "I32", "U16", "U32"}
 _FLOAT_FORMAT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
 
 
@@ -28,6 +30,15 @@ def _entry(pack: SafetensorsPack, name: str) -> LogicalTensor:
 
         return LogicalTensor(Storage(name, "absent", "?", (), 0, files=(str(path),), raw=(name,)), missing)
     info = raw.info(name)
+
+    if info.dtype in _NEEDS_SCALES and name.endswith(".weight") and len(info.shape) >= 2:
+        def refuse():
+            raise PackError(f"a {info.dtype} weight that no format module claimed: its scales (e.g. .weight_scale_inv, "
+                            f".weight_scale, .scale) are missing or in a layout we do not know, so its stored codes are "
+                            f"not its values", file=raw.file_path(name), tensor=name)
+
+        return LogicalTensor(Storage(name, "unclaimed", info.dtype, info.shape, info.nbytes, files=raw.files_of(name),
+                                     raw=(name,)), refuse)
 
     def decode() -> torch.Tensor:
         t = raw.get(name)
