@@ -259,3 +259,33 @@ def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
     a, b = (pq.read_table(root / d / "records.parquet") for d in ("store_one", "store_two"))
     assert a.equals(b)
     assert (root / "store_one" / "manifest.json").read_text() == (root / "store_two" / "manifest.json").read_text()
+
+
+@pytest.mark.slow
+def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_gguf, rng_seed):
+    """`--parallel experts` on a tiny Qwen3Moe: every rank runs every row, experts split; same JSON as one process."""
+    from safetensors.torch import load_file
+    from fidelity.cli import main
+    from fidelity.packs.tokenizer import load_tokenizer
+    from fidelity.panels import PanelRow, write_panel
+    from test_compare import _save
+    from test_oracle import MOE_COMMON
+    tok = load_tokenizer(open_pack(smollm2_gguf))
+    extra = {**MOE["qwen3moe-renorm-sparse-step"][2], "vocab_size": 49152, "num_experts": 8, "mlp_only_layers": []}
+    build(T.Qwen3MoeConfig(**{**MOE_COMMON, **extra}), T.Qwen3MoeForCausalLM, tmp_path / "ref", rng_seed)
+    tok.save_pretrained(str(tmp_path / "ref"))
+    gen = torch.Generator().manual_seed(rng_seed)
+    weights = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    _save(tmp_path / "pack", config, {k: v + 0.02 * v.abs().mean() * torch.randn(v.shape, generator=gen)
+                                      for k, v in weights.items()}, tok)
+    panel = write_panel(tmp_path / "panel", [PanelRow("a", "text", text="Experts route tokens to a few of many MLPs."),
+                                             PanelRow("b", "code", text="for i in range(3):\n    print(i)\n")],
+                        name="moe-test").path
+    common = [str(tmp_path / "ref"), str(tmp_path / "pack"), "--panel", str(panel), "--bootstrap", "100"]
+    assert main(["compare", *common, "--json", str(tmp_path / "one.json")]) == 0
+    done = torchrun(["compare", *common, "--parallel", "experts", "--json", str(tmp_path / "two.json")], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = (tmp_path / "one.json").read_text()
+    assert json.loads(one)["results"][0]["overall"]["kld_mean"] > 0
+    assert one == (tmp_path / "two.json").read_text()
