@@ -57,12 +57,13 @@ SETTINGS = Settings()
 
 def configure(**kwargs) -> Settings:
     """Set how `parallelize` spreads the work (`parallel="rows"|"experts"`, `prefetch=`, `stale_s=`, `timeout_s=`)."""
-    for key, value in kwargs.items():
+    for key in kwargs:
         if not hasattr(SETTINGS, key):
             raise FidelityError(f"unknown distributed setting {key!r}")
+    if kwargs.get("parallel", "rows") not in ("rows", "experts"):
+        raise FidelityError(f"parallel must be 'rows' or 'experts', not {kwargs['parallel']!r}")
+    for key, value in kwargs.items():
         setattr(SETTINGS, key, value)
-    if SETTINGS.parallel not in ("rows", "experts"):
-        raise FidelityError(f"parallel must be 'rows' or 'experts', not {SETTINGS.parallel!r}")
     return SETTINGS
 
 

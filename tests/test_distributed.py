@@ -15,6 +15,7 @@ import torch
 import transformers as T
 
 from fidelity import distributed, open_pack
+from fidelity.errors import FidelityError
 from fidelity.oracle import Oracle, runner
 from test_oracle import COMMON, MOE, make_moe
 from test_oracle_support import build
@@ -289,3 +290,58 @@ def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_g
     one = (tmp_path / "one.json").read_text()
     assert json.loads(one)["results"][0]["overall"]["kld_mean"] > 0
     assert one == (tmp_path / "two.json").read_text()
+
+
+# -- failure detection, in one process against a real store -------------------------------------------------------
+
+def lonely_rank0(monkeypatch, **settings):
+    """A Group of world size 2 whose rank 1 never shows up (no process group needed for checkpoints)."""
+    import torch.distributed as dist
+    g = object.__new__(distributed.Group)
+    g.rank, g.world_size, g._step, g._beats = 0, 2, 0, {}
+    g.store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    for key, value in settings.items():
+        monkeypatch.setattr(distributed.SETTINGS, key, value)
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+    return g
+
+
+def test_checkpoint_names_a_rank_that_posted_an_error(monkeypatch):
+    g = lonely_rank0(monkeypatch)
+    g.store.set("fidelity/error/1", "FidelityError: NaN in the activations after layer 4, row 2")
+    with pytest.raises(distributed.RankFailed, match=r"rank 1 failed before the exchange: FidelityError: NaN .*layer 4"):
+        g.checkpoint("the exchange")
+
+
+def test_checkpoint_names_a_rank_whose_heartbeat_stopped(monkeypatch):
+    g = lonely_rank0(monkeypatch, stale_s=0.3)
+    g.store.add("fidelity/beat/1", 5)  # it beat once, then nothing
+    with pytest.raises(distributed.RankFailed, match=r"rank 1 stopped responding before the exchange .*no result"):
+        g.checkpoint("the exchange")
+
+
+def test_checkpoint_times_out_naming_the_missing_rank(monkeypatch):
+    g = lonely_rank0(monkeypatch, stale_s=1e9, timeout_s=0.3)
+    with pytest.raises(distributed.RankFailed, match=r"rank\(s\) \[1\] did not reach the exchange within"):
+        g.checkpoint("the exchange")
+
+
+def test_checkpoint_passes_when_every_rank_arrives(monkeypatch):
+    g = lonely_rank0(monkeypatch, stale_s=1e9, timeout_s=5.0)
+    g.store.set("fidelity/at/1/1", "1")
+    g.checkpoint("the exchange")  # returns
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(FidelityError, match="parallel must be 'rows' or 'experts', not 'tensors'"):
+        distributed.configure(parallel="tensors")
+    assert distributed.SETTINGS.parallel == "rows"
+    with pytest.raises(FidelityError, match="unknown distributed setting 'nodes'"):
+        distributed.configure(nodes=2)
+
+
+def test_single_process_is_untouched(tmp_path, rng_seed, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    build(T.LlamaConfig(**{**COMMON, "tie_word_embeddings": False}), T.LlamaForCausalLM, tmp_path / "m", rng_seed)
+    oracle = Oracle(open_pack(tmp_path / "m"))
+    assert distributed.parallelize(oracle) is oracle and distributed.group() is None and distributed.is_main()
