@@ -15,7 +15,7 @@ import pytest
 from scipy.special import log_softmax, rel_entr
 
 from fidelity.engine import gates as G
-from fidelity.engine.client import ClientConfig, EngineClient
+from fidelity.engine.client import ClientConfig, EngineClient, TokenLogprob
 from fidelity.engine.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
 
 THREE = "batch-invariance,decode-vs-prefill,prefix-cache"
@@ -241,3 +241,19 @@ def test_proxy_mode_perturbs_a_real_upstream_by_a_bounded_amount(server, rng_see
         set_plan(proxy.url, {"truncate_logprobs": True})
         assert run_one(proxy.url, G.decode_vs_prefill, s).status == "error"
     assert run_one(server.url, G.decode_vs_prefill, s).status == "pass"
+
+
+def test_text_keys_that_several_ids_share_are_never_attributed():
+    """llama-cpp-python renders partial-UTF-8 tokens by dropping the bytes (" \\xe2" -> " ") and special tokens as "", and its
+    text-keyed top lists overwrite colliding keys: such texts must go to the tail bucket and leave top-1 undecided."""
+    pieces = ["a", " ", " \ufffd", "<|end|>", "b", "b"]
+    ref = G.Reference(rows=[], pieces=pieces, detokenize="".join, special_ids={3})
+    assert ref.piece_ids() == {"a": 0}
+    lp = np.log(np.array([0.1, 0.05, 0.6, 0.05, 0.1, 0.1]))
+    tl = TokenLogprob(token="a", logprob=float(lp[0]), top={" ": float(lp[2]), "a": float(lp[0])})  # " " is really id 2
+    amb = ref.ambiguous_texts()
+    assert G._top1_agree(tl, lp, ref, amb) is None
+    pk = G.position_kl(lp, G._engine_position(tl, 0, ref.piece_ids()))
+    assert pk.kl == pytest.approx(0.0, abs=1e-12) and pk.tail_mass == pytest.approx(0.9)
+    tl_id = TokenLogprob(token="a", logprob=float(lp[0]), top_ids={2: float(lp[2]), 0: float(lp[0])})
+    assert G._top1_agree(tl_id, lp, ref, amb) is True

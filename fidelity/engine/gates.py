@@ -313,21 +313,34 @@ class Reference:
     special_ids: set[int] = field(default_factory=set)  # tokens an engine may leave out of its echo (llama-cpp-python drops BOS)
 
     def piece_ids(self) -> dict[str, int]:
-        """Unambiguous text -> id; pieces that several ids decode to are left out (their mass goes to the tail bucket)."""
+        """Unambiguous text -> id. Left out (their mass goes to the tail bucket): pieces several ids decode to, and pieces that
+        engines render differently (partial UTF-8 bytes: U+FFFD here, "" in llama-cpp-python; "" for special tokens)."""
         seen: dict[str, int] = {}
-        dup: set[str] = set()
         for i, p in enumerate(self.pieces):
-            if p in seen:
-                dup.add(p)
-            seen[p] = i
-        return {p: i for p, i in seen.items() if p not in dup}
+            seen[p] = -1 if p in seen else i
+        ambiguous = self.ambiguous_texts()
+        return {p: i for p, i in seen.items() if i >= 0 and p not in ambiguous}
+
+    def ambiguous_texts(self) -> set[str]:
+        """Texts an engine may use for more than one id: "", anything with U+FFFD, and what partial-UTF-8 pieces become
+        when an engine drops the undecodable bytes (" \ufffd" -> " ", which is also the space token)."""
+        out = {""}
+        for p in self.pieces:
+            if not _renderable(p):
+                out.add(p)
+                out.add(p.replace("\ufffd", ""))
+        return out
+
+
+def _renderable(piece: str) -> bool:
+    return piece != "" and "\ufffd" not in piece
 
 
 @dataclass
 class PositionKL:
     kl: float  # KL(ref || engine) on the partition {engine's returned ids} + one tail bucket: a lower bound of the full KL
     tail_mass: float  # reference probability outside the engine's returned ids: the full KL exceeds `kl` by tail_mass * KL(tails)
-    top1_agree: bool
+    top1_agree: bool | None  # None: the engine's text-keyed answer cannot tell
 
 
 def position_kl(ref_lp: np.ndarray, engine: dict[int, float]) -> PositionKL:
@@ -346,6 +359,20 @@ def position_kl(ref_lp: np.ndarray, engine: dict[int, float]) -> PositionKL:
     if pt > 1e-12:
         kl += pt * (math.log(pt) - math.log(max(qt, 1e-12)))
     return PositionKL(max(kl, 0.0), pt, int(ids[np.argmax(lq)]) == int(np.argmax(ref_lp)))
+
+
+def _top1_agree(tl: TokenLogprob, ref_lp: np.ndarray, ref: "Reference", ambiguous: set[str]) -> bool | None:
+    """Engine top-1 vs reference top-1: by id when the engine gives ids, else by text; None (not counted) when the text cannot
+    tell (either top-1 is a text several ids share: text-keyed top lists also lose entries to such collisions)."""
+    best = int(np.argmax(ref_lp))
+    if tl.top_ids:
+        return max(tl.top_ids, key=tl.top_ids.get) == best
+    if not tl.top:
+        return None
+    key, piece = max(tl.top, key=tl.top.get), ref.pieces[best]
+    if key in ambiguous or piece in ambiguous or (best in ref.special_ids and key == ""):
+        return None
+    return key == piece
 
 
 def _engine_position(tl: TokenLogprob, actual: int, piece_ids: dict[str, int]) -> dict[int, float]:
@@ -405,7 +432,7 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
                     prompt_as: str = "auto") -> GateResult:
     """prompt_as: "ids" sends token ids, "text" the detokenized row, "auto" text when the engine's tokenizer gives back exactly the
     reference ids, else ids."""
-    piece_ids = ref.piece_ids()
+    piece_ids, ambiguous = ref.piece_ids(), ref.ambiguous_texts()
     where_kl: list[dict] = []
 
     async def one(row: ReferenceRow):
@@ -434,10 +461,12 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
                 continue
             eng = _engine_position(tl, row.tokens[t], piece_ids)
             pk = position_kl(row.logprobs[j], eng)
+            pk.top1_agree = _top1_agree(tl, row.logprobs[j], ref, ambiguous)
             per.append(pk)
+            top = tl.top_ids or tl.top
             where_kl.append({"row": row.id, "position": t, "token": ref.pieces[row.tokens[t]], "kl": pk.kl,
                              "ref_tail_mass": pk.tail_mass, "reference_top1": ref.pieces[int(np.argmax(row.logprobs[j]))],
-                             "engine_top1": ref.pieces[max(eng, key=eng.get)]})
+                             "engine_top1": max(top, key=top.get) if top else None, "top1_agree": pk.top1_agree})
         return row, per
 
     rows, all_pos = [], []
@@ -445,14 +474,17 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
         if not per:
             continue
         all_pos += per
+        told = [p.top1_agree for p in per if p.top1_agree is not None]
         rows.append({"row": row.id, "domain": row.domain, "positions": len(per), "kl_mean": float(np.mean([p.kl for p in per])),
-                     "kl_max": max(p.kl for p in per), "top1": float(np.mean([p.top1_agree for p in per])),
+                     "kl_max": max(p.kl for p in per), "top1": float(np.mean(told)) if told else None,
                      "tail_mass_max": max(p.tail_mass for p in per)})
     if not all_pos:
         return GateResult("oracle-kl", "error", error="no scored position could be compared")
     kl = np.array([p.kl for p in all_pos])
     tail = np.array([p.tail_mass for p in all_pos])
-    measured = {"kl_mean": float(kl.mean()), "top1": float(np.mean([p.top1_agree for p in all_pos])),
+    told = [p.top1_agree for p in all_pos if p.top1_agree is not None]
+    measured = {"kl_mean": float(kl.mean()), "top1": float(np.mean(told)) if told else float("nan"),
+                "top1_undecidable": len(all_pos) - len(told),
                 "kl_max": float(kl.max()), "kl_p99": float(np.quantile(kl, 0.99)), "positions": len(all_pos), "rows": len(rows),
                 "ref_tail_mass_mean": float(tail.mean()), "ref_tail_mass_max": float(tail.max()), "top_k": s.top_k,
                 "estimator": "KL(ref||engine) on engine top-k ids + one tail bucket: a lower bound of the full KL; "
