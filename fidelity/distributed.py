@@ -21,6 +21,7 @@ Layer prefetch: `prefetch(oracle)` loads layer i+1 in a background thread while 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,9 +111,10 @@ class Group:
                 return
 
     def post_error(self, message: str) -> None:
-        """Tell the other ranks why this one is about to stop (best effort)."""
+        """Tell the other ranks why this one is about to stop (best effort; the first reason posted stays)."""
         try:
-            self.store.set(self._key("error", self.rank), message)
+            if not self.store.check([self._key("error", self.rank)]):
+                self.store.set(self._key("error", self.rank), message)
         except Exception:
             pass
 
@@ -254,8 +256,8 @@ class RowParallel:
         mine = [i for b, o in zip(batches, owner) if o == g.rank for i in b]
         try:
             hidden = self.oracle.hidden_states([rows[i] for i in mine], progress=progress and g.rank == 0) if mine else []
-        except FidelityError as e:
-            message = f"{e} (row numbers count rank {g.rank}'s rows; its row j is panel row {mine}[j])"
+        except FidelityError as e:  # the oracle counted this rank's rows; name them as the caller numbers them
+            message = re.sub(r"\brow (\d+)", lambda m: f"row {mine[int(m.group(1))]}", str(e))
             g.post_error(message)
             raise FidelityError(f"rank {g.rank}: {message}") from None
         return dict(zip(mine, hidden))

@@ -200,8 +200,11 @@ def test_raising_rank_fails_the_run_with_its_error(packs):
     root, _ = packs
     results = run_ranks("raising", root)
     assert all("error" in r for r in results)
-    assert "rank 1 failed" in results[0]["error"] and "NaN" in results[0]["error"] and "layer 1" in results[0]["error"]
-    assert "rank 1:" in results[1]["error"] and "panel row" in results[1]["error"]
+    # 9 rows of 11 tokens, 3 rows a batch: rank 1 owns the middle batch, rows 3-5, and names row 3 as one process would
+    assert distributed.deal([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [11] * 9, WORLD) == [0, 1, 0]
+    want = "NaN in the activations after layer 1, row 3 (first at position 0)"
+    assert f"rank 1 failed before the exchange of logits: {want}" in results[0]["error"]
+    assert f"rank 1: {want}" in results[1]["error"]
 
 
 # -- the command line under torchrun ------------------------------------------------------------------------------
