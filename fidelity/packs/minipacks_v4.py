@@ -152,14 +152,15 @@ def fp8_ue8m0(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.
 
 
 def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """OCP MXFP4: per 32 inputs an e8m0 scale 2^(floor(log2 amax) - 2), values rounded to the e2m1 grid (ties to the
-    lower magnitude), packed two per int8 byte, low nibble = even element. Returns (int8 [out, in/2], e8m0 [out, in/32])."""
+    """OCP MXFP4: per 32 inputs an e8m0 scale 2^(floor(log2 amax) - 2), values rounded to the nearest e2m1 value (ties to
+    the even code, saturating at 6), packed two per int8 byte, low nibble = even element. Returns (int8 [out, in/2], e8m0 [out, in/32])."""
     rows, cols = w.shape
     groups = w.float().reshape(rows, cols // MX_GROUP, MX_GROUP)
     amax = groups.abs().amax(-1).clamp(min=2.0 ** -126)
     scale = torch.exp2(torch.floor(torch.log2(amax)) - 2)
     x = (groups / scale[..., None]).reshape(rows, cols)
-    idx = (x.abs()[..., None] - FP4_GRID).abs().argmin(-1)          # argmin keeps the first (smaller) on ties
+    dist = (x.abs()[..., None] - FP4_GRID).abs()
+    idx = (dist + 1e-6 * (torch.arange(8) % 2)).argmin(-1)        # ties go to the even code (round half to even)
     codes = (idx | ((x < 0) & (idx > 0)).to(torch.int64) << 3).to(torch.uint8)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
