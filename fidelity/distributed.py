@@ -362,8 +362,8 @@ class Prefetcher:
 
     def __call__(self, i: int):
         future = self.pending.pop(i, None)
-        for stale in list(self.pending):  # a new pass started; drop what the old one asked for
-            self.pending.pop(stale).result()
+        for stale in list(self.pending):  # a new pass started (the last one stopped early): let its load finish unused
+            self.pending.pop(stale).exception()
         if self.stream is not None:
             # Layer i-1's kernels must finish before its freed blocks can be handed to the side stream's next load.
             torch.cuda.current_stream(self.oracle.device).synchronize()

@@ -348,3 +348,28 @@ def test_single_process_is_untouched(tmp_path, rng_seed, monkeypatch):
     build(T.LlamaConfig(**{**COMMON, "tie_word_embeddings": False}), T.LlamaForCausalLM, tmp_path / "m", rng_seed)
     oracle = Oracle(open_pack(tmp_path / "m"))
     assert distributed.parallelize(oracle) is oracle and distributed.group() is None and distributed.is_main()
+
+
+def test_prefetch_recovers_from_an_aborted_pass(tmp_path, rng_seed):
+    """A pass that stops early (an error in layer 0) leaves layer 1 loading; the next pass neither sees its result nor
+    the error a layer it never needed raised."""
+    build(T.LlamaConfig(**{**COMMON, "tie_word_embeddings": False}), T.LlamaForCausalLM, tmp_path / "m", rng_seed)
+    pack = open_pack(tmp_path / "m")
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 9))
+    want = Oracle(pack).logits(tokens)
+    oracle = distributed.prefetch(Oracle(pack))
+    inner, state = oracle.load_layer.load, set()
+
+    def flaky(i):
+        if i == 1 and "layer 1 failed" not in state:
+            state.add("layer 1 failed")
+            raise FidelityError("transient read error in layer 1")
+        layer = inner(i)
+        if i == 0 and "aborted" not in state:
+            state.add("aborted")
+            return lambda *args: (_ for _ in ()).throw(FidelityError("boom"))
+        return layer
+    oracle.load_layer.load = flaky
+    with pytest.raises(FidelityError, match="boom"):
+        oracle.logits(tokens)
+    assert torch.equal(oracle.logits(tokens), want)
