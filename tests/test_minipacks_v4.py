@@ -228,3 +228,22 @@ def test_stated_k_disagreeing_with_trellis_is_refused(packs, tmp_path, layout):
     assert f"K={wrong}" in msg and f"implies K={true_k}" in msg
     assert re.search(rf"layers\.{layer}\.(ffn|mlp)\.experts\.{expert}\.", msg) and ".trellis" in msg
     assert edited.name in msg or PLAN_FILE in msg or "quantization_config.json" in msg
+
+
+def test_unknown_layout_is_named(native, tmp_path):
+    from fidelity.errors import ConfigError
+    from fidelity.packs.minipacks_v4 import write_v4_minipack
+
+    with pytest.raises(ConfigError, match=r"unknown miniature V4 layout 'exl2'; one of exllamav3, cuda-exl3"):
+        write_v4_minipack(native, "exl2", tmp_path / "x")
+
+
+def test_cli_writes_the_requested_layouts_from_the_cache(tmp_path):
+    from fidelity.packs.minipacks_v4 import main
+
+    shutil.copy(ENCODINGS, tmp_path / "enc.safetensors")
+    assert main([str(NATIVE), str(tmp_path / "out"), "--layouts", "cuda-exl3,fp8-mxfp4",
+                 "--cache", str(tmp_path / "enc.safetensors")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["cuda-exl3", "fp8-mxfp4"]
+    assert open_pack(tmp_path / "out" / "cuda-exl3").format == "cuda-exl3"
+    assert (tmp_path / "enc.safetensors").read_bytes() == ENCODINGS.read_bytes()     # no misses: not rewritten

@@ -2,6 +2,8 @@
 (see exl3_layouts.py) plus an official-style FP8/MXFP4 pack with no EXL3 at all.
 
     from fidelity.packs.minipacks_v4 import build_native, write_v4_minipack, V4MiniSpec, LAYOUTS
+    python -m fidelity.packs.minipacks_v4 NATIVE OUT_ROOT [--layouts a,b] [--cache enc.safetensors] [--device cuda]
+
     build_native("tiny-v4/")                                    # transformers DeepseekV4ForCausalLM, official names, bf16
     write_v4_minipack("tiny-v4/", "deepseek_v41_exl3", "out/", V4MiniSpec(), EncodingCache("enc.safetensors"))
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from .base import Pack
 from .exl3_layouts import PLAN_FILE, official_to_hf, routed_expert
 from .minipacks import EncodingCache
@@ -252,7 +255,7 @@ def write_v4_minipack(native: Pack | str | Path, layout: str, out_dir: str | Pat
     from . import open_pack
 
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+        raise ConfigError(f"unknown miniature V4 layout {layout!r}; one of {', '.join(LAYOUTS)}")
     native = open_pack(native) if not isinstance(native, Pack) else native
     cache = cache if cache is not None else EncodingCache()
     out = Path(out_dir)
@@ -350,3 +353,29 @@ def write_all(native: Pack | str | Path, out_root: str | Path, spec: V4MiniSpec 
     native = open_pack(native) if not isinstance(native, Pack) else native
     cache = cache if cache is not None else EncodingCache()
     return {layout: write_v4_minipack(native, layout, Path(out_root) / layout, spec, cache, device) for layout in layouts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m fidelity.packs.minipacks_v4",
+                                 description="Write miniature DeepSeek-V4 packs from a small official-named V4 pack.")
+    ap.add_argument("native", help="a small native V4 pack in official names (see build_native)")
+    ap.add_argument("out_root", help="one folder per layout is written under it")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--cache", default=None, help="safetensors file of encodings: read if present, updated after")
+    ap.add_argument("--device", default=None, help="where to run the EXL3 encoder (cuda is much faster)")
+    ap.add_argument("--expert-k", default=V4MiniSpec.expert_k, help="K digits cycled over the experts")
+    args = ap.parse_args(argv)
+    cache = EncodingCache(args.cache)
+    out = write_all(args.native, args.out_root, V4MiniSpec(expert_k=args.expert_k), cache, args.device,
+                    layouts=args.layouts.split(","))
+    for path in out.values():
+        print(path)
+    if args.cache and cache.misses:
+        cache.save(args.cache)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
