@@ -80,8 +80,12 @@ class Group:
         import torch.distributed as dist
 
         self.dist = dist
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        try:
+            self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        except (KeyError, ValueError) as e:
+            raise FidelityError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} asks for a distributed run but RANK is "
+                                f"missing or not a number ({e}); launch with torchrun") from None
         requested = torch.device(device)
         if requested.type == "cuda":
             self.device = torch.device("cuda", self.local_rank if requested.index is None else requested.index)
@@ -90,8 +94,13 @@ class Group:
         else:
             self.device, self.backend = requested, "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s), rank=self.rank,
-                                    world_size=self.world_size)
+            try:
+                dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout_s), rank=self.rank,
+                                        world_size=self.world_size)
+            except Exception as e:
+                where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                raise FidelityError(f"rank {self.rank} of {self.world_size} could not join the {self.backend} process "
+                                    f"group at MASTER_ADDR:MASTER_PORT={where}: {e}") from None
         self.store = dist.distributed_c10d._get_default_store()
         self._step = 0
         self._stop = threading.Event()

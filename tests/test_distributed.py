@@ -373,3 +373,16 @@ def test_prefetch_recovers_from_an_aborted_pass(tmp_path, rng_seed):
     with pytest.raises(FidelityError, match="boom"):
         oracle.logits(tokens)
     assert torch.equal(oracle.logits(tokens), want)
+
+
+def test_bad_launch_environment_is_named(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(FidelityError, match="WORLD_SIZE=2 asks for a distributed run but RANK is missing"):
+        distributed.Group("cpu")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(FidelityError, match=r"rank 1 of 2 could not join the gloo process group at "
+                                            r"MASTER_ADDR:MASTER_PORT=None:None: .*MASTER_ADDR"):
+        distributed.Group("cpu")
