@@ -109,6 +109,17 @@ def mxfp4_reference(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# the seed cards' placement of routed experts (exl3_layouts.py)
+EXPERT_FILE = {
+    "exllamav3": lambda L, e: "model.safetensors",
+    "exl3-mixed": lambda L, e: "model.safetensors",
+    "cuda-exl3": lambda L, e: "model-00002-of-00002.safetensors",
+    "fp8-mxfp4": lambda L, e: "model-00002-of-00002.safetensors",
+    "deepseek_v41_exl3": lambda L, e: f"model-exl3-L{L:02d}-p{int(e >= TINY_V4['n_routed_experts'] // 2)}.safetensors",
+    "exl3-expert-packs": lambda L, e: f"model-experts-L{L:02d}.safetensors",
+}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # every layout
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,6 +155,10 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
         else:
             assert torch.equal(got, want), name                 # bf16 stays bf16; tid2eid exact
     assert {"expert", "shared", "dense", "head", "wo_a", "plain"} <= set(kinds.values())
+    for name, kind in kinds.items():
+        if kind == "expert":
+            _, layer, e = routed_expert(name)
+            assert {Path(f).name for f in pack.storage(stored_name(layout, name)).files} == {EXPERT_FILE[layout](layer, e)}
     if expert_err:
         mean = {K: sum(v) / len(v) for K, v in sorted(expert_err.items())}
         print(f"{layout}: EXL3 expert relative error by K {mean}")
@@ -176,6 +191,7 @@ def test_compare_cli_end_to_end(packs, tmp_path, rng_seed):
     assert report["panel"]["scored_positions"] > 6 * 40      # byte-level tokens: ~70 per row
     kl = {r["label"]: r["overall"]["kld_mean"] for r in report["results"]}
     print("compare KL (nats/token):", {k: f"{v:.4g}" for k, v in kl.items()})
+    print("bpw (EXL3 experts are 64x64 padded to 128x128):", {r["label"]: r["bpw"] for r in report["results"]})
     assert set(kl) == set(LAYOUTS)
     assert all(math.isfinite(v) and v > 0 for v in kl.values())
     # FP8 dense + MXFP4 experts beats the same pack with its experts at EXL3 K 1-4
