@@ -169,6 +169,21 @@ def logical_shape(hf_name: str, config: dict, padded: tuple[int, int]) -> tuple[
         "kv_b_proj": (heads * ((c.get("qk_nope_head_dim") or 0) + (v_head or 0)) if heads else None, c.get("kv_lora_rank")),
         "lm_head": (c.get("vocab_size"), hidden), "head": (c.get("vocab_size"), hidden),
     }
+    if c.get("o_groups") and not mla:
+        # DeepSeek-V4 (no kv LoRA): one shared KV head of head_dim (RoPE part included), grouped low-rank output
+        groups, o_rank = c["o_groups"], c.get("o_lora_rank")
+        q_out = heads * head_dim if heads and head_dim else None
+        v4 = {"q_b_proj": (q_out, c.get("q_lora_rank")),
+              "wkv": (head_dim, hidden),
+              "wo_a": (groups * o_rank if o_rank else None, q_out // groups if q_out else None),
+              "wo_b": (hidden, groups * o_rank if o_rank else None)}
+        v4.update({"kv_proj": v4["wkv"], "o_a_proj": v4["wo_a"], "o_b_proj": v4["wo_b"]})  # HF's names for them
+        # only the attention's own projections (the compressor and indexer inside it reuse some leaf names)
+        if re.search(r"\.(attn|self_attn)\.\w+\.weight$", hf_name):
+            table.update(v4)
+        else:
+            for leaf_name in v4:
+                table.pop(leaf_name, None)
     if hf_name == "lm_head.weight":
         leaf = "lm_head"
     shape = table.get(leaf)
