@@ -258,23 +258,34 @@ class RowParallel:
         batches = self.oracle._batches(tensors)
         return batches, deal(batches, lengths, self.group.world_size), lengths
 
-    def _local(self, rows, batches, owner, progress: bool) -> dict[int, torch.Tensor]:
+    def _local(self, rows, batches, owner, lengths, progress: bool) -> dict[int, torch.Tensor]:
         """Hidden states of this rank's rows. Its batches keep their global order, so the oracle regroups them into
-        exactly the same batches (only a length's last batch is partial, and it stays last)."""
+        exactly the same batches (only a length's last batch is partial, and it stays last). Rope tables are built
+        for the longest row of all ranks, as one process builds them: an elementwise kernel may round the tail of a
+        tensor differently from its vectorised body, so a shorter table could differ in the last ulp."""
         g = self.group
         mine = [i for b, o in zip(batches, owner) if o == g.rank for i in b]
+        family = self.oracle.family
+        own_tables = vars(family).get("rope_tables")
+        build = family.rope_tables
+        family.rope_tables = lambda length, dtype, device: build(max(lengths, default=length), dtype, device)
         try:
             hidden = self.oracle.hidden_states([rows[i] for i in mine], progress=progress and g.rank == 0) if mine else []
         except FidelityError as e:  # the oracle counted this rank's rows; name them as the caller numbers them
             message = re.sub(r"\brow (\d+)", lambda m: f"row {mine[int(m.group(1))]}", str(e))
             g.post_error(message)
             raise FidelityError(f"rank {g.rank}: {message}") from None
+        finally:
+            if own_tables is None:
+                del family.rope_tables
+            else:
+                family.rope_tables = own_tables
         return dict(zip(mine, hidden))
 
     def hidden_states(self, rows, progress: bool = True) -> list[torch.Tensor]:
         g = self.group
         batches, owner, lengths = self._plan(rows)
-        local = self._local(rows, batches, owner, progress)
+        local = self._local(rows, batches, owner, lengths, progress)
         g.checkpoint("the exchange of hidden states")
         out: list[torch.Tensor | None] = [None] * len(rows)
         for b, o in zip(batches, owner):
@@ -295,8 +306,8 @@ class RowParallel:
             raise FidelityError(f"tokens must be a [batch, length] tensor, got shape {list(tokens.shape)}")
         g = self.group
         rows = tokens.tolist()
-        batches, owner, _ = self._plan(rows)
-        local = self._local(rows, batches, owner, progress)
+        batches, owner, lengths = self._plan(rows)
+        local = self._local(rows, batches, owner, lengths, progress)
         B, T = tokens.shape
         vocab = self.oracle.head_weight().shape[0] if B * T else self.oracle.family.vocab_size
         out = torch.empty(B, T, vocab, dtype=self.oracle.dtype)
