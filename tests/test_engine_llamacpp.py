@@ -80,6 +80,7 @@ def full_vocab_kl(model_path, ref, rows, top_k: int, bos: int) -> tuple[float, f
     """Mean full-vocabulary KL(ref || engine) over the positions the gate scores through llama-cpp-python's echo (it skips
     BOS tokens and gives no logprob for the first echoed one), and the mean of the stated gap tail_mass * KL(tails)."""
     full, gaps = [], []
+    mappable = ref.piece_ids()  # text keys the gate can attribute to one id; the rest of the engine's top-k is tail
     for r, lq in zip(ref.rows, llama_full_logprobs(model_path, rows)):
         for j, t in enumerate(r.scored):
             if r.tokens[t] == bos or t == 1:
@@ -87,7 +88,9 @@ def full_vocab_kl(model_path, ref, rows, top_k: int, bos: int) -> tuple[float, f
             lp, q = r.logprobs[j], lq[t - 1]
             p = np.exp(lp)
             full.append(float(np.sum(p * (lp - q))))
-            seen = set(np.argsort(-q)[:top_k]) | {r.tokens[t]}
+            # llama-cpp-python names special tokens "" in top_logprobs, so only the actual token's entry keeps its id
+            seen = {int(i) for i in np.argsort(-q)[:top_k] if mappable.get(ref.pieces[i]) == i and i not in ref.special_ids}
+            seen.add(r.tokens[t])
             tail = np.array(sorted(set(range(len(q))) - seen))
             pt, qt = p[tail].sum(), np.exp(q[tail]).sum()
             gaps.append(float(pt * np.sum(p[tail] / pt * (lp[tail] - np.log(pt) - q[tail] + np.log(qt)))))
