@@ -14,6 +14,17 @@ from pathlib import Path
 from ..errors import FidelityError
 
 
+def read_journal_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of every non-empty line of an append-only JSONL journal. A last line cut short by a kill is
+    truncated away first, so appends start on a fresh line and nothing half-written is ever read."""
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1
+    if cut < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+    return [(n, line) for n, line in enumerate(data[:cut].decode("utf-8").splitlines(), 1) if line.strip()]
+
+
 def request_key(path: str, body: dict, tag: str = "") -> str:
     """Stable key of one logical request. `tag` separates identical bodies that must be sent separately (e.g. the same
     prompt alone and inside a concurrent batch)."""
@@ -34,15 +45,7 @@ class Journal:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _load(self):
-        data = self.path.read_bytes()
-        cut = data.rfind(b"\n") + 1
-        if cut < len(data):  # a record cut short by an interrupted write: drop it so appends start on a fresh line
-            with open(self.path, "r+b") as f:
-                f.truncate(cut)
-            data = data[:cut]
-        for lineno, line in enumerate(data.decode("utf-8").split("\n"), 1):
-            if not line.strip():
-                continue
+        for lineno, line in read_journal_lines(self.path):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:

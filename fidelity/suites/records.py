@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..engine.journal import read_journal_lines
 from ..errors import FidelityError
 
 MANIFEST, JOURNAL, REQUESTS, RECORDS = "manifest.json", "records.jsonl", "requests.jsonl", "records.parquet"
@@ -74,14 +75,7 @@ class ItemJournal:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _load(self):
-        data = self.path.read_bytes()
-        cut = data.rfind(b"\n") + 1
-        if cut < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(cut)
-        for lineno, line in enumerate(data[:cut].decode("utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
+        for lineno, line in read_journal_lines(self.path):
             try:
                 rec = Record(**json.loads(line))
             except (json.JSONDecodeError, TypeError) as e:
