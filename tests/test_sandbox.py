@@ -31,7 +31,8 @@ def hostile_corpus(marker: str, port: int, secret_name: str) -> dict[str, str]:
                    f"    return 42\n"),
         "infinite-loop": "def answer():\n    while True:\n        pass\n",
         "env-secret": (f"import os\ndef answer():\n    print(dict(os.environ))\n    for p in ('/proc/1/environ', '/proc/self/environ'):\n"
-                       f"        print(open(p).read())\n    return os.environ[{secret_name!r}]\n"),
+                       f"        try:\n            print(open(p).read())\n        except OSError as e:\n            print(p, e)\n"
+                       f"    return os.environ[{secret_name!r}]\n"),
         "forged-exit": "import os\ndef answer():\n    os._exit(0)\n",
         "benign": "def answer():\n    return 42\n",
     }

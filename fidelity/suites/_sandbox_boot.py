@@ -3,6 +3,7 @@ dir, set resource limits, drop to an unprivileged user, then exec the program. S
 import ctypes
 import json
 import os
+import signal
 import resource
 import sys
 
@@ -85,7 +86,8 @@ def set_limits(lim):
     for what, value in ((resource.RLIMIT_CPU, lim["cpu_s"]), (resource.RLIMIT_AS, lim["memory_mb"] * mb),
                         (resource.RLIMIT_FSIZE, lim["file_mb"] * mb), (resource.RLIMIT_NPROC, lim["processes"]),
                         (resource.RLIMIT_NOFILE, lim["open_files"]), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(what, (value, value))
+        # the CPU hard limit sits 1 s above the soft one so the kernel sends SIGXCPU (reported as the CPU limit) first
+        resource.setrlimit(what, (value, value + 1 if what == resource.RLIMIT_CPU else value))
 
 
 CONFIG = json.loads(sys.argv[1])
@@ -104,17 +106,34 @@ def main():
                 f.write(data)
     os.chdir(workdir)
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    if CONFIG["mode"] not in ("namespaced", "userns"):
+        become_program(files)
+    # PID 1 of the sandbox's PID namespace: run the program as a child and pass on how it ended as an exit code, because
+    # unshare cannot always re-raise a child's fatal signal itself (seen: SIGXCPU -> "sigprocmask unblock failed").
+    pid = os.fork()
+    if pid == 0:
+        become_program(files)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        sys.stderr.write(f"sandbox: program killed by signal {signal.Signals(sig).name}\n")
+        sys.stderr.flush()
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def become_program(files):
+    """Drop to the unprivileged user, apply the limits and exec the program (never returns)."""
     uid = CONFIG.get("uid")
     if uid is not None and os.getuid() == 0:
         for name in files:
             os.chown(name, uid, uid)
-        os.chown(workdir, uid, uid)
+        os.chown(CONFIG["workdir"], uid, uid)
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
     set_limits(CONFIG["limits"])
     argv = [sys.executable, "-I", "-B", CONFIG["program"], *CONFIG.get("args", [])]
     os.execve(sys.executable, argv, CONFIG["env"])
-
 
 main()
