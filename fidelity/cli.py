@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import shlex
 import sys
 
 from . import __version__
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = shlex.join(["fidelity", *(sys.argv[1:] if argv is None else argv)])
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

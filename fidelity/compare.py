@@ -161,7 +161,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         ov["noise_floor_kld"] = noise["kld_mean"] if noise else None
         ov["x_noise_floor"] = (ov["kld_mean"] / noise["kld_mean"]) if noise and noise["kld_mean"] and ov["kld_mean"] is not None else None
         bits = pack.bits_per_weight().rows
-        results.append({"pack": str(pack.path), "label": label, "format": pack.format,
+        results.append({"pack": str(Path(pack.path).resolve()), "label": label, "format": pack.format,
                         "fingerprint": pack.fingerprint(),
                         "bpw": (bits.get("all_linear") or bits.get("total") or {}).get("bpw"),
                         "overall": ov, "domains": summary["domains"]})
@@ -176,8 +176,8 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         "direction": "KL(P_reference || Q_pack), nats per scored token",
         "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(rows), "scored_positions": ref.scored_positions,
                   "domains": panel.domains},
-        "reference": {"path": str(ref_pack.path), "fingerprint": ref_pack.fingerprint(), "format": ref_pack.format,
-                      "store": str(reference_store) if reference_store else None},
+        "reference": {"path": str(Path(ref_pack.path).resolve()), "fingerprint": ref_pack.fingerprint(), "format": ref_pack.format,
+                      "store": str(Path(reference_store).resolve()) if reference_store else None},
         "noise_floor": noise,
         "results": results,
         "paired": paired,

@@ -1,5 +1,6 @@
 """compare() end to end on tiny Llama packs that carry SmolLM2's real tokenizer (fast), checked against HF transformers."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,6 +193,8 @@ def test_cli_writes_json_markdown_and_records(tiny, tmp_path, capsys):
         for d in r["domains"].values():
             assert set(d) >= {"kld_mean", "kld_mean_ci95", "top1", "ppl", "positions"}
     assert set(rep["paired"][0]) >= {"a", "b", "kld_mean_diff", "ci95", "p_value"}
+    assert rep["command_line"].startswith("fidelity compare ") and str(tiny["small"]) in rep["command_line"]
+    assert rep["results"][0]["pack"] == str(Path(tiny["small"]).resolve())
     text = md.read_text()
     assert "| small |" in text and "| small | **domains equal** |" in text
     assert "overall" in capsys.readouterr().out

@@ -119,6 +119,7 @@ def markdown(result: dict) -> str:
 def write_outputs(res, args) -> None:
     from ..compare import write_records
 
+    res.report.setdefault("command_line", getattr(args, "command_line", None))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res.report, indent=2) + "\n")
     if args.markdown:
