@@ -130,16 +130,19 @@ def _check_unique(rows: list[PanelRow], source) -> list[PanelRow]:
     return rows
 
 
-def read_jsonl(path: Path) -> list[PanelRow]:
-    rows = []
+def iter_jsonl(path: Path):
+    """(line number, object) for each non-empty line; invalid JSON is a PanelError naming the file and line."""
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield n, json.loads(line)
         except json.JSONDecodeError as e:
             raise PanelError(f"{path} line {n}: invalid JSON: {e}") from None
-        rows.append(parse_row(obj, f"{path} line {n}"))
+
+
+def read_jsonl(path: Path) -> list[PanelRow]:
+    rows = [parse_row(obj, f"{path} line {n}") for n, obj in iter_jsonl(path)]
     return _check_unique(rows, path)
 
 

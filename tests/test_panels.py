@@ -98,3 +98,14 @@ def test_parquet_and_hf_datasets_loaders_read_local_files(tmp_path, rng_seed):
     assert from_parquet.sha256 == ds_panel.sha256
     with pytest.raises(PanelError, match="datasets cannot load 'json'"):
         load_hf_panel("json", data_files=str(tmp_path / "missing.jsonl"), cache_dir=str(tmp_path / "hf_cache"))
+
+
+def test_invalid_json_line_names_file_and_line(tmp_path):
+    from fidelity.commands.panel import read_prompts
+    from fidelity.panels import PanelError, read_jsonl
+
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"id": "a", "domain": "math", "text": "1 + 1 = 2"}\n\n{"id": "b", "domain": \n')
+    for reader in (read_jsonl, read_prompts):
+        with pytest.raises(PanelError, match=r"rows\.jsonl line 3: invalid JSON"):
+            reader(bad)

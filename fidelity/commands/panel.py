@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from ..panels import PanelError, PanelRow, load_panel, write_panel
+from ..panels import PanelError, PanelRow, iter_jsonl, load_panel, write_panel
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -30,13 +30,7 @@ def read_prompts(path: str | Path) -> list[tuple[str, str, list[dict]]]:
     """(id, domain, messages ending with a user turn) per line."""
     out = []
     path = Path(path)
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PanelError(f"{path} line {n}: invalid JSON: {e}") from None
+    for n, obj in iter_jsonl(path):
         rid, domain = obj.get("id"), obj.get("domain")
         if not isinstance(rid, str) or not isinstance(domain, str):
             raise PanelError(f"{path} line {n}: 'id' and 'domain' must be strings")
