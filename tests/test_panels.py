@@ -105,7 +105,7 @@ def test_invalid_json_line_names_file_and_line(tmp_path):
     from fidelity.panels import PanelError, read_jsonl
 
     bad = tmp_path / "rows.jsonl"
-    bad.write_text('{"id": "a", "domain": "math", "text": "1 + 1 = 2"}\n\n{"id": "b", "domain": \n')
+    bad.write_text('\n{"id": "b", "domain": \n{"id": "c", "domain": "math", "text": "1 + 1 = 2"}\n')
     for reader in (read_jsonl, read_prompts):
-        with pytest.raises(PanelError, match=r"rows\.jsonl line 3: invalid JSON"):
+        with pytest.raises(PanelError, match=r"rows\.jsonl line 2: invalid JSON"):
             reader(bad)
