@@ -113,7 +113,9 @@ def parse_row(obj, where: str) -> PanelRow:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise PanelError(f"{where}: message {i} must have string 'role' and 'content'")
-        clean.append({"role": m["role"], "content": m["content"]})
+        if "truncated" in m and not isinstance(m["truncated"], bool):
+            raise PanelError(f"{where}: message {i}: 'truncated' must be true or false")
+        clean.append({"role": m["role"], "content": m["content"], **({"truncated": True} if m.get("truncated") else {})})
     if not any(m["role"] == "assistant" for m in clean):
         raise PanelError(f"{where}: a chat row needs an assistant message: only assistant tokens are scored")
     return PanelRow(rid, domain, messages=clean)
@@ -261,7 +263,8 @@ def tokenize_row(row: PanelRow, tokenizer, *, max_len: int | None = None, trunca
 
 def render_chat(row: PanelRow, tokenizer) -> tuple[list[int], list[bool]]:
     """Render with the tokenizer's chat template; mark the tokens of each assistant turn (its content and end-of-turn
-    marker, not the trailing newline the template adds after it). Assistant spans are found by rendering growing
+    marker, only the content when the turn is marked `truncated`, never the trailing newline the template adds after
+    it). Assistant spans are found by rendering growing
     prefixes of the conversation, which must be prefixes of the full rendering."""
     if not getattr(tokenizer, "chat_template", None):
         raise PanelError(f"row {row.id!r}: the pack's tokenizer has no chat template, so chat rows cannot be rendered")
@@ -278,6 +281,13 @@ def render_chat(row: PanelRow, tokenizer) -> tuple[list[int], list[bool]]:
             raise PanelError(f"row {row.id!r}: the chat template does not render this conversation prefix by prefix, so "
                              f"assistant turn {i} cannot be located")
         end = len(end_text.rstrip())
+        if m.get("truncated"):  # cut short by a token limit: its content is scored, the template's end-of-turn is not
+            content = m["content"].strip()
+            at = end_text.rfind(content) if content else -1
+            if at < len(start_text):
+                raise PanelError(f"row {row.id!r}: assistant turn {i} is marked truncated but its text is not found "
+                                 f"verbatim in the rendered conversation")
+            end = at + len(content)
         spans.append((len(start_text), end))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     tokens = list(enc["input_ids"])

@@ -221,13 +221,15 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
     for row in panel.rows:
         ids = tok(tok.apply_chat_template(row.messages[:-1], add_generation_prompt=True, tokenize=False),
                   add_special_tokens=False)["input_ids"]
-        new = []
+        new, stopped = [], False
         while len(new) < 6:
             nxt = int(oracle.logits(torch.tensor([ids + new]))[0, -1].argmax())
             if nxt in stop:
+                stopped = True
                 break
             new.append(nxt)
-        assert row.messages[-1] == {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()}
+        want = {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()}
+        assert row.messages[-1] == (want if stopped else {**want, "truncated": True})
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "b1", "domain": "x", "messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     from fidelity.panels import PanelError

@@ -109,3 +109,16 @@ def test_invalid_json_line_names_file_and_line(tmp_path):
     for reader in (read_jsonl, read_prompts):
         with pytest.raises(PanelError, match=r"rows\.jsonl line 2: invalid JSON"):
             reader(bad)
+
+
+def test_an_answer_cut_short_scores_its_content_but_not_the_end_of_turn(tokenizer, rng_seed):
+    answer = "The capital of France is Paris, a city on the river"
+    messages = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": answer}]
+    whole = render_chat(PanelRow("w", "knowledge", messages=messages), tokenizer)
+    cut = render_chat(PanelRow("c", "knowledge", messages=[messages[0], {**messages[1], "truncated": True}]), tokenizer)
+    assert cut[0] == whole[0]  # the same rendering; only what is scored differs
+    scored_whole = tokenizer.decode([t for t, s in zip(*whole) if s])
+    scored_cut = tokenizer.decode([t for t, s in zip(*cut) if s])
+    assert scored_whole.startswith(scored_cut) and scored_whole != scored_cut
+    assert scored_cut.strip() == answer
+    assert "<|im_end|>" in scored_whole and "<|im_end|>" not in scored_cut

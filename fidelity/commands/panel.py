@@ -73,8 +73,8 @@ class GreedyAnswerer:
                                       max_new_tokens=n, do_sample=False, pad_token_id=self.tok.eos_token_id)
         return out[0, len(ids):].tolist()
 
-    def answer(self, messages: list[dict]) -> tuple[str, int]:
-        """(answer text, number of drafted tokens the oracle corrected)."""
+    def answer(self, messages: list[dict]) -> tuple[str, int, bool]:
+        """(answer text, number of drafted tokens the oracle corrected, whether max_new_tokens cut it short)."""
         prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         new: list[int] = []
@@ -95,9 +95,10 @@ class GreedyAnswerer:
             if len(new) < self.max_new:
                 corrected += int(k < len(drafted))
                 new.append(chosen[k])
-        if new and new[-1] in self.stop:
+        finished = bool(new and new[-1] in self.stop)
+        if finished:
             new = new[:-1]
-        return self.tok.decode(new, skip_special_tokens=True).strip(), corrected
+        return self.tok.decode(new, skip_special_tokens=True).strip(), corrected, not finished
 
 
 def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, name: str | None = None,
@@ -111,11 +112,13 @@ def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, 
     answerer = GreedyAnswerer(pack, max_new_tokens=max_new_tokens)
     rows, corrected = [], 0
     for rid, domain, messages in tqdm(items, desc="answering", disable=not progress, unit="prompt"):
-        text, fixed = answerer.answer(messages)
+        text, fixed, cut_short = answerer.answer(messages)
         if not text:
             raise PanelError(f"row {rid!r}: the reference answered with nothing")
         corrected += fixed
-        rows.append(PanelRow(rid, domain, messages=messages + [{"role": "assistant", "content": text}]))
+        # an answer cut at max_new_tokens never produced the template's end-of-turn token: it is marked and not scored
+        answer = {"role": "assistant", "content": text, **({"truncated": True} if cut_short else {})}
+        rows.append(PanelRow(rid, domain, messages=messages + [answer]))
     sources = [{"part": "prompts", "source": str(Path(prompts).name), "license": license},
                {"part": "answers", "source": f"greedy answers of the reference pack (fingerprint {pack.fingerprint()}, "
                                              f"max {max_new_tokens} new tokens) through the fidelity oracle",
