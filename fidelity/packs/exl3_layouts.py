@@ -61,64 +61,56 @@ EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
 _ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa", "wkv_b": "kv_b_proj",
          "wo": "o_proj", "q_norm": "q_a_layernorm", "kv_norm": "kv_a_layernorm"}
 _MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
 _LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _params(official_prefix: str, hf_prefix: str, modules: dict[str, str], params=("weight", "bias")) -> dict[str, str]:
+    return {f"{official_prefix}{off}.{p}": f"{hf_prefix}{hf}.{p}" for off, hf in modules.items() for p in params}
+
+
+# official -> HF: whole names, names inside layer L, names inside routed expert E; the inverse is derived below
+_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
+_IN_LAYER = (_params("", "", _LAYER_NORMS, ("weight",)) | _params("attn.", "self_attn.", _ATTN)
+             | _params("ffn.", "mlp.", _MLP) | _params("ffn.shared_experts.", "mlp.shared_experts.", _MLP)
+             | {"ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias"})
+_IN_EXPERT = _params("", "", _MLP)
+_TO_HF = (_TOP, _IN_LAYER, _IN_EXPERT)
+_TO_OFFICIAL = tuple({hf: off for off, hf in table.items()} for table in _TO_HF)
+
+
+@dataclass(frozen=True)
+class _Naming:
+    layer_prefix: str    # + "<L>." + a name inside the layer
+    experts_prefix: str  # inside a layer: + "<E>." + a name inside the expert
+
+
+_OFFICIAL = _Naming("layers.", "ffn.experts.")
+_HF = _Naming("model.layers.", "mlp.experts.")
+
+
+def _rename(name: str, tables: tuple[dict[str, str], ...], src: _Naming, dst: _Naming) -> str:
+    top, in_layer, in_expert = tables
+    if name in top:
+        return top[name]
+    m = re.fullmatch(rf"{re.escape(src.layer_prefix)}(\d+)\.(.+)", name)
+    if not m:
+        return name
+    layer, rest = m.groups()
+    renamed = in_layer.get(rest)
+    if renamed is None and (e := re.fullmatch(rf"{re.escape(src.experts_prefix)}(\d+)\.(.+)", rest)):
+        expert, param = e.groups()
+        renamed = f"{dst.experts_prefix}{expert}.{in_expert[param]}" if param in in_expert else None
+    return name if renamed is None else f"{dst.layer_prefix}{layer}.{renamed}"
 
 
 def official_to_hf(name: str) -> str:
     """DeepSeek official name -> Hugging Face name (unchanged when there is no HF counterpart)."""
-    if name in _TOP:
-        return _TOP[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if not m:
-        return name
-    layer, rest = m.groups()
-    p = f"model.layers.{layer}"
-    if m2 := re.fullmatch(r"(attn_norm|ffn_norm)\.weight", rest):
-        return f"{p}.{_LAYER_NORMS[m2.group(1)]}.weight"
-    if (m2 := re.fullmatch(r"attn\.(\w+)\.(weight|bias)", rest)) and m2.group(1) in _ATTN:
-        return f"{p}.self_attn.{_ATTN[m2.group(1)]}.{m2.group(2)}"
-    if m2 := re.fullmatch(r"ffn\.(w1|w2|w3)\.(weight|bias)", rest):
-        return f"{p}.mlp.{_MLP[m2.group(1)]}.{m2.group(2)}"
-    if m2 := re.fullmatch(r"ffn\.shared_experts\.(w1|w2|w3)\.(weight|bias)", rest):
-        return f"{p}.mlp.shared_experts.{_MLP[m2.group(1)]}.{m2.group(2)}"
-    if m2 := re.fullmatch(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|bias)", rest):
-        return f"{p}.mlp.experts.{m2.group(1)}.{_MLP[m2.group(2)]}.{m2.group(3)}"
-    if rest == "ffn.gate.weight":
-        return f"{p}.mlp.gate.weight"
-    if rest == "ffn.gate.bias":
-        return f"{p}.mlp.gate.e_score_correction_bias"
-    return name
+    return _rename(name, _TO_HF, _OFFICIAL, _HF)
 
 
 def hf_to_official(name: str) -> str:
     """Inverse of official_to_hf."""
-    for off, hf in _TOP.items():
-        if name == hf:
-            return off
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if not m:
-        return name
-    layer, rest = m.groups()
-    p = f"layers.{layer}"
-    inv_attn = {v: k for k, v in _ATTN.items()}
-    inv_mlp = {v: k for k, v in _MLP.items()}
-    inv_norm = {v: k for k, v in _LAYER_NORMS.items()}
-    if m2 := re.fullmatch(r"(input_layernorm|post_attention_layernorm)\.weight", rest):
-        return f"{p}.{inv_norm[m2.group(1)]}.weight"
-    if (m2 := re.fullmatch(r"self_attn\.(\w+)\.(weight|bias)", rest)) and m2.group(1) in inv_attn:
-        return f"{p}.attn.{inv_attn[m2.group(1)]}.{m2.group(2)}"
-    if m2 := re.fullmatch(r"mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)", rest):
-        return f"{p}.ffn.{inv_mlp[m2.group(1)]}.{m2.group(2)}"
-    if m2 := re.fullmatch(r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.(weight|bias)", rest):
-        return f"{p}.ffn.shared_experts.{inv_mlp[m2.group(1)]}.{m2.group(2)}"
-    if m2 := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)", rest):
-        return f"{p}.ffn.experts.{m2.group(1)}.{inv_mlp[m2.group(2)]}.{m2.group(3)}"
-    if rest == "mlp.gate.weight":
-        return f"{p}.ffn.gate.weight"
-    if rest == "mlp.gate.e_score_correction_bias":
-        return f"{p}.ffn.gate.bias"
-    return name
+    return _rename(name, _TO_OFFICIAL, _HF, _OFFICIAL)
 
 
 _EXPERT = re.compile(r"(?:model\.)?(layers|mtp)\.(\d+)\.(?:ffn|mlp)\.experts\.(\d+)\.")
