@@ -205,15 +205,21 @@ class DeepseekV3Family(Family):
             names += [f"{m}.weight" for m in self.expert_names(i, e)]
         return names
 
+    def load_attention(self, i: int, fetch: Fetch) -> MLA:
+        return MLA(self.args, f"model.layers.{i}.self_attn", fetch)
+
+    def load_mlp(self, i: int, fetch: Fetch) -> SigmoidMoE | GatedMLP:
+        a, p = self.args, f"model.layers.{i}.mlp"
+        if not self.is_moe(i):
+            return GatedMLP.load(p, fetch, a.hidden_act)
+        experts = RoutedExperts(a.n_routed_experts, lambda e: self.expert_names(i, e), fetch, a.hidden_act)
+        return SigmoidMoE(a, p, fetch, experts)
+
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
-        a, p = self.args, f"model.layers.{i}"
-        if self.is_moe(i):
-            experts = RoutedExperts(a.n_routed_experts, lambda e: self.expert_names(i, e), fetch, a.hidden_act)
-            mlp = SigmoidMoE(a, f"{p}.mlp", fetch, experts)
-        else:
-            mlp = GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act)
-        return DecoderLayer(MLA(a, f"{p}.self_attn", fetch), mlp, fetch(f"{p}.input_layernorm.weight"),
-                            fetch(f"{p}.post_attention_layernorm.weight"), a.rms_norm_eps)
+        p = f"model.layers.{i}"
+        mlp = self.load_mlp(i, fetch)  # before the attention: the order tensors are fetched in stays as it was
+        return DecoderLayer(self.load_attention(i, fetch), mlp, fetch(f"{p}.input_layernorm.weight"),
+                            fetch(f"{p}.post_attention_layernorm.weight"), self.args.rms_norm_eps)
 
     def rope_tables(self, length: int, dtype: torch.dtype, device):
         return cos_sin(self.args.rope, length, dtype, device)

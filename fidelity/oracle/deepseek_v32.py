@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .common import ATTENTION_CHUNK_BYTES, Fetch, GatedMLP, require
-from .deepseek_v3 import MLA, DeepseekV3Args, DeepseekV3Family, SigmoidMoE
-from .llama import DecoderLayer
-from .moe import RoutedExperts
+from .common import ATTENTION_CHUNK_BYTES, Fetch, require
+from .deepseek_v3 import MLA, DeepseekV3Args, DeepseekV3Family
 from .rope import rotate_half_split
 
 ARCH = "DeepseekV32ForCausalLM"
@@ -156,13 +154,5 @@ class DeepseekV32Family(DeepseekV3Family):
     def layer_names(self, i: int) -> list[str]:
         return super().layer_names(i) + LightningIndexer.names(self.indexer_of(i))
 
-    def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
-        a, p = self.args, f"model.layers.{i}"
-        if self.is_moe(i):
-            experts = RoutedExperts(a.n_routed_experts, lambda e: self.expert_names(i, e), fetch, a.hidden_act)
-            mlp = SigmoidMoE(a, f"{p}.mlp", fetch, experts)
-        else:
-            mlp = GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act)
-        return DecoderLayer(IndexedMLA(a, self.index, f"{p}.self_attn", fetch, self.indexer_of(i)), mlp,
-                            fetch(f"{p}.input_layernorm.weight"), fetch(f"{p}.post_attention_layernorm.weight"),
-                            a.rms_norm_eps)
+    def load_attention(self, i: int, fetch: Fetch) -> IndexedMLA:
+        return IndexedMLA(self.args, self.index, f"model.layers.{i}.self_attn", fetch, self.indexer_of(i))
