@@ -15,11 +15,17 @@ Failure: every exchange is preceded by a checkpoint on the process group's store
 there; a rank that dies stops its heartbeat. The others fail with a message naming that rank instead of waiting on a
 collective forever, and nothing is written by rank 0 unless every exchange completed.
 
+Sharded layer loads (row parallel, on by default): every rank needs every layer, but reading, dequantizing and copying
+a layer to the GPU is the streaming cost, so each rank does that for about 1/N of the layer's tensors (whole tensors,
+dealt largest first) and receives the rest by broadcast from the rank that read them (NVLink between GPUs of one host).
+The bits each rank ends with are the reader's, which are the bits it would have read itself: numbers unchanged.
+
 Layer prefetch: `prefetch(oracle)` loads layer i+1 in a background thread while layer i computes (behind the oracle's
-`load_layer` seam; on CUDA on a side stream, synchronised before hand-over).
+`load_layer` seam; on CUDA on a side stream, synchronised before hand-over), the sharded exchange included.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -31,6 +37,7 @@ from datetime import timedelta
 import torch
 
 from .errors import FidelityError
+from .oracle.common import Fetch
 
 STORE_PREFIX = "fidelity"
 HEARTBEAT_S = 1.0
@@ -51,13 +58,15 @@ class Settings:
     stale_s: float = field(default_factory=lambda: _env_float("FIDELITY_DIST_STALE_S", 120.0))
     timeout_s: float | None = field(default_factory=lambda: _env_float("FIDELITY_DIST_TIMEOUT_S", None))
     prefetch: bool = field(default_factory=lambda: os.environ.get("FIDELITY_PREFETCH", "1") != "0")
+    shard_loads: bool = field(default_factory=lambda: os.environ.get("FIDELITY_SHARD_LOADS", "1") != "0")
 
 
 SETTINGS = Settings()
 
 
 def configure(**kwargs) -> Settings:
-    """Set how `parallelize` spreads the work (`parallel="rows"|"experts"`, `prefetch=`, `stale_s=`, `timeout_s=`)."""
+    """Set how `parallelize` spreads the work (`parallel="rows"|"experts"`, `prefetch=`, `shard_loads=`, `stale_s=`,
+    `timeout_s=`)."""
     for key in kwargs:
         if not hasattr(SETTINGS, key):
             raise FidelityError(f"unknown distributed setting {key!r}")
@@ -102,7 +111,7 @@ class Group:
                 raise FidelityError(f"rank {self.rank} of {self.world_size} could not join the {self.backend} process "
                                     f"group at MASTER_ADDR:MASTER_PORT={where}: {e}") from None
         self.store = dist.distributed_c10d._get_default_store()
-        self._step = 0
+        self._steps: dict[str, int] = {}
         self._stop = threading.Event()
         self._beats: dict[int, tuple[int, float]] = {}
         self._heart = threading.Thread(target=self._heartbeat, daemon=True, name=f"fidelity-heartbeat-{self.rank}")
@@ -134,11 +143,13 @@ class Group:
             raise RankFailed(f"rank {self.rank} lost the distributed store (hosted by rank 0 or the torchrun agent): "
                              f"{e}; rank 0 or the launcher probably died, no result was written") from None
 
-    def checkpoint(self, what: str) -> None:
+    def checkpoint(self, what: str, channel: str = "main") -> None:
         """Wait until every rank reaches this point. Raises RankFailed naming a rank that posted an error, stopped its
-        heartbeat for `stale_s` seconds, or (with `timeout_s`) did not arrive in time."""
-        self._step += 1
-        here = [self._key("at", self._step, r) for r in range(self.world_size)]
+        heartbeat for `stale_s` seconds, or (with `timeout_s`) did not arrive in time. Each channel counts its own
+        checkpoints (the prefetch thread's layer exchanges use their own, so they never interleave with the main one's)."""
+        step = self._steps[channel] = self._steps.get(channel, 0) + 1
+        place = (step,) if channel == "main" else (channel, step)
+        here = [self._key("at", *place, r) for r in range(self.world_size)]
         self._store_call(self.store.set, here[self.rank], "1")
         started, pause = time.monotonic(), 0.001
         last_look = 0.0
@@ -146,7 +157,7 @@ class Group:
             now = time.monotonic()
             if now - last_look >= HEARTBEAT_S:
                 last_look = now
-                self._look_for_failures(what, here, now)
+                self._look_for_failures(what, self._missing(here), now)
                 if SETTINGS.timeout_s is not None and now - started > SETTINGS.timeout_s:
                     missing = self._missing(here)
                     raise RankFailed(f"rank(s) {missing} did not reach {what} within {SETTINGS.timeout_s:.0f} s "
@@ -157,8 +168,11 @@ class Group:
     def _missing(self, here: list[str]) -> list[int]:
         return [r for r, key in enumerate(here) if not self._store_call(self.store.check, [key])]
 
-    def _look_for_failures(self, what: str, here: list[str], now: float) -> None:
-        for r in self._missing(here):
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    def _look_for_failures(self, what: str, ranks: list[int], now: float) -> None:
+        for r in ranks:
             if self._store_call(self.store.check, [self._key("error", r)]):
                 message = self._store_call(self.store.get, self._key("error", r)).decode(errors="replace")
                 raise RankFailed(f"rank {r} failed before {what}: {message}")
@@ -170,6 +184,27 @@ class Group:
                 raise RankFailed(f"rank {r} stopped responding before {what} (no heartbeat for {now - since:.0f} s, "
                                  f"FIDELITY_DIST_STALE_S={SETTINGS.stale_s:g}): it died or hangs; see its log or "
                                  f"torchrun's failure summary. The run is abandoned, no result was written")
+
+    def watch(self, what: str, done) -> None:
+        """Poll `done()` until true, naming another rank that fails meanwhile (a dead peer leaves an NCCL collective
+        pending forever; this turns that into RankFailed after `stale_s`)."""
+        pause, last_look = 0.0002, time.monotonic()
+        while not done():
+            now = time.monotonic()
+            if now - last_look >= HEARTBEAT_S:
+                last_look = now
+                self._look_for_failures(what, self._others(), now)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+
+    def diagnose(self, what: str, error: BaseException) -> None:
+        """A collective raised (gloo notices a peer that died): name the rank that failed if one did, else the error."""
+        deadline = time.monotonic() + SETTINGS.stale_s + 3 * HEARTBEAT_S
+        while time.monotonic() < deadline:
+            self._look_for_failures(what, self._others(), time.monotonic())
+            time.sleep(HEARTBEAT_S / 4)
+        raise RankFailed(f"rank {self.rank}: {what} failed ({type(error).__name__}: {error}) and no other rank "
+                         f"reported why; the run is abandoned, no result was written")
 
     # -- collectives ---------------------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -183,14 +218,35 @@ class Group:
         self.dist.broadcast(tensor, src=src)
         return tensor
 
+    def broadcast_all(self, what: str, items: list[tuple[torch.Tensor, int]]) -> None:
+        """Broadcast each (tensor, source rank), in place, in list order (the same on every rank), and wait for all
+        of them on this thread's stream while watching the other ranks."""
+        try:
+            works = [self.dist.broadcast(t, src=src, async_op=True) for t, src in items]
+            for w in works:
+                w.wait()  # gloo: until done (raises if a peer vanished); NCCL: this stream waits for the copies
+        except Exception as e:
+            self.diagnose(what, e)
+        if self.backend == "nccl":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.watch(what, done.query)
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM)
         return tensor
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._stop.set()
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
+        if not self.dist.is_initialized():
+            return
+        if failed and self.backend == "nccl":
+            try:  # a collective may be pending on a dead peer: destroying would wait for it forever
+                self.dist.distributed_c10d._abort_process_group()
+                return
+            except Exception:
+                pass
+        self.dist.destroy_process_group()
 
 
 _GROUP: Group | None = None
@@ -221,13 +277,17 @@ def finish(error: BaseException | None = None) -> None:
     g, _GROUP = _GROUP, None
     if g is None:
         return
+    failed = error is not None
     try:
-        if error is not None:
+        if failed:
             g.post_error(f"{type(error).__name__}: {error}")
         else:
             g.checkpoint("the end of the run")
+    except BaseException:
+        failed = True
+        raise
     finally:
-        g.close()
+        g.close(failed=failed)
 
 
 # -- row parallel ------------------------------------------------------------------------------------------------
@@ -270,7 +330,15 @@ class RowParallel:
         build = family.rope_tables
         family.rope_tables = lambda length, dtype, device: build(max(lengths, default=length), dtype, device)
         try:
-            hidden = self.oracle.hidden_states([rows[i] for i in mine], progress=progress and g.rank == 0) if mine else []
+            if mine:
+                hidden = self.oracle.hidden_states([rows[i] for i in mine], progress=progress and g.rank == 0)
+            else:
+                hidden = []
+                if getattr(self.oracle, "sharded_loads", None) is not None:  # no rows here, but its share is needed
+                    for i in range(family.n_layers):
+                        self.oracle.load_layer(i)
+        except RankFailed:
+            raise
         except FidelityError as e:  # the oracle counted this rank's rows; name them as the caller numbers them
             message = re.sub(r"\brow (\d+)", lambda m: f"row {mine[int(m.group(1))]}", str(e))
             g.post_error(message)
@@ -318,6 +386,78 @@ class RowParallel:
         for b, o in zip(batches, owner):
             g.broadcast(out[b[0]:b[-1] + 1], src=o)
         return out
+
+
+# -- sharded layer loads ---------------------------------------------------------------------------------------
+
+def deal_tensors(sizes: list[int], world_size: int) -> list[int]:
+    """Reader rank of each tensor: largest first, each to the least-loaded rank (lowest on ties)."""
+    load = [0] * world_size
+    owner = [0] * len(sizes)
+    for t in sorted(range(len(sizes)), key=lambda t: (-sizes[t], t)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[t], load[r] = r, load[r] + sizes[t]
+    return owner
+
+
+class ShardedFetch(Fetch):
+    """The oracle's Fetch, except that tensors already exchanged for the layer being built come from `ready`."""
+
+    def __init__(self, fetch: Fetch):
+        self.__dict__.update(vars(fetch))
+        self.ready: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        t = self.ready.pop(name, None)
+        return super().__call__(name) if t is None else t
+
+
+class ShardedLoads:
+    """Wraps a `load_layer`: before layer i is built, this rank reads its share of the layer's tensors (routed experts
+    excepted: they are read only when a token routes to them), every share is broadcast, and the layer is built from
+    the exchanged tensors. Every rank must load the same layers in the same order (row parallel does)."""
+
+    def __init__(self, oracle, g: Group, load):
+        self.oracle, self.group, self.load = oracle, g, load
+
+    def plan(self, i: int) -> tuple[list[str], list[int]]:
+        fetch = self.oracle.fetch
+        names = [n for n in self.oracle.family.layer_names(i) if ".experts." not in n and fetch.shape_of
+                 and len(fetch.shape_of(n)) > 0]
+        sizes = [math.prod(fetch.shape_of(n)) for n in names]
+        return names, deal_tensors(sizes, self.group.world_size)
+
+    def __call__(self, i: int):
+        oracle, g = self.oracle, self.group
+        if i in getattr(oracle, "_layers", {}):  # keep_weights: built once already, on every rank alike
+            return self.load(i)
+        fetch: ShardedFetch = oracle.fetch
+        names, owners = self.plan(i)
+        mine = {n: fetch(n) for n, o in zip(names, owners) if o == g.rank}
+        ready = {n: mine[n] if o == g.rank else torch.empty(fetch.shape_of(n), device=fetch.device, dtype=fetch.dtype)
+                 for n, o in zip(names, owners)}
+        what = f"the exchange of layer {i}'s weights"
+        g.checkpoint(what, channel="layers")  # every share was read (a reader that failed has said so) before any wait
+        g.broadcast_all(what, [(ready[n], o) for n, o in zip(names, owners)])
+        fetch.ready.update(ready)
+        del mine, ready
+        try:
+            return self.load(i)
+        finally:
+            for n in names:  # any the family did not ask for
+                fetch.ready.pop(n, None)
+
+
+def shard_loads(oracle, g: Group):
+    """The same oracle, each layer read 1/N per rank and exchanged (numbers unchanged). Before or after `prefetch`."""
+    if getattr(oracle, "sharded_loads", None) is None:
+        oracle.fetch = ShardedFetch(oracle.fetch)
+        current = oracle.__dict__.get("load_layer")
+        if isinstance(current, Prefetcher):
+            current.load = oracle.sharded_loads = ShardedLoads(oracle, g, current.load)
+        else:
+            oracle.load_layer = oracle.sharded_loads = ShardedLoads(oracle, g, oracle.load_layer)
+    return oracle
 
 
 # -- expert parallel ---------------------------------------------------------------------------------------------
@@ -387,9 +527,11 @@ class Prefetcher:
         if self.stream is not None:
             # Layer i-1's kernels must finish before its freed blocks can be handed to the side stream's next load.
             torch.cuda.current_stream(self.oracle.device).synchronize()
+        if future is None:  # on the one loader thread too: loads run in layer order (sharded loads exchange in it)
+            future = self.pool.submit(self._load, i)
         if i + 1 < self.n_layers:
             self.pending[i + 1] = self.pool.submit(self._load, i + 1)
-        return future.result() if future is not None else self._load(i)
+        return future.result()
 
 
 def prefetch(oracle):
@@ -400,13 +542,17 @@ def prefetch(oracle):
 
 
 def parallelize(oracle, parallel: str | None = None):
-    """The oracle as this run spreads it: prefetching (unless disabled), and under a launcher row or expert parallel."""
+    """The oracle as this run spreads it: prefetching (unless disabled), and under a launcher row parallel (each layer
+    read 1/N per rank unless `shard_loads` is off) or expert parallel."""
+    g = group(oracle.device)
+    experts = (parallel or SETTINGS.parallel) == "experts"
+    if g is not None and not experts and SETTINGS.shard_loads:
+        shard_loads(oracle, g)
     if SETTINGS.prefetch:
         prefetch(oracle)
-    g = group(oracle.device)
     if g is None:
         return oracle
-    if (parallel or SETTINGS.parallel) == "experts":
+    if experts:
         oracle.fetch.expert_parallel = ExpertParallel(g)
         return oracle
     return RowParallel(oracle, g)

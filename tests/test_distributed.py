@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -15,7 +16,7 @@ import torch
 import transformers as T
 
 from fidelity import distributed, open_pack
-from fidelity.errors import FidelityError
+from fidelity.errors import FidelityError, PackError
 from fidelity.oracle import Oracle, runner
 from test_oracle import COMMON, MOE, make_moe
 from test_oracle_support import build
@@ -53,11 +54,23 @@ def _rank_main(rank: int, port: int, job: str, root: str) -> None:
         torch.save({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, out)
 
 
+def _reads(pack) -> list[str]:
+    """Names this process reads from `pack` from now on (recorded as `pack.tensor` is called)."""
+    read = []
+    original = pack.tensor
+    pack.tensor = lambda name, original=original: (read.append(name), original(name))[1]
+    return read
+
+
 def _equal_job(rank: int, root: Path) -> dict:
     inputs = torch.load(root / "inputs.pt")
-    llama = distributed.parallelize(Oracle(open_pack(root / "llama")), parallel="rows")
+    pack = open_pack(root / "llama")
+    read = _reads(pack)
+    llama = distributed.parallelize(Oracle(pack), parallel="rows")
     result = {"llama_logits": llama.logits(inputs["tokens"]),
-              "llama_hidden": llama.hidden_states(inputs["rows"], progress=False)}
+              "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
+              "llama_one_batch": llama.logits(inputs["tokens"][:2]),  # one batch: rank 1 has no rows, reads its share
+              "llama_layers_read": [n for n in read if ".layers." in n]}
     for case in inputs["moe_cases"]:
         pack = open_pack(root / case)
         read = []
@@ -85,15 +98,33 @@ def _killed_job(rank: int, root: Path) -> dict:
 
 
 def _raising_job(rank: int, root: Path) -> dict:
+    oracle = distributed.parallelize(Oracle(open_pack(root / "llama")), parallel="rows")
+    if rank == 1:  # rank 1's layer 1 turns its rows' activations to NaN
+        load = oracle.load_layer
+
+        def poisoned(i):
+            layer = load(i)
+            return (lambda *args: layer(*args) * float("nan")) if i == 1 else layer
+        oracle.oracle.load_layer = poisoned
+    return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
+
+
+def _bad_share_job(rank: int, root: Path) -> dict:
+    """Rank 1 cannot decode the layer-1 tensors it reads for everyone."""
     pack = open_pack(root / "llama")
     if rank == 1:
         original = pack.tensor
-        pack.tensor = lambda name: original(name) * (float("nan") if name.endswith("layers.1.mlp.down_proj.weight") else 1)
+
+        def broken(name):
+            if ".layers.1." in name:
+                raise PackError("block 7 has a corrupt scale", file=pack.path, tensor=name)
+            return original(name)
+        pack.tensor = broken
     oracle = distributed.parallelize(Oracle(pack), parallel="rows")
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
 
-JOBS = {"equal": _equal_job, "killed": _killed_job, "raising": _raising_job}
+JOBS = {"equal": _equal_job, "killed": _killed_job, "raising": _raising_job, "bad_share": _bad_share_job}
 
 
 def run_ranks(job: str, root: Path, timeout: float = 240) -> list[dict]:
@@ -136,7 +167,8 @@ def single_process(root: Path, inputs: dict, monkeypatch) -> dict:
     monkeypatch.setattr(runner, "BATCH_TOKENS", SMALL_BATCH_TOKENS)
     llama = Oracle(open_pack(root / "llama"))
     want = {"llama_logits": llama.logits(inputs["tokens"]),
-            "llama_hidden": llama.hidden_states(inputs["rows"], progress=False)}
+            "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
+            "llama_one_batch": llama.logits(inputs["tokens"][:2])}
     for case in MOE_CASES:
         want[case] = Oracle(open_pack(root / case)).logits(inputs["moe_tokens"])
     return want
@@ -161,9 +193,8 @@ def test_prefetch_gives_the_same_numbers_and_reads_ahead(tmp_path, rng_seed):
     oracle.load_layer.load = lambda i: (asked.append((i, threading.current_thread().name)), inner(i))[1]
     got = oracle.logits(tokens)
     assert torch.equal(got, want)
-    main = threading.main_thread().name
-    # layer 0 on demand, every next one in the background thread while the previous one computes
-    assert sorted(asked) == [(0, main), (1, "fidelity-prefetch_0"), (2, "fidelity-prefetch_0")]
+    # every layer on the one loader thread, in order: layer 0 on demand, each next one while the previous computes
+    assert asked == [(0, "fidelity-prefetch_0"), (1, "fidelity-prefetch_0"), (2, "fidelity-prefetch_0")]
     assert torch.equal(oracle.logits(tokens), want) and len(asked) == 6
 
 
@@ -177,12 +208,24 @@ def test_two_ranks_equal_one_process_exactly(packs, monkeypatch):
     for rank, res in enumerate(results):
         got = res["ok"]
         assert torch.equal(got["llama_logits"], want["llama_logits"]), f"rank {rank} row-parallel logits differ"
+        assert torch.equal(got["llama_one_batch"], want["llama_one_batch"]), f"rank {rank}: one batch differs"
         assert len(got["llama_hidden"]) == len(inputs["rows"])
         for i, (a, b) in enumerate(zip(got["llama_hidden"], want["llama_hidden"])):
             assert torch.equal(a, b), f"rank {rank} row {i} hidden state differs"
         for case in MOE_CASES:
             delta = (got[case] - want[case]).abs().max().item()
             assert torch.equal(got[case], want[case]), f"rank {rank} {case} expert-parallel logits differ by {delta}"
+    # Sharded loads: each rank read about half of every layer's tensors, the two halves disjoint and together all of
+    # them, in each of the 3 passes (logits, hidden states, one batch, where the idle rank loads too).
+    pack = open_pack(root / "llama")
+    family = Oracle(pack).family
+    for i in range(family.n_layers):
+        layer = set(family.layer_names(i))
+        shares = [[n for n in res["ok"]["llama_layers_read"] if n in layer] for res in results]
+        assert not set(shares[0]) & set(shares[1]) and set(shares[0]) | set(shares[1]) == layer, i
+        assert len(shares[0]) == len(set(shares[0])) * 3 and len(shares[1]) == len(set(shares[1])) * 3
+        sizes = [sum(pack.storage(n).numel for n in set(share)) for share in shares]
+        assert max(sizes) <= 0.6 * sum(sizes), (i, sizes)
     # Each rank read only its own block of experts: disjoint across ranks.
     for case in MOE_CASES:
         read = [set(res["ok"][f"{case}_experts_read"]) for res in results]
@@ -210,8 +253,22 @@ def test_raising_rank_fails_the_run_with_its_error(packs):
     # 9 rows of 11 tokens, 3 rows a batch: rank 1 owns the middle batch, rows 3-5, and names row 3 as one process would
     assert distributed.deal([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [11] * 9, WORLD) == [0, 1, 0]
     want = "NaN in the activations after layer 1, row 3 (first at position 0)"
-    assert f"rank 1 failed before the exchange of logits: {want}" in results[0]["error"]
+    # rank 0 meets rank 1's error at the next exchange: of layer 2's weights (rank 1 had already exchanged them ahead,
+    # so it waits at layer 3's) or of the logits
+    assert re.search(rf"rank 1 failed before the exchange of (layer [23]'s weights|logits): {re.escape(want)}",
+                     results[0]["error"]), results[0]["error"]
     assert f"rank 1: {want}" in results[1]["error"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs):
+    root, _ = packs
+    results = run_ranks("bad_share", root)
+    assert all("error" in r for r in results)
+    assert re.search(r"RankFailed: rank 1 failed before the exchange of layer 1's weights: block 7 has a corrupt "
+                     r"scale \[tensor 'model\.layers\.1\.[a-z_.]+weight', file .*llama\]", results[0]["error"]), \
+        results[0]["error"]
+    assert "block 7 has a corrupt scale" in results[1]["error"]
 
 
 # -- the command line under torchrun ------------------------------------------------------------------------------
@@ -308,7 +365,7 @@ def lonely_rank0(monkeypatch, **settings):
     """A Group of world size 2 whose rank 1 never shows up (no process group needed for checkpoints)."""
     import torch.distributed as dist
     g = object.__new__(distributed.Group)
-    g.rank, g.world_size, g._step, g._beats = 0, 2, 0, {}
+    g.rank, g.world_size, g._steps, g._beats = 0, 2, {}, {}
     g.store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     for key, value in settings.items():
         monkeypatch.setattr(distributed.SETTINGS, key, value)
