@@ -1,0 +1,292 @@
+"""DeepSeek-V4's DSpark drafter (fidelity.oracle.deepseek_mtp) against a composition written here from transformers'
+own V4 modules: the trunk taps come from hooks on transformers' DeepseekV4ForCausalLM; the drafter blocks are the
+layers of a second transformers V4 model (sliding attention, biased MoE) whose saved weights are the pack's `mtp.i.*`
+tensors: its hyper-connections, norms, MoE, q/kv projections, RoPE, grouped output and hc_head are transformers'
+modules; only the drafter's non-causal attention over [context rows ++ block] with sinks, the tap projection and the
+Markov/confidence heads are written out below, per query and per head."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+from safetensors.torch import load_file, save_file
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+
+from fidelity import open_pack
+from fidelity.errors import ConfigError, FidelityError, PackError
+from fidelity.oracle import Oracle
+from fidelity.oracle.deepseek_mtp import DSparkDrafter, acceptance
+from fidelity.packs.minipacks_v4 import official_name
+from test_oracle_support import randomize
+
+TOL = 1e-4
+TRUNK = dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=4,
+             head_dim=16, partial_rotary_factor=0.25, q_lora_rank=12, num_experts_per_tok=2, n_routed_experts=6,
+             hc_mult=3, hc_sinkhorn_iters=5, sliding_window=5, o_groups=2, o_lora_rank=8, index_n_heads=4,
+             index_head_dim=8, index_topk=3, swiglu_limit=0.8, routed_scaling_factor=1.7, rms_norm_eps=1e-6,
+             max_position_embeddings=4096, tie_word_embeddings=False,
+             layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+             compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4},
+             mlp_layer_types=["hash_moe", "moe", "moe"])
+N_BLOCKS, BLOCK, TARGETS, MARKOV_RANK = 2, 4, [0, 2], 6
+NOISE = TRUNK["vocab_size"] - 1
+
+
+def hf_model(config: dict, seed: int):
+    cfg = T.DeepseekV4Config(**config)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = T.DeepseekV4ForCausalLM(cfg).to(torch.float32).eval()
+    model.set_experts_implementation("eager")
+    randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("scale"):
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
+        for layer in model.model.layers:
+            if hasattr(layer.mlp.gate, "tid2eid"):
+                layer.mlp.gate.tid2eid.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:2]
+                                                          for _ in range(cfg.vocab_size)]))
+    return model
+
+
+def saved_official(model, folder) -> dict[str, torch.Tensor]:
+    model.save_pretrained(folder)
+    return {official_name(k): v for k, v in load_file(folder / "model.safetensors").items()}
+
+
+def build(root, seed: int, drop: tuple = (), config_over: dict | None = None):
+    """Trunk + drafter pack in official names. Returns (trunk model, drafter-body model, extra tensors, pack dir)."""
+    trunk = hf_model(TRUNK, seed)
+    body_cfg = {**TRUNK, "num_hidden_layers": N_BLOCKS, "layer_types": ["sliding_attention"] * N_BLOCKS,
+                "mlp_layer_types": ["moe"] * N_BLOCKS}
+    body = hf_model(body_cfg, seed + 7)
+    tensors = saved_official(trunk, root / "trunk")
+    last = N_BLOCKS - 1
+    for name, t in saved_official(body, root / "body").items():
+        if name.startswith("layers."):
+            i, rest = name[len("layers."):].split(".", 1)
+            tensors[f"mtp.{i}.{rest}"] = t
+        elif name.startswith("hc_head_"):
+            tensors[f"mtp.{last}.{name}"] = t
+        elif name == "norm.weight":
+            tensors[f"mtp.{last}.norm.weight"] = t
+    g = torch.Generator().manual_seed(seed + 3)
+    h, V = TRUNK["hidden_size"], TRUNK["vocab_size"]
+    extra = {"mtp.0.main_proj.weight": torch.randn(h, len(TARGETS) * h, generator=g) / (len(TARGETS) * h) ** 0.5,
+             "mtp.0.main_norm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+             f"mtp.{last}.markov_head.markov_w1.weight": torch.randn(V, MARKOV_RANK, generator=g),
+             f"mtp.{last}.markov_head.markov_w2.weight": torch.randn(V, MARKOV_RANK, generator=g) / MARKOV_RANK ** 0.5,
+             f"mtp.{last}.confidence_head.proj.weight": torch.randn(1, h + MARKOV_RANK, generator=g) / h ** 0.5}
+    tensors.update(extra)
+    for name in drop:
+        del tensors[name]
+    folder = root / "pack"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "trunk" / "config.json").read_text())
+    config.update({"dspark_block_size": BLOCK, "dspark_noise_token_id": NOISE, "dspark_target_layer_ids": TARGETS,
+                   "dspark_markov_rank": MARKOV_RANK, **(config_over or {})})
+    config = {k: v for k, v in config.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    return trunk, body, extra, folder
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the composition written here
+# ---------------------------------------------------------------------------------------------------------------------
+def rms(x, w, eps=1e-6):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def drafter_attention(attn, rotary, x, ctx_x, ctx_pos, pos):
+    """Non-causal: every block query sees the context rows and the whole block, one softmax with the head's sink."""
+    cfg = attn.config
+    H, D, S = cfg.num_attention_heads, cfg.head_dim, x.shape[1]
+    cos_b, sin_b = rotary(x, position_ids=pos[None], layer_type="main")
+    cos_c, sin_c = rotary(x, position_ids=ctx_pos[None], layer_type="main")
+    q = attn.q_b_norm(attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))).view(1, S, H, D).transpose(1, 2))
+    q = apply_rotary_pos_emb(q, cos_b, sin_b)[0]                                          # [H, S, D]
+    k_block = apply_rotary_pos_emb(attn.kv_norm(attn.kv_proj(x)).view(1, S, 1, D).transpose(1, 2), cos_b, sin_b)
+    k_ctx = apply_rotary_pos_emb(attn.kv_norm(attn.kv_proj(ctx_x[None])).view(1, -1, 1, D).transpose(1, 2),
+                                 cos_c, sin_c)
+    keys = torch.cat((k_ctx[0, 0], k_block[0, 0]))                                       # [C + S, D]
+    out = torch.empty(1, H, S, D)
+    for h in range(H):
+        for s in range(S):
+            scores = torch.cat((keys @ q[h, s] * D ** -0.5, attn.sinks[h].view(1)))
+            out[0, h, s] = torch.softmax(scores, 0)[:-1] @ keys
+    out = apply_rotary_pos_emb(out, cos_b, -sin_b).transpose(1, 2)                      # [1, S, H, D]
+    return attn.o_b_proj(attn.o_a_proj(out.reshape(1, S, cfg.o_groups, -1)).flatten(2))
+
+
+@torch.no_grad()
+def reference(trunk, body, extra, tokens, starts):
+    taps = {}
+    hooks = [trunk.model.layers[t].register_forward_hook(lambda m, i, o, t=t: taps.__setitem__(t, o)) for t in TARGETS]
+    main = trunk(tokens).logits
+    for hook in hooks:
+        hook.remove()
+    cat = torch.cat([taps[t].mean(dim=2) for t in TARGETS], dim=-1)
+    main_x = rms(cat @ extra["mtp.0.main_proj.weight"].T, extra["mtp.0.main_norm.weight"])
+    last = N_BLOCKS - 1
+    w1, w2 = extra[f"mtp.{last}.markov_head.markov_w1.weight"], extra[f"mtp.{last}.markov_head.markov_w2.weight"]
+    proj = extra[f"mtp.{last}.confidence_head.proj.weight"]
+    rotary, W, hc = trunk.model.rotary_emb, TRUNK["sliding_window"], TRUNK["hc_mult"]
+    B = tokens.shape[0]
+    logits = torch.empty(B, len(starts), BLOCK, TRUNK["vocab_size"])
+    biased, drafts, conf = torch.empty_like(logits), torch.empty(B, len(starts), BLOCK, dtype=torch.long), \
+        torch.empty(B, len(starts), BLOCK)
+    for b in range(B):
+        for si, p0 in enumerate(starts):
+            ids = torch.tensor([[int(tokens[b, p0])] + [NOISE] * (BLOCK - 1)])
+            streams = trunk.model.embed_tokens(ids).unsqueeze(2).expand(-1, -1, hc, -1).contiguous()
+            pos = p0 + torch.arange(BLOCK)
+            ctx_pos = torch.arange(max(0, p0 - W), p0)
+            for layer in body.model.layers:
+                post, comb, collapsed = layer.attn_hc(streams)
+                y = drafter_attention(layer.self_attn, rotary, layer.input_layernorm(collapsed), main_x[b, ctx_pos],
+                                      ctx_pos, pos)
+                streams = post.unsqueeze(-1) * y.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+                post, comb, collapsed = layer.ffn_hc(streams)
+                y = layer.mlp(layer.post_attention_layernorm(collapsed))
+                streams = post.unsqueeze(-1) * y.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+            prenorm = body.model.hc_head(streams)[0]
+            logits[b, si] = trunk.lm_head(body.model.norm(prenorm))
+            prev = int(tokens[b, p0])
+            for j in range(BLOCK):
+                biased[b, si, j] = logits[b, si, j] + w2 @ w1[prev]
+                conf[b, si, j] = torch.sigmoid(proj[0] @ torch.cat((prenorm[j], w1[prev])))
+                prev = int(biased[b, si, j].argmax())
+                drafts[b, si, j] = prev
+    return main, logits, biased, drafts, conf
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"module model seed {seed}")
+    return build(tmp_path_factory.mktemp("dspark"), seed)
+
+
+def test_drafter_matches_composition(built, rng_seed):
+    trunk, body, extra, folder = built
+    T_len = 14
+    tokens = torch.randint(0, TRUNK["vocab_size"] - 1, (2, T_len))
+    starts = [1, 4, 6, 9, 12, 13]   # contexts shorter and longer than the window (5); blocks running past the row
+    out = DSparkDrafter(Oracle(open_pack(folder))).draft(tokens, starts)
+    main, logits, biased, drafts, conf = reference(trunk, body, extra, tokens, starts)
+    print("max |d main|", float((out.main_logits - main).abs().max()), "max |d draft|",
+          float((out.logits - logits).abs().max()), "logit std", float(logits.std()))
+    assert out.logits.shape == (2, len(starts), BLOCK, TRUNK["vocab_size"])
+    assert (out.main_logits - main).abs().max() <= TOL
+    assert (out.logits - logits).abs().max() <= TOL
+    assert (out.biased_logits - biased).abs().max() <= TOL
+    assert (out.confidence - conf).abs().max() <= 1e-5
+    assert torch.equal(out.drafts, drafts)
+    assert logits.std() > 0.3  # spread logits: the comparison is not of near-constants
+
+
+def test_seed_reaches_every_block_position(built, rng_seed):
+    """The block attention is non-causal: changing the seed changes the logits of every block position."""
+    _, _, _, folder = built
+    drafter = DSparkDrafter(Oracle(open_pack(folder), keep_weights=True))
+    tokens = torch.randint(0, TRUNK["vocab_size"] - 1, (1, 12))
+    base = drafter.draft(tokens, [10]).logits
+    other = tokens.clone()
+    other[0, 10] = (other[0, 10] + 1) % (TRUNK["vocab_size"] - 1)   # the seed
+    changed = drafter.draft(other, [10]).logits
+    assert ((changed - base).abs().amax(-1) > 1e-3).all()   # every block position sees the seed (non-causal)
+
+
+def test_main_outputs_unchanged(built, rng_seed):
+    _, _, _, folder = built
+    oracle = Oracle(open_pack(folder))
+    tokens = torch.randint(0, TRUNK["vocab_size"], (3, 9))
+    before = oracle.logits(tokens)
+    out = DSparkDrafter(oracle).draft(tokens, [2, 5])
+    after = oracle.logits(tokens)
+    assert torch.equal(before, after)
+    assert torch.equal(out.main_logits, before)
+    assert not hasattr(oracle.__dict__, "load_layer") and "load_layer" not in oracle.__dict__
+
+
+def test_acceptance_against_hand_count(built, rng_seed):
+    trunk, body, extra, folder = built
+    tokens = torch.randint(0, TRUNK["vocab_size"] - 1, (1, 11))
+    starts = [2, 5, 8, 10]
+    out = DSparkDrafter(Oracle(open_pack(folder))).draft(tokens, starts)
+    acc = acceptance(out)
+    main, _, _, drafts, _ = reference(trunk, body, extra, tokens, starts)
+    want = main.argmax(-1)[0]
+    for si, p0 in enumerate(starts):
+        n = 0
+        for j in range(BLOCK):
+            valid = p0 + j < tokens.shape[1]
+            assert bool(acc.valid[0, si, j]) == valid
+            hit = valid and int(drafts[0, si, j]) == int(want[p0 + j])
+            assert bool(acc.match[0, si, j]) == hit
+        for j in range(BLOCK):
+            if not acc.match[0, si, j]:
+                break
+            n += 1
+        assert int(acc.accepted[0, si]) == n
+    rate = acc.per_position_rate
+    assert rate.shape == (BLOCK,)
+    assert torch.allclose(rate, acc.match.float().sum((0, 1)) / acc.valid.float().sum((0, 1)))
+
+
+def test_acceptance_of_a_perfect_drafter(built):
+    """Drafts equal to the trunk's greedy tokens are all accepted (checks the offsets: draft j vs position p0 + j)."""
+    from fidelity.oracle.deepseek_mtp import DraftOutput
+    main = torch.randn(1, 10, 7)
+    greedy = main.argmax(-1)
+    starts = [1, 4, 8]
+    drafts = torch.stack([torch.stack([greedy[0, min(p + j, 9)] for j in range(BLOCK)]) for p in starts])[None]
+    acc = acceptance(DraftOutput(starts, main[:, :1].expand(1, 3, BLOCK, 7), None, drafts, None, main))
+    assert acc.accepted.tolist() == [[4, 4, 2]]
+    assert acc.per_position_rate.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("drop", [("mtp.1.ffn.experts.4.w3.weight",), ("mtp.0.main_proj.weight",),
+                                  ("mtp.1.hc_head_fn",)])
+def test_incomplete_drafter_names_the_tensor(tmp_path, drop):
+    *_, folder = build(tmp_path, 5, drop=drop)
+    oracle = Oracle(open_pack(folder))
+    assert oracle.logits(torch.tensor([[1, 2, 3]])).shape == (1, 3, TRUNK["vocab_size"])   # the trunk still works
+    with pytest.raises(PackError, match=drop[0].replace(".", r"\.")) as err:
+        DSparkDrafter(oracle)
+    assert err.value.tensor == drop[0]
+
+
+def test_pack_without_drafter(tmp_path):
+    names = [f"mtp.{i}." for i in range(N_BLOCKS)]
+    *_, folder = build(tmp_path, 6)
+    tensors = {k: v for k, v in load_file(folder / "model.safetensors").items() if not k.startswith(tuple(names))}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PackError, match=r"no complete DSpark drafter.*mtp\.0\."):
+        DSparkDrafter(Oracle(open_pack(folder)))
+
+
+def test_config_errors(tmp_path):
+    *_, folder = build(tmp_path, 7, config_over=dict(dspark_target_layer_ids=[]))
+    with pytest.raises(ConfigError, match="dspark_target_layer_ids"):
+        DSparkDrafter(Oracle(open_pack(folder)))
+    *_, folder = build(tmp_path / "b", 7, config_over=dict(dspark_target_layer_ids=[0, 3]))
+    with pytest.raises(ConfigError, match=r"\[0, 3\]"):
+        DSparkDrafter(Oracle(open_pack(folder)))
+
+
+def test_bad_starts(built):
+    _, _, _, folder = built
+    drafter = DSparkDrafter(Oracle(open_pack(folder)))
+    with pytest.raises(FidelityError, match=r"1\.\.4.*\[0, 5\]"):
+        drafter.draft(torch.tensor([[1, 2, 3, 4, 5]]), [0, 2, 5])
