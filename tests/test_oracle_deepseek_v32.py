@@ -2,7 +2,7 @@
 lightning indexer's sparse selection is exercised, and the dense-equivalent short-context path."""
 from __future__ import annotations
 
-import json
+from functools import partial
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ import transformers as T
 from fidelity import open_pack
 from fidelity.errors import ConfigError
 from fidelity.oracle import Oracle
+from _deepseek_configs import edit_config, make_variant
 from test_oracle_support import build, hf_logits
 
 TOL = 1e-4
@@ -31,10 +32,7 @@ CASES = {
 }
 
 
-def make(tmp_path, case: str, seed: int, **over):
-    config = T.DeepseekV32Config(**{**BASE, **CASES[case], **over})
-    model = build(config, T.DeepseekV32ForCausalLM, tmp_path / case, seed)
-    return model, open_pack(tmp_path / case)
+make = partial(make_variant, T.DeepseekV32Config, partial(build, model_cls=T.DeepseekV32ForCausalLM), BASE, CASES)
 
 
 def hf_indexer_selections(model, tokens) -> list[torch.Tensor]:
@@ -114,16 +112,8 @@ def test_rows_of_different_lengths(tmp_path, rng_seed):
 # -- bad input --------------------------------------------------------------------------------------------------------
 
 def _config_with(tmp_path, seed, **edit):
-    _, _ = make(tmp_path, "default-rope", seed)
-    path = tmp_path / "default-rope" / "config.json"
-    cfg = json.loads(path.read_text())
-    for k, v in edit.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    path.write_text(json.dumps(cfg))
-    return open_pack(tmp_path / "default-rope")
+    make(tmp_path, "default-rope", seed)
+    return open_pack(edit_config(tmp_path / "default-rope", **edit))
 
 
 def test_missing_index_topk_names_the_key(tmp_path, rng_seed):

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from fidelity import open_pack
 from fidelity.errors import ConfigError, PackError
 from fidelity.oracle import Oracle
-from test_oracle_support import hf_logits, randomize
+from _deepseek_configs import build_v4, edit_config, make_variant
+from test_oracle_support import hf_logits
 
 TOL = 1e-4
 
@@ -42,32 +44,7 @@ CASES = {
 }
 
 
-def build_v4(config, folder, seed: int):
-    """Random-init fp32 V4 saved with save_pretrained; hash tables get distinct random experts per token."""
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = T.DeepseekV4ForCausalLM(config).to(torch.float32).eval()
-    model.set_experts_implementation("eager")
-    randomize(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("scale"):  # hyper-connection scales: O(1) so pre/post/comb really vary
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
-        for layer in model.model.layers:
-            gate = layer.mlp.gate
-            if hasattr(gate, "tid2eid"):
-                perms = torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:config.num_experts_per_tok]
-                                     for _ in range(config.vocab_size)])
-                gate.tid2eid.copy_(perms)
-    model.save_pretrained(folder)
-    return model
-
-
-def make(tmp_path, case: str, seed: int, **over):
-    config = T.DeepseekV4Config(**{**BASE, **CASES[case], **over})
-    model = build_v4(config, tmp_path / case, seed)
-    return model, open_pack(tmp_path / case)
+make = partial(make_variant, T.DeepseekV4Config, build_v4, BASE, CASES)
 
 
 @pytest.fixture(scope="module")
@@ -223,14 +200,7 @@ def test_missing_tensor_named_in_stored_naming(mixed):
     (dict(hc_mult=None), "'hc_mult'"),
 ])
 def test_bad_config_named(mixed, edit, needle):
-    path = mixed[1] / "config.json"
-    cfg = json.loads(path.read_text())
-    for k, v in edit.items():
-        if v is None:
-            cfg.pop(k)
-        else:
-            cfg[k] = v
-    path.write_text(json.dumps(cfg))
+    edit_config(mixed[1], **edit)
     with pytest.raises(ConfigError) as e:
         Oracle(open_pack(mixed[1]))
     assert needle in str(e.value) and "DeepseekV4ForCausalLM" in str(e.value)
@@ -259,14 +229,7 @@ def test_query_chunking_changes_nothing(mixed, rng_seed, monkeypatch):
     (dict(o_groups=3), "o_groups 3"),
 ])
 def test_more_bad_configs_named(mixed, edit, needle):
-    path = mixed[1] / "config.json"
-    cfg = json.loads(path.read_text())
-    for k, v in edit.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    path.write_text(json.dumps(cfg))
+    edit_config(mixed[1], **edit)
     with pytest.raises(ConfigError) as e:
         Oracle(open_pack(mixed[1]))
     assert needle in str(e.value) and "DeepseekV4ForCausalLM" in str(e.value)

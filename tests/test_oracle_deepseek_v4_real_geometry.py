@@ -10,7 +10,7 @@ import transformers as T
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle
-from test_oracle_deepseek_v4 import build_v4
+from _deepseek_configs import build_v4
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not hasattr(T, "DeepseekV4Config"), reason="transformers without DeepSeek-V4")]

@@ -1,0 +1,57 @@
+"""Tiny DeepSeek test models shared by the V3.2 and V4 oracle tests (no tests here): a named variant of a base config
+built into a pack folder, V4's builder, and config.json edits for the bad-input tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers as T
+
+from fidelity import open_pack
+from test_oracle_support import randomize
+
+
+def make_variant(config_cls, build_model: Callable, base: dict, cases: dict, tmp_path: Path, case: str, seed: int,
+                 **over):
+    """(model, pack): `base` updated by cases[case] then `over`, built by build_model(config, folder=, seed=) into
+    tmp_path/case."""
+    folder = tmp_path / case
+    model = build_model(config_cls(**{**base, **cases[case], **over}), folder=folder, seed=seed)
+    return model, open_pack(folder)
+
+
+def edit_config(folder: Path, **edit) -> Path:
+    """Sets keys of folder/config.json; a None value removes the key. Returns folder."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in edit.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+    return folder
+
+
+def build_v4(config, folder, seed: int):
+    """Random-init fp32 V4 saved with save_pretrained; hash tables get distinct random experts per token."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = T.DeepseekV4ForCausalLM(config).to(torch.float32).eval()
+    model.set_experts_implementation("eager")
+    randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("scale"):  # hyper-connection scales: O(1) so pre/post/comb really vary
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                perms = torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:config.num_experts_per_tok]
+                                     for _ in range(config.vocab_size)])
+                gate.tid2eid.copy_(perms)
+    model.save_pretrained(folder)
+    return model
