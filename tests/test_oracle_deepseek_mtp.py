@@ -290,3 +290,24 @@ def test_bad_starts(built):
     drafter = DSparkDrafter(Oracle(open_pack(folder)))
     with pytest.raises(FidelityError, match=r"1\.\.4.*\[0, 5\]"):
         drafter.draft(torch.tensor([[1, 2, 3, 4, 5]]), [0, 2, 5])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# exllamav3's own DeepSeek-V4 forward (benchmarks/exllamav3_forward.py; needs CUDA and an importable exllamav3)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_exllamav3_forward_agrees_with_oracle(tmp_path):
+    import importlib.util
+    import sys
+    from pathlib import Path
+    if not torch.cuda.is_available():
+        pytest.skip("exllamav3's forward needs CUDA")
+    if importlib.util.find_spec("exllamav3") is None:
+        pytest.skip("exllamav3 is not installed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import exllamav3_forward as bench
+    bench.build(tmp_path)
+    result = bench.run(tmp_path, tmp_path / "out")
+    ours, control = result["exllamav3_vs_oracle"], result["exllamav3_vs_control"]
+    assert ours["top1_agreement"] >= 0.98 and ours["kl_mean"] <= 1e-3
+    assert control["kl_mean"] >= 10 * ours["kl_mean"]
