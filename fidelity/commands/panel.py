@@ -6,7 +6,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from ..panels import PanelError, PanelRow, iter_jsonl, load_panel, write_panel
@@ -53,6 +52,7 @@ class GreedyAnswerer:
     bits) the oracle's token replaces it and drafting resumes from there."""
 
     def __init__(self, pack, device: str = "cpu", max_new_tokens: int = 64):
+        import torch
         from transformers import AutoModelForCausalLM
 
         from ..oracle import Oracle
@@ -68,6 +68,8 @@ class GreedyAnswerer:
         self.stop = {t for t in (self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")) if t is not None and t >= 0}
 
     def _draft(self, ids: list[int], n: int) -> list[int]:
+        import torch
+
         with torch.no_grad():
             out = self.draft.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                       max_new_tokens=n, do_sample=False, pad_token_id=self.tok.eos_token_id)
