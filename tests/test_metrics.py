@@ -1,42 +1,48 @@
 import numpy as np
 import pytest
 import torch
-from scipy.special import log_softmax, rel_entr, softmax
+from scipy.special import log_softmax
 
-from fidelity.metrics import naive_kld, position_metrics, topk_logprobs
+from fidelity.metrics import BLOCK, naive_kld, position_metrics, topk_logprobs
+
+KL_ATOL = 1e-12   # the kernel is float64 after the float32 inputs; scipy in float64 is the truth
 
 
 def _scipy_reference(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> dict:
     a, b = a.astype(np.float64), b.astype(np.float64)
-    p, q = softmax(a, -1), softmax(b, -1)
+    lp, lq = log_softmax(a, -1), log_softmax(b, -1)
+    p, q = np.exp(lp), np.exp(lq)
     srt = np.sort(a, -1)
-    return {"kld": rel_entr(p, q).sum(-1), "kld_reverse": rel_entr(q, p).sum(-1),
-            "ref_nll": -log_softmax(a, -1)[np.arange(len(t)), t], "pack_nll": -log_softmax(b, -1)[np.arange(len(t)), t],
+    # in log space, so that logits thousands apart (p underflowing to 0 where q does not, or back) stay finite
+    return {"kld": (p * (lp - lq)).sum(-1), "kld_reverse": (q * (lq - lp)).sum(-1),
+            "ref_nll": -lp[np.arange(len(t)), t], "pack_nll": -lq[np.arange(len(t)), t],
             "ref_top1": a.argmax(-1), "pack_top1": b.argmax(-1), "ref_margin": srt[:, -1] - srt[:, -2],
             "ref_pmax": p.max(-1)}
 
 
-@pytest.mark.parametrize("vocab,noise", [(49152, 0.05), (1001, 0.5), (4096, 2.0)])
+def _assert_matches_scipy(pm, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, kl_rtol: float = 1e-10):
+    ref = _scipy_reference(a.float().numpy(), b.float().numpy(), t.numpy())
+    for k in ("kld", "kld_reverse"):
+        np.testing.assert_allclose(getattr(pm, k).numpy(), ref[k], rtol=kl_rtol, atol=KL_ATOL, err_msg=k)
+    for k in ("ref_nll", "pack_nll"):
+        np.testing.assert_allclose(getattr(pm, k).numpy(), ref[k], rtol=1e-12, atol=1e-11, err_msg=k)
+    assert np.array_equal(pm.ref_margin.numpy(), ref["ref_margin"])      # a difference of two float32s: exact in float64
+    np.testing.assert_allclose(pm.ref_pmax.numpy(), ref["ref_pmax"], rtol=1e-12)
+    assert np.array_equal(pm.ref_top1.numpy(), ref["ref_top1"]) and np.array_equal(pm.pack_top1.numpy(), ref["pack_top1"])
+    assert pm.finite.all()
+
+
+@pytest.mark.parametrize("vocab,noise", [(49152, 0.05), (1001, 0.5), (4096, 2.0), (3 * BLOCK + 5, 0.3)])
 def test_position_metrics_match_scipy(rng_seed, vocab, noise):
     n = 37
     a = torch.randn(n, vocab) * 4
     b = a + torch.randn(n, vocab) * noise
     t = torch.randint(0, vocab, (n,))
-    pm = position_metrics(a, b, t, reverse=True, chunk_elements=5 * vocab)
-    ref = _scipy_reference(a.numpy(), b.numpy(), t.numpy())
-    # float32 inputs: first-order sums of size ~|a - b| cancel to a second-order KL, so the floor grows with the noise
-    for k in ("kld", "kld_reverse"):
-        np.testing.assert_allclose(getattr(pm, k).numpy(), ref[k], rtol=1e-4, atol=1e-9 + 3e-6 * noise**2, err_msg=k)
-        np.testing.assert_allclose(getattr(pm, k).numpy().mean(), ref[k].mean(), rtol=2e-5, err_msg=k)
-    for k in ("ref_nll", "pack_nll", "ref_margin"):
-        np.testing.assert_allclose(getattr(pm, k).numpy(), ref[k], rtol=1e-6, atol=2e-6, err_msg=k)
-    np.testing.assert_allclose(pm.ref_pmax.numpy(), ref["ref_pmax"], rtol=1e-6)
-    assert np.array_equal(pm.ref_top1.numpy(), ref["ref_top1"]) and np.array_equal(pm.pack_top1.numpy(), ref["pack_top1"])
-    assert pm.finite.all()
+    _assert_matches_scipy(position_metrics(a, b, t, reverse=True), a, b, t)
 
 
 def test_tiny_kl_keeps_its_digits(rng_seed):
-    """Near-identical distributions (KL ~5e-7, well under a bf16 noise floor): ~1e-8 absolute error, where the textbook
+    """Near-identical distributions (KL ~5e-7, well under a bf16 noise floor): float64 digits, where the textbook
     float32 log_softmax-then-sum is off by ~1e-6."""
     n, v = 16, 49152
     a = torch.randn(n, v) * 3
@@ -45,49 +51,122 @@ def test_tiny_kl_keeps_its_digits(rng_seed):
     truth = _scipy_reference(a.numpy(), b.numpy(), t.numpy())["kld"]
     ours = position_metrics(a, b, t).kld.numpy()
     naive_err = np.abs(naive_kld(a, b).double().numpy() - truth)
-    assert np.abs(ours - truth).max() < 5e-8
+    assert np.abs(ours - truth).max() < 1e-13
     assert naive_err.max() > 2e-7, "the float32 baseline is expected to lose these digits"
-    assert abs(ours.mean() - truth.mean()) < 1e-2 * truth.mean()
 
 
-def test_chunking_does_not_change_results(rng_seed):
-    n, v = 50, 2048
-    a, b = torch.randn(n, v), torch.randn(n, v)
+def test_large_magnitude_and_offset_logits(rng_seed):
+    """Logits in the thousands, and a pack off by a constant 900 nats (the same distribution: KL 0 both ways), where a
+    shared exp shift would underflow one side entirely."""
+    n, v = 9, 3 * BLOCK + 100
+    a = torch.randn(n, v) * 2000
+    b = a + torch.randn(n, v) * 50
     t = torch.randint(0, v, (n,))
-    one = position_metrics(a, b, t, chunk_elements=v)
-    many = position_metrics(a, b, t, chunk_elements=7 * v)
-    assert torch.equal(one.kld, many.kld) and torch.equal(one.pack_nll, many.pack_nll)
+    _assert_matches_scipy(position_metrics(a, b, t, reverse=True), a, b, t, kl_rtol=1e-9)
+    a = torch.round(torch.randn(n, v) * 3 * 64) / 64     # multiples of 1/64: a - 896 is exact in float32
+    shifted = position_metrics(a, a - 896.0, t, reverse=True)
+    _assert_matches_scipy(shifted, a, a - 896.0, t)
+    assert shifted.kld.max() < 1e-13 and shifted.kld_reverse.max() < 1e-13
 
 
-def test_ties_and_first_index(rng_seed):
-    v = 640
-    a = torch.randn(3, v)
-    top = a.max() + 1
-    a[0, 70], a[0, 5] = top, top            # exact tie across blocks: first index wins, margin 0
-    a[1, 130], a[1, 131] = top, top          # tie inside one block
-    pm = position_metrics(a, a.clone(), torch.zeros(3, dtype=torch.long))
-    assert pm.ref_top1.tolist()[:2] == [5, 130]
-    assert pm.ref_margin[:2].tolist() == [0.0, 0.0]
-    assert torch.equal(pm.ref_top1, pm.pack_top1) and pm.kld.abs().max() < 1e-12
+def test_max_in_every_block_position(rng_seed):
+    """Online logsumexp: a row whose maximum rises in every block (each block rescales the sums), one whose maximum is
+    the very last logit of a partial last block, one whose maximum is the first logit."""
+    v = 4 * BLOCK + 7
+    a = torch.randn(4, v)
+    a[0] += torch.linspace(0, 40, v)           # rising: a new maximum in every block
+    a[1, -1] = a[1].max() + 5
+    a[2, 0] = a[2].max() + 5
+    a[3, BLOCK - 1] = a[3, BLOCK] = a[3].max() + 1   # a tie across a block boundary: first index, margin 0
+    b = a + 0.2 * torch.randn(4, v)
+    t = torch.tensor([v - 1, 0, BLOCK, 17])
+    pm = position_metrics(a, b, t, reverse=True)
+    _assert_matches_scipy(pm, a, b, t)
+    assert pm.ref_top1[1] == v - 1 and pm.ref_top1[2] == 0 and pm.ref_top1[3] == BLOCK - 1 and pm.ref_margin[3] == 0
+
+
+def test_near_ties_resolve_like_argmax(rng_seed):
+    """Runner-up one float32 ulp below the top, exact ties inside a block and across blocks: top-1 is the first index
+    (torch.argmax, numpy.argmax), the margin is the exact float64 difference of the two float32 logits."""
+    v = 2 * BLOCK + 64
+    a = torch.randn(5, v)
+    top = float(np.float32(a.max() + 1))
+    below = float(np.nextafter(np.float32(top), np.float32(-np.inf)))
+    a[0, 70], a[0, 5] = top, below                        # 1-ulp margin in one block
+    a[1, BLOCK + 3], a[1, 9] = top, below                 # 1-ulp margin across blocks
+    a[2, 130], a[2, 131] = top, top                       # tie inside a block
+    a[3, 2 * BLOCK + 1], a[3, 40] = top, top              # tie across blocks, the later block is partial
+    a[4, 200] = top                                       # a clear winner
+    pm = position_metrics(a, a.clone(), torch.zeros(5, dtype=torch.long))
+    assert pm.ref_top1.tolist() == [70, BLOCK + 3, 130, 40, 200]
+    assert torch.equal(pm.ref_top1, torch.argmax(a, -1)) and torch.equal(pm.ref_top1, pm.pack_top1)
+    assert pm.ref_margin[:4].tolist() == [top - below, top - below, 0.0, 0.0]
+    assert pm.kld.abs().max() < 1e-15
+    flip = a.clone()
+    flip[0, 5] = top                                      # now a tie: first index 5 wins on the pack side
+    pm = position_metrics(a, flip, torch.zeros(5, dtype=torch.long))
+    assert pm.pack_top1[0] == 5 and pm.ref_top1[0] == 70 and not pm.top1_agree[0]
+
+
+def test_copy_chunks_threads_and_dtypes_do_not_change_results(rng_seed):
+    """bf16 inputs go through the chunked copy path (N not a multiple of the copy chunk); the per-row kernel gives the
+    same bits whatever the chunking or the thread count."""
+    n, v = 53, 2 * BLOCK + 11
+    a, b = torch.randn(n, v) * 3, torch.randn(n, v) * 3
+    t = torch.randint(0, v, (n,))
+    whole = position_metrics(a, b, t, reverse=True)
+    chunked = position_metrics(a.t().contiguous().t(), b, t, reverse=True, copy_elements=7 * v)   # non-contiguous input
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = position_metrics(a, b, t, reverse=True)
+        torch.set_num_threads(3)
+        three = position_metrics(a, b, t, reverse=True)
+    finally:
+        torch.set_num_threads(threads)
+    for other in (chunked, one_thread, three):
+        for k in ("kld", "kld_reverse", "ref_nll", "pack_nll", "ref_margin", "ref_pmax", "ref_top1", "pack_top1"):
+            assert torch.equal(getattr(whole, k), getattr(other, k)), k
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    from_bf16 = position_metrics(a16, b16, t, reverse=True, copy_elements=5 * v)
+    _assert_matches_scipy(from_bf16, a16, b16, t)
+    assert torch.equal(from_bf16.kld, position_metrics(a16.float(), b16.float(), t).kld)
 
 
 def test_nonfinite_positions_are_flagged_not_averaged(rng_seed):
-    n, v = 8, 512
+    n, v = 10, BLOCK + 300
     a = torch.randn(n, v)
     b = a + 0.1 * torch.randn(n, v)
     b[2, 17] = float("nan")
     b[5, 3] = float("inf")
     a[6, 9] = float("nan")
-    pm = position_metrics(a, b, torch.randint(0, v, (n,)), reverse=True)
-    assert pm.finite.tolist() == [True, True, False, True, True, False, False, True]
-    assert torch.isnan(pm.kld[~pm.finite]).all() and torch.isfinite(pm.kld[pm.finite]).all()
+    a[7, BLOCK + 5] = float("-inf")                 # -inf on one side only: infinite KL, excluded
+    a[8, 40], b[8, 40] = float("-inf"), float("-inf")
+    b[9, :] = float("nan")
+    t = torch.randint(0, v, (n,))
+    pm = position_metrics(a, b, t, reverse=True)
+    bad = [2, 5, 6, 7, 8, 9]
+    assert (~pm.finite).nonzero()[:, 0].tolist() == bad
+    for k in ("kld", "kld_reverse", "ref_nll", "pack_nll", "ref_margin", "ref_pmax"):
+        assert torch.isnan(getattr(pm, k)[~pm.finite]).all(), k
+    good = pm.finite.nonzero()[:, 0]
+    _assert_matches_scipy(pm.select(good), a[good], b[good], t[good])   # the bad rows leave the others untouched
 
 
-def test_bad_shapes_are_named():
+def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"reference \[2, 5\] and pack \[2, 6\]"):
         position_metrics(torch.zeros(2, 5), torch.zeros(2, 6), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="targets"):
         position_metrics(torch.zeros(2, 5), torch.zeros(2, 5), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"target token 5 at position 1 is outside the vocabulary of 5"):
+        position_metrics(torch.zeros(3, 5), torch.zeros(3, 5), torch.tensor([0, 5, 1]))
+    with pytest.raises(ValueError, match=r"target token -1 at position 0"):
+        position_metrics(torch.zeros(3, 5), torch.zeros(3, 5), torch.tensor([-1, 0, 1]))
+
+
+def test_no_positions():
+    pm = position_metrics(torch.zeros(0, 7), torch.zeros(0, 7), torch.zeros(0, dtype=torch.long), reverse=True)
+    assert len(pm) == 0 and pm.kld.dtype == torch.float64 and pm.ref_top1.dtype == torch.int64
 
 
 def test_topk_logprobs_match_scipy(rng_seed):
