@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3Family",
     "DeepseekV32ForCausalLM": "deepseek_v32:DeepseekV32Family",
     "DeepseekV4ForCausalLM": "deepseek_v4:DeepseekV4Family",
+    "DeepseekV41ForCausalLM": "deepseek_v41:DeepseekV41Family",
 }
 
 

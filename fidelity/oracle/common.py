@@ -178,6 +178,10 @@ class Family:
     # Optional hooks; the defaults keep the residual stream a plain [B, T, hidden] tensor.
     wants_tokens = False  # True: layers are called layer(x, rope, tokens [B, T])
 
+    def bind_pack(self, pack) -> None:
+        """Called once with the pack before its names are resolved (families that read more than whole tensors
+        through fetch, e.g. DeepSeek-V4.1's Engram tables, row by row)."""
+
     def resolve_names(self, available) -> None:
         """Called once with the pack's tensor names before they are checked (families whose stored names vary)."""
 

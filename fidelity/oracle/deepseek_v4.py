@@ -244,6 +244,11 @@ class HyperConnection:
 
     def __call__(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, hc, hidden] -> (post [B, T, hc], comb [B, T, hc, hc], collapsed block input [B, T, hidden])."""
+        pre, post, comb = self.weights(streams)
+        return post, comb, collapse(streams, pre)
+
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, T, hc, hidden] -> (pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc])."""
         hc = self.hc
         mixes = F.linear(unweighted_rms_norm(streams.flatten(2), self.norm_eps), self.fn)
         pre_w, post_w, comb_w = mixes.split((hc, hc, hc * hc), dim=-1)
@@ -252,13 +257,17 @@ class HyperConnection:
         post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * self.scale[2] + comb_b.view(hc, hc), dim=-1)
         comb = sinkhorn(comb + self.hc_eps, self.sinkhorn_iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2)
-        return post, comb, collapsed
+        return pre, post, comb
 
     @staticmethod
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams: stream k = post_k * block_out + sum_j comb[j, k] * streams_j."""
         return post.unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_k pre_k * stream_k: streams [B, T, hc, hidden], pre [B, T, hc] -> [B, T, hidden]."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=2)
 
 
 def sinkhorn(m: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -145,25 +145,76 @@ def ngram_rows(ids: torch.Tensor, a: EngramArgs) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------------
 # the table, read row by row
 # ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowScales:
+    """The scales of an FP8 table shard, read with the rows: `layout` is fp8.py's ScaleLayout (one value, one per row,
+    or one per block of rows x columns)."""
+    path: str
+    begin: int
+    dtype: str
+    shape: tuple
+    layout: object
+
+    def for_rows(self, fd_of, rows: list[int], dim: int) -> torch.Tensor:
+        """fp32 multipliers [len(rows), dim] for the given local rows (one pread per scale row touched)."""
+        from ..packs.fp8 import e8m0_to_float
+        kind = self.layout.kind
+        torch_dtype, size = DTYPES[self.dtype]
+        if kind == "tensor":
+            cols, grid_rows, block = 1, [0] * len(rows), None
+        elif kind == "channel":
+            cols, grid_rows, block = 1, rows, None
+        else:
+            block = self.layout.block
+            cols, grid_rows = self.shape[-1], [r // block[0] for r in rows]
+        out = torch.empty(len(rows), cols, dtype=torch.float32)
+        fd = fd_of(self.path)
+        for i, g in enumerate(grid_rows):
+            raw = torch.frombuffer(bytearray(os.pread(fd, cols * size, self.begin + g * cols * size)), dtype=torch.uint8)
+            if self.dtype in ("F8_E8M0", "U8"):
+                out[i] = e8m0_to_float(raw)
+            else:
+                out[i] = raw.view(torch_dtype).float()
+        if not bool(torch.isfinite(out).all()):
+            raise PackError("Engram table scales hold NaN or inf", file=self.path)
+        return out.repeat_interleave(block[1], dim=1)[:, :dim] if kind == "block" else out.expand(-1, dim)
+
+
 class RowTable:
     """Rows of a [rows, dim] table stored as one or more safetensors tensors (shards with equal row counts, the last
-    may be shorter), read on request with one `os.pread` per row. Nothing is cached or mapped."""
+    may be shorter), read on request with one `os.pread` per row. Nothing is cached or mapped. FP8 shards (e4m3 or
+    e5m2) come with their scales (per tensor, per row, or per block), which are read row by row as well; a row's
+    value is float(fp8) * scale in fp32, exactly as the pack decodes the whole tensor."""
 
-    def __init__(self, shards: list[tuple[str, str]]):
-        """shards: (file, tensor name) in row order."""
-        self.parts = []   # (path, begin, rows, row_bytes, torch dtype)
+    def __init__(self, shards: list[tuple[str, str]], scales: list[tuple[str, str, tuple | None]] | None = None):
+        """shards: (file, tensor name) in row order; scales (FP8 shards only): (file, scale tensor name, block or
+        None for DeepSeek's default 128 x 128) per shard."""
+        from ..packs.fp8 import DEFAULT_BLOCK, E8M0_DTYPES, FLOAT_SCALE_DTYPES, FP8_DTYPES, scale_layout
+        self.parts = []   # (path, begin, rows, row_bytes, torch dtype, RowScales or None)
         self.dim = None
-        for path, name in shards:
+        for i, (path, name) in enumerate(shards):
             info = SafetensorsFile(path).info(name)
-            if info.dtype not in ROW_DTYPES or len(info.shape) != 2:
-                raise PackError(f"an Engram table must be a 2-D {'/'.join(ROW_DTYPES)} tensor, found {info.dtype} "
-                                f"{list(info.shape)} (quantised tables are not supported)", file=path, tensor=name)
+            fp8 = info.dtype in FP8_DTYPES
+            if (info.dtype not in ROW_DTYPES and not fp8) or len(info.shape) != 2:
+                raise PackError(f"an Engram table must be a 2-D {'/'.join(ROW_DTYPES)} tensor or FP8 with scales, "
+                                f"found {info.dtype} {list(info.shape)}", file=path, tensor=name)
+            scale = None
+            if fp8:
+                if not scales or scales[i] is None:
+                    raise PackError("FP8 Engram table shard has no scale tensor", file=path, tensor=name)
+                spath, sname, block = scales[i]
+                sinfo = SafetensorsFile(spath).info(sname)
+                if sinfo.dtype not in E8M0_DTYPES + FLOAT_SCALE_DTYPES:
+                    raise PackError(f"scale dtype {sinfo.dtype} is not a float or e8m0 type", file=spath, tensor=sname)
+                blocks = [tuple(block) if block else DEFAULT_BLOCK]
+                layout = scale_layout(info.shape, sinfo.shape, blocks, file=spath, tensor=sname)
+                scale = RowScales(str(spath), sinfo.begin, sinfo.dtype, tuple(sinfo.shape), layout)
             if self.dim is not None and info.shape[1] != self.dim:
                 raise PackError(f"Engram table shard has {info.shape[1]} columns, the first has {self.dim}",
                                 file=path, tensor=name)
             self.dim = info.shape[1]
             dtype, size = DTYPES[info.dtype]
-            self.parts.append((str(path), info.begin, info.shape[0], info.shape[1] * size, dtype))
+            self.parts.append((str(path), info.begin, info.shape[0], info.shape[1] * size, dtype, scale))
         self.rows_per_shard = self.parts[0][2]
         self.n_rows = sum(p[2] for p in self.parts)
         if any(p[2] != self.rows_per_shard for p in self.parts[:-1]) or self.parts[-1][2] > self.rows_per_shard:
@@ -173,7 +224,8 @@ class RowTable:
 
     @classmethod
     def from_pack(cls, pack, prefix: str) -> "RowTable":
-        """`{prefix}.weight`, or `{prefix}.shard_0.weight`, `{prefix}.shard_1.weight`... of a safetensors pack."""
+        """`{prefix}.weight`, or `{prefix}.shard_0.weight`, `{prefix}.shard_1.weight`... of a safetensors pack (an
+        FP8 shard with its `.scale` / `.weight_scale_inv` / `.weight_scale`, as the pack pairs them)."""
         have = set(pack.names())
         if f"{prefix}.weight" in have:
             names = [f"{prefix}.weight"]
@@ -184,14 +236,17 @@ class RowTable:
         if not names:
             raise PackError(f"pack has no Engram table {prefix}.weight or {prefix}.shard_0.weight",
                             file=getattr(pack, "path", None), tensor=f"{prefix}.weight")
-        shards = []
+        raw = getattr(pack, "raw", None)
+        shards, scales = [], []
         for name in names:
             storage = pack.storage(name)
-            if len(storage.files) != 1:
-                raise PackError("Engram table tensor must live in one safetensors file", tensor=name,
-                                file=getattr(pack, "path", None))
-            shards.append((storage.files[0], storage.raw[0] if storage.raw else name))
-        return cls(shards)
+            stored = storage.raw or (name,)
+            if raw is None or len(stored) > 2 or (len(stored) == 2 and not storage.format.startswith("fp8")):
+                raise PackError(f"Engram table stored as {storage.format} ({storage.dtype}) cannot be read row by row; "
+                                f"plain float or FP8 with scales can", tensor=name, file=getattr(pack, "path", None))
+            shards.append((raw.file_path(stored[0]), stored[0]))
+            scales.append((raw.file_path(stored[1]), stored[1], storage.block) if len(stored) == 2 else None)
+        return cls(shards, scales if any(scales) else None)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (any shape of int64) -> float32 [*index.shape, dim]; each distinct row is read once."""
@@ -202,14 +257,26 @@ class RowTable:
         unique, inverse = torch.unique(flat, return_inverse=True)
         out = torch.empty(unique.numel(), self.dim, dtype=torch.float32)
         fds = {}
+
+        def fd_of(path):
+            fd = fds.get(path)
+            if fd is None:
+                fd = fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
         try:
+            by_shard: dict[int, list[tuple[int, int]]] = {}
             for i, row in enumerate(unique.tolist()):
-                path, begin, _, row_bytes, dtype = self.parts[row // self.rows_per_shard]
-                fd = fds.get(path)
-                if fd is None:
-                    fd = fds[path] = os.open(path, os.O_RDONLY)
-                data = os.pread(fd, row_bytes, begin + (row % self.rows_per_shard) * row_bytes)
-                out[i] = torch.frombuffer(bytearray(data), dtype=dtype).float()
+                by_shard.setdefault(row // self.rows_per_shard, []).append((i, row % self.rows_per_shard))
+            for shard, items in by_shard.items():
+                path, begin, _, row_bytes, dtype, scale = self.parts[shard]
+                fd = fd_of(path)
+                for i, local in items:
+                    data = os.pread(fd, row_bytes, begin + local * row_bytes)
+                    out[i] = torch.frombuffer(bytearray(data), dtype=dtype).float()
+                if scale is not None:
+                    at = torch.tensor([i for i, _ in items])
+                    out[at] *= scale.for_rows(fd_of, [local for _, local in items], self.dim)
         finally:
             for fd in fds.values():
                 os.close(fd)

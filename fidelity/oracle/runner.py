@@ -58,6 +58,7 @@ class Oracle:
         self.keep_weights = keep_weights
         self.family: Family = family_for(pack.config)
         exact_math(self.device)
+        self.family.bind_pack(pack)
         self.family.resolve_names(self.pack.names())
         self._check_names()
         self.fetch = Fetch(lambda name: self.pack.tensor(name), self._stored_shape, self.device, dtype)

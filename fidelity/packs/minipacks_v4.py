@@ -154,6 +154,12 @@ def fp8_ue8m0(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.
     return (w.float() / full).to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
 
 
+def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 rows with one fp32 multiplier per row (amax / 448), as V4.1 stores its Engram tables."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-30) / FP8_MAX
+    return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
 def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """OCP MXFP4: per 32 inputs an e8m0 scale 2^(floor(log2 amax) - 2), values rounded to the nearest e2m1 value (ties to
     the even code, saturating at 6), packed two per int8 byte, low nibble = even element. Returns (int8 [out, in/2], e8m0 [out, in/32])."""
@@ -173,9 +179,11 @@ def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # what goes where
 # ---------------------------------------------------------------------------------------------------------------------
 def kind_of(name: str, t: torch.Tensor) -> str:
-    """expert | shared | head | wo_a | dense | plain."""
+    """expert | shared | head | wo_a | dense | engram (a V4.1 Engram table) | plain."""
     if t.dim() != 2 or not name.endswith(".weight"):
         return "plain"
+    if re.match(r"layers\.\d+\.engram\.embed\.", name):
+        return "engram"
     if routed_expert(name) is not None:
         return "expert"
     if ".ffn.shared_experts." in name:
@@ -184,7 +192,7 @@ def kind_of(name: str, t: torch.Tensor) -> str:
         return "head"
     if name.endswith(".attn.wo_a.weight"):
         return "wo_a"
-    if re.match(r"layers\.\d+\.attn\.", name) and not name.endswith("norm.weight"):
+    if re.match(r"layers\.\d+\.(attn|engram)\.", name) and not name.endswith("norm.weight"):
         return "dense"
     return "plain"
 
@@ -232,6 +240,8 @@ def required_encodings(native: Pack, spec: V4MiniSpec = V4MiniSpec(), layouts=EX
 
 def _file_for(layout: str, name: str, kind: str, exl3: bool, n_experts: int) -> str:
     e = routed_expert(name)
+    if kind == "engram":                         # V4.1's tables: their own shard in every layout
+        return f"model-engram-L{int(name.split('.')[1]):02d}.safetensors"
     if layout in ("exllamav3", "exl3-mixed"):
         return "model.safetensors"
     if layout in ("cuda-exl3", "fp8-mxfp4"):
@@ -290,6 +300,8 @@ def write_v4_minipack(native: Pack | str | Path, layout: str, out_dir: str | Pat
         file = _file_for(layout, name, kind, False, n_experts)
         if kind in ("expert", "shared"):
             q, s = mxfp4(w)
+        elif kind == "engram":
+            q, s = fp8_rows(w)
         elif kind in ("dense", "head", "wo_a"):
             q, s = fp8_ue8m0(w)
         else:

@@ -1,0 +1,515 @@
+"""DeepSeek-V4.1 (`DeepseekV41ForCausalLM`), as exllamav3's `architecture/deepseek_v41.py` and its modules
+(`modules/dsv4.py`, `modules/hyperconnections.py`, `modules/arch_specific/deepseek_v41.py`) describe it: DeepSeek-V4
+blocks (deepseek_v4.py: shared-KV MQA, sinks, grouped low-rank output, clamped SwiGLU MoE) with
+
+- shared compressed KV pools: only the layers in `kv_source_layer_ids` own a compressor; a compressing layer reads the
+  pool of the last source at or before it (same ratio). Every compressor pools non-overlapping windows (the V4 HCA
+  form); a ratio-1 compressor has no gate (`norm(wkv(x))` per token, roped at its position);
+- shared index selection: layers in `index_source_layer_ids` run the lightning indexer (their own `indexer.wq_b`,
+  `indexer.weights_proj`) over index keys the pool's source owns (`indexer.wk`, `indexer.k_norm` applied to the
+  pool's latent); the other compressing layers reuse the last selection. The indexer only runs when the pool holds
+  more than `index_topk` entries (otherwise every finished entry is visible);
+- a two-level candidate filter: from `candidate_source_layer_id` on, that layer picks, per query, the
+  `candidate_topk_blocks` blocks of `candidate_block_size` entries with the best maximum index score (the block
+  holding the query's newest finished entry always kept); later index layers score only inside them;
+- no per-head RMSNorm on q (V4 normalises each head);
+- single-pass hyper-connections: each mHC site computes pre/post/comb from its streams, but collapses them with the
+  previous site's pre (the first site takes stream 0); the final collapse uses the last site's pre (no `hc_head_*`);
+- Engram layers (engram.py) before the blocks in `engram_layer_ids`, on the hc streams, with tables read row by row
+  from the pack (FP8 rows with their scales, exactly);
+- no hash-routed MoE layers unless the config says `num_hash_layers`.
+
+The config may nest the model under `text_config` (the released one does, next to a vision tower). Tensor names are
+the official ones (`layers.L.attn.compressor.wkv.weight`, `layers.L.attn.indexer.wk.weight`,
+`layers.L.engram.embed.weight`...), resolved per pack as for V4.
+
+The state that crosses layers (pools, selections, candidate masks, the carried pre) lives in a `CrossLayerState` per
+batch of rows, keyed by that batch's token tensor, which the runner hands every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, PackError
+from .common import ATTENTION_CHUNK_BYTES, Fetch, rms_norm
+from .deepseek_v4 import (HCA, SLIDING, DeepseekV4Args, DeepseekV4Family, HyperConnection, MoE, collapse,
+                          finished_entries, hyper_connection, no_quant, rope_table, rope_tail, sink_attention,
+                          unweighted_rms_norm)
+from .deepseek_v4 import layer_names as v4_layer_names
+from .engram import EngramArgs, EngramLayer, RowTable, compressed_token_map
+
+ARCH = "DeepseekV41ForCausalLM"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------------------------------
+def text_config(cfg: dict) -> dict:
+    """The language model's config: `text_config` over the top level (which keeps architectures and quantisation)."""
+    inner = cfg.get("text_config")
+    return {**cfg, **inner} if isinstance(inner, dict) else dict(cfg)
+
+
+@dataclass
+class DeepseekV41Args:
+    base: DeepseekV4Args
+    kv_source: list              # per layer: the layer whose pool it reads (None: sliding only)
+    index_source: list           # per layer: True when it runs the indexer itself
+    candidate_layer: int         # -1: no candidate filter
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    engram_layers: list
+    q_head_norm: bool = False    # V4 normalises each q head; V4.1 does not
+    carry_pre: bool = True       # single-pass mHC: a site collapses with the previous site's pre
+
+    @classmethod
+    def from_config(cls, cfg: dict, arch: str = ARCH) -> "DeepseekV41Args":
+        cfg = text_config(cfg)
+        cfg.setdefault("num_hash_layers", 0)
+        cfg.pop("layer_types", None)        # V4.1 states per-layer ratios; every compressing layer pools like HCA
+        base = DeepseekV4Args.from_config({**cfg, "compress_ratios": _ratios(cfg, arch)}, arch)
+        base.layer_types = [SLIDING if r == 0 else HCA for r in base.ratios]
+        n = base.n_layers
+        kv_ids = _layer_ids(cfg, "kv_source_layer_ids", n, arch)
+        index_ids = _layer_ids(cfg, "index_source_layer_ids", n, arch)
+        candidate = int(cfg.get("candidate_source_layer_id", -1))
+        a = cls(base=base, kv_source=[None] * n, index_source=[i in index_ids for i in range(n)],
+                candidate_layer=candidate, candidate_topk_blocks=int(cfg.get("candidate_topk_blocks", 0)),
+                candidate_block_size=int(cfg.get("candidate_block_size", 1)),
+                engram_layers=_layer_ids(cfg, "engram_layer_ids", n, arch))
+        for s in kv_ids:
+            if base.ratios[s] == 0:
+                raise ConfigError(f"config.json of {arch}: kv_source_layer_ids names layer {s}, which compresses "
+                                  f"nothing (compress_ratios[{s}] = 0)")
+        for i, ratio in enumerate(base.ratios):
+            if ratio == 0:
+                continue
+            owners = [s for s in kv_ids if s <= i]
+            if not owners:
+                later = [s for s in kv_ids if s > i]
+                raise ConfigError(f"config.json of {arch}: layer {i} compresses (ratio {ratio}) but no "
+                                  f"kv_source_layer_ids entry is at or before it"
+                                  + (f" (its pool would come from layer {min(later)}, a later layer)" if later else ""))
+            owner = max(owners)
+            if base.ratios[owner] != ratio:
+                raise ConfigError(f"config.json of {arch}: layer {i} (ratio {ratio}) would read the pool of layer "
+                                  f"{owner}, whose ratio is {base.ratios[owner]}")
+            a.kv_source[i] = owner
+        a._check_index_sources(arch)
+        return a
+
+    def _check_index_sources(self, arch: str) -> None:
+        ratios = self.base.ratios
+        for i, full in enumerate(self.index_source):
+            if full and ratios[i] == 0:
+                raise ConfigError(f"config.json of {arch}: index_source_layer_ids names layer {i}, which has no "
+                                  f"compressed pool to index (compress_ratios[{i}] = 0)")
+        for i, ratio in enumerate(ratios):
+            if ratio == 0:
+                continue
+            if self.index_source[i] and not self.index_source[self.kv_source[i]]:
+                raise ConfigError(f"config.json of {arch}: layer {i} runs the indexer over the pool of layer "
+                                  f"{self.kv_source[i]}, which is not in index_source_layer_ids (only an index "
+                                  f"source that owns a pool has its index keys)")
+            if not self.index_source[i]:
+                full = [j for j in range(i) if self.index_source[j]]
+                if not full or self.kv_source[full[-1]] != self.kv_source[i]:
+                    raise ConfigError(f"config.json of {arch}: layer {i} reuses an index selection, but the last "
+                                      f"index source before it does not read the same pool (layer "
+                                      f"{self.kv_source[i]}'s)")
+        c = self.candidate_layer
+        if c >= 0:
+            if c >= len(ratios) or not self.index_source[c]:
+                raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} is not an index source layer")
+            if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
+                raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} needs candidate_topk_blocks "
+                                  f"and candidate_block_size > 0")
+            for i in range(c + 1, len(ratios)):
+                if self.index_source[i] and self.kv_source[i] != self.kv_source[c]:
+                    raise ConfigError(f"config.json of {arch}: layer {i} would filter by layer {c}'s candidate "
+                                      f"blocks but reads another pool (layer {self.kv_source[i]}'s)")
+
+    def candidate_mode(self, layer: int) -> str | None:
+        c = self.candidate_layer
+        if c < 0 or not self.index_source[layer]:
+            return None
+        return "source" if layer == c else "use" if layer > c else None
+
+
+def _ratios(cfg: dict, arch: str) -> list:
+    if cfg.get("compress_ratios") is None:
+        raise ConfigError(f"config.json of {arch} has no compress_ratios")
+    return cfg["compress_ratios"]
+
+
+def _layer_ids(cfg: dict, key: str, n: int, arch: str) -> list[int]:
+    ids = [int(i) for i in (cfg.get(key) or [])]
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        raise ConfigError(f"config.json of {arch}: {key} names layer {bad[0]}, outside the model's {n} layers")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# state carried from layer to layer
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Pool:
+    entries: torch.Tensor              # [B, W, head_dim], roped, what attention reads
+    index_keys: torch.Tensor | None    # [B, W, index_head_dim], roped, what the indexer scores
+
+
+@dataclass
+class CrossLayerState:
+    pools: dict = field(default_factory=dict)   # owner layer -> Pool
+    selection: torch.Tensor | None = None       # [B, T, W] bool: the last index source's choice
+    candidates: torch.Tensor | None = None      # [B, T, blocks] bool: blocks the candidate layer dropped
+    pre: torch.Tensor | None = None             # [B, T, hc]: the last mHC site's pre
+    last_output: torch.Tensor | None = None
+
+
+class StateStore:
+    """One CrossLayerState per batch of rows, keyed by the identity of the batch's token tensor; the first layer starts
+    it, the final collapse ends it."""
+
+    def __init__(self):
+        self.states: dict[int, tuple[torch.Tensor, CrossLayerState]] = {}
+
+    def get(self, tokens: torch.Tensor, layer: int) -> CrossLayerState:
+        if layer == 0 or id(tokens) not in self.states:
+            self.states[id(tokens)] = (tokens, CrossLayerState())
+        return self.states[id(tokens)][1]
+
+    def pop_for_output(self, streams: torch.Tensor) -> CrossLayerState | None:
+        for key, (_, state) in list(self.states.items()):
+            if state.last_output is streams:
+                del self.states[key]
+                return state
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# compressor, index keys and selection
+# ---------------------------------------------------------------------------------------------------------------------
+class PoolCompressor:
+    """Non-overlapping windows of `ratio` tokens -> one entry each: softmax over the window of (wgate + ape) weighs the
+    wkv rows (ratio 1: no gate, the row itself), then RMSNorm; `latent` is that, `entries` adds RoPE at the window's
+    first position. A pack without `ape` gets no position bias (exllamav3 uses none where the pool has index keys)."""
+
+    def __init__(self, prefix: str, n, fetch: Fetch, has, width: int, ratio: int, eps: float, rope, round_kv):
+        self.wkv, self.norm = fetch(n(f"{prefix}.wkv.weight")), fetch(n(f"{prefix}.norm.weight"))
+        self.wgate = fetch(n(f"{prefix}.wgate.weight")) if ratio > 1 else None
+        self.ape = fetch(n(f"{prefix}.ape")) if ratio > 1 and has(f"{prefix}.ape") else None
+        self.width, self.ratio, self.eps, self.rope, self.round_kv = width, ratio, eps, rope, round_kv
+
+    @staticmethod
+    def names(prefix: str, ratio: int) -> list[str]:
+        return [f"{prefix}.wkv.weight", f"{prefix}.norm.weight"] + ([f"{prefix}.wgate.weight"] if ratio > 1 else [])
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> normed pooled rows [B, T // ratio, width] (a trailing partial window makes none)."""
+        B, T, _ = x.shape
+        m = self.ratio
+        n_win = T // m
+        kv = F.linear(x[:, :n_win * m], self.wkv).view(B, n_win, m, -1)
+        if self.wgate is not None:
+            gate = F.linear(x[:, :n_win * m], self.wgate).view(B, n_win, m, -1)
+            if self.ape is not None:
+                gate = gate + self.ape
+            kv = kv * gate.softmax(dim=2)
+        return rms_norm(kv.sum(dim=2), self.norm, self.eps)
+
+    def positions(self, n_win: int, device) -> torch.Tensor:
+        return torch.arange(n_win, device=device) * self.ratio
+
+    def entries(self, latent: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_table(self.rope, self.positions(latent.shape[1], latent.device), latent.dtype)
+        return rope_tail(self.round_kv(latent), cos.to(latent.device), sin.to(latent.device))
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+    """q [B, t, h, d], keys [B, W, d], head_weights [B, t, h] (already scaled), finished [t, W] ->
+    sum_h w_h relu(q_h . k_w) / sqrt(d), -inf where the entry is not finished. [B, t, W]."""
+    scores = torch.einsum("bthd,bwd->bthw", q, keys).relu_() * q.shape[-1] ** -0.5
+    return torch.einsum("bthw,bth->btw", scores, head_weights).masked_fill(~finished, float("-inf"))
+
+
+def candidate_drop(scores: torch.Tensor, query_pos: torch.Tensor, ratio: int, block: int, keep: int) -> torch.Tensor:
+    """The candidate layer's filter: scores [B, t, W] -> blocks dropped [B, t, W // block + 1] (bool). Blocks are
+    ranked by their best score (the trailing partial block is the last one); the block holding the query's newest
+    finished entry is always kept; of the `keep` best, those whose best is -inf count as dropped too."""
+    W = scores.shape[-1]
+    n_full = W // block
+    full = scores[..., :n_full * block].unflatten(-1, (n_full, block)).amax(dim=-1)
+    tail = scores[..., n_full * block:]
+    tail_best = tail.amax(dim=-1, keepdim=True) if tail.shape[-1] else full.new_full((*full.shape[:-1], 1), -float("inf"))
+    best = torch.cat((full, tail_best), dim=-1)
+    newest = (((query_pos + 1) // ratio - 1).clamp(min=0) // block).view(1, -1, 1).expand(best.shape[0], -1, 1)
+    best = best.scatter(-1, newest, float("inf"))
+    top = best.topk(keep, dim=-1)
+    return torch.ones_like(best, dtype=torch.bool).scatter(-1, top.indices, top.values == -float("inf"))
+
+
+def expand_blocks(drop: torch.Tensor, block: int, W: int) -> torch.Tensor:
+    """[.., blocks] -> [.., W]: entry w takes block w // block's flag."""
+    return drop.repeat_interleave(block, dim=-1)[..., :W]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------------------------------
+class Attention:
+    def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, emulation=None):
+        b = a.base
+        p = f"layers.{layer}.attn"
+        self.a, self.layer, self.ratio = a, layer, b.ratios[layer]
+        self.owner = a.kv_source[layer]
+        self.index_source = a.index_source[layer]
+        self.candidate_mode = a.candidate_mode(layer)
+        self.act_quant = emulation.act if emulation is not None else no_quant
+        self.round_kv = (lambda kv: emulation.kv_nope(kv, b.rope_dim)) if emulation is not None else no_quant
+        self.wq_a, self.q_norm = fetch(n(f"{p}.wq_a.weight")), fetch(n(f"{p}.q_norm.weight"))
+        self.wq_b = fetch(n(f"{p}.wq_b.weight"))
+        self.wkv, self.kv_norm = fetch(n(f"{p}.wkv.weight")), fetch(n(f"{p}.kv_norm.weight"))
+        self.wo_a, self.wo_b = fetch(n(f"{p}.wo_a.weight")), fetch(n(f"{p}.wo_b.weight"))
+        self.sinks = fetch(n(f"{p}.attn_sink"))
+        self.compressor = self.index_wk = None
+        if self.owner == layer:
+            self.compressor = PoolCompressor(f"{p}.compressor", n, fetch, has, b.head_dim, self.ratio, b.rms_norm_eps,
+                                             b.compress_rope, self.round_kv)
+            if self.index_source:
+                self.index_wk = fetch(n(f"{p}.indexer.wk.weight"))
+                self.index_k_norm = fetch(n(f"{p}.indexer.k_norm.weight"))
+        if self.index_source:
+            self.index_wq_b = fetch(n(f"{p}.indexer.wq_b.weight"))
+            self.index_weights = fetch(n(f"{p}.indexer.weights_proj.weight"))
+
+    @staticmethod
+    def names(a: DeepseekV41Args, layer: int) -> list[str]:
+        p = f"layers.{layer}.attn"
+        names = [f"{p}.{w}" for w in ("wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight", "kv_norm.weight",
+                                      "wo_a.weight", "wo_b.weight", "attn_sink")]
+        if a.kv_source[layer] == layer:
+            names += PoolCompressor.names(f"{p}.compressor", a.base.ratios[layer])
+            if a.index_source[layer]:
+                names += [f"{p}.indexer.wk.weight", f"{p}.indexer.k_norm.weight"]
+        if a.index_source[layer]:
+            names += [f"{p}.indexer.wq_b.weight", f"{p}.indexer.weights_proj.weight"]
+        return names
+
+    def build_pool(self, x: torch.Tensor) -> Pool:
+        latent = self.compressor.latent(x)
+        keys = None
+        if self.index_wk is not None:
+            keys = rms_norm(F.linear(latent, self.index_wk), self.index_k_norm, self.a.base.rms_norm_eps)
+            cos, sin = rope_table(self.a.base.compress_rope, self.compressor.positions(latent.shape[1], x.device),
+                                  x.dtype)
+            keys = rope_tail(keys, cos.to(x.device), sin.to(x.device))
+        return Pool(self.compressor.entries(latent), keys)
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, compress_rope,
+               state: CrossLayerState) -> torch.Tensor:
+        """Bool [B, T, W]: the entries each query attends to (its top index_topk finished entries, inside the candidate
+        blocks from the candidate layer on)."""
+        b = self.a.base
+        B, T, _ = x.shape
+        W = keys.shape[1]
+        q = rope_tail(F.linear(q_latent, self.index_wq_b).view(B, T, b.index_n_heads, b.index_head_dim), *compress_rope)
+        head_weights = F.linear(x, self.index_weights) * b.index_n_heads ** -0.5
+        finished = finished_entries(T, self.ratio, x.device)
+        block, n_blocks = self.a.candidate_block_size, self.a.candidate_topk_blocks
+        filtering = self.candidate_mode is not None and W > n_blocks * block
+        if filtering and self.candidate_mode == "source":
+            state.candidates = torch.empty(B, T, W // block + 1, dtype=torch.bool, device=x.device)
+        keep = torch.zeros(B, T, W, dtype=torch.bool, device=x.device)
+        chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * b.index_n_heads * W * 4, 1)))
+        for start in range(0, T, chunk):
+            end = min(T, start + chunk)
+            scores = index_scores(q[:, start:end], keys, head_weights[:, start:end], finished[start:end])
+            if filtering and self.candidate_mode == "source":
+                positions = torch.arange(start, end, device=x.device)
+                state.candidates[:, start:end] = candidate_drop(scores, positions, self.ratio, block, n_blocks)
+            elif filtering:
+                scores = scores.masked_fill(expand_blocks(state.candidates[:, start:end], block, W), float("-inf"))
+            top = scores.topk(min(b.index_topk, W), dim=-1)
+            keep[:, start:end].scatter_(-1, top.indices, top.values > -float("inf"))
+        return keep
+
+    def __call__(self, x: torch.Tensor, rope, state: CrossLayerState) -> torch.Tensor:
+        a, b = self.a, self.a.base
+        B, T, _ = x.shape
+        main_rope, compress_rope = rope[:2], rope[2:]
+        cos, sin = main_rope if self.ratio == 0 else compress_rope
+        fq = self.act_quant
+        q_latent = rms_norm(F.linear(fq(x), self.wq_a), self.q_norm, b.rms_norm_eps)
+        q = F.linear(fq(q_latent), self.wq_b).view(B, T, b.n_heads, b.head_dim)
+        if a.q_head_norm:
+            q = unweighted_rms_norm(q, b.rms_norm_eps)
+        q = rope_tail(q, cos, sin)
+        kv = self.round_kv(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, b.rms_norm_eps))
+        kv = rope_tail(kv, cos, sin)
+        entries = visible = None
+        if self.ratio:
+            if self.compressor is not None:
+                state.pools[self.layer] = self.build_pool(x)
+            pool = state.pools.get(self.owner)
+            if pool is None:
+                raise ConfigError(f"layer {self.layer} reads the pool of layer {self.owner}, which has not run")
+            entries = pool.entries
+            visible = finished_entries(T, self.ratio, x.device).expand(B, T, -1)
+            if entries.shape[1] > b.index_topk:
+                if self.index_source:
+                    state.selection = self.select(x, q_latent, pool.index_keys, compress_rope, state)
+                visible = visible & state.selection
+        out = sink_attention(q, kv, entries, visible, self.sinks, b.head_dim ** -0.5, b.sliding_window)
+        out = rope_tail(out, cos, -sin)
+        groups = out.reshape(B, T, b.o_groups, -1)
+        low_rank = torch.einsum("btgi,gri->btgr", fq(groups), self.wo_a.view(b.o_groups, b.o_lora_rank, -1))
+        return F.linear(fq(low_rank.flatten(2)), self.wo_b)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# layer and family
+# ---------------------------------------------------------------------------------------------------------------------
+class DecoderLayer:
+    def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, store: StateStore, engram=None,
+                 token_map=None, emulation=None):
+        b = a.base
+        self.a, self.layer, self.store, self.engram, self.token_map = a, layer, store, engram, token_map
+        self.attn_hc, self.ffn_hc = (hyper_connection(b, f"layers.{layer}.hc_{site}", n, fetch)
+                                     for site in ("attn", "ffn"))
+        self.attn_norm, self.ffn_norm = (fetch(n(f"layers.{layer}.{w}.weight")) for w in ("attn_norm", "ffn_norm"))
+        self.attn = Attention(a, layer, n, fetch, has, emulation)
+        self.ffn = MoE(b, layer, n, fetch, emulation)
+
+    def mix(self, hc: HyperConnection, streams: torch.Tensor, state: CrossLayerState):
+        pre, post, comb = hc.weights(streams)
+        if not self.a.carry_pre:
+            return post, comb, collapse(streams, pre)
+        previous, state.pre = state.pre, pre
+        return post, comb, streams[:, :, 0] if previous is None else collapse(streams, previous)
+
+    def __call__(self, streams: torch.Tensor, rope, tokens: torch.Tensor) -> torch.Tensor:
+        eps = self.a.base.rms_norm_eps
+        state = self.store.get(tokens, self.layer)
+        if self.engram is not None:
+            ids = self.token_map[tokens.cpu()] if self.token_map is not None else tokens.cpu()
+            streams = self.engram(streams, ids)
+        post, comb, x = self.mix(self.attn_hc, streams, state)
+        streams = HyperConnection.merge(streams, self.attn(rms_norm(x, self.attn_norm, eps), rope, state), post, comb)
+        post, comb, x = self.mix(self.ffn_hc, streams, state)
+        streams = HyperConnection.merge(streams, self.ffn(rms_norm(x, self.ffn_norm, eps), tokens), post, comb)
+        state.last_output = streams
+        return streams
+
+
+class DeepseekV41Family(DeepseekV4Family):
+    wants_tokens = True
+
+    def __init__(self, config: dict):
+        super(DeepseekV4Family, self).__init__(config)
+        self.text = text_config(config)
+        self.v41 = a = DeepseekV41Args.from_config(config, self.arch())
+        self.args = a.base
+        self.n_layers, self.hidden_size, self.vocab_size = a.base.n_layers, a.base.hidden_size, a.base.vocab_size
+        self.rms_norm_eps, self.tie_word_embeddings = a.base.rms_norm_eps, a.base.tie_word_embeddings
+        self.stored: dict[str, str] = {}
+        self.available: set = set()
+        self.embed_name, self.norm_name = "embed.weight", "norm.weight"
+        self.emulation = None
+        self.pack = None
+        self.store = StateStore()
+        self._token_map = None
+        self._tables: dict[int, RowTable] = {}
+        for layer in a.engram_layers:       # config errors (table sizes, vocabulary) now, not at the first forward
+            EngramArgs.from_config(self.text, layer)
+
+    @classmethod
+    def arch(cls) -> str:
+        return ARCH
+
+    def bind_pack(self, pack) -> None:
+        self.pack = pack
+
+    def resolve_names(self, available) -> None:
+        super().resolve_names(available)
+        self.available = set(available)
+
+    def has(self, name: str) -> bool:
+        return self.n(name) in self.available
+
+    def official_names(self) -> list[str]:
+        names = ["embed.weight", "norm.weight", "head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"]
+        for i in range(self.n_layers):
+            names += self.official_layer_names(i)
+            if self.v41.kv_source[i] == i:
+                names.append(f"layers.{i}.attn.compressor.ape")     # optional
+        return names
+
+    def official_layer_names(self, i: int) -> list[str]:
+        a = self.v41
+        names = [x for x in v4_layer_names(a.base, i) if ".attn." not in x]
+        names += Attention.names(a, i)
+        if i in a.engram_layers:
+            names += EngramLayer.names(i)
+        return names
+
+    def required_names(self) -> list[str]:
+        names = super(DeepseekV4Family, self).required_names()
+        if not self.v41.carry_pre:
+            names += [self.n(f"hc_head_{w}") for w in ("fn", "base", "scale")]
+        return names
+
+    # -- Engram ---------------------------------------------------------------------------------------------------
+    def token_map(self) -> torch.Tensor:
+        """Token id -> Engram's compressed id, from the pack's tokenizer.json."""
+        if self._token_map is None:
+            root = getattr(self.pack, "root", None) or getattr(self.pack, "path", None)
+            path = Path(root) / "tokenizer.json" if root is not None else None
+            if path is None or not path.is_file():
+                raise PackError("DeepSeek-V4.1 Engram layers hash the compressed vocabulary, built from tokenizer.json, "
+                                "which the pack lacks", file=path)
+            self._token_map = compressed_token_map(path)
+            want = int(self.text.get("engram_compressed_vocab_size") or 0)
+            if int(self._token_map.max()) + 1 != want:
+                raise PackError(f"tokenizer.json gives {int(self._token_map.max()) + 1} compressed tokens, but "
+                                f"engram_compressed_vocab_size is {want}", file=path)
+        return self._token_map
+
+    def table(self, layer: int) -> RowTable:
+        if layer not in self._tables:
+            if self.pack is None:
+                raise PackError(f"Engram layer {layer} reads its table from the pack, but no pack is bound")
+            prefix = next((p for p in (f"layers.{layer}.engram.embed", f"model.layers.{layer}.engram.embed")
+                           if f"{p}.weight" in self.available or f"{p}.shard_0.weight" in self.available),
+                          f"layers.{layer}.engram.embed")
+            self._tables[layer] = RowTable.from_pack(self.pack, prefix)
+        return self._tables[layer]
+
+    def engram(self, layer: int, fetch: Fetch) -> EngramLayer:
+        token_map = self.token_map()
+        a = EngramArgs.from_config(self.text, layer, token_map)
+        table = self.table(layer)
+        if table.dim * a.n_heads != fetch.shape_of(self.n(f"layers.{layer}.engram.wkv.weight"))[1]:
+            raise PackError(f"Engram layer {layer}: {a.n_heads} heads x table rows of {table.dim} do not match wkv's "
+                            f"input width", tensor=self.n(f"layers.{layer}.engram.wkv.weight"))
+        wkv, k_weight, q_weight = (fetch(self.n(x)) for x in EngramLayer.names(layer))
+        return EngramLayer(a, table, wkv, k_weight, q_weight)
+
+    # -- compute ----------------------------------------------------------------------------------------------------
+    def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
+        engram = self.engram(i, fetch) if i in self.v41.engram_layers else None
+        return DecoderLayer(self.v41, i, self.n, fetch, self.has, self.store, engram,
+                            self._token_map if engram is not None else None, self.emulation)
+
+    def final_hook(self, streams: torch.Tensor, fetch: Fetch) -> torch.Tensor:
+        state = self.store.pop_for_output(streams)
+        if not self.v41.carry_pre:
+            return super().final_hook(streams, fetch)
+        if state is None or state.pre is None:
+            raise ConfigError("DeepSeek-V4.1 final collapse: no hyper-connection weights were carried to it")
+        return collapse(streams, state.pre)
