@@ -188,14 +188,14 @@ class Group:
     def watch(self, what: str, done) -> None:
         """Poll `done()` until true, naming another rank that fails meanwhile (a dead peer leaves an NCCL collective
         pending forever; this turns that into RankFailed after `stale_s`)."""
-        pause, last_look = 0.0002, time.monotonic()
+        pause, last_look = 0.0001, time.monotonic()
         while not done():
             now = time.monotonic()
             if now - last_look >= HEARTBEAT_S:
                 last_look = now
                 self._look_for_failures(what, self._others(), now)
             time.sleep(pause)
-            pause = min(pause * 2, 0.002)
+            pause = min(pause * 2, 0.0005)
 
     def diagnose(self, what: str, error: BaseException) -> None:
         """A collective raised (gloo notices a peer that died): name the rank that failed if one did, else the error."""
@@ -437,7 +437,8 @@ class ShardedLoads:
         ready = {n: mine[n] if o == g.rank else torch.empty(fetch.shape_of(n), device=fetch.device, dtype=fetch.dtype)
                  for n, o in zip(names, owners)}
         what = f"the exchange of layer {i}'s weights"
-        g.checkpoint(what, channel="layers")  # every share was read (a reader that failed has said so) before any wait
+        if g.backend != "nccl":  # gloo blocks inside the collective: first make sure every share was read. NCCL's
+            g.checkpoint(what, channel=f"layer{i}")  # wait is watched (broadcast_all), which names a reader that failed
         g.broadcast_all(what, [(ready[n], o) for n, o in zip(names, owners)])
         fetch.ready.update(ready)
         del mine, ready
@@ -504,6 +505,7 @@ class Prefetcher:
         self.n_layers = oracle.family.n_layers
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fidelity-prefetch")
         self.pending: dict[int, object] = {}
+        self.failed: int | None = None
         cuda = oracle.device.type == "cuda"
         self.stream = torch.cuda.Stream(oracle.device) if cuda else None
         if cuda and not getattr(oracle.fetch.read, "pinned", False):
@@ -513,12 +515,18 @@ class Prefetcher:
             oracle.fetch.read.pinned = True
 
     def _load(self, i: int):
-        if self.stream is None:
-            return self.load(i)
-        with torch.cuda.stream(self.stream):
-            layer = self.load(i)
-        self.stream.synchronize()  # weights complete before another stream reads them
-        return layer
+        if self.failed is not None:  # loads already queued behind a failed one must not run (nor exchange anything)
+            raise FidelityError(f"layer {i} was not loaded: loading layer {self.failed} failed first")
+        try:
+            if self.stream is None:
+                return self.load(i)
+            with torch.cuda.stream(self.stream):
+                layer = self.load(i)
+            self.stream.synchronize()  # weights complete before another stream reads them
+            return layer
+        except BaseException:
+            self.failed = i
+            raise
 
     def __call__(self, i: int):
         future = self.pending.pop(i, None)
@@ -527,7 +535,8 @@ class Prefetcher:
         if self.stream is not None:
             # Layer i-1's kernels must finish before its freed blocks can be handed to the side stream's next load.
             torch.cuda.current_stream(self.oracle.device).synchronize()
-        if future is None:  # on the one loader thread too: loads run in layer order (sharded loads exchange in it)
+        if future is None:  # a pass starts; on the loader thread too: loads run in layer order (sharded loads
+            self.failed = None  # exchange in it). The queue is empty here, so the loader thread is idle
             future = self.pool.submit(self._load, i)
         if i + 1 < self.n_layers:
             self.pending[i + 1] = self.pool.submit(self._load, i + 1)

@@ -275,7 +275,10 @@ def test_raising_rank_fails_the_run_with_its_error(packs):
 @pytest.mark.slow
 def test_a_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs):
     root, _ = packs
-    results = run_ranks("bad_share", root)
+    check_bad_share(run_ranks("bad_share", root))
+
+
+def check_bad_share(results: list[dict]) -> None:
     assert all("error" in r for r in results)
     assert re.search(r"RankFailed: rank 1 failed before the exchange of layer 1's weights: block 7 has a corrupt "
                      r"scale \[tensor 'model\.layers\.1\.[a-z_.]+weight', file .*llama\]", results[0]["error"]), \

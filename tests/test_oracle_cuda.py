@@ -12,7 +12,8 @@ import torch
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle
-from test_distributed import DEVICE_VAR, check_equal, check_killed, packs, run_ranks, single_process  # noqa: F401
+from test_distributed import (DEVICE_VAR, check_bad_share, check_equal, check_killed, packs,  # noqa: F401
+                              run_ranks, single_process)
 from test_oracle import COMMON, make_moe
 
 pytestmark = [pytest.mark.device,
@@ -88,4 +89,15 @@ def test_nccl_rank_death_fails_the_run_naming_it(packs, monkeypatch):
     monkeypatch.setenv(DEVICE_VAR, "cuda")
     results = run_ranks("killed", root, timeout=120)
     check_killed(results)
+    print(f"rank 0: {results[0]['error']}")
+
+
+@two_gpus
+@pytest.mark.slow
+def test_nccl_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs, monkeypatch):
+    """Under NCCL no checkpoint precedes a layer exchange: rank 0's watched wait names rank 1's posted error."""
+    root, _ = packs
+    monkeypatch.setenv(DEVICE_VAR, "cuda")
+    results = run_ranks("bad_share", root, timeout=120)
+    check_bad_share(results)
     print(f"rank 0: {results[0]['error']}")
