@@ -285,6 +285,32 @@ def test_config_errors(tmp_path):
         DSparkDrafter(Oracle(open_pack(folder)))
 
 
+def test_chunked_drafts_equal_unchunked(built, rng_seed, monkeypatch):
+    import fidelity.oracle.deepseek_mtp as mtp
+    _, _, _, folder = built
+    drafter = DSparkDrafter(Oracle(open_pack(folder), keep_weights=True))
+    tokens = torch.randint(0, TRUNK["vocab_size"], (2, 10))
+    whole = drafter.draft(tokens)
+    monkeypatch.setattr(mtp, "ATTENTION_CHUNK_BYTES", 1)   # one draft per attention chunk
+    pieces = drafter.draft(tokens)
+    assert torch.allclose(whole.logits, pieces.logits, atol=1e-5, rtol=0)
+
+
+def test_block_count_from_compress_ratios(tmp_path):
+    """The official config's compress_ratios run past the trunk layers, one 0 per MTP block."""
+    *_, folder = build(tmp_path, 8, config_over=dict(compress_ratios=[0, 4, 3] + [0] * N_BLOCKS, layer_types=None))
+    config = json.loads((folder / "config.json").read_text())
+    assert DSparkDrafter(Oracle(open_pack(folder))).args.n_blocks == N_BLOCKS
+    config["compress_ratios"] = [0, 4, 3, 0]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PackError, match=r"mtp\.0\.hc_head_fn"):   # one block: its exit head would be mtp.0's
+        DSparkDrafter(Oracle(open_pack(folder)))
+    config["compress_ratios"] = [0, 4, 3, 0, 4]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"compress_ratios past the trunk \(\[0, 4\]\)"):
+        DSparkDrafter(Oracle(open_pack(folder)))
+
+
 def test_bad_starts(built):
     _, _, _, folder = built
     drafter = DSparkDrafter(Oracle(open_pack(folder)))
@@ -309,5 +335,6 @@ def test_exllamav3_forward_agrees_with_oracle(tmp_path):
     bench.build(tmp_path)
     result = bench.run(tmp_path, tmp_path / "out")
     ours, control = result["exllamav3_vs_oracle"], result["exllamav3_vs_control"]
-    assert ours["top1_agreement"] >= 0.98 and ours["kl_mean"] <= 1e-3
-    assert control["kl_mean"] >= 10 * ours["kl_mean"]
+    # fp16 kernels vs fp32 (H200, exllamav3 1.6.5: top-1 99.5%, KL 2.0e-6; a one-field config change: KL 2.5e-2)
+    assert ours["top1_agreement"] >= 0.98 and ours["kl_mean"] <= 1e-4
+    assert control["kl_mean"] >= 100 * ours["kl_mean"]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, FidelityError, PackError
-from .common import rms_norm
+from .common import ATTENTION_CHUNK_BYTES, rms_norm
 from .deepseek_v4 import (ARCH, SLIDING, Attention, DeepseekV4Family, HyperConnection, MoE, hyper_connection,
                           layer_names, name_candidates, rope_table, rope_tail, unweighted_rms_norm)
 
@@ -126,17 +126,24 @@ class DSparkBlock:
         kv = rms_norm(F.linear(main_x, self.attn.wkv), self.attn.kv_norm, self.a.rms_norm_eps)
         return rope_tail(kv, cos, sin)
 
-    def __call__(self, streams: torch.Tensor, context: torch.Tensor, visible: torch.Tensor, rope) -> torch.Tensor:
-        """streams [N, block, hc, hidden]; context [C, D] rows of which `visible` [N, C] each draft sees."""
+    def __call__(self, streams: torch.Tensor, context: torch.Tensor, starts: torch.Tensor, rope) -> torch.Tensor:
+        """streams [N, block, hc, hidden] of N drafts; context [T, D] this block's rows of the drafts' row;
+        starts [N] each draft's context length p0."""
         eps = self.a.rms_norm_eps
         post, comb, x = self.attn_hc(streams)
-        streams = HyperConnection.merge(streams, self.attention(rms_norm(x, self.attn_norm, eps), context, visible,
-                                                                rope), post, comb)
+        x = rms_norm(x, self.attn_norm, eps)
+        attn = torch.empty_like(x)
+        chunk = max(1, ATTENTION_CHUNK_BYTES // (4 * x.shape[1] * self.a.head_dim * (self.a.n_heads + self.a.sliding_window)))
+        for start in range(0, x.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            attn[rows] = self.attention(x[rows], context, starts[rows], (rope[0][rows], rope[1][rows]))
+        streams = HyperConnection.merge(streams, attn, post, comb)
         post, comb, x = self.ffn_hc(streams)
         return HyperConnection.merge(streams, self.ffn(rms_norm(x, self.ffn_norm, eps), None), post, comb)
 
-    def attention(self, x: torch.Tensor, context: torch.Tensor, visible: torch.Tensor, rope) -> torch.Tensor:
-        """Each block query sees its visible context rows and every block row (no causal mask), plus the sink."""
+    def attention(self, x: torch.Tensor, context: torch.Tensor, starts: torch.Tensor, rope) -> torch.Tensor:
+        """Each block query sees the last min(window, p0) context rows before its draft's start and every block row
+        (no causal mask), plus the head's sink, in one softmax."""
         a, at = self.a, self.attn
         N, S, _ = x.shape
         cos, sin = rope                                               # [N, S, pairs]: the block's positions
@@ -146,15 +153,17 @@ class DSparkBlock:
             q = unweighted_rms_norm(q, a.rms_norm_eps)
         q = rope_tail(q.flatten(0, 1)[None], cos.flatten(0, 1), sin.flatten(0, 1))[0].view_as(q)  # per-draft positions
         kv = rope_tail(rms_norm(F.linear(x, at.wkv), at.kv_norm, a.rms_norm_eps), cos, sin)   # [N, S, D]
+        rows = starts[:, None] - a.sliding_window + torch.arange(a.sliding_window, device=x.device)   # [N, W]
+        window = context[rows.clamp(min=0)]                                                       # [N, W, D]
         scale = a.head_dim ** -0.5
-        far = torch.einsum("nshd,cd->nhsc", q, context) * scale
-        far = far.masked_fill(~visible[:, None, None, :], float("-inf"))
+        far = torch.einsum("nshd,nwd->nhsw", q, window) * scale
+        far = far.masked_fill((rows < 0)[:, None, None, :], float("-inf"))
         near = torch.einsum("nshd,ntd->nhst", q, kv) * scale
         sink = at.sinks.view(1, -1, 1, 1).expand(N, -1, S, 1)
         probs = torch.softmax(torch.cat((far, near, sink), dim=-1), dim=-1)
-        C = context.shape[0]
-        out = torch.einsum("nhsc,cd->nshd", probs[..., :C], context)
-        out = out + torch.einsum("nhst,ntd->nshd", probs[..., C:C + S], kv)
+        W = window.shape[1]
+        out = torch.einsum("nhsw,nwd->nshd", probs[..., :W], window)
+        out = out + torch.einsum("nhst,ntd->nshd", probs[..., W:W + S], kv)
         out = rope_tail(out.flatten(0, 1)[None], cos.flatten(0, 1), -sin.flatten(0, 1))[0].view_as(out)
         groups = out.reshape(N, S, a.o_groups, -1)
         low_rank = torch.einsum("nsgi,gri->nsgr", groups, at.wo_a.view(a.o_groups, a.o_lora_rank, -1))
@@ -283,9 +292,6 @@ class DSparkDrafter:
         max_pos = int(positions.max()) + 1
         cos, sin = rope_table(fam.args.main_rope, torch.arange(max(max_pos, T)), dtype)
         cos, sin = cos.to(device), sin.to(device)
-        ctx_pos = torch.arange(T, device=device)
-        window = fam.args.sliding_window
-        visible = (ctx_pos[None, :] < p0[:, None]) & (ctx_pos[None, :] >= p0[:, None] - window)   # [S, T]
         block_ids = torch.full((B, S, bs), a.noise_token_id, dtype=torch.long)
         block_ids[:, :, 0] = tokens[:, starts]
         embed = oracle.fetch(fam.embed_name)
@@ -294,14 +300,13 @@ class DSparkDrafter:
         streams = fam.embed_hook(x)
         main_x = [self.main_x(t.to(device)) for t in taps]                              # per row [T, hidden]
         rope = (cos[positions].repeat(B, 1, 1), sin[positions].repeat(B, 1, 1))
-        vis = visible.repeat(B, 1)
         for i in range(a.n_blocks):
             block = self.load_block(i)
             out = torch.empty_like(streams)
             for b in range(B):
                 rows = slice(b * S, (b + 1) * S)
                 context = block.context_kv(main_x[b], cos[:T], sin[:T])
-                out[rows] = block(streams[rows], context, vis[rows], (rope[0][rows], rope[1][rows]))
+                out[rows] = block(streams[rows], context, p0, (rope[0][rows], rope[1][rows]))
             streams = out
             del block
         fetch = oracle.fetch
