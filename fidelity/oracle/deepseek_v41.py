@@ -109,13 +109,12 @@ class DeepseekV41Args:
                 raise ConfigError(f"config.json of {arch}: index_source_layer_ids names layer {i}, which has no "
                                   f"compressed pool to index (compress_ratios[{i}] = 0)")
         for i, ratio in enumerate(ratios):
-            if ratio == 0:
-                continue
-            if self.index_source[i] and not self.index_source[self.kv_source[i]]:
+            if ratio and self.index_source[i] and not self.index_source[self.kv_source[i]]:
                 raise ConfigError(f"config.json of {arch}: layer {i} runs the indexer over the pool of layer "
                                   f"{self.kv_source[i]}, which is not in index_source_layer_ids (only an index "
                                   f"source that owns a pool has its index keys)")
-            if not self.index_source[i]:
+        for i, ratio in enumerate(ratios):
+            if ratio and not self.index_source[i]:
                 full = [j for j in range(i) if self.index_source[j]]
                 if not full or self.kv_source[full[-1]] != self.kv_source[i]:
                     raise ConfigError(f"config.json of {arch}: layer {i} reuses an index selection, but the last "

@@ -1,0 +1,531 @@
+"""DeepSeek-V4.1 oracle (fidelity/oracle/deepseek_v41.py) against formulations written here, on tiny random packs:
+every layer's attention output recomputed query by query (pools recomputed from the owning layer's input, index scores
+and top-k by Python loops, the candidate-block filter from sorted block maxima), the Engram-wired layer against a naive
+per-position lookup, FP8 Engram rows against a float8 cast x scale, and a V4.1 config whose every compressing layer
+owns its pool reducing exactly to the V4 oracle. Bad configs fail naming the layer."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fidelity import open_pack
+from fidelity.errors import ConfigError, PackError
+from fidelity.oracle import Oracle, family_for
+from fidelity.oracle import deepseek_v41 as v41
+from fidelity.oracle.deepseek_v4 import DeepseekV4Family
+from fidelity.packs.safetensors_io import write_safetensors
+
+H, HC, HEADS, D, RD, Q, G, R, E, I, IH, ID, VOCAB = 32, 2, 2, 16, 4, 16, 2, 8, 4, 32, 2, 8, 64
+LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+TOKENS = ["<pad>", "<s>"] + LETTERS + [c.upper() for c in LETTERS] + [str(d) for d in range(10)]
+
+
+def base_config(**over) -> dict:
+    cfg = dict(architectures=["DeepseekV41ForCausalLM"], vocab_size=VOCAB, hidden_size=H, num_hidden_layers=5,
+               num_attention_heads=HEADS, num_key_value_heads=1, head_dim=D, qk_rope_head_dim=RD, q_lora_rank=Q,
+               o_groups=G, o_lora_rank=R, sliding_window=4, index_n_heads=IH, index_head_dim=ID, index_topk=3,
+               hc_mult=HC, hc_sinkhorn_iters=4, hc_eps=1e-6, n_routed_experts=E, num_experts_per_tok=2,
+               n_shared_experts=1, moe_intermediate_size=I, routed_scaling_factor=1.5, swiglu_limit=10.0,
+               scoring_func="sqrtsoftplus", rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
+               max_position_embeddings=256, tie_word_embeddings=False,
+               compress_ratios=[0, 2, 2, 1, 1], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4],
+               candidate_source_layer_id=3, candidate_topk_blocks=2, candidate_block_size=3,
+               engram_layer_ids=[0], engram_vocab_size=40, engram_max_ngram_size=3, engram_n_heads=2,
+               engram_head_dim=8, engram_pad_token_id=0, engram_compressed_vocab_size=38)
+    cfg.update(over)
+    if cfg.get("engram_layer_ids"):
+        from fidelity.packs.minipacks_v41 import engram_rows
+        cfg["engram_num_embeddings"] = engram_rows(cfg)
+    return cfg
+
+
+def shape_of(name: str, cfg: dict) -> tuple:
+    """The shape of an official-named tensor of the tiny configs here."""
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+    sizes = {"embed.weight": (VOCAB, H), "head.weight": (VOCAB, H), "norm.weight": (H,), "hc_head_fn": (HC, HC * H),
+             "hc_head_base": (HC,), "hc_head_scale": (1,)}
+    if name in sizes:
+        return sizes[name]
+    tail = name.split(".", 2)[2]
+    if tail.startswith("hc_"):
+        return {"fn": ((2 + HC) * HC, HC * H), "base": ((2 + HC) * HC,), "scale": (3,)}[tail.rsplit("_", 1)[1]]
+    table = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,), "attn.wq_a.weight": (Q, H), "attn.q_norm.weight": (Q,),
+             "attn.wq_b.weight": (HEADS * D, Q), "attn.wkv.weight": (D, H), "attn.kv_norm.weight": (D,),
+             "attn.wo_a.weight": (G * R, HEADS * D // G), "attn.wo_b.weight": (H, G * R), "attn.attn_sink": (HEADS,),
+             "attn.compressor.wkv.weight": (D, H), "attn.compressor.wgate.weight": (D, H),
+             "attn.compressor.norm.weight": (D,), "attn.compressor.ape": (cfg["compress_ratios"][layer or 0], D),
+             "attn.indexer.wk.weight": (ID, D), "attn.indexer.k_norm.weight": (ID,),
+             "attn.indexer.wq_b.weight": (IH * ID, Q), "attn.indexer.weights_proj.weight": (IH, H),
+             "ffn.gate.weight": (E, H), "ffn.gate.bias": (E,),
+             "engram.wkv.weight": ((HC + 1) * H, (cfg.get("engram_max_ngram_size", 3) - 1) * cfg.get("engram_n_heads", 2)
+                                   * cfg.get("engram_head_dim", 8)),
+             "engram.k_weight": (HC * H,), "engram.q_weight": (HC * H,)}
+    if tail in table:
+        return table[tail]
+    if ".experts." in tail or ".shared_experts." in tail:
+        return (H, I) if tail.endswith("w2.weight") else (I, H)
+    raise KeyError(name)
+
+
+def random_tensor(name: str, shape: tuple, g: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(shape, generator=g)
+    if "norm" in name or name.endswith(("k_weight", "q_weight")):
+        return 1.0 + 0.2 * noise
+    if name.endswith("scale"):
+        return 1.0 + 0.5 * noise
+    if len(shape) == 1:
+        return 0.1 * noise
+    if name == "embed.weight" or ".engram.embed." in name:
+        return noise
+    return noise / math.sqrt(shape[-1])
+
+
+def tokenizer_json(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(TOKENS)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+def write_pack(root: Path, cfg: dict, seed: int, extra_names=(), dtype=torch.float32) -> Path:
+    """A random pack for cfg in official names (plus extra_names), engram tables in their own file."""
+    root.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    fam = family_for(cfg)
+    names = list(dict.fromkeys([*fam.official_names(), *extra_names]))
+    if isinstance(fam, v41.DeepseekV41Family):
+        names = [n for n in names if not n.startswith("hc_head_") or n in extra_names]
+        names = [n for n in names if not n.endswith(".compressor.ape") or n in extra_names]
+    main, engram = {}, {}
+    for name in names:
+        main[name] = random_tensor(name, shape_of(name, cfg), g).to(dtype)
+    for layer, rows in zip(cfg.get("engram_layer_ids") or [], cfg.get("engram_num_embeddings") or []):
+        engram[f"layers.{layer}.engram.embed.weight"] = torch.randn(rows, cfg["engram_head_dim"], generator=g).to(dtype)
+    write_safetensors(root / "model.safetensors", main)
+    if engram:
+        write_safetensors(root / "model-engram.safetensors", engram)
+    (root / "config.json").write_text(json.dumps(cfg))
+    tokenizer_json(root / "tokenizer.json")
+    return root
+
+
+def random_tokens(g: torch.Generator, B: int, T: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T), generator=g)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# formulations written here
+# ---------------------------------------------------------------------------------------------------------------------
+def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    return y * w if w is not None else y
+
+
+def rotate(x: torch.Tensor, pos: float, theta: float) -> torch.Tensor:
+    """Rotates the trailing RD dims of a vector in adjacent pairs by pos * theta^(-2i/RD), as complex numbers."""
+    inv = theta ** (-(torch.arange(0, RD, 2, dtype=torch.float64) / RD))
+    tail = x[-RD:].double()
+    z = torch.complex(tail[0::2], tail[1::2]) * torch.polar(torch.ones_like(inv), pos * inv)
+    out = x.clone()
+    out[-RD:] = torch.stack((z.real, z.imag), dim=-1).flatten().to(x.dtype)
+    return out
+
+
+def naive_pool(w: dict, p: str, x: torch.Tensor, ratio: int, theta: float):
+    """(entries, index keys or None) of layer p's compressor from its attention input x [T, H]."""
+    entries, keys = [], []
+    for win in range(x.shape[0] // ratio):
+        rows = x[win * ratio:(win + 1) * ratio]
+        kv = rows @ w[f"{p}.compressor.wkv.weight"].T
+        if ratio > 1:
+            gate = rows @ w[f"{p}.compressor.wgate.weight"].T
+            if f"{p}.compressor.ape" in w:
+                gate = gate + w[f"{p}.compressor.ape"]
+            kv = kv * torch.softmax(gate, dim=0)
+        latent = rms(kv.sum(0), w[f"{p}.compressor.norm.weight"])
+        entries.append(rotate(latent, win * ratio, theta))
+        if f"{p}.indexer.wk.weight" in w:
+            keys.append(rotate(rms(w[f"{p}.indexer.wk.weight"] @ latent, w[f"{p}.indexer.k_norm.weight"]), win * ratio, theta))
+    return torch.stack(entries), (torch.stack(keys) if keys else None)
+
+
+def naive_index_scores(w: dict, p: str, x: torch.Tensor, keys: torch.Tensor, ratio: int, theta: float) -> list[list]:
+    """scores[t][e] for finished entries e of every query t (python floats)."""
+    out = []
+    for t in range(x.shape[0]):
+        q_latent = rms(x[t] @ w[f"{p}.wq_a.weight"].T, w[f"{p}.q_norm.weight"])
+        q = (w[f"{p}.indexer.wq_b.weight"] @ q_latent).view(IH, ID)
+        q = torch.stack([rotate(q[h], t, theta) for h in range(IH)])
+        head_w = (w[f"{p}.indexer.weights_proj.weight"] @ x[t]) * IH ** -0.5
+        row = []
+        for e in range((t + 1) // ratio):
+            row.append(sum(float(head_w[h]) * max(float(q[h] @ keys[e]), 0.0) * ID ** -0.5 for h in range(IH)))
+        out.append(row)
+    return out
+
+
+def block_best(row: list, block: int, n_blocks: int) -> list[float]:
+    return [max(row[b * block:(b + 1) * block], default=-math.inf) for b in range(n_blocks)]
+
+
+def check_candidates(drop: torch.Tensor, scores: list[list], ratio: int, block: int, keep: int, W: int) -> list[set]:
+    """The oracle's dropped-block mask [T, blocks] is a valid candidate choice for these scores (ties at equal block
+    maxima may go either way): the query's newest block kept, `keep` blocks at most, none with no finished entry,
+    and no dropped block better than a kept one. Returns, per query, the entries inside its kept blocks."""
+    n_blocks = W // block + 1
+    assert drop.shape[-1] == n_blocks
+    allowed = []
+    for t, row in enumerate(scores):
+        best = block_best(row, block, n_blocks)
+        newest = max((t + 1) // ratio - 1, 0) // block
+        kept = {b for b in range(n_blocks) if not bool(drop[t, b])}
+        eligible = {b for b in range(n_blocks) if best[b] > -math.inf} | {newest}
+        assert newest in kept and kept <= eligible and len(kept) == min(keep, len(eligible)), t
+        others = kept - {newest}
+        dropped = [best[b] for b in eligible - kept]
+        if others and dropped:
+            assert min(best[b] for b in others) >= max(dropped) - 1e-5, t
+        allowed.append({e for b in kept for e in range(b * block, min((b + 1) * block, W))})
+    return allowed
+
+
+def check_topk(got: list[set], scores: list[list], k: int, allowed: list[set] | None = None) -> None:
+    """Each query's chosen entries are a top-k of its finished (and allowed) entries' scores (ties either way)."""
+    for t, row in enumerate(scores):
+        cand = {e for e in range(len(row)) if allowed is None or e in allowed[t]}
+        assert got[t] <= cand and len(got[t]) == min(k, len(cand)), t
+        rest = cand - got[t]
+        if got[t] and rest:
+            assert min(row[e] for e in got[t]) >= max(row[e] for e in rest) - 1e-5, t
+
+
+def selection_sets(mask: torch.Tensor) -> list[set]:
+    return [set(torch.nonzero(mask[t]).flatten().tolist()) for t in range(mask.shape[0])]
+
+
+def naive_attention(w: dict, p: str, x: torch.Tensor, ratio: int, window: int, theta: float,
+                    entries: torch.Tensor | None, visible: list[set] | None) -> torch.Tensor:
+    """One layer's attention, query by query, over the window's shared K=V rows and the visible pool entries."""
+    T = x.shape[0]
+    kv = torch.stack([rotate(rms(w[f"{p}.wkv.weight"] @ x[j], w[f"{p}.kv_norm.weight"]), j, theta) for j in range(T)])
+    out = torch.zeros(T, H)
+    for t in range(T):
+        q_latent = rms(x[t] @ w[f"{p}.wq_a.weight"].T, w[f"{p}.q_norm.weight"])
+        q = (w[f"{p}.wq_b.weight"] @ q_latent).view(HEADS, D)
+        rows = [kv[j] for j in range(max(0, t - window + 1), t + 1)]
+        if entries is not None:
+            rows += [entries[e] for e in sorted(visible[t])]
+        keys = torch.stack(rows)
+        heads = []
+        for h in range(HEADS):
+            qh = rotate(q[h], t, theta)
+            logits = torch.cat((keys @ qh * D ** -0.5, w[f"{p}.attn_sink"][h:h + 1]))
+            probs = torch.softmax(logits, dim=0)[:-1]
+            heads.append(rotate(probs @ keys, -t, theta))
+        flat = torch.cat(heads).view(G, -1)
+        wo_a = w[f"{p}.wo_a.weight"].view(G, R, -1)
+        out[t] = w[f"{p}.wo_b.weight"] @ torch.cat([wo_a[g] @ flat[g] for g in range(G)])
+    return out
+
+
+def capture_attention(monkeypatch) -> list:
+    """Records (layer, attention input [B, T, H], output, state) of every V4.1 attention call."""
+    calls = []
+    original = v41.Attention.__call__
+
+    def record(self, x, rope, state):
+        y = original(self, x, rope, state)
+        calls.append((self.layer, x.clone(), y.clone(), state, None if state.selection is None else state.selection.clone()))
+        return y
+
+    monkeypatch.setattr(v41.Attention, "__call__", record)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# attention parts
+# ---------------------------------------------------------------------------------------------------------------------
+def test_every_attention_layer_matches_query_by_query_formulation(tmp_path, rng_seed, monkeypatch):
+    """Pools recomputed from the owner's input (ratio 2 gated with ape, ratio 1 gateless), index keys on owners, the
+    shared selection of a non-index layer, the candidate filter of layer 3 applied in layer 4: every layer's attention
+    output equals a query-by-query loop, and layer 2 attends with layer 1's selection."""
+    cfg = base_config(engram_layer_ids=[])
+    root = write_pack(tmp_path / "p", cfg, rng_seed, extra_names=["layers.1.attn.compressor.ape"])
+    pack = open_pack(root)
+    w = {n: pack.tensor(n).float() for n in pack.names()}
+    calls = capture_attention(monkeypatch)
+    g = torch.Generator().manual_seed(rng_seed)
+    tokens = random_tokens(g, 1, 24)
+    Oracle(pack).logits(tokens)
+    theta_main, theta_c = cfg["rope_theta"], cfg["compress_rope_theta"]
+    inputs = {layer: x[0] for layer, x, *_ in calls}
+    pools = {1: naive_pool(w, "layers.1.attn", inputs[1], 2, theta_c),
+             3: naive_pool(w, "layers.3.attn", inputs[3], 1, theta_c)}
+    allowed = last = None
+    worst = 0.0
+    for layer, x, y, state, used_selection in calls:
+        p, ratio = f"layers.{layer}.attn", cfg["compress_ratios"][layer]
+        entries = visible = None
+        if ratio:
+            owner = max(s for s in cfg["kv_source_layer_ids"] if s <= layer)
+            entries, keys = pools[owner]
+            W = entries.shape[0]
+            got = state.pools[owner].entries[0]
+            assert (got - entries).abs().max() < 1e-5, f"layer {layer}: pool of layer {owner}"
+            chosen = selection_sets(used_selection[0])
+            if layer in cfg["index_source_layer_ids"]:
+                scores = naive_index_scores(w, p, x[0], keys, ratio, theta_c)
+                if layer == 3:
+                    allowed = check_candidates(state.candidates[0], scores, ratio, 3, 2, W)
+                check_topk(chosen, scores, cfg["index_topk"], allowed if layer > 3 else None)
+                last = chosen
+            assert chosen == last, f"layer {layer}: reuses the last index source's choice"
+            visible = chosen
+        want = naive_attention(w, p, x[0], ratio, cfg["sliding_window"], theta_c if ratio else theta_main, entries, visible)
+        delta = (y[0] - want).abs().max().item()
+        worst = max(worst, delta)
+        assert delta < 1e-4, f"layer {layer}: attention output off by {delta:.3g}"
+    print(f"V4.1 attention vs query-by-query loop: max |d| {worst:.3g} over {len(calls)} layers")
+    assert [c[0] for c in calls] == [0, 1, 2, 3, 4]
+    # layer 2 is no index source: it attends with exactly layer 1's choice
+    assert torch.equal(calls[2][4], calls[1][4])
+
+
+def test_candidate_filter_changes_the_selection(tmp_path, rng_seed, monkeypatch):
+    """Layer 4's choice with the candidate filter differs from its unfiltered top-k somewhere (so the test above tests
+    a filter that acts), and every chosen entry lies in a kept block."""
+    cfg = base_config(engram_layer_ids=[])
+    pack = open_pack(write_pack(tmp_path / "p", cfg, rng_seed))
+    w = {n: pack.tensor(n).float() for n in pack.names()}
+    calls = capture_attention(monkeypatch)
+    tokens = random_tokens(torch.Generator().manual_seed(rng_seed + 1), 1, 36)
+    Oracle(pack).logits(tokens)
+    x3, x4 = calls[3][1][0], calls[4][1][0]
+    theta = cfg["compress_rope_theta"]
+    _, keys = naive_pool(w, "layers.3.attn", x3, 1, theta)
+    allowed = check_candidates(calls[3][3].candidates[0], naive_index_scores(w, "layers.3.attn", x3, keys, 1, theta),
+                               1, 3, 2, 36)
+    scores4 = naive_index_scores(w, "layers.4.attn", x4, keys, 1, theta)
+    got = selection_sets(calls[4][4][0])
+    check_topk(got, scores4, 3, allowed)
+    unfiltered = [set(sorted(range(len(row)), key=lambda e: -row[e])[:3]) for row in scores4]
+    assert got != unfiltered
+    assert all(s <= a for s, a in zip(got, allowed))
+    assert all(len(a) <= 6 for a in allowed) and any(len(r) > 6 for r in scores4)   # 2 blocks of 3 of more
+
+
+def test_self_owned_pools_reduce_to_v4(tmp_path, rng_seed):
+    """Every compressing layer its own KV source (and index source, with index_topk above the pool size), q head norm
+    and same-site mHC switched to V4's: logits equal the V4 oracle's on the same tensors. With V4.1's own numerics
+    (no q head norm, carried pre) they differ."""
+    common = dict(compress_ratios=[0, 2, 3], num_hidden_layers=3, num_hash_layers=0, engram_layer_ids=[])
+    v4cfg = {**base_config(**common), "architectures": ["DeepseekV4ForCausalLM"], "index_topk": 1000}
+    v41cfg = base_config(**common, kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2], index_topk=1000,
+                         candidate_source_layer_id=-1)
+    v4_names = DeepseekV4Family(v4cfg).official_names()
+    root4 = write_pack(tmp_path / "v4", v4cfg, rng_seed, extra_names=v41.DeepseekV41Family(v41cfg).official_names())
+    root41 = tmp_path / "v41"
+    shutil.copytree(root4, root41)
+    (root41 / "config.json").write_text(json.dumps(v41cfg))
+    assert {n for n in v4_names if ".compressor.ape" in n} == {"layers.1.attn.compressor.ape", "layers.2.attn.compressor.ape"}
+    tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 2, 30)
+    want = Oracle(open_pack(root4)).logits(tokens)
+    oracle = Oracle(open_pack(root41))
+    own = oracle.logits(tokens)
+    oracle.family.v41.q_head_norm, oracle.family.v41.carry_pre = True, False
+    oracle.release()
+    got = oracle.logits(tokens)
+    delta = (got - want).abs().max().item()
+    print(f"V4.1 (self-owned pools, V4 numerics) vs V4: max |dlogit| {delta:.3g}; V4.1 numerics: "
+          f"{(own - want).abs().max().item():.3g}")
+    assert delta <= 1e-6
+    assert (own - want).abs().max() > 1e-2
+
+
+def test_text_config_nesting_and_v41_defaults(rng_seed):
+    cfg = base_config()
+    nested = {"architectures": cfg["architectures"], "model_type": "deepseek_v41",
+              "text_config": {k: v for k, v in cfg.items() if k != "architectures"}}
+    fam = family_for(nested)
+    assert isinstance(fam, v41.DeepseekV41Family) and fam.n_layers == 5 and fam.hidden_size == H
+    a = fam.v41
+    assert a.kv_source == [None, 1, 1, 3, 3] and a.index_source == [False, True, False, True, True]
+    assert a.base.hash_layers == [False] * 5                   # V4.1 routes no layer by token hash unless told
+    assert [a.candidate_mode(i) for i in range(5)] == [None, None, None, "source", "use"]
+    assert "layers.3.attn.compressor.wgate.weight" not in fam.official_layer_names(3)   # ratio 1: no gate
+    assert "layers.2.attn.compressor.wkv.weight" not in fam.official_layer_names(2)     # reads layer 1's pool
+    assert "layers.2.attn.indexer.wq_b.weight" not in fam.official_layer_names(2)       # reuses layer 1's choice
+    assert not any(n.startswith("hc_head_") for n in fam.required_names())
+
+
+def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A site's pre weights [B, T, hc]: sigmoid of the first hc mixes of the RMS-normed flattened streams."""
+    flat = rms(streams.flatten(2), None)
+    return torch.sigmoid(flat @ fn[:HC].T * scale[0] + base[:HC]) + 1e-6
+
+
+def test_single_pass_hyper_connections(tmp_path, rng_seed):
+    """The first site collapses to stream 0; the FFN site collapses with the attention site's pre (computed from the
+    streams entering the layer); the final collapse uses the FFN site's pre (no hc_head tensors)."""
+    cfg = base_config(num_hidden_layers=1, compress_ratios=[0], kv_source_layer_ids=[], index_source_layer_ids=[],
+                      candidate_source_layer_id=-1, engram_layer_ids=[])
+    pack = open_pack(write_pack(tmp_path / "p", cfg, rng_seed))
+    w = {n: pack.tensor(n).float() for n in pack.names()}
+    oracle = Oracle(pack)
+    g = torch.Generator().manual_seed(rng_seed)
+    tokens, streams = random_tokens(g, 1, 12), torch.randn(1, 12, HC, H, generator=g)
+    layer = oracle.load_layer(0)
+    seen = {}
+    attn, ffn, ffn_weights = layer.attn, layer.ffn, layer.ffn_hc.weights
+    layer.attn = lambda x, rope, state: (seen.setdefault("attn_in", x), attn(x, rope, state))[1]
+    layer.ffn = lambda x, tok: (seen.setdefault("ffn_in", x), ffn(x, tok))[1]
+    layer.ffn_hc.weights = lambda s: (seen.setdefault("mid", s), ffn_weights(s))[1]
+    out = layer(streams, oracle.family.rope_tables(12, torch.float32, "cpu"), tokens)
+    p = "layers.0"
+    assert torch.allclose(seen["attn_in"], rms(streams[:, :, 0], w[f"{p}.attn_norm.weight"]), atol=1e-6)
+    pre_attn = mhc_pre(streams, w[f"{p}.hc_attn_fn"], w[f"{p}.hc_attn_base"], w[f"{p}.hc_attn_scale"])
+    want_ffn_in = rms((pre_attn.unsqueeze(-1) * seen["mid"]).sum(2), w[f"{p}.ffn_norm.weight"])
+    assert (seen["ffn_in"] - want_ffn_in).abs().max() < 1e-5
+    pre_ffn = mhc_pre(seen["mid"], w[f"{p}.hc_ffn_fn"], w[f"{p}.hc_ffn_base"], w[f"{p}.hc_ffn_scale"])
+    final = oracle.family.final_hook(out, oracle.fetch)
+    assert (final - (pre_ffn.unsqueeze(-1) * out).sum(2)).abs().max() < 1e-5
+    assert not (pre_ffn - pre_attn).abs().max() < 1e-3          # the two sites' weights really differ
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engram wired into the forward
+# ---------------------------------------------------------------------------------------------------------------------
+def naive_engram(streams: torch.Tensor, tokens: list[int], w: dict, cfg: dict, layer: int) -> torch.Tensor:
+    """Compressed ids from the tokenizer's lower-casing, n-gram XOR hashes per position, rows from the whole table."""
+    from fidelity.oracle.engram import head_vocab_sizes, layer_multipliers
+    compressed = {}
+    ids = [compressed.setdefault(TOKENS[t].lower(), len(compressed)) for t in range(len(TOKENS))]
+    pad = ids[cfg["engram_pad_token_id"]]
+    ids = [ids[t] for t in tokens]
+    sizes = head_vocab_sizes(cfg)[layer]
+    mult = layer_multipliers(layer, cfg["engram_max_ngram_size"], cfg["engram_compressed_vocab_size"])
+    table = w[f"layers.{layer}.engram.embed.weight"]
+    wkv = w[f"layers.{layer}.engram.wkv.weight"]
+    kw, qw = w[f"layers.{layer}.engram.k_weight"].view(HC, H), w[f"layers.{layer}.engram.q_weight"].view(HC, H)
+
+    def wrap(v):
+        v &= (1 << 64) - 1
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    out = streams.clone()
+    for t in range(len(ids)):
+        rows, head = [], 0
+        for n in range(2, cfg["engram_max_ngram_size"] + 1):
+            mixed = 0
+            for s in range(n):
+                mixed ^= wrap((ids[t - s] if t - s >= 0 else pad) * mult[s])
+            for _ in range(cfg["engram_n_heads"]):
+                rows.append(table[wrap(mixed) % sizes[head] + sum(sizes[:head])])
+                head += 1
+        kv = wkv @ torch.cat(rows)
+        value = kv[HC * H:]
+        for k in range(HC):
+            key = rms(kv[k * H:(k + 1) * H], kw[k])
+            dot = float(rms(streams[t, k], qw[k]) @ key) / math.sqrt(H)
+            out[t, k] += value / (1 + math.exp(-math.copysign(math.sqrt(abs(dot)), dot)))
+    return out
+
+
+def test_engram_layer_is_wired_before_its_block(tmp_path, rng_seed, monkeypatch):
+    """Layer 0 with its Engram layer = layer 0 without it, applied to streams a naive per-position lookup produced
+    from the compressed token ids (tokenizer.json's case folding) and the whole table."""
+    cfg = base_config()
+    pack = open_pack(write_pack(tmp_path / "p", cfg, rng_seed))
+    w = {n: pack.tensor(n).float() for n in pack.names()}
+    oracle = Oracle(pack)
+    tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 20)
+    streams = torch.randn(1, 20, HC, H, generator=torch.Generator().manual_seed(rng_seed + 7))
+    rope = oracle.family.rope_tables(20, torch.float32, "cpu")
+    layer = oracle.load_layer(0)
+    assert layer.engram is not None and layer.engram.table.rows_read == 0
+    got = layer(streams, rope, tokens)
+    assert 0 < layer.engram.table.rows_read <= 20 * 4
+    layer.engram = None
+    want = layer(naive_engram(streams[0], tokens[0].tolist(), w, cfg, 0)[None], rope, tokens)
+    delta = (got - want).abs().max().item()
+    print(f"Engram-wired layer vs naive lookup: max |d| {delta:.3g}")
+    assert delta < 1e-5
+
+
+def test_engram_without_tokenizer_is_named(tmp_path, rng_seed):
+    root = write_pack(tmp_path / "p", base_config(), rng_seed)
+    (root / "tokenizer.json").unlink()
+    with pytest.raises(PackError, match=r"tokenizer\.json"):
+        Oracle(open_pack(root)).logits(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_engram_vocabulary_mismatch_is_named(tmp_path, rng_seed):
+    root = write_pack(tmp_path / "p", base_config(engram_compressed_vocab_size=50), rng_seed)
+    with pytest.raises(PackError, match=r"38 compressed tokens, but engram_compressed_vocab_size is 50"):
+        Oracle(open_pack(root)).logits(torch.zeros(1, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FP8 Engram rows
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scales", ["per-row F32", "block 32x32 e8m0"])
+def test_fp8_engram_rows_dequantize_exactly(tmp_path, rng_seed, scales):
+    from fidelity.oracle.engram import RowTable
+    g = torch.Generator().manual_seed(rng_seed)
+    rows, dim = 100, 64
+    values = (torch.randn(rows, dim, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if scales == "per-row F32":
+        scale = torch.rand(rows, generator=g) + 0.01
+        full = scale[:, None].expand(rows, dim)
+        stored = scale
+        qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    else:
+        exps = torch.randint(120, 134, (4, 2), generator=g)
+        full = torch.tensor([[2.0 ** (int(exps[r // 32, c // 32]) - 127) for c in range(dim)] for r in range(rows)])
+        stored = exps.to(torch.uint8).view(torch.float8_e8m0fnu)
+        qc = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
+    write_safetensors(tmp_path / "model-engram.safetensors", {"layers.1.engram.embed.weight": values,
+                                                              "layers.1.engram.embed.scale": stored})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], "quantization_config": qc}))
+    table = RowTable.from_pack(open_pack(tmp_path), "layers.1.engram.embed")
+    index = torch.randint(0, rows, (3, 7), generator=g)
+    want = values.float()[index] * full[index]            # float8 cast x its scale, per element
+    got = table.rows(index)
+    assert torch.equal(got, want) and table.rows_read == index.unique().numel()
+
+
+def test_fp8_engram_rows_without_scales_are_named(tmp_path, rng_seed):
+    from fidelity.oracle.engram import RowTable
+    write_safetensors(tmp_path / "t.safetensors",
+                      {"layers.1.engram.embed.weight": torch.randn(10, 8).to(torch.float8_e4m3fn)})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+    with pytest.raises(PackError, match=r"no scale tensor") as err:
+        RowTable.from_pack(open_pack(tmp_path), "layers.1.engram.embed")
+    assert "layers.1.engram.embed.weight" in str(err.value) and "t.safetensors" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bad configs
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("over, message", [
+    (dict(kv_source_layer_ids=[1, 7]), r"kv_source_layer_ids names layer 7, outside the model's 5 layers"),
+    (dict(kv_source_layer_ids=[3], index_source_layer_ids=[3, 4]),
+     r"layer 1 compresses \(ratio 2\) but no kv_source_layer_ids entry is at or before it \(its pool would come "
+     r"from layer 3, a later layer\)"),
+    (dict(kv_source_layer_ids=[1]), r"layer 3 \(ratio 1\) would read the pool of layer 1, whose ratio is 2"),
+    (dict(kv_source_layer_ids=[0, 1, 3]), r"kv_source_layer_ids names layer 0, which compresses nothing"),
+    (dict(index_source_layer_ids=[2, 3, 4]), r"layer 2 runs the indexer over the pool of layer 1, which is not in "
+                                             r"index_source_layer_ids"),
+    (dict(index_source_layer_ids=[1], candidate_source_layer_id=-1),
+     r"layer 3 reuses an index selection, but the last index source before it does not read the same pool"),
+    (dict(candidate_source_layer_id=2), r"candidate_source_layer_id 2 is not an index source layer"),
+    (dict(index_source_layer_ids=[-1]), r"index_source_layer_ids names layer -1"),
+])
+def test_bad_configs_name_the_layer(over, message):
+    with pytest.raises(ConfigError, match=message):
+        family_for(base_config(**over))
