@@ -16,6 +16,7 @@ thousands or two sides hundreds of nats apart. Rows run in parallel on torch's t
 from __future__ import annotations
 
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -167,7 +168,7 @@ def _rows_kernel(a, b, targets, out, top):
         top[i, 0], top[i, 1] = idx_a, idx_b
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None    # (pid, pool): a forked child needs its own threads
 
 
 def _run_rows(a: np.ndarray, b: np.ndarray, targets: np.ndarray, out: np.ndarray, top: np.ndarray) -> None:
@@ -177,10 +178,10 @@ def _run_rows(a: np.ndarray, b: np.ndarray, targets: np.ndarray, out: np.ndarray
     if threads <= 1:
         _rows_kernel(a, b, targets, out, top)
         return
-    if _POOL is None or _POOL._max_workers < threads:
-        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="fidelity-metrics")
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < threads:
+        _POOL = os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="fidelity-metrics")
     cuts = np.linspace(0, a.shape[0], threads + 1).astype(int)
-    jobs = [_POOL.submit(_rows_kernel, a[lo:hi], b[lo:hi], targets[lo:hi], out[lo:hi], top[lo:hi])
+    jobs = [_POOL[1].submit(_rows_kernel, a[lo:hi], b[lo:hi], targets[lo:hi], out[lo:hi], top[lo:hi])
             for lo, hi in zip(cuts[:-1], cuts[1:])]
     for job in jobs:
         job.result()

@@ -1,3 +1,5 @@
+import multiprocessing
+
 import numpy as np
 import pytest
 import torch
@@ -131,6 +133,34 @@ def test_copy_chunks_threads_and_dtypes_do_not_change_results(rng_seed):
     from_bf16 = position_metrics(a16, b16, t, reverse=True, copy_elements=5 * v)
     _assert_matches_scipy(from_bf16, a16, b16, t)
     assert torch.equal(from_bf16.kld, position_metrics(a16.float(), b16.float(), t).kld)
+
+
+def _kld_in_child(a, b, t, queue):
+    torch.set_num_threads(2)
+    queue.put(position_metrics(a, b, t).kld.numpy())   # numpy: torch would share the tensor through a file descriptor
+
+
+def test_forked_child_gets_its_own_threads(rng_seed):
+    """The kernel's thread pool does not survive fork(); a child that inherited it must still finish."""
+    a, b = torch.randn(8, 300), torch.randn(8, 300)
+    t = torch.randint(0, 300, (8,))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        parent = position_metrics(a, b, t).kld          # the parent's pool now exists
+    finally:
+        torch.set_num_threads(threads)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_kld_in_child, args=(a, b, t, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=60)
+        child.join(10)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0 and np.array_equal(got, parent.numpy())
 
 
 def test_nonfinite_positions_are_flagged_not_averaged(rng_seed):
