@@ -338,3 +338,107 @@ def test_exllamav3_forward_agrees_with_oracle(tmp_path):
     # fp16 kernels vs fp32 (H200, exllamav3 1.6.5: top-1 99.5%, KL 2.0e-6; a one-field config change: KL 2.5e-2)
     assert ours["top1_agreement"] >= 0.98 and ours["kl_mean"] <= 1e-4
     assert control["kl_mean"] >= 100 * ours["kl_mean"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DeepSeek-V3's next-token-prediction module: transformers' own decoder layer (a V3 model one layer deeper supplies
+# the MTP layer's weights and module), the input projection and shared head written out here
+# ---------------------------------------------------------------------------------------------------------------------
+V3 = dict(vocab_size=67, hidden_size=32, intermediate_size=44, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+          moe_intermediate_size=16, first_k_dense_replace=1, routed_scaling_factor=1.7, norm_topk_prob=True,
+          q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+          rope_interleave=True, tie_word_embeddings=False, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def v32_config() -> dict:
+    from test_oracle_deepseek_v32 import BASE
+    return {**BASE, "num_hidden_layers": 2}
+
+
+ARCHS = {"v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, lambda: V3),
+         "v32": (T.DeepseekV32Config, T.DeepseekV32ForCausalLM, v32_config)}
+
+
+def build_v3_mtp(root, seed: int, drop: tuple = (), nextn: int = 1, arch: str = "v3"):
+    from test_oracle_support import build as hf_build
+    config_cls, model_cls, base = ARCHS[arch]
+    base = base()
+    n = base["num_hidden_layers"]
+    deep = hf_build(config_cls(**{**base, "num_hidden_layers": n + 1}), model_cls, root / "deep", seed)
+    trunk = model_cls(config_cls(**base)).float().eval()
+    trunk.config._attn_implementation = "eager"
+    trunk.set_experts_implementation("eager")
+    trunk.load_state_dict(deep.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(seed + 11)
+    h, p = base["hidden_size"], f"model.layers.{n}"
+    extra = {f"{p}.enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+             f"{p}.hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+             f"{p}.eh_proj.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
+             f"{p}.shared_head.norm.weight": 1 + 0.2 * torch.randn(h, generator=g)}
+    tensors = {**load_file(root / "deep" / "model.safetensors"), **extra}
+    for name in drop:
+        del tensors[name]
+    save_file(tensors, root / "deep" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "deep" / "config.json").read_text())
+    config.update(num_hidden_layers=n, num_nextn_predict_layers=nextn)
+    if config.get("mlp_layer_types"):
+        config["mlp_layer_types"] = config["mlp_layer_types"][:n]
+    (root / "deep" / "config.json").write_text(json.dumps(config))
+    return trunk, deep, extra, root / "deep"
+
+
+@torch.no_grad()
+def v3_reference(trunk, deep, extra, tokens, hidden):
+    n = trunk.config.num_hidden_layers
+    p = f"model.layers.{n}"
+    out = trunk.model(tokens, output_hidden_states=True)
+    if hidden == "post_norm":
+        h = out.last_hidden_state
+    else:
+        grabbed = {}
+        hook = trunk.model.layers[-1].register_forward_hook(lambda m, i, o: grabbed.setdefault("h", o))
+        trunk.model(tokens)
+        hook.remove()
+        h = grabbed["h"][0] if isinstance(grabbed["h"], tuple) else grabbed["h"]
+    x = torch.cat((rms(trunk.model.embed_tokens(tokens[:, 1:]), extra[f"{p}.enorm.weight"]),
+                   rms(h[:, :-1], extra[f"{p}.hnorm.weight"])), dim=-1) @ extra[f"{p}.eh_proj.weight"].T
+    L = x.shape[1]
+    pos = torch.arange(L)[None]
+    mask = torch.full((L, L), float("-inf")).triu(1)[None, None]
+    y = deep.model.layers[n](x, attention_mask=mask, position_ids=pos,
+                             position_embeddings=deep.model.rotary_emb(x, pos))
+    y = y[0] if isinstance(y, tuple) else y
+    return deep.lm_head(rms(y, extra[f"{p}.shared_head.norm.weight"])), trunk(tokens).logits
+
+
+@pytest.mark.parametrize("arch,hidden", [("v3", "post_norm"), ("v3", "pre_norm"), ("v32", "post_norm")])
+def test_v3_mtp_matches_composition(tmp_path, rng_seed, arch, hidden):
+    """V3.2: 22 tokens, more than index_topk (7), so the MTP layer's own indexer selects."""
+    from fidelity.oracle.deepseek_mtp import NextNDrafter, drafter
+    trunk, deep, extra, folder = build_v3_mtp(tmp_path, rng_seed, arch=arch)
+    vocab = trunk.config.vocab_size
+    tokens = torch.randint(0, vocab, (2, 22 if arch == "v32" else 11))
+    oracle = Oracle(open_pack(folder))
+    before = oracle.logits(tokens)
+    mtp = drafter(oracle, hidden=hidden)
+    assert isinstance(mtp, NextNDrafter)
+    got = mtp.logits(tokens)
+    want, main = v3_reference(trunk, deep, extra, tokens, hidden)
+    delta = float((got - want).abs().max())
+    print(f"{hidden}: max |d mtp| {delta:.3g}, logit std {float(want.std()):.3g}; main vs HF "
+          f"{float((before - main).abs().max()):.3g}")
+    assert got.shape == (2, tokens.shape[1] - 1, vocab) and delta <= TOL
+    assert want.std() > 0.3
+    assert torch.equal(oracle.logits(tokens), before)
+
+
+def test_v3_mtp_absent_or_incomplete(tmp_path):
+    from fidelity.oracle.deepseek_mtp import NextNDrafter
+    n = V3["num_hidden_layers"]
+    *_, folder = build_v3_mtp(tmp_path / "a", 3, drop=(f"model.layers.{n}.hnorm.weight",))
+    with pytest.raises(PackError, match=rf"model\.layers\.{n}\.hnorm\.weight"):
+        NextNDrafter(Oracle(open_pack(folder)))
+    *_, folder = build_v3_mtp(tmp_path / "b", 3, nextn=0)
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0"):
+        NextNDrafter(Oracle(open_pack(folder)))

@@ -26,6 +26,7 @@ The oracle's own outputs are untouched: the trunk pass is the oracle's `_forward
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -87,6 +88,37 @@ def count_blocks(cfg: dict, n_trunk_layers: int, available) -> int:
     while f"mtp.{n}.attn.wkv.weight" in have:
         n += 1
     return n
+
+
+def trunk_pass(oracle, rows: list[list[int]], tap_layers, reduce=lambda x: x):
+    """The oracle's own forward, reading `reduce(output)` of the layers in tap_layers on the way:
+    (per row {layer: tap [T, ...]}, per row the final hidden state [T, hidden] after the last norm)."""
+    recorded: dict[int, list[torch.Tensor]] = {t: [] for t in tap_layers}
+    inner = oracle.load_layer
+
+    def load_layer(i: int):
+        layer = inner(i)
+        if i not in recorded:
+            return layer
+
+        def tapped(*args):
+            out = layer(*args)
+            recorded[i].append(reduce(out))
+            return out
+        return tapped
+
+    oracle.load_layer = load_layer
+    try:
+        batches, hidden = oracle._forward(rows, progress=False)
+    finally:
+        del oracle.load_layer
+    taps: list = [None] * len(rows)
+    finals: list = [None] * len(rows)
+    for b, idx in enumerate(batches):
+        for j, row in enumerate(idx):
+            taps[row] = {t: recorded[t][b][j] for t in tap_layers}
+            finals[row] = hidden[b][j]
+    return taps, finals
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -234,33 +266,9 @@ class DSparkDrafter:
     def taps(self, rows: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One trunk pass (the oracle's own): (per row the concatenated taps [T, n_taps * hidden],
         per row the final hidden state [T, hidden])."""
-        oracle, targets = self.oracle, self.args.target_layer_ids
-        recorded: dict[int, list[torch.Tensor]] = {t: [] for t in targets}
-        inner = oracle.load_layer
-
-        def load_layer(i: int):
-            layer = inner(i)
-            if i not in recorded:
-                return layer
-
-            def tapped(*args):
-                out = layer(*args)
-                recorded[i].append(out.mean(dim=2))   # the hc streams' mean
-                return out
-            return tapped
-
-        oracle.load_layer = load_layer
-        try:
-            batches, hidden = oracle._forward(rows, progress=False)
-        finally:
-            del oracle.load_layer
-        taps: list = [None] * len(rows)
-        finals: list = [None] * len(rows)
-        for b, idx in enumerate(batches):
-            cat = torch.cat([recorded[t][b] for t in targets], dim=-1)
-            for j, row in enumerate(idx):
-                taps[row], finals[row] = cat[j], hidden[b][j]
-        return taps, finals
+        targets = self.args.target_layer_ids
+        taps, finals = trunk_pass(self.oracle, rows, targets, lambda streams: streams.mean(dim=2))
+        return [torch.cat([row[t] for t in targets], dim=-1) for row in taps], finals
 
     def main_x(self, taps: torch.Tensor) -> torch.Tensor:
         fetch = self.oracle.fetch
@@ -378,3 +386,72 @@ def acceptance(out: DraftOutput) -> Acceptance:
     match = (out.drafts == want) & valid
     accepted = match.long().cumprod(-1).sum(-1)
     return Acceptance(match, valid, accepted)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DeepSeek-V3 / V3.2: the next-token-prediction module (`num_nextn_predict_layers`, stored as layer n_layers)
+# ---------------------------------------------------------------------------------------------------------------------
+NEXTN_ARCHS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+
+
+class NextNDrafter:
+    """DeepSeek-V3's MTP module, stored as `model.layers.{n_layers}.*`: position i combines the trunk's hidden state
+    at i with the embedding of token i + 1, `eh_proj([enorm(embed(t[i+1])), hnorm(h[i])])`, runs one decoder layer
+    shaped like the trunk's MoE layers (causal over these positions, RoPE at i), then `shared_head.norm` and the
+    shared head (`shared_head.head` where stored): its logits at i are for token i + 2.
+
+    `hidden="post_norm"` feeds the trunk's state after its final norm (what vLLM and exllamav3 feed; exllamav3 measured
+    higher acceptance with it on GLM-5.2's module of this shape), `"pre_norm"` the last layer's residual (the
+    DeepSeek-V3 paper's reading)."""
+
+    def __init__(self, oracle, hidden: str = "post_norm"):
+        from .deepseek_v3 import DeepseekV3Family
+        cfg = oracle.pack.config
+        arch = (cfg.get("architectures") or ["?"])[0]
+        fam = oracle.family
+        if arch not in NEXTN_ARCHS or not isinstance(fam, DeepseekV3Family):
+            raise ConfigError(f"the next-token-prediction module is implemented for {list(NEXTN_ARCHS)}, not {arch}")
+        depth = int(cfg.get("num_nextn_predict_layers") or 0)
+        if depth != 1:
+            raise ConfigError(f"config.json of {arch}: num_nextn_predict_layers is {depth}; the MTP module is "
+                              f"implemented for exactly 1" + (" (the pack declares none)" if depth == 0 else ""))
+        if hidden not in ("post_norm", "pre_norm"):
+            raise FidelityError(f"hidden must be 'post_norm' or 'pre_norm', not {hidden!r}")
+        self.oracle, self.hidden = oracle, hidden
+        self.layer = L = fam.n_layers
+        self.family = copy.copy(fam)   # the MTP layer is a sparse layer past the trunk's per-layer schedules
+        if hasattr(fam, "mlp_types"):
+            self.family.mlp_types = list(fam.mlp_types) + ["sparse"]
+        p = f"model.layers.{L}"
+        have = set(oracle.pack.names())
+        required = [f"{p}.{w}.weight" for w in ("enorm", "hnorm", "eh_proj", "shared_head.norm")]
+        required += self.family.layer_names(L)
+        missing = [x for x in required if x not in have]
+        if missing:
+            raise PackError(f"pack has no complete MTP module (layer {L}): lacks {len(missing)} tensor(s), first "
+                            f"{missing[0]!r}" + (f" (also {missing[1:4]})" if len(missing) > 1 else ""),
+                            file=getattr(oracle.pack, "path", None), tensor=missing[0])
+        self.head_name = f"{p}.shared_head.head.weight" if f"{p}.shared_head.head.weight" in have else fam.head_name
+        self.embed_name = f"{p}.embed_tokens.weight" if f"{p}.embed_tokens.weight" in have else fam.embed_name
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (T >= 2) -> [B, T - 1, vocab]: entry i is the module's prediction of token i + 2."""
+        if tokens.dim() != 2 or tokens.shape[1] < 2:
+            raise FidelityError(f"tokens must be a [batch, length >= 2] tensor, got shape {list(tokens.shape)}")
+        oracle, fam, fetch, L = self.oracle, self.family, self.oracle.fetch, self.layer
+        last = fam.n_layers - 1
+        taps, finals = trunk_pass(oracle, tokens.tolist(), [last] if self.hidden == "pre_norm" else [])
+        h = torch.stack([row[last] for row in taps] if self.hidden == "pre_norm" else finals)[:, :-1]
+        p, eps = f"model.layers.{L}", fam.rms_norm_eps
+        emb = F.embedding(tokens[:, 1:].to(oracle.device), fetch(self.embed_name))
+        x = F.linear(torch.cat((rms_norm(emb, fetch(f"{p}.enorm.weight"), eps),
+                                rms_norm(h, fetch(f"{p}.hnorm.weight"), eps)), dim=-1), fetch(f"{p}.eh_proj.weight"))
+        x = fam.load_layer(L, fetch)(x, fam.rope_tables(x.shape[1], oracle.dtype, oracle.device))
+        x = rms_norm(x, fetch(f"{p}.shared_head.norm.weight"), eps)
+        return F.linear(x, fetch(self.head_name)).cpu()
+
+
+def drafter(oracle, **options):
+    """The pack's own drafter over the oracle's trunk: DSpark for DeepSeek-V4, the MTP module for V3 / V3.2."""
+    arch = (oracle.pack.config.get("architectures") or ["?"])[0]
+    return NextNDrafter(oracle, **options) if arch in NEXTN_ARCHS else DSparkDrafter(oracle, **options)
