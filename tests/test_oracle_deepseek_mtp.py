@@ -431,6 +431,8 @@ def test_v3_mtp_matches_composition(tmp_path, rng_seed, arch, hidden):
     assert got.shape == (2, tokens.shape[1] - 1, vocab) and delta <= TOL
     assert want.std() > 0.3
     assert torch.equal(oracle.logits(tokens), before)
+    accepted = mtp.acceptance(tokens)
+    assert torch.equal(accepted, want[:, :-1].argmax(-1) == main[:, 1:-1].argmax(-1))
 
 
 def test_v3_mtp_absent_or_incomplete(tmp_path):

@@ -18,9 +18,12 @@ reference `inference/model.py` shipped in the checkpoint); our own formulation, 
   logits from the token drafted at position j (the seed for j = 0) in the greedy chain;
   `mtp.{last}.confidence_head.proj` scores each position from [pre-norm hidden, markov embedding].
 
-    drafter = oracle.drafter()                      # or DSparkDrafter(oracle)
-    out = drafter.draft(tokens, starts)             # DraftOutput: logits [B, S, block, vocab], drafts, main logits
+    dspark = drafter(oracle)                        # DSparkDrafter for DeepSeek-V4 packs
+    out = dspark.draft(tokens, starts)              # DraftOutput: logits [B, S, block, vocab], drafts, main logits
     acc = acceptance(out)                           # per-position agreement with the trunk's argmax, accepted lengths
+
+DeepSeek-V3 / V3.2 packs carry the paper's MTP module instead (`NextNDrafter`, `model.layers.{n_layers}.enorm`,
+`hnorm`, `eh_proj`, `shared_head.*`; see its docstring): `drafter(oracle).logits(tokens)`, `.acceptance(tokens)`.
 
 The oracle's own outputs are untouched: the trunk pass is the oracle's `_forward`, read through layer taps.
 """
@@ -436,11 +439,17 @@ class NextNDrafter:
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (T >= 2) -> [B, T - 1, vocab]: entry i is the module's prediction of token i + 2."""
+        return self.run(tokens)[0]
+
+    def run(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the module's logits [B, T - 1, vocab], the trunk's logits [B, T, vocab] = oracle.logits(tokens)), one
+        trunk pass."""
         if tokens.dim() != 2 or tokens.shape[1] < 2:
             raise FidelityError(f"tokens must be a [batch, length >= 2] tensor, got shape {list(tokens.shape)}")
         oracle, fam, fetch, L = self.oracle, self.family, self.oracle.fetch, self.layer
         last = fam.n_layers - 1
         taps, finals = trunk_pass(oracle, tokens.tolist(), [last] if self.hidden == "pre_norm" else [])
+        main = oracle.apply_head(torch.stack(finals))
         h = torch.stack([row[last] for row in taps] if self.hidden == "pre_norm" else finals)[:, :-1]
         p, eps = f"model.layers.{L}", fam.rms_norm_eps
         emb = F.embedding(tokens[:, 1:].to(oracle.device), fetch(self.embed_name))
@@ -448,7 +457,13 @@ class NextNDrafter:
                                 rms_norm(h, fetch(f"{p}.hnorm.weight"), eps)), dim=-1), fetch(f"{p}.eh_proj.weight"))
         x = fam.load_layer(L, fetch)(x, fam.rope_tables(x.shape[1], oracle.dtype, oracle.device))
         x = rms_norm(x, fetch(f"{p}.shared_head.norm.weight"), eps)
-        return F.linear(x, fetch(self.head_name)).cpu()
+        return F.linear(x, fetch(self.head_name)).cpu(), main
+
+    def acceptance(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Bool [B, T - 2]: the module's argmax at i equals the trunk's argmax at i + 1 (both predict token i + 2,
+        teacher forced along the given tokens)."""
+        mtp, main = self.run(tokens)
+        return mtp[:, :-1].argmax(-1) == main[:, 1:-1].argmax(-1)
 
 
 def drafter(oracle, **options):
