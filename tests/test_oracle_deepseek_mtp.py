@@ -311,6 +311,21 @@ def test_block_count_from_compress_ratios(tmp_path):
         DSparkDrafter(Oracle(open_pack(folder)))
 
 
+def test_model_prefixed_drafter_names(built, tmp_path, rng_seed):
+    """A pack that stores the drafter under `model.mtp.*` drafts exactly as one with the official names."""
+    import shutil
+    _, _, _, folder = built
+    prefixed = tmp_path / "prefixed"
+    shutil.copytree(folder, prefixed)
+    tensors = load_file(prefixed / "model.safetensors")
+    save_file({("model." + k if k.startswith("mtp.") else k): v for k, v in tensors.items()},
+              prefixed / "model.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, TRUNK["vocab_size"], (1, 9))
+    a = DSparkDrafter(Oracle(open_pack(folder))).draft(tokens, [3, 7])
+    b = DSparkDrafter(Oracle(open_pack(prefixed))).draft(tokens, [3, 7])
+    assert torch.equal(a.logits, b.logits)
+
+
 def test_bad_starts(built):
     _, _, _, folder = built
     drafter = DSparkDrafter(Oracle(open_pack(folder)))
