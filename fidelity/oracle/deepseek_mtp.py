@@ -3,8 +3,8 @@
 Facts from exllamav3's `architecture/deepseek_v4_mtp.py` and `modules/arch_specific/dspark.py` (which follow the
 reference `inference/model.py` shipped in the checkpoint); our own formulation, fp32:
 
-- taps: the trunk's residual after each block in `dspark_target_layer_ids`, as the mean of its hc streams, concatenated
-  and projected: `main_x = RMSNorm(mtp.0.main_proj(taps), mtp.0.main_norm)` [T, hidden];
+- taps: the trunk's residual after each block in `dspark_target_layer_ids`, as the mean of its hc streams, concatenated in
+  layer order and projected: `main_x = RMSNorm(mtp.0.main_proj(taps), mtp.0.main_norm)` [T, hidden];
 - one draft call covers a block of `dspark_block_size` positions p0 .. p0 + block - 1: the seed token (the token at
   p0, the one after the context) followed by `dspark_noise_token_id` tokens, embedded with the trunk's embedding and
   copied into hc_mult streams;
@@ -269,7 +269,7 @@ class DSparkDrafter:
     def taps(self, rows: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One trunk pass (the oracle's own): (per row the concatenated taps [T, n_taps * hidden],
         per row the final hidden state [T, hidden])."""
-        targets = self.args.target_layer_ids
+        targets = sorted(self.args.target_layer_ids)   # concatenated in the order the trunk produces them
         taps, finals = trunk_pass(self.oracle, rows, targets, lambda streams: streams.mean(dim=2))
         return [torch.cat([row[t] for t in targets], dim=-1) for row in taps], finals
 
