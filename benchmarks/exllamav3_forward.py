@@ -6,7 +6,7 @@ max |delta logit| against the logits' scale, top-1 agreement and KL(oracle || ex
 oracle with one config field changed) that shows how far a real modelling difference moves them.
 
     python benchmarks/exllamav3_forward.py build OUT_DIR            # CPU: pack + oracle logits (+ control, + HF check)
-    python benchmarks/exllamav3_forward.py run OUT_DIR --out RES    # CUDA + exllamav3 importable: compare, RES/result.json
+    python benchmarks/exllamav3_forward.py run OUT_DIR --out RES    # CUDA + exllamav3: compare, RES/result.json
 
 The shapes follow the real V4 where exllamav3's kernels may depend on them (head_dim 512 with a 64-dim RoPE slice,
 hc_mult 4, index_head_dim 128, sliding window 128, compress ratios 0/4/128); the rest is small.
@@ -67,7 +67,8 @@ def compare(ref: torch.Tensor, other: torch.Tensor) -> dict:
     lp, lq = ref.log_softmax(-1), other.log_softmax(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     return {"max_abs_delta": float((ref - other).abs().max()), "mean_abs_delta": float((ref - other).abs().mean()),
-            "logit_std": float(ref.std()), "top1_agreement": float((ref.argmax(-1) == other.argmax(-1)).double().mean()),
+            "logit_std": float(ref.std()),
+            "top1_agreement": float((ref.argmax(-1) == other.argmax(-1)).double().mean()),
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
 
 

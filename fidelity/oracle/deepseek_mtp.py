@@ -3,8 +3,8 @@
 Facts from exllamav3's `architecture/deepseek_v4_mtp.py` and `modules/arch_specific/dspark.py` (which follow the
 reference `inference/model.py` shipped in the checkpoint); our own formulation, fp32:
 
-- taps: the trunk's residual after each block in `dspark_target_layer_ids`, as the mean of its hc streams, concatenated in
-  layer order and projected: `main_x = RMSNorm(mtp.0.main_proj(taps), mtp.0.main_norm)` [T, hidden];
+- taps: the trunk's residual after each block in `dspark_target_layer_ids`, as the mean of its hc streams,
+  concatenated in layer order and projected: `main_x = RMSNorm(mtp.0.main_proj(taps), mtp.0.main_norm)` [T, hidden];
 - one draft call covers a block of `dspark_block_size` positions p0 .. p0 + block - 1: the seed token (the token at
   p0, the one after the context) followed by `dspark_noise_token_id` tokens, embedded with the trunk's embedding and
   copied into hc_mult streams;
@@ -168,7 +168,8 @@ class DSparkBlock:
         post, comb, x = self.attn_hc(streams)
         x = rms_norm(x, self.attn_norm, eps)
         attn = torch.empty_like(x)
-        chunk = max(1, ATTENTION_CHUNK_BYTES // (4 * x.shape[1] * self.a.head_dim * (self.a.n_heads + self.a.sliding_window)))
+        per_draft = 4 * x.shape[1] * self.a.head_dim * (self.a.n_heads + self.a.sliding_window)
+        chunk = max(1, ATTENTION_CHUNK_BYTES // per_draft)
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
             attn[rows] = self.attention(x[rows], context, starts[rows], (rope[0][rows], rope[1][rows]))
@@ -291,8 +292,8 @@ class DSparkDrafter:
         starts = list(range(1, T)) if starts is None else [int(p) for p in starts]
         bad = [p for p in starts if not 1 <= p < T]
         if bad or not starts:
-            raise FidelityError(f"draft starts must be context lengths 1..{T - 1} (the seed is the token at the start), "
-                                f"got {bad or starts}")
+            raise FidelityError(f"draft starts must be context lengths 1..{T - 1} (the seed is the token at the "
+                                f"start), got {bad or starts}")
         oracle, fam, a = self.oracle, self.family, self.args
         device, dtype = oracle.device, oracle.dtype
         taps, finals = self.taps(tokens.tolist())
