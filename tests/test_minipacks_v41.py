@@ -17,8 +17,8 @@ from fidelity.oracle import Oracle
 from fidelity.oracle.engram import RowTable
 from fidelity.packs.exl3_layouts import official_to_hf, routed_expert
 from fidelity.packs.minipacks import EncodingCache
-from fidelity.packs.minipacks_v4 import LAYOUTS, V4MiniSpec
-from fidelity.packs.minipacks_v41 import build_native_v41, write_all_v41
+from fidelity.packs.minipacks_v4 import FP8_DECLARED, LAYOUTS
+from fidelity.packs.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
 
 V4_FIXTURES = Path(__file__).parent / "fixtures" / "v4"
 TABLE = "layers.0.engram.embed"
@@ -33,7 +33,7 @@ def native(tmp_path_factory):
 @pytest.fixture(scope="module")
 def packs(native, tmp_path_factory):
     cache = EncodingCache(V4_FIXTURES / "tiny_v4_encodings.safetensors")
-    out = write_all_v41(native, tmp_path_factory.mktemp("v41packs"), V4MiniSpec(), cache)
+    out = write_all_v41(native, tmp_path_factory.mktemp("v41packs"), V41_SPEC, cache)
     assert cache.misses == 0, "the V4.1 miniature's experts/head/wo_a drifted from the tiny V4's encodings"
     return out
 
@@ -62,6 +62,17 @@ def fp8_rows_reference(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fp8_block_reference(w: torch.Tensor, block: int) -> torch.Tensor:
+    """Block FP8 with power-of-two scales, one block at a time: s = 2^ceil(log2(amax / 448))."""
+    out = torch.empty_like(w)
+    for r in range(0, w.shape[0], block):
+        for c in range(0, w.shape[1], block):
+            part = w[r:r + block, c:c + block]
+            s = 2.0 ** math.ceil(math.log2(part.abs().max().item() / 448.0))
+            out[r:r + block, c:c + block] = (part / s).to(torch.float8_e4m3fn).float() * s
+    return out
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_opens_engram_rows_exact_and_oracle_runs(native, packs, layout, rng_seed):
     pack = open_pack(packs[layout])
@@ -69,11 +80,17 @@ def test_layout_opens_engram_rows_exact_and_oracle_runs(native, packs, layout, r
     storage = pack.storage(f"{TABLE}.weight")
     assert storage.format == "fp8_e4m3" and {Path(f).name for f in storage.files} == {"model-engram-L00.safetensors"}
     table = RowTable.from_pack(pack, TABLE)
+    stored = (lambda n: n) if layout == "fp8-mxfp4" else official_to_hf
     g = torch.Generator().manual_seed(rng_seed)
     index = torch.randint(0, table.n_rows, (50,), generator=g)
     want = fp8_rows_reference(ref.tensor(f"{TABLE}.weight")[index])
     assert torch.equal(table.rows(index), want)
-    stored = (lambda n: n) if layout == "fp8-mxfp4" else official_to_hf
+    for name in ("layers.1.attn.wq_a.weight", "layers.0.engram.wkv.weight", "layers.1.attn.indexer.wk.weight"):
+        st = pack.storage(stored(name))
+        block = 32 if layout in FP8_DECLARED else 128     # the V4.1 release's grid where the layout can state it
+        assert st.format == "fp8_e4m3", name
+        assert st.block == (block, block) or st.numel <= block * block, name       # one block: per tensor
+        assert torch.equal(pack.tensor(stored(name)), fp8_block_reference(ref.tensor(name), block)), name
     formats = {pack.storage(stored(n)).format for n in ref.names() if routed_expert(n) is not None}
     assert formats == ({"mxfp4"} if layout == "fp8-mxfp4" else {"exl3"})
     tokens = torch.randint(0, ref.config["vocab_size"], (1, 40), generator=g)

@@ -51,6 +51,11 @@ class V4MiniSpec:
     layer_k: int = 2         # cuda-exl3: the one K stated for all routed experts of layer 0
     dense_k: int = 4         # deepseek_v41_exl3: wo_a head-group slices
     head_k: int = 6          # deepseek_v41_exl3 and exllamav3: the output head
+    fp8_block: int = BLOCK   # FP8 scale blocks (DeepSeek-V4: 128; V4.1 releases 32)
+
+    @property
+    def fp8_qc(self) -> dict:
+        return {**FP8_QC, "weight_block_size": [self.fp8_block, self.fp8_block]}
 
     def expert_bits(self, layout: str, layer: int, expert: int) -> int:
         if layout == "cuda-exl3" and layer == 0:
@@ -255,6 +260,15 @@ def _file_for(layout: str, name: str, kind: str, exl3: bool, n_experts: int) -> 
     return f"model-experts-L{e[1]:02d}.safetensors" if kind == "expert" else "model-00001-of-00003.safetensors"
 
 
+FP8_DECLARED = ("cuda-exl3", "exl3-expert-packs", "fp8-mxfp4")    # layouts whose metadata states the FP8 block
+
+
+def fp8_block(layout: str, spec: V4MiniSpec) -> int:
+    """The block a layout's FP8 tensors use: spec.fp8_block where its metadata states it, else DeepSeek's default 128
+    (what a reader assumes without a `weight_block_size`)."""
+    return spec.fp8_block if layout in FP8_DECLARED else BLOCK
+
+
 FP8_QC = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
           "weight_block_size": [BLOCK, BLOCK]}
 
@@ -303,7 +317,7 @@ def write_v4_minipack(native: Pack | str | Path, layout: str, out_dir: str | Pat
         elif kind == "engram":
             q, s = fp8_rows(w)
         elif kind in ("dense", "head", "wo_a"):
-            q, s = fp8_ue8m0(w)
+            q, s = fp8_ue8m0(w, fp8_block(layout, spec))
         else:
             raw = native.raw.get(name)           # tid2eid stays int64
             add(file, stored, raw.to(torch.bfloat16) if raw.is_floating_point() else raw)
@@ -322,7 +336,7 @@ def write_v4_minipack(native: Pack | str | Path, layout: str, out_dir: str | Pat
                 for L, ks in sorted(stated.items())}
         (out / "quantization_config.json").write_text(json.dumps({
             "quant_method": "exl3", "format": "cuda-exl3", "codebook": spec.codebook, "expert_bits": bits,
-            "original_quantization_config": FP8_QC}, indent=1))
+            "original_quantization_config": spec.fp8_qc}, indent=1))
         index = {}
     elif layout == "deepseek_v41_exl3":
         cfg["quantization_config"] = {"quant_method": "deepseek_v41_exl3", "dense_bits": spec.dense_k,
@@ -333,14 +347,14 @@ def write_v4_minipack(native: Pack | str | Path, layout: str, out_dir: str | Pat
         (out / PLAN_FILE).write_text(json.dumps(plan, indent=1))
         index = {}
     elif layout == "exl3-expert-packs":
-        cfg["quantization_config"] = FP8_QC
+        cfg["quantization_config"] = spec.fp8_qc
         plan = {"layers": [{"k": "".join(str(stated[L][e]) for e in range(n_experts))} if L in stated else None
                            for L in range(int(cfg["num_hidden_layers"]))]}
         (out / PLAN_FILE).write_text(json.dumps(plan, indent=1))
         # the official index names the Engram shard V4.1 packs carry; this V4 pack has none (absent shard, never requested)
         index = {"engram.tables.0.weight": "model-00003-of-00003.safetensors"}
     elif layout == "fp8-mxfp4":
-        cfg["quantization_config"] = FP8_QC
+        cfg["quantization_config"] = spec.fp8_qc
         index = {}
     for file, tensors in files.items():
         write_safetensors(out / file, tensors, metadata={"format": "pt"})

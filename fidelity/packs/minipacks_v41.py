@@ -12,7 +12,8 @@ runs its own indexer inside layer 1's candidate blocks. No hash routing, no `hc_
 and the `wo_a` slices keep the tiny V4's weights, so the V4 fixture's EXL3 encodings serve both.
 
 In every layout the Engram table is FP8 e4m3 with one fp32 scale per row (`layers.0.engram.embed.weight` / `.scale`,
-in `model-engram-L00.safetensors`) and `engram.wkv` is block FP8 like the attention projections.
+in `model-engram-L00.safetensors`) and `engram.wkv` is block FP8 like the attention projections, on the V4.1 release's
+32 x 32 grid (V41_SPEC).
 """
 from __future__ import annotations
 
@@ -110,7 +111,10 @@ def build_native_v41(v4_native: str | Path, out: str | Path, seed: int = 2026120
     return out
 
 
-def write_all_v41(native: str | Path, out_root: str | Path, spec: V4MiniSpec = V4MiniSpec(),
+V41_SPEC = V4MiniSpec(fp8_block=32)      # the V4.1 release's FP8 grid: 32 x 32 blocks, ue8m0 scales
+
+
+def write_all_v41(native: str | Path, out_root: str | Path, spec: V4MiniSpec = V41_SPEC,
                   cache: EncodingCache | None = None, layouts=LAYOUTS) -> dict[str, Path]:
     """One miniature V4.1 pack per layout under out_root/<layout> (minipacks_v4's writer: Engram tables FP8 per-row
     in their own shard)."""
