@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers as T
 from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
