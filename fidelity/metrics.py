@@ -70,7 +70,7 @@ def _max_f32(typingctx, a, b):
     def codegen(context, builder, sig, args):
         f32 = ir.FloatType()
         fn = builder.module.declare_intrinsic("llvm.maxnum", [f32], ir.FunctionType(f32, [f32, f32]))
-        return builder.call(fn, args, fastmath=("nnan", "nsz"))
+        return builder.call(fn, args)
     return numba.float32(numba.float32, numba.float32), codegen
 
 
@@ -90,9 +90,10 @@ _EXP_TAYLOR = tuple(1 / math.factorial(k) for k in range(10, -1, -1))     # 1/10
 @numba.njit(inline="always", fastmath=_FAST)
 def _exp_nonpositive(x):
     """exp(x) in float64 for x <= 0, vectorisable (numba calls libm's scalar exp otherwise). x = k ln2 + r, |r| <= ln2/2,
-    exp(r) by its Taylor series to r^10 (relative error < 1e-14), times 2^k built in the exponent bits. x is clamped
-    at -700 so exp > 0 always: a -inf logit then gives 0 * inf = NaN downstream instead of a silent 0."""
-    x = max(x, -700.0)
+    exp(r) by its Taylor series to r^10 (relative error < 1e-14), times 2^k built in the exponent bits. x is clamped at
+    -700 (NaN included), so k stays a small integer and exp > 0: a -inf or NaN logit reaches the sums through
+    exp(..) * d as inf or NaN instead of vanishing."""
+    x = x if x > -700.0 else -700.0
     k = np.floor(x * _LOG2E + 0.5)
     r = (x - k * _LN2_HI) - k * _LN2_LO
     p = 0.0
