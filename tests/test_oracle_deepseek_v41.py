@@ -52,6 +52,7 @@ def shape_of(name: str, cfg: dict) -> tuple:
     if name in sizes:
         return sizes[name]
     tail = name.split(".", 2)[2]
+    D = cfg["head_dim"]
     if tail.startswith("hc_"):
         return {"fn": ((2 + HC) * HC, HC * H), "base": ((2 + HC) * HC,), "scale": (3,)}[tail.rsplit("_", 1)[1]]
     table = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,), "attn.wq_a.weight": (Q, H), "attn.q_norm.weight": (Q,),
@@ -345,6 +346,34 @@ def test_self_owned_pools_reduce_to_v4(tmp_path, rng_seed):
           f"{(own - want).abs().max().item():.3g}")
     assert delta <= 1e-6
     assert (own - want).abs().max() > 1e-2
+
+
+def test_fp4_kv_emulation_rounds_pool_entries(tmp_path, rng_seed, monkeypatch):
+    """The reference's FP4 KV (e2m1 in blocks of 16, e4m3 scales) in the optional emulation: every 16-value block of a
+    pool entry's non-rotary part is an e4m3 scale times e2m1 values, the rotary part is not rounded, the label says
+    so."""
+    from fidelity.oracle.deepseek_v4_quant import QuantEmulation, emulate_reference_quant
+    cfg = base_config(engram_layer_ids=[], head_dim=36)
+    oracle = Oracle(open_pack(write_pack(tmp_path / "p", cfg, rng_seed)))
+    calls = capture_attention(monkeypatch)
+    tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 20)
+    exact = oracle.logits(tokens)
+    exact_pool = calls[1][3].pools[1].entries[0]
+    label = emulate_reference_quant(oracle, QuantEmulation(activations=False, kv="fp4"))
+    assert "kv fp4-e2m1/16 e4m3 scales" in label and oracle.family.numerics == label
+    calls.clear()
+    rounded = oracle.logits(tokens)
+    pool = calls[1][3].pools[1].entries[0]
+    grid = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
+    nope = pool[:, :36 - RD].reshape(-1, 16)
+    for block in nope:
+        s = block.abs().max().item() / 6.0
+        assert s == torch.tensor(s).to(torch.float8_e4m3fn).float().item()       # an e4m3 value
+        assert {abs(v) / s for v in block.tolist()} <= grid
+    rope_part = pool[:, 36 - RD:].reshape(-1, RD)                # not rounded: off any 4-value fp4 block's grid
+    assert not all({abs(v) / (b.abs().max().item() / 6.0) for v in b.tolist()} <= grid for b in rope_part)
+    assert 0 < (pool - exact_pool).abs().max() < 0.5 * exact_pool.abs().max()
+    assert (rounded - exact).abs().max() > 1e-4
 
 
 def test_text_config_nesting_and_v41_defaults(rng_seed):
