@@ -169,7 +169,7 @@ def _rows_kernel(a, b, targets, out, top):
         top[i, 0], top[i, 1] = idx_a, idx_b
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None    # (pid, pool): a forked child needs its own threads
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None    # (pid, workers, pool): a forked child needs its own threads
 
 
 def _run_rows(a: np.ndarray, b: np.ndarray, targets: np.ndarray, out: np.ndarray, top: np.ndarray) -> None:
@@ -179,10 +179,10 @@ def _run_rows(a: np.ndarray, b: np.ndarray, targets: np.ndarray, out: np.ndarray
     if threads <= 1:
         _rows_kernel(a, b, targets, out, top)
         return
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < threads:
-        _POOL = os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="fidelity-metrics")
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < threads:
+        _POOL = os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="fidelity-metrics")
     cuts = np.linspace(0, a.shape[0], threads + 1).astype(int)
-    jobs = [_POOL[1].submit(_rows_kernel, a[lo:hi], b[lo:hi], targets[lo:hi], out[lo:hi], top[lo:hi])
+    jobs = [_POOL[2].submit(_rows_kernel, a[lo:hi], b[lo:hi], targets[lo:hi], out[lo:hi], top[lo:hi])
             for lo, hi in zip(cuts[:-1], cuts[1:])]
     for job in jobs:
         job.result()
