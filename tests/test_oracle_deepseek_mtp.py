@@ -325,6 +325,18 @@ def test_model_prefixed_drafter_names(built, tmp_path, rng_seed):
     assert torch.equal(a.logits, b.logits)
 
 
+def test_refuses_fake_quant_emulation(built):
+    from fidelity.oracle.deepseek_v4_quant import QuantEmulation, emulate_reference_quant
+    _, _, _, folder = built
+    oracle = Oracle(open_pack(folder))
+    drafter = DSparkDrafter(oracle)
+    emulate_reference_quant(oracle, QuantEmulation())
+    with pytest.raises(ConfigError, match="fake quantisation"):
+        drafter.draft(torch.tensor([[1, 2, 3]]), [1])
+    emulate_reference_quant(oracle, None)
+    assert drafter.draft(torch.tensor([[1, 2, 3]]), [1]).logits.shape == (1, 1, BLOCK, TRUNK["vocab_size"])
+
+
 def test_bad_starts(built):
     _, _, _, folder = built
     drafter = DSparkDrafter(Oracle(open_pack(folder)))
