@@ -390,6 +390,9 @@ def test_text_config_nesting_and_v41_defaults(rng_seed):
     assert "layers.2.attn.compressor.wkv.weight" not in fam.official_layer_names(2)     # reads layer 1's pool
     assert "layers.2.attn.indexer.wq_b.weight" not in fam.official_layer_names(2)       # reuses layer 1's choice
     assert not any(n.startswith("hc_head_") for n in fam.required_names())
+    # compress_ratios running on into the drafter's blocks: ids there are the drafter's, not the backbone's
+    fam = family_for(base_config(compress_ratios=[0, 2, 2, 1, 1, 1, 1], index_source_layer_ids=[1, 3, 4, 6]))
+    assert fam.v41.index_source == [False, True, False, True, True] and fam.v41.base.swiglu_limit == 10.0
 
 
 def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -554,6 +557,8 @@ def test_fp8_engram_rows_without_scales_are_named(tmp_path, rng_seed):
      r"layer 3 reuses an index selection, but the last index source before it does not read the same pool"),
     (dict(candidate_source_layer_id=2), r"candidate_source_layer_id 2 is not an index source layer"),
     (dict(index_source_layer_ids=[-1]), r"index_source_layer_ids names layer -1"),
+    (dict(compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3, 6]),
+     r"kv_source_layer_ids names layer 6, outside the model's 5 layers and 1 drafter blocks"),
 ])
 def test_bad_configs_name_the_layer(over, message):
     with pytest.raises(ConfigError, match=message):

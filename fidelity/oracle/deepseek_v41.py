@@ -70,6 +70,7 @@ class DeepseekV41Args:
     def from_config(cls, cfg: dict, arch: str = ARCH) -> "DeepseekV41Args":
         cfg = text_config(cfg)
         cfg.setdefault("num_hash_layers", 0)
+        cfg.setdefault("swiglu_limit", 10.0)         # exllamav3's V4.1 default
         cfg.pop("layer_types", None)        # V4.1 states per-layer ratios; every compressing layer pools like HCA
         base = DeepseekV4Args.from_config({**cfg, "compress_ratios": _ratios(cfg, arch)}, arch)
         base.layer_types = [SLIDING if r == 0 else HCA for r in base.ratios]
@@ -146,11 +147,15 @@ def _ratios(cfg: dict, arch: str) -> list:
 
 
 def _layer_ids(cfg: dict, key: str, n: int, arch: str) -> list[int]:
+    """The backbone layers a per-model id list names. compress_ratios may continue past the backbone into the drafter's
+    blocks (43 entries for 40 layers in the release); ids there belong to the drafter and are left to it."""
     ids = [int(i) for i in (cfg.get(key) or [])]
-    bad = [i for i in ids if not 0 <= i < n]
+    limit = max(n, len(cfg.get("compress_ratios") or []))
+    bad = [i for i in ids if not 0 <= i < limit]
     if bad:
-        raise ConfigError(f"config.json of {arch}: {key} names layer {bad[0]}, outside the model's {n} layers")
-    return ids
+        raise ConfigError(f"config.json of {arch}: {key} names layer {bad[0]}, outside the model's {n} layers"
+                          + (f" and {limit - n} drafter blocks" if limit > n else ""))
+    return [i for i in ids if i < n]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
