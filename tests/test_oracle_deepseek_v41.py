@@ -376,6 +376,19 @@ def test_fp4_kv_emulation_rounds_pool_entries(tmp_path, rng_seed, monkeypatch):
     assert (rounded - exact).abs().max() > 1e-4
 
 
+def test_rows_batched_together_equal_rows_alone(tmp_path, rng_seed):
+    """Rows of two lengths (two batches, each with its own pools, selections and carried pre) give the same final
+    hidden states as each row alone."""
+    oracle = Oracle(open_pack(write_pack(tmp_path / "p", base_config(), rng_seed)))
+    g = torch.Generator().manual_seed(rng_seed)
+    rows = [random_tokens(g, 1, n)[0].tolist() for n in (20, 13, 20)]
+    together = oracle.hidden_states(rows, progress=False)
+    for row, got in zip(rows, together):
+        alone = oracle.hidden_states([row], progress=False)[0]
+        assert (got - alone).abs().max() < 1e-5
+    assert not oracle.family.store.states                      # every batch's state ended with its final collapse
+
+
 def test_text_config_nesting_and_v41_defaults(rng_seed):
     cfg = base_config()
     nested = {"architectures": cfg["architectures"], "model_type": "deepseek_v41",
