@@ -215,7 +215,21 @@ def test_main_outputs_unchanged(built, rng_seed):
     after = oracle.logits(tokens)
     assert torch.equal(before, after)
     assert torch.equal(out.main_logits, before)
-    assert not hasattr(oracle.__dict__, "load_layer") and "load_layer" not in oracle.__dict__
+    assert "load_layer" not in oracle.__dict__
+
+
+def test_existing_layer_wrapper_is_kept(built, rng_seed):
+    """An oracle whose load_layer is already wrapped (prefetch, expert shards) keeps its wrapper, which serves the
+    drafter's trunk pass too."""
+    from fidelity.distributed import Prefetcher
+    _, _, _, folder = built
+    oracle = Oracle(open_pack(folder))
+    tokens = torch.randint(0, TRUNK["vocab_size"], (1, 8))
+    want = DSparkDrafter(oracle).draft(tokens, [4]).logits
+    oracle.load_layer = wrapper = Prefetcher(oracle)
+    got = DSparkDrafter(oracle).draft(tokens, [4]).logits
+    assert oracle.__dict__["load_layer"] is wrapper
+    assert torch.equal(got, want)
 
 
 def test_acceptance_against_hand_count(built, rng_seed):

@@ -110,11 +110,15 @@ def trunk_pass(oracle, rows: list[list[int]], tap_layers, reduce=lambda x: x):
             return out
         return tapped
 
+    own = oracle.__dict__.get("load_layer")   # a wrapper already in place (prefetch, expert shards) stays
     oracle.load_layer = load_layer
     try:
         batches, hidden = oracle._forward(rows, progress=False)
     finally:
-        del oracle.load_layer
+        if own is None:
+            del oracle.load_layer
+        else:
+            oracle.load_layer = own
     taps: list = [None] * len(rows)
     finals: list = [None] * len(rows)
     for b, idx in enumerate(batches):
