@@ -193,7 +193,13 @@ class Group:
             now = time.monotonic()
             if now - last_look >= HEARTBEAT_S:
                 last_look = now
-                self._look_for_failures(what, self._others(), now)
+                try:
+                    self._look_for_failures(what, self._others(), now)
+                except RankFailed:
+                    # At once: the pending NCCL kernel never ends, and CUDA's lazy loading of a kernel the compute
+                    # thread launches for the first time waits for every running kernel, so the compute would hang.
+                    self.abort()
+                    raise
             time.sleep(pause)
             pause = min(pause * 2, 0.0005)
 
@@ -238,15 +244,20 @@ class Group:
 
     def close(self, failed: bool = False) -> None:
         self._stop.set()
-        if not self.dist.is_initialized():
+        if not self.dist.is_initialized():  # never joined, or aborted after a failure
             return
-        if failed and self.backend == "nccl":
-            try:  # a collective may be pending on a dead peer: destroying would wait for it forever
+        if failed and self.backend == "nccl":  # a collective may be pending on a dead peer: destroying would wait
+            self.abort()
+        else:
+            self.dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Tear the NCCL communicators down without waiting for pending collectives (they end with it)."""
+        try:
+            if self.dist.is_initialized():
                 self.dist.distributed_c10d._abort_process_group()
-                return
-            except Exception:
-                pass
-        self.dist.destroy_process_group()
+        except Exception:  # already aborted, or this torch has no abort: exiting ends the process group as well
+            pass
 
 
 _GROUP: Group | None = None

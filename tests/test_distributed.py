@@ -49,6 +49,9 @@ def _rank_main(rank: int, port: int, job: str, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    if os.environ.get("FIDELITY_DIST_TEST_DUMP_S"):  # a rank that hangs prints every thread's stack, then exits
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["FIDELITY_DIST_TEST_DUMP_S"]), exit=True)
     runner.BATCH_TOKENS = SMALL_BATCH_TOKENS
     out = Path(root) / f"{job}.{rank}.pt"
     try:

@@ -98,6 +98,7 @@ def test_nccl_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs, mon
     """Under NCCL no checkpoint precedes a layer exchange: rank 0's watched wait names rank 1's posted error."""
     root, _ = packs
     monkeypatch.setenv(DEVICE_VAR, "cuda")
-    results = run_ranks("bad_share", root, timeout=120)
+    monkeypatch.setenv("FIDELITY_DIST_TEST_DUMP_S", "40")
+    results = run_ranks("bad_share", root, timeout=60)
     check_bad_share(results)
     print(f"rank 0: {results[0]['error']}")
