@@ -389,6 +389,39 @@ def test_rows_batched_together_equal_rows_alone(tmp_path, rng_seed):
     assert not oracle.family.store.states                      # every batch's state ended with its final collapse
 
 
+RELEASED_V41 = dict(    # DeepSeek-V4.1-Flash's text_config, as the checkpoint's notes quote it
+    architectures=["DeepseekV41ForCausalLM"], num_hidden_layers=40, vocab_size=129280, hidden_size=5120,
+    num_attention_heads=64, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1280, o_groups=8,
+    o_lora_rank=1024, sliding_window=128, index_n_heads=32, index_head_dim=128, index_topk=512,
+    compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [1] * 3, kv_source_layer_ids=[2, 8, 14, 20],
+    index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36], candidate_source_layer_id=20, candidate_topk_blocks=2048,
+    candidate_block_size=8, hc_mult=4, hc_sinkhorn_iters=20, n_routed_experts=384, num_experts_per_tok=6,
+    n_shared_experts=1, moe_intermediate_size=2304, rms_norm_eps=1e-20, engram_layer_ids=[1, 14],
+    engram_num_embeddings=[384006168, 384016682], engram_vocab_size=16000000, engram_max_ngram_size=4,
+    engram_n_heads=8, engram_head_dim=256, engram_pad_token_id=2, engram_compressed_vocab_size=99092)
+
+
+def test_released_v41_config_gives_the_checkpoints_tensor_counts():
+    """The release's config, nested under text_config, yields what its index holds: 4 compressors (3 with a gate:
+    the decoder's ratio-1 pool has none), 8 indexers of which the 4 pool owners hold index keys, 2 Engram layers whose
+    24 prime buckets sum to the stated rows, and the encoder/decoder pool and selection sharing."""
+    fam = family_for({"architectures": RELEASED_V41["architectures"], "text_config": RELEASED_V41})
+    names = [n for i in range(40) for n in fam.official_layer_names(i)]
+
+    def count(suffix):
+        return sum(n.endswith(suffix) for n in names)
+
+    assert (count(".attn.compressor.wkv.weight"), count(".attn.compressor.wgate.weight")) == (4, 3)
+    assert (count(".attn.indexer.wq_b.weight"), count(".attn.indexer.wk.weight")) == (8, 4)
+    assert count(".engram.wkv.weight") == 2 and count(".ffn.experts.0.w1.weight") == 40
+    a = fam.v41
+    assert [a.kv_source[i] for i in (0, 2, 7, 8, 19, 20, 39)] == [None, 2, 2, 8, 14, 20, 20]
+    assert [a.candidate_mode(i) for i in (14, 20, 21, 24, 25)] == [None, "source", None, "use", None]
+    from fidelity.oracle.engram import EngramArgs
+    assert [sum(EngramArgs.from_config(fam.text, i).head_sizes) for i in (1, 14)] == [384006168, 384016682]
+    assert len(EngramArgs.from_config(fam.text, 14).head_sizes) == 24
+
+
 def test_text_config_nesting_and_v41_defaults(rng_seed):
     cfg = base_config()
     nested = {"architectures": cfg["architectures"], "model_type": "deepseek_v41",
@@ -518,7 +551,7 @@ def test_engram_vocabulary_mismatch_is_named(tmp_path, rng_seed):
 # ---------------------------------------------------------------------------------------------------------------------
 # FP8 Engram rows
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("scales", ["per-row F32", "block 32x32 e8m0"])
+@pytest.mark.parametrize("scales", ["per-row F32", "block 32x32 e8m0", "row groups of 32 e8m0 (the release)"])
 def test_fp8_engram_rows_dequantize_exactly(tmp_path, rng_seed, scales):
     from fidelity.oracle.engram import RowTable
     g = torch.Generator().manual_seed(rng_seed)
@@ -529,9 +562,14 @@ def test_fp8_engram_rows_dequantize_exactly(tmp_path, rng_seed, scales):
         full = scale[:, None].expand(rows, dim)
         stored = scale
         qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    else:
+    elif scales.startswith("block"):
         exps = torch.randint(120, 134, (4, 2), generator=g)
         full = torch.tensor([[2.0 ** (int(exps[r // 32, c // 32]) - 127) for c in range(dim)] for r in range(rows)])
+        stored = exps.to(torch.uint8).view(torch.float8_e8m0fnu)
+        qc = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
+    else:           # layers.L.engram.embed.scale F8_E8M0 [rows, 256 / 32] next to F8_E4M3 [rows, 256]
+        exps = torch.randint(120, 134, (rows, 2), generator=g)
+        full = torch.tensor([[2.0 ** (int(exps[r, c // 32]) - 127) for c in range(dim)] for r in range(rows)])
         stored = exps.to(torch.uint8).view(torch.float8_e8m0fnu)
         qc = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
     write_safetensors(tmp_path / "model-engram.safetensors", {"layers.1.engram.embed.weight": values,
