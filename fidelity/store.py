@@ -39,6 +39,8 @@ class ReferenceRun:
     hidden: list[torch.Tensor]
     targets: list[torch.Tensor]
     topk: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    built_with: dict | None = None  # the store's `numerics()` record, named when a re-derivation disagrees
+    device: str = "cpu"  # where the re-deriving oracle runs
 
     @property
     def scored_positions(self) -> int:
@@ -61,6 +63,26 @@ def run_reference(oracle, rows: list[TokenizedRow], progress: bool = True) -> Re
     return ReferenceRun(rows, hidden, targets)
 
 
+def numerics(device: str | torch.device = "cpu") -> dict:
+    """What decides the last float32 bits of the head's logits besides the inputs: recorded in the manifest so a
+    re-derivation that disagrees can say what changed."""
+    import re
+
+    from .oracle.runner import HEAD_ROWS
+
+    device = torch.device(device)
+    out = {"torch": torch.__version__, "device": device.type, "head_rows": HEAD_ROWS}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["cuda"] = torch.version.cuda
+    else:
+        out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        out["threads"] = torch.get_num_threads()
+        mkl = re.search(r"Math Kernel Library Version (\S+)", torch.__config__.show())
+        out["blas"] = f"mkl {mkl.group(1)}" if mkl else "other"
+    return out
+
+
 def check_topk(ref: ReferenceRun, i: int, logits: torch.Tensor, where: Path | str) -> None:
     """Re-derived logits must reproduce the stored top-K exactly (ids and float32 log-probabilities)."""
     from .metrics import topk_logprobs
@@ -70,12 +92,35 @@ def check_topk(ref: ReferenceRun, i: int, logits: torch.Tensor, where: Path | st
     got_ids, got_lps = topk_logprobs(logits, k)
     bad = ~((got_ids == ids).all(1) & (got_lps == lps).all(1))
     if bool(bad.any()):
-        j = int(bad.nonzero()[0])
-        pos = int(scored_index(ref.rows[i])[0][j])
-        dev = float((got_lps[j] - lps[j]).abs().max())
-        raise StoreError(f"{where}: row {ref.rows[i].id!r} position {pos}: logits re-derived from the stored hidden state "
-                         f"do not reproduce the stored top-{k} (max log-prob deviation {dev:.3g}); the reference pack's "
-                         f"head or this machine's matmul differs from the one that built the store")
+        raise StoreError(f"{where}: {_first_mismatch(ref, i, bad, ids, lps, got_ids, got_lps, logits)}")
+
+
+def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, logits) -> str:
+    """Names the first differing position, rank and token with stored and re-derived values and their distance."""
+    row, k = ref.rows[i], ids.shape[1]
+    j = int(bad.nonzero()[0])
+    pos = int(scored_index(row)[0][j])
+    moved = got_ids[j] != ids[j]  # a token that changed rank says more than a last-bit difference
+    rank = int((moved if bool(moved.any()) else got_lps[j] != lps[j]).nonzero()[0])
+    tok, want = int(ids[j, rank]), float(lps[j, rank])
+    lse = torch.logsumexp(logits.float(), -1)  # as topk_logprobs computes it
+    have = float(logits[j, tok].float() - lse[j]) if 0 <= tok < logits.shape[-1] else float("nan")
+    ulps = abs(have - want) / abs(float(np.spacing(np.float32(want))))
+    got = (f"re-derived {have:.9g}" if int(got_ids[j, rank]) == tok
+           else f"re-derived rank {rank} is token {int(got_ids[j, rank])} ({float(got_lps[j, rank]):.9g}); token {tok} now {have:.9g}")
+    dev = float((got_lps[bad] - lps[bad]).abs().max())
+    env = ""
+    if ref.built_with is not None:
+        now = numerics(ref.device)
+        changed = {key: (ref.built_with.get(key), now.get(key)) for key in sorted(set(now) | set(ref.built_with))
+                   if ref.built_with.get(key) != now.get(key)}
+        env = (" Store built with " + ", ".join(f"{key}={a} (now {b})" for key, (a, b) in changed.items()) + "."
+               if changed else f" Same numerics as the store's build ({ref.built_with}).")
+    return (f"row {row.id!r} position {pos}: logits re-derived from the stored hidden state do not reproduce the stored "
+            f"top-{k}: first at rank {rank}, token {tok} (predicting token {row.tokens[pos + 1]}): stored log-prob "
+            f"{want:.9g}, {got} (|diff| {abs(have - want):.3g}, {ulps:.0f} float32 ulp); {int(bad.sum())} of "
+            f"{len(bad)} scored positions of this row differ, max log-prob deviation {dev:.3g}. The reference pack's "
+            f"head or this machine's matmul differs from the one that built the store.{env}")
 
 
 def head_sha256(oracle) -> str:
@@ -132,6 +177,7 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
         "pack_fingerprint": pack_fingerprint, "head_sha256": head_sha256(oracle),
         "tokenizer_fingerprint": tokenizer_fingerprint, "fidelity_version": __version__, "top_k": k, "hidden_size": int(ref.hidden[0].shape[1]) if ref.hidden else 0,
         "hidden_dtype": "float32", "bytes": nbytes, "bytes_per_scored_position": nbytes / max(scored, 1),
+        "numerics": numerics(oracle.device),
     }
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
@@ -177,7 +223,8 @@ def load_store(path: str | Path, panel: Panel, rows: list[TokenizedRow], *, pack
             by_row[row_ids[start]] = {"slice": (start, i)}
             start = i
     hidden_size = m["hidden_size"]
-    ref = ReferenceRun(rows, [], [], [])
+    ref = ReferenceRun(rows, [], [], [], built_with=m.get("numerics"),
+                       device=str(oracle.device) if oracle is not None else "cpu")
     for r in rows:
         entry = by_row.get(r.id)
         if entry is None:

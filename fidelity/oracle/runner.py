@@ -13,6 +13,11 @@ from .common import Family, Fetch, rms_norm
 
 # Target bytes of one logits chunk in apply_head / iter_logits.
 HEAD_CHUNK_BYTES = 256 * 2**20
+# Every head GEMM multiplies exactly this many positions (a short block is zero-padded). BLAS picks kernels by shape
+# (MKL sums fewer than 16 rows in another order: last-bit differences), so with one shape a position's logits depend on
+# its hidden state alone, never on how many positions were computed with it; the reference store's exact re-derivation
+# and `fidelity serve` vs a store rely on that.
+HEAD_ROWS = 128
 # Rows of equal length are batched together up to this many tokens.
 BATCH_TOKENS = 8192
 
@@ -155,14 +160,28 @@ class Oracle:
         head = self.head_weight()
         flat = hidden.reshape(-1, hidden.shape[-1])
         if chunk_positions is None:
-            chunk_positions = max(1, HEAD_CHUNK_BYTES // (head.shape[0] * head.element_size()))
+            blocks = HEAD_CHUNK_BYTES // (HEAD_ROWS * head.shape[0] * head.element_size())
+            chunk_positions = max(1, blocks) * HEAD_ROWS
         for start in range(0, flat.shape[0], chunk_positions):
             end = min(flat.shape[0], start + chunk_positions)
-            x = flat[start:end].to(device=self.device, dtype=self.dtype)
-            if into is None:
-                yield slice(start, end), F.linear(x, head)
-            else:
-                yield slice(start, end), torch.matmul(x, head.t(), out=into[start:end])
+            out = into[start:end] if into is not None else torch.empty(end - start, head.shape[0], dtype=self.dtype,
+                                                                         device=self.device)
+            self._head_blocks(flat[start:end], head, out)
+            yield slice(start, end), out
+
+    def _head_blocks(self, x: torch.Tensor, head: torch.Tensor, out: torch.Tensor) -> None:
+        """out [n, vocab] = x [n, hidden] @ head.T as GEMMs of exactly HEAD_ROWS rows each."""
+        for start in range(0, x.shape[0], HEAD_ROWS):
+            block = x[start:start + HEAD_ROWS].to(device=self.device, dtype=self.dtype)
+            n = block.shape[0]
+            if n == HEAD_ROWS:
+                torch.matmul(block.contiguous(), head.t(), out=out[start:start + n])
+                continue
+            padded = torch.zeros(HEAD_ROWS, x.shape[1], dtype=self.dtype, device=self.device)
+            padded[:n] = block
+            padded_out = torch.empty(HEAD_ROWS, head.shape[0], dtype=self.dtype, device=self.device)
+            torch.matmul(padded, head.t(), out=padded_out)
+            out[start:start + n] = padded_out[:n]
 
     def map_logits(self, hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
                    chunk_positions: int | None = None) -> torch.Tensor:
