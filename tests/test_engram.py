@@ -108,7 +108,7 @@ def naive_layer(streams, ids, a, table, wkv, k_weight, q_weight):
                 s = streams[b, t, h]
                 q = s / torch.sqrt((s * s).mean() + a.eps) * q_weight[h * D:(h + 1) * D]
                 g = float(q @ k) / math.sqrt(D)
-                w = 1 / (1 + math.exp(-math.copysign(math.sqrt(abs(g)), g)))
+                w = 1 / (1 + math.exp(-math.copysign(math.sqrt(max(abs(g), 1e-6)), g)))
                 out[b, t, h] = s + w * value
     return out
 

@@ -510,7 +510,7 @@ def naive_engram(streams: torch.Tensor, tokens: list[int], w: dict, cfg: dict, l
         for k in range(HC):
             key = rms(kv[k * H:(k + 1) * H], kw[k])
             dot = float(rms(streams[t, k], qw[k]) @ key) / math.sqrt(H)
-            out[t, k] += value / (1 + math.exp(-math.copysign(math.sqrt(abs(dot)), dot)))
+            out[t, k] += value / (1 + math.exp(-math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot)))
     return out
 
 
@@ -533,6 +533,24 @@ def test_engram_layer_is_wired_before_its_block(tmp_path, rng_seed, monkeypatch)
     delta = (got - want).abs().max().item()
     print(f"Engram-wired layer vs naive lookup: max |d| {delta:.3g}")
     assert delta < 1e-5
+
+
+def test_engram_gate_floors_a_zero_dot_like_the_reference(tmp_path, rng_seed):
+    """A stream orthogonal to its key (q_weight 0: dot exactly 0) is gated by sigmoid(sqrt(1e-6)) = sigmoid(1e-3), as
+    DeepSeek's reference floors |dot| at 1e-6 before the signed square root, not by sigmoid(0)."""
+    from fidelity.oracle.engram import EngramArgs, EngramLayer, RowTable
+    g = torch.Generator().manual_seed(rng_seed)
+    a = EngramArgs(layer=0, ngram_size=2, heads_per_ngram=1, head_sizes=[7], multipliers=[3, 5], pad_id=0, hc_mult=HC,
+                   hidden_size=H, eps=1e-6)
+    write_safetensors(tmp_path / "t.safetensors", {"table": torch.randn(7, 4, generator=g)})
+    wkv = torch.randn((HC + 1) * H, 4, generator=g)
+    layer = EngramLayer(a, RowTable([(tmp_path / "t.safetensors", "table")]), wkv, torch.ones(HC * H), torch.zeros(HC * H))
+    streams, ids = torch.randn(1, 5, HC, H, generator=g), torch.randint(0, 7, (1, 5), generator=g)
+    got = layer(streams, ids) - streams
+    rows = layer.table.rows(torch.remainder(ids * 3 ^ torch.cat((torch.zeros(1, 1, dtype=torch.long), ids[:, :-1]), 1) * 5, 7))
+    values = (rows @ wkv.T)[..., HC * H:]
+    assert torch.allclose(got, torch.sigmoid(torch.tensor(1e-3)) * values.unsqueeze(-2).expand_as(got), atol=1e-6)
+    assert not torch.allclose(got, 0.5 * values.unsqueeze(-2).expand_as(got), atol=1e-6)
 
 
 def test_engram_without_tokenizer_is_named(tmp_path, rng_seed):

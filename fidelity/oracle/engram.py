@@ -26,6 +26,7 @@ from .common import rms_norm
 
 ARCH = "DeepseekV41ForCausalLM"
 ROW_DTYPES = ("F32", "F16", "BF16")
+GATE_FLOOR = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ class EngramArgs:
         if compressed <= 0:
             raise ConfigError(f"config.json of {ARCH} has no engram_compressed_vocab_size")
         ngram = int(cfg.get("engram_max_ngram_size", 4))
-        pad = int(cfg.get("engram_pad_token_id", 2))
+        pad = int(cfg.get("engram_pad_token_id", cfg.get("engram_pad_id", 2)))   # HF / the reference's key
         return cls(layer=layer, ngram_size=ngram, heads_per_ngram=int(cfg.get("engram_n_heads", 8)),
                    head_sizes=sizes[layer], multipliers=layer_multipliers(layer, ngram, compressed),
                    pad_id=int(token_map[pad]) if token_map is not None else pad,
@@ -312,7 +313,9 @@ class EngramLayer:
         value = kv[..., hc * D:]
         query = rms_norm(streams, self.q_weight, a.eps)
         gate = (query * key).sum(-1) * D ** -0.5
-        weight = torch.sigmoid(gate.sign() * gate.abs().sqrt())
+        # signed square root, |dot| floored at 1e-6 as DeepSeek's V4.1 reference does (a zero dot gates at
+        # sigmoid(+1e-3), not 0.5)
+        weight = torch.sigmoid(torch.copysign(gate.abs().clamp_min(GATE_FLOOR).sqrt(), gate))
         return streams + weight.unsqueeze(-1) * value.unsqueeze(-2)
 
 
