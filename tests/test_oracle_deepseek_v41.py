@@ -52,7 +52,7 @@ def shape_of(name: str, cfg: dict) -> tuple:
     if name in sizes:
         return sizes[name]
     tail = name.split(".", 2)[2]
-    D = cfg["head_dim"]
+    D, Q, R = cfg["head_dim"], cfg["q_lora_rank"], cfg["o_lora_rank"]
     if tail.startswith("hc_"):
         return {"fn": ((2 + HC) * HC, HC * H), "base": ((2 + HC) * HC,), "scale": (3,)}[tail.rsplit("_", 1)[1]]
     table = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,), "attn.wq_a.weight": (Q, H), "attn.q_norm.weight": (Q,),
@@ -420,6 +420,50 @@ def test_released_v41_config_gives_the_checkpoints_tensor_counts():
     from fidelity.oracle.engram import EngramArgs
     assert [sum(EngramArgs.from_config(fam.text, i).head_sizes) for i in (1, 14)] == [384006168, 384016682]
     assert len(EngramArgs.from_config(fam.text, 14).head_sizes) == 24
+
+
+def fp8_block_ok(block: torch.Tensor) -> bool:
+    """An fp8-e4m3 block with a power-of-two scale: some 2^k makes every value / 2^k an e4m3 value with |.| <= 448."""
+    amax = block.abs().max().item()
+    if amax == 0:
+        return True
+    s = 2.0 ** math.ceil(math.log2(amax / 448.0))
+    return torch.equal((block / s).to(torch.float8_e4m3fn).float() * s, block)
+
+
+def test_v41_reference_emulation_rounds_where_the_reference_does(tmp_path, rng_seed, monkeypatch):
+    """QuantEmulation.deepseek_v41(): window KV whole-vector fp8 in blocks of 32 with power-of-two scales, pool entries
+    whole-vector fp4 (blocks of 16, e4m3 scales), rotary dims included; activations in blocks of 32 (not wo_a's)."""
+    from fidelity.oracle.deepseek_v4_quant import QuantEmulation, emulate_reference_quant
+    cfg = base_config(head_dim=64, q_lora_rank=32, o_lora_rank=16)
+    oracle = Oracle(open_pack(write_pack(tmp_path / "p", cfg, rng_seed)))
+    tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 20)
+    exact = oracle.logits(tokens)
+    label = emulate_reference_quant(oracle, QuantEmulation.deepseek_v41())
+    assert label == ("reference fake-quant: act fp8-e4m3/32 ue8m0 scales, window kv fp8-e4m3/32 ue8m0 scales, "
+                     "compressed kv fp4-e2m1/16 e4m3 scales (rotary dims too) (indexer unquantised)")
+    windows, acts = [], []
+    original_round = QuantEmulation.round_kv
+    monkeypatch.setattr(QuantEmulation, "round_kv", lambda self, kv, rd, compressed=False: (
+        windows.append((compressed, out := original_round(self, kv, rd, compressed))), out)[1])
+    original_act = QuantEmulation.act
+    monkeypatch.setattr(QuantEmulation, "act", lambda self, x: (acts.append(out := original_act(self, x)), out)[1])
+    calls = capture_attention(monkeypatch)
+    rounded = oracle.logits(tokens)
+    assert (rounded - exact).abs().max() > 1e-4
+    grid = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
+    pool = calls[1][3].pools[1].entries[0]
+    for block in pool.reshape(-1, 16):                       # all 64 dims, rotary ones included
+        s = block.abs().max().item() / 6.0
+        assert s == torch.tensor(s).to(torch.float8_e4m3fn).float().item()
+        assert {abs(v) / s for v in block.tolist()} <= grid
+    window = [kv for compressed, kv in windows if not compressed]
+    assert len(window) == 5 and all(fp8_block_ok(b) for kv in window for b in kv.reshape(-1, 32))
+    assert all(fp8_block_ok(b) for x in acts for b in x.reshape(-1, 32))
+    # per layer: wq_a, wkv, wq_b, wo_b, shared w1/w3 + w2, per routed expert w1/w3 + w2 (+ indexer wq_b where it
+    # runs, + engram wkv in layer 0); wo_a's input ([.., heads x head_dim / o_groups] = 64 wide, a bf16 weight) is not
+    assert acts and all(x.shape[-1] == 32 for x in acts)
+    assert len(acts) >= 5 * (4 + 2) + 3 + 1
 
 
 def test_text_config_nesting_and_v41_defaults(rng_seed):

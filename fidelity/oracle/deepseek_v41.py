@@ -205,6 +205,7 @@ class PoolCompressor:
     first position. A pack without `ape` gets no position bias (exllamav3 uses none where the pool has index keys)."""
 
     def __init__(self, prefix: str, n, fetch: Fetch, has, width: int, ratio: int, eps: float, rope, round_kv):
+        """round_kv: the emulated storage rounding of the roped entries, or identity."""
         self.wkv, self.norm = fetch(n(f"{prefix}.wkv.weight")), fetch(n(f"{prefix}.norm.weight"))
         self.wgate = fetch(n(f"{prefix}.wgate.weight")) if ratio > 1 else None
         self.ape = fetch(n(f"{prefix}.ape")) if ratio > 1 and has(f"{prefix}.ape") else None
@@ -232,7 +233,7 @@ class PoolCompressor:
 
     def entries(self, latent: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_table(self.rope, self.positions(latent.shape[1], latent.device), latent.dtype)
-        return rope_tail(self.round_kv(latent), cos.to(latent.device), sin.to(latent.device))
+        return self.round_kv(rope_tail(latent, cos.to(latent.device), sin.to(latent.device)))
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
@@ -275,7 +276,10 @@ class Attention:
         self.index_source = a.index_source[layer]
         self.candidate_mode = a.candidate_mode(layer)
         self.act_quant = emulation.act if emulation is not None else no_quant
-        self.round_kv = (lambda kv: emulation.kv_nope(kv, b.rope_dim)) if emulation is not None else no_quant
+        self.round_kv, self.round_entries = no_quant, no_quant
+        if emulation is not None:
+            self.round_kv = lambda kv: emulation.round_kv(kv, b.rope_dim)
+            self.round_entries = lambda kv: emulation.round_kv(kv, b.rope_dim, compressed=True)
         self.wq_a, self.q_norm = fetch(n(f"{p}.wq_a.weight")), fetch(n(f"{p}.q_norm.weight"))
         self.wq_b = fetch(n(f"{p}.wq_b.weight"))
         self.wkv, self.kv_norm = fetch(n(f"{p}.wkv.weight")), fetch(n(f"{p}.kv_norm.weight"))
@@ -284,7 +288,7 @@ class Attention:
         self.compressor = self.index_wk = None
         if self.owner == layer:
             self.compressor = PoolCompressor(f"{p}.compressor", n, fetch, has, b.head_dim, self.ratio, b.rms_norm_eps,
-                                             b.compress_rope, self.round_kv)
+                                             b.compress_rope, self.round_entries)
             if self.index_source:
                 self.index_wk = fetch(n(f"{p}.indexer.wk.weight"))
                 self.index_k_norm = fetch(n(f"{p}.indexer.k_norm.weight"))
@@ -322,7 +326,8 @@ class Attention:
         b = self.a.base
         B, T, _ = x.shape
         W = keys.shape[1]
-        q = rope_tail(F.linear(q_latent, self.index_wq_b).view(B, T, b.index_n_heads, b.index_head_dim), *compress_rope)
+        q = F.linear(self.act_quant(q_latent), self.index_wq_b).view(B, T, b.index_n_heads, b.index_head_dim)
+        q = rope_tail(q, *compress_rope)
         head_weights = F.linear(x, self.index_weights) * b.index_n_heads ** -0.5
         finished = finished_entries(T, self.ratio, x.device)
         block, n_blocks = self.a.candidate_block_size, self.a.candidate_topk_blocks
@@ -354,8 +359,7 @@ class Attention:
         if a.q_head_norm:
             q = unweighted_rms_norm(q, b.rms_norm_eps)
         q = rope_tail(q, cos, sin)
-        kv = self.round_kv(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, b.rms_norm_eps))
-        kv = rope_tail(kv, cos, sin)
+        kv = self.round_kv(rope_tail(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, b.rms_norm_eps), cos, sin))
         entries = visible = None
         if self.ratio:
             if self.compressor is not None:
@@ -372,7 +376,8 @@ class Attention:
         out = sink_attention(q, kv, entries, visible, self.sinks, b.head_dim ** -0.5, b.sliding_window)
         out = rope_tail(out, cos, -sin)
         groups = out.reshape(B, T, b.o_groups, -1)
-        low_rank = torch.einsum("btgi,gri->btgr", fq(groups), self.wo_a.view(b.o_groups, b.o_lora_rank, -1))
+        # wo_a is a bf16 weight in the V4.1 release: its input is not fake-quantised
+        low_rank = torch.einsum("btgi,gri->btgr", groups, self.wo_a.view(b.o_groups, b.o_lora_rank, -1))
         return F.linear(fq(low_rank.flatten(2)), self.wo_b)
 
 
@@ -507,6 +512,8 @@ class DeepseekV41Family(DeepseekV4Family):
     # -- compute ----------------------------------------------------------------------------------------------------
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
         engram = self.engram(i, fetch) if i in self.v41.engram_layers else None
+        if engram is not None and self.emulation is not None:
+            engram.act_quant = self.emulation.act
         return DecoderLayer(self.v41, i, self.n, fetch, self.has, self.store, engram,
                             self._token_map if engram is not None else None, self.emulation)
 

@@ -79,21 +79,52 @@ class QuantEmulation:
     kv: str | None = "fp8"
     kv_block: int = 64
     kv_fp4_block: int = 16
+    compressed_kv: str | None = "same"   # DeepSeek-V4.1 only: the compressed entries' format when it differs from kv
+    kv_rope_too: bool = False            # DeepSeek-V4.1 only: round whole vectors after RoPE, rotary dims included
 
     def __post_init__(self):
-        if self.kv not in (None, "fp8", "fp4"):
-            raise ConfigError(f"kv fake quantisation {self.kv!r} is not one of None, 'fp8', 'fp4'")
+        for name, value in (("kv", self.kv), ("compressed_kv", self.compressed_kv)):
+            if value not in (None, "fp8", "fp4") and not (name == "compressed_kv" and value == "same"):
+                raise ConfigError(f"{name} fake quantisation {value!r} is not one of None, 'fp8', 'fp4'")
+
+    @classmethod
+    def deepseek_v41(cls) -> "QuantEmulation":
+        """What DeepSeek-V4.1's reference (inference/model.py) rounds: fp8_block_size 32 with ue8m0 scales for
+        activations and the window KV (whole post-RoPE vector), compressed KV as fp4 e2m1 in groups of 16 with e4m3
+        scales (whole post-RoPE latent)."""
+        return cls(act_block=32, kv="fp8", kv_block=32, compressed_kv="fp4", kv_fp4_block=16, kv_rope_too=True)
 
     @property
     def label(self) -> str:
         scales = "ue8m0" if self.pow2_scales else "fp32"
         act = f"act fp8-e4m3/{self.act_block} {scales} scales" if self.activations else "act fp32"
-        kv = {None: "kv fp32", "fp8": f"kv fp8-e4m3/{self.kv_block} {scales} scales",
-              "fp4": f"kv fp4-e2m1/{self.kv_fp4_block} e4m3 scales"}[self.kv]
+
+        def kv_text(fmt, what):
+            return {None: f"{what} fp32", "fp8": f"{what} fp8-e4m3/{self.kv_block} {scales} scales",
+                    "fp4": f"{what} fp4-e2m1/{self.kv_fp4_block} e4m3 scales"}[fmt]
+
+        kv = kv_text(self.kv, "kv")
+        if self.compressed_kv != "same":
+            kv = f"{kv_text(self.kv, 'window kv')}, {kv_text(self.compressed_kv, 'compressed kv')}"
+        if self.kv_rope_too:
+            kv += " (rotary dims too)"
         return f"reference fake-quant: {act}, {kv} (indexer unquantised)"
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return fake_fp8(x, self.act_block, self.pow2_scales) if self.activations else x
+
+    def round_kv(self, kv: torch.Tensor, rope_dim: int, compressed: bool = False) -> torch.Tensor:
+        """kv [..., D] after RoPE, as the window (or, with compressed, the compressed entries) is stored: the
+        non-rotary dims, or with kv_rope_too the whole vector."""
+        fmt = self.compressed_kv if compressed and self.compressed_kv != "same" else self.kv
+        if fmt is None:
+            return kv
+        rounded = (lambda v: fake_fp8(v, self.kv_block, self.pow2_scales)) if fmt == "fp8" else \
+            (lambda v: fake_fp4_e4m3_scales(v, self.kv_fp4_block))
+        if self.kv_rope_too:
+            return rounded(kv)
+        nope = kv.shape[-1] - rope_dim
+        return torch.cat((rounded(kv[..., :nope]), kv[..., nope:]), dim=-1)
 
     def kv_nope(self, kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
         """Rounds the leading (non-rotary) dims of kv [..., D]."""

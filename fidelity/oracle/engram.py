@@ -297,6 +297,7 @@ class EngramLayer:
     def __init__(self, a: EngramArgs, table: RowTable, wkv: torch.Tensor, k_weight: torch.Tensor,
                  q_weight: torch.Tensor):
         self.a, self.table, self.wkv = a, table, wkv
+        self.act_quant = lambda x: x     # fake quantisation of wkv's input (deepseek_v4_quant), or none
         self.k_weight = k_weight.reshape(a.hc_mult, a.hidden_size)
         self.q_weight = q_weight.reshape(a.hc_mult, a.hidden_size)
 
@@ -308,7 +309,7 @@ class EngramLayer:
         a = self.a
         B, T, hc, D = streams.shape
         embed = self.table.rows(ngram_rows(ids.cpu(), a)).flatten(2).to(streams)   # [B, T, n_heads * dim]
-        kv = F.linear(embed, self.wkv)
+        kv = F.linear(self.act_quant(embed), self.wkv)
         key = rms_norm(kv[..., :hc * D].view(B, T, hc, D), self.k_weight, a.eps)
         value = kv[..., hc * D:]
         query = rms_norm(streams, self.q_weight, a.eps)
