@@ -1,6 +1,7 @@
 """DeepSeek-V4.1 (`DeepseekV41ForCausalLM`), as exllamav3's `architecture/deepseek_v41.py` and its modules
-(`modules/dsv4.py`, `modules/hyperconnections.py`, `modules/arch_specific/deepseek_v41.py`) describe it: DeepSeek-V4
-blocks (deepseek_v4.py: shared-KV MQA, sinks, grouped low-rank output, clamped SwiGLU MoE) with
+(`modules/dsv4.py`, `modules/hyperconnections.py`, `modules/arch_specific/deepseek_v41.py`) describe it, cross-checked
+against DeepSeek's own `inference/model.py` of the release: DeepSeek-V4 blocks (deepseek_v4.py: shared-KV MQA, sinks,
+grouped low-rank output, clamped SwiGLU MoE) with
 
 - shared compressed KV pools: only the layers in `kv_source_layer_ids` own a compressor; a compressing layer reads the
   pool of the last source at or before it (same ratio). Every compressor pools non-overlapping windows (the V4 HCA
@@ -18,6 +19,11 @@ blocks (deepseek_v4.py: shared-KV MQA, sinks, grouped low-rank output, clamped S
 - Engram layers (engram.py) before the blocks in `engram_layer_ids`, on the hc streams, with tables read row by row
   from the pack (FP8 rows with their scales, exactly);
 - no hash-routed MoE layers unless the config says `num_hash_layers`.
+
+The compressor has no position bias in the reference (exllamav3 uses none where a pool has index keys); a pack that
+stores `compressor.ape` gets it added to the gate as in V4. `QuantEmulation.deepseek_v41()` (deepseek_v4_quant.py)
+emulates the reference's rounding: activations fp8 in blocks of 32, window KV fp8 and compressed KV fp4 (groups of 16,
+e4m3 scales) over whole post-RoPE vectors; `wo_a`, a bf16 weight there, takes its input unrounded.
 
 The config may nest the model under `text_config` (the released one does, next to a vision tower). Tensor names are
 the official ones (`layers.L.attn.compressor.wkv.weight`, `layers.L.attn.indexer.wk.weight`,
