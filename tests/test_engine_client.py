@@ -142,6 +142,26 @@ def test_journal_answers_finished_requests_without_sending(faults, tmp_path):
     assert len(completion_attempts(log)) == 1
 
 
+def test_from_journal_is_each_requests_own(faults, tmp_path):
+    """A journal hit while another request is in flight marks only the hit (a shared hit counter marked both)."""
+    url, log = faults()
+    jpath = tmp_path / "journal.jsonl"
+    run(one_completion(url, journal=jpath))  # tag "t1" is journaled
+    faults({"slow_s": 0.6})
+    before = len(attempts(log))
+
+    async def go():
+        async with EngineClient(ClientConfig(url, model="toy", journal=jpath, timeout_s=30)) as c:
+            fresh = asyncio.create_task(c.chat([{"role": "user", "content": "hi"}], max_tokens=2, tag="fresh"))
+            await asyncio.sleep(0.2)  # the fresh request is on the wire
+            hit = await c.completion("the cat", max_tokens=4, logprobs=3, echo=True, tag="t1")
+            return await fresh, hit, c.stats
+    fresh, hit, stats = run(go())
+    assert hit.from_journal and not fresh.from_journal
+    assert stats.sent == 1 and stats.journal_hits == 1
+    assert [r["path"] for r in attempts(log)[before:]] == ["/v1/chat/completions"]
+
+
 def test_journal_survives_a_cut_last_line_and_rejects_corruption(tmp_path):
     p = tmp_path / "j.jsonl"
     j = Journal(p)

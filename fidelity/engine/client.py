@@ -144,16 +144,28 @@ class EngineClient:
 
     async def post(self, path: str, body: dict, *, tag: str = "", journal: bool = True) -> dict:
         """POST `body` (JSON) to `path`; returns the parsed JSON reply, from the journal when it already holds it."""
+        return (await self._post(path, body, tag, journal))[0]
+
+    async def _post(self, path: str, body: dict, tag: str, journal: bool = True) -> tuple[dict, bool]:
+        """(reply, whether the journal answered this request)."""
         key = request_key(path, body, tag)
         if journal and self.journal is not None:
             hit = self.journal.get(key)
             if hit is not None:
                 self.stats.journal_hits += 1
-                return hit
+                return hit, True
         reply = await self._send("POST", path, body, tag)
         if journal and self.journal is not None:
             self.journal.put(key, reply, path=path, tag=tag)
-        return reply
+        return reply, False
+
+    async def _call(self, path: str, body: dict, parse, tag: str):
+        """The endpoints' one request helper: POST (journal, retries), then `parse(reply, url=, tag=)`; the result's
+        `from_journal` is this request's own journal hit (not a shared counter other requests in flight also move)."""
+        reply, hit = await self._post(path, body, tag)
+        out = parse(reply, url=self.config.base + path, tag=tag)
+        out.from_journal = hit
+        return out
 
     async def _send(self, method: str, path: str, body: dict | None, tag: str) -> dict:
         url = self.config.base + path
@@ -201,47 +213,20 @@ class EngineClient:
                          stop: list[str] | None = None, seed: int | None = None, extra: dict | None = None,
                          tag: str = "") -> Completion:
         """`/v1/completions`. `prompt` is text or token ids (not every server accepts ids). `prompt_logprobs` is vLLM's extension."""
-        body = {"model": self.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
-        if logprobs is not None:
-            body["logprobs"] = logprobs
-        if echo:
-            body["echo"] = True
-        if prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs
-        if stop:
-            body["stop"] = stop
-        if seed is not None:
-            body["seed"] = seed
-        body.update(extra or {})
-        hits = self.stats.journal_hits
-        reply = await self.post("/v1/completions", body, tag=tag)
-        comp = parse_completion(reply, url=self.config.base + "/v1/completions", tag=tag)
-        comp.from_journal = self.stats.journal_hits > hits
-        return comp
+        body = {"model": self.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                **_given(logprobs=logprobs, echo=True if echo else None, prompt_logprobs=prompt_logprobs, stop=stop or None, seed=seed),
+                **(extra or {})}
+        return await self._call("/v1/completions", body, parse_completion, tag)
 
     async def chat(self, messages: list[dict], *, max_tokens: int = 256, temperature: float = 0.0, tools: list[dict] | None = None,
                    tool_choice: str | dict | None = None, logprobs: bool = False, top_logprobs: int | None = None,
                    stop: list[str] | None = None, seed: int | None = None, extra: dict | None = None, tag: str = "") -> ChatCompletion:
         """`/v1/chat/completions`, tools included."""
-        body = {"model": self.config.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-        if tools:
-            body["tools"] = tools
-        if tool_choice is not None:
-            body["tool_choice"] = tool_choice
-        if logprobs:
-            body["logprobs"] = True
-            if top_logprobs is not None:
-                body["top_logprobs"] = top_logprobs
-        if stop:
-            body["stop"] = stop
-        if seed is not None:
-            body["seed"] = seed
-        body.update(extra or {})
-        hits = self.stats.journal_hits
-        reply = await self.post("/v1/chat/completions", body, tag=tag)
-        chat = parse_chat(reply, url=self.config.base + "/v1/chat/completions", tag=tag)
-        chat.from_journal = self.stats.journal_hits > hits
-        return chat
+        body = {"model": self.config.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                **_given(tools=tools or None, tool_choice=tool_choice, logprobs=True if logprobs else None,
+                         top_logprobs=top_logprobs if logprobs else None, stop=stop or None, seed=seed),
+                **(extra or {})}
+        return await self._call("/v1/chat/completions", body, parse_chat, tag)
 
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int] | None:
         """Token ids from the server's tokenizer, or None when it offers no tokenize endpoint. Tries vLLM/SGLang `/tokenize`,
@@ -266,6 +251,11 @@ class EngineClient:
             self._tokenize_route = route
             return tokens
         return None
+
+
+def _given(**fields) -> dict:
+    """The optional request fields that were given (None means leave the field out)."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 # ---- parsing (pure functions, also used by tests on canned replies) ------------------------------------------------------
