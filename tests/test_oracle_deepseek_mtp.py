@@ -484,3 +484,128 @@ def test_v3_mtp_absent_or_incomplete(tmp_path):
     *_, folder = build_v3_mtp(tmp_path / "b", 3, nextn=0)
     with pytest.raises(ConfigError, match="num_nextn_predict_layers is 0"):
         NextNDrafter(Oracle(open_pack(folder)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DeepSeek-V4.1's drafter: the tiny V4.1 (minipacks_v41) as trunk, its layers run one by one here for the taps (the
+# inputs of the target layers); drafter blocks from transformers' V4 modules with V4.1's single-pass hyper-connections
+# (pre carried from the previous site) and no q head norm written out here
+# ---------------------------------------------------------------------------------------------------------------------
+V41_TARGETS, V41_EXPERTS, V41_TOP_K = [1, 2], 6, 3
+
+
+def build_v41(root, seed: int, **over):
+    from fidelity.packs.minipacks_v4 import TINY_V4, build_native
+    from fidelity.packs.minipacks_v41 import build_native_v41
+    v4 = build_native(root / "v4", seed=seed, dtype=torch.float32)
+    dspark = dict(dspark_block_size=BLOCK, dspark_noise_token_id=5, dspark_target_layer_ids=V41_TARGETS,
+                  dspark_num_experts=V41_EXPERTS, dspark_num_experts_per_tok=V41_TOP_K)
+    folder = build_native_v41(v4, root / "v41", seed=seed + 1, **{**dspark, **over})
+    body_cfg = {**TINY_V4, "num_hidden_layers": N_BLOCKS, "layer_types": ["sliding_attention"] * N_BLOCKS,
+                "mlp_layer_types": ["moe"] * N_BLOCKS, "n_routed_experts": V41_EXPERTS,
+                "num_experts_per_tok": V41_TOP_K}
+    body = hf_model(body_cfg, seed + 7)
+    tensors = load_file(folder / "model.safetensors")
+    last = N_BLOCKS - 1
+    for name, t in saved_official(body, root / "body").items():
+        if name.startswith("layers."):
+            i, rest = name[len("layers."):].split(".", 1)
+            tensors[f"mtp.{i}.{rest}"] = t
+        elif name == "norm.weight":
+            tensors[f"mtp.{last}.norm.weight"] = t
+    g = torch.Generator().manual_seed(seed + 3)
+    h = TINY_V4["hidden_size"]
+    extra = {"mtp.0.main_proj.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
+             "mtp.0.main_norm.weight": 1 + 0.2 * torch.randn(h, generator=g)}
+    tensors.update(extra)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return body, extra, folder
+
+
+def hc_pre(hc, streams, n, eps=1e-6, hc_eps=1e-6):
+    """A transformers V4 hyper-connection's collapse weights (n streams), from its fn/base/scale."""
+    flat = streams.flatten(2)
+    mixes = (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)) @ hc.fn.T
+    return torch.sigmoid(mixes[..., :n] * hc.scale[0] + hc.base[:n]) + hc_eps
+
+
+@torch.no_grad()
+def reference_v41(oracle, body, extra, tokens, starts):
+    import torch.nn.functional as F
+    fam = oracle.family
+    x = fam.embed_hook(F.embedding(tokens, oracle.fetch(fam.embed_name)))
+    rope = fam.rope_tables(tokens.shape[1], torch.float32, "cpu")
+    outputs = []
+    for i in range(fam.n_layers):
+        x = fam.load_layer(i, oracle.fetch)(x, rope, tokens)
+        outputs.append(x)
+    taps = torch.cat([outputs[t - 1].mean(dim=2) for t in V41_TARGETS], dim=-1)
+    main_x = rms(taps @ extra["mtp.0.main_proj.weight"].T, extra["mtp.0.main_norm.weight"])
+    head, embed = oracle.fetch("head.weight"), oracle.fetch("embed.weight")
+    cfg = oracle.pack.config
+    W, hc, H, D = cfg["sliding_window"], cfg["hc_mult"], cfg["num_attention_heads"], cfg["head_dim"]
+    rotary = body.model.rotary_emb
+    logits = torch.empty(tokens.shape[0], len(starts), BLOCK, cfg["vocab_size"])
+    for b in range(tokens.shape[0]):
+        for si, p0 in enumerate(starts):
+            ids = torch.tensor([int(tokens[b, p0])] + [5] * (BLOCK - 1))
+            streams = embed[ids][None].unsqueeze(2).expand(-1, -1, hc, -1).contiguous()
+            pos = p0 + torch.arange(BLOCK)
+            ctx_pos = torch.arange(max(0, p0 - W), p0)
+            carried = None
+            for layer in body.model.layers:
+                for site in ("attn", "ffn"):
+                    module = layer.attn_hc if site == "attn" else layer.ffn_hc
+                    post, comb, _ = module(streams)
+                    pre = hc_pre(module, streams, hc)
+                    x = streams[:, :, 0] if carried is None else (carried.unsqueeze(-1) * streams).sum(2)
+                    carried = pre
+                    if site == "attn":
+                        y = v41_attention(layer.self_attn, rotary, layer.input_layernorm(x), main_x[b, ctx_pos],
+                                          ctx_pos, pos, H, D)
+                    else:
+                        y = layer.mlp(layer.post_attention_layernorm(x))
+                    streams = post.unsqueeze(-1) * y.unsqueeze(-2) + comb.transpose(-1, -2) @ streams
+            prenorm = (carried.unsqueeze(-1) * streams).sum(2)[0]
+            logits[b, si] = body.model.norm(prenorm) @ head.T
+    return logits
+
+
+def v41_attention(attn, rotary, x, ctx_x, ctx_pos, pos, H, D):
+    """drafter_attention without the per-head q norm."""
+    S = x.shape[1]
+    cos_b, sin_b = rotary(x, position_ids=pos[None], layer_type="main")
+    cos_c, sin_c = rotary(x, position_ids=ctx_pos[None], layer_type="main")
+    q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))).view(1, S, H, D).transpose(1, 2)
+    q = apply_rotary_pos_emb(q, cos_b, sin_b)[0]
+    k_block = apply_rotary_pos_emb(attn.kv_norm(attn.kv_proj(x)).view(1, S, 1, D).transpose(1, 2), cos_b, sin_b)
+    k_ctx = apply_rotary_pos_emb(attn.kv_norm(attn.kv_proj(ctx_x[None])).view(1, -1, 1, D).transpose(1, 2),
+                                 cos_c, sin_c)
+    keys = torch.cat((k_ctx[0, 0], k_block[0, 0]))
+    out = torch.empty(1, H, S, D)
+    for h in range(H):
+        for s in range(S):
+            scores = torch.cat((keys @ q[h, s] * D ** -0.5, attn.sinks[h].view(1)))
+            out[0, h, s] = torch.softmax(scores, 0)[:-1] @ keys
+    out = apply_rotary_pos_emb(out, cos_b, -sin_b).transpose(1, 2)
+    return attn.o_b_proj(attn.o_a_proj(out.reshape(1, S, attn.config.o_groups, -1)).flatten(2))
+
+
+def test_v41_drafter_matches_composition(tmp_path, rng_seed):
+    body, extra, folder = build_v41(tmp_path, rng_seed % 100000)
+    oracle = Oracle(open_pack(folder))
+    tokens = torch.randint(6, oracle.family.vocab_size, (1, 14))
+    starts = [1, 5, 9, 13]
+    before = oracle.logits(tokens)
+    out = DSparkDrafter(oracle).draft(tokens, starts)
+    want = reference_v41(oracle, body, extra, tokens, starts)
+    delta = float((out.logits - want).abs().max())
+    print(f"V4.1 drafter: max |d| {delta:.3g}, logit std {float(want.std()):.3g}")
+    assert delta <= TOL and want.std() > 0.3
+    assert torch.equal(out.main_logits, before) and torch.equal(oracle.logits(tokens), before)
+
+
+def test_v41_drafter_config_errors(tmp_path):
+    *_, folder = build_v41(tmp_path, 9, dspark_target_layer_ids=[0, 2])
+    with pytest.raises(ConfigError, match=r"\[0, 2\].*layers 1\.\.2 that carry no Engram"):
+        DSparkDrafter(Oracle(open_pack(folder)))

@@ -1,4 +1,5 @@
-"""DeepSeek-V4's multi-token-prediction component, the DSpark block drafter, as an optional add-on to the oracle.
+"""DeepSeek-V4's (and V4.1's) multi-token-prediction component, the DSpark block drafter, as an optional add-on to the
+oracle.
 
 Facts from exllamav3's `architecture/deepseek_v4_mtp.py` and `modules/arch_specific/dspark.py` (which follow the
 reference `inference/model.py` shipped in the checkpoint); our own formulation, fp32:
@@ -17,6 +18,11 @@ reference `inference/model.py` shipped in the checkpoint); our own formulation, 
 - `mtp.{last}.markov_head.markov_w1` [vocab, rank] / `markov_w2` [vocab, rank]: a bigram bias added to position j's
   logits from the token drafted at position j (the seed for j = 0) in the greedy chain;
   `mtp.{last}.confidence_head.proj` scores each position from [pre-norm hidden, markov embedding].
+
+DeepSeek-V4.1's drafter (exllamav3's `deepseek_v41_mtp.py`): its own expert count (`dspark_num_experts`,
+`dspark_num_experts_per_tok`), no per-head q norm, every hc site collapsing with the previous site's pre (the first
+with stream 0) and the exit with the last site's (no `hc_head_*`), taps at the input of each target layer (the output
+of the layer before it).
 
     dspark = drafter(oracle)                        # DSparkDrafter for DeepSeek-V4 packs
     out = dspark.draft(tokens, starts)              # DraftOutput: logits [B, S, block, vocab], drafts, main logits
@@ -38,8 +44,11 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, FidelityError, PackError
 from .common import ATTENTION_CHUNK_BYTES, rms_norm
-from .deepseek_v4 import (ARCH, SLIDING, Attention, DeepseekV4Family, HyperConnection, MoE, hyper_connection,
-                          layer_names, name_candidates, rope_table, rope_tail, unweighted_rms_norm)
+from .deepseek_v4 import (ARCH, SLIDING, Attention, DeepseekV4Family, HyperConnection, MoE, collapse,
+                          hyper_connection, layer_names, name_candidates, rope_table, rope_tail, unweighted_rms_norm)
+
+V41_ARCH = "DeepseekV41ForCausalLM"
+DSPARK_ARCHS = (ARCH, V41_ARCH)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -53,27 +62,32 @@ class DSparkArgs:
     target_layer_ids: list
     n_routed_experts: int
     top_k: int
-    q_head_norm: bool = True     # the per-head weightless RMSNorm on q (V4: yes)
+    q_head_norm: bool = True     # the per-head weightless RMSNorm on q (V4: yes, V4.1: no)
+    carry_pre: bool = False      # V4.1: each hc site (and the exit) collapses with the previous site's pre
+    tap_layers: list = None      # trunk layers whose outputs are tapped: the targets (V4) or the layers before (V4.1)
 
     @classmethod
-    def from_config(cls, cfg: dict, n_trunk_layers: int, available) -> "DSparkArgs":
+    def from_config(cls, cfg: dict, n_trunk_layers: int, available, v41: bool = False,
+                    engram_layers=()) -> "DSparkArgs":
         arch = (cfg.get("architectures") or ["?"])[0]
         targets = cfg.get("dspark_target_layer_ids")
         if not targets:
             raise ConfigError(f"config.json of {arch} has no 'dspark_target_layer_ids': the pack describes no DSpark "
                               f"drafter")
         targets = [int(t) for t in targets]
-        bad = [t for t in targets if not 0 <= t < n_trunk_layers]
+        first = 1 if v41 else 0   # V4.1 taps a target's input: the output of the layer before it
+        bad = [t for t in targets if not first <= t < n_trunk_layers or (v41 and t in engram_layers)]
         if bad or len(set(targets)) != len(targets):
             raise ConfigError(f"config.json of {arch}: dspark_target_layer_ids {targets} must name distinct trunk "
-                              f"layers 0..{n_trunk_layers - 1}")
+                              f"layers {first}..{n_trunk_layers - 1}" + (" that carry no Engram" if v41 else ""))
         block = int(cfg.get("dspark_block_size") or 0)
         if block < 1:
             raise ConfigError(f"config.json of {arch} has no positive 'dspark_block_size'")
         return cls(n_blocks=count_blocks(cfg, n_trunk_layers, available), block_size=block,
                    noise_token_id=int(cfg.get("dspark_noise_token_id", 0)), target_layer_ids=targets,
                    n_routed_experts=int(cfg.get("dspark_num_experts") or cfg["n_routed_experts"]),
-                   top_k=int(cfg.get("dspark_num_experts_per_tok") or cfg["num_experts_per_tok"]))
+                   top_k=int(cfg.get("dspark_num_experts_per_tok") or cfg["num_experts_per_tok"]),
+                   q_head_norm=not v41, carry_pre=v41, tap_layers=sorted(t - first for t in targets))
 
 
 def count_blocks(cfg: dict, n_trunk_layers: int, available) -> int:
@@ -151,9 +165,9 @@ def confidence_name(last: int) -> str:
 class DSparkBlock:
     """One drafter block; weights loaded through the V4 trunk's own layer pieces (renamed layers.0 -> mtp.i)."""
 
-    def __init__(self, a, i: int, n, fetch, q_head_norm: bool):
+    def __init__(self, a, i: int, n, fetch, q_head_norm: bool, carry_pre: bool):
         rename = lambda name: n(name.replace("layers.0.", f"mtp.{i}.", 1))
-        self.a, self.q_head_norm = a, q_head_norm
+        self.a, self.q_head_norm, self.carry_pre = a, q_head_norm, carry_pre
         self.attn = Attention(a, 0, rename, fetch)
         self.ffn = MoE(a, 0, rename, fetch)
         self.attn_hc, self.ffn_hc = (hyper_connection(a, f"layers.0.hc_{site}", rename, fetch)
@@ -165,11 +179,20 @@ class DSparkBlock:
         kv = rms_norm(F.linear(main_x, self.attn.wkv), self.attn.kv_norm, self.a.rms_norm_eps)
         return rope_tail(kv, cos, sin)
 
-    def __call__(self, streams: torch.Tensor, context: torch.Tensor, starts: torch.Tensor, rope) -> torch.Tensor:
+    def mix(self, hc: HyperConnection, streams: torch.Tensor, carried):
+        """(post, comb, collapsed block input, the pre to carry on). V4 collapses with the site's own pre; V4.1 with the
+        previous site's (the first site of the drafter takes stream 0)."""
+        pre, post, comb = hc.weights(streams)
+        if not self.carry_pre:
+            return post, comb, collapse(streams, pre), None
+        return post, comb, streams[:, :, 0] if carried is None else collapse(streams, carried), pre
+
+    def __call__(self, streams: torch.Tensor, context: torch.Tensor, starts: torch.Tensor, rope, carried=None):
         """streams [N, block, hc, hidden] of N drafts; context [T, D] this block's rows of the drafts' row;
-        starts [N] each draft's context length p0."""
+        starts [N] each draft's context length p0; carried: V4.1's pre from the previous site.
+        -> (streams, the pre to carry on)."""
         eps = self.a.rms_norm_eps
-        post, comb, x = self.attn_hc(streams)
+        post, comb, x, carried = self.mix(self.attn_hc, streams, carried)
         x = rms_norm(x, self.attn_norm, eps)
         attn = torch.empty_like(x)
         per_draft = 4 * x.shape[1] * self.a.head_dim * (self.a.n_heads + self.a.sliding_window)
@@ -178,8 +201,8 @@ class DSparkBlock:
             rows = slice(start, start + chunk)
             attn[rows] = self.attention(x[rows], context, starts[rows], (rope[0][rows], rope[1][rows]))
         streams = HyperConnection.merge(streams, attn, post, comb)
-        post, comb, x = self.ffn_hc(streams)
-        return HyperConnection.merge(streams, self.ffn(rms_norm(x, self.ffn_norm, eps), None), post, comb)
+        post, comb, x, carried = self.mix(self.ffn_hc, streams, carried)
+        return HyperConnection.merge(streams, self.ffn(rms_norm(x, self.ffn_norm, eps), None), post, comb), carried
 
     def attention(self, x: torch.Tensor, context: torch.Tensor, starts: torch.Tensor, rope) -> torch.Tensor:
         """Each block query sees the last min(window, p0) context rows before its draft's start and every block row
@@ -231,18 +254,22 @@ class DSparkDrafter:
     def __init__(self, oracle):
         fam = oracle.family
         arch = (oracle.pack.config.get("architectures") or ["?"])[0]
-        if not isinstance(fam, DeepseekV4Family) or arch != ARCH:
-            raise ConfigError(f"the DSpark drafter is implemented for {ARCH} packs, not {arch} (DeepSeek-V4.1's "
-                              f"drafter taps block inputs, drops the q head norm and collapses its hc sites "
-                              f"differently: not implemented)")
+        if not isinstance(fam, DeepseekV4Family) or arch not in DSPARK_ARCHS:
+            raise ConfigError(f"the DSpark drafter is implemented for {list(DSPARK_ARCHS)} packs, not {arch}")
         self.oracle, self.family = oracle, fam
         names = oracle.pack.names()
-        self.args = DSparkArgs.from_config(oracle.pack.config, fam.n_layers, names)
+        v41 = arch == V41_ARCH
+        cfg = oracle.pack.config
+        if v41 and isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg, **cfg["text_config"]}
+        self.args = DSparkArgs.from_config(cfg, fam.n_layers, names, v41,
+                                           fam.v41.engram_layers if v41 else ())
         self.block_args = dataclasses.replace(fam.args, layer_types=[SLIDING], ratios=[0], hash_layers=[False],
                                               n_routed_experts=self.args.n_routed_experts, top_k=self.args.top_k)
         self.stored = self._resolve(names)
         self.last = self.args.n_blocks - 1
-        required = ["mtp.0.main_proj.weight", "mtp.0.main_norm.weight"] + head_names(self.last)
+        exit_names = head_names(self.last)[3:] if self.args.carry_pre else head_names(self.last)   # V4.1: no hc_head
+        required = ["mtp.0.main_proj.weight", "mtp.0.main_norm.weight"] + exit_names
         for i in range(self.args.n_blocks):
             required += block_names(i, self.block_args)
         missing = [x for x in required if x not in self.stored]
@@ -274,9 +301,9 @@ class DSparkDrafter:
     def taps(self, rows: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One trunk pass (the oracle's own): (per row the concatenated taps [T, n_taps * hidden],
         per row the final hidden state [T, hidden])."""
-        targets = sorted(self.args.target_layer_ids)   # concatenated in the order the trunk produces them
-        taps, finals = trunk_pass(self.oracle, rows, targets, lambda streams: streams.mean(dim=2))
-        return [torch.cat([row[t] for t in targets], dim=-1) for row in taps], finals
+        layers = self.args.tap_layers   # concatenated in the order the trunk produces them
+        taps, finals = trunk_pass(self.oracle, rows, layers, lambda streams: streams.mean(dim=2))
+        return [torch.cat([row[t] for t in layers], dim=-1) for row in taps], finals
 
     def main_x(self, taps: torch.Tensor) -> torch.Tensor:
         fetch = self.oracle.fetch
@@ -284,7 +311,7 @@ class DSparkDrafter:
                         fetch(self.n("mtp.0.main_norm.weight")), self.family.rms_norm_eps)
 
     def load_block(self, i: int) -> DSparkBlock:
-        return DSparkBlock(self.block_args, i, self.n, self.oracle.fetch, self.args.q_head_norm)
+        return DSparkBlock(self.block_args, i, self.n, self.oracle.fetch, self.args.q_head_norm, self.args.carry_pre)
 
     # -- drafting ------------------------------------------------------------------------------------------------
     def draft(self, tokens: torch.Tensor, starts: list[int] | None = None) -> DraftOutput:
@@ -319,20 +346,28 @@ class DSparkDrafter:
         streams = fam.embed_hook(x)
         main_x = [self.main_x(t.to(device)) for t in taps]                              # per row [T, hidden]
         rope = (cos[positions].repeat(B, 1, 1), sin[positions].repeat(B, 1, 1))
+        carried = None                                                                  # V4.1: [B * S, block, hc]
         for i in range(a.n_blocks):
             block = self.load_block(i)
             out = torch.empty_like(streams)
+            pre = streams.new_empty(streams.shape[:3]) if a.carry_pre else None
             for b in range(B):
                 rows = slice(b * S, (b + 1) * S)
                 context = block.context_kv(main_x[b], cos[:T], sin[:T])
-                out[rows] = block(streams[rows], context, p0, (rope[0][rows], rope[1][rows]))
-            streams = out
+                out[rows], row_pre = block(streams[rows], context, p0, (rope[0][rows], rope[1][rows]),
+                                           None if carried is None else carried[rows])
+                if pre is not None:
+                    pre[rows] = row_pre
+            streams, carried = out, pre
             del block
         fetch = oracle.fetch
-        fn, base, scale = (fetch(self.n(x)) for x in head_names(self.last)[:3])
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(2), fam.rms_norm_eps), fn)
-        pre = torch.sigmoid(mixes * scale + base) + fam.args.hc_eps
-        prenorm = (pre.unsqueeze(-1) * streams).sum(dim=2)                              # [B * S, block, hidden]
+        if a.carry_pre:     # V4.1: the exit collapses with the last site's pre, no hc_head
+            pre = carried
+        else:
+            fn, base, scale = (fetch(self.n(x)) for x in head_names(self.last)[:3])
+            mixes = F.linear(unweighted_rms_norm(streams.flatten(2), fam.rms_norm_eps), fn)
+            pre = torch.sigmoid(mixes * scale + base) + fam.args.hc_eps
+        prenorm = collapse(streams, pre)                                                # [B * S, block, hidden]
         hidden = rms_norm(prenorm, fetch(self.n(head_names(self.last)[3])), fam.rms_norm_eps)
         logits = oracle.apply_head(hidden).view(B, S, bs, -1)
         drafts, biased, confidence = self._chain(logits, block_ids[:, :, 0], prenorm.view(B, S, bs, -1))
