@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -93,8 +95,9 @@ def tokenizer_json(path: Path) -> None:
     tok.save(str(path))
 
 
-def write_pack(root: Path, cfg: dict, seed: int, extra_names=(), dtype=torch.float32) -> Path:
-    """A random pack for cfg in official names (plus extra_names), engram tables in their own file."""
+def write_pack(root: Path, cfg: dict, seed: int, extra_names=(), dtype=torch.float32, tables: bool = True) -> Path:
+    """A random pack for cfg in official names (plus extra_names), engram tables (unless not `tables`) in their own
+    file."""
     root.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     fam = family_for(cfg)
@@ -105,7 +108,7 @@ def write_pack(root: Path, cfg: dict, seed: int, extra_names=(), dtype=torch.flo
     main, engram = {}, {}
     for name in names:
         main[name] = random_tensor(name, shape_of(name, cfg), g).to(dtype)
-    for layer, rows in zip(cfg.get("engram_layer_ids") or [], cfg.get("engram_num_embeddings") or []):
+    for layer, rows in zip(cfg.get("engram_layer_ids") or [] if tables else [], cfg.get("engram_num_embeddings") or []):
         engram[f"layers.{layer}.engram.embed.weight"] = torch.randn(rows, cfg["engram_head_dim"], generator=g).to(dtype)
     write_safetensors(root / "model.safetensors", main)
     if engram:
@@ -595,6 +598,55 @@ def test_engram_gate_floors_a_zero_dot_like_the_reference(tmp_path, rng_seed):
     values = (rows @ wkv.T)[..., HC * H:]
     assert torch.allclose(got, torch.sigmoid(torch.tensor(1e-3)) * values.unsqueeze(-2).expand_as(got), atol=1e-6)
     assert not torch.allclose(got, 0.5 * values.unsqueeze(-2).expand_as(got), atol=1e-6)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc for resident memory")
+def test_oracle_with_multi_gb_fp8_engram_table_reads_only_rows_touched(tmp_path, rng_seed):
+    """A V4.1 pack whose Engram table is the release's layout at 3.9 GiB (FP8 e4m3 rows of 64, e8m0 scales per 32: a
+    sparse file, the rows this forward hashes to written, holes elsewhere): the oracle's resident memory grows by
+    megabytes, the table is read row by row, and the rows it read are the written ones dequantized."""
+    from fidelity.oracle.engram import EngramArgs, ngram_rows
+    cfg = base_config(engram_vocab_size=16_000_000, engram_head_dim=64)
+    rows, dim = cfg["engram_num_embeddings"][0], 64
+    root = write_pack(tmp_path / "p", cfg, rng_seed, tables=False)
+    weight, scale = "layers.0.engram.embed.weight", "layers.0.engram.embed.scale"
+    header = json.dumps({weight: {"dtype": "F8_E4M3", "shape": [rows, dim], "data_offsets": [0, rows * dim]},
+                         scale: {"dtype": "F8_E8M0", "shape": [rows, 2], "data_offsets": [rows * dim, rows * (dim + 2)]}})
+    header = header.encode() + b" " * (-len(header) % 8)
+    path, start = root / "model-engram.safetensors", 8 + len(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(start + rows * (dim + 2))
+    assert path.stat().st_size > 3.9 * 2 ** 30
+    oracle = Oracle(open_pack(root))
+    g = torch.Generator().manual_seed(rng_seed)
+    warm, tokens = random_tokens(g, 1, 24), random_tokens(g, 1, 24)
+    ids = oracle.family.token_map()[tokens]
+    touched = ngram_rows(ids, EngramArgs.from_config(oracle.family.text, 0, oracle.family.token_map())).unique()
+    values = (torch.randn(touched.numel(), dim, generator=g) * 30).to(torch.float8_e4m3fn)
+    exps = torch.randint(120, 130, (touched.numel(), 2), generator=g).to(torch.uint8)
+    with open(path, "r+b") as f:
+        for r, v, e in zip(touched.tolist(), values, exps):
+            f.seek(start + r * dim)
+            f.write(v.view(torch.uint8).numpy().tobytes())
+            f.seek(start + rows * dim + r * 2)
+            f.write(e.numpy().tobytes())
+    first = resident_bytes()
+    oracle.logits(warm)                                # loads the small weights, warms allocator and file machinery
+    before = resident_bytes()
+    logits = oracle.logits(tokens)
+    grown, total = resident_bytes() - before, resident_bytes() - first
+    table = oracle.family.table(0)
+    print(f"Engram table {path.stat().st_size / 2**30:.1f} GiB, rows touched {touched.numel()}, oracle resident "
+          f"growth {grown / 2**20:.1f} MiB ({total / 2**20:.1f} MiB over both forwards, weights included)")
+    assert torch.isfinite(logits).all() and grown < 64 * 2 ** 20 and total < 512 * 2 ** 20
+    scales = torch.tensor([[2.0 ** (int(e) - 127) for e in row for _ in range(32)] for row in exps])
+    assert torch.equal(table.rows(touched), values.float() * scales)
 
 
 def test_engram_without_tokenizer_is_named(tmp_path, rng_seed):
