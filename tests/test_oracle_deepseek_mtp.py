@@ -181,7 +181,7 @@ def test_drafter_matches_composition(built, rng_seed):
     T_len = 14
     tokens = torch.randint(0, TRUNK["vocab_size"] - 1, (2, T_len))
     starts = [1, 4, 6, 9, 12, 13]   # contexts shorter and longer than the window (5); blocks running past the row
-    out = DSparkDrafter(Oracle(open_pack(folder))).draft(tokens, starts)
+    out = Oracle(open_pack(folder)).drafter().draft(tokens, starts)
     main, logits, biased, drafts, conf = reference(trunk, body, extra, tokens, starts)
     print("max |d main|", float((out.main_logits - main).abs().max()), "max |d draft|",
           float((out.logits - logits).abs().max()), "logit std", float(logits.std()))
@@ -211,7 +211,7 @@ def test_main_outputs_unchanged(built, rng_seed):
     oracle = Oracle(open_pack(folder))
     tokens = torch.randint(0, TRUNK["vocab_size"], (3, 9))
     before = oracle.logits(tokens)
-    out = DSparkDrafter(oracle).draft(tokens, [2, 5])
+    out = oracle.drafter().draft(tokens, [2, 5])
     after = oracle.logits(tokens)
     assert torch.equal(before, after)
     assert torch.equal(out.main_logits, before)
@@ -455,13 +455,13 @@ def v3_reference(trunk, deep, extra, tokens, hidden):
 @pytest.mark.parametrize("arch,hidden", [("v3", "post_norm"), ("v3", "pre_norm"), ("v32", "post_norm")])
 def test_v3_mtp_matches_composition(tmp_path, rng_seed, arch, hidden):
     """V3.2: 22 tokens, more than index_topk (7), so the MTP layer's own indexer selects."""
-    from fidelity.oracle.deepseek_mtp import NextNDrafter, drafter
+    from fidelity.oracle.deepseek_mtp import NextNDrafter
     trunk, deep, extra, folder = build_v3_mtp(tmp_path, rng_seed, arch=arch)
     vocab = trunk.config.vocab_size
     tokens = torch.randint(0, vocab, (2, 22 if arch == "v32" else 11))
     oracle = Oracle(open_pack(folder))
     before = oracle.logits(tokens)
-    mtp = drafter(oracle, hidden=hidden)
+    mtp = oracle.drafter(hidden=hidden)
     assert isinstance(mtp, NextNDrafter)
     got = mtp.logits(tokens)
     want, main = v3_reference(trunk, deep, extra, tokens, hidden)

@@ -101,6 +101,12 @@ class Oracle:
         """Drop cached head and layer weights."""
         self._head, self._norm, self._layers = None, None, {}
 
+    def drafter(self, **options):
+        """The pack's own drafter over this oracle's trunk (DeepSeek-V4/V4.1 DSpark, V3/V3.2 MTP module); the oracle's
+        outputs are unchanged. See fidelity.oracle.deepseek_mtp."""
+        from .deepseek_mtp import drafter
+        return drafter(self, **options)
+
     # -- forward -------------------------------------------------------------------------------------------
     def hidden_states(self, rows: list[list[int]], progress: bool = True) -> list[torch.Tensor]:
         """Final hidden state (after the last norm) of every row: list of [T_i, hidden] in the oracle's dtype."""
