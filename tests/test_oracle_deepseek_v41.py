@@ -469,6 +469,15 @@ def test_v41_reference_emulation_rounds_where_the_reference_does(tmp_path, rng_s
     assert len(acts) >= 5 * (4 + 2) + 3 + 1
 
 
+def test_a_pool_reader_run_before_its_source_is_named(tmp_path, rng_seed):
+    from fidelity.errors import FidelityError
+    oracle = Oracle(open_pack(write_pack(tmp_path / "p", base_config(engram_layer_ids=[]), rng_seed)))
+    tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 8)
+    streams = torch.randn(1, 8, HC, H)
+    with pytest.raises(FidelityError, match=r"layer 2 reads the pool of layer 1, which has not run"):
+        oracle.load_layer(2)(streams, oracle.family.rope_tables(8, torch.float32, "cpu"), tokens)
+
+
 def test_text_config_nesting_and_v41_defaults(rng_seed):
     cfg = base_config()
     nested = {"architectures": cfg["architectures"], "model_type": "deepseek_v41",

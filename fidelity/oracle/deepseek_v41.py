@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, PackError
+from ..errors import ConfigError, FidelityError, PackError
 from .common import ATTENTION_CHUNK_BYTES, Fetch, rms_norm
 from .deepseek_v4 import (HCA, SLIDING, DeepseekV4Args, DeepseekV4Family, HyperConnection, MoE, collapse,
                           finished_entries, hyper_connection, no_quant, rope_table, rope_tail, sink_attention,
@@ -372,7 +372,8 @@ class Attention:
                 state.pools[self.layer] = self.build_pool(x)
             pool = state.pools.get(self.owner)
             if pool is None:
-                raise ConfigError(f"layer {self.layer} reads the pool of layer {self.owner}, which has not run")
+                raise FidelityError(f"layer {self.layer} reads the pool of layer {self.owner}, which has not run for "
+                                    f"these rows (V4.1 layers run in order, from layer 0, on one token tensor)")
             entries = pool.entries
             visible = finished_entries(T, self.ratio, x.device).expand(B, T, -1)
             if entries.shape[1] > b.index_topk:
