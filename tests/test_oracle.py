@@ -8,7 +8,7 @@ import transformers as T
 from fidelity import open_pack
 from fidelity.errors import ConfigError, FidelityError, PackError
 from fidelity.oracle import Oracle, supported_architectures
-from fidelity.oracle.llama import QUERY_BLOCK
+from fidelity.oracle.llama import MIN_QUERY_BLOCK
 from test_oracle_support import build, hf_logits
 
 TOL = 1e-4
@@ -89,7 +89,7 @@ def test_rows_spanning_several_query_blocks_match_transformers(tmp_path, rng_see
     """Attention runs in query blocks (only the diagonal block masked when there is no window); rows of several
     blocks, with a window that crosses block edges, still match HF, and partial last blocks too."""
     model, pack = make(tmp_path, case, rng_seed)
-    tokens = torch.randint(0, COMMON["vocab_size"], (2, 3 * QUERY_BLOCK + 5))
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 3 * MIN_QUERY_BLOCK + 5))
     delta = (Oracle(pack).logits(tokens) - hf_logits(model, tokens)).abs().max().item()
     print(f"{case}, {tokens.shape[1]} positions: max |dlogit| = {delta:.3g}")
     assert delta <= TOL
