@@ -18,7 +18,7 @@ HEAD_CHUNK_BYTES = 256 * 2**20
 # (MKL sums fewer than 16 rows in another order: last-bit differences), so with one shape a position's logits depend on
 # its hidden state alone, never on how many positions were computed with it; the reference store's exact re-derivation
 # and `fidelity serve` vs a store rely on that.
-HEAD_ROWS = 128
+HEAD_ROWS = 64
 # Rows of equal length are batched together up to this many tokens.
 BATCH_TOKENS = 8192
 # Streaming trims the heap once layers totalling this many fp32 bytes were let go, not after every layer: a trim hands
