@@ -109,6 +109,15 @@ def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, 
     got = (f"re-derived {have:.9g}" if int(got_ids[j, rank]) == tok
            else f"re-derived rank {rank} is token {int(got_ids[j, rank])} ({float(got_lps[j, rank]):.9g}); token {tok} now {have:.9g}")
     dev = float((got_lps[bad] - lps[bad]).abs().max())
+    from .metrics import topk_logprobs
+    again_ids, again_lps = topk_logprobs(logits, k)  # tells a store that differs from arithmetic that is not repeatable here
+    if torch.equal(again_ids, got_ids) and torch.equal(again_lps, got_lps):
+        repeat = "the same logits give the same log-probs again"
+    else:
+        same = torch.equal(again_ids[j], ids[j]) and torch.equal(again_lps[j], lps[j])
+        repeat = (f"the same logits give other log-probs on a second pass here (max change "
+                  f"{float((again_lps - got_lps).abs().max()):.3g}; the second pass {'matches' if same else 'differs from'} "
+                  f"the store at this position): this process's arithmetic is not repeatable")
     env = ""
     if ref.built_with is not None:
         now = numerics(ref.device)
@@ -119,8 +128,8 @@ def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, 
     return (f"row {row.id!r} position {pos}: logits re-derived from the stored hidden state do not reproduce the stored "
             f"top-{k}: first at rank {rank}, token {tok} (predicting token {row.tokens[pos + 1]}): stored log-prob "
             f"{want:.9g}, {got} (|diff| {abs(have - want):.3g}, {ulps:.0f} float32 ulp); {int(bad.sum())} of "
-            f"{len(bad)} scored positions of this row differ, max log-prob deviation {dev:.3g}. The reference pack's "
-            f"head or this machine's matmul differs from the one that built the store.{env}")
+            f"{len(bad)} scored positions of this row differ, max log-prob deviation {dev:.3g}; {repeat}. The reference "
+            f"pack's head or this machine's matmul differs from the one that built the store.{env}")
 
 
 def head_sha256(oracle) -> str:

@@ -109,7 +109,7 @@ def test_store_refusal_names_position_rank_token_and_size(rng_seed):
     want = float(ref.topk[0][1][3, rank])
     have = float(changed[3, int(ref.topk[0][0][3, rank])] - lse)
     assert f"stored log-prob {want:.9g}, re-derived {have:.9g}" in msg and f"|diff| {abs(have - want):.3g}" in msg
-    assert "1 of 6 scored positions of this row differ" in msg
+    assert "1 of 6 scored positions of this row differ" in msg and "the same logits give the same log-probs again" in msg
     assert f"threads=17 (now {torch.get_num_threads()})" in msg
 
 
