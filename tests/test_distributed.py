@@ -344,7 +344,11 @@ def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
     assert one == two
     a, b = (pq.read_table(root / d / "records.parquet") for d in ("store_one", "store_two"))
     assert a.equals(b)
-    assert (root / "store_one" / "manifest.json").read_text() == (root / "store_two" / "manifest.json").read_text()
+    # identical apart from the thread count recorded as a diagnostic (torchrun gives each rank one thread; the head's
+    # fixed-shape GEMMs make the logits independent of it, which the equal records above show)
+    m_one, m_two = (json.loads((root / d / "manifest.json").read_text()) for d in ("store_one", "store_two"))
+    assert m_one["numerics"].pop("threads") >= 1 and m_two["numerics"].pop("threads") >= 1
+    assert m_one == m_two
 
 
 @pytest.mark.slow
