@@ -36,7 +36,14 @@ def edit_config(folder: Path, **edit) -> Path:
 
 
 def build_v4(config, folder, seed: int):
-    """Random-init fp32 V4 saved with save_pretrained; hash tables get distinct random experts per token."""
+    """Random-init fp32 V4 (`random_v4`) saved with save_pretrained."""
+    model = random_v4(config, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def random_v4(config, seed: int):
+    """Random-init fp32 V4; hash tables get distinct random experts per token."""
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = T.DeepseekV4ForCausalLM(config).to(torch.float32).eval()
@@ -53,5 +60,4 @@ def build_v4(config, folder, seed: int):
                 perms = torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:config.num_experts_per_tok]
                                      for _ in range(config.vocab_size)])
                 gate.tid2eid.copy_(perms)
-    model.save_pretrained(folder)
     return model

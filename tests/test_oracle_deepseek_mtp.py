@@ -20,7 +20,7 @@ from fidelity.errors import ConfigError, FidelityError, PackError
 from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek_mtp import DSparkDrafter, acceptance
 from fidelity.packs.minipacks_v4 import official_name
-from test_oracle_support import randomize
+from _deepseek_configs import random_v4
 
 TOL = 1e-4
 TRUNK = dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=4,
@@ -36,22 +36,7 @@ NOISE = TRUNK["vocab_size"] - 1
 
 
 def hf_model(config: dict, seed: int):
-    cfg = T.DeepseekV4Config(**config)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = T.DeepseekV4ForCausalLM(cfg).to(torch.float32).eval()
-    model.set_experts_implementation("eager")
-    randomize(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("scale"):
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
-        for layer in model.model.layers:
-            if hasattr(layer.mlp.gate, "tid2eid"):
-                layer.mlp.gate.tid2eid.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:2]
-                                                          for _ in range(cfg.vocab_size)]))
-    return model
+    return random_v4(T.DeepseekV4Config(**config), seed)
 
 
 def saved_official(model, folder) -> dict[str, torch.Tensor]:
