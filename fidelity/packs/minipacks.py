@@ -162,6 +162,24 @@ class _Writer:
             (self.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
 
 
+def shard_for(layout: str, name: str, kind: str, exl3: bool, n_experts: int) -> str:
+    """The safetensors file a layout puts a tensor in (V3-style and V4 miniature packs alike)."""
+    e = routed_expert(name)
+    if kind == "engram":                         # V4.1's tables: their own shard in every layout
+        return f"model-engram-L{int(name.split('.')[1]):02d}.safetensors"
+    if layout in ("exllamav3", "exl3-mixed"):
+        return "model.safetensors"
+    if layout in ("cuda-exl3", "fp8-mxfp4"):
+        return "model-00002-of-00002.safetensors" if kind == "expert" else "model-00001-of-00002.safetensors"
+    if layout == "deepseek_v41_exl3":
+        if kind == "expert":
+            return f"model-exl3-L{e[1]:02d}-p{int(e[2] >= n_experts // 2)}.safetensors"
+        if kind == "head" and exl3:
+            return "model-exl3-head.safetensors"
+        return "model-exl3-dense.safetensors" if exl3 else "model-rest.safetensors"
+    return f"model-experts-L{e[1]:02d}.safetensors" if kind == "expert" else "model-00001-of-00003.safetensors"
+
+
 def write_minipack(native: Pack | str | Path, layout: str, out_dir: str | Path, spec: MiniPackSpec = MiniPackSpec(),
                    cache: EncodingCache | None = None, device: str | None = None) -> Path:
     """Write `native` in one of LAYOUTS to out_dir (created). Returns the folder."""
@@ -181,20 +199,6 @@ def write_minipack(native: Pack | str | Path, layout: str, out_dir: str | Path, 
     n_experts = int(cfg.get("n_routed_experts") or 0)
     fp8_qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
-    def file_for(name: str, kind: str, exl3: bool) -> str:
-        e = routed_expert(name)
-        if layout == "exllamav3" or layout == "exl3-mixed":
-            return "model.safetensors"
-        if layout == "cuda-exl3":
-            return "model-00002-of-00002.safetensors" if kind == "expert" else "model-00001-of-00002.safetensors"
-        if layout == "deepseek_v41_exl3":
-            if kind == "expert":
-                return f"model-exl3-L{e[1]:02d}-p{int(e[2] >= n_experts // 2)}.safetensors"
-            if kind == "head" and exl3:
-                return "model-exl3-head.safetensors"
-            return "model-exl3-dense.safetensors" if exl3 else "model-rest.safetensors"
-        return f"model-experts-L{e[1]:02d}.safetensors" if kind == "expert" else "model-00001-of-00003.safetensors"
-
     for name in native.names():
         shape = tuple(native.storage(name).shape)
         kind = _kind(name, shape)
@@ -210,18 +214,18 @@ def write_minipack(native: Pack | str | Path, layout: str, out_dir: str | Path, 
             for piece_base, cache_name, piece in pieces:
                 enc = cache.get(cache_name, piece, K, spec.codebook, device)
                 for part, t in enc.items():
-                    writer.add(file_for(name, kind, True), f"{piece_base}.{part}", t)
+                    writer.add(shard_for(layout, name, kind, True, n_experts), f"{piece_base}.{part}", t)
                 tensor_storage[piece_base] = {
                     "stored_tensors": {f"{piece_base}.{p}": {"shape": list(t.shape), "dtype": str(t.dtype)} for p, t in enc.items()},
                     "quant_format": "exl3", "bits_per_weight": K}
         elif layout in ("cuda-exl3", "exl3-expert-packs") and kind == "linear":
             q, scale = _fp8_block(w)
             base = stored[: -len(".weight")]
-            writer.add(file_for(name, kind, False), f"{base}.weight", q)
-            writer.add(file_for(name, kind, False), f"{base}.scale", scale)
+            writer.add(shard_for(layout, name, kind, False, n_experts), f"{base}.weight", q)
+            writer.add(shard_for(layout, name, kind, False, n_experts), f"{base}.scale", scale)
         else:
             dtype = torch.float16 if layout == "exllamav3" else torch.bfloat16
-            writer.add(file_for(name, kind, False), stored, w.to(dtype))
+            writer.add(shard_for(layout, name, kind, False, n_experts), stored, w.to(dtype))
 
     extra_index = {}
     if layout == "exllamav3":

@@ -33,7 +33,7 @@ import torch
 from ..errors import ConfigError
 from .base import Pack
 from .exl3_layouts import PLAN_FILE, official_to_hf, routed_expert
-from .minipacks import EncodingCache
+from .minipacks import EncodingCache, shard_for
 from .safetensors_io import write_safetensors
 
 LAYOUTS = ("exllamav3", "cuda-exl3", "deepseek_v41_exl3", "exl3-expert-packs", "exl3-mixed", "fp8-mxfp4")
@@ -243,23 +243,6 @@ def required_encodings(native: Pack, spec: V4MiniSpec = V4MiniSpec(), layouts=EX
     return [(n, w, K) for (n, K), w in need.items()]
 
 
-def _file_for(layout: str, name: str, kind: str, exl3: bool, n_experts: int) -> str:
-    e = routed_expert(name)
-    if kind == "engram":                         # V4.1's tables: their own shard in every layout
-        return f"model-engram-L{int(name.split('.')[1]):02d}.safetensors"
-    if layout in ("exllamav3", "exl3-mixed"):
-        return "model.safetensors"
-    if layout in ("cuda-exl3", "fp8-mxfp4"):
-        return "model-00002-of-00002.safetensors" if kind == "expert" else "model-00001-of-00002.safetensors"
-    if layout == "deepseek_v41_exl3":
-        if kind == "expert":
-            return f"model-exl3-L{e[1]:02d}-p{int(e[2] >= n_experts // 2)}.safetensors"
-        if kind == "head" and exl3:
-            return "model-exl3-head.safetensors"
-        return "model-exl3-dense.safetensors" if exl3 else "model-rest.safetensors"
-    return f"model-experts-L{e[1]:02d}.safetensors" if kind == "expert" else "model-00001-of-00003.safetensors"
-
-
 FP8_DECLARED = ("cuda-exl3", "exl3-expert-packs", "fp8-mxfp4")    # layouts whose metadata states the FP8 block
 
 
@@ -306,12 +289,12 @@ def write_v4_minipack(native: Pack | str | Path, layout: str, out_dir: str | Pat
                 enc = cache.get(base, piece, K, spec.codebook, device)
                 stored_base = rename(f"{base}.weight")[: -len(".weight")]
                 for part, t in enc.items():
-                    add(_file_for(layout, name, kind, True, n_experts), f"{stored_base}.{part}", t)
+                    add(shard_for(layout, name, kind, True, n_experts), f"{stored_base}.{part}", t)
                 tensor_storage[stored_base] = {"quant_format": "exl3", "bits_per_weight": K}
             continue
         stored = rename(name)
         base = stored[: -len(".weight")]
-        file = _file_for(layout, name, kind, False, n_experts)
+        file = shard_for(layout, name, kind, False, n_experts)
         if kind in ("expert", "shared"):
             q, s = mxfp4(w)
         elif kind == "engram":
