@@ -20,6 +20,7 @@ from fidelity.packs.exl3_layouts import PLAN_FILE, official_to_hf, routed_expert
 from fidelity.packs.minipacks import EncodingCache
 from fidelity.packs.minipacks_v4 import (EXL3_LAYOUTS, LAYOUTS, TINY_V4, V4MiniSpec, kind_of, official_name,
                                          write_all)
+from test_oracle_support import write_word_panel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v4"
 NATIVE = FIXTURES / "tiny_v4"
@@ -176,13 +177,8 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
 def test_compare_cli_end_to_end(packs, tmp_path, rng_seed):
     from fidelity.cli import main
 
-    g = torch.Generator().manual_seed(rng_seed)
     words = ["pack", "trellis", "expert", "window", "sparse", "token", "scale", "hyper", "stream", "drift", "K", "bits"]
-    panel = tmp_path / "panel.jsonl"
-    rows = [{"id": f"r{i}", "domain": ("prose", "code")[i % 2],
-             "text": " ".join(words[j] for j in torch.randint(0, len(words), (12,), generator=g).tolist())}
-            for i in range(6)]
-    panel.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    panel = write_word_panel(tmp_path / "panel.jsonl", words, rows=6, words_per_row=12, seed=rng_seed)
     out = tmp_path / "report.json"
     rc = main(["compare", str(NATIVE), *(str(packs[lay]) for lay in LAYOUTS), *(a for lay in LAYOUTS for a in ("--label", lay)),
                "--panel", str(panel), "--json", str(out), "--no-noise-floor", "--bootstrap", "200"])

@@ -19,6 +19,7 @@ from fidelity.packs.exl3_layouts import official_to_hf, routed_expert
 from fidelity.packs.minipacks import EncodingCache
 from fidelity.packs.minipacks_v4 import FP8_DECLARED, LAYOUTS
 from fidelity.packs.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+from test_oracle_support import write_word_panel
 
 V4_FIXTURES = Path(__file__).parent / "fixtures" / "v4"
 TABLE = "layers.0.engram.embed"
@@ -104,13 +105,8 @@ def test_layout_opens_engram_rows_exact_and_oracle_runs(native, packs, layout, r
 def test_compare_cli_end_to_end(native, packs, tmp_path, rng_seed):
     from fidelity.cli import main
 
-    g = torch.Generator().manual_seed(rng_seed)
     words = ["engram", "pool", "index", "window", "Sparse", "Token", "scale", "hyper", "stream", "drift", "K", "bits"]
-    panel = tmp_path / "panel.jsonl"
-    rows = [{"id": f"r{i}", "domain": ("prose", "code")[i % 2],
-             "text": " ".join(words[j] for j in torch.randint(0, len(words), (10,), generator=g).tolist())}
-            for i in range(4)]
-    panel.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    panel = write_word_panel(tmp_path / "panel.jsonl", words, rows=4, words_per_row=10, seed=rng_seed)
     out = tmp_path / "report.json"
     rc = main(["compare", str(native), *(str(packs[lay]) for lay in COMPARED), *(a for lay in COMPARED for a in ("--label", lay)),
                "--panel", str(panel), "--json", str(out), "--no-noise-floor", "--bootstrap", "100"])

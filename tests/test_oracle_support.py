@@ -46,3 +46,15 @@ def build(config: transformers.PretrainedConfig, model_cls, folder: Path, seed: 
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=tokens, use_cache=False).logits.to(torch.float32)
+
+
+def write_word_panel(path: Path, words: list[str], rows: int, words_per_row: int, seed: int) -> Path:
+    """A text panel of `rows` random word sequences, domains alternating prose/code."""
+    import json
+
+    g = torch.Generator().manual_seed(seed)
+    lines = [{"id": f"r{i}", "domain": ("prose", "code")[i % 2],
+              "text": " ".join(words[j] for j in torch.randint(0, len(words), (words_per_row,), generator=g).tolist())}
+             for i in range(rows)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
