@@ -199,7 +199,7 @@ def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, d
 def run(args) -> int:
     import json
 
-    from .compare import markdown, print_report, write_outputs
+    from .compare import print_report, write_outputs
 
     con = Console()
     formats = ([f.strip() for f in args.formats.split(",") if f.strip()] if args.formats
