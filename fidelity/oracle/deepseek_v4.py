@@ -428,17 +428,22 @@ class Indexer:
         return keep & finished
 
 
+def fetch_attention_weights(attn, p: str, n, fetch):
+    """The projections, norms and sinks every V4-style attention layer stores under `p` (= layers.L.attn)."""
+    attn.wq_a, attn.q_norm = fetch(n(f"{p}.wq_a.weight")), fetch(n(f"{p}.q_norm.weight"))
+    attn.wq_b = fetch(n(f"{p}.wq_b.weight"))
+    attn.wkv, attn.kv_norm = fetch(n(f"{p}.wkv.weight")), fetch(n(f"{p}.kv_norm.weight"))
+    attn.wo_a, attn.wo_b = fetch(n(f"{p}.wo_a.weight")), fetch(n(f"{p}.wo_b.weight"))
+    attn.sinks = fetch(n(f"{p}.attn_sink"))
+
+
 class Attention:
     def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
         p = f"layers.{layer}.attn"
         self.a, self.kind, self.ratio = a, a.layer_types[layer], a.ratios[layer]
         self.act_quant = emulation.act if emulation is not None else no_quant
         self.round_kv = (lambda kv: emulation.kv_nope(kv, a.rope_dim)) if emulation is not None else no_quant
-        self.wq_a, self.q_norm = fetch(n(f"{p}.wq_a.weight")), fetch(n(f"{p}.q_norm.weight"))
-        self.wq_b = fetch(n(f"{p}.wq_b.weight"))
-        self.wkv, self.kv_norm = fetch(n(f"{p}.wkv.weight")), fetch(n(f"{p}.kv_norm.weight"))
-        self.wo_a, self.wo_b = fetch(n(f"{p}.wo_a.weight")), fetch(n(f"{p}.wo_b.weight"))
-        self.sinks = fetch(n(f"{p}.attn_sink"))
+        fetch_attention_weights(self, p, n, fetch)
         self.compressor = self.indexer = None
         if self.kind != SLIDING:
             self.compressor = Compressor(f"{p}.compressor", n, fetch, a.head_dim, self.ratio, self.kind == CSA,

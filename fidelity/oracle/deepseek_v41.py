@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from ..errors import ConfigError, FidelityError, PackError
 from .common import ATTENTION_CHUNK_BYTES, Fetch, rms_norm
 from .deepseek_v4 import (HCA, SLIDING, DeepseekV4Args, DeepseekV4Family, HyperConnection, MoE, collapse,
-                          finished_entries, hyper_connection, no_quant, rope_table, rope_tail, sink_attention,
-                          unweighted_rms_norm)
+                          fetch_attention_weights, finished_entries, hyper_connection, no_quant, rope_table, rope_tail,
+                          sink_attention, unweighted_rms_norm)
 from .deepseek_v4 import layer_names as v4_layer_names
 from .engram import EngramArgs, EngramLayer, RowTable, compressed_token_map
 
@@ -286,11 +286,7 @@ class Attention:
         if emulation is not None:
             self.round_kv = lambda kv: emulation.round_kv(kv, b.rope_dim)
             self.round_entries = lambda kv: emulation.round_kv(kv, b.rope_dim, compressed=True)
-        self.wq_a, self.q_norm = fetch(n(f"{p}.wq_a.weight")), fetch(n(f"{p}.q_norm.weight"))
-        self.wq_b = fetch(n(f"{p}.wq_b.weight"))
-        self.wkv, self.kv_norm = fetch(n(f"{p}.wkv.weight")), fetch(n(f"{p}.kv_norm.weight"))
-        self.wo_a, self.wo_b = fetch(n(f"{p}.wo_a.weight")), fetch(n(f"{p}.wo_b.weight"))
-        self.sinks = fetch(n(f"{p}.attn_sink"))
+        fetch_attention_weights(self, p, n, fetch)
         self.compressor = self.index_wk = None
         if self.owner == layer:
             self.compressor = PoolCompressor(f"{p}.compressor", n, fetch, has, b.head_dim, self.ratio, b.rms_norm_eps,
