@@ -365,6 +365,11 @@ def test_fp4_kv_emulation_rounds_pool_entries(tmp_path, rng_seed, monkeypatch):
     label = emulate_reference_quant(oracle, QuantEmulation(activations=False, kv="fp4"))
     assert "kv fp4-e2m1/16 e4m3 scales" in label and oracle.family.numerics == label
     calls.clear()
+    from fidelity.oracle import deepseek_v4_quant
+    roundings = []                                               # (input, output) of every fp4 rounding in the forward
+    real_fp4 = deepseek_v4_quant.fake_fp4_e4m3_scales
+    monkeypatch.setattr(deepseek_v4_quant, "fake_fp4_e4m3_scales",
+                        lambda x, block: roundings.append((x, real_fp4(x, block))) or roundings[-1][1])
     rounded = oracle.logits(tokens)
     pool = calls[1][3].pools[1].entries[0]
     grid = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
@@ -375,7 +380,15 @@ def test_fp4_kv_emulation_rounds_pool_entries(tmp_path, rng_seed, monkeypatch):
         assert {abs(v) / s for v in block.tolist()} <= grid
     rope_part = pool[:, 36 - RD:].reshape(-1, RD)                # not rounded: off any 4-value fp4 block's grid
     assert not all({abs(v) / (b.abs().max().item() / 6.0) for v in b.tolist()} <= grid for b in rope_part)
-    assert 0 < (pool - exact_pool).abs().max() < 0.5 * exact_pool.abs().max()
+    # each rounding moves a value by at most its block's scale (half the widest e2m1 step, 4 -> 6, times the scale;
+    # an e4m3 scale rounded down clamps by less); pool and exact_pool also differ by what rounding upstream propagated
+    assert roundings
+    for x, y in roundings:
+        xb, yb = x.reshape(-1, 16), y.reshape(-1, 16)
+        assert ((yb - xb).abs().amax(1) <= yb.abs().amax(1) / 6.0).all()
+    outputs = {tuple(r) for x, y in roundings if y.shape[-1] == 36 - RD for r in y.reshape(-1, 36 - RD).tolist()}
+    assert all(tuple(r) in outputs for r in pool[:, :36 - RD].tolist())     # the pool holds these roundings' outputs
+    assert (pool - exact_pool).abs().max() > 0
     assert (rounded - exact).abs().max() > 1e-4
 
 
