@@ -728,6 +728,27 @@ def test_fp8_engram_rows_without_scales_are_named(tmp_path, rng_seed):
     assert "layers.1.engram.embed.weight" in str(err.value) and "t.safetensors" in str(err.value)
 
 
+def test_fp8_engram_rows_with_bad_scales_are_named(tmp_path, rng_seed):
+    """Scales of an integer dtype are refused at open; a NaN scale is refused when its row is read, naming the file."""
+    from fidelity.oracle.engram import RowTable
+    g = torch.Generator().manual_seed(rng_seed)
+    values = torch.randn(10, 8, generator=g).to(torch.float8_e4m3fn)
+    write_safetensors(tmp_path / "int.safetensors", {"t.weight": values, "t.scale": torch.ones(10, 1, dtype=torch.int32)})
+    with pytest.raises(PackError, match=r"scale dtype I32 is not a float or e8m0 type") as err:
+        RowTable([(tmp_path / "int.safetensors", "t.weight")], [(tmp_path / "int.safetensors", "t.scale", (1, 8))])
+    assert "t.scale" in str(err.value) and "int.safetensors" in str(err.value)
+    bad_row = int(torch.randint(0, 10, (1,), generator=g))
+    scales = torch.ones(10, 1)
+    scales[bad_row] = float("nan")
+    write_safetensors(tmp_path / "nan.safetensors", {"t.weight": values, "t.scale": scales})
+    table = RowTable([(tmp_path / "nan.safetensors", "t.weight")], [(tmp_path / "nan.safetensors", "t.scale", (1, 8))])
+    good = (bad_row + 1) % 10
+    assert torch.equal(table.rows(torch.tensor([good])), values.float()[[good]])
+    with pytest.raises(PackError, match=r"scales hold NaN or inf") as err:
+        table.rows(torch.tensor([bad_row]))
+    assert "nan.safetensors" in str(err.value)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # bad configs
 # ---------------------------------------------------------------------------------------------------------------------
