@@ -471,6 +471,16 @@ def test_v3_mtp_absent_or_incomplete(tmp_path):
         NextNDrafter(Oracle(open_pack(folder)))
 
 
+def test_v3_mtp_bad_options_and_inputs(tmp_path):
+    from fidelity.oracle.deepseek_mtp import NextNDrafter
+    *_, folder = build_v3_mtp(tmp_path / "a", 3)
+    oracle = Oracle(open_pack(folder))
+    with pytest.raises(FidelityError, match=r"hidden must be 'post_norm' or 'pre_norm', not 'final'"):
+        NextNDrafter(oracle, hidden="final")
+    with pytest.raises(FidelityError, match=r"length >= 2\] tensor, got shape \[1, 1\]"):
+        NextNDrafter(oracle).logits(torch.tensor([[5]]))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # DeepSeek-V4.1's drafter: the tiny V4.1 (minipacks_v41) as trunk, its layers run one by one here for the taps (the
 # inputs of the target layers); drafter blocks from transformers' V4 modules with V4.1's single-pass hyper-connections
