@@ -101,11 +101,12 @@ def test_store_refusal_names_position_rank_token_and_size(rng_seed):
     # scored positions are 2..7, predicted by positions 1..6: the 4th (j=3) is position 4, predicting token 105
     assert msg.startswith("store-dir: row 'row-7' position 4: logits re-derived from the stored hidden state do not "
                           "reproduce the stored top-20")
-    assert f"token {tok} (predicting token 105)" in msg
     lse = torch.logsumexp(changed[3], -1)
     # rank 0 or 1 can move too (their log-probs share the changed log-sum-exp); the first differing rank is named
     rank = int(msg.split("first at rank ")[1].split(",")[0])
-    assert rank <= 2 and f"token {int(ref.topk[0][0][3, rank])}" in msg
+    assert rank <= 2 and f"token {int(ref.topk[0][0][3, rank])} (predicting token 105)" in msg
+    if rank == 2:
+        assert int(ref.topk[0][0][3, rank]) == tok
     want = float(ref.topk[0][1][3, rank])
     have = float(changed[3, int(ref.topk[0][0][3, rank])] - lse)
     assert f"stored log-prob {want:.9g}, re-derived {have:.9g}" in msg and f"|diff| {abs(have - want):.3g}" in msg
