@@ -267,10 +267,11 @@ class DSparkDrafter:
         self.block_args = dataclasses.replace(fam.args, layer_types=[SLIDING], ratios=[0], hash_layers=[False],
                                               n_routed_experts=self.args.n_routed_experts, top_k=self.args.top_k)
         self.stored = self._resolve(names)
-        self.last = self.args.n_blocks - 1
+        blocks = max(self.args.n_blocks, 1)   # a pack with no block at all is told what block 0 would need
+        self.last = blocks - 1
         exit_names = head_names(self.last)[3:] if self.args.carry_pre else head_names(self.last)   # V4.1: no hc_head
         required = ["mtp.0.main_proj.weight", "mtp.0.main_norm.weight"] + exit_names
-        for i in range(self.args.n_blocks):
+        for i in range(blocks):
             required += block_names(i, self.block_args)
         missing = [x for x in required if x not in self.stored]
         if self.args.n_blocks == 0 or missing:
@@ -317,8 +318,9 @@ class DSparkDrafter:
     def draft(self, tokens: torch.Tensor, starts: list[int] | None = None) -> DraftOutput:
         """tokens LongTensor [B, T]; starts: context lengths p0 (1 <= p0 < T; default every one), the seed of each
         draft being tokens[:, p0]. One trunk pass for all of them."""
-        if tokens.dim() != 2:
-            raise FidelityError(f"tokens must be a [batch, length] tensor, got shape {list(tokens.shape)}")
+        if tokens.dim() != 2 or tokens.shape[1] < 2:
+            raise FidelityError(f"tokens must be a [batch, length >= 2] tensor (a draft needs a context and a seed), "
+                                f"got shape {list(tokens.shape)}")
         B, T = tokens.shape
         starts = list(range(1, T)) if starts is None else [int(p) for p in starts]
         bad = [p for p in starts if not 1 <= p < T]
@@ -512,4 +514,7 @@ class NextNDrafter:
 def drafter(oracle, **options):
     """The pack's own drafter over the oracle's trunk: DSpark for DeepSeek-V4, the MTP module for V3 / V3.2."""
     arch = (oracle.pack.config.get("architectures") or ["?"])[0]
+    if arch not in NEXTN_ARCHS + DSPARK_ARCHS:
+        raise ConfigError(f"the oracle runs no drafter of {arch} packs: DSpark for {list(DSPARK_ARCHS)}, the MTP "
+                          f"module for {list(NEXTN_ARCHS)}")
     return NextNDrafter(oracle, **options) if arch in NEXTN_ARCHS else DSparkDrafter(oracle, **options)

@@ -133,7 +133,8 @@ class DeepseekV41Args:
                 raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} is not an index source layer")
             if self.candidate_topk_blocks <= 0 or self.candidate_block_size <= 0:
                 raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} needs candidate_topk_blocks "
-                                  f"and candidate_block_size > 0")
+                                  f"and candidate_block_size > 0, got {self.candidate_topk_blocks} and "
+                                  f"{self.candidate_block_size}")
             for i in range(c + 1, len(ratios)):
                 if self.index_source[i] and self.kv_source[i] != self.kv_source[c]:
                     raise ConfigError(f"config.json of {arch}: layer {i} would filter by layer {c}'s candidate "
@@ -480,6 +481,9 @@ class DeepseekV41Family(DeepseekV4Family):
     def token_map(self) -> torch.Tensor:
         """Token id -> Engram's compressed id, from the pack's tokenizer.json."""
         if self._token_map is None:
+            if self.pack is None:
+                raise PackError("DeepSeek-V4.1 Engram layers read tokenizer.json from the pack, but no pack is bound "
+                                "(Oracle binds its pack; a bare family needs bind_pack)")
             root = getattr(self.pack, "root", None) or getattr(self.pack, "path", None)
             path = Path(root) / "tokenizer.json" if root is not None else None
             if path is None or not path.is_file():
@@ -506,9 +510,11 @@ class DeepseekV41Family(DeepseekV4Family):
         token_map = self.token_map()
         a = EngramArgs.from_config(self.text, layer, token_map)
         table = self.table(layer)
-        if table.dim * a.n_heads != fetch.shape_of(self.n(f"layers.{layer}.engram.wkv.weight"))[1]:
-            raise PackError(f"Engram layer {layer}: {a.n_heads} heads x table rows of {table.dim} do not match wkv's "
-                            f"input width", tensor=self.n(f"layers.{layer}.engram.wkv.weight"))
+        wkv_name = self.n(f"layers.{layer}.engram.wkv.weight")
+        width = fetch.shape_of(wkv_name)[1]
+        if table.dim * a.n_heads != width:
+            raise PackError(f"Engram layer {layer}: {a.n_heads} heads x table rows of {table.dim} (the table in "
+                            f"{table.parts[0][0]}) do not match wkv's input width {width}", tensor=wkv_name)
         wkv, k_weight, q_weight = (fetch(self.n(x)) for x in EngramLayer.names(layer))
         return EngramLayer(a, table, wkv, k_weight, q_weight)
 
@@ -525,5 +531,7 @@ class DeepseekV41Family(DeepseekV4Family):
         if not self.v41.carry_pre:
             return super().final_hook(streams, fetch)
         if state is None or state.pre is None:
-            raise ConfigError("DeepSeek-V4.1 final collapse: no hyper-connection weights were carried to it")
+            raise FidelityError("DeepSeek-V4.1 final collapse: these streams did not come out of the last layer of a "
+                                "pass (V4.1 layers run in order, from layer 0, on one token tensor), so no "
+                                "hyper-connection weights were carried to it")
         return collapse(streams, state.pre)
