@@ -130,3 +130,16 @@ def test_prefetch_failure_names_the_failed_layer_and_stops_the_queue(tmp_path, r
         oracle.load_layer(k + 1)
     broken[0] = False
     assert torch.equal(oracle.logits(x), want)
+
+
+@pytest.mark.parametrize("where", ["negative", "past the end"])
+def test_row_outside_the_table_is_the_one_named(tmp_path, rng_seed, where):
+    """A negative row or one past the end is named itself, not the largest row asked for."""
+    g = torch.Generator().manual_seed(rng_seed)
+    rows = int(torch.randint(5, 40, (1,), generator=g))
+    write_safetensors(tmp_path / "t.safetensors", {TABLE: torch.randn(rows, 3, generator=g)})
+    table = RowTable([(tmp_path / "t.safetensors", TABLE)])
+    step = int(torch.randint(0, 9, (1,), generator=g))
+    wrong = -1 - step if where == "negative" else rows + step
+    with pytest.raises(PackError, match=rf"^Engram row {wrong} outside the table's {rows} rows \[file .*t\.safetensors"):
+        table.rows(torch.tensor([[1, wrong], [rows - 1, 0]]))

@@ -252,8 +252,9 @@ class RowTable:
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (any shape of int64) -> float32 [*index.shape, dim]; each distinct row is read once."""
         flat = index.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.n_rows):
-            raise PackError(f"Engram row {int(flat.max())} outside the table's {self.n_rows} rows",
+        outside = flat[(flat < 0) | (flat >= self.n_rows)]
+        if outside.numel():
+            raise PackError(f"Engram row {int(outside[0])} outside the table's {self.n_rows} rows",
                             file=self.parts[0][0])
         unique, inverse = torch.unique(flat, return_inverse=True)
         out = torch.empty(unique.numel(), self.dim, dtype=torch.float32)
