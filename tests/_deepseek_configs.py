@@ -43,21 +43,10 @@ def build_v4(config, folder, seed: int):
 
 
 def random_v4(config, seed: int):
-    """Random-init fp32 V4; hash tables get distinct random experts per token."""
+    """Random-init fp32 V4 (hash tables get distinct random experts per token)."""
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = T.DeepseekV4ForCausalLM(config).to(torch.float32).eval()
     model.set_experts_implementation("eager")
     randomize(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("scale"):  # hyper-connection scales: O(1) so pre/post/comb really vary
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
-        for layer in model.model.layers:
-            gate = layer.mlp.gate
-            if hasattr(gate, "tid2eid"):
-                perms = torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:config.num_experts_per_tok]
-                                     for _ in range(config.vocab_size)])
-                gate.tid2eid.copy_(perms)
     return model

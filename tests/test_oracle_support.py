@@ -3,30 +3,12 @@ gets a random value so a misused
 weight cannot hide behind HF's ones/zeros init."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 import transformers
 
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if not p.is_floating_point() or "inv_freq" in name:
-                continue
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif "e_score_correction_bias" in name:
-                p.copy_(0.1 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.1 * noise)
-            elif "embed" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
+from fidelity.oracle.synthetic import randomize_weights as randomize
 
 
 def build(config: transformers.PretrainedConfig, model_cls, folder: Path, seed: int):

@@ -1,5 +1,6 @@
-"""A synthetic Llama pack whose weights are generated on request (seeded by tensor name) and never stored anywhere:
-a model of any size for memory tests and benchmarks, with no file pages muddying RSS."""
+"""Synthetic models: a Llama pack whose weights are generated on request (seeded by tensor name) and never stored
+anywhere (a model of any size for memory tests and benchmarks, with no file pages muddying RSS), and the random init
+that tests and miniature packs give tiny transformers models."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,34 @@ import torch
 
 from ..packs.base import LogicalTensor, Pack, Storage
 
+
+
+def randomize_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every floating parameter and buffer random, norms and biases included (a misused weight cannot hide behind
+    transformers' ones/zeros init), at scales that give O(1) activations and well-spread logits (the default 0.02 init
+    gives near-uniform outputs and KL ~ 0); hash-routing tables (`tid2eid`) get distinct random experts per token."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point() or "inv_freq" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("scale"):            # hyper-connection scales: O(1) so pre/post/comb really vary
+                p.copy_(1.0 + 0.5 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+        for module in model.modules():
+            table = getattr(module, "tid2eid", None)
+            if isinstance(table, torch.Tensor):
+                n_experts = model.config.n_routed_experts
+                table.copy_(torch.stack([torch.randperm(n_experts, generator=g)[:table.shape[1]]
+                                         for _ in range(table.shape[0])]))
 
 def llama_config(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int, n_heads: int,
                  n_kv_heads: int, tie_word_embeddings: bool = False) -> dict:

@@ -23,7 +23,6 @@ EXL3 encodings come from an `EncodingCache` (minipacks.py), so fixtures can be p
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from ..errors import ConfigError
 from .base import Pack
 from .exl3_layouts import PLAN_FILE, official_to_hf, routed_expert
+from ..oracle.synthetic import randomize_weights
 from .minipacks import EncodingCache, shard_for
 from .safetensors_io import write_safetensors
 
@@ -85,31 +85,6 @@ def official_name(saved: str) -> str:
     return saved.removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm.")
 
 
-def _randomize(model: torch.nn.Module, seed: int):
-    """O(1) activations and well-spread logits: the default 0.02 init gives near-uniform outputs and KL ~ 0."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if not p.is_floating_point() or "inv_freq" in name:
-                continue
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("scale"):            # hyper-connection scales: O(1) so pre/post/comb really vary
-                p.copy_(1.0 + 0.5 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.1 * noise)
-            elif "embed" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-        for layer in model.model.layers:
-            gate = layer.mlp.gate
-            if hasattr(gate, "tid2eid"):               # hash routing: distinct random experts per token
-                n, k = model.config.n_routed_experts, model.config.num_experts_per_tok
-                gate.tid2eid.copy_(torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(model.config.vocab_size)]))
-
-
 def byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: the 256 byte symbols are the vocabulary (ids 0..255)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -133,7 +108,7 @@ def build_native(out: str | Path, seed: int = 20261130, dtype: torch.dtype = tor
     out = Path(out)
     torch.manual_seed(seed)
     model = T.DeepseekV4ForCausalLM(T.DeepseekV4Config(**{**TINY_V4, **over})).to(torch.float32).eval()
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     model.save_pretrained(out)
     saved = load_file(out / "model.safetensors")
     tensors = {official_name(k): (v.to(dtype) if v.is_floating_point() else v) for k, v in saved.items()}
