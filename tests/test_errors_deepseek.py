@@ -141,6 +141,7 @@ def v41_config(**over) -> dict:
     (dict(candidate_source_layer_id=1),
      r"layer 3 would filter by layer 1's candidate blocks but reads another pool \(layer 3's\)"),
     (dict(candidate_source_layer_id=9), r"candidate_source_layer_id 9 is not an index source layer"),
+    (dict(candidate_source_layer_id=-2), r"candidate_source_layer_id -2 is neither a layer nor -1"),
     (dict(kv_source_layer_ids=[]), r"layer 1 compresses \(ratio 2\) but no kv_source_layer_ids entry is at or before "
                                    r"it$"),
     (dict(engram_layer_ids=[7]), r"engram_layer_ids names layer 7, outside the model's 5 layers"),

@@ -128,6 +128,8 @@ class DeepseekV41Args:
                                       f"index source before it does not read the same pool (layer "
                                       f"{self.kv_source[i]}'s)")
         c = self.candidate_layer
+        if c < -1:
+            raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} is neither a layer nor -1 (no filter)")
         if c >= 0:
             if c >= len(ratios) or not self.index_source[c]:
                 raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} is not an index source layer")
