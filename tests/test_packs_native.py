@@ -56,6 +56,19 @@ def test_truncated_shard_names_file_and_tensor(tmp_path):
         open_pack(tmp_path)
 
 
+def test_shard_truncated_after_open_is_refused_not_a_crash(tmp_path):
+    """Touching mapped pages past a file's new end kills the process (SIGBUS); the read must be refused first."""
+    a, b = torch.randn(4, 4), torch.randn(64, 64)
+    write_safetensors(tmp_path / "model.safetensors", {"a.weight": a, "b.weight": b})
+    pack = open_pack(tmp_path)
+    assert torch.equal(pack.tensor("a.weight"), a)
+    with open(tmp_path / "model.safetensors", "r+b") as f:   # rewritten in place while the pack is open
+        f.truncate(f.seek(0, 2) - 4096)
+    with pytest.raises(PackError, match=r"shrank to \d+ bytes after it was opened.*b\.weight.*model\.safetensors"):
+        pack.tensor("b.weight")
+    assert torch.equal(pack.tensor("a.weight"), a)           # data still inside the file reads as before
+
+
 def test_header_shape_dtype_disagreement(tmp_path):
     write_safetensors(tmp_path / "model.safetensors", {"a.weight": torch.randn(4, 4)})
     f = tmp_path / "model.safetensors"

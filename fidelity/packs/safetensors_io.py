@@ -102,6 +102,10 @@ class SafetensorsFile:
         torch_dtype, _ = DTYPES[info.dtype]
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=torch_dtype)
+        size = self.path.stat().st_size   # pages past a truncated file's end kill the process (SIGBUS) when touched
+        if size < info.end:
+            raise PackError(f"the file shrank to {size} bytes after it was opened, and this tensor's data ends at byte "
+                            f"{info.end} (was it rewritten while being read?)", file=self.path, tensor=name)
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="c")
         buf = self._mmap[info.begin:info.end]
