@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fidelity.compare import compare, write_records
+from fidelity.compare import compare
 from fidelity.errors import PackError
 from fidelity.panels import PanelRow, write_panel
 from fidelity.store import StoreError
@@ -40,6 +40,18 @@ def _save(path, cfg, weights, tokenizer=None):
     return path
 
 
+def noisy_packs(root: Path, tok, gen: torch.Generator, noise: dict[str, float]):
+    """(config, reference weights, {"ref": path, name: path…}): a random tiny reference and, per name, a pack whose every
+    weight carries Gaussian noise of `noise[name]` x that tensor's mean |w|."""
+    cfg = _config()
+    w = _weights(cfg, gen)
+    packs = {"ref": _save(root / "ref", cfg, w, tok)}
+    for name, scale in noise.items():
+        packs[name] = _save(root / name, cfg, {k: v + scale * v.abs().mean() * torch.randn(v.shape, generator=gen)
+                                                for k, v in w.items()}, tok)
+    return cfg, w, packs
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_gguf):
     from fidelity.packs import open_pack
@@ -49,12 +61,7 @@ def tiny(tmp_path_factory, smollm2_gguf):
     gen = torch.Generator().manual_seed(seed)
     root = tmp_path_factory.mktemp("tiny")
     tok = load_tokenizer(open_pack(smollm2_gguf))
-    cfg = _config()
-    w = _weights(cfg, gen)
-    packs = {"ref": _save(root / "ref", cfg, w, tok)}
-    for name, scale in (("small", 0.01), ("large", 0.05)):
-        packs[name] = _save(root / name, cfg, {k: v + scale * v.abs().mean() * torch.randn(v.shape, generator=gen)
-                                                for k, v in w.items()}, tok)
+    cfg, w, packs = noisy_packs(root, tok, gen, {"small": 0.01, "large": 0.05})
     nan_w = dict(w)
     nan_w["lm_head.weight"] = w["lm_head.weight"].clone()
     nan_w["lm_head.weight"][VOCAB - 7] = float("nan")

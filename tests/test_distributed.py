@@ -295,17 +295,13 @@ def check_bad_share(results: list[dict]) -> None:
 def cli_packs(tmp_path_factory, smollm2_gguf):
     from fidelity.packs.tokenizer import load_tokenizer
     from fidelity.panels import PanelRow, write_panel
-    from test_compare import _config, _save, _weights
+    from test_compare import noisy_packs
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"cli packs seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     root = tmp_path_factory.mktemp("dist_cli")
-    tok = load_tokenizer(open_pack(smollm2_gguf))
-    cfg = _config()
-    w = _weights(cfg, gen)
-    ref = _save(root / "ref", cfg, w, tok)
-    pack = _save(root / "pack", cfg, {k: v + 0.02 * v.abs().mean() * torch.randn(v.shape, generator=gen)
-                                      for k, v in w.items()}, tok)
+    _, _, packs = noisy_packs(root, load_tokenizer(open_pack(smollm2_gguf)), gen, {"pack": 0.02})
+    ref, pack = packs["ref"], packs["pack"]
     texts = ["The river flows through the old town towards the sea.", "def square(x):\n    return x * x\n",
              "Red, green and blue are colors.", "One two three four five six seven eight nine ten eleven twelve.",
              "A short one."]
