@@ -123,8 +123,10 @@ def prepare(reference, panel: Panel | str | Path | None, *, truncate: bool = Fal
 
 def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, reference_store: str | Path | None = None,
             device: str = "cpu", labels: list[str] | None = None, noise_floor: bool = True, n_boot: int = 2000,
-            seed: int = 0, truncate: bool = False, progress: bool = True) -> CompareResult:
-    """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default)."""
+            seed: int = 0, truncate: bool = False, progress: bool = True,
+            resume: str | Path | None = None) -> CompareResult:
+    """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default).
+    `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest."""
     from .packs import open_pack
 
     ref_pack, panel, rows, tok_fp = prepare(reference, panel, truncate=truncate)
@@ -132,18 +134,41 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
     for p in cand:
         check_same_vocab(ref_pack, p)
     ref_oracle = _oracle(ref_pack, device)
-    if reference_store is not None:
-        ref = load_store(reference_store, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp,
+    keep = None
+    if resume is not None:
+        keep = Resume(resume, {"fidelity_version": __version__, "panel_sha256": panel.sha256, "tokenizer": tok_fp,
+                               "truncate": truncate, "reference": ref_pack.fingerprint(),
+                               "device": torch.device(device).type, "dtype": str(ref_oracle.dtype)})
+    store_path = reference_store
+    if reference_store is None and keep is not None and keep.has_reference():
+        store_path = keep.store
+        keep.reused.append("reference")
+    if store_path is not None:
+        ref = load_store(store_path, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp,
                          oracle=ref_oracle)
     else:
         ref = run_reference(ref_oracle, rows, progress=progress)
+        if keep is not None:
+            keep.save_reference(ref, ref_oracle, panel, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp)
     groups = RowGroups.build(np.repeat(np.arange(len(rows)), [len(t) for t in ref.targets]), [r.domain for r in rows])
+
+    def measure(name: str, make_oracle, key: dict, desc: str, noise: bool = False) -> PositionMetrics:
+        pm = keep.load(name, rows, **key) if keep is not None else None
+        if pm is None:
+            oracle = make_oracle()
+            # the noise floor perturbs the layers only: its hidden states go through the reference's own head
+            pm = _row_metrics(ref, ref_oracle, _pack_hidden(oracle, rows, progress), ref_oracle if noise else oracle,
+                              store_path=store_path, desc=desc, progress=progress)
+            if not noise:
+                oracle.release()
+            if keep is not None:
+                keep.save(name, rows, pm, **key)
+        return pm
 
     noise = None
     if noise_floor:
-        noisy = perturbed_oracle(ref_pack, device=device, seed=seed)
-        noise_pm = _row_metrics(ref, ref_oracle, _pack_hidden(noisy, rows, progress), ref_oracle,
-                                store_path=reference_store, desc="noise floor", progress=progress)
+        noise_pm = measure("noise-floor", lambda: perturbed_oracle(ref_pack, device=device, seed=seed),
+                           {"noise_seed": seed, "noise_rel": NOISE_REL}, "noise floor", noise=True)
         noise = summarize(noise_pm, groups, n_boot=n_boot, seed=seed)["overall"]
 
     results, metrics = [], {}
@@ -151,10 +176,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         label = _label(pack.path, labels, i)
         if label in metrics:
             label = f"{label}#{i}"
-        oracle = _oracle(pack, device)
-        pm = _row_metrics(ref, ref_oracle, _pack_hidden(oracle, rows, progress), oracle, store_path=reference_store,
-                          desc=label, progress=progress)
-        oracle.release()
+        pm = measure(f"pack-{pack.fingerprint()}", lambda: _oracle(pack, device), {"pack": pack.fingerprint()}, label)
         metrics[label] = pm
         summary = summarize(pm, groups, n_boot=n_boot, seed=seed)
         ov = summary["overall"]
@@ -179,31 +201,145 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         "reference": {"path": str(Path(ref_pack.path).resolve()), "fingerprint": ref_pack.fingerprint(), "format": ref_pack.format,
                       "store": str(Path(reference_store).resolve()) if reference_store else None},
         "noise_floor": noise,
+        "resumed": keep.reused if keep is not None else [],
         "results": results,
         "paired": paired,
     }
     return CompareResult(report, metrics, rows, groups)
 
 
-def write_records(result: CompareResult, out_dir: str | Path) -> list[Path]:
-    """Per-position records of every pack (Parquet): row id, domain, position, target token and every metric."""
+def _position_columns(rows: list[TokenizedRow]) -> dict[str, list]:
+    """row id, domain, position and target token of every scored position, in metric order."""
+    cols = {"row_id": [], "domain": [], "position": [], "token": []}
+    for r in rows:
+        pos, tgt = scored_index(r)
+        cols["row_id"] += [r.id] * len(pos)
+        cols["domain"] += [r.domain] * len(pos)
+        cols["position"] += (pos + 1).tolist()
+        cols["token"] += tgt.tolist()
+    return cols
+
+
+def _write_metrics(path: Path, rows: list[TokenizedRow], pm: PositionMetrics) -> Path:
+    """Atomically (a killed run leaves the old file or none): a reader never sees half a table."""
+    import os
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    cols = _position_columns(rows)
+    cols.update(pm.to_numpy())
+    tmp = path.with_name(path.name + ".partial")
+    pq.write_table(pa.table(cols), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def write_records(result: CompareResult, out_dir: str | Path) -> list[Path]:
+    """Per-position records of every pack (Parquet): row id, domain, position, target token and every metric."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    row_ids, domains, positions, targets = [], [], [], []
-    for r in result.rows:
-        pos, tgt = scored_index(r)
-        row_ids += [r.id] * len(pos)
-        domains += [r.domain] * len(pos)
-        positions += (pos + 1).tolist()
-        targets += tgt.tolist()
-    written = []
-    for label, pm in result.metrics.items():
-        cols = {"row_id": row_ids, "domain": domains, "position": positions, "token": targets}
-        cols.update({k: v for k, v in pm.to_numpy().items()})
-        path = out / f"{label}.parquet"
-        pq.write_table(pa.table(cols), path)
-        written.append(path)
-    return written
+    return [_write_metrics(out / f"{label}.parquet", result.rows, pm) for label, pm in result.metrics.items()]
+
+
+class Resume:
+    """compare's finished passes kept in a folder, so a rerun after a kill recomputes only what was unfinished.
+
+    Per pass (each pack, the noise floor): `<name>.parquet` (its per-position records, as `write_records` writes them)
+    and `<name>.done.json`, written after it, holding what the numbers depend on (panel, tokenization, reference and
+    pack fingerprints, device, noise seed, library version); a pass is reused only when that identity matches exactly.
+    The reference run is kept as a reference store (`reference-store/`), which is re-verified when read back: its
+    top-K must be reproduced bit for bit from its hidden states on this machine. Under torchrun rank 0 writes and
+    decides; every rank must see the folder."""
+
+    def __init__(self, folder: str | Path, identity: dict):
+        self.folder, self.identity = Path(folder), identity
+        self.group = None
+        self.reused: list[str] = []
+
+    def _key(self, name: str, extra: dict) -> dict:
+        return {**self.identity, "pass": name, **extra}
+
+    def _decide(self, found: bool) -> bool:
+        """Rank 0's answer, on every rank (so all ranks skip or run a pass together)."""
+        from . import distributed
+
+        g = distributed.group()
+        if g is None:
+            return found
+        flag = torch.tensor([int(found)])
+        g.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def load(self, name: str, rows: list[TokenizedRow], **extra) -> PositionMetrics | None:
+        import json
+        from dataclasses import fields
+
+        import pyarrow.parquet as pq
+
+        done, data = self.folder / f"{name}.done.json", self.folder / f"{name}.parquet"
+        try:
+            found = done.exists() and data.exists() and json.loads(done.read_text()) == self._key(name, extra)
+        except (OSError, ValueError):
+            found = False
+        if not self._decide(found):
+            return None
+        try:
+            table = pq.read_table(data)
+        except Exception as e:
+            raise PackError(f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it",
+                            file=data) from None
+        want = _position_columns(rows)
+        if any(table.column(k).to_pylist() != v for k, v in want.items()):
+            raise PackError(f"the finished pass {name!r} kept for resuming holds other positions than this panel's; "
+                            f"delete it to recompute it", file=data)
+        self.reused.append(name)
+        return PositionMetrics(**{f.name: torch.from_numpy(table.column(f.name).to_numpy().copy())
+                                  for f in fields(PositionMetrics)})
+
+    def save(self, name: str, rows: list[TokenizedRow], pm: PositionMetrics, **extra) -> None:
+        import json
+
+        from . import distributed
+
+        if not distributed.is_main():
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        done = self.folder / f"{name}.done.json"
+        done.unlink(missing_ok=True)
+        _write_metrics(self.folder / f"{name}.parquet", rows, pm)
+        done.write_text(json.dumps(self._key(name, extra), indent=1) + "\n")
+
+    @property
+    def store(self) -> Path:
+        return self.folder / "reference-store"
+
+    def has_reference(self) -> bool:
+        import json
+
+        done = self.folder / "reference-store.done.json"
+        try:
+            found = (self.store / "manifest.json").exists() and json.loads(done.read_text()) == self._key("reference", {})
+        except (OSError, ValueError):
+            found = False
+        return self._decide(found)
+
+    def save_reference(self, ref: ReferenceRun, oracle, panel: Panel, *, pack_fingerprint: str, tokenizer_fingerprint: str):
+        import os
+        import shutil
+
+        from . import distributed
+        from .store import write_store
+
+        if not distributed.is_main():
+            return
+        import json
+
+        done = self.folder / "reference-store.done.json"
+        done.unlink(missing_ok=True)
+        tmp = self.folder / "reference-store.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_store(tmp, ref, oracle, panel, pack_fingerprint=pack_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint)
+        shutil.rmtree(self.store, ignore_errors=True)
+        os.replace(tmp, self.store)
+        done.write_text(json.dumps(self._key("reference", {}), indent=1) + "\n")

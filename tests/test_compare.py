@@ -137,6 +137,73 @@ def test_store_equals_live_exactly(tiny, live, tmp_path):
         assert np.array_equal(live.metrics[label].kld.numpy(), stored.metrics[label].kld.numpy(), equal_nan=True)
 
 
+def test_interrupted_compare_resumes_without_recomputing_finished_passes(tiny, live, tmp_path, monkeypatch):
+    """A run killed while measuring its second pack, rerun with the same resume folder: the reference, the noise floor
+    and the first pack are read back (never recomputed), only the second pack runs, and the report equals an
+    uninterrupted run's."""
+    import fidelity.compare as C
+
+    built, real_oracle, real_reference = [], C._oracle, C.run_reference
+
+    def counting_oracle(pack, device):
+        built.append(Path(pack.path).name)
+        if Path(pack.path).name == "large" and fail["now"]:
+            raise KeyboardInterrupt("killed while loading the second pack")
+        return real_oracle(pack, device)
+
+    references = []
+    fail = {"now": True}
+    monkeypatch.setattr(C, "_oracle", counting_oracle)
+    monkeypatch.setattr(C, "run_reference", lambda *a, **k: references.append(1) or real_reference(*a, **k))
+    keep = tmp_path / "passes"
+    with pytest.raises(KeyboardInterrupt):
+        compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False, resume=keep)
+    assert built == ["ref", "small", "large"] and len(references) == 1
+    done = sorted(p.name for p in keep.glob("*.done.json"))
+    assert len(done) == 3 and "noise-floor.done.json" in done and "reference-store.done.json" in done
+
+    built.clear()
+    fail["now"] = False
+    noisy = []
+    monkeypatch.setattr(C, "perturbed_oracle", lambda *a, **k: noisy.append(1))
+    resumed = compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False,
+                      resume=keep)
+    assert built == ["ref", "large"] and len(references) == 1 and not noisy   # ref: its head re-derives the store
+    from fidelity.packs import open_pack
+    small_fp = open_pack(tiny["small"]).fingerprint()
+    assert resumed.report["resumed"] == ["reference", "noise-floor", f"pack-{small_fp}"]
+    a, b = dict(live.report), dict(resumed.report)
+    a.pop("resumed"), b.pop("resumed")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    for label in live.metrics:
+        for name, x in live.metrics[label].to_numpy().items():
+            assert np.array_equal(x, resumed.metrics[label].to_numpy()[name], equal_nan=True), (label, name)
+
+    # a third run reuses everything; another pack in the same folder is measured, not mistaken for a kept one
+    built.clear()
+    again = compare(tiny["ref"], [tiny["large"], tiny["small"]], panel=tiny["panel"], n_boot=300, progress=False, resume=keep)
+    assert built == ["ref"] and len(again.report["resumed"]) == 4
+    built.clear()
+    other = compare(tiny["ref"], [tiny["nan"]], panel=tiny["panel"], n_boot=100, progress=False, resume=keep)
+    assert built == ["ref", "nan"] and other.report["resumed"] == ["reference", "noise-floor"]
+
+
+def test_resume_folder_refuses_a_damaged_pass_and_ignores_a_stale_one(tiny, tmp_path):
+    keep = tmp_path / "passes"
+    compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False, resume=keep)
+    (data,) = keep.glob("pack-*.parquet")
+    done = data.with_name(data.name.replace(".parquet", ".done.json"))
+    key = json.loads(done.read_text())
+    done.write_text(json.dumps({**key, "fidelity_version": "0.0.0"}))   # made by another version: recomputed
+    res = compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
+                  resume=keep)
+    assert res.report["resumed"] == ["reference"] and json.loads(done.read_text()) == key
+    data.write_bytes(data.read_bytes()[:100])                            # damaged after it was finished
+    with pytest.raises(PackError, match=r"cannot read the finished pass 'pack-.*delete it to recompute.*pack-.*\.parquet"):
+        compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
+                resume=keep)
+
+
 def test_store_is_refused_for_another_panel_pack_or_tokenizer(tiny, tmp_path):
     from fidelity.commands.reference import build_store
     store = tmp_path / "store"

@@ -328,8 +328,14 @@ def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
     common = [str(ref), str(pack), "--panel", str(panel), "--bootstrap", "200", "--seed", "3"]
     assert main(["compare", *common, "--json", str(root / "one.json")]) == 0
     assert main(["reference", str(ref), "--panel", str(panel), "-o", str(root / "store_one")]) == 0
-    done = torchrun(["compare", *common, "--json", str(root / "two.json")], root)
+    done = torchrun(["compare", *common, "--json", str(root / "two.json"), "--out", str(root / "out_two")], root)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the same command again resumes: rank 0 finds every pass finished in OUT/passes and all ranks skip them together
+    again = torchrun(["compare", *common, "--json", str(root / "three.json"), "--out", str(root / "out_two")], root)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "oracle: 100%" not in again.stderr
+    three = json.loads(without_command_line(root / "three.json"))
+    assert three.pop("resumed") == ["reference", "noise-floor", f"pack-{open_pack(pack).fingerprint()}"]
     import re
     layer_rows = {int(n) for n in re.findall(r"oracle: 100%\|[^|]*\| (\d+)/", done.stderr)}
     assert layer_rows and max(layer_rows) < 2 * 5, layer_rows
@@ -338,6 +344,8 @@ def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
     one, two = (without_command_line(root / f) for f in ("one.json", "two.json"))
     assert json.loads(one)["noise_floor"]["kld_mean"] > 0 and json.loads(one)["results"][0]["overall"]["kld_mean"] > 0
     assert one == two
+    assert json.loads(one)["resumed"] == [] and json.dumps({**json.loads(one), "resumed": []}, sort_keys=True) == \
+        json.dumps({**three, "resumed": []}, sort_keys=True)
     a, b = (pq.read_table(root / d / "records.parquet") for d in ("store_one", "store_two"))
     assert a.equals(b)
     # identical apart from the thread count recorded as a diagnostic (torchrun gives each rank one thread; the head's

@@ -178,3 +178,20 @@ def test_real_compare_report_opens_in_chromium(real_run, tmp_path):
     assert check.requests == [rep.index_html.resolve().as_uri()]
     shot = browser._decoded(check.screenshot)
     assert shot.shape[0] > 1500 and shot[..., :3].std() > 0.05
+
+
+def test_report_finds_the_reference_compare_kept_for_resuming(real_run, tmp_path):
+    """`compare --out DIR` without a reference store keeps the reference run in DIR/passes/reference-store (for
+    resuming); the report reads the reference's top tokens from there, as from a store given explicitly."""
+    packs = [str(real_run.base / x) for x in ("native", "q4")]
+    out, js = tmp_path / "run", tmp_path / "compare.json"
+    assert cli_main(["compare", *packs, "--panel", str(real_run.panel), "--bootstrap", "50", "--no-noise-floor",
+                     "--json", str(js), "--out", str(out)]) == 0
+    assert (out / "passes" / "reference-store" / "manifest.json").is_file()
+    rep = render([js, out], tmp_path / "report", panel=real_run.panel, worst=1)
+    (w,) = [x for x in rep.groups[0].worst if x.label == "q4"]
+    kl = independent_kl(real_run, "q4")
+    j = int(kl["kl"].argmax())
+    assert (w.row_id, w.position) == (kl["row"][j], kl["position"][j])
+    assert [p for _, p in w.reference_top] == pytest.approx(kl["ref_top5"][j].tolist()[:len(w.reference_top)], abs=1e-5)
+    assert len(w.reference_top) >= 5

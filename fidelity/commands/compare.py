@@ -21,7 +21,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--label", action="append", help="display label per pack, in order (repeat)")
     p.add_argument("--json", dest="json_out", help="write the full report as JSON")
     p.add_argument("--markdown", help="write the tables as Markdown")
-    p.add_argument("--out", help="folder for per-position records (one Parquet file per pack)")
+    p.add_argument("--out", help="folder for per-position records (one Parquet file per pack); finished passes are kept "
+                                 "in OUT/passes so a rerun after an interruption resumes (see --resume)")
+    p.add_argument("--resume", help="folder keeping every finished pass (reference, noise floor, each pack); a rerun with "
+                                    "the same folder recomputes only unfinished ones (default: OUT/passes with --out)")
     p.add_argument("--no-noise-floor", action="store_true", help="skip the perturbed reference run")
     p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context instead of failing")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
@@ -76,6 +79,8 @@ def print_report(result: dict, console: Console | None = None):
     p = result["panel"]
     con.print(f"panel [bold]{p['name']}[/bold] ({p['rows']} rows, {p['scored_positions']} scored tokens, sha256 "
               f"{p['sha256'][:12]})  reference [cyan]{result['reference']['path']}[/cyan]  {result['direction']}")
+    if result.get("resumed"):
+        con.print(f"resumed: {', '.join(result['resumed'])} read back from the resume folder, not recomputed")
     nf = result.get("noise_floor")
     if nf:
         con.print(f"noise floor (reference with ~1 bf16 rounding step of noise on every module output): "
@@ -136,7 +141,8 @@ def run(args) -> int:
     try:
         res = compare(args.reference, args.packs, panel=args.panel, reference_store=args.reference_store,
                       device=args.device, labels=args.label, noise_floor=not args.no_noise_floor, n_boot=args.bootstrap,
-                      seed=args.seed, truncate=args.truncate, progress=distributed.is_main())
+                      seed=args.seed, truncate=args.truncate, progress=distributed.is_main(),
+                      resume=args.resume or (Path(args.out) / "passes" if args.out else None))
     except BaseException as e:
         distributed.finish(e)
         raise

@@ -167,12 +167,12 @@ def _is_store(folder: Path) -> bool:
 
 
 def _reference_store(run: CompareRun, folder: Path | None) -> Path | None:
-    """A reference store (records.parquet + manifest.json): given with the results, in the run folder or a subfolder of it,
-    or where the JSON's reference.store says."""
+    """A reference store (records.parquet + manifest.json): given with the results, in the run folder, a subfolder of it
+    or its passes/reference-store, or where the JSON's reference.store says."""
     recorded = run.local_path(run.reference.get("store"))
     candidates = [recorded] if recorded is not None else []
-    if folder is not None:
-        candidates += [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
+    if folder is not None:   # passes/reference-store: the reference `compare --out` keeps for resuming
+        candidates += [folder, *sorted(p for p in folder.iterdir() if p.is_dir()), folder / "passes" / "reference-store"]
     return next((c for c in candidates if c.is_dir() and _is_store(c)), None)
 
 
