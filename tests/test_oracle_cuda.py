@@ -12,8 +12,8 @@ import torch
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle
-from test_distributed import (DEVICE_VAR, check_bad_share, check_equal, check_killed, packs,  # noqa: F401
-                              run_ranks, single_process)
+from test_distributed import (DEVICE_VAR, check_bad_share, check_equal, check_killed, cli_packs, packs,  # noqa: F401
+                              run_ranks, single_process, torchrun, without_command_line)
 from test_oracle import COMMON, make_moe
 
 pytestmark = [pytest.mark.device,
@@ -102,3 +102,24 @@ def test_nccl_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs, mon
     results = run_ranks("bad_share", root, timeout=60)
     check_bad_share(results)
     print(f"rank 0: {results[0]['error']}")
+
+
+@two_gpus
+@pytest.mark.slow
+def test_nccl_compare_cli_equals_one_gpu_and_resumes(cli_packs):
+    """`torchrun -m fidelity compare --device cuda --out DIR` equals one process on one GPU, and the same command again
+    resumes every pass (rank 0's decision broadcast over NCCL) with the same report."""
+    import json
+
+    from fidelity.cli import main
+    root, ref, pack, panel = cli_packs
+    common = [str(ref), str(pack), "--panel", str(panel), "--bootstrap", "200", "--seed", "3", "--device", "cuda"]
+    assert main(["compare", *common, "--json", str(root / "cuda_one.json")]) == 0
+    for name in ("cuda_two", "cuda_three"):
+        done = torchrun(["compare", *common, "--json", str(root / f"{name}.json"), "--out", str(root / "cuda_out")], root)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two, three = (json.loads(without_command_line(root / f"{n}.json")) for n in ("cuda_one", "cuda_two", "cuda_three"))
+    assert two == one and two["resumed"] == []
+    assert three.pop("resumed") == ["reference", "noise-floor", f"pack-{open_pack(pack).fingerprint()}"]
+    one.pop("resumed")
+    assert three == one
