@@ -170,12 +170,13 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
             else:
                 for c in ("nll", "topk_ids", "topk_logprobs", "hidden"):
                     cols[c].append(None)
+    # top-K as variable-length lists: pyarrow < 26 cannot write a fixed-size list column with nulls to Parquet
     table = pa.table({
         "row_id": pa.array(cols["row_id"], pa.string()), "domain": pa.array(cols["domain"], pa.string()),
         "position": pa.array(cols["position"], pa.int32()), "token": pa.array(cols["token"], pa.int32()),
         "scored": pa.array(cols["scored"], pa.bool_()), "nll": pa.array(cols["nll"], pa.float32()),
-        "topk_ids": pa.array(cols["topk_ids"], pa.list_(pa.int32(), k)),
-        "topk_logprobs": pa.array(cols["topk_logprobs"], pa.list_(pa.float32(), k)),
+        "topk_ids": pa.array(cols["topk_ids"], pa.list_(pa.int32())),
+        "topk_logprobs": pa.array(cols["topk_logprobs"], pa.list_(pa.float32())),
         "hidden": pa.array(cols["hidden"], pa.binary()),
     })
     pq.write_table(table, out / RECORDS_FILE, compression="zstd")
