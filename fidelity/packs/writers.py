@@ -279,7 +279,8 @@ def _write_tokenizer_metadata(writer, pack: Pack, tokenizer_from: Pack | None, p
         return  # no tokenizer to carry: the GGUF opens in our reader, llama.cpp needs one
     root = Path(source.tokenizer_source())
     spec = json.loads((root / "tokenizer.json").read_text())
-    if (spec.get("model") or {}).get("type") != "BPE" or not _has_byte_level(spec.get("pre_tokenizer")):
+    model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder.get("type") != "ByteLevel":
         raise PackError("write_gguf builds byte-level BPE (gpt2-style) tokenizers only; for SentencePiece-style ones "
                         "pass tokenizer_from=<a GGUF of this model>", file=root / "tokenizer.json")
     tok = load_tokenizer(source)
@@ -306,17 +307,6 @@ def _write_tokenizer_metadata(writer, pack: Pack, tokenizer_from: Pack | None, p
         raise PackError("write_gguf builds GGUF tokenizers for BPE (tokenizer.json with merges) only", file=root)
     special.chat_template = tok.chat_template or special.chat_template
     special.add_to_gguf(writer, quiet=True)
-
-
-def _has_byte_level(pre_tokenizer: dict | None) -> bool:
-    """Byte-level BPE is told by its ByteLevel pre-tokenizer (alone or in a Sequence), not by the decoder or
-    byte_fallback: transformers < 5.20 saves a GGUF-converted byte-level tokenizer with byte_fallback=True and a
-    ByteFallback/Fuse/Replace/ByteLevel decoder chain, which encodes and decodes the same."""
-    if not pre_tokenizer:
-        return False
-    if pre_tokenizer.get("type") == "Sequence":
-        return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers") or [])
-    return pre_tokenizer.get("type") == "ByteLevel"
 
 
 def write_gguf_tensors(path: str | Path, arch: str, hparams: dict, tensors: dict[str, tuple[np.ndarray, str]],
