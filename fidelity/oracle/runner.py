@@ -3,6 +3,7 @@ activations, never the whole model."""
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -42,12 +43,37 @@ release_freed_memory = _malloc_trim()
 
 
 def exact_math(device: torch.device) -> None:
-    """No TF32 or reduced-precision reductions anywhere."""
+    """No TF32 or reduced-precision reductions anywhere, and MKL's vector math set up before any parallel use."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cudnn.deterministic = True
+    warm_up_vector_math()
+
+
+# torch's CPU exp, log, sin, cos, tanh, erf, sqrt, ... of contiguous tensors call MKL's vector math (VML), which sets
+# itself up on first use. When that first use is a call torch splits over OpenMP threads, one thread's share was now and
+# then computed at about fp16 accuracy: the first exp of a [4, 49152] tensor had relative error 1.5e-4 instead of 6e-8
+# on exactly the calling thread's half, in ~1 of 36 fresh processes under load. So a process's first rope tables (layer
+# 0 then differed with equal input) or first log-sum-exp (2.67e-5 off) differed from every later one. A first call on
+# WARM_UP_ELEMENTS runs on the calling thread alone (torch splits unary ops from 2048 elements on).
+WARM_UP_ELEMENTS = 1024
+VECTOR_MATH_OPS = (torch.exp, torch.expm1, torch.log, torch.log1p, torch.log2, torch.log10, torch.sin, torch.cos,
+                   torch.tan, torch.tanh, torch.erf, torch.erfc, torch.sqrt)
+_warmed = threading.local()
+
+
+def warm_up_vector_math() -> None:
+    """Call each of torch's VML-backed CPU functions once on this thread alone, in float32 and float64 (once per
+    thread: the forward and head call it too, for threads other than the one that built the oracle)."""
+    if getattr(_warmed, "done", False):
+        return
+    x = torch.linspace(0.25, 0.75, WARM_UP_ELEMENTS)
+    for dtype in (torch.float32, torch.float64):
+        for op in VECTOR_MATH_OPS:
+            op(x.to(dtype))
+    _warmed.done = True
 
 
 class Oracle:
@@ -141,6 +167,7 @@ class Oracle:
 
     def _forward(self, rows: list[list[int]], progress: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
         """All rows through every layer and the final norm: (row-index batches, activations [b, T, hidden] each)."""
+        warm_up_vector_math()
         rows = [self._validate_row(r, i) for i, r in enumerate(rows)]
         batches = self._batches(rows)
         fam = self.family
@@ -177,6 +204,7 @@ class Oracle:
                     into: torch.Tensor | None = None) -> Iterator[tuple[slice, torch.Tensor]]:
         """Yields (positions slice, logits [n, vocab]) over hidden flattened to [N, hidden]; never all logits at once.
         `into` [N, vocab] (CPU, same device as the oracle): chunks are computed straight into it."""
+        warm_up_vector_math()
         head = self.head_weight()
         flat = hidden.reshape(-1, hidden.shape[-1])
         if chunk_positions is None:
