@@ -152,6 +152,7 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
     cols = {k_: [] for k_ in ("row_id", "domain", "position", "token", "scored", "nll", "topk_ids", "topk_logprobs", "hidden")}
     for r, h, tgt in zip(ref.rows, ref.hidden, ref.targets):
         logits = oracle.apply_head(h).float()
+        h = h.cpu()   # a CUDA oracle's hidden states
         ids, lps = topk_logprobs(logits, k)
         nll = (torch.logsumexp(logits.double(), -1) - logits.double().gather(1, tgt[:, None])[:, 0]).float()
         j = 0

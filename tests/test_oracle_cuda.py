@@ -123,3 +123,25 @@ def test_nccl_compare_cli_equals_one_gpu_and_resumes(cli_packs):
     assert three.pop("resumed") == ["reference", "noise-floor", f"pack-{open_pack(pack).fingerprint()}"]
     one.pop("resumed")
     assert three == one
+
+
+def test_reference_store_from_a_cuda_oracle_equals_a_live_cuda_run(tmp_path):
+    """`fidelity reference --device cuda` writes a store (the hidden states come back from the GPU) that `compare
+    --reference-store` on CUDA re-derives exactly: same report as the live CUDA run."""
+    import json
+
+    from fidelity.commands.reference import build_store
+    from fidelity.compare import compare
+    from fidelity.packs.minipacks_v4 import byte_tokenizer
+    from fidelity.panels import PanelRow, write_panel
+    from test_compare import noisy_packs
+    _, _, packs = noisy_packs(tmp_path, byte_tokenizer(), torch.Generator().manual_seed(11), {"pack": 0.03})
+    panel = write_panel(tmp_path / "panel", [PanelRow(f"t{i}", ("prose", "code")[i % 2], text=t) for i, t in enumerate(
+        ["the river flows to the sea", "def f(x): return x * x", "red green and blue"])], name="cuda-store").path
+    build_store(packs["ref"], panel, tmp_path / "store", device="cuda", progress=False)
+    live = compare(packs["ref"], [packs["pack"]], panel=panel, device="cuda", n_boot=100, progress=False)
+    stored = compare(packs["ref"], [packs["pack"]], panel=panel, device="cuda", n_boot=100, progress=False,
+                     reference_store=tmp_path / "store")
+    a, b = dict(live.report), dict(stored.report)
+    a["reference"].pop("store"), b["reference"].pop("store")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
