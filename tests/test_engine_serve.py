@@ -64,15 +64,10 @@ def test_served_logprobs_equal_transformers(served, smol, smollm2_gguf, rng_seed
         assert t.logprob == pytest.approx(max(t.top_ids.values()), abs=1e-12)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "OPEN, sporadic (3 of 28 runs after the head fix): the deterministic part is fixed (head GEMMs of one shape: oracle-kl "
-    "was 1.0e-11 in every run, now exactly 0). What remains is arithmetic that does not repeat, seen in each of the three "
-    "processes: this process's forward once gave hidden states 2.8e-3 from the other 13 runs' identical ones (oracle-kl "
-    "9.75e-9); the serve process's once (store identical, oracle-kl 2.69e-8); the gate process's two log-sum-exps over one "
-    "logits tensor once disagreed by 2.67e-5 (store refused). Never in ~100 standalone processes (threads 1/2, CPU hogs, "
-    "a torch co-runner, prefetch on/off)."))
 def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, tmp_path):
-    """The whole CLI path: a reference store from `fidelity reference`'s builder, `fidelity gate` against `fidelity serve`."""
+    """The whole CLI path: a reference store from `fidelity reference`'s builder, `fidelity gate` against `fidelity serve`.
+    Three processes each compute for the first time here; their first vector-math calls once made this flaky (issue 6,
+    see runner.warm_up_vector_math)."""
     import json
     import subprocess
     import xml.etree.ElementTree as ET
