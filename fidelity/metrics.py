@@ -234,6 +234,8 @@ def naive_kld(ref_logits: torch.Tensor, pack_logits: torch.Tensor) -> torch.Tens
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k token ids and their log-probabilities (float32) for each row of `logits` [N, V]."""
+    from .oracle.runner import warm_up_vector_math
+    warm_up_vector_math()   # a thread's first MKL exp can be inexact (see there); stores are compared bit for bit
     logits = logits.float()
     lse = torch.logsumexp(logits, -1, keepdim=True)
     vals, ids = torch.topk(logits, k, dim=-1)
