@@ -26,6 +26,8 @@ import torch
 from llvmlite import ir
 from numba.extending import intrinsic
 
+from .vector_math import warm_up_vector_math
+
 BLOCK = 2048                 # logits per side per block: both sides' block stays in L1 between the max and the exp pass
 COPY_ELEMENTS = 1 << 22      # logits per side converted at a time when the input is not contiguous float32 on the CPU
 # Fast-math without nnan/ninf: a NaN or inf logit must still reach the sums and make them non-finite.
@@ -234,7 +236,6 @@ def naive_kld(ref_logits: torch.Tensor, pack_logits: torch.Tensor) -> torch.Tens
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k token ids and their log-probabilities (float32) for each row of `logits` [N, V]."""
-    from .oracle.runner import warm_up_vector_math
     warm_up_vector_math()   # a thread's first MKL exp can be inexact (see there); stores are compared bit for bit
     logits = logits.float()
     lse = torch.logsumexp(logits, -1, keepdim=True)

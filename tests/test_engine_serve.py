@@ -67,7 +67,7 @@ def test_served_logprobs_equal_transformers(served, smol, smollm2_gguf, rng_seed
 def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, tmp_path):
     """The whole CLI path: a reference store from `fidelity reference`'s builder, `fidelity gate` against `fidelity serve`.
     Three processes each compute for the first time here; their first vector-math calls once made this flaky (issue 6,
-    see runner.warm_up_vector_math)."""
+    see vector_math.warm_up_vector_math)."""
     import json
     import subprocess
     import xml.etree.ElementTree as ET

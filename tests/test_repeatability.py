@@ -1,6 +1,6 @@
 """A process's first computations equal its later ones bit for bit (issue 6: the first parallel call of one of MKL's
 vector-math functions, behind torch's exp/log/sin/cos, sometimes ran one thread's share at ~fp16 accuracy, so the first
-rope tables or log-sum-exp of a process differed from every later one; `runner.warm_up_vector_math` sets VML up on
+rope tables or log-sum-exp of a process differed from every later one; `vector_math.warm_up_vector_math` sets VML up on
 one thread first)."""
 from __future__ import annotations
 
@@ -80,5 +80,5 @@ def test_forward_on_a_new_thread_equals_the_main_threads(rng_seed):
     t.join()
     run("main")
     assert torch.equal(got["thread"], got["main"])
-    from fidelity.oracle import runner
-    assert runner._warmed.done  # the main thread was warmed by the Oracle's construction or its forward
+    from fidelity import vector_math
+    assert vector_math._warmed.done  # the main thread was warmed by the Oracle's construction or its forward
