@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -138,11 +139,10 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
     if resume is not None:
         keep = Resume(resume, {"fidelity_version": __version__, "panel_sha256": panel.sha256, "tokenizer": tok_fp,
                                "truncate": truncate, "reference": ref_pack.fingerprint(),
-                               "device": torch.device(device).type, "dtype": str(ref_oracle.dtype)})
+                               "device": torch.device(device).type, "dtype": str(ref_oracle.dtype)}, rows)
     store_path = reference_store
-    if reference_store is None and keep is not None and keep.has_reference():
-        store_path = keep.store
-        keep.reused.append("reference")
+    if reference_store is None and keep is not None:
+        store_path = keep.reference_store()
     if store_path is not None:
         ref = load_store(store_path, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp,
                          oracle=ref_oracle)
@@ -153,7 +153,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
     groups = RowGroups.build(np.repeat(np.arange(len(rows)), [len(t) for t in ref.targets]), [r.domain for r in rows])
 
     def measure(name: str, make_oracle, key: dict, desc: str, noise: bool = False) -> PositionMetrics:
-        pm = keep.load(name, rows, **key) if keep is not None else None
+        pm = keep.load(name, **key) if keep is not None else None
         if pm is None:
             oracle = make_oracle()
             # the noise floor perturbs the layers only: its hidden states go through the reference's own head
@@ -162,7 +162,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
             if not noise:
                 oracle.release()
             if keep is not None:
-                keep.save(name, rows, pm, **key)
+                keep.save(name, pm, **key)
         return pm
 
     noise = None
@@ -176,7 +176,8 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         label = _label(pack.path, labels, i)
         if label in metrics:
             label = f"{label}#{i}"
-        pm = measure(f"pack-{pack.fingerprint()}", lambda: _oracle(pack, device), {"pack": pack.fingerprint()}, label)
+        fingerprint = pack.fingerprint()
+        pm = measure(f"pack-{fingerprint}", lambda: _oracle(pack, device), {"pack": fingerprint}, label)
         metrics[label] = pm
         summary = summarize(pm, groups, n_boot=n_boot, seed=seed)
         ov = summary["overall"]
@@ -220,15 +221,15 @@ def _position_columns(rows: list[TokenizedRow]) -> dict[str, list]:
     return cols
 
 
-def _write_metrics(path: Path, rows: list[TokenizedRow], pm: PositionMetrics) -> Path:
-    """Atomically (a killed run leaves the old file or none): a reader never sees half a table."""
+def _write_metrics(path: Path, positions: dict[str, list], pm: PositionMetrics) -> Path:
+    """`positions` (from `_position_columns`) and every metric, atomically (a killed run leaves the old file or none):
+    a reader never sees half a table."""
     import os
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cols = _position_columns(rows)
-    cols.update(pm.to_numpy())
+    cols = {**positions, **pm.to_numpy()}
     tmp = path.with_name(path.name + ".partial")
     pq.write_table(pa.table(cols), tmp)
     os.replace(tmp, path)
@@ -239,7 +240,8 @@ def write_records(result: CompareResult, out_dir: str | Path) -> list[Path]:
     """Per-position records of every pack (Parquet): row id, domain, position, target token and every metric."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return [_write_metrics(out / f"{label}.parquet", result.rows, pm) for label, pm in result.metrics.items()]
+    positions = _position_columns(result.rows)
+    return [_write_metrics(out / f"{label}.parquet", positions, pm) for label, pm in result.metrics.items()]
 
 
 class Resume:
@@ -252,18 +254,32 @@ class Resume:
     top-K must be reproduced bit for bit from its hidden states on this machine. Under torchrun rank 0 writes and
     decides; every rank must see the folder."""
 
-    def __init__(self, folder: str | Path, identity: dict):
+    def __init__(self, folder: str | Path, identity: dict, rows: list[TokenizedRow]):
         self.folder, self.identity = Path(folder), identity
-        self.group = None
+        self.positions = _position_columns(rows)
         self.reused: list[str] = []
+
+    @property
+    def store(self) -> Path:
+        return self.folder / "reference-store"
+
+    def _done(self, name: str) -> Path:
+        return self.folder / f"{name}.done.json"
 
     def _key(self, name: str, extra: dict) -> dict:
         return {**self.identity, "pass": name, **extra}
 
-    def _decide(self, found: bool) -> bool:
-        """Rank 0's answer, on every rank (so all ranks skip or run a pass together)."""
+    def _finished(self, name: str, data: Path, extra: dict) -> bool:
+        """Rank 0's answer, on every rank (so all ranks skip or run a pass together): `data` exists and the pass's
+        identity file matches."""
+        import json
+
         from . import distributed
 
+        try:
+            found = data.exists() and json.loads(self._done(name).read_text()) == self._key(name, extra)
+        except (OSError, ValueError):
+            found = False
         g = distributed.group()
         if g is None:
             return found
@@ -271,33 +287,9 @@ class Resume:
         g.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def load(self, name: str, rows: list[TokenizedRow], **extra) -> PositionMetrics | None:
-        import json
-        from dataclasses import fields
-
-        import pyarrow.parquet as pq
-
-        done, data = self.folder / f"{name}.done.json", self.folder / f"{name}.parquet"
-        try:
-            found = done.exists() and data.exists() and json.loads(done.read_text()) == self._key(name, extra)
-        except (OSError, ValueError):
-            found = False
-        if not self._decide(found):
-            return None
-        try:
-            table = pq.read_table(data)
-        except Exception as e:
-            raise PackError(f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it",
-                            file=data) from None
-        want = _position_columns(rows)
-        if any(table.column(k).to_pylist() != v for k, v in want.items()):
-            raise PackError(f"the finished pass {name!r} kept for resuming holds other positions than this panel's; "
-                            f"delete it to recompute it", file=data)
-        self.reused.append(name)
-        return PositionMetrics(**{f.name: torch.from_numpy(table.column(f.name).to_numpy().copy())
-                                  for f in fields(PositionMetrics)})
-
-    def save(self, name: str, rows: list[TokenizedRow], pm: PositionMetrics, **extra) -> None:
+    def _write(self, name: str, extra: dict, write: Callable[[], None]) -> None:
+        """Rank 0 only: the identity file goes, `write()` runs, the identity file comes back (so a kill in between
+        leaves a pass that is recomputed, never one that is trusted half-written)."""
         import json
 
         from . import distributed
@@ -305,41 +297,52 @@ class Resume:
         if not distributed.is_main():
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        done = self.folder / f"{name}.done.json"
-        done.unlink(missing_ok=True)
-        _write_metrics(self.folder / f"{name}.parquet", rows, pm)
-        done.write_text(json.dumps(self._key(name, extra), indent=1) + "\n")
+        self._done(name).unlink(missing_ok=True)
+        write()
+        self._done(name).write_text(json.dumps(self._key(name, extra), indent=1) + "\n")
 
-    @property
-    def store(self) -> Path:
-        return self.folder / "reference-store"
+    def load(self, name: str, **extra) -> PositionMetrics | None:
+        from dataclasses import fields
 
-    def has_reference(self) -> bool:
-        import json
+        import pyarrow.parquet as pq
 
-        done = self.folder / "reference-store.done.json"
+        data = self.folder / f"{name}.parquet"
+        if not self._finished(name, data, extra):
+            return None
         try:
-            found = (self.store / "manifest.json").exists() and json.loads(done.read_text()) == self._key("reference", {})
-        except (OSError, ValueError):
-            found = False
-        return self._decide(found)
+            table = pq.read_table(data)
+        except Exception as e:
+            raise PackError(f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it",
+                            file=data) from None
+        if any(table.column(k).to_pylist() != v for k, v in self.positions.items()):
+            raise PackError(f"the finished pass {name!r} kept for resuming holds other positions than this panel's; "
+                            f"delete it to recompute it", file=data)
+        self.reused.append(name)
+        return PositionMetrics(**{f.name: torch.from_numpy(table.column(f.name).to_numpy().copy())
+                                  for f in fields(PositionMetrics)})
+
+    def save(self, name: str, pm: PositionMetrics, **extra) -> None:
+        self._write(name, extra, lambda: _write_metrics(self.folder / f"{name}.parquet", self.positions, pm))
+
+    def reference_store(self) -> Path | None:
+        """The kept reference store when it is finished for this identity (and counted as reused), else None."""
+        if not self._finished("reference-store", self.store / "manifest.json", {}):
+            return None
+        self.reused.append("reference")
+        return self.store
 
     def save_reference(self, ref: ReferenceRun, oracle, panel: Panel, *, pack_fingerprint: str, tokenizer_fingerprint: str):
         import os
         import shutil
 
-        from . import distributed
         from .store import write_store
 
-        if not distributed.is_main():
-            return
-        import json
+        def write():
+            tmp = self.folder / "reference-store.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_store(tmp, ref, oracle, panel, pack_fingerprint=pack_fingerprint,
+                        tokenizer_fingerprint=tokenizer_fingerprint)
+            shutil.rmtree(self.store, ignore_errors=True)
+            os.replace(tmp, self.store)
 
-        done = self.folder / "reference-store.done.json"
-        done.unlink(missing_ok=True)
-        tmp = self.folder / "reference-store.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_store(tmp, ref, oracle, panel, pack_fingerprint=pack_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint)
-        shutil.rmtree(self.store, ignore_errors=True)
-        os.replace(tmp, self.store)
-        done.write_text(json.dumps(self._key("reference", {}), indent=1) + "\n")
+        self._write("reference-store", {}, write)
