@@ -20,7 +20,7 @@ from fidelity.packs.exl3_layouts import PLAN_FILE, official_to_hf, routed_expert
 from fidelity.packs.minipacks import EncodingCache
 from fidelity.packs.minipacks_v4 import (EXL3_LAYOUTS, LAYOUTS, TINY_V4, V4MiniSpec, kind_of, official_name,
                                          write_all)
-from test_oracle_support import write_word_panel
+from test_oracle_support import compare_cli_kl
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v4"
 NATIVE = FIXTURES / "tiny_v4"
@@ -175,17 +175,10 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_compare_cli_end_to_end(packs, tmp_path, rng_seed):
-    from fidelity.cli import main
-
     words = ["pack", "trellis", "expert", "window", "sparse", "token", "scale", "hyper", "stream", "drift", "K", "bits"]
-    panel = write_word_panel(tmp_path / "panel.jsonl", words, rows=6, words_per_row=12, seed=rng_seed)
-    out = tmp_path / "report.json"
-    rc = main(["compare", str(NATIVE), *(str(packs[lay]) for lay in LAYOUTS), *(a for lay in LAYOUTS for a in ("--label", lay)),
-               "--panel", str(panel), "--json", str(out), "--no-noise-floor", "--bootstrap", "200"])
-    assert rc == 0
-    report = json.loads(out.read_text())
+    report, kl = compare_cli_kl(NATIVE, packs, LAYOUTS, words, rows=6, words_per_row=12, bootstrap=200, tmp_path=tmp_path,
+                                seed=rng_seed)
     assert report["panel"]["scored_positions"] > 6 * 40      # byte-level tokens: ~70 per row
-    kl = {r["label"]: r["overall"]["kld_mean"] for r in report["results"]}
     print("compare KL (nats/token):", {k: f"{v:.4g}" for k, v in kl.items()})
     print("bpw (EXL3 experts are 64x64 padded to 128x128):", {r["label"]: r["bpw"] for r in report["results"]})
     assert set(kl) == set(LAYOUTS)

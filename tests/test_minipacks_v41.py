@@ -4,7 +4,6 @@ FP8 per row in its own shard (rows read lazily equal a float8 cast x scale compu
 fixture's encodings, the oracle on each, and `fidelity compare` end to end."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from fidelity.packs.exl3_layouts import official_to_hf, routed_expert
 from fidelity.packs.minipacks import EncodingCache
 from fidelity.packs.minipacks_v4 import FP8_DECLARED, LAYOUTS
 from fidelity.packs.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
-from test_oracle_support import write_word_panel
+from test_oracle_support import compare_cli_kl
 
 V4_FIXTURES = Path(__file__).parent / "fixtures" / "v4"
 TABLE = "layers.0.engram.embed"
@@ -103,17 +102,10 @@ def test_layout_opens_engram_rows_exact_and_oracle_runs(native, packs, layout, r
 
 @pytest.mark.slow
 def test_compare_cli_end_to_end(native, packs, tmp_path, rng_seed):
-    from fidelity.cli import main
-
     words = ["engram", "pool", "index", "window", "Sparse", "Token", "scale", "hyper", "stream", "drift", "K", "bits"]
-    panel = write_word_panel(tmp_path / "panel.jsonl", words, rows=4, words_per_row=10, seed=rng_seed)
-    out = tmp_path / "report.json"
-    rc = main(["compare", str(native), *(str(packs[lay]) for lay in COMPARED), *(a for lay in COMPARED for a in ("--label", lay)),
-               "--panel", str(panel), "--json", str(out), "--no-noise-floor", "--bootstrap", "100"])
-    assert rc == 0
-    report = json.loads(out.read_text())
+    report, kl = compare_cli_kl(native, packs, COMPARED, words, rows=4, words_per_row=10, bootstrap=100, tmp_path=tmp_path,
+                                seed=rng_seed)
     assert report["panel"]["scored_positions"] > 4 * 30
-    kl = {r["label"]: r["overall"]["kld_mean"] for r in report["results"]}
     print("V4.1 compare KL (nats/token):", {k: f"{v:.4g}" for k, v in kl.items()})
     assert set(kl) == set(COMPARED) and all(math.isfinite(v) and v > 0 for v in kl.values())
     assert all(kl["fp8-mxfp4"] < kl[lay] for lay in COMPARED if lay != "fp8-mxfp4")

@@ -40,3 +40,20 @@ def write_word_panel(path: Path, words: list[str], rows: int, words_per_row: int
              for i in range(rows)]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
+
+
+def compare_cli_kl(native: Path, packs: dict[str, Path], labels: list[str], words: list[str], *, rows: int,
+                   words_per_row: int, bootstrap: int, tmp_path: Path, seed: int) -> tuple[dict, dict[str, float]]:
+    """`fidelity compare NATIVE PACK... --label ...` (no noise floor) on a word panel: (the JSON report,
+    {label: mean KL})."""
+    import json
+
+    from fidelity.cli import main
+
+    panel = write_word_panel(tmp_path / "panel.jsonl", words, rows=rows, words_per_row=words_per_row, seed=seed)
+    out = tmp_path / "report.json"
+    rc = main(["compare", str(native), *(str(packs[lab]) for lab in labels), *(a for lab in labels for a in ("--label", lab)),
+               "--panel", str(panel), "--json", str(out), "--no-noise-floor", "--bootstrap", str(bootstrap)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    return report, {r["label"]: r["overall"]["kld_mean"] for r in report["results"]}
