@@ -21,7 +21,7 @@ from .errors import PackError
 from .metrics import PositionMetrics, position_metrics
 from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
 from .stats import RowGroups, paired_difference, summarize
-from .store import ReferenceRun, check_topk, load_store, run_reference, scored_index
+from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index
 
 NOISE_REL = 2.0 ** -8   # one bf16 rounding step is at most 2^-8 relative (half of its 2^-7 spacing near 1)
 
@@ -87,6 +87,9 @@ def _perturb(fn, seed: int, rel: float):
 
 def _row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Tensor], pack_oracle, *, store_path=None,
                  desc: str = "metrics", progress: bool = True) -> PositionMetrics:
+    if ref_oracle.device.type != "cpu":   # logits stay on the device (store.device_row_metrics)
+        return device_row_metrics(ref, ref_oracle, pack_hidden, pack_oracle, store_path=store_path, desc=desc,
+                                  progress=progress)
     parts = []
     for i in tqdm(range(len(ref.rows)), desc=desc, disable=not progress, unit="row", leave=False):
         ref_logits = ref_oracle.apply_head(ref.hidden[i]).float()

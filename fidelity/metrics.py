@@ -12,6 +12,12 @@ and with c = log(z_a / z_b) = lse(a) - lse(b) - (s_a - s_b): KL(P||Q) = k_a / z_
 Everything after the float32 inputs is float64, exp included (a polynomial good to ~1e-14), so the KL is right to ~1e-14
 nats (float32 arithmetic leaves 1e-8 with care, 1e-6 the textbook way), and the shifts keep it so for logits in the
 thousands or two sides hundreds of nats apart. Rows run in parallel on torch's thread count.
+
+Logits on a GPU (or any non-CPU device) are measured where they are, chunk by chunk over positions, and only the
+per-position numbers come back: the same sums in float64 by a Triton kernel (one program per position, the same
+online shifts, a table-driven float64 exp good to ~3e-16), or, without Triton, by plain torch in float64 (one exact
+max shift per row); `device_backend()` says which. Both agree with the CPU kernel to float64 rounding (see
+tests/test_metrics_device.py for the bounds); top-1 ids and margins are the same numbers exactly.
 """
 from __future__ import annotations
 
@@ -204,6 +210,9 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
     n, v = ref_logits.shape
     if targets.shape != (n,):
         raise ValueError(f"targets must be [N={n}]; got {list(targets.shape)}")
+    if ref_logits.device.type != "cpu" and ref_logits.device == pack_logits.device:
+        out, top = device_metrics_columns(ref_logits, pack_logits, targets)
+        return finish_columns(out, top, reverse)
     t = targets.detach().to("cpu", torch.int64).contiguous().numpy()
     bad = np.flatnonzero((t < 0) | (t >= v))
     if bad.size:
@@ -226,6 +235,130 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
         pack_nll=columns[5], finite=torch.from_numpy(finite))
 
 
+# -- on the logits' device ----------------------------------------------------------------------------------------
+DEVICE_ROWS_ELEMENTS = 1 << 24   # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
+TRITON_BLOCK = 1024              # logits per side per step of one Triton program (lanes: 8 per thread at 4 warps)
+TRITON_WARPS = 4
+EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
+
+
+def device_backend(device: torch.device | str) -> str:
+    """"triton" or "torch": what measures logits on `device`. FIDELITY_METRICS_KERNEL=torch|triton overrides."""
+    forced = os.environ.get("FIDELITY_METRICS_KERNEL")
+    if forced in ("torch", "triton"):
+        return forced
+    if forced:
+        raise ValueError(f"FIDELITY_METRICS_KERNEL={forced!r}: expected 'torch' or 'triton'")
+    return "triton" if torch.device(device).type == "cuda" and _triton_kernel() is not None else "torch"
+
+
+def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, targets: torch.Tensor,
+                           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's raw columns on the logits' device: out [N, 6] float64 (KL(P||Q), KL(Q||P), ref margin, ref
+    p(top-1), ref NLL, pack NLL), top [N, 2] int64 (ref, pack argmax, first index on ties). Inputs [N, V] (read as
+    float32) and targets [N] on one device; nothing goes to the host but the check of the targets."""
+    n, v = ref_logits.shape
+    t = targets.detach().to(ref_logits.device, torch.int64)
+    bad = (t < 0) | (t >= v)
+    if n and bool(bad.any()):
+        first = int(bad.nonzero()[0])
+        raise ValueError(f"target token {int(t[first])} at position {first} is outside the vocabulary of {v}")
+    a, b = ref_logits.detach().float().contiguous(), pack_logits.detach().float().contiguous()
+    out = torch.empty(n, 6, dtype=torch.float64, device=a.device)
+    top = torch.empty(n, 2, dtype=torch.int64, device=a.device)
+    if n:
+        (triton_rows if (backend or device_backend(a.device)) == "triton" else torch_rows)(a, b, t, out, top)
+    return out, top
+
+
+def finish_columns(out: torch.Tensor, top: torch.Tensor, reverse: bool) -> PositionMetrics:
+    """PositionMetrics (on the CPU) from the raw columns, with the CPU path's rules: KL clamped at 0, every number of
+    a position with a non-finite one set to NaN, KL(Q||P) NaN unless asked for."""
+    finite = torch.isfinite(out).all(1)
+    out = out.clone()
+    out[:, :2] = out[:, :2].clamp(min=0.0)
+    out[~finite] = float("nan")
+    if not reverse:
+        out[:, 1] = float("nan")
+    columns, top, finite = out.t().contiguous().cpu(), top.cpu(), finite.cpu()
+    return PositionMetrics(
+        kld=columns[0], kld_reverse=columns[1], ref_top1=top[:, 0].contiguous(), pack_top1=top[:, 1].contiguous(),
+        ref_margin=columns[2], ref_pmax=columns[3], ref_nll=columns[4], pack_nll=columns[5], finite=finite)
+
+
+def torch_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor) -> None:
+    """The kernel's sums in plain torch, float64 after the float32 inputs, a few rows at a time: one exact max shift
+    per row (so no rescaling), exp clamped at -700 like the CPU kernel's (a -inf logit reaches the sums as -inf)."""
+    n, v = a.shape
+    rows = max(1, DEVICE_ROWS_ELEMENTS // max(v, 1))
+    for s in range(0, n, rows):
+        e_ = min(n, s + rows)
+        fa, fb = a[s:e_], b[s:e_]
+        best = fa.topk(min(2, v), dim=1).values
+        top[s:e_, 0], top[s:e_, 1] = fa.argmax(1), fb.argmax(1)       # argmax: the first index of the maximum
+        shift_a, shift_b = best[:, :1].double(), fb.amax(1, keepdim=True).double()
+        x, y = fa.double() - shift_a, fb.double() - shift_b
+        e_a, e_b = x.clamp(min=-700.0).exp(), y.clamp(min=-700.0).exp()
+        d = x - y
+        z_a, z_b = e_a.sum(1), e_b.sum(1)
+        k_a, k_b = (e_a * d).sum(1), (e_b * d).sum(1)
+        del x, y, e_a, e_b, d
+        c = torch.log(z_a / z_b)
+        lse_a, lse_b = shift_a[:, 0] + torch.log(z_a), shift_b[:, 0] + torch.log(z_b)
+        second = best[:, 1].double() if v > 1 else torch.full_like(lse_a, float("-inf"))
+        rows_t = t[s:e_, None]
+        out[s:e_, 0] = k_a / z_a - c
+        out[s:e_, 1] = c - k_b / z_b
+        out[s:e_, 2] = best[:, 0].double() - second
+        out[s:e_, 3] = torch.exp(best[:, 0].double() - lse_a)
+        out[s:e_, 4] = lse_a - fa.gather(1, rows_t)[:, 0].double()
+        out[s:e_, 5] = lse_b - fb.gather(1, rows_t)[:, 0].double()
+
+
+_EXP_CONSTANTS: dict = {}
+
+
+def _exp_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 constants, int64 bits of 2^(j/64)) for the Triton kernel's exp, on `device`. Constants travel as a
+    tensor: Triton would type a Python float argument or literal as float32."""
+    key = str(device)
+    if key not in _EXP_CONSTANTS:
+        size = 1 << EXP_TABLE_BITS
+        step = math.log(2) / size
+        bits = np.array([step]).view(np.uint64) & np.uint64(2**64 - 2**20)
+        hi = float(bits.view(np.float64)[0])       # ln2/64 to 33 bits: n * hi is exact for |n| < 2^20
+        lo = step - hi
+        consts = [size / math.log(2), hi, lo, 1 / 2, 1 / 6, 1 / 24, 1 / 120]
+        table = np.array([2.0 ** (j / size) for j in range(size)], np.float64).view(np.int64)
+        _EXP_CONSTANTS[key] = (torch.tensor(consts, dtype=torch.float64, device=device),
+                               torch.from_numpy(table.copy()).to(device))
+    return _EXP_CONSTANTS[key]
+
+
+_TRITON: list = []
+
+
+def _triton_kernel():
+    """The Triton kernel (fidelity/metrics_triton.py), imported on first use; None without Triton."""
+    if not _TRITON:
+        try:
+            from .metrics_triton import rows_kernel
+        except ImportError:
+            rows_kernel = None
+        _TRITON.append(rows_kernel)
+    return _TRITON[0]
+
+
+def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor) -> None:
+    """The fused kernel: one program per position reads both rows once (contiguous float32 [N, V])."""
+    kernel = _triton_kernel()
+    if kernel is None:
+        raise RuntimeError("FIDELITY_METRICS_KERNEL=triton, but triton is not installed")
+    consts, table = _exp_constants(a.device)
+    kernel[(a.shape[0],)](a, b, t, out, top, consts, table, a.stride(0), b.stride(0), V=a.shape[1],
+                          BLOCK=TRITON_BLOCK, num_warps=TRITON_WARPS)
+
+
 def naive_kld(ref_logits: torch.Tensor, pack_logits: torch.Tensor) -> torch.Tensor:
     """KL(P_ref || Q_pack) per position the textbook way (log_softmax both, then sum): the benchmark's baseline and a
     test reference."""
@@ -234,10 +367,33 @@ def naive_kld(ref_logits: torch.Tensor, pack_logits: torch.Tensor) -> torch.Tens
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
+# On a GPU a reduction's thread layout depends on how many rows it reduces, so the top-K of a position would depend
+# on how many positions were reduced with it; there they are always reduced in zero-padded blocks of this many rows
+# (the head's HEAD_ROWS), and a reference store's top-K is re-derived bit for bit on the device that wrote it.
+TOPK_BLOCK_ROWS = 64
+
+
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k token ids and their log-probabilities (float32) for each row of `logits` [N, V]."""
+    """Top-k token ids and their log-probabilities (float32) for each row of `logits` [N, V], on the logits' device."""
+    if logits.device.type != "cpu":
+        return _topk_logprobs_blocks(logits, k)
     warm_up_vector_math()   # a thread's first MKL exp can be inexact (see there); stores are compared bit for bit
     logits = logits.float()
     lse = torch.logsumexp(logits, -1, keepdim=True)
     vals, ids = torch.topk(logits, k, dim=-1)
     return ids, vals - lse
+
+
+def _topk_logprobs_blocks(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, v = logits.shape
+    ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    lps = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    for s in range(0, n, TOPK_BLOCK_ROWS):
+        block = logits[s:s + TOPK_BLOCK_ROWS].float()
+        m = block.shape[0]
+        if m < TOPK_BLOCK_ROWS:
+            block = torch.cat([block, block.new_zeros(TOPK_BLOCK_ROWS - m, v)])
+        lse = torch.logsumexp(block, -1, keepdim=True)
+        vals, idx = torch.topk(block, k, dim=-1)
+        ids[s:s + m], lps[s:s + m] = idx[:m], (vals - lse)[:m]
+    return ids, lps

@@ -83,23 +83,31 @@ def numerics(device: str | torch.device = "cpu") -> dict:
     return out
 
 
-def check_topk(ref: ReferenceRun, i: int, logits: torch.Tensor, where: Path | str) -> None:
-    """Re-derived logits must reproduce the stored top-K exactly (ids and float32 log-probabilities)."""
+def _topk_on(logits: torch.Tensor, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """metrics.topk_logprobs computed where the store's top-K was (the oracle's device), returned on the CPU."""
     from .metrics import topk_logprobs
 
+    ids, lps = topk_logprobs(logits.to(device), k)
+    return ids.cpu(), lps.cpu()
+
+
+def check_topk(ref: ReferenceRun, i: int, logits: torch.Tensor, where: Path | str, first: int = 0) -> None:
+    """Re-derived logits must reproduce the stored top-K exactly (ids and float32 log-probabilities). `logits` are
+    those of row i's scored positions first, first + 1, ... (all of them by default)."""
     ids, lps = ref.topk[i]
+    ids, lps = ids[first:first + logits.shape[0]], lps[first:first + logits.shape[0]]
     k = ids.shape[1]
-    got_ids, got_lps = topk_logprobs(logits, k)
+    got_ids, got_lps = _topk_on(logits, k, ref.device)
     bad = ~((got_ids == ids).all(1) & (got_lps == lps).all(1))
     if bool(bad.any()):
-        raise StoreError(f"{where}: {_first_mismatch(ref, i, bad, ids, lps, got_ids, got_lps, logits)}")
+        raise StoreError(f"{where}: {_first_mismatch(ref, i, bad, ids, lps, got_ids, got_lps, logits, first)}")
 
 
-def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, logits) -> str:
+def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, logits, first: int = 0) -> str:
     """Names the first differing position, rank and token with stored and re-derived values and their distance."""
     row, k = ref.rows[i], ids.shape[1]
     j = int(bad.nonzero()[0])
-    pos = int(scored_index(row)[0][j])
+    pos = int(scored_index(row)[0][first + j])
     moved = got_ids[j] != ids[j]  # a token that changed rank says more than a last-bit difference
     rank = int((moved if bool(moved.any()) else got_lps[j] != lps[j]).nonzero()[0])
     tok, want = int(ids[j, rank]), float(lps[j, rank])
@@ -109,8 +117,7 @@ def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, 
     got = (f"re-derived {have:.9g}" if int(got_ids[j, rank]) == tok
            else f"re-derived rank {rank} is token {int(got_ids[j, rank])} ({float(got_lps[j, rank]):.9g}); token {tok} now {have:.9g}")
     dev = float((got_lps[bad] - lps[bad]).abs().max())
-    from .metrics import topk_logprobs
-    again_ids, again_lps = topk_logprobs(logits, k)  # tells a store that differs from arithmetic that is not repeatable here
+    again_ids, again_lps = _topk_on(logits, k, ref.device)  # tells a store that differs from arithmetic that is not repeatable here
     if torch.equal(again_ids, got_ids) and torch.equal(again_lps, got_lps):
         repeat = "the same logits give the same log-probs again"
     else:
@@ -151,10 +158,13 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
     out.mkdir(parents=True, exist_ok=True)
     cols = {k_: [] for k_ in ("row_id", "domain", "position", "token", "scored", "nll", "topk_ids", "topk_logprobs", "hidden")}
     for r, h, tgt in zip(ref.rows, ref.hidden, ref.targets):
-        logits = oracle.apply_head(h).float()
+        if oracle.device.type == "cpu":
+            logits = oracle.apply_head(h).float()
+            ids, lps = topk_logprobs(logits, k)
+            nll = (torch.logsumexp(logits.double(), -1) - logits.double().gather(1, tgt[:, None])[:, 0]).float()
+        else:
+            ids, lps, nll = _device_topk_nll(oracle, h, tgt, k)
         h = h.cpu()   # a CUDA oracle's hidden states
-        ids, lps = topk_logprobs(logits, k)
-        nll = (torch.logsumexp(logits.double(), -1) - logits.double().gather(1, tgt[:, None])[:, 0]).float()
         j = 0
         for t, (tok, s) in enumerate(zip(r.tokens, r.scored)):
             cols["row_id"].append(r.id)
@@ -192,6 +202,101 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
     }
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _device_topk_nll(oracle, hidden: torch.Tensor, targets: torch.Tensor, k: int):
+    """A row's top-K and reference NLL with the logits kept on the oracle's device (chunk by chunk): (ids, log-probs,
+    NLL) on the CPU."""
+    from .metrics import topk_logprobs
+
+    ids, lps, nll = [], [], []
+    targets = targets.to(oracle.device)
+    for where, logits in oracle.iter_logits(hidden):
+        logits = logits.float()
+        i, lp = topk_logprobs(logits, k)
+        t = targets[where]
+        ids.append(i.cpu())
+        lps.append(lp.cpu())
+        nll.append((torch.logsumexp(logits.double(), -1) - logits.double().gather(1, t[:, None])[:, 0]).float().cpu())
+    if not ids:
+        return torch.zeros(0, k, dtype=torch.int64), torch.zeros(0, k), torch.zeros(0)
+    return torch.cat(ids), torch.cat(lps), torch.cat(nll)
+
+
+# Logits per side per chunk when head and metrics run on the device (1 GiB of float32 each at most).
+DEVICE_HEAD_CHUNK_BYTES = 2**30
+
+
+def device_chunk_positions(vocab: int, head_rows: int) -> int:
+    """Positions per chunk of `device_row_metrics`: whole head blocks, DEVICE_HEAD_CHUNK_BYTES of logits per side."""
+    return head_rows * max(1, DEVICE_HEAD_CHUNK_BYTES // (head_rows * vocab * 4))
+
+
+def device_row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Tensor], pack_oracle, *,
+                       store_path=None, chunk_positions: int | None = None, desc: str = "metrics",
+                       progress: bool = True):
+    """compare's head and metrics with the logits on the oracles' device: every row's scored positions in chunks
+    of whole head blocks (rows run into each other; a position's logits do not depend on its neighbours, see
+    runner.HEAD_ROWS), both heads into two reused [chunk, vocab] buffers, the stored top-K (if any) checked there,
+    metrics by metrics.device_metrics_columns; only the per-position numbers reach the host. Any device, the CPU
+    included (the tests' check of the chunking); compare takes it for non-CPU oracles."""
+    from tqdm.auto import tqdm
+
+    from .metrics import PositionMetrics, device_metrics_columns, finish_columns
+    from .oracle.runner import HEAD_ROWS
+
+    device = ref_oracle.device
+    counts = [len(t) for t in ref.targets]
+    total = sum(counts)
+    if total == 0:
+        return PositionMetrics.concat([finish_columns(torch.zeros(0, 6, dtype=torch.float64),
+                                                      torch.zeros(0, 2, dtype=torch.int64), True)])
+    vocab = ref_oracle.head_weight().shape[0]
+    chunk = min(chunk_positions or device_chunk_positions(vocab, HEAD_ROWS), total)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    targets = torch.cat(ref.targets).to(device)
+    buf_ref = torch.empty(chunk, vocab, dtype=ref_oracle.dtype, device=device)
+    buf_pack = torch.empty(chunk, vocab, dtype=pack_oracle.dtype, device=device)
+    outs, tops = [], []
+    bar = tqdm(total=total, desc=desc, disable=not progress, unit="pos", leave=False)
+    for start in range(0, total, chunk):
+        end = min(total, start + chunk)
+        n = end - start
+        rows = range(int(np.searchsorted(starts, start, "right")) - 1, int(np.searchsorted(starts, end, "left")))
+        ref_logits, pack_logits = buf_ref[:n], buf_pack[:n]
+        ref_oracle.head_into(_positions(ref.hidden, starts, rows, start, end, device), ref_logits)
+        pack_oracle.head_into(_positions(pack_hidden, starts, rows, start, end, device), pack_logits)
+        ref_logits, pack_logits = ref_logits.float(), pack_logits.float()
+        if ref.topk is not None:
+            _check_chunk(ref, ref_logits, starts, rows, start, end, store_path)
+        out, top = device_metrics_columns(ref_logits, pack_logits, targets[start:end])
+        outs.append(out)
+        tops.append(top)
+        bar.update(n)
+    bar.close()
+    return finish_columns(torch.cat(outs), torch.cat(tops), reverse=True)
+
+
+def _positions(per_row: list[torch.Tensor], starts, rows, start: int, end: int, device) -> torch.Tensor:
+    """Positions start..end of the rows' concatenated [n_i, hidden] tensors, on `device` in one copy."""
+    parts = [per_row[i][max(start, starts[i]) - starts[i]:min(end, starts[i + 1]) - starts[i]] for i in rows]
+    return (parts[0] if len(parts) == 1 else torch.cat([p.to(device) for p in parts])).to(device)
+
+
+def _check_chunk(ref: ReferenceRun, logits: torch.Tensor, starts, rows, start: int, end: int, where) -> None:
+    """The stored top-K of every position in the chunk. On the device one top-K of the whole chunk (fixed-shape
+    blocks), compared row by row; a row that differs goes to check_topk for its message. On the CPU check_topk row
+    by row, as compare always did."""
+    k = ref.topk[0][0].shape[1]
+    ids, lps = _topk_on(logits, k, logits.device) if logits.device.type != "cpu" else (None, None)
+    for i in rows:
+        lo, hi = max(start, starts[i]), min(end, starts[i + 1])
+        a, b = int(lo - starts[i]), int(hi - starts[i])
+        if ids is not None:
+            want_ids, want_lps = ref.topk[i]
+            if torch.equal(ids[lo - start:hi - start], want_ids[a:b]) and torch.equal(lps[lo - start:hi - start], want_lps[a:b]):
+                continue
+        check_topk(ref, i, logits[lo - start:hi - start], where, first=a)
 
 
 def read_manifest(path: str | Path) -> dict:

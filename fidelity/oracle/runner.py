@@ -193,6 +193,11 @@ class Oracle:
             self._head_blocks(flat[start:end], head, out)
             yield slice(start, end), out
 
+    def head_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [n, vocab] (on the oracle's device) = the head's logits of x [n, hidden], as `apply_head` computes them
+        (HEAD_ROWS-row GEMMs): for callers that keep logits on the device, chunk by chunk (store.device_row_metrics)."""
+        self._head_blocks(x, self.head_weight(), out)
+
     def _head_blocks(self, x: torch.Tensor, head: torch.Tensor, out: torch.Tensor) -> None:
         """out [n, vocab] = x [n, hidden] @ head.T as GEMMs of exactly HEAD_ROWS rows each."""
         for start in range(0, x.shape[0], HEAD_ROWS):

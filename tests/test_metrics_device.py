@@ -1,0 +1,226 @@
+"""The metrics on the logits' device (fidelity.metrics.device_metrics_columns: plain torch, and the Triton kernel) agree
+with scipy in float64 and with the CPU kernel to float64 rounding; top-1 ids and margins are the same numbers; compare's
+device head+metrics step (store.device_row_metrics) gives the CPU path's numbers with the logits never leaving the
+device, and re-derives a reference store's top-K there. The torch path runs here on the CPU; the Triton kernel runs in
+Triton's interpreter where Triton is installed, and compiled on CUDA (tests marked `device`)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from test_metrics import _assert_matches_scipy, _scipy_reference
+
+CUDA = torch.cuda.is_available()
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if HAVE_TRITON and not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before fidelity.metrics_triton is imported: CPU interpreter
+
+from fidelity.metrics import (TRITON_BLOCK, device_metrics_columns, finish_columns, position_metrics,  # noqa: E402
+                              topk_logprobs)
+
+# Device path vs the CPU kernel (both float64 after the float32 inputs, sums in another order and exps of another
+# construction): KL to 2e-13 nats + 1e-11 relative, NLLs to 1e-12 relative, p(top-1) to 1e-13 relative.
+KL_ATOL, KL_RTOL = 2e-13, 1e-11
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))]
+
+
+def device_pm(a, b, t, backend, reverse=True, device="cpu"):
+    out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend=backend)
+    return finish_columns(out, top, reverse)
+
+
+def assert_matches_cpu_kernel(pm, cpu):
+    for k in ("kld", "kld_reverse"):
+        np.testing.assert_allclose(getattr(pm, k).numpy(), getattr(cpu, k).numpy(), rtol=KL_RTOL, atol=KL_ATOL,
+                                   err_msg=k)
+    for k in ("ref_nll", "pack_nll"):
+        np.testing.assert_allclose(getattr(pm, k).numpy(), getattr(cpu, k).numpy(), rtol=1e-12, atol=1e-13, err_msg=k)
+    np.testing.assert_allclose(pm.ref_pmax.numpy(), cpu.ref_pmax.numpy(), rtol=1e-13, err_msg="ref_pmax")
+    assert torch.equal(pm.finite, cpu.finite)
+    f = cpu.finite
+    assert torch.equal(pm.ref_top1[f], cpu.ref_top1[f]) and torch.equal(pm.pack_top1[f], cpu.pack_top1[f])
+    assert torch.equal(pm.ref_margin[f], cpu.ref_margin[f])
+
+
+def _small(backend: str) -> int:
+    return 1 if backend == "triton" and not CUDA else 4    # the interpreter runs programs one by one, in numpy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab,noise", [(1001, 0.5), (3 * TRITON_BLOCK + 5, 2.0), (2 * TRITON_BLOCK, 0.05)])
+def test_device_metrics_match_scipy_and_the_cpu_kernel(rng_seed, backend, vocab, noise):
+    n = 3 * _small(backend)
+    a = torch.randn(n, vocab) * 4
+    b = a + torch.randn(n, vocab) * noise
+    t = torch.randint(0, vocab, (n,))
+    pm = device_pm(a, b, t, backend)
+    _assert_matches_scipy(pm, a, b, t)
+    assert_matches_cpu_kernel(pm, position_metrics(a, b, t, reverse=True))
+    only_forward = device_pm(a, b, t, backend, reverse=False)
+    assert torch.isnan(only_forward.kld_reverse).all() and torch.equal(only_forward.kld, pm.kld)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_kl_large_logits_offsets_rising_maxima_and_ties(rng_seed, backend):
+    """KL ~5e-7 keeps its float64 digits; logits in the thousands; a pack 896 nats off (KL 0 both ways); a maximum that
+    rises in every block (each one rescales the sums); ties and 1-ulp runner-ups inside and across blocks."""
+    v = 3 * TRITON_BLOCK + 7
+    a = torch.randn(8, v) * 3
+    b = a + torch.randn(8, v) * 1e-3
+    a[1] = torch.randn(v) * 2000
+    b[1] = a[1] + torch.randn(v) * 50
+    a[2] = torch.round(torch.randn(v) * 3 * 64) / 64      # multiples of 1/64: a - 896 is exact in float32
+    b[2] = a[2] - 896.0
+    a[3] += torch.linspace(0, 40, v)
+    top = float(a.max() + 1)
+    below = float(np.nextafter(np.float32(top), np.float32(-np.inf)))
+    a[4, 70], a[4, 5] = top, below                        # 1-ulp margin in one block
+    a[5, TRITON_BLOCK + 3], a[5, 9] = top, below          # across blocks
+    a[6, 130], a[6, 131] = top, top                       # a tie inside a block: first index, margin 0
+    a[7, 2 * TRITON_BLOCK + 1], a[7, 40] = top, top       # a tie across blocks, the later block partial
+    rows = [0, 1, 2, 3, 4, 5, 6, 7] if _small(backend) > 1 else [0, 1, 2, 5, 7]
+    a, b = a[rows], b[rows]
+    t = torch.randint(0, v, (len(rows),))
+    pm = device_pm(a, b, t, backend)
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert_matches_cpu_kernel(pm, cpu)
+    truth = _scipy_reference(a.numpy(), b.numpy(), t.numpy())
+    assert abs(pm.kld[0].item() - truth["kld"][0]) < 1e-13          # the textbook float32 way is off by ~1e-6 here
+    assert pm.kld[rows.index(2)] < 1e-13 and pm.kld_reverse[rows.index(2)] < 1e-13
+    assert torch.equal(pm.ref_top1, torch.argmax(a, -1))
+    if 6 in rows:
+        assert pm.ref_top1[rows.index(6)] == 130 and pm.ref_margin[rows.index(6)] == 0
+    assert pm.ref_top1[rows.index(7)] == 40 and pm.ref_margin[rows.index(7)] == 0
+    assert pm.ref_margin[rows.index(5)] == top - below
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_positions_are_flagged_like_the_cpu_kernel(rng_seed, backend):
+    v = TRITON_BLOCK + 300
+    a = torch.randn(7, v)
+    b = a + 0.1 * torch.randn(7, v)
+    b[1, 17] = float("nan")
+    b[2, 3] = float("inf")
+    a[3, TRITON_BLOCK + 5] = float("-inf")     # one side only: infinite KL
+    a[4, 40], b[4, 40] = float("-inf"), float("-inf")
+    a[5, :] = float("nan")
+    t = torch.randint(0, v, (7,))
+    pm = device_pm(a, b, t, backend)
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert (~pm.finite).nonzero()[:, 0].tolist() == [1, 2, 3, 4, 5] == (~cpu.finite).nonzero()[:, 0].tolist()
+    for k in ("kld", "kld_reverse", "ref_nll", "pack_nll", "ref_margin", "ref_pmax"):
+        assert torch.isnan(getattr(pm, k)[~pm.finite]).all(), k
+    assert_matches_cpu_kernel(pm, cpu)
+
+
+def test_bad_targets_are_named_on_the_device_path():
+    with pytest.raises(ValueError, match=r"target token 5 at position 1 is outside the vocabulary of 5"):
+        device_metrics_columns(torch.zeros(3, 5), torch.zeros(3, 5), torch.tensor([0, 5, 1]), backend="torch")
+    out, top = device_metrics_columns(torch.zeros(0, 7), torch.zeros(0, 7), torch.zeros(0, dtype=torch.long),
+                                      backend="torch")
+    pm = finish_columns(out, top, True)
+    assert len(pm) == 0 and pm.kld.dtype == torch.float64 and pm.ref_top1.dtype == torch.int64
+
+
+def test_blocked_topk_matches_scipy_and_does_not_depend_on_grouping(rng_seed):
+    from scipy.special import log_softmax
+
+    from fidelity.metrics import TOPK_BLOCK_ROWS, _topk_logprobs_blocks
+    x = torch.randn(2 * TOPK_BLOCK_ROWS + 9, 500) * 3
+    ids, lp = _topk_logprobs_blocks(x, 20)
+    ref = log_softmax(x.double().numpy(), -1)
+    order = np.argsort(-ref, -1)[:, :20]
+    assert np.array_equal(ids.numpy(), order)
+    np.testing.assert_allclose(lp.numpy(), np.take_along_axis(ref, order, -1), atol=2e-6)
+    for lo, hi in ((0, 1), (5, 70), (63, 64 + 63), (100, x.shape[0])):
+        i2, l2 = _topk_logprobs_blocks(x[lo:hi], 20)
+        assert torch.equal(i2, ids[lo:hi]) and torch.equal(l2, lp[lo:hi])
+
+
+# -- compare's device step ------------------------------------------------------------------------------------------
+def _head_setup(seed: int, device: str, vocab: int = 3000, hidden_size: int = 64):
+    from fidelity.oracle import Oracle
+    from fidelity.oracle.synthetic import SyntheticPack, llama_config
+    from fidelity.panels import TokenizedRow
+    from fidelity.store import ReferenceRun
+
+    cfg = llama_config(hidden_size=hidden_size, intermediate_size=32, n_layers=1, vocab_size=vocab, n_heads=2,
+                       n_kv_heads=2)
+    ref_oracle = Oracle(SyntheticPack(cfg, seed=seed), device=device)
+    pack_oracle = Oracle(SyntheticPack(cfg, seed=seed + 1), device=device)
+    g = torch.Generator().manual_seed(seed)
+    rows, hidden, targets = [], [], []
+    for i, n in enumerate([70, 1, 129, 64, 33]):
+        tokens = torch.randint(0, vocab, (n + 1,), generator=g).tolist()
+        rows.append(TokenizedRow(f"row-{i}", "d", tokens, [False] + [True] * n))
+        hidden.append(torch.randn(n, hidden_size, generator=g))
+        targets.append(torch.tensor(tokens[1:]))
+    pack_hidden = [h + 0.1 * torch.randn(h.shape, generator=g) for h in hidden]
+    return ref_oracle, pack_oracle, ReferenceRun(rows, hidden, targets, device=device), pack_hidden
+
+
+def _cpu_path(ref, ref_oracle, pack_hidden, pack_oracle):
+    from fidelity.metrics import PositionMetrics
+    parts = [position_metrics(ref_oracle.apply_head(h).float(), pack_oracle.apply_head(p).float(), t, reverse=True)
+             for h, p, t in zip(ref.hidden, pack_hidden, ref.targets)]
+    return PositionMetrics.concat(parts)
+
+
+@pytest.mark.parametrize("chunk", [64, 128, None])
+def test_device_row_metrics_equal_the_cpu_path_and_check_the_store(rng_seed, chunk):
+    """Chunks of whole head blocks that cut rows (70 + 1 + 129 + ... positions) give the per-row path's numbers; the
+    stored top-K is checked in every chunk; a changed top-K is refused naming the row, position and rank."""
+    from fidelity.store import ReferenceRun, StoreError, device_row_metrics
+    ref_oracle, pack_oracle, ref, pack_hidden = _head_setup(rng_seed % 10_000, "cpu")
+    want = _cpu_path(ref, ref_oracle, pack_hidden, pack_oracle)
+    got = device_row_metrics(ref, ref_oracle, pack_hidden, pack_oracle, chunk_positions=chunk, progress=False)
+    assert_matches_cpu_kernel(got, want)
+    topk = [topk_logprobs(ref_oracle.apply_head(h).float(), 20) for h in ref.hidden]
+    stored = ReferenceRun(ref.rows, ref.hidden, ref.targets, topk, device="cpu")
+    again = device_row_metrics(stored, ref_oracle, pack_hidden, pack_oracle, chunk_positions=chunk, progress=False)
+    assert torch.equal(again.kld, got.kld)
+    bad = [(i.clone(), l.clone()) for i, l in topk]
+    bad[2][1][100, 3] += 1e-6                       # row-2's scored position 101 (chunk 64/128 cut that row)
+    with pytest.raises(StoreError, match=r"store-x: row 'row-2' position 100: .*first at rank 3"):
+        device_row_metrics(ReferenceRun(ref.rows, ref.hidden, ref.targets, bad, device="cpu"), ref_oracle, pack_hidden,
+                           pack_oracle, store_path="store-x", chunk_positions=chunk, progress=False)
+
+
+# -- on the GPU -----------------------------------------------------------------------------------------------------
+cuda_only = [pytest.mark.device, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("noise", [1e-3, 0.3, 3.0])
+@pytest.mark.device
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_metrics_at_the_real_vocabulary_match_the_cpu_kernel(rng_seed, backend, noise):
+    n, v = 300, 129_280
+    a = torch.randn(n, v, device="cuda") * 4
+    b = a + torch.randn(n, v, device="cuda") * noise
+    a[7, 1000:] += torch.linspace(0, 30, v - 1000, device="cuda")
+    t = torch.randint(0, v, (n,), device="cuda")
+    pm = device_pm(a, b, t, backend, device="cuda")
+    cpu = position_metrics(a.cpu(), b.cpu(), t.cpu(), reverse=True)
+    assert_matches_cpu_kernel(pm, cpu)
+    via_dispatch = position_metrics(a, b, t, reverse=True)       # CUDA tensors: measured where they are
+    assert_matches_cpu_kernel(via_dispatch, cpu)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_device_row_metrics_and_store_rederivation(rng_seed, tmp_path):
+    """The head on CUDA, logits kept there: the numbers equal the CPU kernel's on the same CUDA logits, and a top-K
+    computed on CUDA in fixed blocks (as write_store does there) re-derives bit for bit in other chunkings."""
+    from fidelity.store import ReferenceRun, _device_topk_nll, device_row_metrics
+    ref_oracle, pack_oracle, ref, pack_hidden = _head_setup(rng_seed % 10_000, "cuda", vocab=129_280, hidden_size=256)
+    want = _cpu_path(ref, ref_oracle, pack_hidden, pack_oracle)      # apply_head: CUDA GEMMs, CPU kernel
+    topk = [_device_topk_nll(ref_oracle, h, t, 20)[:2] for h, t in zip(ref.hidden, ref.targets)]
+    stored = ReferenceRun(ref.rows, ref.hidden, ref.targets, topk, device="cuda")
+    for chunk in (64, 192, None):
+        got = device_row_metrics(stored, ref_oracle, pack_hidden, pack_oracle, chunk_positions=chunk, progress=False)
+        assert_matches_cpu_kernel(got, want)
