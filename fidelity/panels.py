@@ -46,6 +46,7 @@ class PanelRow:
     tokens: list[int] | None = None  # a token-exact row
     scored: list[bool] | None = None  # with `tokens`: which of them are scored
     template_kwargs: dict | None = None  # extra chat-template variables (e.g. {"enable_thinking": false})
+    score_reasoning: bool = True  # a conversation's reasoning text is scored (False: only content and tool calls)
 
     def to_json(self) -> dict:
         if self.tokens is not None:
@@ -56,7 +57,8 @@ class PanelRow:
                 body = {"tokens": self.tokens, "scored": [int(s) for s in self.scored]}
         elif self.messages is not None:
             body = {"messages": self.messages, **({"tools": self.tools} if self.tools else {}),
-                    **({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {})}
+                    **({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {}),
+                    **({} if self.score_reasoning else {"score_reasoning": False})}
         else:
             body = {"text": self.text}
         return {"id": self.id, "domain": self.domain, **body}
@@ -139,8 +141,10 @@ def parse_row(obj, where: str) -> PanelRow:
     kwargs = obj.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise PanelError(f"{where}: field 'chat_template_kwargs' must be an object")
+    if not isinstance(obj.get("score_reasoning", True), bool):
+        raise PanelError(f"{where}: field 'score_reasoning' must be true or false")
     return PanelRow(rid, domain, messages=parse_messages(obj["messages"], where), tools=tools,
-                    template_kwargs=kwargs or None)
+                    template_kwargs=kwargs or None, score_reasoning=obj.get("score_reasoning", True))
 
 
 def parse_token_row(obj: dict, where: str) -> tuple[list[int], list[bool]]:
@@ -196,7 +200,7 @@ def message_text(content, where: str) -> str:
     return "".join(parts)
 
 
-def parse_messages(messages, where: str) -> list[dict]:
+def parse_messages(messages, where: str, *, need_assistant: bool = True) -> list[dict]:
     """The conversation, checked: roles and content, tool calls with ids and names, every tool result answering an
     earlier call. Plain {"role", "content"} messages come back as they were."""
     if not isinstance(messages, list) or not messages:
@@ -246,7 +250,7 @@ def parse_messages(messages, where: str) -> list[dict]:
         if m.get("truncated"):
             out["truncated"] = True
         clean.append(out)
-    if not any(m["role"] == "assistant" for m in clean):
+    if need_assistant and not any(m["role"] == "assistant" for m in clean):
         raise PanelError(f"{where}: a chat row needs an assistant message: only assistant tokens are scored")
     return clean
 
@@ -399,7 +403,8 @@ def _replace(path: Path, data: bytes):
 
 # -- tokenizing ----------------------------------------------------------------------------------------------------
 def tokenize_row(row: PanelRow, tokenizer, *, max_len: int | None = None, truncate: bool = False,
-                 score_reasoning: bool = True) -> TokenizedRow:
+                 score_reasoning: bool | None = None) -> TokenizedRow:
+    """`score_reasoning`: None follows the row's own `score_reasoning` field (true unless the panel says otherwise)."""
     if row.tokens is not None:
         tokens, scored = list(row.tokens), list(row.scored)
         check_vocabulary(row, tokenizer)
@@ -407,7 +412,8 @@ def tokenize_row(row: PanelRow, tokenizer, *, max_len: int | None = None, trunca
         tokens = list(tokenizer(row.text, add_special_tokens=True)["input_ids"])
         scored = [False] + [True] * (len(tokens) - 1)
     else:
-        tokens, scored = render_chat(row, tokenizer, score_reasoning=score_reasoning)
+        tokens, scored = render_chat(row, tokenizer, score_reasoning=row.score_reasoning if score_reasoning is None
+                                     else score_reasoning)
     truncated = False
     if max_len is not None and len(tokens) > max_len:
         if not truncate:
@@ -534,7 +540,7 @@ def _within(pos: int, spans: list[tuple[int, int]]) -> bool:
 
 
 def tokenize_panel(panel: Panel, tokenizer, *, max_len: int | None = None, truncate: bool = False,
-                   score_reasoning: bool = True) -> list[TokenizedRow]:
+                   score_reasoning: bool | None = None) -> list[TokenizedRow]:
     return [tokenize_row(r, tokenizer, max_len=max_len, truncate=truncate, score_reasoning=score_reasoning)
             for r in panel.rows]
 

@@ -1,5 +1,7 @@
-"""Build a panel of native conversations: the reference pack answers each prompt greedily (`panel build`), or rewrite a
-panel's manifest after editing its rows (`panel manifest`)."""
+"""Make panels: `panel build` answers prompts through a served model (`--engine`) or greedily through the reference
+oracle (`--pack`), `panel from-text` cuts a text source into fixed-length token rows, `panel encode` renders chat rows
+through a pack's own encoder code into token-exact rows, `panel check` finds rows sharing an n-gram with a calibration
+or benchmark set, `panel manifest` re-hashes an edited panel."""
 from __future__ import annotations
 
 import argparse
@@ -8,39 +10,61 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..panels import PanelError, PanelRow, iter_jsonl, load_panel, write_panel
+from ..panel_build import read_prompts  # noqa: F401 (the prompt reader lives with the engine path)
+from ..panels import PanelError, PanelRow, load_panel, write_panel
 
 
 def add_arguments(p: argparse.ArgumentParser):
     sub = p.add_subparsers(dest="panel_command", metavar="ACTION", required=True)
-    b = sub.add_parser("build", help="answer prompts greedily with a reference pack and write a panel folder")
-    b.add_argument("--prompts", required=True, help='jsonl: {"id", "domain", "prompt"} or {"id", "domain", "messages"} per line')
-    b.add_argument("--pack", required=True, help="the reference pack that answers (its oracle decides every token)")
+    b = sub.add_parser("build", help="answer prompts through a served model (--engine) or the reference oracle (--pack)")
+    b.add_argument("--prompts", required=True, help='jsonl: {"id", "domain", "prompt"} or {"id", "domain", "messages", '
+                                                    '"tools"?} per line (OpenAI chat format, ending with a user or tool turn)')
+    who = b.add_mutually_exclusive_group(required=True)
+    who.add_argument("--pack", help="the reference pack that answers (its oracle decides every token; small models)")
+    who.add_argument("--engine", help="URL of an OpenAI-compatible server running the native model")
+    b.add_argument("--model", help="model name on the engine (with --engine)")
     b.add_argument("-o", "--out", required=True, help="panel folder to write")
     b.add_argument("--name", help="panel name (default: the folder name)")
     b.add_argument("--description", default="")
-    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--max-new-tokens", type=int, help="answer length limit (default 64 with --pack, 2048 with --engine); "
+                                                     "answers cut by it are marked truncated")
+    b.add_argument("--temperature", type=float, default=0.0, help="with --engine: 0 is greedy (default)")
+    b.add_argument("--seed", type=int, help="with --engine: the sampling seed sent with each request")
+    b.add_argument("--thinking", choices=["on", "off"], help="with --engine: the chat template's thinking switch "
+                                                            "(chat_template_kwargs); default: the engine's")
+    b.add_argument("--concurrency", type=int, default=4, help="with --engine: requests in flight")
+    b.add_argument("--timeout", type=float, default=600.0, help="with --engine: seconds per request")
+    b.add_argument("--no-score-reasoning", action="store_true", help="rows score content and tool calls, not reasoning")
     b.add_argument("--license", default="CC0-1.0", help="license of the prompts (answers are model outputs)")
     m = sub.add_parser("manifest", help="recompute a panel folder's manifest (sha256, row counts) after editing panel.jsonl")
     m.add_argument("folder")
-
-
-def read_prompts(path: str | Path) -> list[tuple[str, str, list[dict]]]:
-    """(id, domain, messages ending with a user turn) per line."""
-    out = []
-    path = Path(path)
-    for n, obj in iter_jsonl(path):
-        rid, domain = obj.get("id"), obj.get("domain")
-        if not isinstance(rid, str) or not isinstance(domain, str):
-            raise PanelError(f"{path} line {n}: 'id' and 'domain' must be strings")
-        if isinstance(obj.get("prompt"), str):
-            messages = [{"role": "user", "content": obj["prompt"]}]
-        elif isinstance(obj.get("messages"), list) and obj["messages"] and obj["messages"][-1].get("role") == "user":
-            messages = obj["messages"]
-        else:
-            raise PanelError(f"{path} line {n} (row {rid!r}): needs a string 'prompt' or 'messages' ending with a user turn")
-        out.append((rid, domain, messages))
-    return out
+    t = sub.add_parser("from-text", help="fixed-length token rows cut from text sources (one domain per source)")
+    t.add_argument("sources", nargs="+", metavar="SOURCE", help=".txt, .jsonl, .parquet or hf:NAME[:SPLIT]")
+    t.add_argument("--pack", required=True, help="the pack whose tokenizer cuts the rows")
+    t.add_argument("--tokens-per-row", type=int, required=True)
+    t.add_argument("--rows", type=int, required=True, help="rows per source")
+    t.add_argument("--domain", action="append", help="domain of each source, in order (default: the source's name)")
+    t.add_argument("--field", default="text", help="the text field of .jsonl / .parquet / hf: records (default text)")
+    t.add_argument("--bos", action="store_true", help="each row starts with the tokenizer's BOS token")
+    t.add_argument("-o", "--out", required=True)
+    t.add_argument("--name")
+    t.add_argument("--description", default="")
+    t.add_argument("--license", default="see the source", help="license of the texts")
+    c = sub.add_parser("check", help="rows sharing a word n-gram with calibration or benchmark texts (exit 1 if any)")
+    c.add_argument("panel")
+    c.add_argument("--against", nargs="+", required=True, metavar="FILE",
+                   help=".txt, .jsonl(.gz), .json, .parquet, a folder of those, or suite:NAME (fidelity's suites' prompts)")
+    c.add_argument("--ngram", type=int, default=8)
+    c.add_argument("--field", action="append", help="only these fields of .jsonl/.json/.parquet records (default: every string)")
+    c.add_argument("--pack", help="tokenizer to decode token-exact rows with")
+    c.add_argument("--json", help="write the findings as JSON here")
+    e = sub.add_parser("encode", help="token-exact rows from chat rows rendered by the pack's own encoding/*.py code")
+    e.add_argument("panel")
+    e.add_argument("--pack", required=True)
+    e.add_argument("--trust-pack-code", action="store_true", help="allow running the pack's encoding/*.py (it is code)")
+    e.add_argument("--encoder-kwargs", default="{}", help="JSON object of keyword arguments for encode_messages")
+    e.add_argument("--no-score-reasoning", action="store_true")
+    e.add_argument("-o", "--out", required=True)
 
 
 class GreedyAnswerer:
@@ -75,9 +99,10 @@ class GreedyAnswerer:
                                       max_new_tokens=n, do_sample=False, pad_token_id=self.tok.eos_token_id)
         return out[0, len(ids):].tolist()
 
-    def answer(self, messages: list[dict]) -> tuple[str, int, bool]:
+    def answer(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, int, bool]:
         """(answer text, number of drafted tokens the oracle corrected, whether max_new_tokens cut it short)."""
-        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                              **({"tools": tools} if tools else {}))
         ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         new: list[int] = []
         corrected = 0
@@ -104,23 +129,27 @@ class GreedyAnswerer:
 
 
 def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, name: str | None = None,
-                description: str = "", max_new_tokens: int = 64, license: str = "CC0-1.0", progress: bool = True):
+                description: str = "", max_new_tokens: int = 64, license: str = "CC0-1.0", progress: bool = True,
+                score_reasoning: bool = True):
     from tqdm.auto import tqdm
 
     from ..packs import open_pack
+    from ..panels import template_messages
 
     pack = open_pack(pack_path)
     items = read_prompts(prompts)
     answerer = GreedyAnswerer(pack, max_new_tokens=max_new_tokens)
     rows, corrected = [], 0
-    for rid, domain, messages in tqdm(items, desc="answering", disable=not progress, unit="prompt"):
-        text, fixed, cut_short = answerer.answer(messages)
+    for p in tqdm(items, desc="answering", disable=not progress, unit="prompt"):
+        shaped = template_messages(PanelRow(p.id, p.domain, messages=p.messages), answerer.tok.chat_template or "")
+        text, fixed, cut_short = answerer.answer(shaped, tools=p.tools)
         if not text:
-            raise PanelError(f"row {rid!r}: the reference answered with nothing")
+            raise PanelError(f"row {p.id!r}: the reference answered with nothing")
         corrected += fixed
         # an answer cut at max_new_tokens never produced the template's end-of-turn token: it is marked and not scored
         answer = {"role": "assistant", "content": text, **({"truncated": True} if cut_short else {})}
-        rows.append(PanelRow(rid, domain, messages=messages + [answer]))
+        rows.append(PanelRow(p.id, p.domain, messages=p.messages + [answer], tools=p.tools,
+                             score_reasoning=score_reasoning))
     sources = [{"part": "prompts", "source": str(Path(prompts).name), "license": license},
                {"part": "answers", "source": f"greedy answers of the reference pack (fingerprint {pack.fingerprint()}, "
                                              f"max {max_new_tokens} new tokens) through the fidelity oracle",
@@ -133,8 +162,50 @@ def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, 
 def run(args) -> int:
     con = Console()
     if args.panel_command == "build":
-        panel = build_panel(args.prompts, args.pack, args.out, name=args.name, description=args.description,
-                            max_new_tokens=args.max_new_tokens, license=args.license)
+        if args.engine:
+            from ..panel_build import EngineSettings, build_panel_from_engine
+
+            if not args.model:
+                raise PanelError("panel build --engine needs --model (the model name the engine serves)")
+            settings = EngineSettings(max_new_tokens=args.max_new_tokens or 2048, temperature=args.temperature,
+                                      seed=args.seed, thinking=args.thinking, concurrency=args.concurrency,
+                                      timeout_s=args.timeout)
+            panel = build_panel_from_engine(args.prompts, args.engine, args.model, args.out, settings, name=args.name,
+                                            description=args.description, license=args.license,
+                                            score_reasoning=not args.no_score_reasoning)
+            a = json.loads((panel.path / "manifest.json").read_text())["answers"]
+            con.print(f"{a['requests']['sent']} requests sent, {a['requests']['from_journal']} answered from the "
+                      f"journal; finish reasons {a['finish_reasons']}, {a['truncated_rows']} rows truncated")
+        else:
+            for flag in ("model", "seed", "thinking"):
+                if getattr(args, flag) is not None:
+                    raise PanelError(f"--{flag} is for --engine builds; --pack answers greedily through the oracle")
+            panel = build_panel(args.prompts, args.pack, args.out, name=args.name, description=args.description,
+                                max_new_tokens=args.max_new_tokens or 64, license=args.license,
+                                score_reasoning=not args.no_score_reasoning)
+    elif args.panel_command == "from-text":
+        from ..panel_text import panel_from_text
+
+        panel = panel_from_text(args.sources, args.pack, args.out, tokens_per_row=args.tokens_per_row, rows=args.rows,
+                                domains=args.domain, field=args.field, bos=args.bos, name=args.name,
+                                description=args.description, license=args.license)
+    elif args.panel_command == "check":
+        from ..panel_check import check_panel, print_findings
+
+        findings = check_panel(args.panel, args.against, n=args.ngram, fields=args.field, pack=args.pack)
+        print_findings(con, findings)
+        if args.json:
+            Path(args.json).write_text(json.dumps(findings.to_json(), indent=2, ensure_ascii=False) + "\n")
+        return 1 if findings.hits else 0
+    elif args.panel_command == "encode":
+        from ..panel_encoding import encode_panel
+
+        try:
+            kwargs = json.loads(args.encoder_kwargs)
+        except json.JSONDecodeError as e:
+            raise PanelError(f"--encoder-kwargs is not JSON: {e}") from None
+        panel = encode_panel(args.panel, args.pack, args.out, trust_pack_code=args.trust_pack_code,
+                             encoder_kwargs=kwargs, score_reasoning=not args.no_score_reasoning)
     else:
         old = load_panel(Path(args.folder) / "panel.jsonl")
         manifest_path = Path(args.folder) / "manifest.json"
