@@ -21,7 +21,8 @@ dealt largest first) and receives the rest by broadcast from the rank that read 
 The bits each rank ends with are the reader's, which are the bits it would have read itself: numbers unchanged.
 
 Layer prefetch: `prefetch(oracle)` loads layer i+1 in a background thread while layer i computes (behind the oracle's
-`load_layer` seam; on CUDA on a side stream, synchronised before hand-over), the sharded exchange included.
+`load_layer` seam; on CUDA on a side stream, synchronised before hand-over), the sharded exchange included: the layer's
+stored bytes are read into pinned host memory, sent as stored bytes, and decoded on the device (`Prefetcher`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -508,10 +510,34 @@ class ExpertParallel:
 
 # -- layer prefetch ----------------------------------------------------------------------------------------------
 
-class Prefetcher:
-    """Wraps an oracle's `load_layer`: handing out layer i starts loading layer i+1 in a background thread."""
+@dataclass
+class LayerTiming:
+    """One layer through the prefetcher: seconds its stored bytes took to stage and its build (decode included) took
+    on the loader thread, and the seconds the compute thread waited for it (its visible load time)."""
 
-    def __init__(self, oracle):
+    layer: int
+    staged_bytes: int = 0
+    stage_s: float = 0.0
+    build_s: float = 0.0
+    wait_s: float = 0.0
+
+
+# Tensors larger than this are not read ahead (their decode reads the file): tables read row by row, such as
+# DeepSeek-V4.1's Engram embeddings, would otherwise be copied whole.
+STAGE_MAX_TENSOR_BYTES = 1 << 30
+
+
+class Prefetcher:
+    """Wraps an oracle's `load_layer`: handing out layer i starts loading layer i+1 in a background thread.
+
+    Loading a layer, on the loader thread: stage (when `stage`: every stored tensor of the layer, routed experts too,
+    read from the memory-mapped files into host memory, pinned for CUDA, by `pack.stage`), then build (the family's
+    `load_layer`; each tensor decodes from the staged bytes on the oracle's device, on a side stream on CUDA). Experts
+    decode when a token first routes to them, on the compute thread, from bytes already staged. A layer's staged bytes
+    are released once the next layer is handed out (the last layer's when the next pass starts). Device-independent:
+    the CPU runs the same steps (no pinning, no streams). `timeline` records a LayerTiming per load."""
+
+    def __init__(self, oracle, stage: bool | None = None):
         self.oracle, self.load = oracle, oracle.load_layer
         self.n_layers = oracle.family.n_layers
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fidelity-prefetch")
@@ -519,25 +545,49 @@ class Prefetcher:
         self.failed: int | None = None
         cuda = oracle.device.type == "cuda"
         self.stream = torch.cuda.Stream(oracle.device) if cuda else None
-        if cuda and not getattr(oracle.fetch.read, "pinned", False):
-            # Copies from pageable memory do not overlap kernels; from pinned memory they are plain DMA that does.
-            read = oracle.fetch.read
-            oracle.fetch.read = lambda name: read(name).pin_memory()
-            oracle.fetch.read.pinned = True
+        self.stage = cuda if stage is None else stage
+        self.pin = cuda
+        self.staged: dict[int, list] = {}           # layer -> keys of its staged bytes (for pack.unstage)
+        self.lock = threading.Lock()
+        self.timeline: deque[LayerTiming] = deque(maxlen=100_000)
+
+    def stage_names(self, i: int) -> list[str]:
+        pack = self.oracle.pack
+        return [n for n in self.oracle.family.layer_names(i)
+                if n in pack and pack.storage(n).nbytes <= STAGE_MAX_TENSOR_BYTES]
 
     def _load(self, i: int):
         if self.failed is not None:  # loads already queued behind a failed one must not run (nor exchange anything)
             raise FidelityError(f"layer {i} was not loaded: loading layer {self.failed} failed first")
+        timing = LayerTiming(i)
         try:
+            t0 = time.perf_counter()
+            if self.stage and i not in self.staged:
+                names = self.stage_names(i)
+                keys = self.oracle.pack.stage(names, pin=self.pin)
+                with self.lock:
+                    self.staged[i] = keys
+                timing.staged_bytes = sum(self.oracle.pack.storage(n).nbytes for n in names)
+            t1 = time.perf_counter()
             if self.stream is None:
-                return self.load(i)
-            with torch.cuda.stream(self.stream):
                 layer = self.load(i)
-            self.stream.synchronize()  # weights complete before another stream reads them
+            else:
+                with torch.cuda.stream(self.stream):
+                    layer = self.load(i)
+                self.stream.synchronize()  # weights complete before another stream reads them
+            timing.stage_s, timing.build_s = t1 - t0, time.perf_counter() - t1
+            self.timeline.append(timing)
             return layer
         except BaseException:
             self.failed = i
             raise
+
+    def release(self, keep: int | None) -> None:
+        """Release the staged bytes of every layer but `keep` (None: all)."""
+        with self.lock:
+            done = [self.staged.pop(j) for j in list(self.staged) if j != keep]
+        for keys in done:
+            self.oracle.pack.unstage(keys)
 
     def __call__(self, i: int):
         future = self.pending.pop(i, None)
@@ -546,18 +596,26 @@ class Prefetcher:
         if self.stream is not None:
             # Layer i-1's kernels must finish before its freed blocks can be handed to the side stream's next load.
             torch.cuda.current_stream(self.oracle.device).synchronize()
+        self.release(keep=i)  # layer i-1 has computed: its experts' bytes are no longer read
         if future is None:  # a pass starts; on the loader thread too: loads run in layer order (sharded loads
             self.failed = None  # exchange in it). The queue is empty here, so the loader thread is idle
             future = self.pool.submit(self._load, i)
         if i + 1 < self.n_layers:
             self.pending[i + 1] = self.pool.submit(self._load, i + 1)
-        return future.result()
+        t0 = time.perf_counter()
+        layer = future.result()
+        wait = time.perf_counter() - t0
+        for timing in reversed(self.timeline):  # the loader thread appended layer i's before returning it
+            if timing.layer == i:
+                timing.wait_s = wait
+                break
+        return layer
 
-
-def prefetch(oracle):
-    """The same oracle, its `load_layer` replaced by a prefetching one (numbers unchanged)."""
+def prefetch(oracle, stage: bool | None = None):
+    """The same oracle, its `load_layer` replaced by a prefetching one (numbers unchanged). `stage`: read each layer's
+    stored bytes ahead into host memory (default: on CUDA, pinned)."""
     if not isinstance(oracle.__dict__.get("load_layer"), Prefetcher):
-        oracle.load_layer = Prefetcher(oracle)
+        oracle.load_layer = Prefetcher(oracle, stage=stage)
     return oracle
 
 

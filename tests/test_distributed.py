@@ -67,7 +67,7 @@ def _reads(pack) -> list[str]:
     """Names this process reads from `pack` from now on (recorded as `pack.tensor` is called)."""
     read = []
     original = pack.tensor
-    pack.tensor = lambda name, original=original: (read.append(name), original(name))[1]
+    pack.tensor = lambda name, original=original, **where: (read.append(name), original(name, **where))[1]
     return read
 
 
@@ -84,7 +84,7 @@ def _equal_job(rank: int, root: Path) -> dict:
         pack = open_pack(root / case)
         read = []
         original = pack.tensor
-        pack.tensor = lambda name, original=original: (read.append(name), original(name))[1]
+        pack.tensor = lambda name, original=original, **where: (read.append(name), original(name, **where))[1]
         oracle = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="experts")
         result[case] = oracle.logits(inputs["moe_tokens"])
         result[f"{case}_experts_read"] = sorted({n.split(".experts.")[0] + "." + n.split(".experts.")[1].split(".")[0]
@@ -124,10 +124,10 @@ def _bad_share_job(rank: int, root: Path) -> dict:
     if rank == 1:
         original = pack.tensor
 
-        def broken(name):
+        def broken(name, **where):
             if ".layers.1." in name:
                 raise PackError("block 7 has a corrupt scale", file=pack.path, tensor=name)
-            return original(name)
+            return original(name, **where)
         pack.tensor = broken
     oracle = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="rows")
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}

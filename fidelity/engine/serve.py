@@ -28,11 +28,12 @@ class CachedPack:
     def __init__(self, pack):
         self._pack, self._cache, self._lock = pack, {}, threading.Lock()
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, device=None) -> torch.Tensor:
+        key = (name, None if device is None else str(device))
         with self._lock:
-            if name not in self._cache:
-                self._cache[name] = self._pack.tensor(name)
-            return self._cache[name]
+            if key not in self._cache:
+                self._cache[key] = self._pack.tensor(name, device=device)
+            return self._cache[key]
 
     def __getattr__(self, name):
         return getattr(self._pack, name)

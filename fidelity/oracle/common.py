@@ -18,14 +18,18 @@ from ..errors import ConfigError
 
 class Fetch:
     """Reads weights for a family: `fetch(name)` -> tensor on the oracle's device and dtype; `fetch.concat(names)`
-    stacks tensors along dim 0 into one preallocated buffer, so fusing never holds the parts and the whole at once."""
+    stacks tensors along dim 0 into one preallocated buffer, so fusing never holds the parts and the whole at once.
 
-    def __init__(self, read: Callable[[str], torch.Tensor], shape_of: Callable[[str], tuple] | None = None,
+    `read(name)` gives the exact float32 tensor decoded on the CPU; off the CPU it is called `read(name, device=d)` and
+    decodes on `d` (`Pack.tensor`: the host sends stored bytes, the decode runs there, bit for bit the CPU's)."""
+
+    def __init__(self, read: Callable[..., torch.Tensor], shape_of: Callable[[str], tuple] | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.read, self.shape_of, self.device, self.dtype = read, shape_of, torch.device(device), dtype
 
     def __call__(self, name: str) -> torch.Tensor:
-        return self.read(name).to(device=self.device, dtype=self.dtype)
+        t = self.read(name) if self.device.type == "cpu" else self.read(name, device=self.device)
+        return t.to(device=self.device, dtype=self.dtype)
 
     def concat(self, names: list[str]) -> torch.Tensor:
         shapes = [tuple(self.shape_of(n)) if self.shape_of else () for n in names]

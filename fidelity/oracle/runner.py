@@ -73,7 +73,7 @@ class Oracle:
         self.family.bind_pack(pack)
         self.family.resolve_names(self.pack.names())
         self._check_names()
-        self.fetch = Fetch(lambda name: self.pack.tensor(name), self._stored_shape, self.device, dtype)
+        self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype)
         self._head: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._layers: dict[int, object] = {}

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from ..errors import PackError
+from .staging import as_device
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,14 @@ class Storage:
 
 @dataclass
 class LogicalTensor:
-    """A logical tensor a format module recognised: its storage and how to decode it exactly."""
+    """A logical tensor a format module recognised: its storage and how to decode it exactly.
+
+    `on_device=True`: `decode(device)` reads the stored bytes, sends them to `device` and decodes there (bit for bit
+    the CPU's result); otherwise `decode()` returns a CPU tensor that `Pack.tensor` moves."""
 
     storage: Storage
-    decode: Callable[[], torch.Tensor]
+    decode: Callable[..., torch.Tensor]
+    on_device: bool = False
 
 
 FINGERPRINT_SAMPLES = 64
@@ -125,10 +130,12 @@ class Pack:
     def storage(self, name: str) -> Storage:
         return self._entry(name).storage
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Exact float32 CPU tensor in the original model's naming and layout."""
+    def tensor(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """Exact float32 tensor in the original model's naming and layout, decoded on `device` (default: the CPU).
+        Off the CPU the stored bytes travel and the decode runs there; the values are the CPU decode's, bit for bit."""
         entry = self._entry(name)
-        t = entry.decode()
+        device = as_device(device)
+        t = entry.decode(device) if entry.on_device else entry.decode().to(device)
         if t.dtype != torch.float32:
             t = t.to(torch.float32)
         expected = entry.storage.shape
@@ -136,6 +143,14 @@ class Pack:
             raise PackError(f"decoded shape {list(t.shape)} differs from the stored shape {list(expected)}",
                             file=self.path, tensor=name)
         return t.contiguous()
+
+    def stage(self, names: list[str], pin: bool = False) -> list:
+        """Read the stored bytes of these logical tensors ahead into host memory (pinned when `pin`), so that their
+        decode reads no file; returns the keys to `unstage`. Formats without staging read nothing here."""
+        return []
+
+    def unstage(self, keys: list) -> None:
+        """Release bytes `stage` read ahead."""
 
     def tokenizer_source(self) -> Path | None:
         """A folder or file a tokenizer can be loaded from (HF tokenizer files or the GGUF itself)."""

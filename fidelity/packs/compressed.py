@@ -22,6 +22,7 @@ from .base import LogicalTensor, Storage
 from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
 from .fp4 import MX_BLOCK, NV_BLOCK, check_group_grid, dequantize_mxfp4, dequantize_nvfp4
 from .fp8 import FP8_DTYPES, absent_entry, ceil_div, read_scales
+from .staging import CPU, to_device
 
 KNOWN_QUANT_METHODS.add("compressed-tensors")
 
@@ -93,12 +94,12 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor
     little-endian bit stream; stored values carry an offset of 2**(b-1)."""
     mask = (1 << num_bits) - 1
     if 32 % num_bits == 0:
-        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)
         vals = ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)[..., :cols]
     else:  # an element may straddle two words
         words = packed.to(torch.int64) & 0xFFFFFFFF
         words = torch.cat([words, torch.zeros_like(words[..., :1])], dim=-1)
-        bit = torch.arange(cols) * num_bits
+        bit = torch.arange(cols, device=packed.device) * num_bits
         idx, off = bit // 32, bit % 32
         vals = ((words[..., idx] >> off) | (words[..., idx + 1] << (32 - off))) & mask
     return vals.to(torch.int32) - (1 << (num_bits - 1))
@@ -117,10 +118,11 @@ def apply_param_(w: torch.Tensor, t: torch.Tensor, op, args: WeightArgs, g_idx: 
         if g_idx is None and whole * gs == cols:  # the common case: a view, no full-size temporary
             op(w.unflatten(-1, (whole, gs)), t[..., None])
             return w
-        cols_group = g_idx if g_idx is not None else torch.arange(cols) // gs
+        cols_group = g_idx if g_idx is not None else torch.arange(cols, device=w.device) // gs
         return op(w, t[..., cols_group])
     bh, bw = args.block
-    return op(w, t[..., torch.arange(rows) // bh, :][..., torch.arange(cols) // bw])
+    r, c = torch.arange(rows, device=w.device), torch.arange(cols, device=w.device)
+    return op(w, t[..., r // bh, :][..., c // bw])
 
 
 def param_grid(args: WeightArgs, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -156,8 +158,8 @@ class ModuleParams:
     def info(self, p: str):
         return self.pack.raw.info(self.name(p))
 
-    def get(self, p: str) -> torch.Tensor:
-        return self.pack.raw.get(self.name(p))
+    def get(self, p: str, device: torch.device = CPU) -> torch.Tensor:
+        return to_device(self.pack.raw.get(self.name(p)), device)
 
     def file(self, p: str):
         return self.pack.raw.file_path(self.name(p))
@@ -192,10 +194,10 @@ class ModuleParams:
         else:
             self.check_grid("weight_zero_point", args, shape)
 
-    def g_idx(self, args: WeightArgs, shape) -> torch.Tensor | None:
+    def g_idx(self, args: WeightArgs, shape, device: torch.device = CPU) -> torch.Tensor | None:
         if not self.has("weight_g_idx"):
             return None
-        g = self.get("weight_g_idx").to(torch.int64)
+        g = self.get("weight_g_idx", device).to(torch.int64)
         if bool((g == -1).any()):  # compressed-tensors' "not initialised": column order
             return None
         n_groups = ceil_div(shape[-1], args.group_size or shape[-1])
@@ -203,12 +205,12 @@ class ModuleParams:
             raise self.error(f"g_idx must map each of {shape[-1]} columns to one of {n_groups} groups", "weight_g_idx")
         return g
 
-    def zero_point(self, args: WeightArgs, shape, packed: bool) -> torch.Tensor | None:
+    def zero_point(self, args: WeightArgs, shape, packed: bool, device: torch.device = CPU) -> torch.Tensor | None:
         if args.symmetric or not self.has("weight_zero_point"):
             if not args.symmetric and args.strategy != "tensor":
                 raise self.error("asymmetric scheme without a zero point", "weight_zero_point")
             return None
-        zp = self.get("weight_zero_point")
+        zp = self.get("weight_zero_point", device)
         if packed and args.strategy in ("group", "channel"):
             rows, n_groups = shape[-2], self.info("weight_scale").shape[-1]
             return unpack_int32(zp.transpose(-1, -2), args.num_bits, rows).transpose(-1, -2).reshape(
@@ -230,8 +232,9 @@ def weight_shape_of(m: ModuleParams, args: WeightArgs) -> tuple[int, ...]:
 
 
 def int_dequantize(m: ModuleParams, args: WeightArgs, q: torch.Tensor, shape, zp) -> torch.Tensor:
-    s = read_scales(m.pack, m.name("weight_scale"))
-    g_idx = m.g_idx(args, shape)
+    """On q's device."""
+    s = read_scales(m.pack, m.name("weight_scale"), device=q.device)
+    g_idx = m.g_idx(args, shape, q.device)
     w = q.to(torch.float32).reshape(shape)
     if zp is not None:
         apply_param_(w, zp.to(torch.float32), torch.Tensor.sub_, args, g_idx)
@@ -248,15 +251,15 @@ def pack_quantized_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:
     m.check_grid("weight_scale", args, shape)
     m.check_zero_point_grid(args, shape, packed=True)
 
-    def decode() -> torch.Tensor:
-        q = unpack_int32(m.get("weight_packed"), args.num_bits, shape[-1])
-        return int_dequantize(m, args, q, shape, m.zero_point(args, shape, packed=True))
+    def decode(device: torch.device) -> torch.Tensor:
+        q = unpack_int32(m.get("weight_packed", device), args.num_bits, shape[-1])
+        return int_dequantize(m, args, q, shape, m.zero_point(args, shape, packed=True, device=device))
 
     dtype = f"I32 x{32 // args.num_bits if 32 % args.num_bits == 0 else 32 / args.num_bits:g}, scale " \
             f"{m.info('weight_scale').dtype} {args.strategy}" + ("" if args.symmetric else " +zp") + \
             (" +g_idx" if m.has("weight_g_idx") else "")
     block = (1, args.group_size) if args.strategy == "group" else args.block
-    return LogicalTensor(m.storage(f"int{args.num_bits}-pack-quantized", dtype, shape, block), decode)
+    return LogicalTensor(m.storage(f"int{args.num_bits}-pack-quantized", dtype, shape, block), decode, on_device=True)
 
 
 def naive_entry(m: ModuleParams, args: WeightArgs, fmt: str) -> LogicalTensor:
@@ -268,8 +271,9 @@ def naive_entry(m: ModuleParams, args: WeightArgs, fmt: str) -> LogicalTensor:
     if not is_float and info.dtype not in ("I8", "I16", "I32"):
         raise m.error(f"{fmt} weight must be int or fp8, got {info.dtype}", "weight")
 
-    def decode() -> torch.Tensor:
-        return int_dequantize(m, args, m.get("weight"), shape, m.zero_point(args, shape, packed=False))
+    def decode(device: torch.device) -> torch.Tensor:
+        return int_dequantize(m, args, m.get("weight", device), shape,
+                              m.zero_point(args, shape, packed=False, device=device))
 
     if fmt == "mxfp8-quantized":
         kind = "mxfp8"
@@ -277,7 +281,8 @@ def naive_entry(m: ModuleParams, args: WeightArgs, fmt: str) -> LogicalTensor:
         kind = FP8_DTYPES[info.dtype] if is_float else f"int{args.num_bits}-quantized"
     desc = f"block {args.block[0]}x{args.block[1]}" if args.strategy == "block" else args.strategy
     block = (1, args.group_size) if args.strategy == "group" else args.block
-    return LogicalTensor(m.storage(kind, f"{info.dtype} x {m.info('weight_scale').dtype} {desc}", shape, block), decode)
+    return LogicalTensor(m.storage(kind, f"{info.dtype} x {m.info('weight_scale').dtype} {desc}", shape, block), decode,
+                         on_device=True)
 
 
 def nvfp4_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:
@@ -286,21 +291,23 @@ def nvfp4_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:
         raise m.error(f"NVFP4 block scales must be F8_E4M3, got {m.info('weight_scale').dtype}", "weight_scale")
     m.name("weight_global_scale")
 
-    def decode() -> torch.Tensor:
-        s, g = read_scales(m.pack, m.name("weight_scale")), read_scales(m.pack, m.name("weight_global_scale"))
-        return dequantize_nvfp4(m.get("weight_packed"), s, g, global_divides=True)
+    def decode(device: torch.device) -> torch.Tensor:
+        s = read_scales(m.pack, m.name("weight_scale"), device=device)
+        g = read_scales(m.pack, m.name("weight_global_scale"), device=device)
+        return dequantize_nvfp4(m.get("weight_packed", device), s, g, global_divides=True)
 
-    return LogicalTensor(m.storage("nvfp4", "E2M1 x F8_E4M3 per-16 / F32 global", shape, (1, NV_BLOCK)), decode)
+    return LogicalTensor(m.storage("nvfp4", "E2M1 x F8_E4M3 per-16 / F32 global", shape, (1, NV_BLOCK)), decode,
+                         on_device=True)
 
 
 def mxfp4_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:
     shape = check_group_grid(m.pack, m.name("weight_packed"), m.name("weight_scale"), MX_BLOCK)
 
-    def decode() -> torch.Tensor:
-        return dequantize_mxfp4(m.get("weight_packed"), read_scales(m.pack, m.name("weight_scale")))
+    def decode(device: torch.device) -> torch.Tensor:
+        return dequantize_mxfp4(m.get("weight_packed", device), read_scales(m.pack, m.name("weight_scale"), device=device))
 
     sdtype = m.info("weight_scale").dtype
-    return LogicalTensor(m.storage("mxfp4", f"E2M1 x {sdtype} e8m0 per-32", shape, (1, MX_BLOCK)), decode)
+    return LogicalTensor(m.storage("mxfp4", f"E2M1 x {sdtype} e8m0 per-32", shape, (1, MX_BLOCK)), decode, on_device=True)
 
 
 def stored_format(m: ModuleParams) -> str:

@@ -173,10 +173,17 @@ def _window_plan(rate: Bitrate, row_major: bool) -> tuple[torch.Tensor, torch.Te
     return hi ^ 1, lo ^ 1, shift.to(torch.int32)
 
 
+@lru_cache(maxsize=None)
+def _window_plan_on(rate: Bitrate, row_major: bool, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(x.to(device) for x in _window_plan(rate, row_major))
+
+
 def trellis_states(trellis: torch.Tensor, rate: Bitrate, row_major: bool = False) -> torch.Tensor:
     """int32 [..., 256]: the 16-bit state at every ring position of every tile (or in row-major tile order)."""
     u16 = trellis.to(torch.int32) & 0xFFFF
-    hi, lo, shift = (x.to(trellis.device) for x in _window_plan(rate, row_major))
+    plan = _window_plan(rate, row_major) if trellis.device.type == "cpu" else \
+        _window_plan_on(rate, row_major, str(trellis.device))
+    hi, lo, shift = plan
     merged = (u16.index_select(-1, lo) << 16) | u16.index_select(-1, hi)
     return (merged >> shift) & 0xFFFF
 
@@ -242,13 +249,54 @@ def rotate_back(inner: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> to
 
 
 def _rotate_back_f64(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+    """x: float64 (the float64 sums) or int64 (fp16 values times 2**24, the integer sums) [k, n]."""
     k, n = x.shape
-    H = _hadamard_pm1(str(x.device), torch.float64)
-    x = torch.matmul(H, x.view(k // HAD, HAD, n))                       # left: rows within each 128-block
-    x = torch.matmul(x.view(k, n // HAD, HAD), H).view(k, n)            # right: columns within each 128-block
+    if x.dtype == torch.int64:
+        x = _hadamard_int64(x).to(torch.float64).mul_(2.0 ** -INT_SHIFT)  # |sums| < 2**53: converted exactly
+    else:
+        H = _hadamard_pm1(str(x.device), torch.float64)
+        x = torch.matmul(H, x.view(k // HAD, HAD, n))                   # left: rows within each 128-block
+        x = torch.matmul(x.view(k, n // HAD, HAD), H).view(k, n)        # right: columns within each 128-block
     x.mul_((suh.to(torch.float64) / HAD)[:, None])                      # 1/sqrt(128) per side
     x.mul_(svh.to(torch.float64)[None, :])
     return x.to(torch.float32)
+
+
+# Hadamard sums: "float64" (matmuls; every sum of these fp16 values is exact in float64) or "int64" (butterflies on the
+# values times 2**24, exact integers: every fp16 value is a multiple of 2**-24). The same bits either way; int64 is for
+# GPUs whose float64 matmuls are slow (consumer cards, GB10: 1/64 of the fp32 rate), which then run only elementwise
+# float64 (one conversion, two scalings per weight).
+HADAMARD_SUMS = ("float64", "int64")
+INT_SHIFT = 24
+FAST_FLOAT64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}   # P100, V100, A100, H100/H200, B200 (compute capability)
+
+
+def default_sums(device: torch.device) -> str:
+    """float64 on the CPU and on GPUs with fast float64, int64 elsewhere."""
+    if device.type == "cpu":
+        return "float64"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) in FAST_FLOAT64:
+        return "float64"
+    return "int64"
+
+
+def _butterflies(x: torch.Tensor) -> torch.Tensor:
+    """x [A, 128, B] -> H x along dim 1 (Sylvester order, entries +-1), in log2(128) add/subtract stages."""
+    A, _, B = x.shape
+    h = 1
+    while h < HAD:
+        y = x.view(A, HAD // (2 * h), 2, h, B)
+        lo, hi = y[:, :, 0], y[:, :, 1]
+        x = torch.stack((lo + hi, lo - hi), dim=2).view(A, HAD, B)
+        h *= 2
+    return x
+
+
+def _hadamard_int64(x: torch.Tensor) -> torch.Tensor:
+    """H x H per 128x128 block of an int64 [k, n] (exact integer sums)."""
+    k, n = x.shape
+    x = _butterflies(x.view(k // HAD, HAD, n))                          # left: rows within each 128-block
+    return _butterflies(x.view(k * (n // HAD), HAD, 1)).view(k, n)      # right: columns within each 128-block
 
 
 def unpack_sign_bits(bitfield: torch.Tensor) -> torch.Tensor:
@@ -259,8 +307,9 @@ def unpack_sign_bits(bitfield: torch.Tensor) -> torch.Tensor:
 
 
 def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str = "3inst", *,
-                  shape: tuple[int, int] | None = None, file=None, tensor=None) -> torch.Tensor:
-    """The torch weight [out, in] float32 of an EXL3 linear; `shape` = logical (out, in) cuts the padding off."""
+                  shape: tuple[int, int] | None = None, file=None, tensor=None, sums: str | None = None) -> torch.Tensor:
+    """The torch weight [out, in] float32 of an EXL3 linear, on the trellis' device; `shape` = logical (out, in) cuts
+    the padding off. `sums`: "float64" or "int64" Hadamard sums (bit-identical results; default `default_sums`)."""
     tiles = _decode_tiles(trellis, codebook, file, tensor)
     kt, nt = tiles.shape[:2]
     k_p, n_p = kt * TILE, nt * TILE
@@ -276,7 +325,12 @@ def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, c
     out, inp = shape if shape is not None else (n_p, k_p)
     if out > n_p or inp > k_p:
         raise PackError(f"logical shape [{out}, {inp}] exceeds the padded EXL3 weight [{n_p}, {k_p}]", file=file, tensor=tensor)
-    inner_t = torch.empty(n_p, k_p, dtype=torch.float64, device=tiles.device)
+    sums = sums or default_sums(tiles.device)
+    if sums not in HADAMARD_SUMS:
+        raise ValueError(f"Hadamard sums {sums!r}: expected one of {HADAMARD_SUMS}")
+    if sums == "int64":
+        tiles = tiles * 2.0 ** INT_SHIFT                                # exact in float32: fp16 values < 2**16
+    inner_t = torch.empty(n_p, k_p, dtype=torch.float64 if sums == "float64" else torch.int64, device=tiles.device)
     inner_t.view(nt, TILE, kt, TILE).copy_(tiles.permute(1, 3, 0, 2))   # Q^T, so the result comes out as W^T
     w_t = _rotate_back_f64(inner_t, svh, suh)
     return w_t if (out, inp) == (n_p, k_p) else w_t[:out, :inp].contiguous()

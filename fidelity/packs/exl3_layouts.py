@@ -51,6 +51,7 @@ import torch
 from ..errors import PackError
 from .base import LogicalTensor, Storage
 from .exl3 import HAD, Bitrate, bitrate_from_trellis, decode_weight, unpack_sign_bits
+from .staging import CPU, to_device
 
 PLAN_FILE = "exl3_moe_plan.json"
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
@@ -265,16 +266,18 @@ def check_linear(pack, lin: StoredLinear, stated_k: tuple[float, str] | None) ->
     return CheckedLinear(lin, codebook, rate, (n_p, k_p), nbytes, raw.files_of(*names))
 
 
-def _read_scale(pack, lin: StoredLinear, dense: str, bits: str) -> torch.Tensor:
+def _read_scale(pack, lin: StoredLinear, dense: str, bits: str, device: torch.device) -> torch.Tensor:
     if dense in lin.parts:
-        return pack.raw.get(lin.parts[dense])
-    return unpack_sign_bits(pack.raw.get(lin.parts[bits]))
+        return to_device(pack.raw.get(lin.parts[dense]), device)
+    return unpack_sign_bits(to_device(pack.raw.get(lin.parts[bits]), device))
 
 
-def linear_weight(pack, c: CheckedLinear, shape: tuple[int, int]) -> torch.Tensor:
+def linear_weight(pack, c: CheckedLinear, shape: tuple[int, int], device: torch.device = CPU) -> torch.Tensor:
+    """The decoded weight [out, in] on `device` (the stored trellis and scales travel, the decode runs there)."""
     lin, raw = c.lin, pack.raw
-    return decode_weight(raw.get(lin.trellis), _read_scale(pack, lin, "suh", "su"), _read_scale(pack, lin, "svh", "sv"),
-                         c.codebook, shape=shape, file=raw.file_path(lin.trellis), tensor=lin.trellis)
+    return decode_weight(to_device(raw.get(lin.trellis), device), _read_scale(pack, lin, "suh", "su", device),
+                         _read_scale(pack, lin, "svh", "sv", device), c.codebook, shape=shape,
+                         file=raw.file_path(lin.trellis), tensor=lin.trellis)
 
 
 def linear_entries(pack, c: CheckedLinear, logical: str, shape: tuple[int, int]) -> dict[str, LogicalTensor]:
@@ -282,7 +285,7 @@ def linear_entries(pack, c: CheckedLinear, logical: str, shape: tuple[int, int])
     lin, raw = c.lin, pack.raw
     storage = Storage(logical, "exl3", f"exl3 K={c.rate.K:g} {c.codebook}", tuple(shape), c.nbytes,
                       block=(16, 16), files=c.files, raw=tuple(n for s, n in lin.parts.items() if s != "bias"))
-    out = {logical: LogicalTensor(storage, lambda: linear_weight(pack, c, shape))}
+    out = {logical: LogicalTensor(storage, lambda device: linear_weight(pack, c, shape, device), on_device=True)}
     if "bias" in lin.parts:
         bname = lin.parts["bias"]
         binfo = raw.info(bname)
@@ -292,7 +295,8 @@ def linear_entries(pack, c: CheckedLinear, logical: str, shape: tuple[int, int])
         blogical = logical[: -len(".weight")] + ".bias"
         bstorage = Storage(blogical, binfo.dtype.lower(), binfo.dtype, (shape[0],), binfo.nbytes,
                            files=raw.files_of(bname), raw=(bname,))
-        out[blogical] = LogicalTensor(bstorage, lambda: raw.get(bname)[: shape[0]].to(torch.float32))
+        out[blogical] = LogicalTensor(
+            bstorage, lambda device: to_device(raw.get(bname), device)[: shape[0]].to(torch.float32), on_device=True)
     return out
 
 
@@ -512,7 +516,8 @@ def _stacked_slices(pack, base: str, parts: list[tuple[int, CheckedLinear]]) -> 
                       (rows * len(parts), cols), sum(c.nbytes for c in checked), block=(16, 16),
                       files=tuple(sorted({f for c in checked for f in c.files})),
                       raw=tuple(n for c in checked for s, n in c.lin.parts.items() if s != "bias"))
-    return LogicalTensor(storage, lambda: torch.cat([linear_weight(pack, c, (rows, cols)) for c in checked], dim=0))
+    return LogicalTensor(storage, lambda device: torch.cat([linear_weight(pack, c, (rows, cols), device) for c in checked],
+                                                           dim=0), on_device=True)
 
 
 def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTensor]:
@@ -546,7 +551,7 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
     for name in sorted(pool):
         logical = official_to_hf(name)
         entry = native._entry(pack, name)
-        out[logical] = LogicalTensor(replace(entry.storage, name=logical), entry.decode)
+        out[logical] = replace(entry, storage=replace(entry.storage, name=logical))
         pool.discard(name)
     return out
 

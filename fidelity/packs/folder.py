@@ -11,6 +11,7 @@ import torch
 from ..errors import PackError
 from .base import LogicalTensor, Pack
 from .safetensors_io import RawTensorInfo, SafetensorsFile
+from .staging import StagedBytes, host_copy
 
 
 class RawIndex:
@@ -21,6 +22,7 @@ class RawIndex:
         self.root = root
         self.weight_map = weight_map  # raw name -> file name relative to root
         self._files: dict[str, SafetensorsFile] = {}
+        self.staged = StagedBytes()   # stored tensors a prefetcher read ahead (raw name -> host copy)
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -55,8 +57,20 @@ class RawIndex:
         return self._file(name).info(name)
 
     def get(self, name: str) -> torch.Tensor:
-        """Stored tensor in its stored dtype (memory-mapped view)."""
-        return self._file(name).get(name)
+        """Stored tensor in its stored dtype (memory-mapped view, or the host copy `stage` read ahead)."""
+        held = self.staged.get((str(self.root), name))
+        return self._file(name).get(name) if held is None else held
+
+    def stage(self, names, pin: bool) -> list:
+        """Read stored tensors into host memory now (pinned when `pin`); `get` returns these copies until dropped."""
+        keys = []
+        for name in names:
+            if name not in self.weight_map or not self.available(name):
+                continue  # an absent part is an error when the tensor is decoded, not when it is read ahead
+            key = (str(self.root), name)
+            self.staged.hold(key, lambda name=name: host_copy(self._file(name).get(name), pin))
+            keys.append(key)
+        return keys
 
     def files_of(self, *names: str) -> tuple[str, ...]:
         return tuple(sorted({str(self.file_path(n)) for n in names}))
@@ -148,6 +162,16 @@ class SafetensorsPack(Pack):
                         qc = {"quant_method": "modelopt", **qc["quantization"]}
                     break
         return qc
+
+    def stage(self, names: list[str], pin: bool = False) -> list:
+        raw: list[str] = []
+        for name in names:
+            if name in self._entries:
+                raw.extend(self._entries[name].storage.raw)
+        return self.raw.stage(raw, pin)
+
+    def unstage(self, keys: list) -> None:
+        self.raw.staged.release(keys)
 
     def tokenizer_source(self) -> Path | None:
         return self.root

@@ -13,12 +13,15 @@ Stored forms read here (compressed-tensors' `weight_packed` forms are read by `c
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Storage
 from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
 from .fp8 import absent_entry, ceil_div, read_scales
+from .staging import to_device
 
 KNOWN_QUANT_METHODS.update({"mxfp4", "modelopt"})
 
@@ -32,15 +35,21 @@ NV_BLOCK = 16
 MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8", "NVFP4", "W4A16_NVFP4", "MIXED_PRECISION")
 
 
+@lru_cache(maxsize=None)
+def _pairs_on(device: str) -> torch.Tensor:
+    return E2M1_PAIRS.to(device)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n] -> fp32 [..., 2n]; element 2i is the low nibble of byte i. One table lookup per byte, in slices
-    so that the index temporary stays small next to the fp32 result."""
+    """uint8 [..., n] -> fp32 [..., 2n] on packed's device; element 2i is the low nibble of byte i. One table lookup
+    per byte, in slices so that the index temporary stays small next to the fp32 result."""
     b = packed.view(torch.uint8)
-    out = torch.empty(*b.shape[:-1], 2 * b.shape[-1])
+    out = torch.empty(*b.shape[:-1], 2 * b.shape[-1], device=b.device)
     flat, pairs = b.reshape(-1), out.view(-1, 2)
+    table = E2M1_PAIRS if b.device.type == "cpu" else _pairs_on(str(b.device))
     step = 1 << 22
     for i in range(0, flat.numel(), step):
-        torch.index_select(E2M1_PAIRS, 0, flat[i:i + step].int(), out=pairs[i:i + step])
+        torch.index_select(table, 0, flat[i:i + step].int(), out=pairs[i:i + step])
     return out
 
 
@@ -99,14 +108,14 @@ def gpt_oss_entry(pack: SafetensorsPack, blocks: str, scales: str) -> LogicalTen
     transpose = len(stored) == 3  # transformers' convert_moe_packed_tensors: [E, out, in] -> [E, in, out]
     shape = (stored[0], stored[2], stored[1]) if transpose else stored
 
-    def decode() -> torch.Tensor:
-        s = read_scales(pack, scales)
-        w = dequantize_mxfp4(raw.get(blocks).reshape(*lead, groups * MX_BLOCK // 2), s)
+    def decode(device: torch.device) -> torch.Tensor:
+        s = read_scales(pack, scales, device=device)
+        w = dequantize_mxfp4(to_device(raw.get(blocks), device).reshape(*lead, groups * MX_BLOCK // 2), s)
         return w.transpose(1, 2) if transpose else w
 
     storage = Storage(name, "mxfp4", f"E2M1 x {sinfo.dtype} e8m0 per-32", shape, info.nbytes + sinfo.nbytes,
                       block=(1, MX_BLOCK), files=raw.files_of(blocks, scales), raw=(blocks, scales))
-    return LogicalTensor(storage, decode)
+    return LogicalTensor(storage, decode, on_device=True)
 
 
 # -- ModelOpt NVFP4 ---------------------------------------------------------------------------------------------
@@ -120,14 +129,14 @@ def modelopt_nvfp4_entry(pack: SafetensorsPack, weight: str, scale: str, scale_2
                         file=raw.file_path(scale_2), tensor=scale_2)
     shape = check_group_grid(pack, weight, scale, NV_BLOCK)
 
-    def decode() -> torch.Tensor:
-        s, g = read_scales(pack, scale), read_scales(pack, scale_2)
-        return dequantize_nvfp4(raw.get(weight), s, g, global_divides=False)
+    def decode(device: torch.device) -> torch.Tensor:
+        s, g = read_scales(pack, scale, device=device), read_scales(pack, scale_2, device=device)
+        return dequantize_nvfp4(to_device(raw.get(weight), device), s, g, global_divides=False)
 
     storage = Storage(weight, "nvfp4", "E2M1 x F8_E4M3 per-16 x F32 global", shape,
                       info.nbytes + sinfo.nbytes + ginfo.nbytes, block=(1, NV_BLOCK),
                       files=raw.files_of(weight, scale, scale_2), raw=(weight, scale, scale_2))
-    return LogicalTensor(storage, decode)
+    return LogicalTensor(storage, decode, on_device=True)
 
 
 def _check_modelopt_algo(pack: SafetensorsPack):
@@ -148,11 +157,12 @@ def mxfp4_entry(pack: SafetensorsPack, name: str, scale: str, logical: str | Non
     shape = check_group_grid(pack, name, scale, MX_BLOCK)
     nbytes = raw.info(name).nbytes + raw.info(scale).nbytes
 
-    def decode() -> torch.Tensor:
-        return dequantize_mxfp4(raw.get(name).view(torch.uint8), fp8.read_scales(pack, scale))
+    def decode(device: torch.device) -> torch.Tensor:
+        return dequantize_mxfp4(to_device(raw.get(name), device).view(torch.uint8),
+                                fp8.read_scales(pack, scale, device=device))
 
     return LogicalTensor(Storage(logical or name, "mxfp4", "MXFP4", tuple(shape), nbytes, block=(1, MX_BLOCK),
-                                 files=raw.files_of(name, scale), raw=(name, scale)), decode)
+                                 files=raw.files_of(name, scale), raw=(name, scale)), decode, on_device=True)
 
 
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:

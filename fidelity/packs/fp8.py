@@ -15,6 +15,7 @@ import torch
 from ..errors import PackError
 from .base import LogicalTensor, Storage
 from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
+from .staging import CPU, to_device
 
 FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}
 E8M0_DTYPES = ("F8_E8M0", "U8")
@@ -36,11 +37,12 @@ def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def read_scales(pack: SafetensorsPack, name: str, *, power_of_two: bool = False) -> torch.Tensor:
-    """A stored scale tensor as exact fp32. NaN/inf scales (or e8m0's NaN code 255) are errors naming the tensor."""
+def read_scales(pack: SafetensorsPack, name: str, *, power_of_two: bool = False, device: torch.device = CPU) -> torch.Tensor:
+    """A stored scale tensor as exact fp32 on `device`. NaN/inf scales (or e8m0's NaN code 255) are errors naming the
+    tensor."""
     raw = pack.raw
     info = raw.info(name)
-    t = raw.get(name)
+    t = to_device(raw.get(name), device)
     if info.dtype in E8M0_DTYPES:
         e = t.view(torch.uint8)
         if bool((e == 255).any()):
@@ -160,14 +162,14 @@ def fp8_entry(pack: SafetensorsPack, name: str, scale_name: str, block: tuple[in
     layout = scale_layout(info.shape, sinfo.shape, blocks, file=raw.file_path(scale_name), tensor=scale_name)
     logical = logical_name or name
 
-    def decode() -> torch.Tensor:
-        s = read_scales(pack, scale_name, power_of_two=power_of_two)
-        return apply_scales(raw.get(name).to(torch.float32), s, layout)
+    def decode(device: torch.device) -> torch.Tensor:
+        s = read_scales(pack, scale_name, power_of_two=power_of_two, device=device)
+        return apply_scales(to_device(raw.get(name), device).to(torch.float32), s, layout)
 
     storage = Storage(logical, FP8_DTYPES[info.dtype], f"{info.dtype} x {sinfo.dtype} {layout.describe()}", info.shape,
                       info.nbytes + sinfo.nbytes, block=layout.block, files=raw.files_of(name, scale_name),
                       raw=(name, scale_name))
-    return LogicalTensor(storage, decode)
+    return LogicalTensor(storage, decode, on_device=True)
 
 
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:

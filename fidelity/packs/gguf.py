@@ -21,6 +21,7 @@ import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Pack, Storage
+from .staging import to_device
 
 # gguf architecture name -> (HF model_type, HF architectures[0])
 ARCHITECTURES = {
@@ -41,6 +42,73 @@ def supported_types() -> set[str]:
     """GGML type names gguf-py can dequantize."""
     from gguf.quants import _type_traits  # the registry `dequantize` dispatches on
     return {"F32", "F16"} | {t.name for t in _type_traits}
+
+
+# -- decoding on a device --------------------------------------------------------------------------------------------
+# Types whose gguf-py dequantizer is a few fp32 operations that torch repeats in the same order on any device (bit for
+# bit); every other type (K-quants, IQ, TQ, MXFP4) is dequantized by gguf-py on the CPU and its fp32 values are moved.
+def stored_bytes(data: np.ndarray) -> torch.Tensor:
+    """A GGUF tensor's stored bytes (a read-only memory map) as a flat uint8 host tensor, copied once."""
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    out = torch.empty(flat.size, dtype=torch.uint8)
+    out.numpy()[:] = flat
+    return out
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 fields [n, 2] (bytes) -> float32 [n, 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes -> [n, 32]: the 16 low nibbles, then the 16 high ones (ggml's order)."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, 4] bytes of a little-endian uint32 -> [n, 32] bits 0..31, as uint8."""
+    word = qh.to(torch.int64)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
+    return ((word[:, None] >> torch.arange(32, device=qh.device)) & 1).to(torch.uint8)
+
+
+def _blocks(b: torch.Tensor, type_size: int) -> torch.Tensor:
+    return b.view(-1, type_size)
+
+
+def _q8_0(b):
+    x = _blocks(b, 34)
+    return x[:, 2:].view(torch.int8).float() * _f16(x[:, :2])
+
+
+def _q4_0(b):
+    x = _blocks(b, 18)
+    return _f16(x[:, :2]) * (_nibbles(x[:, 2:]).to(torch.int8) - 8).float()
+
+
+def _q4_1(b):
+    x = _blocks(b, 20)
+    return _f16(x[:, :2]) * _nibbles(x[:, 4:]).float() + _f16(x[:, 2:4])
+
+
+def _q5_0(b):
+    x = _blocks(b, 22)
+    q = (_nibbles(x[:, 6:]) | (_high_bits(x[:, 2:6]) << 4)).to(torch.int8) - 16
+    return _f16(x[:, :2]) * q.float()
+
+
+def _q5_1(b):
+    x = _blocks(b, 24)
+    q = _nibbles(x[:, 8:]) | (_high_bits(x[:, 4:8]) << 4)
+    return _f16(x[:, :2]) * q.float() + _f16(x[:, 2:4])
+
+
+TORCH_DECODERS = {
+    "F32": lambda b: b.view(torch.float32),
+    "F16": lambda b: b.view(torch.float16).float(),
+    "BF16": lambda b: b.view(torch.bfloat16).float(),
+    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+}
 
 
 def field_value(reader, key: str, default=None):
@@ -264,15 +332,20 @@ class GGUFPack(Pack):
             nbytes //= int(t.shape[-1])
         storage = Storage(name, "gguf", t.tensor_type.name, shape, nbytes, block=(block,) if block > 1 else None,
                           files=(str(self.path),), raw=(t.name,))
-        self._entries[name] = LogicalTensor(storage, lambda: self._decode(t, name, shape, expert))
+        self._entries[name] = LogicalTensor(storage, lambda device: self._decode(t, name, shape, expert, device),
+                                            on_device=True)
 
-    def _decode(self, t, name: str, shape: tuple[int, ...], expert: int | None) -> torch.Tensor:
+    def _decode(self, t, name: str, shape: tuple[int, ...], expert: int | None, device: torch.device) -> torch.Tensor:
         data = t.data if expert is None else t.data[expert]
-        try:
-            values = gguf.quants.dequantize(data, t.tensor_type)
-        except Exception as e:
-            raise PackError(f"gguf-py could not dequantize {t.tensor_type.name}: {e}", file=self.path, tensor=name) from None
-        w = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape)
+        kind = t.tensor_type.name
+        if device.type != "cpu" and kind in TORCH_DECODERS:   # the stored bytes travel, torch decodes them there
+            w = TORCH_DECODERS[kind](to_device(stored_bytes(data), device)).reshape(shape)
+        else:
+            try:
+                values = gguf.quants.dequantize(data, t.tensor_type)
+            except Exception as e:
+                raise PackError(f"gguf-py could not dequantize {kind}: {e}", file=self.path, tensor=name) from None
+            w = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape).to(device)
         if self.arch in PERMUTED_QK_ARCHS and ".attn_q." in t.name:
             w = unpermute_qk(w, self.config["num_attention_heads"])
         elif self.arch in PERMUTED_QK_ARCHS and ".attn_k." in t.name:

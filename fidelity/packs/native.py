@@ -6,6 +6,7 @@ import torch
 from ..errors import PackError
 from .base import LogicalTensor, Storage
 from .folder import SafetensorsPack, register_claimer
+from .staging import to_device
 
 # Stored codes of these types are not values without scales: a weight of such a type left to `native` is refused.
 _NEEDS_SCALES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "I16", "I32", "U16", "U32"}
@@ -40,8 +41,8 @@ def _entry(pack: SafetensorsPack, name: str) -> LogicalTensor:
         return LogicalTensor(Storage(name, "unclaimed", info.dtype, info.shape, info.nbytes, files=raw.files_of(name),
                                      raw=(name,)), refuse)
 
-    def decode() -> torch.Tensor:
-        t = raw.get(name)
+    def decode(device: torch.device) -> torch.Tensor:
+        t = to_device(raw.get(name), device)
         if info.dtype == "F64":
             f = t.to(torch.float32)
             if not torch.equal(f.to(torch.float64), t):
@@ -50,7 +51,8 @@ def _entry(pack: SafetensorsPack, name: str) -> LogicalTensor:
         return t.to(torch.float32)
 
     fmt = _FLOAT_FORMAT.get(info.dtype, info.dtype.lower())
-    return LogicalTensor(Storage(name, fmt, info.dtype, info.shape, info.nbytes, files=raw.files_of(name), raw=(name,)), decode)
+    return LogicalTensor(Storage(name, fmt, info.dtype, info.shape, info.nbytes, files=raw.files_of(name), raw=(name,)), decode,
+                         on_device=True)
 
 
 register_claimer("native", claim)

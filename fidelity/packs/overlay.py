@@ -88,6 +88,17 @@ class OverlayPack(Pack):
             out[where].append(name)
         return out
 
+    def stage(self, names: list[str], pin: bool = False) -> list:
+        mine = {"overlay": [], "base": []}
+        for name in names:
+            if name in self._origin:
+                mine[self._origin[name]].append(name)
+        return [("overlay", self.overlay.stage(mine["overlay"], pin)), ("base", self.base.stage(mine["base"], pin))]
+
+    def unstage(self, keys: list) -> None:
+        for where, inner in keys:
+            (self.overlay if where == "overlay" else self.base).unstage(inner)
+
     def tokenizer_source(self) -> Path | None:
         return self.base.tokenizer_source()
 
@@ -104,7 +115,7 @@ class OverlayPack(Pack):
 
 
 def _forward(pack: Pack, name: str) -> LogicalTensor:
-    return LogicalTensor(pack.storage(name), lambda: pack.tensor(name))
+    return LogicalTensor(pack.storage(name), lambda device: pack.tensor(name, device=device), on_device=True)
 
 
 def _file_of(pack: Pack, name: str) -> str:
