@@ -1,115 +1,91 @@
-"""The sandbox against a corpus of hostile generated programs, run as a real (stubbed-engine) humaneval run: none escapes, each
-is a failure with its reason, and the run goes on to score the benign items after them."""
+"""The sandbox from inside (identity, capabilities, seccomp, what the root holds, the limits), its refusal to run without
+bubblewrap (exit 2 from the CLI, SandboxUnavailable from Python), the --unsafe-no-sandbox record, and the codec that
+carries return values to the judge."""
 import asyncio
 import json
+import math
 import os
+import platform
+import random
 import socket
 import subprocess
-import time
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from fidelity.suites import sandbox as sb
+from fidelity.suites._sandbox_boot import decode, encode
+from fidelity.suites.compare import compare_runs
 from fidelity.suites.humaneval import make_code_suite
-from fidelity.suites.records import read_records
+from fidelity.suites.records import read_manifest
 from fidelity.suites.runner import Settings, run_suite
-from fidelity.suites.sandbox import Sandbox, SandboxLimits, detect_isolation
 
-PROMPT = 'def answer():\n    """Return 42."""\n'
-TEST = "def check(candidate):\n    assert candidate() == 42\n"
+REPO = Path(__file__).resolve().parent.parent
 
 
-def hostile_corpus(marker: str, port: int, secret_name: str) -> dict[str, str]:
-    body = {
-        "fork-bomb": "import os\ndef answer():\n    while True:\n        os.fork()\n    return 42\n",
-        "memory-bomb": "def answer():\n    hog = bytearray(8 << 30)\n    return 42\n",
-        "write-outside": (f"import os\ndef answer():\n    errors = []\n"
-                          f"    for p in ('/tmp/{marker}', '../{marker}', os.path.expanduser('~/../{marker}')):\n"
-                          f"        try:\n            open(p, 'w').write('escaped')\n        except OSError as e:\n"
-                          f"            errors.append(e)\n    if errors:\n        raise errors[0]\n    return 42\n"),
-        "socket": (f"import socket\ndef answer():\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'leak')\n"
-                   f"    return 42\n"),
-        "infinite-loop": "def answer():\n    while True:\n        pass\n",
-        "env-secret": (f"import os\ndef answer():\n    print(dict(os.environ))\n    for p in ('/proc/1/environ', '/proc/self/environ'):\n"
-                       f"        try:\n            print(open(p).read())\n        except OSError as e:\n            print(p, e)\n"
-                       f"    return os.environ[{secret_name!r}]\n"),
-        "forged-exit": "import os\ndef answer():\n    os._exit(0)\n",
-        "benign": "def answer():\n    return 42\n",
-    }
-    return {k: f"Here you go:\n```python\n{v}```\n" for k, v in body.items()}
+def test_identity_capabilities_seccomp_and_root_from_inside():
+    if platform.machine() != "x86_64":
+        pytest.skip("the raw syscall numbers below are x86-64's")
+    probe = r"""
+import ctypes, errno, json, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    r = libc.syscall(nr, *[ctypes.c_long(a) for a in args])
+    return 0 if r == 0 else -ctypes.get_errno()
+status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)
+out = {"ids": [os.getuid(), os.geteuid(), os.getgid(), os.getgroups()],
+       "caps": [int(status[k], 16) for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")],
+       "seccomp": status["Seccomp"].strip(), "nnp": status["NoNewPrivs"].strip(),
+       "unshare_user": call(272, 0x10000000), "unshare_net": call(272, 0x40000000), "ptrace_traceme": call(101, 0, 0, 0, 0),
+       "kexec_load": call(246, 0, 0, 0, 0), "setns": call(308, 0, 0), "bpf": call(321, 0, 0, 0), "init_module": call(175, 0, 0, 0),
+       "mount_remount": libc.mount(None, b"/", None, ctypes.c_ulong(32 | 4096), None) and -ctypes.get_errno(),
+       "clone_newns": call(56, 0x00020000 | 17, 0, 0, 0, 0), "root": sorted(os.listdir("/")),
+       "interfaces": [l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]],
+       "pids": sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}
+for fam in ("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"):
+    try:
+        socket.socket(getattr(socket, fam), socket.SOCK_RAW if fam == "AF_PACKET" else socket.SOCK_DGRAM).close()
+        out[fam] = 0
+    except OSError as e:
+        out[fam] = -e.errno
+a, b = socket.socketpair()
+a.sendall(b"x"); out["socketpair"] = b.recv(1).decode()
+open('/tmp/w', 'w').write('ok'); out["tmp"] = open('/tmp/w').read()
+for path in ('/', '/usr/lib', os.path.dirname(os.__file__)):
+    try:
+        open(os.path.join(path, 'w'), 'w'); out["writable:" + path] = True
+    except OSError as e:
+        out["writable:" + path] = e.errno
+out["seen"] = {p: os.path.exists(p) for p in HOST_PATHS}
+print(json.dumps(out))
+"""
+    host_paths = [str(REPO), str(REPO / "README.md"), "/etc/passwd", "/etc/shadow", "/home", "/root/.bashrc", "/var", "/run",
+                  "/usr/bin/sh", "/bin/sh", "/etc", sys.prefix + "/lib/python3.11/site-packages/torch"]
+    res = sb.Sandbox(sb.SandboxLimits(wall_s=20)).run(f"HOST_PATHS = {host_paths!r}\n" + probe)
+    assert res.ok, res.stderr
+    out = json.loads(res.stdout)
+    assert out["ids"] == [65534, 65534, 65534, []] and out["caps"] == [0, 0, 0, 0, 0]
+    assert out["seccomp"] == "2" and out["nnp"] == "1"
+    for call in ("unshare_user", "unshare_net", "ptrace_traceme", "kexec_load", "setns", "bpf", "init_module", "mount_remount",
+                 "clone_newns"):
+        assert out[call] == -1, (call, out[call])  # EPERM from the filter
+    for fam in ("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"):
+        assert out[fam] == -97, (fam, out[fam])  # EAFNOSUPPORT
+    assert out["socketpair"] == "x" and out["tmp"] == "ok"
+    assert all(v == 30 for k, v in out.items() if k.startswith("writable:")), out  # EROFS everywhere but /tmp
+    assert set(out["root"]) <= {"dev", "lib", "lib32", "lib64", "libx32", "proc", "root", "sandbox", "tmp", "usr", "opt",
+                                "home", "work"} and "etc" not in out["root"]
+    assert out["interfaces"] == ["lo"]  # its own network namespace: a loopback of its own, nothing of the host's
+    assert out["pids"] == [1, 2]  # bwrap's init and the program: no host process in sight
+    assert not any(out["seen"].values()), out["seen"]
 
 
-class StubClient:
-    """Answers each chat request with the canned response for its task (the prompt holds the task's docstring)."""
-
-    def __init__(self, responses: dict[str, str]):
-        self.responses = responses
-
-    async def chat(self, messages, tag="", **kw):
-        task = tag.split(":", 1)[1]
-        return SimpleNamespace(content=self.responses[task.split("/")[1]], tool_calls=[])
-
-
-def nobody_processes() -> list[str]:
-    out = subprocess.run(["ps", "-u", "65534", "-o", "pid=,stat=,args="], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if ln.strip()]
-
-
-@pytest.mark.slow
-def test_hostile_corpus_is_contained_and_the_run_continues(tmp_path, rng_seed, monkeypatch):
-    iso = detect_isolation()
-    marker = f"fidelity-escape-{rng_seed}"
-    secret_name, secret = "FIDELITY_TEST_SECRET", f"s3cr3t-{rng_seed}"
-    monkeypatch.setenv(secret_name, secret)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    listener.setblocking(False)
-    port = listener.getsockname()[1]
-    corpus = hostile_corpus(marker, port, secret_name)
-    data = tmp_path / "tasks.jsonl"
-    data.write_text("".join(json.dumps({"task_id": f"hostile/{k}", "prompt": PROMPT, "entry_point": "answer", "test": TEST}) + "\n"
-                            for k in corpus))
-    suite = make_code_suite("humaneval", data=str(data), limits=SandboxLimits(wall_s=4, cpu_s=3, memory_mb=512, processes=16))
-    t0 = time.monotonic()
-    summary = asyncio.run(run_suite(suite, tmp_path / "run", engine="stub", model="stub", settings=Settings(),
-                                    client=StubClient(corpus), concurrency=2))
-    elapsed = time.monotonic() - t0
-    df = read_records(tmp_path / "run").set_index("item_id")
-    print(df[["passed", "verdict"]].to_string(), f"\nisolation: {iso.describe()}, {elapsed:.1f} s")
-
-    assert summary.items == len(corpus) and summary.errors == 0
-    assert bool(df.loc["hostile/benign", "passed"]) is True  # the run went on and the sandbox still passes real solutions
-    hostile = df.drop(index="hostile/benign")
-    assert not hostile["passed"].any()
-    verdict = hostile["verdict"].to_dict()
-    assert "process limit" in verdict["hostile/fork-bomb"] or "wall-clock" in verdict["hostile/fork-bomb"]
-    assert "memory limit" in verdict["hostile/memory-bomb"]
-    assert "wall-clock" in verdict["hostile/infinite-loop"] or "CPU time" in verdict["hostile/infinite-loop"]
-    assert "KeyError" in verdict["hostile/env-secret"]
-    assert verdict["hostile/forged-exit"] == "exited before the tests finished"
-    if iso.mode != "rlimits":
-        assert "Read-only file system" in verdict["hostile/write-outside"]
-        assert "Network is unreachable" in verdict["hostile/socket"]
-    # nothing escaped: no file outside, no connection, no secret, no process left behind
-    assert not (tmp_path / marker).exists() and not os.path.exists(f"/tmp/{marker}")
-    if iso.network:
-        with pytest.raises(BlockingIOError):
-            listener.accept()
-    listener.close()
-    assert secret not in df.to_json()
-    deadline = time.monotonic() + 10
-    while nobody_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert nobody_processes() == []
-
-
-def test_sandbox_reports_isolation_and_limits():
-    iso = detect_isolation()
-    assert iso.mode in ("namespaced", "userns", "rlimits")
-    if os.geteuid() == 0 and iso.mode == "namespaced":
-        assert iso.describe() == "namespaced"
-    box = Sandbox(SandboxLimits(wall_s=5, file_mb=1))
+def test_limits_files_arguments_and_output():
+    box = sb.Sandbox(sb.SandboxLimits(wall_s=10, file_mb=1))
+    assert box.isolation.startswith("bubblewrap") and "seccomp" in box.isolation
     big = box.run("open('big', 'wb').write(b'x' * (4 << 20))")
     assert not big.ok and "file size limit (1 MB)" in big.reason
     ok = box.run("import sys; print(open('data.txt').read() + sys.argv[1])", files={"data.txt": "abc"}, args=["def"])
@@ -119,29 +95,141 @@ def test_sandbox_reports_isolation_and_limits():
     assert len(chatty.stdout) < 25_000
     with pytest.raises(ValueError, match="plain names.*'../x'"):
         box.run("pass", files={"../x": "y"})
+    full = sb.Sandbox(sb.SandboxLimits(wall_s=10, tmp_mb=2, file_mb=8)).run("open('/tmp/a', 'wb').write(b'x' * (4 << 20))")
+    assert not full.ok and "No space left on device" in full.stderr
 
 
-def test_rlimits_mode_is_reported_weaker():
-    from fidelity.suites.sandbox import Isolation
+def listening_socket():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(4)
+    s.setblocking(False)
+    return s
 
-    weak = Isolation("rlimits", network=False, filesystem=False, process_limit=False)
-    assert weak.describe() == "rlimits (WEAKER: network reachable, host files writable, no process limit)"
-    res = Sandbox(SandboxLimits(wall_s=5), weak).run("print(6 * 7)")
-    assert res.ok and res.stdout.strip() == "42"
+
+def cli(out_dir, port, env_extra, suite="humaneval", extra=()):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env_extra}
+    return subprocess.run([sys.executable, "-m", "fidelity", "suite", "run", suite, "--engine", f"http://127.0.0.1:{port}",
+                           "--model", "m", "-o", str(out_dir), "--limit", "2", *extra], capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
-def test_user_namespace_mode_blocks_network_and_host_writes(tmp_path):
-    """The mode an unprivileged user gets (here forced): same namespaces, no uid change."""
-    from fidelity.suites.sandbox import Isolation
+def test_without_bubblewrap_the_run_refuses_before_anything_runs(tmp_path):
+    engine = listening_socket()
+    try:
+        missing = cli(tmp_path / "run", engine.getsockname()[1], {"FIDELITY_BWRAP": str(tmp_path / "no-bwrap")})
+        assert missing.returncode == 2, missing.stderr
+        assert "no usable bubblewrap" in missing.stderr and "--unsafe-no-sandbox" in missing.stderr
+        assert "pip install 'fidelity[suites]'" in missing.stderr
+        # a bwrap that exists but cannot build namespaces (what a kernel without user namespaces answers)
+        fake = tmp_path / "bwrap"
+        fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'bubblewrap 0.11.0'; exit 0; }\n"
+                        "echo 'bwrap: No permissions to create a new namespace' >&2\nexit 1\n")
+        fake.chmod(0o755)
+        denied = cli(tmp_path / "run2", engine.getsockname()[1], {"FIDELITY_BWRAP": str(fake)})
+        assert denied.returncode == 2 and "No permissions to create a new namespace" in denied.stderr, denied.stderr
+        assert "user.max_user_namespaces" in denied.stderr
+        with pytest.raises(BlockingIOError):
+            engine.accept()  # no request went to the engine
+        assert not (tmp_path / "run" / "records.parquet").exists() and not (tmp_path / "run2" / "records.parquet").exists()
+        wrong_suite = cli(tmp_path / "run3", engine.getsockname()[1], {}, suite="ifeval", extra=["--unsafe-no-sandbox"])
+        assert wrong_suite.returncode == 2 and "runs no generated code" in wrong_suite.stderr
+    finally:
+        engine.close()
 
-    box = Sandbox(SandboxLimits(wall_s=10), Isolation("userns", True, True, True))
-    probe = box.run("import os; print(os.getuid())")
-    if not probe.ok:
-        pytest.skip(f"user namespaces unavailable here: {probe.reason}")
-    target = tmp_path / "escape"
-    write = box.run(f"open({str(target)!r}, 'w').write('x')")
-    assert not write.ok and "Read-only file system" in write.reason and not target.exists()
-    net = box.run("import socket; socket.create_connection(('127.0.0.1', 22), timeout=2)")
-    assert not net.ok and "Network is unreachable" in net.reason
-    local = box.run("open('f', 'w').write('ok'); print(open('f').read())")
-    assert local.ok and local.stdout.strip() == "ok"
+
+def test_python_api_raises_without_bubblewrap(monkeypatch, tmp_path):
+    monkeypatch.setenv("FIDELITY_BWRAP", str(tmp_path / "none"))
+    for f in (sb.find_bwrap, sb.require_sandbox):
+        f.cache_clear()
+    try:
+        with pytest.raises(sb.SandboxUnavailable, match="no usable bubblewrap.*--unsafe-no-sandbox"):
+            make_code_suite("humaneval")
+        with pytest.raises(sb.SandboxUnavailable):
+            sb.Sandbox()
+    finally:
+        monkeypatch.delenv("FIDELITY_BWRAP")
+        for f in (sb.find_bwrap, sb.require_sandbox):
+            f.cache_clear()
+
+
+class StubClient:
+    async def chat(self, messages, tag="", **kw):
+        return SimpleNamespace(content="```python\ndef answer():\n    return 42\n```", tool_calls=[])
+
+
+def test_unsafe_no_sandbox_is_explicit_and_recorded(tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps({"task_id": "t/0", "prompt": 'def answer():\n    """42."""\n', "entry_point": "answer",
+                                "test": "def check(candidate):\n    assert candidate() == 42\n"}) + "\n")
+    runs = {}
+    for name, unsafe in (("safe", False), ("unsafe", True)):
+        suite = make_code_suite("humaneval", data=str(data), unsafe_no_sandbox=unsafe)
+        summary = asyncio.run(run_suite(suite, tmp_path / name, engine="stub", model="stub", settings=Settings(),
+                                        client=StubClient()))
+        assert summary.passed == 1
+        runs[name] = read_manifest(tmp_path / name)
+    assert runs["safe"]["unsafe_no_sandbox"] is False and runs["safe"]["sandbox"].startswith("bubblewrap")
+    assert runs["unsafe"]["unsafe_no_sandbox"] is True and runs["unsafe"]["sandbox"].startswith("UNSAFE")
+    rep = compare_runs(tmp_path / "safe", tmp_path / "unsafe")
+    assert "run B ran generated code without the sandbox" in rep["warning"]
+
+
+def random_value(rng: random.Random, depth=0):
+    kinds = ["int", "float", "str", "bool", "none", "bytes", "complex"] + (["list", "tuple", "set", "dict", "frozenset"] if depth < 4 else [])
+    k = rng.choice(kinds)
+    if k == "int":
+        return rng.randint(-10**30, 10**30)
+    if k == "float":
+        return rng.choice([rng.uniform(-1e9, 1e9), math.inf, -math.inf, -0.0])
+    if k == "str":
+        return "".join(chr(rng.randint(1, 0x2FFF)) for _ in range(rng.randint(0, 8)))
+    if k == "bool":
+        return rng.random() < 0.5
+    if k == "none":
+        return None
+    if k == "bytes":
+        return rng.randbytes(rng.randint(0, 6))
+    if k == "complex":
+        return complex(rng.uniform(-5, 5), rng.uniform(-5, 5))
+    items = [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    hashable = []
+    for x in items:
+        try:
+            hash(x)
+            hashable.append(x)
+        except TypeError:
+            pass
+    if k == "list":
+        return items
+    if k == "tuple":
+        return tuple(items)
+    if k == "set":
+        return set(hashable)
+    if k == "frozenset":
+        return frozenset(hashable)
+    return {h: v for h, v in zip(hashable, items)}
+
+
+def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
+    rng = random.Random(rng_seed)
+    for _ in range(300):
+        v = random_value(rng)
+        back = decode(json.loads(json.dumps(encode(v))))
+        assert back == v and type(back) is type(v)
+    nan = decode(json.loads(json.dumps(encode([math.nan]))))
+    assert math.isnan(nan[0])
+    arr = np.arange(6, dtype=np.int32).reshape(2, 3)
+    back = decode(json.loads(json.dumps(encode(arr))))
+    assert back.dtype == np.int32 and (back == arr).all() and type(decode(encode(np.float64(2.5)))) is np.float64
+
+    class Liar:
+        def __eq__(self, other):
+            return True
+
+    for bad in (Liar(), object(), iter([1]), np.array(["a"], dtype=object)):
+        with pytest.raises(TypeError):
+            encode(bad)
+    for forged in ({"x": 1}, {"l": [1], "t": [2]}, {"a": ["object", [1], [1]]}, [1, 2]):
+        with pytest.raises(ValueError):
+            decode(forged)

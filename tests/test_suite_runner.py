@@ -62,7 +62,8 @@ def test_killed_run_resumes_to_the_same_records(toy, tmp_path):
     assert list(a["item_id"]) == [f"HumanEval/{i}" for i in range(n)]
     m = read_manifest(killed)
     assert m["suite"] == "humaneval" and m["engine"] == toy.url and m["settings"]["limit"] == n and m["errors"] == 0
-    assert m["data"]["sha256"] == read_manifest(whole)["data"]["sha256"] and m["sandbox"].startswith(("namespaced", "userns", "rlimits"))
+    assert m["data"]["sha256"] == read_manifest(whole)["data"]["sha256"] and m["sandbox"].startswith("bubblewrap")
+    assert m["unsafe_no_sandbox"] is False
     set_plan(toy.url, None)
 
 

@@ -3,6 +3,9 @@
   fidelity suite run SUITE --engine URL --model NAME -o RUN_DIR [--limit N] [--concurrency C]
   fidelity suite compare RUN_A RUN_B [--json FILE] [--threshold 1.0] [--alpha 0.05] [--aa]
 
+Code suites run the generated code in a sandbox (bubblewrap, see README); where none can start, `run` stops with exit
+code 2 and says why, unless --unsafe-no-sandbox is given.
+
 A run folder holds manifest.json, records.parquet and the journals that let a killed run resume. `compare` pairs items, tests
 (McNemar / paired t + Wilcoxon) and applies "fail if the drop is larger than THRESHOLD points at p < ALPHA"; exit code 1 on fail.
 """
@@ -13,6 +16,8 @@ import asyncio
 import json
 
 from rich.console import Console
+
+from ..errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -35,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser):
     r.add_argument("--depths", help="needle: needle depths in [0, 1], comma-separated (default 0,0.5,1)")
     r.add_argument("--seeds", type=int, help="needle: seeds per (length, depth) cell (default 2)")
     r.add_argument("--categories", help="toolcall: BFCL categories, comma-separated (default all five)")
+    r.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="code suites: run the generated code WITHOUT the sandbox, with your rights (recorded in the "
+                        "manifest and reports); only for machines you are willing to lose. Without it a missing sandbox "
+                        "stops the run (exit 2)")
     c = sub.add_parser("compare", help="paired comparison of two runs of one suite")
     c.add_argument("run_a", help="reference run folder (native)")
     c.add_argument("run_b", help="candidate run folder")
@@ -55,6 +64,10 @@ def _suite_options(args) -> dict:
             opts["seeds"] = args.seeds
     if args.suite == "toolcall" and args.categories:
         opts["categories"] = args.categories.split(",")
+    if args.unsafe_no_sandbox:
+        if args.suite not in ("humaneval", "humaneval+", "mbpp+"):
+            raise ConfigError(f"--unsafe-no-sandbox is for the code suites; {args.suite} runs no generated code")
+        opts["unsafe_no_sandbox"] = True
     return opts
 
 
@@ -67,8 +80,8 @@ def run_command(args) -> int:
                         thinking=None if args.thinking is None else args.thinking == "on")
     con = Console(stderr=True)
     isolation = getattr(suite, "isolation", None)
-    if isolation and "WEAKER" in isolation:
-        con.print(f"[yellow]warning: generated code runs in a weaker sandbox here: {isolation}[/yellow]")
+    if isolation and isolation.startswith("UNSAFE"):
+        con.print(f"[bold red]warning: {isolation}[/bold red]")
     done = [0]
 
     def progress(rec):

@@ -20,6 +20,9 @@ MAX_FRAME = 256 << 20
 SETUP_FAILED = 97
 
 
+NUMPY_KINDS = "biufc"  # numpy dtypes that cross: bool, ints, floats, complex
+
+
 class CandidateError(Exception):
     """The candidate raised, returned something that cannot cross, or is gone."""
 
@@ -31,6 +34,10 @@ def encode(obj, depth=0):
         raise TypeError("value nested too deeply")
     if obj is None:
         return None
+    if type(obj).__module__ == "numpy" and getattr(getattr(obj, "dtype", None), "kind", "") in NUMPY_KINDS:
+        if getattr(obj, "ndim", 0) == 0:  # numpy scalars keep their type (np.float64 is also a float)
+            return {"n": [str(obj.dtype), encode(obj.item(), depth + 1)]}
+        return {"a": [str(obj.dtype), list(obj.shape), [encode(x, depth + 1) for x in obj.ravel().tolist()]]}
     if isinstance(obj, bool):
         return obj is True or bool.__bool__(obj)
     if isinstance(obj, str):
@@ -48,15 +55,7 @@ def encode(obj, depth=0):
         return {"b": bytes(obj).hex()}
     if isinstance(obj, complex):
         return {"c": [obj.real, obj.imag]}
-    kind = type(obj).__module__
-    if kind == "numpy" and hasattr(obj, "dtype"):
-        if getattr(obj, "ndim", None) == 0 or not hasattr(obj, "shape"):
-            return {"n": [str(obj.dtype), encode(obj.item(), depth + 1)]}
-        return {"a": [str(obj.dtype), list(obj.shape), [encode(x, depth + 1) for x in obj.ravel().tolist()]]}
     raise TypeError(f"a {type(obj).__name__} cannot be compared outside the program")
-
-
-NUMPY_KINDS = "biufc"  # numpy dtypes that decode: bool, ints, floats, complex
 
 
 def decode(tree, depth=0):

