@@ -173,6 +173,9 @@ def test_unsafe_no_sandbox_is_explicit_and_recorded(tmp_path):
     assert runs["unsafe"]["unsafe_no_sandbox"] is True and runs["unsafe"]["sandbox"].startswith("UNSAFE")
     rep = compare_runs(tmp_path / "safe", tmp_path / "unsafe")
     assert "run B ran generated code without the sandbox" in rep["warning"]
+    from fidelity.report.tables import suite_table
+
+    assert "run B ran generated code without the sandbox" in suite_table([("suite.json", rep)]).note  # the report shows it
 
 
 def random_value(rng: random.Random, depth=0):
@@ -233,3 +236,35 @@ def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
     for forged in ({"x": 1}, {"l": [1], "t": [2]}, {"a": ["object", [1], [1]]}, [1, 2]):
         with pytest.raises(ValueError):
             decode(forged)
+
+
+def test_evalplus_verdicts_cannot_be_forged_and_canonical_solutions_run_sandboxed(tmp_path):
+    from test_suite_scoring import evalplus_file
+
+    data = evalplus_file(tmp_path, make_code_suite("humaneval"))
+    suite = make_code_suite("humaneval+", data=str(data))
+    p = suite.problems["HumanEval/2"]
+    assert suite.check("HumanEval/2", p["prompt"] + p["canonical_solution"]).passed
+    forged = {
+        "os._exit(0)": "import os\ndef truncate_number(number):\n    os._exit(0)\n",
+        "a float whose == agrees": ("class Yes(float):\n    def __eq__(self, other):\n        return True\n"
+                                    "    __hash__ = float.__hash__\ndef truncate_number(number):\n    return Yes(-1.0)\n"),
+        "patched numpy and evalplus": ("import numpy as np, evalplus.eval as ev\nnp.allclose = lambda *a, **k: True\n"
+                                       "ev._mapping = {k: 'pass' for k in (0, 1, 2, 3, None)}\n"
+                                       "def truncate_number(number):\n    return -1.0\n"),
+        "printed a passing status": ("import json\nprint(json.dumps({'status': 'pass', 'passed_inputs': 2, 'inputs': 2}))\n"
+                                     "def truncate_number(number):\n    return -1.0\n"),
+    }
+    for what, code in forged.items():
+        out = suite.check("HumanEval/2", code)
+        assert not out.passed and out.details["base"]["status"] == "fail", (what, out.verdict)
+    # a canonical solution from a user's --data file is code like any other: it runs in the sandbox, where the host is not
+    marker = tmp_path / "canonical-escaped"
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[1]["canonical_solution"] = f"    open({str(marker)!r}, 'w').write('x')\n    return number % 1.0\n"
+    evil = tmp_path / "HumanEvalPlus-evil.jsonl"
+    evil.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evil_suite = make_code_suite("humaneval+", data=str(evil))
+    with pytest.raises(RuntimeError, match="canonical solution failed in the sandbox.*No such file or directory"):
+        evil_suite.check("HumanEval/2", p["prompt"] + p["canonical_solution"])
+    assert not marker.exists()

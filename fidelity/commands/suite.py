@@ -82,6 +82,8 @@ def run_command(args) -> int:
     isolation = getattr(suite, "isolation", None)
     if isolation and isolation.startswith("UNSAFE"):
         con.print(f"[bold red]warning: {isolation}[/bold red]")
+    elif isolation:
+        con.print(f"generated code runs in {isolation}")
     done = [0]
 
     def progress(rec):
