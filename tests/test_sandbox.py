@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -24,9 +25,21 @@ from fidelity.suites.records import read_manifest
 from fidelity.suites.runner import Settings, run_suite
 
 REPO = Path(__file__).resolve().parent.parent
+# what bwrap says when the kernel (not our setup) refuses it: no user namespaces, no uid map; only then do tests skip
+KERNEL_FORBIDS = re.compile(r"bwrap: .*(No permissions to create|namespace|uid map|setting up uid|Operation not permitted)")
 
 
-def test_identity_capabilities_seccomp_and_root_from_inside():
+@pytest.fixture
+def working_sandbox() -> str:
+    try:
+        return sb.require_sandbox()
+    except sb.SandboxUnavailable as e:
+        if KERNEL_FORBIDS.search(str(e)):
+            pytest.skip(f"this kernel forbids what bubblewrap needs (user namespaces): {e}")
+        raise
+
+
+def test_identity_capabilities_seccomp_and_root_from_inside(working_sandbox):
     if platform.machine() != "x86_64":
         pytest.skip("the raw syscall numbers below are x86-64's")
     probe = r"""
@@ -83,7 +96,7 @@ print(json.dumps(out))
     assert not any(out["seen"].values()), out["seen"]
 
 
-def test_limits_files_arguments_and_output():
+def test_limits_files_arguments_and_output(working_sandbox):
     box = sb.Sandbox(sb.SandboxLimits(wall_s=10, file_mb=1))
     assert box.isolation.startswith("bubblewrap") and "seccomp" in box.isolation
     big = box.run("open('big', 'wb').write(b'x' * (4 << 20))")
@@ -158,7 +171,7 @@ class StubClient:
         return SimpleNamespace(content="```python\ndef answer():\n    return 42\n```", tool_calls=[])
 
 
-def test_unsafe_no_sandbox_is_explicit_and_recorded(tmp_path):
+def test_unsafe_no_sandbox_is_explicit_and_recorded(tmp_path, working_sandbox):
     data = tmp_path / "tasks.jsonl"
     data.write_text(json.dumps({"task_id": "t/0", "prompt": 'def answer():\n    """42."""\n', "entry_point": "answer",
                                 "test": "def check(candidate):\n    assert candidate() == 42\n"}) + "\n")
@@ -238,7 +251,7 @@ def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
             decode(forged)
 
 
-def test_evalplus_verdicts_cannot_be_forged_and_canonical_solutions_run_sandboxed(tmp_path):
+def test_evalplus_verdicts_cannot_be_forged_and_canonical_solutions_run_sandboxed(tmp_path, working_sandbox):
     from test_suite_scoring import evalplus_file
 
     data = evalplus_file(tmp_path, make_code_suite("humaneval"))

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 import sandbox_hostile as hostile
+from test_sandbox import working_sandbox  # noqa: F401  (fixture: skips only where the kernel forbids bwrap)
 from fidelity.suites import sandbox as sb
 from fidelity.suites.humaneval import make_code_suite
 from fidelity.suites.records import read_records
@@ -130,7 +131,7 @@ class StubClient:
 
 
 @pytest.mark.slow
-def test_hostile_corpus_as_root_through_a_humaneval_run(tmp_path, rng_seed, monkeypatch):
+def test_hostile_corpus_as_root_through_a_humaneval_run(tmp_path, rng_seed, monkeypatch, working_sandbox):
     if os.geteuid() != 0:
         pytest.skip("this half of the corpus runs as root (the unprivileged half is the next test)")
     listeners = Listeners(tmp_path, rng_seed)
@@ -178,7 +179,7 @@ def world_readable_python() -> str | None:
 
 
 @pytest.mark.slow
-def test_hostile_corpus_as_an_unprivileged_user(rng_seed):
+def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
     """uid 65534 runs the corpus through Sandbox.judge (what HumanEval.check calls) from a world-readable copy of the
     sandbox modules and their two packages, under the system Python; bwrap then starts without root."""
     if os.geteuid() != 0:
