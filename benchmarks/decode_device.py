@@ -101,7 +101,8 @@ def gguf_cases(root: Path):
     hp = {"block_count": 2, "context_length": 4096, "embedding_length": HIDDEN, "feed_forward_length": HIDDEN,
           "attention.head_count": 32, "attention.head_count_kv": 8, "attention.layer_norm_rms_epsilon": 1e-6,
           "rope.freq_base": 1e6, "vocab_size": 1000}
-    for qtype, f16_fields in (("Q8_0", (0,)), ("Q4_0", (0,)), ("Q4_K", (0, 2)), ("Q6_K", (208,))):
+    from fidelity.packs.gguf import TORCH_DECODERS
+    for qtype, f16_fields in (("Q8_0", (0,)), ("Q4_K", (0, 2)), ("Q6_K", (208,)), ("IQ4_XS", (0,))):
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
         b = torch.randint(0, 256, (HIDDEN, HIDDEN // block, size), dtype=torch.uint8)
         for off in f16_fields:
@@ -109,7 +110,7 @@ def gguf_cases(root: Path):
                 HIDDEN, HIDDEN // block, 2)
         path = write_gguf_tensors(root / f"{qtype}.gguf", "qwen3", hp,
                                   {"blk.0.ffn_down.weight": (b.reshape(HIDDEN, -1).numpy(), qtype)})
-        torch_path = "torch on the device" if qtype in ("Q8_0", "Q4_0") else "gguf-py on the CPU, fp32 moved"
+        torch_path = "torch on the device" if qtype in TORCH_DECODERS else "gguf-py on the CPU, fp32 moved"
         yield f"GGUF {qtype} {HIDDEN}x{HIDDEN} ({torch_path})", open_pack(path), "model.layers.0.mlp.down_proj.weight"
 
 

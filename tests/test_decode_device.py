@@ -50,6 +50,8 @@ def check_on(pack, device: str, refs: dict | None = None, names=None) -> dict:
     off the CPU at most its stored bytes were sent. Returns the CPU decodes."""
     out = {}
     for name in names or pack.names():
+        if pack.storage(name).format == "absent":       # a shard the index names is not there (expert-packs layout)
+            continue
         cpu = pack.tensor(name)
         before = staging.bytes_sent()
         got = pack.tensor(name, device=device)
@@ -386,10 +388,11 @@ def test_v4_miniature_layouts_decode_on_the_device_like_the_cpu(tmp_path, device
 # ---------------------------------------------------------------------------------------------------------------------
 # GGUF: torch decoders where gguf-py's dequantizer is a few fp32 operations; gguf-py on the CPU for the rest
 # ---------------------------------------------------------------------------------------------------------------------
-GGUF_TORCH = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-GGUF_ON_CPU = ["Q4_K", "Q6_K"]          # moved as fp32 (gguf-py's CPU decode)
+GGUF_TORCH = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+GGUF_ON_CPU = ["IQ4_XS", "TQ2_0"]        # moved as fp32 (gguf-py's CPU decode)
 # byte offsets of the fp16 fields of each block (kept finite; every other byte random)
-F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,), "TQ2_0": (64,)}
 
 
 def gguf_stored(qtype: str, rows: int, cols: int, g: torch.Generator) -> np.ndarray:
@@ -448,6 +451,17 @@ def llama_pack(path, n_layers=4, hidden=64, inner=96, dtype=torch.bfloat16, seed
     cfg = llama_config(hidden, inner, n_layers, 128, 4, 2)
     synthetic = SyntheticPack(cfg, seed=seed)
     return open_pack(write_pack(path, {n: synthetic.tensor(n).to(dtype) for n in synthetic.names()}, cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e8m0fnu, torch.float8_e4m3fn, torch.uint16, torch.int16, torch.uint32,
+                                   torch.bfloat16, torch.int64, torch.bool])
+def test_host_copy_keeps_every_stored_dtype_bit_for_bit(dtype):
+    raw = torch.randint(0, 256, (3, 5 * torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8)
+    t = (raw & 1).bool() if dtype == torch.bool else raw.view(dtype)
+    for x in (t, t[1, 2]):                                          # a 0-dim one too
+        y = staging.host_copy(x, pin=HAS_CUDA)
+        assert y.dtype == x.dtype and y.shape == x.shape and y.is_pinned() == HAS_CUDA
+        assert torch.equal(y.reshape(-1).view(torch.uint8), x.reshape(-1).view(torch.uint8))
 
 
 def test_staged_bytes_are_what_decode_reads(tmp_path, rng_seed, monkeypatch):

@@ -46,7 +46,8 @@ def supported_types() -> set[str]:
 
 # -- decoding on a device --------------------------------------------------------------------------------------------
 # Types whose gguf-py dequantizer is a few fp32 operations that torch repeats in the same order on any device (bit for
-# bit); every other type (K-quants, IQ, TQ, MXFP4) is dequantized by gguf-py on the CPU and its fp32 values are moved.
+# bit: F32/F16/BF16, the legacy Q4_0..Q8_0, the K-quants Q2_K..Q6_K); every other type (IQ*, TQ*, MXFP4, Q8_K...) is
+# dequantized by gguf-py on the CPU and its fp32 values are moved.
 def stored_bytes(data: np.ndarray) -> torch.Tensor:
     """A GGUF tensor's stored bytes (a read-only memory map) as a flat uint8 host tensor, copied once."""
     flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -103,11 +104,83 @@ def _q5_1(b):
     return _f16(x[:, :2]) * q.float() + _f16(x[:, 2:4])
 
 
+def _shifted(x: torch.Tensor, shifts: tuple[int, ...], dim: int) -> torch.Tensor:
+    """x >> s for each s, stacked at `dim` (gguf-py's broadcast shift by an array of shifts)."""
+    return torch.stack([x >> s for s in shifts], dim=dim)
+
+
+def _q2_k(b):
+    x = _blocks(b, 84)
+    n = x.shape[0]
+    scales, qs, d, dmin = x[:, :16], x[:, 16:80], _f16(x[:, 80:82]), _f16(x[:, 82:84])
+    dl = (d * (scales & 0xF).float()).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
+    q = (_shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 2) & 3).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _q3_k(b):
+    x = _blocks(b, 110)
+    n = x.shape[0]
+    hmask, qs, scales, d = x[:, :32], x[:, 32:96], x[:, 96:108], _f16(x[:, 108:110])
+    low = _shifted(scales[:, :8], (0, 4), 1).reshape(n, 16)
+    high = _shifted(scales[:, 8:], (0, 2, 4, 6), 1).reshape(n, 16)
+    sc = (((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32).float()
+    dl = (d * sc).reshape(n, 16, 1)
+    ql = _shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 2).reshape(n, 16, 16) & 3
+    qh = (_shifted(hmask.reshape(n, 1, 32), tuple(range(8)), 2).reshape(n, 16, 16) & 1) ^ 1
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
+    return (dl * q).reshape(n, 256)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (gguf-py's Q4_K.get_scale_min)."""
+    n = scales.shape[0]
+    s = scales.reshape(n, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _q4_k(b):
+    x = _blocks(b, 144)
+    n = x.shape[0]
+    sc, mn = _k_scales(x[:, 4:16])
+    d = (_f16(x[:, 0:2]) * sc.float()).reshape(n, -1, 1)
+    dm = (_f16(x[:, 2:4]) * mn.float()).reshape(n, -1, 1)
+    q = (_shifted(x[:, 16:].reshape(n, 4, 32), (0, 4), 2) & 0x0F).reshape(n, -1, 32).float()
+    return (d * q - dm).reshape(n, 256)
+
+
+def _q5_k(b):
+    x = _blocks(b, 176)
+    n = x.shape[0]
+    sc, mn = _k_scales(x[:, 4:16])
+    d = (_f16(x[:, 0:2]) * sc.float()).reshape(n, -1, 1)
+    dm = (_f16(x[:, 2:4]) * mn.float()).reshape(n, -1, 1)
+    ql = (_shifted(x[:, 48:].reshape(n, 4, 32), (0, 4), 2) & 0x0F).reshape(n, -1, 32)
+    qh = (_shifted(x[:, 16:48].reshape(n, 1, 32), tuple(range(8)), 2) & 1).reshape(n, -1, 32)
+    q = (ql | (qh << 4)).float()
+    return (d * q - dm).reshape(n, 256)
+
+
+def _q6_k(b):
+    x = _blocks(b, 210)
+    n = x.shape[0]
+    d = (_f16(x[:, 208:210]) * x[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
+    ql = (_shifted(x[:, :128].reshape(n, 2, 64), (0, 4), 2) & 0x0F).reshape(n, -1, 32)
+    qh = (_shifted(x[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 2) & 3).reshape(n, -1, 32)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, -1).float()
+    return (d * q).reshape(n, 256)
+
+
 TORCH_DECODERS = {
     "F32": lambda b: b.view(torch.float32),
     "F16": lambda b: b.view(torch.float16).float(),
     "BF16": lambda b: b.view(torch.bfloat16).float(),
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
 }
 
 

@@ -22,10 +22,12 @@ def as_device(device: torch.device | str | None) -> torch.device:
 
 
 def host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A contiguous host copy of a stored (memory-mapped) tensor, in pinned memory when `pin`."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    out.copy_(t)
-    return out
+    """A contiguous host copy of a stored (memory-mapped) tensor, in pinned memory when `pin`: its bytes, copied as
+    uint8 (every stored dtype, e8m0 and uint16 included) and viewed back as the stored dtype."""
+    src = t.reshape(-1).view(torch.uint8)
+    out = torch.empty(src.shape, dtype=torch.uint8, pin_memory=pin)
+    out.copy_(src)
+    return out.view(t.dtype).reshape(t.shape)
 
 
 _sent = [0]   # bytes to_device has sent off the host (benchmarks/decode_device.py, tests)
@@ -42,11 +44,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu" or t.device == device:
         return t
     shape, dtype = t.shape, t.dtype
-    flat = t.reshape(-1)
+    # bytes travel: every stored dtype (fp8, e8m0, uint16...) is copied as uint8 and viewed back on the device
+    flat = t.reshape(-1).view(torch.uint8)
     if device.type == "cuda" and not flat.is_pinned():
         flat = host_copy(flat, pin=True)
-    # bytes travel: every stored dtype (fp8, e8m0, uint16...) is copied as uint8 and viewed back on the device
-    moved = flat.view(torch.uint8).to(device, non_blocking=device.type == "cuda")
+    moved = flat.to(device, non_blocking=device.type == "cuda")
     _sent[0] += moved.numel()
     return moved.view(dtype).reshape(shape)
 
