@@ -52,7 +52,13 @@ def check_on(pack, device: str, refs: dict | None = None, names=None) -> dict:
     for name in names or pack.names():
         if pack.storage(name).format == "absent":       # a shard the index names is not there (expert-packs layout)
             continue
-        cpu = pack.tensor(name)
+        try:
+            cpu = pack.tensor(name)
+        except PackError as e:                          # a tensor the CPU refuses is refused alike on the device
+            with pytest.raises(PackError) as on_device:
+                pack.tensor(name, device=device)
+            assert str(on_device.value) == str(e), name
+            continue
         before = staging.bytes_sent()
         got = pack.tensor(name, device=device)
         sent = staging.bytes_sent() - before
@@ -374,13 +380,16 @@ def test_exl3_sums_by_device():
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_v4_miniature_layouts_decode_on_the_device_like_the_cpu(tmp_path, device):
-    """The five EXL3 seed layouts and the FP8/MXFP4 pack of tests/test_minipacks_v4 (mixed K, wo_a slices, FP8 ue8m0,
-    MXFP4 shared experts, official names): every tensor."""
+def test_v4_and_v41_miniature_layouts_decode_on_the_device_like_the_cpu(tmp_path, device):
+    """The five EXL3 seed layouts and the FP8/MXFP4 pack of tests/test_minipacks_v4 and _v41 (mixed K, wo_a slices,
+    FP8 ue8m0 on 128 and 32 blocks, MXFP4 shared experts, FP8 Engram rows, official names): every tensor."""
     from test_minipacks_v4 import ENCODINGS, NATIVE, SPEC
     from fidelity.packs.minipacks import EncodingCache
     from fidelity.packs.minipacks_v4 import write_all
-    packs = write_all(open_pack(NATIVE), tmp_path, SPEC, EncodingCache(ENCODINGS))
+    from fidelity.packs.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+    packs = write_all(open_pack(NATIVE), tmp_path / "v4", SPEC, EncodingCache(ENCODINGS))
+    v41 = build_native_v41(NATIVE, tmp_path / "v41native")
+    packs |= {f"v4.1 {k}": v for k, v in write_all_v41(v41, tmp_path / "v41", V41_SPEC, EncodingCache(ENCODINGS)).items()}
     for layout, path in packs.items():
         check_on(open_pack(path), device)
 
