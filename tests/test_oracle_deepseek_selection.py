@@ -99,7 +99,9 @@ def test_v32_logits_do_not_depend_on_how_topk_breaks_ties(tmp_path, monkeypatch,
 
 
 def meta_fetch(pack) -> Fetch:
-    return Fetch(pack.tensor, lambda n: tuple(pack.storage(n).shape), "meta", torch.float32)
+    """Weights decoded on the CPU, then moved to the meta device (their values are not needed)."""
+    return Fetch(lambda name, device=None: pack.tensor(name), lambda n: tuple(pack.storage(n).shape), "meta",
+                 torch.float32)
 
 
 def run_layers_on_meta(monkeypatch, oracle: Oracle, T: int) -> list:
