@@ -20,6 +20,7 @@ from . import __version__
 from .errors import PackError
 from .metrics import PositionMetrics, position_metrics
 from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
+from .routing import RoutingCounts
 from .stats import RowGroups, paired_difference, summarize
 from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index
 
@@ -155,17 +156,30 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
             keep.save_reference(ref, ref_oracle, panel, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp)
     groups = RowGroups.build(np.repeat(np.arange(len(rows)), [len(t) for t in ref.targets]), [r.domain for r in rows])
 
+    routing: dict[str, RoutingCounts | None] = {}
+
     def measure(name: str, make_oracle, key: dict, desc: str, noise: bool = False) -> PositionMetrics:
         pm = keep.load(name, **key) if keep is not None else None
         if pm is None:
             oracle = make_oracle()
+            counts = None if noise else RoutingCounts()
+            if counts is not None:
+                oracle.fetch.routing_counts = counts
             # the noise floor perturbs the layers only: its hidden states go through the reference's own head
             pm = _row_metrics(ref, ref_oracle, _pack_hidden(oracle, rows, progress), ref_oracle if noise else oracle,
                               store_path=store_path, desc=desc, progress=progress)
+            if counts is not None:
+                oracle.fetch.routing_counts = None
+                _gather_routing(counts)
+                routing[name] = counts
             if not noise:
                 oracle.release()
             if keep is not None:
+                if counts is not None:
+                    keep.save_routing(name, counts)
                 keep.save(name, pm, **key)
+        elif keep is not None and not noise:
+            routing[name] = keep.load_routing(name)
         return pm
 
     noise = None
@@ -186,10 +200,13 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         ov = summary["overall"]
         ov["noise_floor_kld"] = noise["kld_mean"] if noise else None
         ov["x_noise_floor"] = (ov["kld_mean"] / noise["kld_mean"]) if noise and noise["kld_mean"] and ov["kld_mean"] is not None else None
-        bits = pack.bits_per_weight().rows
+        counts = routing.get(f"pack-{fingerprint}")
+        bits = pack.bits_per_weight(routing=counts.fractions() if counts is not None and counts.layers else None).rows
         results.append({"pack": str(Path(pack.path).resolve()), "label": label, "format": pack.format,
                         "fingerprint": pack.fingerprint(),
                         "bpw": (bits.get("all_linear") or bits.get("total") or {}).get("bpw"),
+                        "bits_per_weight": bits,
+                        "routing": counts.to_json() if counts is not None and counts.layers else None,
                         "overall": ov, "domains": summary["domains"]})
     labels_ = list(metrics)
     paired = []
@@ -210,6 +227,15 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         "paired": paired,
     }
     return CompareResult(report, metrics, rows, groups)
+
+
+def _gather_routing(counts: RoutingCounts) -> None:
+    """Under row parallel each rank routed its own rows: sum the counts (expert parallel ranks all saw every token)."""
+    from . import distributed
+
+    g = distributed.group()
+    if g is not None and distributed.SETTINGS.parallel == "rows":
+        counts.all_reduce(g)
 
 
 def _position_columns(rows: list[TokenizedRow]) -> dict[str, list]:
@@ -317,6 +343,8 @@ class Resume:
         except Exception as e:
             raise PackError(f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it",
                             file=data) from None
+        if any(f.name not in table.column_names for f in fields(PositionMetrics)):
+            return None     # kept by a version without a metric this one records: recomputed
         if any(table.column(k).to_pylist() != v for k, v in self.positions.items()):
             raise PackError(f"the finished pass {name!r} kept for resuming holds other positions than this panel's; "
                             f"delete it to recompute it", file=data)
@@ -326,6 +354,24 @@ class Resume:
 
     def save(self, name: str, pm: PositionMetrics, **extra) -> None:
         self._write(name, extra, lambda: _write_metrics(self.folder / f"{name}.parquet", self.positions, pm))
+
+    def save_routing(self, name: str, counts: RoutingCounts) -> None:
+        """The pass's measured expert routing, written before the pass is marked finished (rank 0 only)."""
+        import json
+
+        from . import distributed
+
+        if distributed.is_main():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / f"{name}.routing.json").write_text(json.dumps(counts.to_json()) + "\n")
+
+    def load_routing(self, name: str) -> RoutingCounts | None:
+        import json
+
+        try:
+            return RoutingCounts.from_json(json.loads((self.folder / f"{name}.routing.json").read_text()))
+        except (OSError, ValueError, KeyError):
+            return None
 
     def reference_store(self) -> Path | None:
         """The kept reference store when it is finished for this identity (and counted as reused), else None."""

@@ -34,6 +34,7 @@ from numba.extending import intrinsic
 
 from .vector_math import warm_up_vector_math
 
+TOPK = 5                     # top-K agreement is reported for K = 1..TOPK (exllamav3 model_diff's range)
 BLOCK = 2048                 # logits per side per block: both sides' block stays in L1 between the max and the exp pass
 COPY_ELEMENTS = 1 << 22      # logits per side converted at a time when the input is not contiguous float32 on the CPU
 # Fast-math without nnan/ninf: a NaN or inf logit must still reach the sums and make them non-finite.
@@ -53,6 +54,8 @@ class PositionMetrics:
     ref_nll: torch.Tensor        # -log p_ref(true token) (float64)
     pack_nll: torch.Tensor       # -log q_pack(true token) (float64)
     finite: torch.Tensor         # bool: every number above is finite (no NaN/inf logits reached it)
+    topk_match: torch.Tensor     # int64 0..TOPK: how many leading entries of the two top-TOPK lists (ordered by logit,
+                                 # first index on ties) are the same tokens: top-K agreement holds where topk_match >= K
 
     def __len__(self) -> int:
         return self.kld.shape[0]
@@ -126,15 +129,34 @@ def _first_index(x, value):
     return 0          # only when a NaN spoilt the block's max; the row is flagged non-finite anyway
 
 
+@numba.njit(inline="always")
+def _insert_top(blk, lo, vals, ids):
+    """Merges a block into the sorted top list (vals descending, ids; an equal value keeps the earlier index first).
+    Called only for a block whose maximum beats the list's last entry."""
+    k = vals.shape[0]
+    for j in range(blk.shape[0]):
+        x = blk[j]
+        if x > vals[k - 1]:
+            p = k - 1
+            while p > 0 and x > vals[p - 1]:
+                vals[p], ids[p] = vals[p - 1], ids[p - 1]
+                p -= 1
+            vals[p], ids[p] = x, lo + j
+
+
 @numba.njit(nogil=True, fastmath=_FAST, cache=True)
 def _rows_kernel(a, b, targets, out, top):
     """For each row i of a, b [n, V] float32: out[i] = (KL(P||Q), KL(Q||P), ref top-1 minus top-2 logit, ref p(top-1),
-    ref NLL, pack NLL) in float64, top[i] = (ref argmax, pack argmax), first index on ties."""
+    ref NLL, pack NLL) in float64, top[i] = (ref argmax, pack argmax, length of the common prefix of both top-TOPK
+    lists), first index on ties."""
     n, v = a.shape
+    tv_a, tv_b = np.empty(TOPK, np.float32), np.empty(TOPK, np.float32)
+    ti_a, ti_b = np.empty(TOPK, np.int64), np.empty(TOPK, np.int64)
     for i in range(n):
         ar, br = a[i], b[i]
         top_a = second_a = top_b = np.float32(-np.inf)
         idx_a = idx_b = 0
+        tv_a[:], tv_b[:], ti_a[:], ti_b[:] = -np.inf, -np.inf, -1, -1
         s_a, s_b = np.float64(ar[0]), np.float64(br[0])     # running shifts: the maxima so far
         z_a = z_b = k_a = k_b = 0.0
         for lo in range(0, v, BLOCK):
@@ -149,6 +171,10 @@ def _rows_kernel(a, b, targets, out, top):
                 second_a = m_a
             if m_b > top_b:
                 top_b, idx_b = m_b, lo + _first_index(blk_b, m_b)
+            if m_a > tv_a[TOPK - 1]:
+                _insert_top(blk_a, lo, tv_a, ti_a)
+            if m_b > tv_b[TOPK - 1]:
+                _insert_top(blk_b, lo, tv_b, ti_b)
             if m_a > s_a or m_b > s_b:
                 # online logsumexp: a new maximum rescales the sums so far; k_* hold d - (s_a - s_b), so they move by
                 # the change of that offset times z_*
@@ -175,6 +201,10 @@ def _rows_kernel(a, b, targets, out, top):
         out[i, 4] = lse_a - ar[targets[i]]
         out[i, 5] = lse_b - br[targets[i]]
         top[i, 0], top[i, 1] = idx_a, idx_b
+        match = 0
+        while match < TOPK and ti_a[match] >= 0 and ti_a[match] == ti_b[match]:
+            match += 1
+        top[i, 2] = match
 
 
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None    # (pid, workers, pool): a forked child needs its own threads
@@ -217,7 +247,7 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
     bad = np.flatnonzero((t < 0) | (t >= v))
     if bad.size:
         raise ValueError(f"target token {int(t[bad[0]])} at position {int(bad[0])} is outside the vocabulary of {v}")
-    out, top = np.empty((n, 6)), np.empty((n, 2), dtype=np.int64)
+    out, top = np.empty((n, 6)), np.empty((n, 3), dtype=np.int64)
     in_place = all(x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() for x in (ref_logits, pack_logits))
     rows = max(n, 1) if in_place else max(1, copy_elements // max(v, 1))
     for s in range(0, n, rows):
@@ -232,7 +262,7 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
     return PositionMetrics(
         kld=columns[0], kld_reverse=columns[1], ref_top1=torch.from_numpy(top[:, 0].copy()),
         pack_top1=torch.from_numpy(top[:, 1].copy()), ref_margin=columns[2], ref_pmax=columns[3], ref_nll=columns[4],
-        pack_nll=columns[5], finite=torch.from_numpy(finite))
+        pack_nll=columns[5], finite=torch.from_numpy(finite), topk_match=torch.from_numpy(top[:, 2].copy()))
 
 
 # -- on the logits' device ----------------------------------------------------------------------------------------
@@ -268,12 +298,32 @@ def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, 
     top = torch.empty(n, 2, dtype=torch.int64, device=a.device)
     if n:
         (triton_rows if (backend or device_backend(a.device)) == "triton" else torch_rows)(a, b, t, out, top)
-    return out, top
+    return out, torch.cat([top, topk_match_torch(a, b)[:, None]], 1)
+
+
+def top_lists_torch(x: torch.Tensor) -> torch.Tensor:
+    """[N, TOPK] token ids of each row's TOPK largest logits, by value then index (torch.topk, re-sorted stably: the
+    CPU kernel's first-index order, except for a tie that straddles the TOPK-th place, which topk may resolve to a
+    later index)."""
+    vals, ids = x.topk(min(TOPK, x.shape[1]), dim=1)
+    order = ids.argsort(dim=1, stable=True)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
+    return ids.gather(1, vals.argsort(dim=1, descending=True, stable=True))
+
+
+def topk_match_torch(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 12) -> torch.Tensor:
+    """PositionMetrics.topk_match on the logits' device: the common prefix length of both top-TOPK lists."""
+    out = torch.empty(a.shape[0], dtype=torch.int64, device=a.device)
+    for s in range(0, a.shape[0], rows):
+        same = top_lists_torch(a[s:s + rows]) == top_lists_torch(b[s:s + rows])
+        out[s:s + rows] = same.long().cumprod(1).sum(1)
+    return out
 
 
 def finish_columns(out: torch.Tensor, top: torch.Tensor, reverse: bool) -> PositionMetrics:
-    """PositionMetrics (on the CPU) from the raw columns, with the CPU path's rules: KL clamped at 0, every number of
-    a position with a non-finite one set to NaN, KL(Q||P) NaN unless asked for."""
+    """PositionMetrics (on the CPU) from the raw columns (`top` [N, 3]: ref and pack argmax, topk_match), with the
+    CPU path's rules: KL clamped at 0, every number of a position with a non-finite one set to NaN, KL(Q||P) NaN
+    unless asked for."""
     finite = torch.isfinite(out).all(1)
     out = out.clone()
     out[:, :2] = out[:, :2].clamp(min=0.0)
@@ -283,7 +333,8 @@ def finish_columns(out: torch.Tensor, top: torch.Tensor, reverse: bool) -> Posit
     columns, top, finite = out.t().contiguous().cpu(), top.cpu(), finite.cpu()
     return PositionMetrics(
         kld=columns[0], kld_reverse=columns[1], ref_top1=top[:, 0].contiguous(), pack_top1=top[:, 1].contiguous(),
-        ref_margin=columns[2], ref_pmax=columns[3], ref_nll=columns[4], pack_nll=columns[5], finite=finite)
+        ref_margin=columns[2], ref_pmax=columns[3], ref_nll=columns[4], pack_nll=columns[5], finite=finite,
+        topk_match=top[:, 2].contiguous() if top.shape[1] > 2 else torch.zeros(top.shape[0], dtype=torch.int64))
 
 
 def torch_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor) -> None:

@@ -15,11 +15,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .metrics import PositionMetrics
+from .metrics import TOPK, PositionMetrics
 
 N_BOOT = 2000
 TIE_MARGIN = 0.1          # nats: a reference top-1 margin below this is a near tie; flips there are reported apart
-CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)   # reference top-1 probability buckets
+CONFIDENCE_EDGES = (0.0, 0.25, 0.5, 0.75, 0.95, 1.0)   # reference top-1 probability buckets (exllamav3 model_diff's)
 KLD_PERCENTILES = {"kld_median": 50.0, "kld_p90": 90.0, "kld_p99": 99.0, "kld_p999": 99.9}
 
 
@@ -152,10 +152,123 @@ def _exp_ci(ci: list) -> list:
     return [float(np.exp(x)) if x is not None else None for x in ci]
 
 
+def bootstrap_se(reps: np.ndarray) -> float | None:
+    """Standard error of a statistic: the standard deviation of its finite bootstrap replicates."""
+    reps = np.asarray(reps, dtype=np.float64)
+    reps = reps[np.isfinite(reps)]
+    return float(reps.std(ddof=1)) if reps.size > 1 else None
+
+
+@dataclass
+class Estimate:
+    """A point estimate with its row-bootstrap replicates."""
+
+    value: float | None
+    reps: np.ndarray
+    dof: int | None
+
+    def ci(self) -> list:
+        return percentile_ci(self.reps, dof=self.dof)
+
+    def se(self) -> float | None:
+        return bootstrap_se(self.reps)
+
+    def p_value(self) -> float:
+        return bootstrap_p_value(self.reps[np.isfinite(self.reps)], dof=self.dof)
+
+
+@dataclass
+class Scopes:
+    """One statistic overall (pooled over positions), per domain, and with the domains weighted equally."""
+
+    overall: Estimate
+    domains: list[Estimate]
+    equal: Estimate
+
+
+def ratio_scopes(boot: RatioBootstrap, num: str, den: str, groups: RowGroups, transform=None) -> Scopes:
+    """sum(num) / sum(den) pooled, per domain and domains-equal (the mean of the domains' ratios), each with its
+    replicates; `transform` (e.g. np.sqrt, np.exp) is applied to the point and to every replicate."""
+    f = transform or (lambda x: x)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        est, reps = boot.pooled(num, den)
+        d_est, d_reps = boot.per_domain(num, den)
+        e_est, e_reps = boot.domains_equal(num, den)
+        return Scopes(Estimate(_finite(f(est)), f(reps), groups.dof()),
+                      [Estimate(_finite(f(d_est[i])), f(d_reps[:, i]), groups.dof(i)) for i in range(len(groups.domains))],
+                      Estimate(_finite(f(e_est)), f(e_reps), groups.dof()))
+
+
+def weighted_quantile(sorted_values: np.ndarray, weights: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """Quantiles (inverted empirical CDF: the smallest value whose cumulative weight reaches q of the total) of values
+    sorted ascending with `weights` [..., n]: [..., len(qs)]."""
+    cw = np.cumsum(weights, axis=-1)
+    total = cw[..., -1:]
+    out = np.empty(weights.shape[:-1] + (len(qs),))
+    for j, q in enumerate(qs):
+        idx = np.minimum((cw < q * total * (1 - 1e-12)).sum(-1), len(sorted_values) - 1)
+        out[..., j] = sorted_values[idx]
+    with np.errstate(invalid="ignore"):
+        out[total[..., 0] <= 0] = np.nan
+    return out
+
+
+def quantile_reps(values: np.ndarray, row: np.ndarray, weights: np.ndarray, qs: Sequence[float],
+                  window: int = 1024) -> np.ndarray:
+    """Bootstrap replicates [n_boot, len(qs)] of `weighted_quantile` of `values` (one per position, `row` its row),
+    where in replicate b every position of row i weighs weights[b, i] (resample counts, times a domain's weight).
+    Exact, without a replicate-by-position table: a replicate's cumulative weight at the sorted positions of a window
+    around the pooled quantile is its weight below the window (one matrix product) plus a running sum inside it; a
+    replicate whose quantile falls outside the window is redone with a window four times wider."""
+    order = np.argsort(values, kind="stable")
+    v, r = values[order], row[order]
+    n, (n_boot, n_rows) = v.size, weights.shape
+    out = np.full((n_boot, len(qs)), np.nan)
+    if n == 0:
+        return out
+    total = weights @ np.bincount(r, minlength=n_rows).astype(float)
+    live = np.flatnonzero(total > 0)
+    by_row = np.ascontiguousarray(weights.T)       # [rows, n_boot]: the running sum adds whole replicate vectors
+    for j, q in enumerate(qs):
+        target = q * total * (1 - 1e-12)
+        todo, half = live, window
+        while todo.size:
+            lo, hi = max(0, int(q * n) - half), min(n, int(q * n) + half)
+            w = by_row if todo.size == n_boot else by_row[:, todo]
+            base = np.bincount(r[:lo], minlength=n_rows).astype(float) @ w
+            cum = w[r[lo:hi]]
+            cum[0] += base
+            for k in range(1, cum.shape[0]):       # a running sum of whole rows: numpy's cumsum is several times slower
+                cum[k] += cum[k - 1]
+            t = target[todo]
+            inside = ((lo == 0) | (base < t)) & ((hi == n) | (cum[-1] >= t))
+            idx = np.minimum(lo + (cum < t).sum(0), n - 1)
+            out[todo[inside], j] = v[idx[inside]]
+            todo, half = todo[~inside], half * 4
+    return out
+
+
+def _ci_dict(e: Estimate, key: str, se: bool = False) -> dict:
+    out = {key: e.value, f"{key}_ci95": e.ci()}
+    if se:
+        out[f"{key}_se"] = e.se()
+    return out
+
+
+def sign_test(worse: int, better: int) -> float | None:
+    """Two-sided sign test (scipy.stats.binomtest) of rows that got worse against rows that got better; ties left out."""
+    from scipy.stats import binomtest
+
+    if worse + better == 0:
+        return None
+    return float(binomtest(int(worse), int(worse + better), 0.5).pvalue)
+
+
 def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, seed: int = 0,
-              tie_margin: float = TIE_MARGIN) -> dict:
-    """Overall (pooled and domains-equal) and per-domain statistics of one pack against the reference, with 95% CIs.
-    Non-finite positions are counted (`nonfinite`) and left out of every average."""
+              tie_margin: float = TIE_MARGIN, confidence_edges=CONFIDENCE_EDGES) -> dict:
+    """Overall (pooled and domains-equal) and per-domain statistics of one pack against the reference, with 95% CIs
+    (the definitions are in README.md, "What compare reports"). Non-finite positions are counted (`nonfinite`) and left
+    out of every average."""
     m = pm.to_numpy()
     ok = m["finite"]
     row = groups.row
@@ -164,98 +277,208 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
     ref_p, pack_p = np.exp(-z(m["ref_nll"])), np.exp(-z(m["pack_nll"]))
     agree = (m["ref_top1"] == m["pack_top1"]) & ok
     tie = ok & (z(m["ref_margin"]) < tie_margin)
+    has_reverse = bool(np.isfinite(m["kld_reverse"][ok]).any()) if ok.any() else False
+    topk = m.get("topk_match")
     columns = {
-        "n": w, "kld": z(m["kld"]), "kld_reverse": z(m["kld_reverse"]), "agree": agree.astype(float),
+        "n": w, "kld": z(m["kld"]), "kld_reverse": z(np.nan_to_num(m["kld_reverse"])), "agree": agree.astype(float),
         "ref_nll": z(m["ref_nll"]), "pack_nll": z(m["pack_nll"]), "dnll": z(m["pack_nll"] - m["ref_nll"]),
         "dp": z(pack_p - ref_p), "dp2": z((pack_p - ref_p) ** 2),
         "n_tie": tie.astype(float), "flip_tie": (tie & ~agree).astype(float),
         "n_clear": (ok & ~tie).astype(float), "flip_clear": (ok & ~tie & ~agree).astype(float),
         "nonfinite": (~ok).astype(float),
     }
-    boot = RatioBootstrap.run({k: groups.row_sums(v) for k, v in columns.items()}, groups, n_boot, seed)
+    if topk is not None:
+        for k in range(1, TOPK + 1):
+            columns[f"agree_top{k}"] = (ok & (topk >= k)).astype(float)
+    pmax = z(m["ref_pmax"])
+    edges = list(confidence_edges)
+    bucket = np.clip(np.searchsorted(edges, pmax, side="right") - 1, 0, len(edges) - 2)
+    for b in range(len(edges) - 1):
+        inb = ok & (bucket == b)
+        columns[f"conf{b}_n"] = inb.astype(float)
+        columns[f"conf{b}_kld"] = np.where(inb, columns["kld"], 0.0)
+        columns[f"conf{b}_kld_reverse"] = np.where(inb, columns["kld_reverse"], 0.0)
+    table = {k: groups.row_sums(v) for k, v in columns.items()}
+    # rows worse: a row whose mean NLL rose (rows without a finite position count neither way)
+    row_n, row_dnll = table["n"], table["dnll"]
+    table["row_scored"] = (row_n > 0).astype(float)
+    table["row_worse"] = ((row_n > 0) & (row_dnll > 0)).astype(float)
+    table["row_better"] = ((row_n > 0) & (row_dnll < 0)).astype(float)
+    boot = RatioBootstrap.run(table, groups, n_boot, seed)
+    counts = bootstrap_counts(groups.row_domain, n_boot, np.random.default_rng(seed))   # the same replicates
     dof = groups.dof()
+    S = lambda num, den="n", transform=None: ratio_scopes(boot, num, den, groups, transform)
 
-    def stat(num, den="n"):
-        est, reps = boot.pooled(num, den)
-        return _finite(est), percentile_ci(reps, dof=dof)
+    kld, kldr, top1 = S("kld"), S("kld_reverse"), S("agree")
+    dnll, ref_nll, pack_nll = S("dnll"), S("ref_nll"), S("pack_nll")
+    dp, rms = S("dp"), S("dp2", transform=np.sqrt)
+    worse_share = S("row_worse", "row_scored")
+    topks = [S(f"agree_top{k}") for k in range(1, TOPK + 1)] if topk is not None else []
+    conf = [(S(f"conf{b}_kld", f"conf{b}_n"), S(f"conf{b}_n"),
+             S(f"conf{b}_kld_reverse", f"conf{b}_n")) for b in range(len(edges) - 1)]
+    pos_domain = groups.row_domain[row]
+    quant = _kld_quantiles(m["kld"], ok, row, pos_domain, groups, counts)
 
-    kld, kld_ci = stat("kld")
-    kld_eq, kld_eq_reps = boot.domains_equal("kld", "n")
-    top1, top1_ci = stat("agree")
-    top1_eq, top1_eq_reps = boot.domains_equal("agree", "n")
-    dnll, dnll_ci = stat("dnll")
-    ref_nll, _ = stat("ref_nll")
-    pack_nll, pack_nll_ci = stat("pack_nll")
-    dp2, _ = stat("dp2")
+    def scope(i: int | None, sel_rows: np.ndarray) -> dict:
+        pick = (lambda s: s.overall) if i is None else (lambda s: s.domains[i])
+        worse, better, scored = (int(table[k][sel_rows].sum()) for k in ("row_worse", "row_better", "row_scored"))
+        out = {
+            **_ci_dict(pick(kldr), "kld_reverse_mean"),
+            **_ci_dict(pick(dnll), "delta_nll_mean", se=True),
+            "rows_worse": {"rows": scored, "worse": worse, "better": better, "share": pick(worse_share).value,
+                           "share_ci95": pick(worse_share).ci(), "sign_test_p": sign_test(worse, better)},
+            "topk_agreement": [{"k": k + 1, "value": pick(s).value, "ci95": pick(s).ci()} for k, s in enumerate(topks)],
+            **_ci_dict(pick(dp), "delta_p_mean"), **_ci_dict(pick(rms), "rms_delta_p"),
+            "kld_by_ref_confidence": [
+                {"ref_confidence": [edges[b], edges[b + 1]], "positions": int(table[f"conf{b}_n"][sel_rows].sum()),
+                 "share": pick(share).value, "kld_mean": pick(k_).value, "kld_mean_ci95": pick(k_).ci(),
+                 "kld_reverse_mean": pick(r_).value if has_reverse else None}
+                for b, (k_, share, r_) in enumerate(conf)],
+            **quant[i if i is not None else "overall"],
+        }
+        if not has_reverse:
+            out["kld_reverse_mean"], out["kld_reverse_mean_ci95"] = None, [None, None]
+        return out
+
     finite_kld = m["kld"][ok]
-    has_reverse = bool(np.isfinite(m["kld_reverse"][ok]).any()) if ok.any() else False
     overall = {
         "positions": int(ok.sum()), "nonfinite": int((~ok).sum()),
-        "kld_mean": kld, "kld_mean_ci95": kld_ci,
-        "kld_domains_equal": _finite(kld_eq), "kld_domains_equal_ci95": percentile_ci(kld_eq_reps, dof=dof),
-        "kld_reverse_mean": stat("kld_reverse")[0] if has_reverse else None,
-        "top1": top1, "top1_ci95": top1_ci,
-        "top1_domains_equal": _finite(top1_eq), "top1_domains_equal_ci95": percentile_ci(top1_eq_reps, dof=dof),
+        "kld_mean": kld.overall.value, "kld_mean_ci95": kld.overall.ci(),
+        "kld_domains_equal": kld.equal.value, "kld_domains_equal_ci95": kld.equal.ci(),
+        "top1": top1.overall.value, "top1_ci95": top1.overall.ci(),
+        "top1_domains_equal": top1.equal.value, "top1_domains_equal_ci95": top1.equal.ci(),
         "tie_margin": tie_margin,
         "top1_flips_clear": int(columns["flip_clear"].sum()), "clear_positions": int(columns["n_clear"].sum()),
         "top1_flips_near_tie": int(columns["flip_tie"].sum()), "near_tie_positions": int(columns["n_tie"].sum()),
-        "ppl": _finite(np.exp(pack_nll)) if pack_nll is not None else None,
-        "ppl_ci95": _exp_ci(pack_nll_ci),
-        "ppl_ref": _finite(np.exp(ref_nll)) if ref_nll is not None else None,
-        "ln_ppl_ratio": dnll, "ln_ppl_ratio_ci95": dnll_ci,
-        "delta_nll_mean": dnll,
-        "delta_p_mean": stat("dp")[0], "rms_delta_p": _finite(np.sqrt(dp2)) if dp2 is not None else None,
+        "ppl": _finite(np.exp(pack_nll.overall.value)) if pack_nll.overall.value is not None else None,
+        "ppl_ci95": _exp_ci(pack_nll.overall.ci()),
+        "ppl_ref": _finite(np.exp(ref_nll.overall.value)) if ref_nll.overall.value is not None else None,
+        "ln_ppl_ratio": dnll.overall.value, "ln_ppl_ratio_ci95": dnll.overall.ci(),
+        **scope(None, np.ones(groups.n_rows, bool)),
+        "kld_max": float(finite_kld.max()) if finite_kld.size else None,
     }
-    for key, q in KLD_PERCENTILES.items():
-        overall[key] = float(np.percentile(finite_kld, q)) if finite_kld.size else None
-    overall["kld_max"] = float(finite_kld.max()) if finite_kld.size else None
-    overall["kld_by_ref_confidence"] = confidence_buckets(m["kld"][ok], m["ref_pmax"][ok])
+    eq = {"kld_reverse_mean": kldr.equal, "delta_nll_mean": dnll.equal, "delta_p_mean": dp.equal, "rms_delta_p": rms.equal,
+          "rows_worse_share": worse_share.equal}
+    domains_equal = {k: v.value for k, v in eq.items()}
+    domains_equal.update({f"{k}_ci95": v.ci() for k, v in eq.items()})
+    domains_equal["delta_nll_mean_se"] = dnll.equal.se()
+    if not has_reverse:
+        domains_equal["kld_reverse_mean"], domains_equal["kld_reverse_mean_ci95"] = None, [None, None]
+    domains_equal.update({"kld_mean": kld.equal.value, "kld_mean_ci95": kld.equal.ci(),
+                          "top1": top1.equal.value, "top1_ci95": top1.equal.ci(),
+                          "topk_agreement": [{"k": k + 1, "value": s.equal.value, "ci95": s.equal.ci()}
+                                             for k, s in enumerate(topks)],
+                          "kld_by_ref_confidence": [
+                              {"ref_confidence": [edges[b], edges[b + 1]], "kld_mean": k_.equal.value,
+                               "kld_mean_ci95": k_.equal.ci()} for b, (k_, _, _) in enumerate(conf)],
+                          **quant["equal"]})
+    overall["domains_equal"] = domains_equal
 
     domains = {}
-    d_kld, d_kld_reps = boot.per_domain("kld", "n")
-    d_top1, d_top1_reps = boot.per_domain("agree", "n")
-    d_nll, d_nll_reps = boot.per_domain("pack_nll", "n")
-    d_ref_nll, _ = boot.per_domain("ref_nll", "n")
-    pos_domain = groups.row_domain[row]
     for i, name in enumerate(groups.domains):
         sel = ok & (pos_domain == i)
-        k = m["kld"][sel]
+        in_domain = groups.row_domain == i
         domains[name] = {
-            "rows": int((groups.row_domain == i).sum()), "positions": int(sel.sum()),
+            "rows": int(in_domain.sum()), "positions": int(sel.sum()),
             "nonfinite": int((~ok & (pos_domain == i)).sum()),
-            "kld_mean": _finite(d_kld[i]), "kld_mean_ci95": percentile_ci(d_kld_reps[:, i], dof=groups.dof(i)),
-            "top1": _finite(d_top1[i]), "top1_ci95": percentile_ci(d_top1_reps[:, i], dof=groups.dof(i)),
-            "ppl": _finite(np.exp(d_nll[i])), "ppl_ci95": _exp_ci(percentile_ci(d_nll_reps[:, i], dof=groups.dof(i))),
-            "ppl_ref": _finite(np.exp(d_ref_nll[i])),
-            "kld_median": float(np.median(k)) if k.size else None, "kld_p99": float(np.percentile(k, 99)) if k.size else None,
+            "kld_mean": kld.domains[i].value, "kld_mean_ci95": kld.domains[i].ci(),
+            "top1": top1.domains[i].value, "top1_ci95": top1.domains[i].ci(),
+            "ppl": _finite(np.exp(pack_nll.domains[i].value)) if pack_nll.domains[i].value is not None else None,
+            "ppl_ci95": _exp_ci(pack_nll.domains[i].ci()),
+            "ppl_ref": _finite(np.exp(ref_nll.domains[i].value)) if ref_nll.domains[i].value is not None else None,
+            **scope(i, in_domain),
+            "kld_max": float(m["kld"][sel].max()) if sel.any() else None,
         }
     return {"overall": overall, "domains": domains}
 
 
-def confidence_buckets(kld: np.ndarray, ref_pmax: np.ndarray, edges=CONFIDENCE_EDGES) -> list[dict]:
-    """Mean KL(P_ref || Q_pack) by the reference's confidence in its top-1 token."""
-    out = []
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
-        upper = ref_pmax <= hi if i == len(edges) - 2 else ref_pmax < hi
-        sel = (ref_pmax >= lo) & upper
-        out.append({"ref_confidence": [lo, hi], "positions": int(sel.sum()),
-                    "kld_mean": float(kld[sel].mean()) if sel.any() else None})
+def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain: np.ndarray, groups: RowGroups,
+                   counts: np.ndarray) -> dict:
+    """KLD quantiles (KLD_PERCENTILES) with row-bootstrap CIs: pooled (np.percentile for the point), per domain, and
+    domains-equal (each domain's positions weigh 1 / its position count, so every domain carries the same mass). The
+    replicates use the inverted-CDF quantile of the resampled rows' positions; the maximum has no CI."""
+    qs = [q / 100 for q in KLD_PERCENTILES.values()]
+    keys = list(KLD_PERCENTILES)
+
+    def block(values, point, reps, dof):
+        return {**{k: (float(point[j]) if np.isfinite(point[j]) else None) for j, k in enumerate(keys)},
+                **{f"{k}_ci95": percentile_ci(reps[:, j], dof=dof) for j, k in enumerate(keys)}}
+
+    out = {}
+    v, r, d = kld[ok], row[ok], pos_domain[ok]
+    point = np.percentile(v, [100 * q for q in qs]) if v.size else np.full(len(qs), np.nan)
+    out["overall"] = block(v, point, quantile_reps(v, r, counts, qs), groups.dof())
+    for i in range(len(groups.domains)):
+        sel = d == i
+        vi = v[sel]
+        point = np.percentile(vi, [100 * q for q in qs]) if vi.size else np.full(len(qs), np.nan)
+        out[i] = block(vi, point, quantile_reps(vi, r[sel], counts, qs), groups.dof(i))
+    n_d = np.bincount(d, minlength=len(groups.domains)).astype(float)
+    # domains-equal: a position weighs 1 / (its domain's position count), in a replicate its resampled count
+    row_pos = np.bincount(r, minlength=groups.n_rows).astype(float)
+    rep_dom = domain_sums(row_pos[:, None], groups.row_domain, len(groups.domains), counts)[..., 0]   # [n_boot, domains]
+    with np.errstate(divide="ignore"):
+        inv = np.where(rep_dom > 0, 1.0 / np.where(rep_dom > 0, rep_dom, 1.0), 0.0)
+        point_w = np.where(n_d[d] > 0, 1.0 / np.maximum(n_d[d], 1.0), 0.0)
+    order = np.argsort(v, kind="stable")
+    point = weighted_quantile(v[order], point_w[order], qs) if v.size else np.full(len(qs), np.nan)
+    reps = quantile_reps(v, r, counts * inv[:, groups.row_domain], qs)
+    out["equal"] = block(v, point, reps, groups.dof())
     return out
+
+
+PAIRED_METRICS = ("kld", "kld_reverse")
 
 
 def paired_difference(pm_a: PositionMetrics, pm_b: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT,
                       seed: int = 0) -> dict:
-    """Pack A vs pack B on the same positions: mean of KL_a - KL_b (both KL(P_ref || pack)) over positions finite in both,
-    a 95% CI by the row bootstrap (rows keep A and B together, so the pairing is kept), and a two-sided bootstrap p-value
-    for "no difference" (its floor is 1 / (n_boot + 1))."""
+    """Pack A vs pack B on the same positions (finite in both), for KL(P_ref || pack) and KL(pack || P_ref): the paired
+    difference A - B and the relative change 100 (A - B) / B (%), pooled, per domain and domains-equal, each with a 95%
+    CI by the row bootstrap (rows keep A and B together, so the pairing is kept) and a two-sided bootstrap p-value for
+    "no difference" (its floor is about 1 / (n_boot + 1)); per-domain p-values also Holm-corrected across the domains
+    (statsmodels' multipletests). The top-level keys are the pooled KL(P_ref || pack) figures."""
     ok = pm_a.finite.numpy() & pm_b.finite.numpy()
-    diff = np.where(ok, pm_a.kld.numpy() - pm_b.kld.numpy(), 0.0)
-    boot = RatioBootstrap.run({"diff": groups.row_sums(diff), "n": groups.row_sums(ok.astype(float))}, groups, n_boot, seed)
-    est, reps = boot.pooled("diff", "n")
-    reps = reps[np.isfinite(reps)]
-    dof = groups.dof()
-    return {"kld_mean_diff": _finite(est), "ci95": percentile_ci(reps, dof=dof),
-            "p_value": bootstrap_p_value(reps, dof=dof), "positions": int(ok.sum())}
+    out = {"positions": int(ok.sum())}
+    for metric in PAIRED_METRICS:
+        a, b = getattr(pm_a, metric).numpy(), getattr(pm_b, metric).numpy()
+        if not (np.isfinite(a[ok]).any() and np.isfinite(b[ok]).any()):
+            out[metric] = None
+            continue
+        a, b = np.where(ok, np.nan_to_num(a), 0.0), np.where(ok, np.nan_to_num(b), 0.0)
+        boot = RatioBootstrap.run({"diff": groups.row_sums(a - b), "a": groups.row_sums(a), "b": groups.row_sums(b),
+                                   "n": groups.row_sums(ok.astype(float))}, groups, n_boot, seed)
+        out[metric] = _paired_block(boot, groups)
+    first = out["kld"] or {}
+    out.update({"kld_mean_diff": first.get("diff"), "ci95": first.get("diff_ci95", [None, None]),
+                "p_value": first.get("p_value", 1.0)})
+    return out
+
+
+def _paired_block(boot: RatioBootstrap, groups: RowGroups) -> dict:
+    from statsmodels.stats.multitest import multipletests
+
+    diff, a, b = (ratio_scopes(boot, k, "n", groups) for k in ("diff", "a", "b"))
+
+    def rel(d: Estimate, base: Estimate) -> Estimate:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            value = 100 * d.value / base.value if d.value is not None and base.value else None
+            return Estimate(_finite(value) if value is not None else None, 100 * d.reps / base.reps, d.dof)
+
+    def block(d: Estimate, ea: Estimate, eb: Estimate) -> dict:
+        r = rel(d, eb)
+        return {"a": ea.value, "b": eb.value, "diff": d.value, "diff_ci95": d.ci(), "diff_se": d.se(),
+                "relative_change_pct": r.value, "relative_change_pct_ci95": r.ci(),
+                "p_value": d.p_value() if d.value is not None else 1.0}
+
+    out = block(diff.overall, a.overall, b.overall)
+    per = {name: block(diff.domains[i], a.domains[i], b.domains[i]) for i, name in enumerate(groups.domains)}
+    if per:
+        holm = multipletests([v["p_value"] for v in per.values()], method="holm")[1]
+        for v, p in zip(per.values(), holm):
+            v["p_holm"] = float(p)
+    out["domains"] = per
+    out["domains_equal"] = block(diff.equal, a.equal, b.equal)
+    return out
 
 
 def bootstrap_p_value(reps: np.ndarray, dof: int | None = None) -> float:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.special import log_softmax
 
-from fidelity.metrics import BLOCK, naive_kld, position_metrics, topk_logprobs
+from fidelity.metrics import BLOCK, TOPK, naive_kld, position_metrics, topk_logprobs
 
 KL_ATOL = 1e-12   # the kernel is float64 after the float32 inputs; scipy in float64 is the truth
 
@@ -15,11 +15,12 @@ def _scipy_reference(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> dict:
     lp, lq = log_softmax(a, -1), log_softmax(b, -1)
     p, q = np.exp(lp), np.exp(lq)
     srt = np.sort(a, -1)
+    top_a, top_b = (np.argsort(-x, axis=-1, kind="stable")[:, :TOPK] for x in (a, b))   # first index on ties
     # in log space, so that logits thousands apart (p underflowing to 0 where q does not, or back) stay finite
     return {"kld": (p * (lp - lq)).sum(-1), "kld_reverse": (q * (lq - lp)).sum(-1),
             "ref_nll": -lp[np.arange(len(t)), t], "pack_nll": -lq[np.arange(len(t)), t],
             "ref_top1": a.argmax(-1), "pack_top1": b.argmax(-1), "ref_margin": srt[:, -1] - srt[:, -2],
-            "ref_pmax": p.max(-1)}
+            "ref_pmax": p.max(-1), "topk_match": np.cumprod(top_a == top_b, axis=1).sum(1)}
 
 
 def _assert_matches_scipy(pm, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, kl_rtol: float = 1e-10):
@@ -31,7 +32,32 @@ def _assert_matches_scipy(pm, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor,
     assert np.array_equal(pm.ref_margin.numpy(), ref["ref_margin"])      # a difference of two float32s: exact in float64
     np.testing.assert_allclose(pm.ref_pmax.numpy(), ref["ref_pmax"], rtol=1e-12)
     assert np.array_equal(pm.ref_top1.numpy(), ref["ref_top1"]) and np.array_equal(pm.pack_top1.numpy(), ref["pack_top1"])
+    assert np.array_equal(pm.topk_match.numpy(), ref["topk_match"])
     assert pm.finite.all()
+
+
+def test_topk_match_counts_the_common_ordered_prefix(rng_seed):
+    """The pack's top-5 list equals the reference's up to a swap of ranks j and j + 1 (or a tie the first index wins):
+    exactly j leading entries agree; the top-K tokens sit in different blocks of the kernel's walk."""
+    n, v = 24, 3 * BLOCK + 17
+    a = torch.randn(n, v)
+    b = a + torch.randn(n, v) * 1e-3
+    want = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        ids = torch.randperm(v)[:TOPK + 1]
+        a[i, ids] = torch.arange(TOPK + 1, 0, -1, dtype=torch.float32) + 10     # ranks 0..5 at random places
+        b[i, ids] = a[i, ids]
+        j = i % (TOPK + 1)
+        if j < TOPK:
+            b[i, ids[j]], b[i, ids[j + 1]] = a[i, ids[j + 1]], a[i, ids[j]]
+        want[i] = j
+    t = torch.randint(0, v, (n,))
+    pm = position_metrics(a, b, t)
+    assert np.array_equal(pm.topk_match.numpy(), want)
+    _assert_matches_scipy(position_metrics(a, b, t, reverse=True), a, b, t)
+    tie = a.clone()
+    tie[:, :TOPK] = 100.0       # five equal maxima: both lists are 0..4, first index first
+    assert (position_metrics(tie, tie.clone(), t).topk_match == TOPK).all()
 
 
 @pytest.mark.parametrize("vocab,noise", [(49152, 0.05), (1001, 0.5), (4096, 2.0), (3 * BLOCK + 5, 0.3)])

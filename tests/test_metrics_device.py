@@ -44,6 +44,7 @@ def assert_matches_cpu_kernel(pm, cpu):
     f = cpu.finite
     assert torch.equal(pm.ref_top1[f], cpu.ref_top1[f]) and torch.equal(pm.pack_top1[f], cpu.pack_top1[f])
     assert torch.equal(pm.ref_margin[f], cpu.ref_margin[f])
+    assert torch.equal(pm.topk_match[f], cpu.topk_match[f])
 
 
 def _small(backend: str) -> int:

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context instead of failing")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--full", action="store_true", help="also print KLD quantiles, top-K agreement, delta p, KLD by "
+                                                       "reference confidence, bpw rows and per-domain paired differences")
     p.add_argument("--parallel", choices=("rows", "experts"), default="rows",
                    help="under torchrun: split panel rows (default) or MoE experts across ranks")
 
@@ -41,41 +43,119 @@ def fmt_ci(ci, spec=".4f") -> str:
     return "-" if not ci or ci[0] is None else f"[{format(ci[0], spec)}, {format(ci[1], spec)}]"
 
 
+def pct(x, spec=".2f") -> str:
+    return "-" if x is None else format(100 * x, spec)
+
+
+def pct_ci(ci, spec=".2f") -> str:
+    return "-" if not ci or ci[0] is None else f"[{format(100 * ci[0], spec)}, {format(100 * ci[1], spec)}]"
+
+
+def _scopes(r: dict):
+    """(label, scope name, scope dict) per domain, then overall and domains-equal (the nested `domains_equal` dict)."""
+    o = r["overall"]
+    for name, d in r["domains"].items():
+        yield name, d
+    yield "[b]overall[/b]", o
+    yield "[b]domains equal[/b]", o.get("domains_equal") or {}
+
+
+def _rows_worse(d: dict) -> str:
+    rw = d.get("rows_worse")
+    if not rw:
+        return "-" if d.get("rows_worse_share") is None else pct(d["rows_worse_share"], ".0f") + "%"
+    return f"{rw['worse']}/{rw['rows']} (p {fmt(rw['sign_test_p'], '.2g')})"
+
+
 def table_rows(result: dict) -> list[list[str]]:
     """One block per pack: per-domain rows, then overall (pooled) and domains-equal."""
     out = []
     for r in result["results"]:
-        o = r["overall"]
-        for name, d in r["domains"].items():
-            out.append([r["label"], name, str(d["positions"]), fmt(d["kld_mean"]), fmt_ci(d["kld_mean_ci95"]),
-                        fmt(100 * d["top1"], ".2f") if d["top1"] is not None else "-", fmt(d["ppl"], ".3f"),
-                        fmt(d["ppl_ref"], ".3f")])
-        out.append([r["label"], "[b]overall[/b]", str(o["positions"]), fmt(o["kld_mean"]), fmt_ci(o["kld_mean_ci95"]),
-                    fmt(100 * o["top1"], ".2f") if o["top1"] is not None else "-", fmt(o["ppl"], ".3f"), fmt(o["ppl_ref"], ".3f")])
-        out.append([r["label"], "[b]domains equal[/b]", "", fmt(o["kld_domains_equal"]), fmt_ci(o["kld_domains_equal_ci95"]),
-                    fmt(100 * o["top1_domains_equal"], ".2f") if o["top1_domains_equal"] is not None else "-", "", ""])
+        for name, d in _scopes(r):
+            out.append([r["label"], name, str(d["positions"]) if "positions" in d else "", fmt(d.get("kld_mean")),
+                        fmt_ci(d.get("kld_mean_ci95")), fmt(d.get("kld_reverse_mean")), pct(d.get("top1")),
+                        fmt(d.get("delta_nll_mean")), fmt_ci(d.get("delta_nll_mean_ci95")), _rows_worse(d),
+                        fmt(d.get("ppl"), ".3f"), fmt(d.get("ppl_ref"), ".3f")])
     return out
 
 
-HEADERS = ["pack", "domain", "positions", "KLD mean", "95% CI", "top-1 %", "PPL", "PPL ref"]
-SUMMARY_HEADERS = ["pack", "bpw", "KLD mean", "x noise", "KLD p99", "KLD max", "top-1 %", "flips clear/near-tie",
-                   "ln PPL ratio", "non-finite"]
+HEADERS = ["pack", "domain", "positions", "KLD mean", "95% CI", "KLD(pack‖ref)", "top-1 %", "ΔNLL", "ΔNLL 95% CI",
+           "rows worse", "PPL", "PPL ref"]
+SUMMARY_HEADERS = ["pack", "bpw", "bpw/token", "KLD mean", "x noise", "KLD p99", "KLD max", "top-1 %",
+                   "flips clear/near-tie", "ΔNLL (SE)", "rows worse", "non-finite"]
+
+
+def _per_token_bpw(r: dict) -> float | None:
+    bits = r.get("bits_per_weight") or {}
+    row = bits.get("per_decoded_token_measured") or bits.get("per_decoded_token") or {}
+    return row.get("bpw")
 
 
 def summary_rows(result: dict) -> list[list[str]]:
     out = []
     for r in result["results"]:
         o = r["overall"]
-        out.append([r["label"], fmt(r["bpw"], ".3f"), fmt(o["kld_mean"]), fmt(o.get("x_noise_floor"), ".1f"),
-                    fmt(o["kld_p99"]), fmt(o["kld_max"]), fmt(100 * o["top1"], ".2f") if o["top1"] is not None else "-",
-                    f"{o['top1_flips_clear']}/{o['top1_flips_near_tie']}", fmt(o["ln_ppl_ratio"]), str(o["nonfinite"])])
+        out.append([r["label"], fmt(r["bpw"], ".3f"), fmt(_per_token_bpw(r), ".3f"), fmt(o["kld_mean"]),
+                    fmt(o.get("x_noise_floor"), ".1f"), fmt(o["kld_p99"]), fmt(o["kld_max"]), pct(o["top1"]),
+                    f"{o['top1_flips_clear']}/{o['top1_flips_near_tie']}",
+                    f"{fmt(o.get('delta_nll_mean'))} ({fmt(o.get('delta_nll_mean_se'))})", _rows_worse(o),
+                    str(o["nonfinite"])])
     return out
 
 
-def print_report(result: dict, console: Console | None = None):
+def _full_tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The tables `--full` prints and the Markdown always carries: (title, headers, rows)."""
+    dist, agree, conf, bits, paired = [], [], [], [], []
+    for r in result["results"]:
+        for name, d in _scopes(r):
+            dist.append([r["label"], name] + [f"{fmt(d.get(k))} {fmt_ci(d.get(k + '_ci95'))}"
+                                              for k in ("kld_median", "kld_p90", "kld_p99", "kld_p999")]
+                        + [fmt(d.get("kld_max")), f"{fmt(d.get('kld_reverse_mean'))} {fmt_ci(d.get('kld_reverse_mean_ci95'))}"])
+            agree.append([r["label"], name] + [f"{pct(t['value'])} {pct_ci(t['ci95'])}" for t in d.get("topk_agreement", [])]
+                         + [f"{pct(d.get('delta_p_mean'), '.3f')} {pct_ci(d.get('delta_p_mean_ci95'), '.3f')}",
+                            f"{pct(d.get('rms_delta_p'), '.3f')} {pct_ci(d.get('rms_delta_p_ci95'), '.3f')}"])
+            for b in d.get("kld_by_ref_confidence", []):
+                lo, hi = b["ref_confidence"]
+                conf.append([r["label"], name, f"[{lo:g}, {hi:g}{']' if hi >= 1 else ')'}", str(b.get("positions", "")),
+                             pct(b.get("share"), ".1f"), f"{fmt(b.get('kld_mean'))} {fmt_ci(b.get('kld_mean_ci95'))}",
+                             fmt(b.get("kld_reverse_mean"))])
+        for cat, row in (r.get("bits_per_weight") or {}).items():
+            bits.append([r["label"], cat, f"{row['params']:,.0f}", f"{row['bytes']:,.0f}", fmt(row["bpw"], ".3f")])
+    for d in result["paired"]:
+        for metric, title in (("kld", "KLD(ref‖pack)"), ("kld_reverse", "KLD(pack‖ref)")):
+            m = d.get(metric)
+            if not m:
+                continue
+            scopes = [(n, v) for n, v in m["domains"].items()] + [("[b]overall[/b]", m), ("[b]domains equal[/b]", m["domains_equal"])]
+            for name, v in scopes:
+                paired.append([d["a"], d["b"], title, name, fmt(v["diff"], ".5f"), fmt_ci(v["diff_ci95"], ".5f"),
+                               fmt(v["relative_change_pct"], "+.1f"), fmt_ci(v["relative_change_pct_ci95"], "+.1f"),
+                               fmt(v["p_value"], ".3g"), fmt(v.get("p_holm"), ".3g")])
+    return [
+        ("KLD distribution (95% CI)", ["pack", "domain", "median", "p90", "p99", "p99.9", "max", "KLD(pack‖ref)"], dist),
+        ("agreement (%, 95% CI): top-K lists equal, Δp = p_pack - p_ref of the true token",
+         ["pack", "domain"] + [f"top-{k}" for k in range(1, 6)] + ["mean Δp", "RMS Δp"], agree),
+        ("KLD by reference top-1 probability", ["pack", "domain", "ref p(top-1)", "positions", "share %", "KLD mean",
+                                                "KLD(pack‖ref)"], conf),
+        ("bits per weight", ["pack", "category", "params", "bytes", "bpw"], bits),
+        ("paired: A - B on the same positions, per domain (Holm across domains)",
+         ["a", "b", "metric", "domain", "A - B", "95% CI", "change %", "95% CI", "p", "p Holm"], paired),
+    ]
+
+
+def _rich_table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
+    t = Table(title=title)
+    for h in headers:
+        t.add_column(h, justify="left" if h in ("pack", "domain", "a", "b", "metric", "category") else "right")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def print_report(result: dict, console: Console | None = None, full: bool = False):
     con = console or Console()
     if not con.is_terminal:
-        con = Console(width=160, file=con.file)   # pipes and logs default to 80 columns, too narrow for the tables
+        con = Console(width=200 if full else 160, file=con.file)   # pipes and logs default to 80 columns, too narrow
     p = result["panel"]
     con.print(f"panel [bold]{p['name']}[/bold] ({p['rows']} rows, {p['scored_positions']} scored tokens, sha256 "
               f"{p['sha256'][:12]})  reference [cyan]{result['reference']['path']}[/cyan]  {result['direction']}")
@@ -85,39 +165,48 @@ def print_report(result: dict, console: Console | None = None):
     if nf:
         con.print(f"noise floor (reference with ~1 bf16 rounding step of noise on every module output): "
                   f"KLD {fmt(nf['kld_mean'], '.2e')}  top-1 {fmt(100 * nf['top1'], '.2f')}%")
-    t = Table(title="per domain")
-    for h in HEADERS:
-        t.add_column(h, justify="left" if h in ("pack", "domain") else "right")
-    for row in table_rows(result):
-        t.add_row(*row)
-    con.print(t)
-    s = Table(title="summary")
-    for h in SUMMARY_HEADERS:
-        s.add_column(h, justify="left" if h == "pack" else "right")
-    for row in summary_rows(result):
-        s.add_row(*row)
-    con.print(s)
+    con.print(_rich_table("per domain (ΔNLL = NLL pack - NLL ref; rows worse: rows whose mean NLL rose, sign test p)",
+                          HEADERS, table_rows(result)))
+    con.print(_rich_table("summary", SUMMARY_HEADERS, summary_rows(result)))
     if result["paired"]:
         pt = Table(title="paired: mean KLD(a) - KLD(b) on the same positions")
-        for h in ("a", "b", "difference", "95% CI", "p-value"):
+        for h in ("a", "b", "difference", "95% CI", "change %", "p-value"):
             pt.add_column(h)
         for d in result["paired"]:
-            pt.add_row(d["a"], d["b"], fmt(d["kld_mean_diff"], ".5f"), fmt_ci(d["ci95"], ".5f"), fmt(d["p_value"], ".3g"))
+            rel = (d.get("kld") or {}).get("relative_change_pct")
+            pt.add_row(d["a"], d["b"], fmt(d["kld_mean_diff"], ".5f"), fmt_ci(d["ci95"], ".5f"), fmt(rel, "+.1f"),
+                       fmt(d["p_value"], ".3g"))
         con.print(pt)
+    if full:
+        for title, headers, rows in _full_tables(result):
+            if rows:
+                con.print(_rich_table(title, headers, rows))
+    else:
+        con.print("[dim]--full: KLD quantiles, top-K agreement, Δp, KLD by reference confidence, bpw rows and "
+                  "per-domain paired differences (the JSON and Markdown always carry them)[/dim]")
 
 
 def markdown(result: dict) -> str:
     strip = lambda s: s.replace("[b]", "**").replace("[/b]", "**")
     lines = [f"Panel `{result['panel']['name']}` (sha256 `{result['panel']['sha256'][:12]}`), "
-             f"{result['panel']['scored_positions']} scored tokens; {result['direction']}.", ""]
+             f"{result['panel']['scored_positions']} scored tokens; {result['direction']}. Definitions: fidelity's "
+             f"README, \"What compare reports\".", ""]
     for headers, rows in ((SUMMARY_HEADERS, summary_rows(result)), (HEADERS, table_rows(result))):
         lines += ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
         lines += ["| " + " | ".join(strip(c) for c in r) + " |" for r in rows]
         lines.append("")
     if result["paired"]:
-        lines += ["| a | b | KLD(a) - KLD(b) | 95% CI | p |", "| --- | --- | --- | --- | --- |"]
+        lines += ["| a | b | KLD(a) - KLD(b) | 95% CI | change % | p |", "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {d['a']} | {d['b']} | {fmt(d['kld_mean_diff'], '.5f')} | {fmt_ci(d['ci95'], '.5f')} | "
-                  f"{fmt(d['p_value'], '.3g')} |" for d in result["paired"]]
+                  f"{fmt((d.get('kld') or {}).get('relative_change_pct'), '+.1f')} | {fmt(d['p_value'], '.3g')} |"
+                  for d in result["paired"]]
+        lines.append("")
+    for title, headers, rows in _full_tables(result):
+        if not rows:
+            continue
+        lines += [f"**{title}**", "", "| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+        lines += ["| " + " | ".join(strip(c) for c in r) + " |" for r in rows]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -148,6 +237,6 @@ def run(args) -> int:
         raise
     distributed.finish()  # every rank got here: the result is complete
     if distributed.is_main():
-        print_report(res.report)
+        print_report(res.report, full=args.full)
         write_outputs(res, args)
     return 0

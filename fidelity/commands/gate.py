@@ -184,11 +184,38 @@ def print_summary(report: dict):
     con = Console()
     con.print(t)
     for g in report["gates"]:
+        if g["gate"] == "oracle-kl" and g["measured"].get("statistics"):
+            con.print(oracle_kl_table(g["measured"]["statistics"]))
+        if g["gate"] == "decode-vs-prefill" and "worst_prompt_kl_mean" in g["measured"]:
+            m = g["measured"]
+            con.print(f"decode-vs-prefill: worst prompt's mean KL {m['worst_prompt_kl_mean']:.3g} (prompt "
+                      f"{m['worst_prompt']}), over all positions {m['kl_mean']:.3g}")
         for n in g["notes"]:
             con.print(f"[dim]{g['gate']}: {n}[/dim]")
     cl = report["client"]
     con.print(f"requests sent {cl['sent']}, retries {cl['retries']}, from journal {cl['journal_hits']}, errors {cl['errors']}; "
               f"exit {report['exit_code']} ({report['status']})")
+
+
+def oracle_kl_table(st: dict):
+    """oracle-kl per domain, overall and domains-equal, with 95% row-bootstrap intervals."""
+    from rich.table import Table
+
+    f = lambda x, spec=".4g": "-" if x is None else format(x, spec)
+    ci = lambda c, spec=".4g": "-" if not c or c[0] is None else f"[{format(c[0], spec)}, {format(c[1], spec)}]"
+    t = Table(title="oracle-kl by domain (KL(ref||engine), top-k estimator; ΔNLL = engine - reference)")
+    for c in ("domain", "positions", "KL mean", "95% CI", "top-1 %", "engine PPL", "ref PPL", "ΔNLL", "95% CI",
+              "rows worse"):
+        t.add_column(c, justify="left" if c == "domain" else "right")
+    scopes = list(st["domains"].items()) + [("overall", st["overall"]), ("domains equal", st["domains_equal"])]
+    for name, d in scopes:
+        rw = d.get("rows_worse")
+        worse = (f"{rw['worse']}/{rw['rows']} (p {f(rw['sign_test_p'], '.2g')})" if rw
+                 else f(100 * d["rows_worse_share"], ".0f") + "%" if d.get("rows_worse_share") is not None else "-")
+        t.add_row(name, str(d.get("positions", "")), f(d["kl_mean"]), ci(d["kl_mean_ci95"]),
+                  f(100 * d["top1"], ".2f") if d["top1"] is not None else "-", f(d["engine_ppl"], ".4f"),
+                  f(d["ref_ppl"], ".4f"), f(d["delta_nll_mean"]), ci(d["delta_nll_mean_ci95"]), worse)
+    return t
 
 
 def run(args) -> int:

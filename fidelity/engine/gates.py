@@ -84,6 +84,7 @@ class GateSettings:
     long_prompt_repeats: int = 4  # prefix-cache: the long prompt is this many prompts joined
     worst: int = 5
     prompt_logprobs: bool = False  # oracle-kl: ask for vLLM's prompt_logprobs (token ids) instead of echo + logprobs
+    bootstrap: int = 2000  # oracle-kl: row-bootstrap replicates of its per-domain intervals
 
 
 def _verdict(name: str, checks: list[Check], **kw) -> GateResult:
@@ -232,6 +233,10 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
         return GateResult("decode-vs-prefill", "error", error="no generated position could be aligned with its prefill", notes=notes)
     measured = {"max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows),
                 "kl_mean": float(sum(r["kl_mean"] * r["positions"] for r in rows) / n), "positions": n}
+    scored = [r for r in rows if r["positions"]]
+    worst_prompt = max(scored, key=lambda r: r["kl_mean"])        # self-consistency "worst mean": per prompt
+    measured.update({"worst_prompt_kl_mean": worst_prompt["kl_mean"], "worst_prompt": worst_prompt["prompt"],
+                     "prompts": [{k: r[k] for k in ("prompt", "positions", "kl_mean", "max_abs_dlogprob")} for r in rows]})
     worst = sorted(rows, key=lambda r: -r["max_abs_dlogprob"])[: s.worst]
     th = _thresholds("decode-vs-prefill", thresholds)
     return _verdict("decode-vs-prefill", _checks(th, measured), measured=measured, worst=worst, notes=notes)
@@ -341,6 +346,8 @@ class PositionKL:
     kl: float  # KL(ref || engine) on the partition {engine's returned ids} + one tail bucket: a lower bound of the full KL
     tail_mass: float  # reference probability outside the engine's returned ids: the full KL exceeds `kl` by tail_mass * KL(tails)
     top1_agree: bool | None  # None: the engine's text-keyed answer cannot tell
+    engine_nll: float = math.nan  # -log q_engine(true token), from the engine's logprob of it
+    ref_nll: float = math.nan  # -log p_ref(true token)
 
 
 def position_kl(ref_lp: np.ndarray, engine: dict[int, float]) -> PositionKL:
@@ -462,6 +469,7 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
             eng = _engine_position(tl, row.tokens[t], piece_ids)
             pk = position_kl(row.logprobs[j], eng)
             pk.top1_agree = _top1_agree(tl, row.logprobs[j], ref, ambiguous)
+            pk.engine_nll, pk.ref_nll = -float(tl.logprob), -float(row.logprobs[j][row.tokens[t]])
             per.append(pk)
             top = tl.top_ids or tl.top
             where_kl.append({"row": row.id, "position": t, "token": ref.pieces[row.tokens[t]], "kl": pk.kl,
@@ -469,11 +477,12 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
                              "engine_top1": max(top, key=top.get) if top else None, "top1_agree": pk.top1_agree})
         return row, per
 
-    rows, all_pos = [], []
+    rows, all_pos, by_row = [], [], []
     for row, per in await asyncio.gather(*(one(r) for r in ref.rows)):
         if not per:
             continue
         all_pos += per
+        by_row.append((row, per))
         told = [p.top1_agree for p in per if p.top1_agree is not None]
         rows.append({"row": row.id, "domain": row.domain, "positions": len(per), "kl_mean": float(np.mean([p.kl for p in per])),
                      "kl_max": max(p.kl for p in per), "top1": float(np.mean(told)) if told else None,
@@ -490,6 +499,60 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
                 "estimator": "KL(ref||engine) on engine top-k ids + one tail bucket: a lower bound of the full KL; "
                              "the gap is tail_mass * KL(ref tail || engine tail), tail_mass reported as ref_tail_mass_*"}
     measured["rows_worst"] = sorted(rows, key=lambda r: -r["kl_mean"])[: s.worst]
+    measured.update(oracle_kl_statistics(by_row, n_boot=s.bootstrap))
     worst = sorted(where_kl, key=lambda w: -w["kl"])[: s.worst]  # positions: row, position, token, both top-1s
     th = _thresholds("oracle-kl", thresholds)
     return _verdict("oracle-kl", _checks(th, measured), measured=measured, worst=worst)
+
+
+def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_boot: int = 2000, seed: int = 0) -> dict:
+    """oracle-kl's numbers with compare's statistics (fidelity.stats: row-bootstrap 95% intervals stratified by
+    domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1 agreement
+    (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's, ΔNLL
+    (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
+    from ..stats import RatioBootstrap, RowGroups, ratio_scopes, sign_test
+
+    groups = RowGroups.build(np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row])
+    pos = [p for _, per in by_row for p in per]
+    told = np.array([np.nan if p.top1_agree is None else float(p.top1_agree) for p in pos])
+    eng, ref_nll = np.array([p.engine_nll for p in pos]), np.array([p.ref_nll for p in pos])
+    has_nll = np.isfinite(eng) & np.isfinite(ref_nll)
+    cols = {"n": np.ones(len(pos)), "kl": np.array([p.kl for p in pos]), "tail": np.array([p.tail_mass for p in pos]),
+            "n_top1": np.isfinite(told).astype(float), "top1": np.nan_to_num(told), "n_nll": has_nll.astype(float),
+            "engine_nll": np.where(has_nll, eng, 0.0), "ref_nll": np.where(has_nll, ref_nll, 0.0),
+            "dnll": np.where(has_nll, eng - ref_nll, 0.0)}
+    table = {k: groups.row_sums(v) for k, v in cols.items()}
+    scored = table["n_nll"] > 0
+    table["row_scored"] = scored.astype(float)
+    table["row_worse"] = (scored & (table["dnll"] > 0)).astype(float)
+    table["row_better"] = (scored & (table["dnll"] < 0)).astype(float)
+    boot = RatioBootstrap.run(table, groups, n_boot, seed)
+    S = lambda num, den="n", f=None: ratio_scopes(boot, num, den, groups, f)
+    kl, top1, tail = S("kl"), S("top1", "n_top1"), S("tail")
+    eng_nll, r_nll, dnll, worse = S("engine_nll", "n_nll"), S("ref_nll", "n_nll"), S("dnll", "n_nll"), S("row_worse", "row_scored")
+    exp = lambda v: float(np.exp(v)) if v is not None else None
+    exp_ci = lambda ci: [exp(c) for c in ci]
+
+    def scope(pick, sel_rows=None) -> dict:
+        out = {"kl_mean": pick(kl).value, "kl_mean_ci95": pick(kl).ci(), "top1": pick(top1).value,
+               "top1_ci95": pick(top1).ci(), "engine_nll_mean": pick(eng_nll).value,
+               "engine_nll_mean_ci95": pick(eng_nll).ci(), "engine_ppl": exp(pick(eng_nll).value),
+               "engine_ppl_ci95": exp_ci(pick(eng_nll).ci()), "ref_ppl": exp(pick(r_nll).value),
+               "delta_nll_mean": pick(dnll).value, "delta_nll_mean_ci95": pick(dnll).ci(),
+               "delta_nll_mean_se": pick(dnll).se(), "ref_tail_mass_mean": pick(tail).value}
+        if sel_rows is None:
+            out["rows_worse_share"], out["rows_worse_share_ci95"] = pick(worse).value, pick(worse).ci()
+        else:
+            w, b = int(table["row_worse"][sel_rows].sum()), int(table["row_better"][sel_rows].sum())
+            out["rows_worse"] = {"rows": int(table["row_scored"][sel_rows].sum()), "worse": w, "better": b,
+                                 "share": pick(worse).value, "share_ci95": pick(worse).ci(), "sign_test_p": sign_test(w, b)}
+            out["positions"], out["rows"] = int(table["n"][sel_rows].sum()), int(sel_rows.sum())
+        return out
+
+    overall = scope(lambda e: e.overall, np.ones(groups.n_rows, bool))
+    return {"statistics": {"overall": overall,
+                           "domains": {name: scope(lambda e, i=i: e.domains[i], groups.row_domain == i)
+                                       for i, name in enumerate(groups.domains)},
+                           "domains_equal": scope(lambda e: e.equal)},
+            "kl_mean_ci95": overall["kl_mean_ci95"], "engine_ppl": overall["engine_ppl"],
+            "ref_ppl": overall["ref_ppl"], "delta_nll_mean": overall["delta_nll_mean"]}

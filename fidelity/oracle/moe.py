@@ -30,6 +30,9 @@ class RoutedExperts:
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]; indices, weights [N, k] -> sum_k weights * expert_k(x), experts applied in ascending order."""
+        counts = getattr(self.fetch, "routing_counts", None)  # optional sink (fidelity.routing): tokens per expert
+        if counts is not None:
+            counts.add(self, indices)
         parallel = getattr(self.fetch, "expert_parallel", None)  # set by fidelity.distributed (experts across ranks)
         if parallel is not None:
             return parallel.combine(self, x, indices, weights)

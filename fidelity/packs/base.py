@@ -157,7 +157,16 @@ class Pack:
         return self.path if self.path.is_dir() else None
 
     # -- accounting -----------------------------------------------------------------------------------------
-    def bits_per_weight(self) -> BitsReport:
+    def model_config(self) -> dict:
+        """The language model's config: a multimodal config's `text_config` over its top level."""
+        inner = self.config.get("text_config")
+        return {**self.config, **inner} if isinstance(inner, dict) else self.config
+
+    def bits_per_weight(self, routing: dict[str, float] | None = None) -> BitsReport:
+        """Bits per weight by category (README, "Bits per weight"). Per decoded token, a routed expert tensor counts
+        with the share of tokens that read it: k / n from the config, and, with `routing` (tensor name -> measured
+        share, `fidelity.routing.RoutingCounts.fractions()`), with its measured share in the `*_measured` rows
+        (expert tensors without a measurement keep k / n there; the row's `unmeasured_params` says how many)."""
         sums: dict[str, list[float]] = {}
 
         def add(cat: str, s: Storage, weight: float = 1.0):
@@ -165,17 +174,18 @@ class Pack:
             sums[cat] = [p + weight * s.numel, b + weight * s.nbytes]
 
         per_token_fraction = self._active_expert_fraction()
+        unmeasured = 0.0
         names = self.names()
         tied_head = None
-        if not any(tensor_role(n, ()) == "head" for n in names) and self.config.get("tie_word_embeddings", True):
+        if not any(tensor_role(n, ()) == "head" for n in names) and self.model_config().get("tie_word_embeddings", True):
             tied_head = next((n for n in names if tensor_role(n, self.storage(n).shape) == "embedding"), None)
         for name in names:
             s = self.storage(name)
             role = tensor_role(name, s.shape)
             if name == tied_head:  # a tied embedding is also the head: the head row reports it, total counts it once
+                role = "tied_head"
                 add("head", s)
                 add("all_linear", s)
-                add("per_decoded_token", s)
             add("total", s)
             if role in ("linear", "routed_expert", "head"):
                 add("all_linear", s)
@@ -183,17 +193,37 @@ class Pack:
                 add("routed_experts", s)
             elif role in ("linear", "head"):
                 add("dense_linear" if role == "linear" else "head", s)
-            if role in ("linear", "head", "routed_expert"):
-                add("per_decoded_token", s, per_token_fraction if role == "routed_expert" else 1.0)
+            if role not in ("linear", "head", "tied_head", "routed_expert"):
+                continue
+            expert = role == "routed_expert"
+            heads = ("", "_excluding_head") if role not in ("head", "tied_head") else ("",)
+            measured = per_token_fraction
+            if expert and routing is not None:
+                if name in routing:
+                    measured = routing[name]
+                else:
+                    unmeasured += s.numel
+            for suffix in heads:
+                add(f"per_decoded_token{suffix}", s, per_token_fraction if expert else 1.0)
+                if routing is not None:
+                    add(f"per_decoded_token_measured{suffix}", s, measured if expert else 1.0)
+            if expert:
+                add("routed_experts_per_decoded_token", s, per_token_fraction)
+                if routing is not None:
+                    add("routed_experts_per_decoded_token_measured", s, measured)
         rep = BitsReport()
-        for cat in ("all_linear", "routed_experts", "dense_linear", "head", "per_decoded_token", "total"):
+        for cat in ("all_linear", "routed_experts", "dense_linear", "head", "per_decoded_token",
+                    "per_decoded_token_excluding_head", "routed_experts_per_decoded_token", "per_decoded_token_measured",
+                    "per_decoded_token_measured_excluding_head", "routed_experts_per_decoded_token_measured", "total"):
             if cat in sums:
                 p, b = sums[cat]
                 rep.rows[cat] = {"params": p, "bytes": b, "bpw": 8.0 * b / p if p else float("nan")}
+                if cat.endswith("_measured") or "_measured_" in cat:
+                    rep.rows[cat]["unmeasured_params"] = unmeasured
         return rep
 
     def _active_expert_fraction(self) -> float:
-        c = self.config
+        c = self.model_config()
         n = c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts")
         k = c.get("num_experts_per_tok") or c.get("moe_topk") or c.get("top_k")
         if n and k:

@@ -1,4 +1,5 @@
-"""Paired comparison of two suite runs over the same items: McNemar for pass/fail, paired t and Wilcoxon for scores.
+"""Paired comparison of two suite runs over the same items: McNemar for pass/fail, paired t and Wilcoxon for scores
+(statsmodels' and scipy's tests; what is ours is the pairing, the policy around degenerate cases and the verdict).
 
 Run A is the reference (native), run B the candidate. The verdict rule: B fails when its drop from A is larger than
 `threshold_points` percentage points *and* the paired test says p < `alpha`. Items are paired by `item_id` and only where both
@@ -28,17 +29,18 @@ class McNemar:
 
 
 def mcnemar(b: int, c: int, exact_max: int = EXACT_MAX_DISCORDANT) -> McNemar:
-    """Two-sided McNemar test on the discordant counts. Exact binomial (b ~ Bin(b + c, 1/2)) when b + c < exact_max, else the
-    mid-p variant (exact p minus the probability of the observed table), which keeps the level closer to nominal. With no
-    discordant pair there is no evidence of a difference: p = 1."""
+    """Two-sided McNemar test on the discordant counts (statsmodels' exact binomial McNemar) when b + c < exact_max,
+    else its mid-p variant (the exact p minus the probability of the observed table, scipy's binomial pmf), which keeps
+    the level closer to nominal. With no discordant pair there is no evidence of a difference: p = 1."""
+    from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
+
     n = b + c
     if n == 0:
         return McNemar(b, c, 1.0, "no discordant pairs")
-    k = min(b, c)
-    exact = min(1.0, 2.0 * stats.binom.cdf(k, n, 0.5))
+    exact = float(min(1.0, sm_mcnemar(np.array([[0, b], [c, 0]]), exact=True).pvalue))
     if n < exact_max:
         return McNemar(b, c, exact, "mcnemar-exact")
-    return McNemar(b, c, min(1.0, exact - stats.binom.pmf(k, n, 0.5)), "mcnemar-mid-p")
+    return McNemar(b, c, min(1.0, exact - float(stats.binom.pmf(min(b, c), n, 0.5))), "mcnemar-mid-p")
 
 
 @dataclass
@@ -50,16 +52,17 @@ class PairedT:
 
 
 def paired_t(diff: np.ndarray) -> PairedT:
-    """One-sample t-test of the paired differences against 0. Zero variance: p = 1 when all differences are 0, else 0."""
+    """scipy's one-sample t-test of the paired differences against 0 (= ttest_rel of the two sides). Zero variance,
+    where the test is undefined: p = 1 when all differences are 0, else 0."""
     diff = np.asarray(diff, dtype=np.float64)
     n = diff.size
     if n < 2:
         return PairedT(float(diff.mean()) if n else 0.0, math.nan, max(n - 1, 0), 1.0)
-    mean, sd = diff.mean(), diff.std(ddof=1)
-    if sd == 0:
+    mean = diff.mean()
+    if diff.std(ddof=1) == 0:
         return PairedT(float(mean), math.copysign(math.inf, mean) if mean else 0.0, n - 1, 1.0 if mean == 0 else 0.0)
-    t = mean / (sd / math.sqrt(n))
-    return PairedT(float(mean), float(t), n - 1, float(2 * stats.t.sf(abs(t), n - 1)))
+    res = stats.ttest_1samp(diff, 0.0)
+    return PairedT(float(mean), float(res.statistic), n - 1, float(res.pvalue))
 
 
 @dataclass
@@ -70,39 +73,19 @@ class Wilcoxon:
     method: str
 
 
-def _exact_signed_rank_counts(n: int) -> np.ndarray:
-    """counts[w] = number of sign patterns of ranks 1..n whose positive ranks sum to w."""
-    counts = np.zeros(n * (n + 1) // 2 + 1, dtype=np.float64)
-    counts[0] = 1
-    for r in range(1, n + 1):
-        counts[r:] = counts[r:] + counts[:-r].copy()
-    return counts
-
-
 def wilcoxon(diff: np.ndarray, exact_max_n: int = 50) -> Wilcoxon:
-    """Wilcoxon signed-rank test, zeros dropped (Wilcoxon's convention). Exact null distribution when there are at most
-    `exact_max_n` non-zero differences and no ties among their magnitudes; else the normal approximation with the tie
-    correction and no continuity correction."""
+    """scipy's Wilcoxon signed-rank test, zeros dropped (Wilcoxon's convention): its exact null distribution when there
+    are at most `exact_max_n` non-zero differences and no ties among their magnitudes, else its normal approximation
+    with the tie correction and no continuity correction."""
     d = np.asarray(diff, dtype=np.float64)
     d = d[d != 0]
     n = d.size
     if n == 0:
         return Wilcoxon(0, 0.0, 1.0, "no non-zero differences")
-    ranks = stats.rankdata(np.abs(d))
-    w_plus = float(ranks[d > 0].sum())
-    _, tie_sizes = np.unique(np.abs(d), return_counts=True)
-    if n <= exact_max_n and (tie_sizes == 1).all():
-        counts = _exact_signed_rank_counts(n)
-        total = 2.0 ** n
-        w = int(round(w_plus))
-        lower, upper = counts[: w + 1].sum() / total, counts[w:].sum() / total
-        return Wilcoxon(n, w_plus, float(min(1.0, 2 * min(lower, upper))), "wilcoxon-exact")
-    mean = n * (n + 1) / 4
-    var = n * (n + 1) * (2 * n + 1) / 24 - (tie_sizes ** 3 - tie_sizes).sum() / 48
-    if var <= 0:
-        return Wilcoxon(n, w_plus, 1.0, "wilcoxon-normal")
-    z = (w_plus - mean) / math.sqrt(var)
-    return Wilcoxon(n, w_plus, float(2 * stats.norm.sf(abs(z))), "wilcoxon-normal")
+    w_plus = float(stats.rankdata(np.abs(d))[d > 0].sum())
+    exact = n <= exact_max_n and len(np.unique(np.abs(d))) == n
+    res = stats.wilcoxon(d, zero_method="wilcox", correction=False, method="exact" if exact else "approx")
+    return Wilcoxon(n, w_plus, float(min(1.0, res.pvalue)), "wilcoxon-exact" if exact else "wilcoxon-normal")
 
 
 def _pairs(a, b):
@@ -120,22 +103,22 @@ def _pairs(a, b):
 
 
 def clopper_pearson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """Exact binomial interval for k successes in n trials."""
+    """Exact (Clopper-Pearson) binomial interval for k successes in n trials (scipy's binomtest)."""
     if n == 0:
         return (0.0, 1.0)
-    a = (1 - level) / 2
-    lo = 0.0 if k == 0 else float(stats.beta.ppf(a, k, n - k + 1))
-    hi = 1.0 if k == n else float(stats.beta.ppf(1 - a, k + 1, n - k))
-    return lo, hi
+    ci = stats.binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 def mean_ci(diff: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """t interval of the mean paired difference."""
-    n = diff.size
-    if n < 2:
+    """t interval of the mean paired difference (scipy's one-sample t-test)."""
+    diff = np.asarray(diff, dtype=np.float64)
+    if diff.size < 2:
         return (math.nan, math.nan)
-    half = stats.t.ppf(0.5 + level / 2, n - 1) * diff.std(ddof=1) / math.sqrt(n)
-    return float(diff.mean() - half), float(diff.mean() + half)
+    if diff.std(ddof=1) == 0:
+        return float(diff.mean()), float(diff.mean())
+    ci = stats.ttest_1samp(diff, 0.0).confidence_interval(confidence_level=level)
+    return float(ci.low), float(ci.high)
 
 
 def _verdict(drop_points: float, p: float, threshold: float, alpha: float, aa: bool, flips: int, n: int) -> str:

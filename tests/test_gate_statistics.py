@@ -1,0 +1,85 @@
+"""The gates' per-domain statistics (oracle-kl with compare's row-bootstrap intervals, the engine's NLL / PPL, rows
+worse) and decode-vs-prefill's per-prompt means, against the fault server's known perturbation computed here."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy.special import log_softmax, rel_entr
+from statsmodels.stats.descriptivestats import sign_test
+
+from fidelity.engine import gates as G
+from fidelity.engine.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
+from test_gates_faults import random_texts, run_one
+
+SIGN = np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)   # perturb_prefill: +delta on even ids, -delta on odd
+
+
+@pytest.fixture(scope="module")
+def server():
+    with spawn_fault_server() as srv:
+        yield srv
+
+
+def test_oracle_kl_per_domain_matches_the_exact_perturbation(server, rng_seed):
+    delta = 0.25
+    set_plan(server.url, {"perturb_prefill": delta})
+    ref = toy_reference(random_texts(rng_seed, n=8, length=14))
+    for i, r in enumerate(ref.rows):
+        r.domain = ("code", "chat", "math")[i % 3]
+    res = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=len(VOCAB), bootstrap=500), prompt_as="ids")
+    recs = []
+    for r in ref.rows:
+        for j, t in enumerate(r.scored):
+            p = r.logprobs[j]
+            q = log_softmax(p + delta * SIGN)
+            tok = r.tokens[t]
+            recs.append({"row": r.id, "domain": r.domain, "kl": float(rel_entr(np.exp(p), np.exp(q)).sum()),
+                         "top1": float(np.argmax(p) == np.argmax(q)), "eng": -q[tok], "ref": -p[tok]})
+    df = pd.DataFrame(recs)
+    df["dnll"] = df.eng - df.ref
+    st = res.measured["statistics"]
+    row_mean = df.groupby("row").dnll.mean()
+    row_dom = df.groupby("row").domain.first()
+    scopes = [(st["overall"], df, row_mean)] + [(st["domains"][d], df[df.domain == d], row_mean[row_dom == d])
+                                                for d in sorted(df.domain.unique())]
+    for got, frame, rm in scopes:
+        assert got["positions"] == len(frame)
+        assert got["kl_mean"] == pytest.approx(frame.kl.mean(), rel=1e-9)
+        assert got["top1"] == pytest.approx(frame.top1.mean(), rel=1e-12)
+        assert got["engine_ppl"] == pytest.approx(np.exp(frame.eng.mean()), rel=1e-9)
+        assert got["ref_ppl"] == pytest.approx(np.exp(frame.ref.mean()), rel=1e-9)
+        assert got["delta_nll_mean"] == pytest.approx(frame.dnll.mean(), rel=1e-9)
+        lo, hi = got["kl_mean_ci95"]
+        assert lo <= got["kl_mean"] <= hi
+        rw = got["rows_worse"]
+        assert (rw["worse"], rw["better"], rw["rows"]) == ((rm > 0).sum(), (rm < 0).sum(), len(rm))
+        if rw["worse"] + rw["better"]:
+            assert rw["sign_test_p"] == pytest.approx(sign_test(rm.to_numpy(), 0)[1], rel=1e-9)
+    eq = st["domains_equal"]
+    per = df.groupby("domain")
+    assert eq["kl_mean"] == pytest.approx(per.kl.mean().mean(), rel=1e-9)
+    assert eq["delta_nll_mean"] == pytest.approx(per.dnll.mean().mean(), rel=1e-9)
+    assert res.measured["kl_mean"] == pytest.approx(df.kl.mean(), rel=1e-9)       # the checked figure is unchanged
+    assert res.measured["engine_ppl"] == st["overall"]["engine_ppl"]
+    set_plan(server.url)
+
+
+def test_decode_vs_prefill_reports_each_prompt_and_the_worst_mean(server, rng_seed):
+    delta = 0.1
+    set_plan(server.url, {"perturb_prefill": delta})
+    s = G.GateSettings(prompts=random_texts(rng_seed, n=4), max_tokens=5, top_k=len(VOCAB))
+    res = run_one(server.url, G.decode_vs_prefill, s)
+    toy, means = ToyModel(), []
+    for text in s.prompts:
+        ids, kls = toy.tokenize(text), []
+        for _ in range(s.max_tokens):
+            base = toy.logprobs_after(ids)
+            kls.append(float(rel_entr(np.exp(base), np.exp(log_softmax(base + delta * SIGN))).sum()))
+            ids.append(int(np.argmax(base)))
+        means.append(np.mean(kls))
+    got = res.measured
+    assert [p["kl_mean"] for p in got["prompts"]] == pytest.approx(means, rel=1e-6)
+    assert got["worst_prompt_kl_mean"] == pytest.approx(max(means), rel=1e-6)
+    assert got["worst_prompt"] == int(np.argmax(means))
+    set_plan(server.url)
