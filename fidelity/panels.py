@@ -498,6 +498,13 @@ def render_chat(row: PanelRow, tokenizer, *, score_reasoning: bool = True) -> tu
             raise PanelError(f"row {row.id!r}: the chat template cannot render this conversation: "
                              f"{type(e).__name__}: {e}") from None
 
+    return scored_rendering(row, msgs, render, tokenizer, score_reasoning=score_reasoning)
+
+
+def scored_rendering(row: PanelRow, msgs: list[dict], render, tokenizer, *, score_reasoning: bool = True,
+                     renderer: str = "the chat template") -> tuple[list[int], list[bool]]:
+    """Tokens and scored flags of a conversation given `render(messages, add_generation_prompt) -> text` (a chat
+    template, or a pack's encoder code); `msgs` are the messages as the renderer takes them, one per row message."""
     full = render(msgs, False)
     spans, unscored = [], []
     for i, m in enumerate(msgs):
@@ -506,19 +513,19 @@ def render_chat(row: PanelRow, tokenizer, *, score_reasoning: bool = True) -> tu
         start_text = render(msgs[:i], True) if i else ""
         end_text = render(msgs[:i + 1], False)
         if not (full.startswith(start_text) and full.startswith(end_text) and end_text.startswith(start_text)):
-            raise PanelError(f"row {row.id!r}: the chat template does not render this conversation prefix by prefix, so "
+            raise PanelError(f"row {row.id!r}: {renderer} does not render this conversation prefix by prefix, so "
                              f"assistant turn {i} cannot be located")
         start, end = len(start_text), len(end_text.rstrip())
         reasoning = (row.messages[i].get("reasoning_content") or "").strip()
         at_reasoning = end_text.find(reasoning, start) if reasoning else -1
         if reasoning and not start <= at_reasoning < end:
-            raise PanelError(f"row {row.id!r}: the chat template dropped the reasoning of assistant turn {i} "
+            raise PanelError(f"row {row.id!r}: {renderer} dropped the reasoning of assistant turn {i} "
                              f"(it is not in the rendered turn)")
         if row.messages[i].get("truncated"):  # cut short by a token limit: its text is scored, the end-of-turn is not
             if m.get("tool_calls"):
                 raise PanelError(f"row {row.id!r}: assistant turn {i} is marked truncated but has tool calls; a turn "
                                  f"cut short has only text")
-            content = m["content"].strip()
+            content = (m["content"] or "").strip()
             at = end_text.rfind(content, start) if content else -1
             if content and at < start:
                 raise PanelError(f"row {row.id!r}: assistant turn {i} is marked truncated but its text is not found "

@@ -1,11 +1,13 @@
 """Tiny DeepSeek test models shared by the V3.2 and V4 oracle tests (no tests here): a named variant of a base config
-built into a pack folder, V4's builder, and config.json edits for the bad-input tests."""
+built into a pack folder, V4's builder, config.json edits for the bad-input tests, and the top-k tie rule the transformers
+references run under (`reference_ties_to_lower_index`, autouse where imported)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 import transformers as T
 
@@ -50,3 +52,18 @@ def random_v4(config, seed: int):
     model.set_experts_implementation("eager")
     randomize(model, seed)
     return model
+
+
+def topk_ties_to_lower_index(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """torch.topk with equal values ranked by index, lower first (a stable sort): the tie rule of the oracle's
+    selection. torch.topk leaves ties to its implementation (the CPU's and CUDA's differ), and DeepSeek's indexer
+    scores tie at exactly 0 wherever every head's relu is 0, so transformers' top-k is only comparable under one rule."""
+    order = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
+
+
+@pytest.fixture(autouse=True)
+def reference_ties_to_lower_index(monkeypatch):
+    """Autouse in the modules that import it: transformers' (and any) torch.topk breaks ties by index."""
+    monkeypatch.setattr(torch, "topk", topk_ties_to_lower_index)
+    monkeypatch.setattr(torch.Tensor, "topk", topk_ties_to_lower_index)

@@ -20,6 +20,7 @@ from fidelity.packs.exl3_layouts import PLAN_FILE, official_to_hf, routed_expert
 from fidelity.packs.minipacks import EncodingCache
 from fidelity.packs.minipacks_v4 import (EXL3_LAYOUTS, LAYOUTS, TINY_V4, V4MiniSpec, kind_of, official_name,
                                          write_all)
+from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
 from test_oracle_support import compare_cli_kl
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v4"

@@ -11,7 +11,7 @@ import transformers as T
 from fidelity import open_pack
 from fidelity.errors import ConfigError
 from fidelity.oracle import Oracle
-from _deepseek_configs import edit_config, make_variant
+from _deepseek_configs import edit_config, make_variant, reference_ties_to_lower_index  # noqa: F401 (autouse)
 from test_oracle_support import build, hf_logits
 
 TOL = 1e-4

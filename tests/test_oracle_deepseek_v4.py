@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from fidelity import open_pack
 from fidelity.errors import ConfigError, PackError
 from fidelity.oracle import Oracle
-from _deepseek_configs import build_v4, edit_config, make_variant
+from _deepseek_configs import build_v4, edit_config, make_variant, reference_ties_to_lower_index  # noqa: F401 (autouse)
 from test_oracle_support import hf_logits
 
 TOL = 1e-4

@@ -13,6 +13,7 @@ from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek_v4_quant import (QuantEmulation, emulate_reference_quant, fake_fp4_e4m3_scales,
                                                fake_fp8, round_e2m1, round_e4m3)
 from test_oracle_deepseek_v4 import BASE, built, mixed  # noqa: F401 (fixtures)
+from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
 from test_oracle_support import hf_logits
 
 E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()

@@ -234,3 +234,73 @@ def test_template_without_reasoning_or_prefix_rendering_is_an_error_naming_the_r
     with pytest.raises(PanelError, match=r"row 'think-7': the chat template does not render this conversation prefix "
                                          r"by prefix, so assistant turn 2 cannot be located"):
         render_chat(row, drops)
+
+
+# ---- a pack whose chat format is code (DeepSeek's encoding/*.py), rendered only with --trust-pack-code -----------------
+
+TOY_ENCODER = '''
+import json
+
+ASSISTANT = "<|im_start|>assistant\\n"
+
+
+def encode_messages(messages, thinking_mode, drop_thinking=True, add_default_bos_token=True):
+    """DSML-like wire text on SmolLM2's special tokens: tools on the system message, tool results merged into a
+    user-side block, the assistant prefix (with <think> in thinking mode) after every user or tool turn."""
+    out = "<|im_start|>" if add_default_bos_token else ""
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role == "system":
+            out += "system " + m["content"] + ("\\nTOOLS " + json.dumps(m["tools"]) if m.get("tools") else "") + "<|im_end|>"
+        elif role == "user":
+            out += "<|im_start|>user\\n" + m["content"] + "<|im_end|>"
+        elif role == "tool":
+            out += "<|im_start|>result " + m["tool_call_id"] + "\\n" + m["content"] + "<|im_end|>"
+        elif role == "assistant":
+            if m.get("reasoning_content"):
+                out += m["reasoning_content"]
+            out += "</think>" + m["content"]
+            for c in m.get("tool_calls") or []:
+                out += "<call " + c["function"]["name"] + ">" + c["function"]["arguments"] + "</call>"
+            out += "<|im_end|>"
+        following = messages[i + 1]["role"] if i + 1 < len(messages) else None
+        if role in ("user", "tool") and following in (None, "assistant"):
+            out += ASSISTANT + ("<think>\\n" if thinking_mode == "thinking" else "")
+    return out
+'''
+
+
+def test_pack_encoder_code_runs_only_when_trusted_and_gives_token_exact_rows(tmp_path, smol_tok, rng_seed):
+    import importlib.util
+
+    from fidelity.panel_encoding import encode_panel
+
+    (tmp_path / "pack" / "encoding").mkdir(parents=True)
+    (tmp_path / "pack" / "encoding" / "encoding_toy.py").write_text(TOY_ENCODER)
+    obj = agentic_row(rng_seed, rid="dsml-1")
+    write_panel(tmp_path / "chat", [parse_row(obj, "test")], name="chat")
+    with pytest.raises(PanelError, match=r"encoding: rendering through encoding_toy\.py runs the pack's own Python "
+                                         r"code; pass --trust-pack-code"):
+        encode_panel(tmp_path / "chat", tmp_path / "pack", tmp_path / "out", tokenizer=smol_tok)
+    assert not (tmp_path / "out").exists()
+    panel = encode_panel(tmp_path / "chat", tmp_path / "pack", tmp_path / "out", trust_pack_code=True,
+                         tokenizer=smol_tok)
+    row = load_panel(tmp_path / "out").rows[0]
+    assert row.tokens is not None and row.to_json() == panel.rows[0].to_json()
+    # independently: the module's own text for the conversation in its input format, tokenized by the tokenizer
+    spec = importlib.util.spec_from_file_location("toy_encoder", tmp_path / "pack" / "encoding" / "encoding_toy.py")
+    toy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(toy)
+    m = obj["messages"]
+    wire = toy.encode_messages([{**m[0], "tools": TOOLS}, {"role": "user", "content": "".join(p["text"] for p in m[1]["content"])},
+                                {"role": "assistant", "content": "", "reasoning_content": m[2]["reasoning_content"],
+                                 "tool_calls": m[2]["tool_calls"]}, m[3], m[4], m[5]], thinking_mode="thinking")
+    assert row.tokens == smol_tok(wire, add_special_tokens=False)["input_ids"]
+    calls = "".join(f"<call {c['function']['name']}>{c['function']['arguments']}</call>" for c in m[2]["tool_calls"])
+    want = f"{m[2]['reasoning_content']}</think>{calls}<|im_end|></think>{m[5]['content']}<|im_end|>"
+    assert scored_text(smol_tok, row.tokens, row.scored) == want
+    no_r = encode_panel(tmp_path / "chat", tmp_path / "pack", tmp_path / "out2", trust_pack_code=True,
+                        tokenizer=smol_tok, score_reasoning=False).rows[0]
+    assert scored_text(smol_tok, no_r.tokens, no_r.scored) == want.replace(m[2]["reasoning_content"], "", 1)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())["encoded"]
+    assert manifest["encoder"] == "encoding/encoding_toy.py" and manifest["from_panel"]["name"] == "chat"

@@ -165,8 +165,10 @@ def test_build_reproduces_llamacpp_greedy_answers_resumes_after_kill_and_marks_t
         truncated += want["finish_reason"] == "length"
     assert manifest["answers"]["truncated_rows"] == truncated
     assert sum(manifest["answers"]["finish_reasons"].values()) == len(prompts)
-    # with a limit of 3 tokens every answer is cut, and marked so
+    # with a limit of 3 tokens every answer is cut, and marked so; the thinking switch goes to the chat template
+    # (llama-cpp-python takes chat_template_kwargs without complaint) and is kept on each row for rendering
     short = build_panel_from_engine(tmp_path / "prompts.jsonl", llama.url, "smol", tmp_path / "short",
-                                    EngineSettings(max_new_tokens=3), progress=False)
+                                    EngineSettings(max_new_tokens=3, thinking="off"), progress=False)
     assert all(r.messages[-1].get("truncated") for r in short.rows)
+    assert all(r.template_kwargs == {"enable_thinking": False, "thinking": False} for r in short.rows)
     assert json.loads((tmp_path / "short" / "manifest.json").read_text())["answers"]["finish_reasons"] == {"length": 4}

@@ -141,3 +141,24 @@ def test_check_against_humaneval_and_token_rows(tmp_path, tok, rng_seed):
     assert found.rows_hit == ["k1"] and {h.part for h in found.hits} == {"tokens"}
     assert all(h.source.startswith("suite:humaneval item ") for h in found.hits)
     assert sum(h.shared for h in found.hits) >= 3  # 10 shared words hold 3 distinct 8-grams
+
+
+@pytest.mark.slow
+def test_cli_from_text_and_encode_refusal(tmp_path, smollm2_gguf, tok, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    (tmp_path / "a.txt").write_text("\n\n".join(documents(rng, 6)))
+    (tmp_path / "b.txt").write_text("\n\n".join(documents(rng, 6)))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    fid = lambda *a: subprocess.run([sys.executable, "-m", "fidelity", *a], capture_output=True, text=True, env=env,
+                                    timeout=600)
+    r = fid("panel", "from-text", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--pack", str(smollm2_gguf),
+            "--tokens-per-row", "33", "--rows", "2", "--domain", "wiki", "--domain", "edu", "-o", str(tmp_path / "p"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    panel = load_panel(tmp_path / "p")
+    assert [(x.domain, len(x.tokens)) for x in panel.rows] == [("wiki", 33)] * 2 + [("edu", 33)] * 2
+    assert json.loads((tmp_path / "p" / "manifest.json").read_text())["from_text"]["tokens_per_row"] == 33
+    (tmp_path / "pack" / "encoding").mkdir(parents=True)
+    (tmp_path / "pack" / "encoding" / "encoding_x.py").write_text("raise SystemExit('pack code ran')\n")
+    r = fid("panel", "encode", str(tmp_path / "p"), "--pack", str(tmp_path / "pack"), "-o", str(tmp_path / "e"))
+    assert r.returncode == 2 and "pass --trust-pack-code" in r.stdout + r.stderr and "pack code ran" not in r.stdout
+    assert not (tmp_path / "e").exists()

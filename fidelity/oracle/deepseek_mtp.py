@@ -338,8 +338,7 @@ class DSparkDrafter:
         p0 = torch.tensor(starts, device=device)
         positions = p0[:, None] + torch.arange(bs, device=device)                      # [S, block]
         max_pos = int(positions.max()) + 1
-        cos, sin = rope_table(fam.args.main_rope, torch.arange(max(max_pos, T)), dtype)
-        cos, sin = cos.to(device), sin.to(device)
+        cos, sin = rope_table(fam.args.main_rope, torch.arange(max(max_pos, T)), dtype, device)
         block_ids = torch.full((B, S, bs), a.noise_token_id, dtype=torch.long)
         block_ids[:, :, 0] = tokens[:, starts]
         embed = oracle.fetch(fam.embed_name)

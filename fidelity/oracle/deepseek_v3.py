@@ -11,6 +11,7 @@ from .common import Family, Fetch, GatedMLP, causal_attention, require, rms_norm
 from .llama import DecoderLayer, norm_names
 from .moe import RoutedExperts
 from .rope import RopeArgs, cos_sin, rotate_half_split, rotate_interleaved, yarn_mscale
+from .selection import top_k_indices, top_k_mask
 
 
 @dataclass
@@ -152,10 +153,9 @@ def group_limited_top_k(scores: torch.Tensor, selection_bias: torch.Tensor, a: D
     N = biased.shape[0]
     per_group = biased.view(N, a.n_group, -1)
     group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
-    best_groups = group_scores.topk(a.topk_group, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    keep = top_k_mask(group_scores, a.topk_group)
     biased = per_group.masked_fill(~keep[:, :, None], float("-inf")).view(N, -1)
-    return biased.topk(a.top_k, dim=-1, sorted=False).indices
+    return top_k_indices(biased, a.top_k)
 
 
 class SigmoidMoE:

@@ -4,7 +4,8 @@ attends only to those (and never to the future). With a context of at most `inde
 kept, so the layer is plain causal MLA and the indexer is not computed.
 
 The reference kernels score in FP8 after a Hadamard rotation; the rotation preserves dot products and the oracle scores
-in fp32, as transformers does. Ties in the indexer's top-k (equal scores) are broken by `torch.topk`, like transformers.
+in fp32, as transformers does. Ties in the indexer's top-k (equal scores: an index of exactly 0 where every head's relu
+is 0) go to the earlier token (selection.top_k_mask), on every device; transformers leaves them to `torch.topk`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..errors import ConfigError
 from .common import ATTENTION_CHUNK_BYTES, Fetch, require
 from .deepseek_v3 import MLA, DeepseekV3Args, DeepseekV3Family
 from .rope import rotate_half_split
+from .selection import top_k_mask
 
 ARCH = "DeepseekV32ForCausalLM"
 # The indexer's key LayerNorm has a fixed eps (DeepSeek's model.py and transformers both hard-code it).
@@ -84,10 +86,7 @@ class LightningIndexer:
             scores = torch.einsum("bshd,btd->bsht", q[:, start:end], k).mul_(self.scale).relu_()
             index = torch.einsum("bsh,bsht->bst", head_weights[:, start:end], scores)
             future = torch.arange(T, device=x.device)[None, :] > torch.arange(start, end, device=x.device)[:, None]
-            index = index.masked_fill(future, float("-inf"))
-            top = index.topk(min(self.a.topk, T), dim=-1).indices
-            keep[:, start:end].scatter_(-1, top, True)
-            keep[:, start:end] &= ~future
+            keep[:, start:end] = top_k_mask(index.masked_fill(future, float("-inf")), self.a.topk)
         return keep
 
 

@@ -31,6 +31,7 @@ from ..errors import ConfigError
 from .common import ATTENTION_CHUNK_BYTES, Family, Fetch, GatedMLP, require, rms_norm
 from .moe import RoutedExperts
 from .rope import RopeArgs, inverse_frequencies
+from .selection import top_k_indices, top_k_mask
 
 ARCH = "DeepseekV4ForCausalLM"
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -217,11 +218,15 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((x[..., :-2 * pairs], rotated), dim=-1)
 
 
-def rope_table(a: RopeArgs, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, dim/2] at the given positions (one angle per interleaved pair)."""
+def rope_table(a: RopeArgs, positions: torch.Tensor, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, dim/2] at the given positions (one angle per interleaved pair), moved to `device`. `positions`
+    (a CPU tensor) and the angles are computed on the CPU whatever the device, so every device rotates by the same
+    floats."""
     inv_freq, attention_factor = inverse_frequencies(a, torch.float32)
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
+    return ((freqs.cos() * attention_factor).to(device=device, dtype=dtype),
+            (freqs.sin() * attention_factor).to(device=device, dtype=dtype))
 
 
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -335,7 +340,7 @@ class MoE:
         if self.hashed:
             indices = self.tid2eid[tokens.reshape(-1)]
         else:
-            indices = torch.topk(scores + self.selection_bias, self.a.top_k, dim=-1, sorted=False).indices
+            indices = top_k_indices(scores + self.selection_bias, self.a.top_k)
         weights = scores.gather(1, indices)  # the bias (or hash) picks experts, the scores weigh them
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.a.routed_scaling_factor
         return self.experts(flat, indices, weights).view_as(x) + self.shared(x)
@@ -379,8 +384,8 @@ class Compressor:
             pooled_kv[:, 1:, :m], pooled_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
             kv, gate = pooled_kv, pooled_gate
         entries = self.round_kv(rms_norm((kv * gate.softmax(dim=2)).sum(dim=2), self.norm, self.eps))
-        cos, sin = rope_table(self.rope, torch.arange(n_win, device=x.device) * m, x.dtype)
-        return rope_tail(entries, cos.to(x.device), sin.to(x.device))
+        cos, sin = rope_table(self.rope, torch.arange(n_win) * m, x.dtype, x.device)
+        return rope_tail(entries, cos, sin)
 
 
 def finished_entries(T: int, ratio: int, device) -> torch.Tensor:
@@ -394,7 +399,7 @@ def finished_entries(T: int, ratio: int, device) -> torch.Tensor:
 class Indexer:
     """CSA's lightning indexer: its own overlapping compressor at index_head_dim, queries from the q latent (RoPE'd
     at the compress theta), score[t, w] = sum_h weight_h(x_t) * relu(q_h(t) . k_w) / sqrt(d); each query keeps the
-    index_topk best of its finished entries."""
+    index_topk best of its finished entries (equal scores: the earlier entries, on every device)."""
 
     def __init__(self, a: DeepseekV4Args, prefix: str, n, fetch: Fetch, ratio: int):
         self.a = a
@@ -422,10 +427,8 @@ class Indexer:
             end = min(T, start + chunk)
             scores = torch.einsum("bthd,bwd->bthw", q[:, start:end], keys).relu_() * a.index_head_dim ** -0.5
             index = torch.einsum("bthw,bth->btw", scores, head_weights[:, start:end])
-            index = index.masked_fill(~finished[start:end], float("-inf"))
-            top = index.topk(min(a.index_topk, n_entries), dim=-1).indices
-            keep[:, start:end].scatter_(-1, top, True)
-        return keep & finished
+            keep[:, start:end] = top_k_mask(index.masked_fill(~finished[start:end], float("-inf")), a.index_topk)
+        return keep
 
 
 def fetch_attention_weights(attn, p: str, n, fetch):
@@ -608,9 +611,8 @@ class DeepseekV4Family(Family):
 
     def rope_tables(self, length: int, dtype: torch.dtype, device):
         positions = torch.arange(length)
-        main = rope_table(self.args.main_rope, positions, dtype)
-        compress = rope_table(self.args.compress_rope, positions, dtype)
-        return tuple(t.to(device) for t in (*main, *compress))
+        return (*rope_table(self.args.main_rope, positions, dtype, device),
+                *rope_table(self.args.compress_rope, positions, dtype, device))
 
     def embed_hook(self, x: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, hidden] -> hc_mult identical streams [B, T, hc, hidden]."""

@@ -47,6 +47,7 @@ from .deepseek_v4 import (HCA, SLIDING, DeepseekV4Args, DeepseekV4Family, HyperC
                           sink_attention, unweighted_rms_norm)
 from .deepseek_v4 import layer_names as v4_layer_names
 from .engram import EngramArgs, EngramLayer, RowTable, compressed_token_map
+from .selection import top_k_mask
 
 ARCH = "DeepseekV41ForCausalLM"
 
@@ -237,12 +238,13 @@ class PoolCompressor:
             kv = kv * gate.softmax(dim=2)
         return rms_norm(kv.sum(dim=2), self.norm, self.eps)
 
-    def positions(self, n_win: int, device) -> torch.Tensor:
-        return torch.arange(n_win, device=device) * self.ratio
+    def positions(self, n_win: int) -> torch.Tensor:
+        """The windows' first positions (on the CPU, where rope_table computes its angles)."""
+        return torch.arange(n_win) * self.ratio
 
     def entries(self, latent: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_table(self.rope, self.positions(latent.shape[1], latent.device), latent.dtype)
-        return self.round_kv(rope_tail(latent, cos.to(latent.device), sin.to(latent.device)))
+        cos, sin = rope_table(self.rope, self.positions(latent.shape[1]), latent.dtype, latent.device)
+        return self.round_kv(rope_tail(latent, cos, sin))
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
@@ -264,8 +266,7 @@ def candidate_drop(scores: torch.Tensor, query_pos: torch.Tensor, ratio: int, bl
     best = torch.cat((full, tail_best), dim=-1)
     newest = (((query_pos + 1) // ratio - 1).clamp(min=0) // block).view(1, -1, 1).expand(best.shape[0], -1, 1)
     best = best.scatter(-1, newest, float("inf"))
-    top = best.topk(keep, dim=-1)
-    return torch.ones_like(best, dtype=torch.bool).scatter(-1, top.indices, top.values == -float("inf"))
+    return ~top_k_mask(best, keep)
 
 
 def expand_blocks(drop: torch.Tensor, block: int, W: int) -> torch.Tensor:
@@ -319,9 +320,9 @@ class Attention:
         keys = None
         if self.index_wk is not None:
             keys = rms_norm(F.linear(latent, self.index_wk), self.index_k_norm, self.a.base.rms_norm_eps)
-            cos, sin = rope_table(self.a.base.compress_rope, self.compressor.positions(latent.shape[1], x.device),
-                                  x.dtype)
-            keys = rope_tail(keys, cos.to(x.device), sin.to(x.device))
+            cos, sin = rope_table(self.a.base.compress_rope, self.compressor.positions(latent.shape[1]), x.dtype,
+                                  x.device)
+            keys = rope_tail(keys, cos, sin)
         return Pool(self.compressor.entries(latent), keys)
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, compress_rope,
@@ -349,8 +350,7 @@ class Attention:
                 state.candidates[:, start:end] = candidate_drop(scores, positions, self.ratio, block, n_blocks)
             elif filtering:
                 scores = scores.masked_fill(expand_blocks(state.candidates[:, start:end], block, W), float("-inf"))
-            top = scores.topk(min(b.index_topk, W), dim=-1)
-            keep[:, start:end].scatter_(-1, top.indices, top.values > -float("inf"))
+            keep[:, start:end] = top_k_mask(scores, b.index_topk)
         return keep
 
     def __call__(self, x: torch.Tensor, rope, state: CrossLayerState) -> torch.Tensor:

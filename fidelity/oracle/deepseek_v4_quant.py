@@ -27,6 +27,7 @@ FP8_MAX, FP4_MAX = 448.0, 6.0
 FP8_AMAX_FLOOR = 1e-4
 FP4_E4M3_AMAX_FLOOR = 6 * 2.0 ** -9
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+POW2_BITS = {torch.float32: (23, 127, torch.int32), torch.float64: (52, 1023, torch.int64)}  # mantissa bits, bias
 
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,12 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(s)))
+    """The least power of two >= s (s > 0), from s's exponent bits (frexp: s = m * 2^e, 0.5 <= m < 1), exact on every
+    device; log2 rounds to the integer just below for s slightly above a power of two."""
+    mantissa, exponent = torch.frexp(s)
+    k = exponent.long() - (mantissa == 0.5).long()           # 2^(k-1) < s <= 2^k
+    bits, bias, int_dtype = POW2_BITS[s.dtype]
+    return ((k + bias) << bits).to(int_dtype).view(s.dtype)  # 2^k built from its exponent field (normal range)
 
 
 def fake_fp8(x: torch.Tensor, block: int, pow2_scales: bool = True) -> torch.Tensor:

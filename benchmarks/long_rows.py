@@ -1,0 +1,105 @@
+"""Long panel rows through the oracle on the CPU: peak memory and time of one row of T tokens, against the stated bound.
+
+    python benchmarks/long_rows.py --lengths 2048 8192 32768 --layers 2
+
+Each length runs in a fresh subprocess on a synthetic Llama with SmolLM2-135M's geometry (hidden 576, MLP 1536, 9 query
+/ 3 KV heads of 64, vocab 49,152; `--layers` of its 30 layers, weights random): `oracle.hidden_states([row])`, then the
+head over every position chunk by chunk with a per-position reduction (what compare does with the logits). Peak memory
+is the process's VmHWM after resetting it, minus its resident set before the row; the baseline is the same model on the
+shortest length, in the same run. The bound, per the oracle's design (attention in query blocks of at most
+ATTENTION_CHUNK_BYTES of scores, head in HEAD_ROWS-row chunks, the residual stream and one layer's activations live):
+
+    bound = largest layer + embedding + head + T * (4 * hidden + 3 * intermediate + kept hidden) * 4 B
+            + ATTENTION_CHUNK_BYTES + 2 * HEAD_CHUNK_BYTES (a logits chunk and the reduction's temporary)
+
+A full [T, T] score matrix per head would instead need heads * T^2 * 4 B (38 GiB at T = 32768 for 9 heads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GEOMETRY = dict(hidden_size=576, intermediate_size=1536, vocab_size=49152, n_heads=9, n_kv_heads=3)
+
+CHILD = r"""
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[3]))
+from fidelity.oracle import Oracle
+from fidelity.oracle.synthetic import SyntheticPack, llama_config
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+T, layers = int(sys.argv[1]), int(sys.argv[2])
+geometry = json.loads(sys.argv[4])
+cfg = llama_config(n_layers=layers, **geometry)
+cfg["max_position_embeddings"] = max(T, 4096)
+pack = SyntheticPack(cfg, seed=0)
+oracle = Oracle(pack)
+tokens = torch.randint(0, cfg["vocab_size"], (T,), generator=torch.Generator().manual_seed(1)).tolist()
+oracle.hidden_states([tokens[:64]], progress=False)  # thread pools, allocator, vector-math warm-up
+try:
+    open("/proc/self/clear_refs", "w").write("5")
+    reset = True
+except OSError:
+    reset = False
+base = status("VmRSS")
+t0 = time.perf_counter()
+hidden = oracle.hidden_states([tokens], progress=False)[0]
+t1 = time.perf_counter()
+nll = oracle.map_logits(hidden, lambda chunk: torch.logsumexp(chunk, -1))
+t2 = time.perf_counter()
+print(json.dumps({"T": T, "layers": layers, "reset": reset, "base": base, "peak": status("VmHWM"),
+                  "forward_s": t1 - t0, "head_s": t2 - t1, "finite": bool(torch.isfinite(nll).all()),
+                  "largest_layer": max(pack.layer_bytes(i) for i in range(layers)),
+                  "embed": cfg["vocab_size"] * cfg["hidden_size"] * 4}))
+"""
+
+
+def bound_bytes(r: dict) -> int:
+    from fidelity.oracle.common import ATTENTION_CHUNK_BYTES
+    from fidelity.oracle.runner import HEAD_CHUNK_BYTES
+
+    h, inner = GEOMETRY["hidden_size"], GEOMETRY["intermediate_size"]
+    activations = r["T"] * (4 * h + 3 * inner + h) * 4
+    return r["largest_layer"] + 2 * r["embed"] + activations + ATTENTION_CHUNK_BYTES + 2 * HEAD_CHUNK_BYTES
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    rows = []
+    for T in sorted(args.lengths):
+        out = subprocess.run([sys.executable, "-c", CHILD, str(T), str(args.layers), str(args.threads),
+                              json.dumps(GEOMETRY)], capture_output=True, text=True, env=env)
+        if out.returncode:
+            sys.exit(out.stderr[-3000:])
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = rows[0]
+    mib = lambda b: b / 2**20
+    print(f"synthetic Llama, SmolLM2-135M geometry, {args.layers} layers, {args.threads} threads; baseline: T = {base['T']}")
+    print("| tokens | peak RSS growth | bound | growth / baseline's | forward | head + reduction | per layer and 1k tokens |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        growth = r["peak"] - r["base"]
+        assert r["reset"] and r["finite"], r
+        print(f"| {r['T']:,} | {mib(growth):,.0f} MiB | {mib(bound_bytes(r)):,.0f} MiB | "
+              f"{growth / max(base['peak'] - base['base'], 1):.1f}x | {r['forward_s']:.1f} s | {r['head_s']:.1f} s | "
+              f"{r['forward_s'] / args.layers / (r['T'] / 1000):.2f} s |")
+        if growth > bound_bytes(r):
+            print(f"  over the bound at T = {r['T']}")
+
+
+if __name__ == "__main__":
+    main()
