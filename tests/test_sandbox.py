@@ -281,3 +281,22 @@ def test_evalplus_verdicts_cannot_be_forged_and_canonical_solutions_run_sandboxe
     with pytest.raises(RuntimeError, match="canonical solution failed in the sandbox.*No such file or directory"):
         evil_suite.check("HumanEval/2", p["prompt"] + p["canonical_solution"])
     assert not marker.exists()
+
+
+def test_a_sandbox_that_fails_to_start_is_not_the_models_failure(tmp_path, monkeypatch, working_sandbox):
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps({"task_id": "t/0", "prompt": 'def answer():\n    """42."""\n', "entry_point": "answer",
+                                "test": "def check(candidate):\n    assert candidate() == 42\n"}) + "\n")
+    suite = make_code_suite("humaneval", data=str(data))
+    # an answer that pretends the sandbox failed (bwrap's words on stderr, exit 1) is still the model's failure
+    pretend = suite.check("t/0", "import os, sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\nsys.stderr.flush()\nos._exit(1)\n")
+    assert pretend.passed is False and "ended before answering" in pretend.verdict
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Resource temporarily unavailable' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sb, "find_bwrap", lambda: (str(fake), "0.11.0"))
+    with pytest.raises(sb.SandboxError, match="judge sandbox did not start.*Resource temporarily unavailable"):
+        suite.check("t/0", "def answer():\n    return 42\n")
+    summary = asyncio.run(run_suite(suite, tmp_path / "run", engine="stub", model="stub", settings=Settings(),
+                                    client=StubClient()))
+    assert summary.errors == 1 and summary.passed == 0  # a scorer error: excluded from comparisons, retried on resume

@@ -282,6 +282,9 @@ def main():
             os.environ[k] = v
         sys.path[:0] = job.get("site", [])
         set_limits(job["limits"])
+        ready = job["fds"].pop("ready")
+        os.write(ready, b"1")  # before any code of the job runs: its absence means the sandbox itself failed
+        os.close(ready)
     except BaseException as e:
         sys.stderr.write(f"sandbox setup failed: {describe(e)}\n")
         sys.exit(SETUP_FAILED)

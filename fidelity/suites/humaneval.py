@@ -103,6 +103,7 @@ class HumanEval(CodeSuite):
         p = self.problems[task_id]
         res = self.sandbox.judge("humaneval", {"prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]},
                                  {"code": code, "entry_point": p["entry_point"]}, verdict_limit=1 << 20)
+        res.raise_unless_started(f"humaneval {task_id}")
         if res.verdict is not None and "harness_error" in res.verdict:
             raise RuntimeError(f"humaneval {task_id}: {res.verdict['harness_error']}")
         done = res.verdict is not None and res.verdict.get("passed") is True
@@ -131,6 +132,7 @@ class EvalPlus(CodeSuite):
             res = box.judge("evalplus-expected", {"code": p["prompt"] + p["canonical_solution"], "entry_point": p["entry_point"],
                                                   "inputs": {part: encode(p[f"{part}_input"]) for part in ("base", "plus")},
                                                   "output_not_none": p["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS}, None)
+            res.raise_unless_started(f"{self.name} {task_id}")
             if res.verdict is None or "harness_error" in res.verdict:
                 why = res.verdict["harness_error"] if res.verdict else res.failure()
                 raise RuntimeError(f"{self.name} {task_id}: the canonical solution failed in the sandbox: {why}")
@@ -167,6 +169,7 @@ class EvalPlus(CodeSuite):
                                      "env": memory},
                         {"code": code, "entry_point": p["entry_point"], "evalplus_guard": lim.memory_mb << 20},
                         verdict_limit=1 << 20)
+        res.raise_unless_started(f"{self.name} {task_id}")
         if res.verdict is not None and "harness_error" in res.verdict:
             raise RuntimeError(f"{self.name} {task_id}: {res.verdict['harness_error']}")
         if res.verdict is None or "status" not in res.verdict:

@@ -60,6 +60,10 @@ class SandboxUnavailable(FidelityError):
     """No sandbox that meets the bar can start here; says why and how to fix it."""
 
 
+class SandboxError(FidelityError):
+    """A sandbox failed before the code it was given ran: the item is the harness's failure, not the model's."""
+
+
 @dataclass
 class SandboxLimits:
     wall_s: float = 10.0
@@ -86,6 +90,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     label: str = ""  # in the program's command line (a test finds stragglers by it)
+    started: bool = True  # the boot set the limits and began the job (signalled before any of the job's code runs)
 
 
 @dataclass
@@ -104,6 +109,13 @@ class Judgement:
         if self.candidate is not None and not self.candidate.ok and not self.candidate.reason.startswith("killed (SIGKILL)"):
             parts.append(f"candidate: {self.candidate.reason}")
         return "; ".join(parts) or "failed"
+
+    def raise_unless_started(self, what: str):
+        """An item whose sandboxes did not start is not the model's failure (it goes down as a scorer error)."""
+        for name, res in (("judge", self.judge), ("candidate", self.candidate)):
+            if res is not None and not res.started:
+                raise SandboxError(f"{what}: the {name} sandbox did not start: {res.reason}: "
+                                   f"{_last_error_line(res.stderr) or 'no message'}")
 
 
 SAFE_ENV = {"PATH": "/nonexistent", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
@@ -268,6 +280,7 @@ class _Running:
     t0: float
     label: str
     workdir: tempfile.TemporaryDirectory | None
+    ready_fd: int
 
 
 class Sandbox:
@@ -353,8 +366,10 @@ class Sandbox:
     def _start(self, job: dict, fds: dict[str, int]) -> _Running:
         label = f"fidelity-sandbox-{secrets.token_hex(6)}"
         workdir = None
-        job = {**job, "limits": asdict(self.limits), "env": {**SAFE_ENV, **job.get("env", {})}}
-        internal: list[int] = []
+        ready_r, ready_w = os.pipe()
+        job = {**job, "limits": asdict(self.limits), "env": {**SAFE_ENV, **job.get("env", {})},
+               "fds": {**job.get("fds", {}), "ready": ready_w}}
+        internal: list[int] = [ready_w]
         try:
             if self.unsafe:
                 workdir = tempfile.TemporaryDirectory(prefix="fidelity-unsafe-")
@@ -363,7 +378,8 @@ class Sandbox:
                 cmd, env, cwd = [sys.executable, "-I", "-S", "-B", str(BOOT), label], dict(SAFE_ENV), workdir.name
             else:
                 job["site"] = [SITE]
-                cmd, internal = self._bwrap_command(label)
+                cmd, bwrap_fds = self._bwrap_command(label)
+                internal += bwrap_fds
                 env, cwd = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, "/"
             config = _memfd(json.dumps(job).encode(), "fidelity-sandbox-job")
             internal.append(config)
@@ -371,13 +387,14 @@ class Sandbox:
             popen = subprocess.Popen(cmd, stdin=config, stdout=out, stderr=err, pass_fds=[*fds.values(), *internal],
                                      env=env, cwd=cwd, start_new_session=True)
         except BaseException:
+            os.close(ready_r)
             if workdir is not None:
                 workdir.cleanup()
             raise
         finally:
             for fd in internal:
                 os.close(fd)
-        return _Running(popen, out, err, time.monotonic(), label, workdir)
+        return _Running(popen, out, err, time.monotonic(), label, workdir, ready_r)
 
     def _bwrap_command(self, label: str) -> tuple[list[str], list[int]]:
         bwrap, _ = find_bwrap()
@@ -431,6 +448,12 @@ class Sandbox:
     def _finish(self, proc: _Running, timed_out: bool) -> SandboxResult:
         _kill_group(proc.popen)
         wall = time.monotonic() - proc.t0
+        os.set_blocking(proc.ready_fd, False)
+        try:
+            started = os.read(proc.ready_fd, 1) == b"1"
+        except BlockingIOError:  # a boot still holding its end was killed before it began the job
+            started = False
+        os.close(proc.ready_fd)
         stdout = _read_head(proc.out, self.limits.output_chars)
         stderr = _read_head(proc.err, self.limits.output_chars)
         proc.out.close()
@@ -442,7 +465,7 @@ class Sandbox:
         ok = code == 0 and not timed_out
         return SandboxResult(ok=ok, reason="" if ok else _reason(code, sig, timed_out, stderr, self.limits),
                              exit_code=code, signal=sig, timed_out=timed_out, wall_s=wall, stdout=stdout, stderr=stderr,
-                             label=proc.label)
+                             label=proc.label, started=started)
 
 
 def _wait(popen: subprocess.Popen, seconds: float) -> bool:
