@@ -290,7 +290,7 @@ def test_a_sandbox_that_fails_to_start_is_not_the_models_failure(tmp_path, monke
     suite = make_code_suite("humaneval", data=str(data))
     # an answer that pretends the sandbox failed (bwrap's words on stderr, exit 1) is still the model's failure
     pretend = suite.check("t/0", "import os, sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\nsys.stderr.flush()\nos._exit(1)\n")
-    assert pretend.passed is False and "ended before answering" in pretend.verdict
+    assert pretend.passed is False and ("ended before answering" in pretend.verdict or "is gone" in pretend.verdict)
     fake = tmp_path / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Resource temporarily unavailable' >&2\nexit 1\n")
     fake.chmod(0o755)
