@@ -40,6 +40,7 @@ import torch
 
 from .errors import FidelityError
 from .oracle.common import Fetch
+from .packs.exl3_layouts import routed_expert
 
 STORE_PREFIX = "fidelity"
 HEARTBEAT_S = 1.0
@@ -552,9 +553,22 @@ class Prefetcher:
         self.timeline: deque[LayerTiming] = deque(maxlen=100_000)
 
     def stage_names(self, i: int) -> list[str]:
-        pack = self.oracle.pack
-        return [n for n in self.oracle.family.layer_names(i)
-                if n in pack and pack.storage(n).nbytes <= STAGE_MAX_TENSOR_BYTES]
+        """Layer i's tensors this process decodes: under sharded loads not the shares other ranks read, under expert
+        parallelism not the experts other ranks own."""
+        oracle, pack = self.oracle, self.oracle.pack
+        names = [n for n in oracle.family.layer_names(i) if n in pack and pack.storage(n).nbytes <= STAGE_MAX_TENSOR_BYTES]
+        sharded = getattr(oracle, "sharded_loads", None)
+        if sharded is not None:
+            shared, owners = sharded.plan(i)
+            others = {n for n, o in zip(shared, owners) if o != sharded.group.rank}
+            names = [n for n in names if n not in others]
+        parallel = getattr(oracle.fetch, "expert_parallel", None)
+        if parallel is not None:
+            experts = {n: e[2] for n in names if (e := routed_expert(n)) is not None}
+            if experts:
+                n_experts = max(experts.values()) + 1
+                names = [n for n in names if n not in experts or parallel.owner(experts[n], n_experts) == parallel.group.rank]
+        return names
 
     def _load(self, i: int):
         if self.failed is not None:  # loads already queued behind a failed one must not run (nor exchange anything)

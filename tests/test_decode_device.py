@@ -605,3 +605,27 @@ def test_visible_load_time_below_compute_time(tmp_path, device):
     print(f"pass {total:.3f} s: {n - 1} loads {load:.3f} s, visible {visible:.3f} s; compute {per_layer:.3f} s a layer")
     assert all(t.staged_bytes > 90e6 for t in timeline)
     assert max(t.wait_s for t in timeline[1:]) < per_layer and visible < 0.5 * load, (visible, load, per_layer)
+
+
+def test_prefetch_stages_only_what_this_rank_decodes(tmp_path, rng_seed):
+    """Under sharded loads a rank reads ahead only its own share of a layer (the rest arrives by broadcast); under
+    expert parallelism only its own experts."""
+    from types import SimpleNamespace
+    from fidelity.distributed import ExpertParallel, deal_tensors
+    from test_minipacks_v4 import NATIVE
+    oracle = Oracle(open_pack(NATIVE))
+    loader = Prefetcher(oracle, stage=True)
+    everything = loader.stage_names(0)
+    experts = [n for n in everything if ".experts." in n]
+    assert len(experts) == 4 * 3                                    # 4 routed experts x (w1, w2, w3)
+
+    shared = [n for n in everything if ".experts." not in n]
+    owners = deal_tensors([oracle.pack.storage(n).nbytes for n in shared], 2)
+    oracle.sharded_loads = SimpleNamespace(plan=lambda i: (shared, owners), group=SimpleNamespace(rank=1))
+    mine = loader.stage_names(0)
+    assert set(mine) == {n for n, o in zip(shared, owners) if o == 1} | set(experts)
+    del oracle.sharded_loads
+
+    oracle.fetch.expert_parallel = ExpertParallel(SimpleNamespace(rank=1, world_size=2))
+    mine = loader.stage_names(0)
+    assert set(mine) == set(shared) | {n for n in experts if ".experts.2." in n or ".experts.3." in n}
