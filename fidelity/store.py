@@ -5,11 +5,13 @@ scored tokens the reference NLL, its top-K ids and log-probabilities and the fin
 that distribution. Re-applying the reference pack's head to the hidden state gives back the *exact* full-vocabulary
 logits (checked against the stored top-K every time they are re-derived), at ~1/40 of the bytes of storing logits.
 `manifest.json` pins the panel (sha256), the reference pack (fingerprint), the tokenizer (fingerprint) and the library
-version; a store is refused for any other panel, pack or tokenizer.
+version; a store is refused for any other panel, pack or tokenizer. It also records where the panel and the reference pack
+were read from (`panel.path`, `reference_pack.path`, absolute), so readers can default to them (`stored_sources`).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +82,7 @@ def numerics(device: str | torch.device = "cpu") -> dict:
         out["threads"] = torch.get_num_threads()
         mkl = re.search(r"Math Kernel Library Version (\S+)", torch.__config__.show())
         out["blas"] = f"mkl {mkl.group(1)}" if mkl else "other"
+        out["mkl_cbwr"] = os.environ.get("MKL_CBWR")  # fidelity.blas: strict reproducibility mode
     return out
 
 
@@ -193,9 +196,12 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
     pq.write_table(table, out / RECORDS_FILE, compression="zstd")
     nbytes = (out / RECORDS_FILE).stat().st_size
     scored = ref.scored_positions
+    pack_path = getattr(getattr(oracle, "pack", None), "path", None)
     manifest = {
-        "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(ref.rows), "scored_positions": scored},
+        "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(ref.rows), "scored_positions": scored,
+                  "path": str(Path(panel.path).resolve()) if panel.path else None},
         "pack_fingerprint": pack_fingerprint, "head_sha256": head_sha256(oracle),
+        "reference_pack": {"path": str(Path(pack_path).resolve()) if pack_path else None, "fingerprint": pack_fingerprint},
         "tokenizer_fingerprint": tokenizer_fingerprint, "fidelity_version": __version__, "top_k": k, "hidden_size": int(ref.hidden[0].shape[1]) if ref.hidden else 0,
         "hidden_dtype": "float32", "bytes": nbytes, "bytes_per_scored_position": nbytes / max(scored, 1),
         "numerics": numerics(oracle.device),
@@ -304,6 +310,13 @@ def read_manifest(path: str | Path) -> dict:
     if not p.exists():
         raise StoreError(f"{Path(path)}: not a reference store ({MANIFEST_FILE} is missing)")
     return json.loads(p.read_text())
+
+
+def stored_sources(path: str | Path) -> tuple[str | None, str | None]:
+    """(reference pack path, panel path) the store was written from, as its manifest records them (None: not recorded,
+    as in stores written before 2026-12-01, or a panel not read from a file)."""
+    m = read_manifest(path)
+    return (m.get("reference_pack") or {}).get("path"), m["panel"].get("path")
 
 
 def load_store(path: str | Path, panel: Panel, rows: list[TokenizedRow], *, pack_fingerprint: str,

@@ -227,6 +227,45 @@ def test_store_is_refused_for_another_panel_pack_or_tokenizer(tiny, tmp_path):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], reference_store=store, progress=False)
 
 
+def test_gate_reference_defaults_to_the_stores_pack_and_panel(tiny, tmp_path):
+    """The manifest records the reference pack and panel (paths and fingerprints); the gate's reference defaults to
+    them, an override still works, another pack or panel is still refused, a moved pack is named."""
+    import shutil
+
+    from fidelity.commands.reference import build_store
+    from fidelity.engine.reference import reference_from_store
+    from fidelity.errors import FidelityError
+    from fidelity.packs import open_pack
+    store = tmp_path / "store"
+    build_store(tiny["ref"], tiny["panel"], store, progress=False)
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["reference_pack"] == {"path": str(Path(tiny["ref"]).resolve()),
+                                          "fingerprint": open_pack(tiny["ref"]).fingerprint()}
+    assert manifest["panel"]["path"] == str(Path(tiny["panel"]).resolve())
+    default = reference_from_store(store)
+    explicit = reference_from_store(store, tiny["ref"], tiny["panel"])
+    assert [r.id for r in default.rows] == [r.id for r in explicit.rows] == ["c1", "c2", "t1", "t2"]
+    for a, b in zip(default.rows, explicit.rows):
+        assert a.tokens == b.tokens and a.scored == b.scored and np.array_equal(a.logprobs, b.logprobs)
+    other = write_panel(tmp_path / "other", [PanelRow("x", "text", text="Something else entirely here.")], name="other")
+    with pytest.raises(StoreError, match=r"built for panel 'tiny-test' .* not for panel 'other'"):
+        reference_from_store(store, panel=other.path)
+    with pytest.raises(StoreError, match="built from reference pack"):
+        reference_from_store(store, tiny["small"])
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny["ref"], moved)
+    manifest["reference_pack"]["path"] = str(tmp_path / "gone")
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FidelityError, match=r"built from reference pack .*gone, which is not there any more: pass .*"
+                                            r"--reference-pack"):
+        reference_from_store(store)
+    assert reference_from_store(store, moved).rows[0].tokens == explicit.rows[0].tokens  # the override
+    del manifest["reference_pack"]  # a store written before the manifest recorded its sources
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FidelityError, match=r"needs the reference pack it was built from \(--reference-pack\)"):
+        reference_from_store(store)
+
+
 def test_store_topk_check_catches_a_changed_head(tiny, tmp_path):
     """Hidden states tampered with in the store no longer reproduce the stored top-K: refused, naming row and position."""
     import pyarrow as pa

@@ -225,7 +225,7 @@ def test_oracle_kl_without_a_usable_reference_could_not_run(server, tmp_path):
     rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}))
     assert rep["exit_code"] == 2 and "needs --reference-store" in rep["gates"][0]["error"]
     rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}, store=str(tmp_path / "nowhere")))
-    assert rep["exit_code"] == 2 and "--reference-pack" in rep["gates"][0]["error"] and "nowhere" in rep["gates"][0]["error"]
+    assert rep["exit_code"] == 2 and "not a reference store" in rep["gates"][0]["error"] and "nowhere" in rep["gates"][0]["error"]
 
 
 @pytest.mark.slow

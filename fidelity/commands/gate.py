@@ -13,8 +13,9 @@ gate.toml:
   [oracle-kl]           # any threshold above
   kl_mean_max = 0.02
 
-oracle-kl reads the store with the pack it was built from (--reference-pack; its head re-derives the exact distributions)
-and the panel (--panel, default panels/default); --rows-per-domain N keeps the run short.
+oracle-kl reads the store with the pack it was built from (its head re-derives the exact distributions) and the panel it
+was built on; both default to the paths the store's manifest records (--reference-pack, --panel override them; another
+pack or panel than the store's is refused); --rows-per-domain N keeps the run short.
 
 Exit code: 1 when any gate failed, else 2 when any gate could not run (engine errors, malformed replies, no reference), else 0.
 """
@@ -42,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--engine", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name to send in requests")
     p.add_argument("--reference-store", help="reference store folder from `fidelity reference` (needed by oracle-kl)")
-    p.add_argument("--reference-pack", help="the pack the store was built from (its head re-derives the exact distributions)")
-    p.add_argument("--panel", help="the panel the store was built on (default: panels/default)")
+    p.add_argument("--reference-pack", help="the pack the store was built from (its head re-derives the exact distributions; "
+                                            "default: the path the store records)")
+    p.add_argument("--panel", help="the panel the store was built on (default: the path the store records)")
     p.add_argument("--rows-per-domain", type=int, help="oracle-kl on the first N rows of each domain only")
     p.add_argument("--config", help="gate.toml with [settings] and per-gate thresholds")
     p.add_argument("--only", help=f"comma-separated subset of: {','.join(G.GATES)}")

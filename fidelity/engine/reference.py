@@ -36,19 +36,34 @@ def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False), special_ids=set(tok.all_special_ids))
 
 
-def reference_from_store(store_dir, reference_pack, panel=None, *, rows_per_domain: int | None = None,
+def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per_domain: int | None = None,
                          device: str = "cpu") -> Reference:
     """A reference store (from `fidelity reference`) as a gate Reference. The store keeps final hidden states; the reference
     pack's head turns them back into the exact full-vocabulary distributions (checked against the stored top-K). The store is
-    refused for another panel, pack or tokenizer. `rows_per_domain` keeps the first N rows of each domain."""
+    refused for another panel, pack or tokenizer. `reference_pack` and `panel` default to the paths the store's manifest
+    records. `rows_per_domain` keeps the first N rows of each domain."""
+    from pathlib import Path
+
     import torch
 
     from ..compare import _oracle, prepare
     from ..packs.tokenizer import load_tokenizer
-    from ..store import check_topk, load_store
+    from ..store import check_topk, load_store, stored_sources
 
+    stored_pack, stored_panel = stored_sources(store_dir)
     if reference_pack is None:
-        raise FidelityError(f"reading reference store {store_dir} needs the reference pack it was built from (--reference-pack)")
+        if stored_pack is None:
+            raise FidelityError(f"reading reference store {store_dir} needs the reference pack it was built from "
+                                f"(--reference-pack): its manifest records no pack path")
+        if not Path(stored_pack).exists():
+            raise FidelityError(f"reference store {store_dir} was built from reference pack {stored_pack}, which is not "
+                                f"there any more: pass the pack's new place with --reference-pack")
+        reference_pack = stored_pack
+    if panel is None and stored_panel is not None:
+        if not Path(stored_panel).exists():
+            raise FidelityError(f"reference store {store_dir} was built on panel {stored_panel}, which is not there any "
+                                f"more: pass the panel's new place with --panel")
+        panel = stored_panel
     ref_pack, panel, rows, tok_fp = prepare(reference_pack, panel)
     oracle = _oracle(ref_pack, device)
     run = load_store(store_dir, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp, oracle=oracle)
