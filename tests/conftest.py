@@ -21,6 +21,16 @@ def smollm2_gguf_path() -> Path | None:
     return None
 
 
+def pytest_report_header(config):
+    """The machine a run's bit-exact results belong to (DEVELOPERS.md: which CPUs the suite was run on)."""
+    import fidelity  # noqa: F401  (sets MKL_CBWR, fidelity/blas.py)
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    return (f"machine: {model}, torch {torch.__version__} threads {torch.get_num_threads()} of {os.cpu_count()}, "
+            f"cpu capability {torch.backends.cpu.get_cpu_capability()}, MKL_CBWR={os.environ.get('MKL_CBWR')}, "
+            f"MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS')}")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     p = smollm2_gguf_path()
