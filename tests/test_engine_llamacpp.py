@@ -159,3 +159,26 @@ def test_three_gates_on_llamacpp_report_what_they_measure(smollm2_gguf, tmp_path
     print("decode-vs-prefill without BOS", dvp_no_bos.measured)
     assert results["decode_vs_prefill"].measured["max_abs_dlogprob"] < 0.5
     assert dvp_no_bos.status == "fail" and dvp_no_bos.measured["max_abs_dlogprob"] > 1.0
+    # and names it, with the fix (the BOS prompt_prefix that makes the first run agree)
+    assert dvp_no_bos.measured["echo_shift"] == 1 and "echo_shift" not in results["decode_vs_prefill"].measured
+    assert "shifted by +1 position" in dvp_no_bos.notes[0] and "start every prompt with the BOS token" in dvp_no_bos.notes[0]
+
+
+def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_path):
+    """The seen case: text rows (no BOS) through llama-cpp-python's server on an F32 GGUF that matches the oracle: the
+    echo comes one position early, oracle-kl fails and says so, against the reference and the engine's own answer."""
+    from fidelity.commands.reference import build_store
+    from fidelity.engine.reference import reference_from_store
+    from fidelity.panels import PanelRow, write_panel
+
+    panel = write_panel(tmp_path / "panel", [PanelRow("t0", "text", text="The river flows through the old town towards the sea."),
+                                             PanelRow("t1", "text", text="Bees make honey from the nectar of flowers.")],
+                        name="text-no-bos")
+    build_store(smol["pack"], panel.path, tmp_path / "store", progress=False)
+    ref = reference_from_store(tmp_path / "store")  # the pack and panel the store records
+    assert all(r.tokens[0] not in ref.special_ids for r in ref.rows)
+    with llama_server(smol["F32"], tmp_path) as srv:
+        res = gate(srv.url, G.oracle_kl, ref, G.GateSettings(top_k=20))
+    print(res.measured, res.notes)
+    assert res.status == "fail" and res.measured["kl_mean"] > 0.5 and res.measured["echo_shift"] == 1
+    assert "shifted by +1 position" in res.notes[0] and "Confirmed by the engine itself" in res.notes[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,6 +151,33 @@ def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vl
     set_plan(server.url)
     clean = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="text")
     assert clean.status == "pass" and clean.measured["kl_mean"] < 1e-12 and clean.measured["top1"] == 1.0
+
+
+def test_shifted_echo_is_named_with_the_fix_to_try(server, rng_seed):
+    """An engine whose echo logprobs come one position early (llama-cpp-python without BOS): both gates that read echoes
+    fail, and name the shift, checked against the reference and against the engine's own next-token answer."""
+    texts = random_texts(rng_seed, n=3, length=15)
+    ref = toy_reference(texts)
+    s = G.GateSettings(prompts=texts, max_tokens=5, top_k=len(VOCAB))
+    set_plan(server.url, {"shift_echo": True})
+    kl = run_one(server.url, G.oracle_kl, ref, s, prompt_as="ids")
+    dvp = run_one(server.url, G.decode_vs_prefill, s)
+    assert kl.status == "fail" and kl.measured["echo_shift"] == 1 and kl.measured["kl_mean"] > 0.1
+    note = kl.notes[0]
+    # shifted by one, the entries are the toy model's exact distributions: KL 0 there
+    assert re.search(r"shifted by \+1 position: the entry for each token holds the distribution of the token 1 after it "
+                     r"\(against the reference: mean KL [0-9.e-]+ as returned, 0 shifted by \+1\)", note), note
+    assert "start every prompt with the BOS token" in note and "prompt_logprobs" in note
+    assert f"Confirmed by the engine itself: its next-token logprobs after row {ref.rows[0].id}" in note
+    assert dvp.status == "fail" and dvp.measured["echo_shift"] == 1 and "shifted by +1" in dvp.notes[0]
+    assert "the decode's own logprobs vs the prefill's echo: mean KL" in dvp.notes[0]
+    # controls: an aligned echo passes with nothing named; a perturbed (not shifted) one fails with nothing named
+    for plan, status in (({}, "pass"), ({"perturb_prefill": 0.3}, "fail")):
+        set_plan(server.url, plan)
+        for res in (run_one(server.url, G.oracle_kl, ref, s, prompt_as="ids"), run_one(server.url, G.decode_vs_prefill, s)):
+            assert res.status == status and "echo_shift" not in res.measured, (plan, res.measured)
+            assert not any("misalignment" in n for n in res.notes)
+    set_plan(server.url)
 
 
 @pytest.mark.slow

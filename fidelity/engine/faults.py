@@ -10,7 +10,9 @@ Faults (the `FaultPlan` fields): 5xx bursts (`fail_attempts` per distinct reques
 (`slow_s`), 200 replies whose body is not JSON (`malformed_attempts`), logprob lists cut short (`truncate_logprobs`), a connection
 dropped half-way through the body (`drop_attempts`), and logprobs perturbed by a known amount: `perturb_prefill` shifts the logits
 of echoed prompt positions by +delta (even token ids) / -delta (odd ids), `perturb_batched` does the same only while another request
-is in flight (a batch-dependent kernel). In front of an upstream, each returned top-k logprob moves by +-delta (by a hash of its
+is in flight (a batch-dependent kernel); `shift_echo` returns echo logprobs one position early, as llama-cpp-python does for a
+prompt without BOS (the entry of each token holds the distribution of the token after it; the first is null and the last
+generated token has none). In front of an upstream, each returned top-k logprob moves by +-delta (by a hash of its
 text) and the returned set is renormalized to its original mass, so no logprob moves by more than 2 delta.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ class FaultPlan:
     truncate_logprobs: bool = False
     perturb_prefill: float = 0.0
     perturb_batched: float = 0.0
+    shift_echo: bool = False
 
     @classmethod
     def from_json(cls, text: str | None) -> "FaultPlan":
@@ -193,6 +196,10 @@ class FaultServer:
             nxt = int(np.argmax(lp))
             gen.append(nxt)
             rows.append((nxt, lp))
+        if echo and self.plan.shift_echo:  # entry i gets the distribution after token i; nothing after the last one
+            seq = ids + gen
+            rows = [(seq[0], None)] + [(seq[i], self.model.logprobs_after(seq[:i + 1], shift=self.plan.perturb_prefill))
+                                       for i in range(1, len(seq) - 1)]
         choice = {"index": 0, "text": (self.model.detokenize(ids) if echo else "") + self.model.detokenize(gen),
                   "finish_reason": "length", "logprobs": None}
         if k is not None:

@@ -211,13 +211,15 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
         return gen
 
     gens = await asyncio.gather(*(generate(i) for i in range(len(prompts))))
-    done = []
+    done, shift_kl = [], {}
     for i, gen in enumerate(gens):
         await client.completion(flush_prompt, max_tokens=1, tag=f"decode-vs-prefill/flush/{i}")
         pre = await client.completion(prompts[i] + gen.text, max_tokens=1, logprobs=s.top_k, echo=True,
                                       tag=f"decode-vs-prefill/prefill/{i}")
         _need_logprobs(pre, f"prompt {i} prefill")
         done.append((i, gen, gen.logprobs, _prefilled_span(pre, gen.logprobs)))
+        for d, kls in decode_echo_shifts(gen.logprobs, pre.logprobs, _prefilled_start(pre, gen.logprobs)).items():
+            shift_kl.setdefault(d, []).extend(kls)
 
     rows, notes = [], []
     for i, gen, decoded, prefilled in done:
@@ -239,11 +241,22 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
                      "prompts": [{k: r[k] for k in ("prompt", "positions", "kl_mean", "max_abs_dlogprob")} for r in rows]})
     worst = sorted(rows, key=lambda r: -r["max_abs_dlogprob"])[: s.worst]
     th = _thresholds("decode-vs-prefill", thresholds)
-    return _verdict("decode-vs-prefill", _checks(th, measured), measured=measured, worst=worst, notes=notes)
+    result = _verdict("decode-vs-prefill", _checks(th, measured), measured=measured, worst=worst, notes=notes)
+    d, means = echo_shift(shift_kl)
+    if result.status == "fail" and d:
+        measured["echo_shift"] = d
+        result.notes.insert(0, misalignment_note(d, means, "the decode's own logprobs vs the prefill's echo"))
+    return result
 
 
 def _prefilled_span(pre: Completion, decoded: list[TokenLogprob]) -> list[TokenLogprob]:
-    """The echo entries of the generated tokens: the echo ends with the prompt+generation, then (usually) the one token the
+    """The echo entries of the generated tokens (from `_prefilled_start`)."""
+    start = _prefilled_start(pre, decoded)
+    return pre.logprobs[start:start + len(decoded)]
+
+
+def _prefilled_start(pre: Completion, decoded: list[TokenLogprob]) -> int:
+    """Where the generated tokens start in the echo: it ends with the prompt+generation, then (usually) the one token the
     prefill request generated, which some engines leave out; take the placement whose tokens match."""
     echo, n = pre.logprobs, len(decoded)
     n_gen = int(pre.usage.get("completion_tokens", 1))
@@ -251,8 +264,8 @@ def _prefilled_span(pre: Completion, decoded: list[TokenLogprob]) -> list[TokenL
     starts = [len(echo) - n_gen - n, len(echo) - n] if n_gen else [len(echo) - n]
     for start in starts:
         if start >= 0 and [t.token for t in echo[start:start + n]] == want:
-            return echo[start:start + n]
-    return echo[max(starts[0], 0):max(starts[0], 0) + n]
+            return start
+    return max(starts[0], 0)
 
 
 # ---- prefix-cache -------------------------------------------------------------------------------------------------------
@@ -475,8 +488,13 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
             where_kl.append({"row": row.id, "position": t, "token": ref.pieces[row.tokens[t]], "kl": pk.kl,
                              "ref_tail_mass": pk.tail_mass, "reference_top1": ref.pieces[int(np.argmax(row.logprobs[j]))],
                              "engine_top1": max(top, key=top.get) if top else None, "top1_agree": pk.top1_agree})
+        echoes[row.id] = (prompt, echoed, where)
+        for d, kls in oracle_echo_shifts(row, echoed, where, piece_ids).items():
+            shift_kl.setdefault(d, []).extend(kls)
         return row, per
 
+    echoes: dict[str, tuple] = {}
+    shift_kl: dict[int, list[float]] = {}
     rows, all_pos, by_row = [], [], []
     for row, per in await asyncio.gather(*(one(r) for r in ref.rows)):
         if not per:
@@ -502,7 +520,10 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
     measured.update(oracle_kl_statistics(by_row, n_boot=s.bootstrap))
     worst = sorted(where_kl, key=lambda w: -w["kl"])[: s.worst]  # positions: row, position, token, both top-1s
     th = _thresholds("oracle-kl", thresholds)
-    return _verdict("oracle-kl", _checks(th, measured), measured=measured, worst=worst)
+    result = _verdict("oracle-kl", _checks(th, measured), measured=measured, worst=worst)
+    if result.status == "fail" and not s.prompt_logprobs:
+        await _diagnose_echo(client, ref, s, echoes, shift_kl, result)
+    return result
 
 
 def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_boot: int = 2000, seed: int = 0) -> dict:
@@ -556,3 +577,99 @@ def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_
                            "domains_equal": scope(lambda e: e.equal)},
             "kl_mean_ci95": overall["kl_mean_ci95"], "engine_ppl": overall["engine_ppl"],
             "ref_ppl": overall["ref_ppl"], "delta_nll_mean": overall["delta_nll_mean"]}
+
+
+async def _diagnose_echo(client: EngineClient, ref: Reference, s: GateSettings, echoes: dict, shift_kl: dict,
+                         result: GateResult) -> None:
+    """A failed oracle-kl: is the echo misaligned? Against the reference (entry t vs the reference at t + d), and against
+    the engine itself: its own next-token answer after a whole row must be the echo's entry after the row's last token."""
+    d, means = echo_shift(shift_kl)
+    own = {}
+    row = next((r for r in ref.rows if r.id in echoes and len(echoes[r.id][2]) >= 2), None)
+    if row is not None:
+        prompt, echoed, where = echoes[row.id]
+        nxt = await client.completion(prompt, max_tokens=1, logprobs=s.top_k, tag=f"oracle-kl/next-token/{row.id}")
+        after = where[max(where)] + 1  # where the echo should hold the distribution after the row
+        if nxt.logprobs and nxt.logprobs[0].top:
+            own = {k: [topk_kl(nxt.logprobs[0].top, echoed[after - k].top)] for k in (0, *ECHO_SHIFTS)
+                   if 0 <= after - k < len(echoed) and echoed[after - k] is not None and echoed[after - k].top}
+    own_d, own_means = echo_shift(own)
+    if d == 0 and own_d == 0:
+        return
+    shift = d or own_d
+    result.measured["echo_shift"] = shift
+    note = misalignment_note(shift, means if d else own_means,
+                             "against the reference" if d else f"row {row.id}: the engine's own next-token answer")
+    if d and own_d == d:
+        note += (f" Confirmed by the engine itself: its next-token logprobs after row {row.id} are the echo's entry "
+                 f"{d} position{'s' * (abs(d) > 1)} {'earlier' if d > 0 else 'later'}.")
+    result.notes.insert(0, note)
+
+
+# ---- echo misalignment ----------------------------------------------------------------------------------------------
+
+ECHO_SHIFTS = (-2, -1, 1, 2)
+MISALIGNED_FACTOR = 10.0  # a shift is named when it fits this many times better than the echo as returned
+
+
+SAME_ENGINE_KL = 1e-3  # an engine's two answers for one context differ by less (when d = 0 cannot be paired)
+
+
+def echo_shift(kl_by_shift: dict[int, list[float]]) -> tuple[int, dict[int, float]]:
+    """(the shift d whose pairing fits best, mean divergence per shift): entry of position t compared with the
+    distribution of position t + d. 0 unless some d != 0 fits MISALIGNED_FACTOR times better than d = 0 (or, where
+    no entry pairs at d = 0, fits within SAME_ENGINE_KL)."""
+    means = {d: float(np.mean(v)) for d, v in kl_by_shift.items() if v}
+    if not means:
+        return 0, means
+    best = min(means, key=lambda d: (means[d], abs(d)))
+    if best == 0:
+        return 0, means
+    fits = means[best] * MISALIGNED_FACTOR < means[0] if 0 in means else means[best] <= SAME_ENGINE_KL
+    return (best if fits else 0), means
+
+
+def misalignment_note(d: int, means: dict[int, float], what: str) -> str:
+    which = "after" if d > 0 else "before"
+    n = abs(d)
+    fix = ("llama-cpp-python does this when a prompt does not start with BOS. Fix to try: start every prompt with the BOS "
+           "token (gate.toml [settings] prompt_prefix = the BOS text; for oracle-kl a panel and store whose rows begin "
+           "with BOS), or gate an engine that returns prompt_logprobs by id ([settings] prompt_logprobs = true, vLLM)"
+           if d == 1 else
+           "Fix to try: check how the engine builds echo logprobs (the entry for a token must hold the distribution that "
+           "predicted it), or use prompt_logprobs ([settings] prompt_logprobs = true, vLLM)")
+    returned = f"{means[0]:.4g}" if 0 in means else "no entry"
+    return (f"echo misalignment: the engine's echo logprobs are shifted by {d:+d} position{'s' * (n > 1)}: the entry for "
+            f"each token holds the distribution of the token {n} {which} it ({what}: mean KL {returned} as returned, "
+            f"{means[d]:.4g} shifted by {d:+d}); the measurement above compares misaligned positions. {fix}")
+
+
+def oracle_echo_shifts(row: "ReferenceRow", echoed: list, where: dict[int, int], piece_ids: dict[str, int],
+                       shifts=(0, *ECHO_SHIFTS)) -> dict[int, list[float]]:
+    """KL(reference at position t + d || the engine's entry for position t), per shift d, over this row's scored
+    positions (each entry's values come from one distribution, whichever position it belongs to)."""
+    index = {t: j for j, t in enumerate(row.scored)}
+    out: dict[int, list[float]] = {d: [] for d in shifts}
+    for t, e in where.items():
+        tl = echoed[e] if e is not None and e < len(echoed) else None
+        if tl is None or tl.logprob is None:
+            continue
+        eng = _engine_position(tl, row.tokens[t], piece_ids)
+        for d in shifts:
+            j = index.get(t + d)
+            if j is not None:
+                out[d].append(position_kl(row.logprobs[j], eng).kl)
+    return out
+
+
+def decode_echo_shifts(decoded: list[TokenLogprob], echo: list[TokenLogprob], start: int,
+                       shifts=(0, *ECHO_SHIFTS)) -> dict[int, list[float]]:
+    """KL(the decode's distribution for generated token i || the echo's entry start + i - d), per shift d: with the echo
+    shifted by d, entry p holds the distribution of position p + d."""
+    out: dict[int, list[float]] = {d: [] for d in shifts}
+    for i, a in enumerate(decoded):
+        for d in shifts:
+            e = start + i - d
+            if a.top and 0 <= e < len(echo) and echo[e] is not None and echo[e].top:
+                out[d].append(topk_kl(a.top, echo[e].top))
+    return out
