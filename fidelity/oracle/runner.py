@@ -3,6 +3,7 @@ activations, never the whole model."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Iterator
 
 import torch
@@ -22,6 +23,12 @@ HEAD_CHUNK_BYTES = 256 * 2**20
 HEAD_ROWS = 64
 # Rows of equal length are batched together up to this many tokens.
 BATCH_TOKENS = 8192
+# Activation memory when the device's free memory decides what stays there: a batch in flight through a layer needs
+# about this many times its activations for the layer's intermediates (attention scores, expert inputs, ...), and two
+# layers' weights are resident (the prefetcher's); the rest of the free memory holds resident batches.
+WORK_FACTOR = 16
+# FIDELITY_DEVICE_ACTIVATIONS_GIB: activations kept on the device, in GiB, instead of what free memory allows.
+ACTIVATIONS_ENV = "FIDELITY_DEVICE_ACTIVATIONS_GIB"
 # Streaming trims the heap once layers totalling this many fp32 bytes were let go, not after every layer: a trim hands
 # the activations' freed blocks back too, and their next allocation faults them in again (SmolLM2-135M, 1024 tokens:
 # 415k page faults and 3.0 s CPU per pass trimming every 14 MiB layer). Layers this large are trimmed after each one.
@@ -60,7 +67,7 @@ class Oracle:
     """
 
     def __init__(self, pack, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 keep_weights: bool = False):
+                 keep_weights: bool = False, activation_budget: int | None = None):
         from . import family_for  # late import: the registry imports this module's siblings
         if dtype not in (torch.float32, torch.float64):
             raise FidelityError(f"the oracle computes in float32 or float64, not {dtype}")
@@ -77,6 +84,11 @@ class Oracle:
         self._head: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._layers: dict[int, object] = {}
+        # bytes of row activations kept on the device between layers (None: every batch on a CPU oracle; what the
+        # device's free memory allows on a GPU, or FIDELITY_DEVICE_ACTIVATIONS_GIB); the other batches wait in host
+        # memory (pinned) and travel to the device for each layer
+        self.activation_budget = activation_budget
+        self.last_forward: dict = {}   # what the last forward kept where, and its peaks (see ActivationStore.report)
 
     # -- weights -------------------------------------------------------------------------------------------
     def _check_names(self) -> None:
@@ -149,21 +161,41 @@ class Oracle:
         fam = self.family
         embed = self.fetch(fam.embed_name)
         ids = [torch.stack([rows[i] for i in idx]).to(self.device) for idx in batches]
-        acts = [fam.embed_hook(F.embedding(t, embed)) for t in ids]
+        store = ActivationStore(self.device, self._activation_budget(batches, rows))
+        for b, (idx, t) in enumerate(zip(batches, ids)):
+            x = store.arrived(fam.embed_hook(F.embedding(t, embed)))
+            self._check_finite(x, idx, "the embeddings")
+            store.put(b, x)
         del embed
         release_freed_memory()
-        for idx, x in zip(batches, acts):
-            self._check_finite(x, idx, "the embeddings")
         max_len = max((len(r) for r in rows), default=0)
         rope = fam.rope_tables(max_len, self.dtype, self.device) if rows else None
         bar = tqdm(total=fam.n_layers * len(rows), disable=not progress, desc="oracle", unit="row-layer")
         released = 0
+        out: list[torch.Tensor | None] = [None] * len(batches)
+        norm = None
+
+        def finish(b: int, x: torch.Tensor) -> None:
+            # the final norm straight after the last layer: a batch waiting in host memory comes back once, and the
+            # final hook sees the last layer's own output tensor (V4.1 finds its carried state by it)
+            y = rms_norm(fam.final_hook(x, self.fetch), norm, fam.rms_norm_eps)
+            out[b] = y if store.is_resident(b) else store.to_host(y)
+            store.left(x)
+
         for layer_index in range(fam.n_layers):
             layer = self.load_layer(layer_index)
+            last = layer_index == fam.n_layers - 1
+            if last:
+                norm = self.fetch(fam.norm_name)
             for b, idx in enumerate(batches):
-                T = acts[b].shape[1]
-                acts[b] = layer(acts[b], _slice_rope(rope, T), *([ids[b]] if fam.wants_tokens else []))
-                self._check_finite(acts[b], idx, f"layer {layer_index}")
+                x = store.take(b)
+                x = layer(x, _slice_rope(rope, x.shape[1]), *([ids[b]] if fam.wants_tokens else []))
+                self._check_finite(x, idx, f"layer {layer_index}")
+                if last:
+                    finish(b, x)
+                else:
+                    store.put(b, x)
+                del x
                 bar.update(len(idx))
             del layer
             if not self.keep_weights:  # trimming costs page faults later, so only when weights were really let go
@@ -172,8 +204,34 @@ class Oracle:
                     release_freed_memory()
                     released = 0
         bar.close()
-        norm = self.fetch(fam.norm_name)
-        return batches, [rms_norm(fam.final_hook(x, self.fetch), norm, fam.rms_norm_eps) for x in acts]
+        if fam.n_layers == 0:
+            norm = self.fetch(fam.norm_name)
+            for b in range(len(batches)):
+                finish(b, store.take(b))
+        self.last_forward = store.report()
+        if progress and store.offloaded:
+            tqdm.write(f"oracle: {store.describe()}")
+        return batches, out
+
+    def _activation_budget(self, batches: list[list[int]], rows: list[torch.Tensor]) -> int | None:
+        """Bytes of activations that stay on the device between layers: the caller's, the environment's, or on a
+        GPU what its free memory leaves after two layers' weights and one batch's working memory; None keeps all."""
+        if self.activation_budget is not None:
+            return int(self.activation_budget)
+        env = os.environ.get(ACTIVATIONS_ENV)
+        if env:
+            try:
+                return int(float(env) * 2**30)
+            except ValueError:
+                raise FidelityError(f"{ACTIVATIONS_ENV}={env!r}: expected a number of GiB") from None
+        if self.device.type != "cuda" or not batches:
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        streams = getattr(getattr(self.family, "args", None), "hc_mult", 1)   # V4: hyper-connection streams
+        per_token = self.family.hidden_size * streams * self.dtype.itemsize
+        biggest = max(len(idx) * len(rows[idx[0]]) for idx in batches) * per_token
+        weights = 2 * max((self._layer_bytes(i) for i in range(self.family.n_layers)), default=0)
+        return max(0, int(0.9 * (free - weights - WORK_FACTOR * biggest)))
 
     # -- head ----------------------------------------------------------------------------------------------
     def iter_logits(self, hidden: torch.Tensor, chunk_positions: int | None = None,
@@ -271,6 +329,94 @@ class Oracle:
             kind = "NaN" if bool(torch.isnan(x[j]).any()) else "Inf"
             pos = int((~torch.isfinite(x[j])).flatten(1).any(dim=-1).nonzero()[0])
             raise FidelityError(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})")
+
+
+class ActivationStore:
+    """Row batches' activations between layers: on the device while they fit in `budget` bytes (first come, first
+    kept), the rest in host memory (pinned when the device is a GPU), travelling to the device one batch at a time
+    for each layer. Results do not depend on where a batch waited (copies are exact). Reports the bytes it held on
+    the device at most (`peak_device_bytes`: resident batches plus the one in flight) and, on CUDA, the allocator's
+    peak."""
+
+    def __init__(self, device: torch.device, budget: int | None):
+        self.device, self.budget = device, budget
+        self.resident: dict[int, torch.Tensor] = {}
+        self.host: dict[int, torch.Tensor] = {}
+        self.kept_bytes = 0          # bytes of the resident batches
+        self.in_flight = 0           # bytes of batches handed out by take() and not put back
+        self.peak_device_bytes = 0
+        self.offloaded: set[int] = set()
+        self.seen: set[int] = set()
+        self.moved_bytes = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def is_resident(self, b: int) -> bool:
+        return b not in self.offloaded
+
+    def put(self, b: int, x: torch.Tensor) -> None:
+        nbytes = x.numel() * x.element_size()
+        self.in_flight = max(0, self.in_flight - nbytes)
+        self.seen.add(b)
+        if b not in self.offloaded and (self.budget is None or self.kept_bytes + nbytes <= self.budget):
+            self.resident[b] = x
+            self.kept_bytes += nbytes
+        else:
+            self.offloaded.add(b)
+            self.host[b] = self.to_host(x, self.host.get(b))
+            self.moved_bytes += nbytes
+        self._note()
+
+    def arrived(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch's new activations on the device (the embeddings), before put()."""
+        self.in_flight += x.numel() * x.element_size()
+        self._note()
+        return x
+
+    def left(self, x: torch.Tensor) -> None:
+        """A batch taken and not put back (the final norm's input) is done with."""
+        self.in_flight = max(0, self.in_flight - x.numel() * x.element_size())
+
+    def take(self, b: int) -> torch.Tensor:
+        if b in self.resident:
+            x = self.resident.pop(b)
+            self.kept_bytes -= x.numel() * x.element_size()
+        else:
+            x = self.host[b].to(self.device, non_blocking=True)
+            self.moved_bytes += x.numel() * x.element_size()
+        self.in_flight += x.numel() * x.element_size()
+        self._note()
+        return x
+
+    def to_host(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """x in host memory: into the batch's own buffer when it has one of that shape (reused layer after layer),
+        else a new one (pinned for a GPU, a copy on the CPU so that nothing aliases the caller's tensor)."""
+        if into is None or into.shape != x.shape or into.dtype != x.dtype:
+            into = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.device.type == "cuda")
+        return into.copy_(x, non_blocking=self.device.type == "cuda")
+
+    def _note(self) -> None:
+        self.peak_device_bytes = max(self.peak_device_bytes, self.kept_bytes + self.in_flight)
+
+    def report(self) -> dict:
+        out = {"budget_bytes": self.budget, "resident_batches": len(self.seen - self.offloaded),
+               "offloaded_batches": len(self.offloaded), "peak_device_activation_bytes": self.peak_device_bytes,
+               "host_activation_bytes": sum(x.numel() * x.element_size() for x in self.host.values()),
+               "moved_bytes": self.moved_bytes}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    def describe(self) -> str:
+        r = self.report()
+        gib = 2**30
+        text = (f"{r['offloaded_batches']} of {r['offloaded_batches'] + r['resident_batches']} row batches waited in "
+                f"host memory ({r['host_activation_bytes'] / gib:.2f} GiB); device activations peaked at "
+                f"{r['peak_device_activation_bytes'] / gib:.2f} GiB of a {self.budget / gib:.2f} GiB budget")
+        if "cuda_peak_allocated_bytes" in r:
+            text += f", device memory at {r['cuda_peak_allocated_bytes'] / gib:.2f} GiB"
+        return text
 
 
 def _slice_rope(rope, length: int):

@@ -1,0 +1,115 @@
+"""Activations that do not fit the device's budget wait in host memory and travel per batch: the numbers are the same
+bits whatever the budget, and the activations held on the device between layers stay within the budget plus the one
+batch in flight (the runner's own accounting, which on CUDA sits beside the allocator's peak)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fidelity.errors import FidelityError
+from fidelity.oracle import Oracle, runner
+from fidelity.oracle.synthetic import SyntheticPack, llama_config
+
+HIDDEN = 64
+
+
+def _pack(seed: int):
+    cfg = llama_config(hidden_size=HIDDEN, intermediate_size=96, n_layers=3, vocab_size=500, n_heads=4, n_kv_heads=2)
+    return SyntheticPack(cfg, seed=seed)
+
+
+def _rows(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [40, 40, 40, 17, 17, 33, 40, 9]
+    return [torch.randint(0, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _batch_bytes(rows, batch_tokens) -> list[int]:
+    by_len: dict[int, int] = {}
+    for r in rows:
+        by_len[len(r)] = by_len.get(len(r), 0) + 1
+    out = []
+    for length, count in by_len.items():
+        per = max(1, batch_tokens // length)
+        out += [min(per, count - s) * length * HIDDEN * 4 for s in range(0, count, per)]
+    return out
+
+
+@pytest.mark.parametrize("budget_batches", [0, 1.5, 3])
+def test_small_device_budget_gives_the_same_bits_and_bounded_device_activations(rng_seed, monkeypatch, budget_batches):
+    monkeypatch.setattr(runner, "BATCH_TOKENS", 80)       # several batches of each length
+    pack, rows = _pack(rng_seed % 10_000), _rows(rng_seed)
+    want = Oracle(pack).hidden_states(rows, progress=False)
+    sizes = _batch_bytes(rows, 80)
+    budget = int(budget_batches * max(sizes))
+    oracle = Oracle(pack, activation_budget=budget)
+    got = oracle.hidden_states(rows, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    r = oracle.last_forward
+    assert r["budget_bytes"] == budget and r["resident_batches"] + r["offloaded_batches"] == len(sizes)
+    assert r["peak_device_activation_bytes"] <= budget + max(sizes)
+    kept = []                                              # first come first kept: what the budget holds
+    for s in sizes:
+        kept.append(sum(kept) + s <= budget)
+        kept[-1] = s if kept[-1] else 0
+    assert r["offloaded_batches"] == sum(k == 0 for k in kept) and r["host_activation_bytes"] == sum(sizes) - sum(kept)
+    assert r["offloaded_batches"] >= (1 if budget < sum(sizes) else 0)
+    tokens = torch.tensor([rows[0], rows[1], rows[2], rows[6]])
+    assert torch.equal(Oracle(pack, activation_budget=budget).logits(tokens), Oracle(pack).logits(tokens))
+
+
+def test_no_budget_keeps_everything_and_reports_it(rng_seed):
+    pack, rows = _pack(rng_seed % 10_000), _rows(rng_seed)
+    oracle = Oracle(pack)
+    oracle.hidden_states(rows, progress=False)
+    r = oracle.last_forward
+    assert r["budget_bytes"] is None and r["offloaded_batches"] == 0 and r["host_activation_bytes"] == 0
+    total = sum(len(x) for x in rows) * HIDDEN * 4
+    assert r["peak_device_activation_bytes"] == total
+
+
+def test_budget_from_the_environment_and_a_bad_value(rng_seed, monkeypatch):
+    pack, rows = _pack(rng_seed % 10_000), _rows(rng_seed)
+    monkeypatch.setenv(runner.ACTIVATIONS_ENV, "0")
+    oracle = Oracle(pack)
+    oracle.hidden_states(rows[:3], progress=False)
+    assert oracle.last_forward["budget_bytes"] == 0 and oracle.last_forward["resident_batches"] == 0
+    monkeypatch.setenv(runner.ACTIVATIONS_ENV, "lots")
+    with pytest.raises(FidelityError, match=r"FIDELITY_DEVICE_ACTIVATIONS_GIB='lots': expected a number of GiB"):
+        Oracle(pack).hidden_states(rows[:1], progress=False)
+
+
+TINY_V4 = Path(__file__).parent / "fixtures" / "v4" / "tiny_v4"
+
+
+@pytest.mark.parametrize("name", ["v4", "v41"])
+def test_deepseek_v4_streams_and_v41_state_survive_offloading(rng_seed, name, tmp_path):
+    """V4's [B, T, hc, hidden] streams and V4.1's cross-layer state (keyed by the batch's token tensor) through host
+    memory: the same bits as all on the device."""
+    from fidelity import open_pack
+    from fidelity.packs.minipacks_v41 import build_native_v41
+    pack = open_pack(TINY_V4 if name == "v4" else build_native_v41(TINY_V4, tmp_path / "v41"))
+    g = torch.Generator().manual_seed(rng_seed)
+    vocab = pack.config["vocab_size"]
+    rows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (24, 24, 11)]
+    want = Oracle(pack).hidden_states(rows, progress=False)
+    oracle = Oracle(pack, activation_budget=0)
+    got = oracle.hidden_states(rows, progress=False)
+    assert oracle.last_forward["offloaded_batches"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_offloaded_batches_equal_resident_ones(rng_seed, monkeypatch):
+    monkeypatch.setattr(runner, "BATCH_TOKENS", 80)
+    pack, rows = _pack(rng_seed % 10_000), _rows(rng_seed)
+    want = Oracle(pack, device="cuda").hidden_states(rows, progress=False)
+    oracle = Oracle(pack, device="cuda", activation_budget=0)
+    got = oracle.hidden_states(rows, progress=False)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(want, got))
+    r = oracle.last_forward
+    assert r["offloaded_batches"] == len(_batch_bytes(rows, 80)) and r["cuda_peak_allocated_bytes"] > 0
+    assert all(h.device.type == "cpu" for h in got)
