@@ -1,0 +1,24 @@
+"""benchmarks/realscale.py --smoke runs every step on the CPU (tiny V4 / V4.1 layers in the seeds' storage, the head +
+metrics step); the layers' outputs are finite and every head position is measured."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_realscale_smoke_runs_on_the_cpu(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import realscale
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert realscale.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "realscale.json").read_text())
+    assert [x["arch"] for x in r["layers"]] == ["v4", "v41"]
+    for layer in r["layers"]:
+        assert layer["finite"] and sum(layer["expert_k_mix"].values()) == layer["experts"] and layer["compute_s"] > 0
+    assert r["head"]["finite_positions"] == r["head"]["positions"] == 256
