@@ -393,15 +393,29 @@ def bench_head(args, device) -> dict:
            "panel_317k_head_metrics_min": step_s * PANEL_TOKENS / n / 60}
     a, b = bufs
     bytes_read = 2 * a.numel() * 4
-    for backend in ("torch", "triton"):
-        if backend == "triton" and (device.type != "cuda" or metrics._triton_kernel() is None):
+    default = metrics.TRITON_BLOCK, metrics.TRITON_WARPS
+    variants = [("torch", None)]
+    if device.type == "cuda" and metrics._triton_kernel() is not None:
+        variants += [("triton", c) for c in (default, (2048, 8), (512, 4), (1024, 8))]
+    want = metrics.device_metrics_columns(a, b, targets, backend="torch")
+    for backend, config in variants:
+        if config is not None:
+            metrics.TRITON_BLOCK, metrics.TRITON_WARPS = config
+        try:
+            run_kernel = lambda: metrics.device_metrics_columns(a, b, targets, backend=backend)   # noqa: E731
+            got = run_kernel()
+            s, _ = timed(run_kernel, device, repeat=3)
+        except Exception as e:            # a configuration that does not build is reported, not fatal
+            out[f"kernel_{backend}_{config}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
-        run_kernel = lambda: metrics.device_metrics_columns(a, b, targets, backend=backend)   # noqa: E731
-        run_kernel()
-        s, _ = timed(run_kernel, device, repeat=3)
-        out[f"kernel_{backend}_s"] = s
-        out[f"kernel_{backend}_GBps"] = bytes_read / s / 1e9
-        out[f"kernel_{backend}_x_copy_bw"] = bytes_read / s / args.copy_bw
+        finally:
+            metrics.TRITON_BLOCK, metrics.TRITON_WARPS = default
+        name = backend if config is None or config == default else f"{backend}_{config[0]}x{config[1]}"
+        out[f"kernel_{name}_s"] = s
+        out[f"kernel_{name}_GBps"] = bytes_read / s / 1e9
+        out[f"kernel_{name}_x_copy_bw"] = bytes_read / s / args.copy_bw
+        out[f"kernel_{name}_max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
+        out[f"kernel_{name}_top1_equal_torch"] = bool(torch.equal(got[1], want[1]))
     out["device_copy_GBps"] = args.copy_bw / 1e9
     return out
 
@@ -475,11 +489,12 @@ def table(results: dict) -> str:
                   f"{h['head_metrics_s']:.3f} s ({h['x_plain_gemms']:.2f}x plain, {h['x_head_blocks']:.2f}x blocks), "
                   f"with a stored top-K {h['head_metrics_with_store_s']:.3f} s ({h['with_store_x_plain_gemms']:.2f}x); "
                   f"317k positions: {h['panel_317k_head_metrics_min']:.2f} min"]
-        for backend in ("torch", "triton"):
-            if f"kernel_{backend}_s" in h:
-                lines.append(f"metric kernel ({backend}): {h[f'kernel_{backend}_s'] * 1e3:.2f} ms, "
-                             f"{h[f'kernel_{backend}_GBps']:.0f} GB/s = {100 * h[f'kernel_{backend}_x_copy_bw']:.0f} % "
-                             f"of the measured copy bandwidth ({h['device_copy_GBps']:.0f} GB/s)")
+        for name in [k[len("kernel_"):-len("_s")] for k in h if k.startswith("kernel_") and k.endswith("_s")]:
+            lines.append(f"metric kernel ({name}): {h[f'kernel_{name}_s'] * 1e3:.2f} ms, "
+                         f"{h[f'kernel_{name}_GBps']:.0f} GB/s = {100 * h[f'kernel_{name}_x_copy_bw']:.0f} % "
+                         f"of the measured copy bandwidth ({h['device_copy_GBps']:.0f} GB/s); KL vs torch path "
+                         f"{h[f'kernel_{name}_max_kl_diff_vs_torch']:.1e}, top-1 equal: {h[f'kernel_{name}_top1_equal_torch']}")
+        lines += [f"{k}: {v}" for k, v in h.items() if k.endswith("_error")]
         layers = {r["arch"]: r for r in results["layers"]}
         if "v41" in layers:
             total = layers["v41"]["panel_40x384_overlapped_min"] + h["panel_317k_head_metrics_min"]

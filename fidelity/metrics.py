@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -297,7 +298,18 @@ def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, 
     out = torch.empty(n, 6, dtype=torch.float64, device=a.device)
     top = torch.empty(n, 2, dtype=torch.int64, device=a.device)
     if n:
-        (triton_rows if (backend or device_backend(a.device)) == "triton" else torch_rows)(a, b, t, out, top)
+        chosen = backend or device_backend(a.device)
+        if chosen == "triton" and backend is None and os.environ.get("FIDELITY_METRICS_KERNEL") != "triton":
+            try:
+                triton_rows(a, b, t, out, top)
+                chosen = None
+            except Exception as e:           # a kernel this Triton or GPU cannot build: the torch path, said once
+                _TRITON[:] = [None]
+                warnings.warn(f"fidelity.metrics: the Triton kernel failed ({type(e).__name__}: {e}); measuring "
+                              f"with the plain torch path from now on")
+                chosen = "torch"
+        if chosen is not None:
+            (triton_rows if chosen == "triton" else torch_rows)(a, b, t, out, top)
     return out, torch.cat([top, topk_match_torch(a, b)[:, None]], 1)
 
 

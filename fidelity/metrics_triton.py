@@ -36,8 +36,8 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, const_ptr, table_ptr, str
     top_a = tl.full([BLOCK], float("-inf"), tl.float32)     # per lane: best, runner-up, index of the best
     second_a = tl.full([BLOCK], float("-inf"), tl.float32)
     top_b = tl.full([BLOCK], float("-inf"), tl.float32)
-    idx_a = tl.zeros([BLOCK], tl.int64)
-    idx_b = tl.zeros([BLOCK], tl.int64)
+    idx_a = tl.zeros([BLOCK], tl.int32)     # int32: fewer registers (vocabularies are far below 2^31)
+    idx_b = tl.zeros([BLOCK], tl.int32)
     for lo in range(0, V, BLOCK):
         offs = lo + lanes
         mask = offs < V
@@ -86,5 +86,5 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, const_ptr, table_ptr, str
     tl.store(o + 3, tl.exp(best_a.to(tl.float64) - lse_a))
     tl.store(o + 4, lse_a - tl.load(a_row + target).to(tl.float64))
     tl.store(o + 5, lse_b - tl.load(b_row + target).to(tl.float64))
-    tl.store(top_ptr + row * 2, first_a)
-    tl.store(top_ptr + row * 2 + 1, first_b)
+    tl.store(top_ptr + row * 2, first_a.to(tl.int64))
+    tl.store(top_ptr + row * 2 + 1, first_b.to(tl.int64))

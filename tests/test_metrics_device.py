@@ -127,6 +127,31 @@ def test_bad_targets_are_named_on_the_device_path():
     assert len(pm) == 0 and pm.kld.dtype == torch.float64 and pm.ref_top1.dtype == torch.int64
 
 
+def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypatch):
+    from fidelity import metrics
+
+    def broken(*args):
+        raise RuntimeError("no such instruction")
+    choose = metrics.device_backend
+    monkeypatch.setattr(metrics, "_TRITON", [object()])
+    monkeypatch.setattr(metrics, "triton_rows", broken)
+    monkeypatch.setattr(metrics, "device_backend", lambda device: "triton" if metrics._TRITON[0] is not None else "torch")
+    a, b = torch.randn(5, 300), torch.randn(5, 300)
+    t = torch.randint(0, 300, (5,))
+    with pytest.warns(UserWarning, match=r"Triton kernel failed \(RuntimeError: no such instruction\); measuring with "
+                                         r"the plain torch path"):
+        out, top = device_metrics_columns(a, b, t)
+    want = device_metrics_columns(a, b, t, backend="torch")
+    assert torch.equal(out, want[0]) and torch.equal(top, want[1]) and metrics._TRITON == [None]
+    monkeypatch.setenv("FIDELITY_METRICS_KERNEL", "triton")       # asked for by name: the failure is not hidden
+    monkeypatch.setattr(metrics, "_TRITON", [object()])
+    with pytest.raises(RuntimeError, match="no such instruction"):
+        device_metrics_columns(a, b, t)
+    monkeypatch.setenv("FIDELITY_METRICS_KERNEL", "tpu")
+    with pytest.raises(ValueError, match="FIDELITY_METRICS_KERNEL='tpu'"):
+        choose("cpu")
+
+
 def test_blocked_topk_matches_scipy_and_does_not_depend_on_grouping(rng_seed):
     from scipy.special import log_softmax
 
