@@ -304,3 +304,24 @@ def test_pack_encoder_code_runs_only_when_trusted_and_gives_token_exact_rows(tmp
     assert scored_text(smol_tok, no_r.tokens, no_r.scored) == want.replace(m[2]["reasoning_content"], "", 1)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())["encoded"]
     assert manifest["encoder"] == "encoding/encoding_toy.py" and manifest["from_panel"]["name"] == "chat"
+
+
+def test_chat_template_kwargs_shape_the_prompt_not_the_scored_answer(smol_tok):
+    """Qwen3-style thinking off: the generation prompt holds an empty think block, so it is prompt, not answer."""
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if m.role == 'assistant' and (enable_thinking is defined and not enable_thinking) %}"
+        "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{- m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{%- endif %}")
+    obj = {"id": "k1", "domain": "chat", "messages": [{"role": "user", "content": "Name a color."},
+                                                      {"role": "assistant", "content": "Blue."}]}
+    off = parse_row({**obj, "chat_template_kwargs": {"enable_thinking": False}}, "test")
+    assert off.to_json()["chat_template_kwargs"] == {"enable_thinking": False}
+    tokens, scored = render_chat(off, tok)
+    assert tok.decode(tokens).count("<think>") == 1
+    assert scored_text(tok, tokens, scored) == "Blue.<|im_end|>"
+    tokens, scored = render_chat(parse_row(obj, "test"), tok)
+    assert "<think>" not in tok.decode(tokens) and scored_text(tok, tokens, scored) == "Blue.<|im_end|>"
