@@ -10,7 +10,9 @@ shortest length, in the same run. The bound, per the oracle's design (attention 
 ATTENTION_CHUNK_BYTES of scores, head in HEAD_ROWS-row chunks, the residual stream and one layer's activations live):
 
     bound = largest layer + embedding + head + T * (4 * hidden + 3 * intermediate + kept hidden) * 4 B
-            + ATTENTION_CHUNK_BYTES + 2 * HEAD_CHUNK_BYTES (a logits chunk and the reduction's temporary)
+            + 3 * ATTENTION_CHUNK_BYTES (a query block's scores, their softmax, and the next block's scores, allocated
+              while the previous ones are still referenced) + 2 * HEAD_CHUNK_BYTES (a logits chunk and the reduction's
+              temporary)
 
 A full [T, T] score matrix per head would instead need heads * T^2 * 4 B (38 GiB at T = 32768 for 9 heads).
 """
@@ -69,7 +71,7 @@ def bound_bytes(r: dict) -> int:
 
     h, inner = GEOMETRY["hidden_size"], GEOMETRY["intermediate_size"]
     activations = r["T"] * (4 * h + 3 * inner + h) * 4
-    return r["largest_layer"] + 2 * r["embed"] + activations + ATTENTION_CHUNK_BYTES + 2 * HEAD_CHUNK_BYTES
+    return r["largest_layer"] + 2 * r["embed"] + activations + 3 * ATTENTION_CHUNK_BYTES + 2 * HEAD_CHUNK_BYTES
 
 
 def main():
