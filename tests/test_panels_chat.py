@@ -325,3 +325,48 @@ def test_chat_template_kwargs_shape_the_prompt_not_the_scored_answer(smol_tok):
     assert scored_text(tok, tokens, scored) == "Blue.<|im_end|>"
     tokens, scored = render_chat(parse_row(obj, "test"), tok)
     assert "<think>" not in tok.decode(tokens) and scored_text(tok, tokens, scored) == "Blue.<|im_end|>"
+
+
+def test_engine_answers_with_tool_calls_and_reasoning_become_rendered_rows(tmp_path, tool_tok, monkeypatch, rng_seed):
+    """What `panel build --engine` sends (tools, sampling settings, the thinking switch, earlier tool calls as JSON
+    text) and how an answer with reasoning and tool calls becomes a row the tool template renders and scores."""
+    from fidelity.engine import client as C
+    from fidelity.panel_build import EngineSettings, build_panel_from_engine
+
+    obj = agentic_row(rng_seed)
+    m = obj["messages"]
+    earlier_call = {**m[2], "tool_calls": [{**m[2]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": json.loads(m[2]["tool_calls"][0]["function"]["arguments"])}}]}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "first", "domain": "agentic", "tools": TOOLS, "messages": m[:2]}) + "\n" +
+                       json.dumps({"id": "after-tool", "domain": "agentic", "tools": TOOLS,
+                                   "messages": m[:2] + [earlier_call, m[3]]}) + "\n")
+    sent = []
+    replies = {"first": {"model": "native", "choices": [{"finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": None, "reasoning_content": m[2]["reasoning_content"],
+        "tool_calls": m[2]["tool_calls"]}}]},
+        "after-tool": {"model": "native", "choices": [{"finish_reason": "stop", "message": {
+            "role": "assistant", "content": m[5]["content"], "reasoning": "The tool answered."}}]}}
+
+    async def fake_chat(self, messages, **kw):
+        sent.append((messages, kw))
+        return C.parse_chat(replies[kw["tag"].removeprefix("panel:")])
+
+    monkeypatch.setattr(C.EngineClient, "chat", fake_chat)
+    settings = EngineSettings(max_new_tokens=77, temperature=0.6, seed=5, thinking="on", concurrency=1)
+    panel = build_panel_from_engine(prompts, "http://127.0.0.1:9", "native", tmp_path / "p", settings, progress=False)
+    for messages, kw in sent:
+        assert kw["tools"] == TOOLS and kw["max_tokens"] == 77 and kw["temperature"] == 0.6 and kw["seed"] == 5
+        assert kw["extra"] == {"chat_template_kwargs": {"enable_thinking": True, "thinking": True}}
+    after = next(msgs for msgs, kw in sent if kw["tag"] == "panel:after-tool")
+    assert after[2]["tool_calls"][0]["function"]["arguments"] == m[2]["tool_calls"][0]["function"]["arguments"]
+    first, second = panel.rows
+    assert first.messages[-1] == {"role": "assistant", "content": "", "reasoning_content": m[2]["reasoning_content"],
+                                  "tool_calls": m[2]["tool_calls"]}
+    assert second.messages[-1] == {"role": "assistant", "content": m[5]["content"],
+                                   "reasoning_content": "The tool answered."}
+    _, with_r, _, _ = expected_by_hand(obj)
+    first_turn = with_r[:with_r.index("<|im_end|>") + len("<|im_end|>")]
+    assert scored_text(tool_tok, *render_chat(first, tool_tok)) == first_turn
+    assert json.loads((tmp_path / "p" / "manifest.json").read_text())["answers"]["finish_reasons"] == \
+        {"tool_calls": 1, "stop": 1}
