@@ -149,14 +149,20 @@ def test_new_numbers_match_pandas_and_scipy(rng_seed):
         assert (got["worse"], got["better"]) == ((rm > 0).sum(), (rm < 0).sum())
         assert got["sign_test_p"] == pytest.approx(sign_test(rm.to_numpy(), 0)[1], rel=1e-9)
     assert eq["rows_worse_share"] == pytest.approx(np.mean([(row_mean[row_dom == d] > 0).mean() for d in groups.domains]))
-    # quantiles: numpy's percentile pooled and per domain, numpy's weighted inverted-CDF quantile for domains-equal
+    # quantiles: numpy's percentile pooled and per domain; domains-equal: the inverted-CDF quantile with each position
+    # weighing 1 / (its domain's positions), in exact rational arithmetic (floats misjudge a cumulative weight that
+    # lands exactly on the target, which 1/n weights do)
+    from fractions import Fraction
+    sizes = f.groupby("domain").kld.transform("size").to_numpy()
+    order = np.argsort(f.kld.to_numpy(), kind="stable")
+    cum = np.cumsum([Fraction(1, int(n)) for n in sizes[order]])
     for key, q in (("kld_median", 50), ("kld_p90", 90), ("kld_p99", 99), ("kld_p999", 99.9)):
         assert o[key] == pytest.approx(np.percentile(f.kld, q), rel=1e-12)
         for d in groups.domains:
             assert out["domains"][d][key] == pytest.approx(np.percentile(f.kld[f.domain == d], q), rel=1e-12)
-        weights = 1.0 / f.groupby("domain").kld.transform("size").to_numpy()
-        want = np.quantile(f.kld.to_numpy(), q / 100, weights=weights, method="inverted_cdf")
-        assert eq[key] == pytest.approx(want, rel=1e-12)
+        target = Fraction(str(q)) / 100 * cum[-1]
+        want = f.kld.to_numpy()[order][next(i for i, c in enumerate(cum) if c >= target)]
+        assert eq[key] == want
         lo, hi = o[f"{key}_ci95"]
         assert lo <= o[key] <= hi
     for d in groups.domains:
