@@ -384,8 +384,12 @@ def bench_head(args, device) -> dict:
     topk = [metrics.topk_logprobs(ref_head_logits, 20) for ref_head_logits in
             (bufs[0][s:s + len(h)] for s, h in zip(range(0, n, per_row), hid))]
     stored = ReferenceRun(rows, hid, tgt, [(i.cpu(), lp.cpu()) for i, lp in topk], device=str(device))
-    step(stored)
-    store_s, _ = timed(lambda: step(stored), device)
+    try:                     # a stored top-K the device does not reproduce is a finding to print, not a crash
+        step(stored)
+        store_s, _ = timed(lambda: step(stored), device)
+    except Exception as e:
+        store_s = float("nan")
+        print(f"stored top-K re-derivation failed: {type(e).__name__}: {e}"[:2000], flush=True)
     out = {"positions": n, "vocab": vocab, "plain_gemms_s": plain_s, "head_blocks_s": blocks_s,
            "head_metrics_s": step_s, "head_metrics_with_store_s": store_s,
            "x_plain_gemms": step_s / plain_s, "x_head_blocks": step_s / blocks_s,
@@ -470,8 +474,13 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if not args.skip_head:
-            results["head"] = bench_head(args, device)
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results["head"].items()}))
+            try:
+                results["head"] = bench_head(args, device)
+            except Exception:
+                import traceback
+                traceback.print_exc()
+            else:
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results["head"].items()}))
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
