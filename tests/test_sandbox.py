@@ -246,7 +246,9 @@ def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
     for bad in (Liar(), object(), iter([1]), np.array(["a"], dtype=object)):
         with pytest.raises(TypeError):
             encode(bad)
-    for forged in ({"x": 1}, {"l": [1], "t": [2]}, {"a": ["object", [1], [1]]}, [1, 2]):
+    big = [[rng.randint(-9, 9), [rng.random(), str(i)]] for i in range(20_000)]
+    assert decode(json.loads(json.dumps(encode(big)))) == big and encode(big) == {"J": big}  # the plain-JSON path
+    for forged in ({"x": 1}, {"l": [1], "t": [2]}, {"a": ["object", [1], [1]]}, [1, 2], {"J": [{"l": [1]}]}, {"T": [[1]]}):
         with pytest.raises(ValueError):
             decode(forged)
 
