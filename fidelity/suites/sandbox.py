@@ -358,8 +358,8 @@ class Sandbox:
                 verdict = json.loads(data[8:])
             except ValueError:
                 verdict = None
-        if verdict is not None and type(verdict) is not dict:
-            verdict = None
+        if type(verdict) is not dict or not judge_res.ok:
+            verdict = None  # a judge killed at the wall clock may still write one as it dies (the candidate's pipe closing)
         return Judgement(verdict, judge_res, cand_res)
 
     # -- processes --------------------------------------------------------------------------------------------------
