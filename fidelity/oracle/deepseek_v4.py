@@ -22,6 +22,7 @@ ones to; `resolve_names` finds whichever is there.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from ..errors import ConfigError
 from .common import ATTENTION_CHUNK_BYTES, Family, Fetch, GatedMLP, require, rms_norm
 from .moe import RoutedExperts
 from .rope import RopeArgs, inverse_frequencies
-from .selection import top_k_indices, top_k_mask
+from .selection import mask_indices, top_k_indices, top_k_mask
 
 ARCH = "DeepseekV4ForCausalLM"
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -416,18 +417,22 @@ class Indexer:
         a = self.a
         B, T, _ = x.shape
         keys = self.compressor(x)                                     # [B, W, d]
-        n_entries = keys.shape[1]
+        n_entries, ratio = keys.shape[1], self.compressor.ratio
         q = F.linear(q_latent, self.wq_b).view(B, T, a.index_n_heads, a.index_head_dim)
         q = rope_tail(q, *compress_rope)
         head_weights = F.linear(x, self.weights_proj) * a.index_n_heads ** -0.5
-        finished = finished_entries(T, self.compressor.ratio, x.device)
+        finished = finished_entries(T, ratio, x.device)
         keep = torch.zeros(B, T, n_entries, dtype=torch.bool, device=x.device)
         chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * a.index_n_heads * n_entries * 4, 1)))
         for start in range(0, T, chunk):
             end = min(T, start + chunk)
-            scores = torch.einsum("bthd,bwd->bthw", q[:, start:end], keys).relu_() * a.index_head_dim ** -0.5
-            index = torch.einsum("bthw,bth->btw", scores, head_weights[:, start:end])
-            keep[:, start:end] = top_k_mask(index.masked_fill(~finished[start:end], float("-inf")), a.index_topk)
+            n_vis = min(n_entries, end // ratio)       # entries any of these queries may see; the rest are not scored
+            if n_vis == 0:
+                continue
+            scores = torch.einsum("bthd,bwd->bthw", q[:, start:end], keys[:, :n_vis]).relu_() * a.index_head_dim ** -0.5
+            index = torch.matmul(head_weights[:, start:end].unsqueeze(-2), scores).squeeze(-2)   # sum over heads
+            index = index.masked_fill(~finished[start:end, :n_vis], float("-inf"))
+            keep[:, start:end, :n_vis] = top_k_mask(index, a.index_topk)
         return keep
 
 
@@ -476,13 +481,15 @@ class Attention:
         q = rope_tail(unweighted_rms_norm(q, a.rms_norm_eps), cos, sin)
         kv = self.round_kv(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, a.rms_norm_eps))
         kv = rope_tail(kv, cos, sin)   # [B, T, D]
-        entries = visible = None
+        entries = visible = gather = None
         if self.compressor is not None:
             entries = self.compressor(x)
-            visible = finished_entries(T, self.ratio, x.device).expand(B, T, -1)
-            if self.indexer is not None:
-                visible = self.indexer.selected(x, q_latent, compress_rope)
-        out = sink_attention(q, kv, entries, visible, self.sinks, a.head_dim ** -0.5, a.sliding_window)
+            if self.indexer is not None and entries.shape[1] > a.index_topk:
+                visible, gather = self.indexer.selected(x, q_latent, compress_rope), a.index_topk
+            else:                                      # every finished entry is among the top-k
+                visible = finished_entries(T, self.ratio, x.device).expand(B, T, -1)
+        out = sink_attention(q, kv, entries, visible, self.sinks, a.head_dim ** -0.5, a.sliding_window, self.ratio,
+                             gather)
         out = rope_tail(out, cos, -sin)  # undo the rotation the values carried, at the query's position
         groups = out.reshape(B, T, a.o_groups, -1)
         low_rank = torch.einsum("btgi,gri->btgr", fq(groups), self.wo_a.view(a.o_groups, a.o_lora_rank, -1))
@@ -490,31 +497,52 @@ class Attention:
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None, visible: torch.Tensor | None,
-                   sinks: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                   sinks: torch.Tensor, scale: float, window: int, ratio: int = 1,
+                   gather: int | None = None) -> torch.Tensor:
     """q [B, T, H, D] over the shared keys/values kv [B, T, D] (query t sees t - window < j <= t) and the compressed
-    entries [B, W, D] `visible` [B, T, W] allows, with a per-head sink logit in the softmax. -> [B, T, H, D]."""
+    entries [B, W, D] `visible` [B, T, W] allows, with a per-head sink logit in the softmax. -> [B, T, H, D].
+
+    Entries pool `ratio` tokens each, so queries up to t only score the first (t + 1) // ratio (the later ones are
+    invisible to all of them). `gather` (a CSA top-k of at most `gather` entries per query out of many more): each
+    query's visible entries are gathered and scored, not every entry masked."""
     B, T, H, D = q.shape
     n_entries = 0 if entries is None else entries.shape[1]
+    n_far = min(n_entries, gather) if gather else n_entries
+    chunk = attention_chunk(T, B * H * 4, B * H * 4 * (window + n_far + 1) + (B * n_far * D * 4 if gather else 0))
     out = q.new_empty(B, T, H, D)
-    chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * H * (T + n_entries) * 4, 1)))
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         first = max(0, start - window + 1)
+        qc = q[:, start:end]
         i = torch.arange(start, end, device=q.device)[:, None]
         j = torch.arange(first, end, device=q.device)[None, :]
-        local = torch.einsum("bshd,btd->bhst", q[:, start:end], kv[:, first:end]) * scale
+        local = torch.einsum("bshd,btd->bhst", qc, kv[:, first:end]) * scale
         local.masked_fill_(~((j <= i) & (j > i - window)), float("-inf"))
         logits = [local]
-        if n_entries:
-            far = torch.einsum("bshd,bwd->bhsw", q[:, start:end], entries) * scale
-            logits.append(far.masked_fill_(~visible[:, None, start:end], float("-inf")))
+        if n_entries and gather:
+            index, valid = mask_indices(visible[:, start:end], n_far)                       # [B, s, k]
+            far_kv = entries.gather(1, index.reshape(B, -1, 1).expand(-1, -1, D)).view(B, end - start, n_far, D)
+            far = torch.einsum("bshd,bskd->bhsk", qc, far_kv) * scale
+            logits.append(far.masked_fill_(~valid[:, None], float("-inf")))
+        elif n_entries:
+            far_kv = entries[:, :min(n_entries, end // ratio)]
+            far = torch.einsum("bshd,bwd->bhsw", qc, far_kv) * scale
+            logits.append(far.masked_fill_(~visible[:, None, start:end, :far_kv.shape[1]], float("-inf")))
         logits.append(sinks.view(1, H, 1, 1).expand(B, H, end - start, 1))
         probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
         ctx = torch.einsum("bhst,btd->bshd", probs[..., :end - first], kv[:, first:end])
         if n_entries:
-            ctx += torch.einsum("bhsw,bwd->bshd", probs[..., end - first:-1], entries)
+            far_probs = probs[..., end - first:-1]
+            ctx += torch.einsum("bhsk,bskd->bshd" if gather else "bhsw,bwd->bshd", far_probs, far_kv)
         out[:, start:end] = ctx
     return out
+
+
+def attention_chunk(T: int, pair_bytes: int, query_bytes: int) -> int:
+    """Queries per chunk so that a chunk of c queries, each scoring its c-query block plus `query_bytes` worth of
+    other keys and buffers (c * (c * pair_bytes + query_bytes)), stays within ATTENTION_CHUNK_BYTES."""
+    c = (math.sqrt(query_bytes ** 2 + 4 * pair_bytes * ATTENTION_CHUNK_BYTES) - query_bytes) / (2 * pair_bytes)
+    return max(1, min(T, int(c)))
 
 
 class DecoderLayer:

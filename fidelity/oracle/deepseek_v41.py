@@ -379,7 +379,8 @@ class Attention:
                 if self.index_source:
                     state.selection = self.select(x, q_latent, pool.index_keys, compress_rope, state)
                 visible = visible & state.selection
-        out = sink_attention(q, kv, entries, visible, self.sinks, b.head_dim ** -0.5, b.sliding_window)
+        out = sink_attention(q, kv, entries, visible, self.sinks, b.head_dim ** -0.5, b.sliding_window,
+                             max(self.ratio, 1))
         out = rope_tail(out, cos, -sin)
         groups = out.reshape(B, T, b.o_groups, -1)
         # wo_a is a bf16 weight in the V4.1 release: its input is not fake-quantised

@@ -36,11 +36,20 @@ class RoutedExperts:
         parallel = getattr(self.fetch, "expert_parallel", None)  # set by fidelity.distributed (experts across ranks)
         if parallel is not None:
             return parallel.combine(self, x, indices, weights)
+        # one stable sort groups the token-expert pairs by expert (tokens ascending within each), one host sync reads the
+        # group sizes; each token's output sums its experts in ascending order, on every device
+        N, k = indices.shape
+        flat = indices.flatten()
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        tokens, pair_weights = order // k, weights.flatten()[order]
         out = torch.zeros_like(x)
-        for e in torch.unique(indices).tolist():
-            token, slot = torch.where(indices == e)
-            y = self.expert(e)(x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start:start + n]
+                out.index_add_(0, rows, self.expert(e)(x[rows]) * pair_weights[start:start + n, None])
+                start += n
         return out
 
 

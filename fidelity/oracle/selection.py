@@ -30,3 +30,16 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     whatever is summed over them is summed in one order on every device)."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return order.sort(dim=-1).values
+
+
+def mask_indices(mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The True entries of `mask` along its last dim as (indices [..., k] ascending, valid [..., k]); rows with fewer
+    than k are padded with index 0, valid False. Rows must hold at most k (a top_k_mask of k does); of a row with
+    more, the first k."""
+    W = mask.shape[-1]
+    position = mask.cumsum(dim=-1, dtype=torch.int32) - 1
+    slot = torch.where(mask & (position < k), position, k).long()   # entries not kept go to a spare column
+    indices = torch.zeros(*mask.shape[:-1], k + 1, dtype=torch.long, device=mask.device)
+    indices.scatter_(-1, slot, torch.arange(W, device=mask.device).expand_as(slot))
+    valid = torch.arange(k, device=mask.device) < mask.sum(dim=-1, keepdim=True)   # (at most k valid)
+    return indices[..., :k], valid
