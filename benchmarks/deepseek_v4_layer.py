@@ -92,7 +92,7 @@ def needed_flops(c: dict, kind: str, B: int, T: int) -> dict[str, float]:
            "attention": B * 2 * 2 * H * D * (local + far),
            "moe": B * T * (2 * hidden * E + (c["num_experts_per_tok"] + c["n_shared_experts"]) * 2 * 3 * hidden * inter),
            "hc": B * T * 2 * (2 * hc * hidden * (2 + hc) * hc + 2 * hc * hc * hidden)}
-    if kind == CSA:
+    if kind == CSA and T // ratio > topk:     # with no more entries than the top-k, all are kept: no indexer needed
         out["indexer"] = B * (T * 2 * (2 * 2 * hidden * Di + q * Hi * Di + hidden * Hi)
                               + 2 * (Hi * Di + Hi) * finished.sum().item())
     return out

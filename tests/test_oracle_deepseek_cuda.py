@@ -102,10 +102,13 @@ def test_v32_cuda_equals_cpu(tmp_path, case, dtype, rng_seed):
     assert cuda_vs_cpu(pack, long_rows(BASE["vocab_size"], T, rng_seed), dtype, f"V3.2 {case}") <= LIMIT[dtype]
 
 
-@DTYPES
 @pytest.mark.parametrize("arch", ["V4", "V4.1"])
-def test_reference_quant_emulation_cuda_equals_cpu(v4_packs, v41_packs, arch, dtype, rng_seed):
-    """The fake quantisation (FP8/FP4 rounding, power-of-two scales from exponent bits) rounds alike on both devices."""
+def test_reference_quant_emulation_cuda_equals_cpu(v4_packs, v41_packs, arch, rng_seed):
+    """The fake quantisation (FP8/FP4 rounding, power-of-two scales from exponent bits) rounds alike on both devices,
+    in float64. In float32 it cannot be held to 1e-5: rounding onto the FP4/FP8 grids is discontinuous, so a GEMM's
+    last-bit difference between the devices now and then moves a value across a rounding boundary (H200, 2026-12-01:
+    V4.1 float32 3.5e-7 on one seed, 2.9e-2 on another; float64 5e-16 on both)."""
+    dtype = torch.float64
     from fidelity.oracle.deepseek_v4_quant import QuantEmulation, emulate_reference_quant
     pack = open_pack((v4_packs if arch == "V4" else v41_packs)["native"])
     emulation = QuantEmulation(act_block=16, kv_block=8) if arch == "V4" else QuantEmulation.deepseek_v41()
