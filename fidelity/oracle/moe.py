@@ -41,11 +41,11 @@ class RoutedExperts:
         N, k = indices.shape
         flat = indices.flatten()
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        sizes = torch.bincount(flat, minlength=self.n_experts).tolist()
         tokens, pair_weights = order // k, weights.flatten()[order]
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(sizes):
             if n:
                 rows = tokens[start:start + n]
                 out.index_add_(0, rows, self.expert(e)(x[rows]) * pair_weights[start:start + n, None])
