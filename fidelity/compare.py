@@ -17,8 +17,10 @@ import torch
 from tqdm.auto import tqdm
 
 from . import __version__
+from .content_hash import tree_digest
 from .errors import PackError
 from .metrics import PositionMetrics, position_metrics
+from .packs.config_check import check_against_config
 from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
 from .routing import RoutingCounts
 from .stats import RowGroups, paired_difference, summarize
@@ -94,6 +96,7 @@ def _row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Tensor],
     parts = []
     for i in tqdm(range(len(ref.rows)), desc=desc, disable=not progress, unit="row", leave=False):
         ref_logits = ref_oracle.apply_head(ref.hidden[i]).float()
+        _check_reference_logits(ref, i, ref_logits, ref_oracle)
         if ref.topk is not None:
             check_topk(ref, i, ref_logits, store_path)
         pack_logits = pack_oracle.apply_head(pack_hidden[i]).float()
@@ -101,8 +104,67 @@ def _row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Tensor],
     return PositionMetrics.concat(parts)
 
 
+class ReferenceLogitsError(PackError):
+    """The reference itself yields non-finite logits: no pack can be measured against it."""
+
+
+class ResumeError(PackError):
+    """A pass kept for resuming cannot be trusted (unreadable, other positions, bytes changed): the run stops."""
+
+
+def _check_reference_logits(ref: ReferenceRun, i: int, logits: torch.Tensor, oracle) -> None:
+    """The reference is the truth every KL is taken against: a non-finite reference logit makes every number of the
+    run meaningless, so it is an error naming the pack, the head tensor and the row, not a count of bad positions."""
+    if bool(torch.isfinite(logits.sum())):
+        return
+    bad = ~torch.isfinite(logits)
+    pos = int(bad.any(dim=-1).nonzero()[0])
+    token = int(bad[pos].nonzero()[0])
+    pack = getattr(oracle, "pack", None)
+    head = getattr(getattr(oracle, "family", None), "head_name", None) or "lm_head.weight"
+    hidden_ok = bool(torch.isfinite(ref.hidden[i]).all())
+    what = (f"the head {head!r} turns finite hidden states into a non-finite logit" if hidden_ok
+            else "its final hidden states are not finite")
+    raise ReferenceLogitsError(f"the reference's logits are not finite (row {ref.rows[i].id!r}, scored position {pos}, "
+                    f"vocabulary entry {token}): {what}; no KL can be measured against it",
+                    file=getattr(pack, "path", None), tensor=head if hidden_ok else None)
+
+
+def _nonfinite_weights(pack, layer: int | None, limit: int = 3) -> list[str]:
+    """Names of a layer's tensors (the embeddings' for layer None) that hold NaN or Inf."""
+    import re
+
+    if layer is None:
+        names = [n for n in pack.names() if "embed" in n]
+    else:
+        pat = re.compile(rf"(^|\.)layers\.{layer}\.")
+        names = [n for n in pack.names() if pat.search(n)]
+    bad = []
+    for n in sorted(names):
+        try:
+            if not bool(torch.isfinite(pack.tensor(n)).all()):
+                bad.append(n)
+        except Exception:
+            continue
+        if len(bad) >= limit:
+            break
+    return bad
+
+
 def _pack_hidden(oracle, rows: list[TokenizedRow], progress: bool) -> list[torch.Tensor]:
-    full = oracle.hidden_states([r.tokens for r in rows], progress=progress)
+    from .errors import NonFiniteActivations
+
+    try:
+        full = oracle.hidden_states([r.tokens for r in rows], progress=progress)
+    except NonFiniteActivations as e:
+        pack = getattr(oracle, "pack", None)
+        where = "the embeddings" if e.layer is None else f"layer {e.layer}"
+        bad = _nonfinite_weights(pack, e.layer) if pack is not None else []
+        culprit = (f"non-finite weights in {', '.join(map(repr, bad))}" if bad else
+                   f"the weights of {where} are finite: the values overflowed in its computation")
+        raise PackError(f"{e.kind} in the activations after {where}, row {rows[e.row].id!r} (index {e.row}, first at "
+                        f"position {e.position}): {culprit}", file=getattr(pack, "path", None),
+                        tensor=bad[0] if bad else None) from None
     return [h[scored_index(r)[0]].to(torch.float32) for r, h in zip(rows, full)]
 
 
@@ -119,6 +181,7 @@ def prepare(reference, panel: Panel | str | Path | None, *, truncate: bool = Fal
     from .packs.tokenizer import load_tokenizer
 
     ref_pack = reference if hasattr(reference, "names") else open_pack(reference)
+    check_against_config(ref_pack)
     panel = panel if isinstance(panel, Panel) else load_panel(panel)
     tok = load_tokenizer(ref_pack)
     max_len = ref_pack.config.get("max_position_embeddings")
@@ -134,8 +197,10 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
     `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest."""
     from .packs import open_pack
 
-    ref_pack, panel, rows, tok_fp = prepare(reference, panel, truncate=truncate)
     cand = [p if hasattr(p, "names") else open_pack(p) for p in packs]
+    for p in cand:  # before any work: a config its tensors contradict would be read wrong (a layer left out...)
+        check_against_config(p)
+    ref_pack, panel, rows, tok_fp = prepare(reference, panel, truncate=truncate)
     for p in cand:
         check_same_vocab(ref_pack, p)
     ref_oracle = _oracle(ref_pack, device)
@@ -188,13 +253,27 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
                            {"noise_seed": seed, "noise_rel": NOISE_REL}, "noise floor", noise=True)
         noise = summarize(noise_pm, groups, n_boot=n_boot, seed=seed)["overall"]
 
+    from . import distributed
+
     results, metrics = [], {}
+    taken = set()
     for i, pack in enumerate(cand):
         label = _label(pack.path, labels, i)
-        if label in metrics:
+        if label in taken:
             label = f"{label}#{i}"
+        taken.add(label)
         fingerprint = pack.fingerprint()
-        pm = measure(f"pack-{fingerprint}", lambda: _oracle(pack, device), {"pack": fingerprint}, label)
+        try:
+            pm = measure(f"pack-{fingerprint}", lambda: _oracle(pack, device), {"pack": fingerprint}, label)
+        except PackError as e:
+            # this pack cannot be measured (non-finite activations, a tensor that does not decode): reported as failed,
+            # the others still measured. Not the reference's own failures, and not under torchrun, where only the
+            # rank that saw it raised (the run fails there, named).
+            if isinstance(e, (ReferenceLogitsError, ResumeError)) or distributed.group() is not None:
+                raise
+            results.append({"pack": str(Path(pack.path).resolve()), "label": label, "format": pack.format,
+                            "fingerprint": fingerprint, "status": "failed", "error": str(e)})
+            continue
         metrics[label] = pm
         summary = summarize(pm, groups, n_boot=n_boot, seed=seed)
         ov = summary["overall"]
@@ -203,11 +282,15 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         counts = routing.get(f"pack-{fingerprint}")
         bits = pack.bits_per_weight(routing=counts.fractions() if counts is not None and counts.layers else None).rows
         results.append({"pack": str(Path(pack.path).resolve()), "label": label, "format": pack.format,
-                        "fingerprint": pack.fingerprint(),
+                        "fingerprint": fingerprint, "status": "measured",
                         "bpw": (bits.get("all_linear") or bits.get("total") or {}).get("bpw"),
                         "bits_per_weight": bits,
                         "routing": counts.to_json() if counts is not None and counts.layers else None,
                         "overall": ov, "domains": summary["domains"]})
+    files = _records_names(list(metrics))
+    for r in results:
+        if r["label"] in files:
+            r["records"] = files[r["label"]]
     labels_ = list(metrics)
     paired = []
     for a in range(len(labels_)):
@@ -223,7 +306,10 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
                       "store": str(Path(reference_store).resolve()) if reference_store else None},
         "noise_floor": noise,
         "resumed": keep.reused if keep is not None else [],
+        "identity": "fingerprints hash format, config, storage and every byte of every file the tensors are read from "
+                    "(BLAKE3; MANIFEST.sha256 verified where present)",
         "results": results,
+        "failed": [r["label"] for r in results if r["status"] == "failed"],
         "paired": paired,
     }
     return CompareResult(report, metrics, rows, groups)
@@ -265,12 +351,36 @@ def _write_metrics(path: Path, positions: dict[str, list], pm: PositionMetrics) 
     return path
 
 
+def records_name(label: str) -> str:
+    """The file name of a pack's records in `--out`: the label with anything but letters, digits and . _ - + # = made
+    `_`, no leading dot (`--label ../..` or `x/y` never leave the folder or name a subfolder)."""
+    import re
+
+    safe = re.sub(r"[^A-Za-z0-9._+#=-]", "_", label).strip(".") or "pack"
+    return f"{safe}.parquet"
+
+
+def _records_names(labels: list[str]) -> dict[str, str]:
+    out, used = {}, set()
+    for i, label in enumerate(labels):
+        name = records_name(label)
+        if name in used:
+            name = name[:-len(".parquet")] + f"-{i}.parquet"
+        used.add(name)
+        out[label] = name
+    return out
+
+
 def write_records(result: CompareResult, out_dir: str | Path) -> list[Path]:
-    """Per-position records of every pack (Parquet): row id, domain, position, target token and every metric."""
+    """Per-position records of every pack (Parquet): row id, domain, position, target token and every metric, in
+    `records_name(label)` (each result's `records` key)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     positions = _position_columns(result.rows)
-    return [_write_metrics(out / f"{label}.parquet", positions, pm) for label, pm in result.metrics.items()]
+    names = {r["label"]: r.get("records") for r in result.report.get("results", [])}
+    fallback = _records_names(list(result.metrics))
+    return [_write_metrics(out / (names.get(label) or fallback[label]), positions, pm)
+            for label, pm in result.metrics.items()]
 
 
 class Resume:
@@ -278,7 +388,8 @@ class Resume:
 
     Per pass (each pack, the noise floor): `<name>.parquet` (its per-position records, as `write_records` writes them)
     and `<name>.done.json`, written after it, holding what the numbers depend on (panel, tokenization, reference and
-    pack fingerprints, device, noise seed, library version); a pass is reused only when that identity matches exactly.
+    pack fingerprints, device, noise seed, library version) and a BLAKE3 checksum of the pass's bytes; a pass is reused
+    only when that identity matches exactly, and one whose bytes no longer match its checksum is refused.
     The reference run is kept as a reference store (`reference-store/`), which is re-verified when read back: its
     top-K must be reproduced bit for bit from its hidden states on this machine. Under torchrun rank 0 writes and
     decides; every rank must see the folder."""
@@ -306,7 +417,9 @@ class Resume:
         from . import distributed
 
         try:
-            found = data.exists() and json.loads(self._done(name).read_text()) == self._key(name, extra)
+            done = json.loads(self._done(name).read_text())
+            found = (data.exists() and isinstance(done, dict) and "checksum" in done
+                     and {k: v for k, v in done.items() if k != "checksum"} == self._key(name, extra))
         except (OSError, ValueError):
             found = False
         g = distributed.group()
@@ -316,7 +429,7 @@ class Resume:
         g.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def _write(self, name: str, extra: dict, write: Callable[[], None]) -> None:
+    def _write(self, name: str, extra: dict, write: Callable[[], None], data: Path) -> None:
         """Rank 0 only: the identity file goes, `write()` runs, the identity file comes back (so a kill in between
         leaves a pass that is recomputed, never one that is trusted half-written)."""
         import json
@@ -328,7 +441,20 @@ class Resume:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._done(name).unlink(missing_ok=True)
         write()
-        self._done(name).write_text(json.dumps(self._key(name, extra), indent=1) + "\n")
+        done = {**self._key(name, extra), "checksum": tree_digest(data)}
+        self._done(name).write_text(json.dumps(done, indent=1) + "\n")
+
+    def _verify(self, name: str, data: Path) -> None:
+        """A finished pass whose bytes differ from the checksum written with it is refused, naming the file."""
+        import json
+
+        want = json.loads(self._done(name).read_text())["checksum"]
+        got = tree_digest(data)
+        if got != want:
+            bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            where = data / bad[0] if data.is_dir() else data
+            raise ResumeError(f"the finished pass {name!r} kept for resuming changed after it was written (its BLAKE3 "
+                            f"checksum differs: {', '.join(bad)}); delete it to recompute it", file=where)
 
     def load(self, name: str, **extra) -> PositionMetrics | None:
         from dataclasses import fields
@@ -338,22 +464,24 @@ class Resume:
         data = self.folder / f"{name}.parquet"
         if not self._finished(name, data, extra):
             return None
+        self._verify(name, data)
         try:
             table = pq.read_table(data)
         except Exception as e:
-            raise PackError(f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it",
+            raise ResumeError(f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it",
                             file=data) from None
         if any(f.name not in table.column_names for f in fields(PositionMetrics)):
             return None     # kept by a version without a metric this one records: recomputed
         if any(table.column(k).to_pylist() != v for k, v in self.positions.items()):
-            raise PackError(f"the finished pass {name!r} kept for resuming holds other positions than this panel's; "
+            raise ResumeError(f"the finished pass {name!r} kept for resuming holds other positions than this panel's; "
                             f"delete it to recompute it", file=data)
         self.reused.append(name)
         return PositionMetrics(**{f.name: torch.from_numpy(table.column(f.name).to_numpy().copy())
                                   for f in fields(PositionMetrics)})
 
     def save(self, name: str, pm: PositionMetrics, **extra) -> None:
-        self._write(name, extra, lambda: _write_metrics(self.folder / f"{name}.parquet", self.positions, pm))
+        data = self.folder / f"{name}.parquet"
+        self._write(name, extra, lambda: _write_metrics(data, self.positions, pm), data)
 
     def save_routing(self, name: str, counts: RoutingCounts) -> None:
         """The pass's measured expert routing, written before the pass is marked finished (rank 0 only)."""
@@ -377,6 +505,7 @@ class Resume:
         """The kept reference store when it is finished for this identity (and counted as reused), else None."""
         if not self._finished("reference-store", self.store / "manifest.json", {}):
             return None
+        self._verify("reference-store", self.store)
         self.reused.append("reference")
         return self.store
 
@@ -394,4 +523,4 @@ class Resume:
             shutil.rmtree(self.store, ignore_errors=True)
             os.replace(tmp, self.store)
 
-        self._write("reference-store", {}, write)
+        self._write("reference-store", {}, write, self.store)

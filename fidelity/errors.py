@@ -22,3 +22,11 @@ class PackError(FidelityError):
 
 class ConfigError(FidelityError):
     """A model config is missing a field or asks for something we do not support."""
+
+
+class NonFiniteActivations(FidelityError):
+    """NaN or Inf in the oracle's activations: after `layer` (None: the embeddings), in row index `row`."""
+
+    def __init__(self, message: str, *, kind: str, layer: int | None, row: int, position: int):
+        self.kind, self.layer, self.row, self.position = kind, layer, row, position
+        super().__init__(message)

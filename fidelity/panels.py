@@ -286,8 +286,16 @@ def _check_unique(rows: list[PanelRow], source) -> list[PanelRow]:
 
 
 def iter_jsonl(path: Path):
-    """(line number, object) for each non-empty line; invalid JSON is a PanelError naming the file and line."""
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    """(line number, object) for each non-empty line; invalid JSON or bytes that are not UTF-8 are a PanelError naming
+    the file and line."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PanelError(f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+                         f"a panel is UTF-8 JSON Lines") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -340,9 +348,11 @@ def _load_folder(path: Path) -> Panel:
     manifest = {}
     if manifest_path.exists():
         try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as e:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PanelError(f"{manifest_path}: invalid JSON: {e}") from None
+        if not isinstance(manifest, dict):
+            raise PanelError(f"{manifest_path}: the manifest is not a JSON object")
     digest = hashlib.sha256(jsonl.read_bytes()).hexdigest()
     if manifest.get("sha256") and manifest["sha256"] != digest:
         raise PanelError(f"{jsonl}: sha256 {digest[:12]}... differs from the manifest's {manifest['sha256'][:12]}...: "

@@ -5,13 +5,20 @@ here is a percentile bootstrap over rows, stratified by domain (each replicate r
 keeping the panel's domain mix; Rao-Wu rescaled so small domains do not shrink the variance). Every statistic is a ratio of per-row sums, so a replicate is a matrix product of resample
 counts with a [rows, quantities] table and thousands of replicates cost milliseconds.
 
+Small samples are honest: a 95% interval or p-value over fewer than MIN_ROWS rows (a domain's own, or the panel's), or
+over a domain of one row (its variance is unknown), is reported as not available (null, with the reason) rather than as
+a zero-width interval. The expanded percentile tail the bootstrap reads must hold at least MIN_TAIL_REPLICATES
+replicates; with fewer degrees of freedom than that resolves (2,000 replicates: below about 9) the interval is the
+analytic t interval on the rows' linearized ratio (the same stratified variance the bootstrap estimates). Either way
+the p-value is the inversion of the interval: 0 lies outside the 95% interval exactly when p < 0.05.
+
 All KL figures are KL(P_ref || Q_pack) unless the key says `reverse`.
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,6 +28,8 @@ N_BOOT = 2000
 TIE_MARGIN = 0.1          # nats: a reference top-1 margin below this is a near tie; flips there are reported apart
 CONFIDENCE_EDGES = (0.0, 0.25, 0.5, 0.75, 0.95, 1.0)   # reference top-1 probability buckets (exllamav3 model_diff's)
 KLD_PERCENTILES = {"kld_median": 50.0, "kld_p90": 90.0, "kld_p99": 99.0, "kld_p999": 99.9}
+MIN_ROWS = 3               # a 95% interval or p-value over fewer rows (overall or in a domain) is not available
+MIN_TAIL_REPLICATES = 20   # bootstrap replicates beyond each percentile it reports; fewer: the analytic t interval
 
 
 @dataclass
@@ -115,6 +124,8 @@ class RatioBootstrap:
     names: list[str]
     point: np.ndarray        # [domains, quantities]
     reps: np.ndarray         # [n_boot, domains, quantities]
+    table: np.ndarray | None = None       # [rows, quantities]: the per-row sums the replicates resample
+    row_domain: np.ndarray | None = None  # [rows]
 
     @classmethod
     def run(cls, columns: dict[str, np.ndarray], groups: RowGroups, n_boot: int, seed: int) -> "RatioBootstrap":
@@ -122,7 +133,35 @@ class RatioBootstrap:
         table = np.stack([columns[k] for k in names], axis=1)
         counts = bootstrap_counts(groups.row_domain, n_boot, np.random.default_rng(seed))
         nd = len(groups.domains)
-        return cls(names, domain_sums(table, groups.row_domain, nd), domain_sums(table, groups.row_domain, nd, counts))
+        return cls(names, domain_sums(table, groups.row_domain, nd), domain_sums(table, groups.row_domain, nd, counts),
+                   table, groups.row_domain)
+
+    def _col(self, name: str) -> np.ndarray:
+        return self.table[:, self.names.index(name)]
+
+    def pooled_se(self, num: str, den: str) -> float:
+        """Linearized (Taylor) standard error of the pooled ratio sum(num) / sum(den), strata = domains, rows drawn with
+        replacement within each: the variance the Rao-Wu bootstrap estimates, without resampling."""
+        y, n = self._col(num), self._col(den)
+        total = n.sum()
+        if total <= 0:
+            return float("nan")
+        e = y - (y.sum() / total) * n
+        return float(np.sqrt(_stratified_var(e, self.row_domain)) / total)
+
+    def domain_se(self, num: str, den: str, domain: int) -> float:
+        sel = self.row_domain == domain
+        y, n = self._col(num)[sel], self._col(den)[sel]
+        if n.sum() <= 0:
+            return float("nan")
+        e = y - (y.sum() / n.sum()) * n
+        return float(np.sqrt(_stratified_var(e, np.zeros(len(e), np.int64))) / n.sum())
+
+    def domains_equal_se(self, num: str, den: str) -> float:
+        """Standard error of the mean of the per-domain ratios (domains are independent strata)."""
+        ses = [self.domain_se(num, den, d) for d in range(self.point.shape[0])]
+        ses = [x for x in ses if np.isfinite(x)]
+        return float(np.sqrt(np.sum(np.square(ses))) / len(ses)) if ses else float("nan")
 
     def _q(self, s: np.ndarray, name: str) -> np.ndarray:
         return s[..., self.names.index(name)]
@@ -144,12 +183,97 @@ class RatioBootstrap:
             return float(np.nanmean(point)), np.nanmean(reps, axis=-1)
 
 
+def _stratified_var(e: np.ndarray, strata: np.ndarray) -> float:
+    """sum over strata of n_h / (n_h - 1) * sum_i (e_i - mean_h)^2: the with-replacement variance of a stratified total."""
+    v = 0.0
+    for h in np.unique(strata):
+        x = e[strata == h]
+        if len(x) > 1:
+            v += len(x) / (len(x) - 1) * float(np.square(x - x.mean()).sum())
+    return v
+
+
+def _expanded_tail(dof: int, level: float = 0.95) -> float:
+    from scipy.stats import norm, t
+
+    return float(norm.sf(t.isf((1 - level) / 2, dof)))
+
+
+def not_available(groups: RowGroups, domain: int | None = None) -> str | None:
+    """Why a 95% interval or p-value over the panel's rows (or one domain's) is not available; None when it is."""
+    counts = np.bincount(groups.row_domain, minlength=len(groups.domains))
+    if domain is not None:
+        n = int(counts[domain])
+        if n < MIN_ROWS:
+            return (f"domain {groups.domains[domain]!r} has {n} row{'s' if n != 1 else ''}; a 95% interval or p-value "
+                    f"needs at least {MIN_ROWS}")
+        return None
+    if groups.n_rows < MIN_ROWS:
+        return f"{groups.n_rows} row{'s' if groups.n_rows != 1 else ''}; a 95% interval or p-value needs at least {MIN_ROWS}"
+    single = [groups.domains[i] for i in np.flatnonzero(counts == 1)]
+    if single:
+        return (f"domain{'s' if len(single) > 1 else ''} {', '.join(map(repr, single))} "
+                f"{'have' if len(single) > 1 else 'has'} one row: its variance is unknown")
+    return None
+
+
+@dataclass
+class Interval:
+    """A 95% interval with the p-value of "the statistic is 0" read off the same construction, or the reason neither is
+    available. `method`: "bootstrap" (expanded percentile, order statistics) or "t" (linearized, t with `dof`)."""
+
+    ci: list[float] | None
+    p_value: float | None
+    method: str | None
+    reason: str | None = None
+
+
+def interval(est: float | None, reps: np.ndarray, se: Callable[[], float], dof: int, reason: str | None = None,
+             level: float = 0.95) -> Interval:
+    """`est` (None when there is nothing to estimate), its bootstrap replicates and (called only when needed) its
+    linearized standard error. The bootstrap is used when the expanded tail holds at least MIN_TAIL_REPLICATES
+    replicates: then the interval is the order statistics k = ceil(tail * B) from each end and p = 2 t_dof.sf(z) with
+    z = norm.isf(max(c, 1) / B), c the replicates on the far side of 0, so p < 0.05 exactly when 0 is outside.
+    Otherwise est +- t_dof * se and p = 2 t_dof.sf(|est| / se)."""
+    from scipy.stats import norm, t
+
+    if reason is not None:
+        return Interval(None, None, None, reason)
+    if est is None or not np.isfinite(est):
+        return Interval(None, None, None, "no finite position to estimate it from")
+    if dof < 1:
+        return Interval(None, None, None, f"{dof} degrees of freedom")
+    tail = _expanded_tail(dof, level)
+    reps = np.asarray(reps, dtype=np.float64)
+    reps = np.sort(reps[np.isfinite(reps)])
+    b = len(reps)
+    if b * tail >= MIN_TAIL_REPLICATES:
+        k = int(np.ceil(tail * b))
+        lo, hi = float(reps[k - 1]), float(reps[b - k])
+        c = min(int(np.sum(reps <= 0)), int(np.sum(reps >= 0)))
+        p = min(1.0, 2 * float(t.sf(norm.isf(max(c, 1) / b), dof)))
+        outside = lo > 0 or hi < 0
+        if outside != (p < 1 - level):   # a rounding step at the boundary: the counts decide
+            p = float(np.nextafter(1 - level, 0)) if outside else 1 - level
+        return Interval([lo, hi], p, "bootstrap")
+    if se is None:
+        return Interval(None, None, None, f"{b} bootstrap replicates cannot resolve the 95% tails at {dof} degrees of "
+                                          f"freedom and this statistic has no analytic interval")
+    s = se()
+    if s is None or not np.isfinite(s):
+        return Interval(None, None, None, "no finite position to estimate it from")
+    q = float(t.isf((1 - level) / 2, dof))
+    if s == 0:
+        return Interval([float(est), float(est)], 1.0 if est == 0 else 0.0, "t")
+    return Interval([float(est - q * s), float(est + q * s)], min(1.0, 2 * float(t.sf(abs(est) / s, dof))), "t")
+
+
 def _finite(x: float) -> float | None:
     return float(x) if x is not None and np.isfinite(x) else None
 
 
-def _exp_ci(ci: list) -> list:
-    return [float(np.exp(x)) if x is not None else None for x in ci]
+def _exp_ci(ci: list | None) -> list | None:
+    return [float(np.exp(x)) for x in ci] if ci is not None else None
 
 
 def bootstrap_se(reps: np.ndarray) -> float | None:
@@ -161,20 +285,33 @@ def bootstrap_se(reps: np.ndarray) -> float | None:
 
 @dataclass
 class Estimate:
-    """A point estimate with its row-bootstrap replicates."""
+    """A point estimate with its row-bootstrap replicates. `reason`: why no interval or p-value is available (too
+    few rows); `lin_se`: its linearized standard error, for the t interval where the bootstrap cannot resolve its
+    tails (None: no analytic interval, so none then). See `interval`."""
 
     value: float | None
     reps: np.ndarray
     dof: int | None
+    reason: str | None = None
+    lin_se: Callable[[], float] | None = None
 
-    def ci(self) -> list:
-        return percentile_ci(self.reps, dof=self.dof)
+    def interval(self) -> Interval:
+        if getattr(self, "_interval", None) is None:
+            self._interval = interval(self.value, self.reps, self.lin_se, self.dof if self.dof is not None else 0,
+                                      self.reason)
+        return self._interval
+
+    def ci(self) -> list | None:
+        return self.interval().ci
 
     def se(self) -> float | None:
-        return bootstrap_se(self.reps)
+        iv = self.interval()
+        if iv.ci is None:
+            return None
+        return float(self.lin_se()) if iv.method == "t" else bootstrap_se(self.reps)
 
-    def p_value(self) -> float:
-        return bootstrap_p_value(self.reps[np.isfinite(self.reps)], dof=self.dof)
+    def p_value(self) -> float | None:
+        return self.interval().p_value
 
 
 @dataclass
@@ -188,15 +325,20 @@ class Scopes:
 
 def ratio_scopes(boot: RatioBootstrap, num: str, den: str, groups: RowGroups, transform=None) -> Scopes:
     """sum(num) / sum(den) pooled, per domain and domains-equal (the mean of the domains' ratios), each with its
-    replicates; `transform` (e.g. np.sqrt, np.exp) is applied to the point and to every replicate."""
+    replicates; `transform` (e.g. np.sqrt, np.exp) is applied to the point and to every replicate (a transformed
+    statistic has no linearized SE: its interval needs enough degrees of freedom for the bootstrap)."""
     f = transform or (lambda x: x)
+    why = not_available(groups)
+    se = (lambda g: None) if transform is not None else (lambda g: g)
     with np.errstate(invalid="ignore", divide="ignore"):
         est, reps = boot.pooled(num, den)
         d_est, d_reps = boot.per_domain(num, den)
         e_est, e_reps = boot.domains_equal(num, den)
-        return Scopes(Estimate(_finite(f(est)), f(reps), groups.dof()),
-                      [Estimate(_finite(f(d_est[i])), f(d_reps[:, i]), groups.dof(i)) for i in range(len(groups.domains))],
-                      Estimate(_finite(f(e_est)), f(e_reps), groups.dof()))
+        return Scopes(Estimate(_finite(f(est)), f(reps), groups.dof(), why, se(lambda: boot.pooled_se(num, den))),
+                      [Estimate(_finite(f(d_est[i])), f(d_reps[:, i]), groups.dof(i), not_available(groups, i),
+                                se(lambda i=i: boot.domain_se(num, den, i))) for i in range(len(groups.domains))],
+                      Estimate(_finite(f(e_est)), f(e_reps), groups.dof(), why,
+                               se(lambda: boot.domains_equal_se(num, den))))
 
 
 def weighted_quantile(sorted_values: np.ndarray, weights: np.ndarray, qs: Sequence[float]) -> np.ndarray:
@@ -337,7 +479,7 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
             **quant[i if i is not None else "overall"],
         }
         if not has_reverse:
-            out["kld_reverse_mean"], out["kld_reverse_mean_ci95"] = None, [None, None]
+            out["kld_reverse_mean"], out["kld_reverse_mean_ci95"] = None, None
         return out
 
     finite_kld = m["kld"][ok]
@@ -356,6 +498,7 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
         "ln_ppl_ratio": dnll.overall.value, "ln_ppl_ratio_ci95": dnll.overall.ci(),
         **scope(None, np.ones(groups.n_rows, bool)),
         "kld_max": float(finite_kld.max()) if finite_kld.size else None,
+        "ci_unavailable": not_available(groups),
     }
     eq = {"kld_reverse_mean": kldr.equal, "delta_nll_mean": dnll.equal, "delta_p_mean": dp.equal, "rms_delta_p": rms.equal,
           "rows_worse_share": worse_share.equal}
@@ -363,7 +506,7 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
     domains_equal.update({f"{k}_ci95": v.ci() for k, v in eq.items()})
     domains_equal["delta_nll_mean_se"] = dnll.equal.se()
     if not has_reverse:
-        domains_equal["kld_reverse_mean"], domains_equal["kld_reverse_mean_ci95"] = None, [None, None]
+        domains_equal["kld_reverse_mean"], domains_equal["kld_reverse_mean_ci95"] = None, None
     domains_equal.update({"kld_mean": kld.equal.value, "kld_mean_ci95": kld.equal.ci(),
                           "top1": top1.equal.value, "top1_ci95": top1.equal.ci(),
                           "topk_agreement": [{"k": k + 1, "value": s.equal.value, "ci95": s.equal.ci()}
@@ -388,6 +531,7 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
             "ppl_ref": _finite(np.exp(ref_nll.domains[i].value)) if ref_nll.domains[i].value is not None else None,
             **scope(i, in_domain),
             "kld_max": float(m["kld"][sel].max()) if sel.any() else None,
+            "ci_unavailable": not_available(groups, i),
         }
     return {"overall": overall, "domains": domains}
 
@@ -400,19 +544,20 @@ def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain:
     qs = [q / 100 for q in KLD_PERCENTILES.values()]
     keys = list(KLD_PERCENTILES)
 
-    def block(values, point, reps, dof):
-        return {**{k: (float(point[j]) if np.isfinite(point[j]) else None) for j, k in enumerate(keys)},
-                **{f"{k}_ci95": percentile_ci(reps[:, j], dof=dof) for j, k in enumerate(keys)}}
+    def block(values, point, reps, dof, reason=None):
+        value = lambda j: float(point[j]) if np.isfinite(point[j]) else None
+        return {**{k: value(j) for j, k in enumerate(keys)},
+                **{f"{k}_ci95": Estimate(value(j), reps[:, j], dof, reason).ci() for j, k in enumerate(keys)}}
 
     out = {}
     v, r, d = kld[ok], row[ok], pos_domain[ok]
     point = np.percentile(v, [100 * q for q in qs]) if v.size else np.full(len(qs), np.nan)
-    out["overall"] = block(v, point, quantile_reps(v, r, counts, qs), groups.dof())
+    out["overall"] = block(v, point, quantile_reps(v, r, counts, qs), groups.dof(), not_available(groups))
     for i in range(len(groups.domains)):
         sel = d == i
         vi = v[sel]
         point = np.percentile(vi, [100 * q for q in qs]) if vi.size else np.full(len(qs), np.nan)
-        out[i] = block(vi, point, quantile_reps(vi, r[sel], counts, qs), groups.dof(i))
+        out[i] = block(vi, point, quantile_reps(vi, r[sel], counts, qs), groups.dof(i), not_available(groups, i))
     n_d = np.bincount(d, minlength=len(groups.domains)).astype(float)
     # domains-equal: a position weighs 1 / (its domain's position count), in a replicate its resampled count
     row_pos = np.bincount(r, minlength=groups.n_rows).astype(float)
@@ -423,7 +568,7 @@ def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain:
     order = np.argsort(v, kind="stable")
     point = weighted_quantile(v[order], point_w[order], qs) if v.size else np.full(len(qs), np.nan)
     reps = quantile_reps(v, r, counts * inv[:, groups.row_domain], qs)
-    out["equal"] = block(v, point, reps, groups.dof())
+    out["equal"] = block(v, point, reps, groups.dof(), not_available(groups))
     return out
 
 
@@ -435,8 +580,10 @@ def paired_difference(pm_a: PositionMetrics, pm_b: PositionMetrics, groups: RowG
     """Pack A vs pack B on the same positions (finite in both), for KL(P_ref || pack) and KL(pack || P_ref): the paired
     difference A - B and the relative change 100 (A - B) / B (%), pooled, per domain and domains-equal, each with a 95%
     CI by the row bootstrap (rows keep A and B together, so the pairing is kept) and a two-sided bootstrap p-value for
-    "no difference" (its floor is about 1 / (n_boot + 1)); per-domain p-values also Holm-corrected across the domains
-    (statsmodels' multipletests). The top-level keys are the pooled KL(P_ref || pack) figures."""
+    "no difference" read off the same interval (`interval`: p < 0.05 exactly when 0 is outside it; a bootstrap
+    p-value's floor is about 1 / n_boot); per-domain p-values also Holm-corrected across the domains that have one
+    (statsmodels' multipletests). On too few rows, or with no position finite in both, intervals and p-values are
+    null and `unavailable` says why. The top-level keys are the pooled KL(P_ref || pack) figures."""
     ok = pm_a.finite.numpy() & pm_b.finite.numpy()
     out = {"positions": int(ok.sum())}
     for metric in PAIRED_METRICS:
@@ -449,8 +596,9 @@ def paired_difference(pm_a: PositionMetrics, pm_b: PositionMetrics, groups: RowG
                                    "n": groups.row_sums(ok.astype(float))}, groups, n_boot, seed)
         out[metric] = _paired_block(boot, groups)
     first = out["kld"] or {}
-    out.update({"kld_mean_diff": first.get("diff"), "ci95": first.get("diff_ci95", [None, None]),
-                "p_value": first.get("p_value", 1.0)})
+    why = first.get("unavailable") if out["kld"] else "no position is finite in both packs"
+    out.update({"kld_mean_diff": first.get("diff"), "ci95": first.get("diff_ci95"), "p_value": first.get("p_value"),
+                "method": first.get("method"), "unavailable": why})
     return out
 
 
@@ -462,19 +610,22 @@ def _paired_block(boot: RatioBootstrap, groups: RowGroups) -> dict:
     def rel(d: Estimate, base: Estimate) -> Estimate:
         with np.errstate(invalid="ignore", divide="ignore"):
             value = 100 * d.value / base.value if d.value is not None and base.value else None
-            return Estimate(_finite(value) if value is not None else None, 100 * d.reps / base.reps, d.dof)
+            return Estimate(_finite(value) if value is not None else None, 100 * d.reps / base.reps, d.dof, d.reason)
 
     def block(d: Estimate, ea: Estimate, eb: Estimate) -> dict:
-        r = rel(d, eb)
-        return {"a": ea.value, "b": eb.value, "diff": d.value, "diff_ci95": d.ci(), "diff_se": d.se(),
+        r, iv = rel(d, eb), d.interval()
+        return {"a": ea.value, "b": eb.value, "diff": d.value, "diff_ci95": iv.ci, "diff_se": d.se(),
                 "relative_change_pct": r.value, "relative_change_pct_ci95": r.ci(),
-                "p_value": d.p_value() if d.value is not None else 1.0}
+                "p_value": iv.p_value, "method": iv.method, "unavailable": iv.reason}
 
     out = block(diff.overall, a.overall, b.overall)
     per = {name: block(diff.domains[i], a.domains[i], b.domains[i]) for i, name in enumerate(groups.domains)}
-    if per:
-        holm = multipletests([v["p_value"] for v in per.values()], method="holm")[1]
-        for v, p in zip(per.values(), holm):
+    tested = {name: v for name, v in per.items() if v["p_value"] is not None}
+    for v in per.values():
+        v["p_holm"] = None
+    if tested:
+        holm = multipletests([v["p_value"] for v in tested.values()], method="holm")[1]
+        for v, p in zip(tested.values(), holm):
             v["p_holm"] = float(p)
     out["domains"] = per
     out["domains_equal"] = block(diff.equal, a.equal, b.equal)

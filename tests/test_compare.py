@@ -199,13 +199,20 @@ def test_resume_folder_refuses_a_damaged_pass_and_ignores_a_stale_one(tiny, tmp_
                   resume=keep)
     assert res.report["resumed"] == ["reference"] and json.loads(done.read_text()) == key
     import pyarrow.parquet as pq
+    from fidelity.content_hash import tree_digest
     table = pq.read_table(data)
     pq.write_table(table.slice(1), data)                                 # a table for other positions under its identity
+    with pytest.raises(PackError, match=r"finished pass 'pack-.*changed after it was written .*BLAKE3 checksum differs.*"
+                                        r"delete it to recompute it.*pack-.*\.parquet"):
+        compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
+                resume=keep)
+    done.write_text(json.dumps({**key, "checksum": tree_digest(data)}))  # ...even with a checksum that matches it
     with pytest.raises(PackError, match=r"finished pass 'pack-.*holds other positions than this panel's; delete it to "
                                         r"recompute it.*pack-.*\.parquet"):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
                 resume=keep)
     data.write_bytes(data.read_bytes()[:100])                            # damaged after it was finished
+    done.write_text(json.dumps({**key, "checksum": tree_digest(data)}))
     with pytest.raises(PackError, match=r"cannot read the finished pass 'pack-.*delete it to recompute.*pack-.*\.parquet"):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
                 resume=keep)

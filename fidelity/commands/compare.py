@@ -67,10 +67,15 @@ def _rows_worse(d: dict) -> str:
     return f"{rw['worse']}/{rw['rows']} (p {fmt(rw['sign_test_p'], '.2g')})"
 
 
+def measured(result: dict) -> list[dict]:
+    """The results that hold numbers (a pack that failed has only its error)."""
+    return [r for r in result["results"] if r.get("status", "measured") != "failed"]
+
+
 def table_rows(result: dict) -> list[list[str]]:
     """One block per pack: per-domain rows, then overall (pooled) and domains-equal."""
     out = []
-    for r in result["results"]:
+    for r in measured(result):
         for name, d in _scopes(r):
             out.append([r["label"], name, str(d["positions"]) if "positions" in d else "", fmt(d.get("kld_mean")),
                         fmt_ci(d.get("kld_mean_ci95")), fmt(d.get("kld_reverse_mean")), pct(d.get("top1")),
@@ -93,7 +98,7 @@ def _per_token_bpw(r: dict) -> float | None:
 
 def summary_rows(result: dict) -> list[list[str]]:
     out = []
-    for r in result["results"]:
+    for r in measured(result):
         o = r["overall"]
         out.append([r["label"], fmt(r["bpw"], ".3f"), fmt(_per_token_bpw(r), ".3f"), fmt(o["kld_mean"]),
                     fmt(o.get("x_noise_floor"), ".1f"), fmt(o["kld_p99"]), fmt(o["kld_max"]), pct(o["top1"]),
@@ -106,7 +111,7 @@ def summary_rows(result: dict) -> list[list[str]]:
 def _full_tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """The tables `--full` prints and the Markdown always carries: (title, headers, rows)."""
     dist, agree, conf, bits, paired = [], [], [], [], []
-    for r in result["results"]:
+    for r in measured(result):
         for name, d in _scopes(r):
             dist.append([r["label"], name] + [f"{fmt(d.get(k))} {fmt_ci(d.get(k + '_ci95'))}"
                                               for k in ("kld_median", "kld_p90", "kld_p99", "kld_p999")]
@@ -163,11 +168,17 @@ def print_report(result: dict, console: Console | None = None, full: bool = Fals
         con.print(f"resumed: {', '.join(result['resumed'])} read back from the resume folder, not recomputed")
     nf = result.get("noise_floor")
     if nf:
+        top1 = fmt(100 * nf["top1"], ".2f") if nf.get("top1") is not None else "-"
         con.print(f"noise floor (reference with ~1 bf16 rounding step of noise on every module output): "
-                  f"KLD {fmt(nf['kld_mean'], '.2e')}  top-1 {fmt(100 * nf['top1'], '.2f')}%")
+                  f"KLD {fmt(nf['kld_mean'], '.2e')}  top-1 {top1}%")
     con.print(_rich_table("per domain (ΔNLL = NLL pack - NLL ref; rows worse: rows whose mean NLL rose, sign test p)",
                           HEADERS, table_rows(result)))
     con.print(_rich_table("summary", SUMMARY_HEADERS, summary_rows(result)))
+    for note in uncertainty_notes(result):
+        con.print(f"[yellow]{note}[/yellow]", markup=True)
+    for r in result["results"]:
+        if r.get("status") == "failed":
+            con.print(f"[bold red]FAILED[/bold red] {r['label']} ({r['pack']}): {r['error']}", markup=True)
     if result["paired"]:
         pt = Table(title="paired: mean KLD(a) - KLD(b) on the same positions")
         for h in ("a", "b", "difference", "95% CI", "change %", "p-value"):
@@ -184,6 +195,22 @@ def print_report(result: dict, console: Console | None = None, full: bool = Fals
     else:
         con.print("[dim]--full: KLD quantiles, top-K agreement, Δp, KLD by reference confidence, bpw rows and "
                   "per-domain paired differences (the JSON and Markdown always carry them)[/dim]")
+
+
+def uncertainty_notes(result: dict) -> list[str]:
+    """Why intervals or p-values are shown as '-' (too few rows, no finite position), once per reason."""
+    notes = []
+    for r in measured(result):
+        for where, block in [("overall", r["overall"]), *r["domains"].items()]:
+            why = block.get("ci_unavailable")
+            if why and f"95% CI not available: {why}" not in notes:
+                notes.append(f"95% CI not available: {why}")
+    for d in result.get("paired") or []:
+        if d.get("unavailable"):
+            note = f"paired {d['a']} - {d['b']}: CI and p-value not available: {d['unavailable']}"
+            if note not in notes:
+                notes.append(note)
+    return notes
 
 
 def markdown(result: dict) -> str:
@@ -207,7 +234,19 @@ def markdown(result: dict) -> str:
         lines += [f"**{title}**", "", "| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
         lines += ["| " + " | ".join(strip(c) for c in r) + " |" for r in rows]
         lines.append("")
-    return "\n".join(lines) + "\n"
+    lines += [f"- {n}" for n in uncertainty_notes(result)]
+    lines += [f"- **FAILED** {r['label']} (`{r['pack']}`): {r['error']}" for r in result["results"]
+              if r.get("status") == "failed"]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _write_text(path: str, text: str) -> None:
+    import os
+
+    p = Path(path)
+    tmp = p.with_name(p.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, p)
 
 
 def write_outputs(res, args) -> None:
@@ -215,28 +254,85 @@ def write_outputs(res, args) -> None:
 
     res.report.setdefault("command_line", getattr(args, "command_line", None))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(res.report, indent=2) + "\n")
+        _write_text(args.json_out, json.dumps(res.report, indent=2) + "\n")
     if args.markdown:
-        Path(args.markdown).write_text(markdown(res.report))
+        _write_text(args.markdown, markdown(res.report))
     if args.out:
         write_records(res, args.out)
 
 
+class OutLock:
+    """An exclusive lock on a folder compare writes into (`--out`, `--resume`): a second compare into it is refused at
+    once, naming the folder and the process holding it, instead of racing on its files. Released when the process
+    ends, however it ends (flock)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._file = None
+
+    def __enter__(self):
+        import fcntl
+        import os
+
+        from ..errors import FidelityError
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / ".fidelity-compare.lock"
+        self._file = open(path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise FidelityError(f"{self.folder} is in use by another fidelity compare ({holder}); wait for it to finish "
+                                f"or give another --out / --resume folder") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"pid {os.getpid()}\n")
+        self._file.flush()
+        return self
+
+    def __exit__(self, *exc):
+        if self._file is not None:
+            self._file.close()
+
+
+def _write_error(args, error: BaseException) -> None:
+    """The JSON asked for is written even when the run fails: the error in place of the numbers."""
+    if getattr(args, "json_out", None):
+        from .. import __version__
+
+        _write_text(args.json_out, json.dumps({"fidelity_version": __version__, "status": "error",
+                                               "error": f"{type(error).__name__}: {error}",
+                                               "command_line": getattr(args, "command_line", None)}, indent=2) + "\n")
+
+
 def run(args) -> int:
+    from contextlib import ExitStack
+
     from .. import distributed
     from ..compare import compare
+    from ..errors import FidelityError
 
     distributed.configure(parallel=getattr(args, "parallel", "rows"))
-    try:
-        res = compare(args.reference, args.packs, panel=args.panel, reference_store=args.reference_store,
-                      device=args.device, labels=args.label, noise_floor=not args.no_noise_floor, n_boot=args.bootstrap,
-                      seed=args.seed, truncate=args.truncate, progress=distributed.is_main(),
-                      resume=args.resume or (Path(args.out) / "passes" if args.out else None))
-    except BaseException as e:
-        distributed.finish(e)
-        raise
-    distributed.finish()  # every rank got here: the result is complete
-    if distributed.is_main():
-        print_report(res.report, full=args.full)
-        write_outputs(res, args)
-    return 0
+    resume = args.resume or (Path(args.out) / "passes" if args.out else None)
+    with ExitStack() as locks:
+        try:
+            if distributed.is_main():
+                for folder in dict.fromkeys(f for f in (args.out, resume) if f):
+                    locks.enter_context(OutLock(folder))
+            res = compare(args.reference, args.packs, panel=args.panel, reference_store=args.reference_store,
+                          device=args.device, labels=args.label, noise_floor=not args.no_noise_floor,
+                          n_boot=args.bootstrap, seed=args.seed, truncate=args.truncate,
+                          progress=distributed.is_main(), resume=resume)
+        except BaseException as e:
+            distributed.finish(e)
+            if distributed.is_main() and isinstance(e, FidelityError):
+                _write_error(args, e)
+            raise
+        distributed.finish()  # every rank got here: the result is complete
+        if distributed.is_main():
+            write_outputs(res, args)   # every result on disk before anything is printed
+            print_report(res.report, full=args.full)
+    return 1 if res.report.get("failed") else 0

@@ -142,28 +142,46 @@ class EngineClient:
 
     # ---- the one path every request takes -------------------------------------------------------------------------------
 
-    async def post(self, path: str, body: dict, *, tag: str = "", journal: bool = True) -> dict:
-        """POST `body` (JSON) to `path`; returns the parsed JSON reply, from the journal when it already holds it."""
-        return (await self._post(path, body, tag, journal))[0]
+    async def post(self, path: str, body: dict, *, tag: str = "", journal: bool = True, check=None) -> dict:
+        """POST `body` (JSON) to `path`; returns the parsed JSON reply, from the journal when it already holds it.
+        `check(reply)` raises EngineProtocolError for a reply that breaks the protocol: such a reply is never journaled
+        (and one found in an older journal is asked for again)."""
+        return (await self._post(path, body, tag, journal, check))[0]
 
-    async def _post(self, path: str, body: dict, tag: str, journal: bool = True) -> tuple[dict, bool]:
+    async def _post(self, path: str, body: dict, tag: str, journal: bool = True, check=None) -> tuple[dict, bool]:
         """(reply, whether the journal answered this request)."""
         key = request_key(path, body, tag)
         if journal and self.journal is not None:
             hit = self.journal.get(key)
             if hit is not None:
-                self.stats.journal_hits += 1
-                return hit, True
+                try:
+                    if check is not None:
+                        check(hit)
+                    self.stats.journal_hits += 1
+                    return hit, True
+                except EngineProtocolError:
+                    pass  # journaled before replies were validated: ask the engine again
         reply = await self._send("POST", path, body, tag)
+        if check is not None:
+            check(reply)
         if journal and self.journal is not None:
             self.journal.put(key, reply, path=path, tag=tag)
         return reply, False
 
-    async def _call(self, path: str, body: dict, parse, tag: str):
-        """The endpoints' one request helper: POST (journal, retries), then `parse(reply, url=, tag=)`; the result's
-        `from_journal` is this request's own journal hit (not a shared counter other requests in flight also move)."""
-        reply, hit = await self._post(path, body, tag)
-        out = parse(reply, url=self.config.base + path, tag=tag)
+    async def _call(self, path: str, body: dict, parse, tag: str, validate=None):
+        """The endpoints' one request helper: POST (journal, retries), then `parse(reply, url=, tag=)` and
+        `validate(parsed)` (both raise EngineProtocolError) before the reply is journaled; the result's `from_journal`
+        is this request's own journal hit (not a shared counter other requests in flight also move)."""
+        parsed = {}
+
+        def check(reply):
+            out = parse(reply, url=self.config.base + path, tag=tag)
+            if validate is not None:
+                validate(out)
+            parsed["out"] = out
+
+        reply, hit = await self._post(path, body, tag, check=check)
+        out = parsed["out"]
         out.from_journal = hit
         return out
 
@@ -211,12 +229,14 @@ class EngineClient:
     async def completion(self, prompt: str | list[int], *, max_tokens: int = 16, temperature: float = 0.0,
                          logprobs: int | None = None, echo: bool = False, prompt_logprobs: int | None = None,
                          stop: list[str] | None = None, seed: int | None = None, extra: dict | None = None,
-                         tag: str = "") -> Completion:
-        """`/v1/completions`. `prompt` is text or token ids (not every server accepts ids). `prompt_logprobs` is vLLM's extension."""
+                         tag: str = "", validate=None) -> Completion:
+        """`/v1/completions`. `prompt` is text or token ids (not every server accepts ids). `prompt_logprobs` is vLLM's extension.
+        `validate(completion)` raises EngineProtocolError for a reply the caller cannot use (ids outside its vocabulary):
+        it is raised here and the reply is not journaled."""
         body = {"model": self.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                 **_given(logprobs=logprobs, echo=True if echo else None, prompt_logprobs=prompt_logprobs, stop=stop or None, seed=seed),
                 **(extra or {})}
-        return await self._call("/v1/completions", body, parse_completion, tag)
+        return await self._call("/v1/completions", body, parse_completion, tag, validate)
 
     async def chat(self, messages: list[dict], *, max_tokens: int = 256, temperature: float = 0.0, tools: list[dict] | None = None,
                    tool_choice: str | dict | None = None, logprobs: bool = False, top_logprobs: int | None = None,
@@ -238,16 +258,20 @@ class EngineClient:
             else:
                 body = {"model": self.config.model, "prompt": text, "content": text, "add_special_tokens": add_special,
                         "add_special": add_special}
+            def check(reply, route=route):
+                tokens = reply.get("tokens") if isinstance(reply, dict) else None
+                if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                           for t in tokens):
+                    raise EngineProtocolError(f"tokenize reply has no list of non-negative integer 'tokens': "
+                                              f"{str(reply)[:200]}", url=self.config.base + route, tag="tokenize")
+
             try:
-                reply = await self.post(route, body, tag="tokenize")
+                reply = await self.post(route, body, tag="tokenize", check=check)
             except EngineHTTPError as e:
                 if e.status in (404, 405, 422):
                     continue
                 raise
-            tokens = reply.get("tokens")
-            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-                raise EngineProtocolError(f"tokenize reply has no integer 'tokens' list: {str(reply)[:200]}",
-                                          url=self.config.base + route, tag="tokenize")
+            tokens = reply["tokens"]
             self._tokenize_route = route
             return tokens
         return None
@@ -325,6 +349,9 @@ def parse_vllm_prompt_logprobs(pl: list, url: str = "", tag: str = "") -> list[T
             raise EngineProtocolError(f"prompt_logprobs[{i}] is not an object", url=url, tag=tag)
         ids, text = {}, {}
         for k, v in pos.items():
+            if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+                raise EngineProtocolError(f"prompt_logprobs[{i}] has key {k!r}, not a token id (a non-negative integer)",
+                                          url=url, tag=tag)
             lp = v.get("logprob") if isinstance(v, dict) else v
             ids[int(k)] = _number(lp, f"prompt_logprobs[{i}][{k}]", url, tag)
             if isinstance(v, dict) and v.get("decoded_token") is not None:

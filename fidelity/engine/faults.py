@@ -12,7 +12,9 @@ dropped half-way through the body (`drop_attempts`), and logprobs perturbed by a
 of echoed prompt positions by +delta (even token ids) / -delta (odd ids), `perturb_batched` does the same only while another request
 is in flight (a batch-dependent kernel); `shift_echo` returns echo logprobs one position early, as llama-cpp-python does for a
 prompt without BOS (the entry of each token holds the distribution of the token after it; the first is null and the last
-generated token has none). In front of an upstream, each returned top-k logprob moves by +-delta (by a hash of its
+generated token has none). Protocol faults: `null_logprobs` nulls the logprobs of that fraction of positions
+(the same positions in every reply), `bad_prompt_id` adds a malformed or out-of-range token id to every prompt_logprobs
+position. In front of an upstream, each returned top-k logprob moves by +-delta (by a hash of its
 text) and the returned set is renormalized to its original mass, so no logprob moves by more than 2 delta.
 """
 from __future__ import annotations
@@ -42,6 +44,8 @@ class FaultPlan:
     perturb_prefill: float = 0.0
     perturb_batched: float = 0.0
     shift_echo: bool = False
+    null_logprobs: float = 0.0  # this fraction of positions (fixed by position index) gets null logprobs and top lists
+    bad_prompt_id: str = ""  # a key added to every prompt_logprobs position, e.g. "999999999", "abc", "-1"
 
     @classmethod
     def from_json(cls, text: str | None) -> "FaultPlan":
@@ -206,15 +210,27 @@ class FaultServer:
             choice["logprobs"] = self.legacy_logprobs(rows, int(k))
             if self.plan.truncate_logprobs:
                 self.truncate({"choices": [choice]})
+            lp = choice["logprobs"]
+            for i in range(len(lp["tokens"])):
+                if self._nulled(i):
+                    lp["token_logprobs"][i] = None
+                    lp["top_logprobs"][i] = None
         if req.get("prompt_logprobs") is not None:  # vLLM's shape: ids as keys, every prompt position
             pk = int(req["prompt_logprobs"])
             choice["prompt_logprobs"] = [None]
             for t in range(1, len(ids)):
                 lp = self.model.logprobs_after(ids[:t], shift=self.plan.perturb_prefill + batched)
                 keep = set(np.argsort(-lp, kind="stable")[:pk].tolist()) | {ids[t]}
-                choice["prompt_logprobs"].append({str(i): {"logprob": float(lp[i]), "decoded_token": VOCAB[i]} for i in keep})
+                entry = {str(i): {"logprob": float(lp[i]), "decoded_token": VOCAB[i]} for i in keep}
+                if self.plan.bad_prompt_id:
+                    entry[self.plan.bad_prompt_id] = {"logprob": -30.0, "decoded_token": "?"}
+                choice["prompt_logprobs"].append(None if self._nulled(t) else entry)
         return {"object": "text_completion", "model": "toy", "choices": [choice],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)}}
+
+    def _nulled(self, i: int) -> bool:
+        f = self.plan.null_logprobs
+        return bool(f) and hashlib.sha256(str(i).encode()).digest()[0] < 256 * f
 
     def legacy_logprobs(self, rows: list[tuple[int, np.ndarray | None]], k: int) -> dict:
         tokens, values, tops, offsets, off = [], [], [], [], 0

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from .client import Completion, EngineClient, EngineError, TokenLogprob
+from .client import Completion, EngineClient, EngineError, EngineProtocolError, TokenLogprob
 
 DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     # mean KL(reference || engine) in nats over scored positions (top-k estimator, see oracle_kl), and top-1 agreement
@@ -85,6 +85,7 @@ class GateSettings:
     worst: int = 5
     prompt_logprobs: bool = False  # oracle-kl: ask for vLLM's prompt_logprobs (token ids) instead of echo + logprobs
     bootstrap: int = 2000  # oracle-kl: row-bootstrap replicates of its per-domain intervals
+    min_coverage: float = 0.99  # fraction of positions that must carry logprobs (oracle-kl: of scored positions compared)
 
 
 def _verdict(name: str, checks: list[Check], **kw) -> GateResult:
@@ -106,11 +107,14 @@ def _checks(th: dict[str, float], measured: dict) -> list[Check]:
 
 
 async def run_gate(name: str, fn: Callable, *args, **kw) -> GateResult:
+    """A gate that raises could not run: status "error" (exit 2, JSON and JUnit still written), never a pass or fail."""
     t0 = time.monotonic()
     try:
         res = await fn(*args, **kw)
     except EngineError as e:
         res = GateResult(name, "error", error=str(e))
+    except Exception as e:  # a reply the gate cannot use in a way no check above named: still an error, not a crash
+        res = GateResult(name, "error", error=f"{type(e).__name__}: {e}")
     res.seconds = round(time.monotonic() - t0, 3)
     return res
 
@@ -137,21 +141,44 @@ class SeqDiff:
     max_abs: float
     kl_mean: float
     first_divergence: int | None
+    compared: int = 0  # positions of the common prefix where both sides carry a logprob
+    expected: int = 0  # positions of the common prefix that should (an echo's first token has none)
 
 
-def compare_positions(a: list[TokenLogprob], b: list[TokenLogprob]) -> SeqDiff:
-    """Tokens must match position by position; logprob deltas are taken over the common prefix of equal tokens."""
+def compare_positions(a: list[TokenLogprob], b: list[TokenLogprob], echo: bool = False) -> SeqDiff:
+    """Tokens must match position by position; logprob deltas are taken over the common prefix of equal tokens.
+    `echo`: position 0 is an echoed first token, which has no logprob on either side."""
     n = min(len(a), len(b))
     first = next((i for i in range(n) if a[i].token != b[i].token), None)
     identical = first is None and len(a) == len(b)
     upto = n if first is None else first
     deltas, kls = [], []
+    expected = 0
     for i in range(upto):
+        if not (echo and i == 0):
+            expected += 1
         if a[i].logprob is not None and b[i].logprob is not None:
             deltas.append(abs(a[i].logprob - b[i].logprob))
         if a[i].top and b[i].top:
             kls.append(topk_kl(a[i].top, b[i].top))
-    return SeqDiff(identical, max(deltas, default=0.0), float(np.mean(kls)) if kls else 0.0, first)
+    return SeqDiff(identical, max(deltas, default=0.0), float(np.mean(kls)) if kls else 0.0, first,
+                   compared=len(deltas), expected=expected)
+
+
+def coverage_error(gate: str, items: list[tuple[str, int, int]], s: "GateSettings", what: str) -> GateResult | None:
+    """An error result when fewer than `s.min_coverage` of the positions that should carry logprobs do, naming the
+    items (prompt, case or row; compared, expected) short of it; None when coverage is enough. A gate measured on
+    a sliver of its positions would pass on no evidence."""
+    compared, expected = sum(c for _, c, _ in items), sum(e for _, _, e in items)
+    frac = compared / expected if expected else 0.0
+    if expected and frac >= s.min_coverage:
+        return None
+    short = [f"{name} ({c}/{e})" for name, c, e in items if e and c / e < s.min_coverage]
+    more = f" and {len(short) - 8} more" if len(short) > 8 else ""
+    return GateResult(gate, "error", measured={"coverage": frac, "compared": compared, "expected": expected},
+                      error=f"only {compared} of {expected} {what} ({100 * frac:.1f} %) could be compared, below the "
+                            f"minimum coverage {100 * s.min_coverage:g} %: the engine left out logprobs; short: "
+                            f"{', '.join(short[:8])}{more}")
 
 
 def _generated(c: Completion, echo: bool) -> list[TokenLogprob]:
@@ -189,9 +216,15 @@ async def batch_invariance(client: EngineClient, s: GateSettings, thresholds: di
             i, c = members[0], batch[0]
             d = compare_positions(alone[i].logprobs, c.logprobs)
             rows.append({"prompt": i, "batch_size": b, "identical": d.identical, "max_abs_dlogprob": d.max_abs,
-                         "first_divergence": d.first_divergence, "alone": alone[i].text, "batched": c.text})
+                         "first_divergence": d.first_divergence, "alone": alone[i].text, "batched": c.text,
+                         "compared": d.compared, "expected": d.expected})
+    short = coverage_error("batch-invariance", [(f"prompt {r['prompt']} batch {r['batch_size']}", r["compared"],
+                                                 r["expected"]) for r in rows], s, "generated positions")
+    if short:
+        return short
     measured = {"identical": float(np.mean([r["identical"] for r in rows])),
-                "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "pairs": len(rows)}
+                "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "pairs": len(rows),
+                "coverage": sum(r["compared"] for r in rows) / sum(r["expected"] for r in rows)}
     worst = sorted(rows, key=lambda r: (r["identical"], -r["max_abs_dlogprob"]))[: s.worst]
     th = _thresholds("batch-invariance", thresholds)
     return _verdict("batch-invariance", _checks(th, measured), measured=measured, worst=worst, notes=notes)
@@ -228,8 +261,14 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
         d = compare_positions(decoded, prefilled)
         deltas = [abs(a.logprob - b.logprob) for a, b in zip(decoded, prefilled)
                   if a.token == b.token and a.logprob is not None and b.logprob is not None]
+        same = sum(a.token == b.token for a, b in zip(decoded, prefilled))
         rows.append({"prompt": i, "positions": len(deltas), "max_abs_dlogprob": d.max_abs, "kl_mean": d.kl_mean,
-                     "generation": gen.text})
+                     "generation": gen.text, "aligned": same})
+    short = coverage_error("decode-vs-prefill", [(f"prompt {r['prompt']}", r["positions"], r["aligned"]) for r in rows],
+                           s, "aligned generated positions")
+    if short and short.measured["expected"]:
+        short.notes = notes
+        return short
     n = sum(r["positions"] for r in rows)
     if n == 0:
         return GateResult("decode-vs-prefill", "error", error="no generated position could be aligned with its prefill", notes=notes)
@@ -298,9 +337,14 @@ async def prefix_cache(client: EngineClient, s: GateSettings, thresholds: dict |
         pairs.append((f"shared prefix + suffix {j}", c, w))
     rows = []
     for label, c, w in pairs:
-        d = compare_positions(c.logprobs, w.logprobs)
+        d = compare_positions(c.logprobs, w.logprobs, echo=True)
         rows.append({"case": label, "identical": d.identical and c.text == w.text, "max_abs_dlogprob": d.max_abs,
-                     "first_divergence": d.first_divergence, "positions": len(c.logprobs)})
+                     "first_divergence": d.first_divergence, "positions": len(c.logprobs), "compared": d.compared,
+                     "expected": d.expected})
+    short = coverage_error("prefix-cache", [(r["case"], r["compared"], r["expected"]) for r in rows], s,
+                           "echoed and generated positions")
+    if short:
+        return short
     measured = {"identical": float(np.mean([r["identical"] for r in rows])),
                 "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "cases": len(rows),
                 "long_prompt_tokens": int(cold.usage.get("prompt_tokens", 0))}
@@ -454,18 +498,36 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
     reference ids, else ids."""
     piece_ids, ambiguous = ref.piece_ids(), ref.ambiguous_texts()
     where_kl: list[dict] = []
+    vocab = len(ref.pieces)
+
+    def ids_in_vocabulary(row: ReferenceRow):
+        """A reply naming a token id outside the reference's vocabulary is a protocol error (never journaled), not an
+        index into it."""
+        def check(c: Completion):
+            for what, entries in (("prompt_logprobs", c.prompt_logprobs), ("logprobs", c.logprobs)):
+                for j, tl in enumerate(entries or []):
+                    if tl is None:
+                        continue
+                    ids = [*(tl.top_ids or {})] + ([tl.token_id] if tl.token_id is not None else [])
+                    bad = [i for i in ids if not 0 <= i < vocab]
+                    if bad:
+                        raise EngineProtocolError(f"row {row.id}: {what}[{j}] names token id {bad[0]}, outside the "
+                                                  f"reference's vocabulary of {vocab}", tag=f"oracle-kl/{row.id}")
+        return check
 
     async def one(row: ReferenceRow):
         prompt = await _row_prompt(client, row, ref, prompt_as)
         if s.prompt_logprobs:  # vLLM: ids and logprobs of every prompt token, one entry per position
-            c = await client.completion(prompt, max_tokens=1, prompt_logprobs=s.top_k, tag=f"oracle-kl/{row.id}")
+            c = await client.completion(prompt, max_tokens=1, prompt_logprobs=s.top_k, tag=f"oracle-kl/{row.id}",
+                                        validate=ids_in_vocabulary(row))
             echoed = c.prompt_logprobs
             if echoed is None or len(echoed) != len(row.tokens):
                 raise EngineError(f"row {row.id}: asked for prompt_logprobs, got {None if echoed is None else len(echoed)} "
                                   f"entries for {len(row.tokens)} tokens", tag=f"oracle-kl/{row.id}")
             where = {t: t for t in range(len(row.tokens))}
         else:
-            c = await client.completion(prompt, max_tokens=1, logprobs=s.top_k, echo=True, tag=f"oracle-kl/{row.id}")
+            c = await client.completion(prompt, max_tokens=1, logprobs=s.top_k, echo=True, tag=f"oracle-kl/{row.id}",
+                                        validate=ids_in_vocabulary(row))
             _need_logprobs(c, f"row {row.id}")
             echoed = c.logprobs  # prompt tokens, then the generated one (which some engines leave out when it is special)
             where = align_echo(row, echoed, ref, generated=int(c.usage.get("completion_tokens", 1)))
@@ -495,8 +557,9 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
 
     echoes: dict[str, tuple] = {}
     shift_kl: dict[int, list[float]] = {}
-    rows, all_pos, by_row = [], [], []
+    rows, all_pos, by_row, covered = [], [], [], []
     for row, per in await asyncio.gather(*(one(r) for r in ref.rows)):
+        covered.append((f"row {row.id}", len(per), len(row.scored)))
         if not per:
             continue
         all_pos += per
@@ -507,12 +570,16 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
                      "tail_mass_max": max(p.tail_mass for p in per)})
     if not all_pos:
         return GateResult("oracle-kl", "error", error="no scored position could be compared")
+    short = coverage_error("oracle-kl", covered, s, "scored positions")
+    if short:
+        return short
     kl = np.array([p.kl for p in all_pos])
     tail = np.array([p.tail_mass for p in all_pos])
     told = [p.top1_agree for p in all_pos if p.top1_agree is not None]
     measured = {"kl_mean": float(kl.mean()), "top1": float(np.mean(told)) if told else float("nan"),
                 "top1_undecidable": len(all_pos) - len(told),
                 "kl_max": float(kl.max()), "kl_p99": float(np.quantile(kl, 0.99)), "positions": len(all_pos), "rows": len(rows),
+                "coverage": len(all_pos) / sum(e for _, _, e in covered),
                 "ref_tail_mass_mean": float(tail.mean()), "ref_tail_mass_max": float(tail.max()), "top_k": s.top_k,
                 "estimator": "KL(ref||engine) on engine top-k ids + one tail bucket: a lower bound of the full KL; "
                              "the gap is tail_mass * KL(ref tail || engine tail), tail_mass reported as ref_tail_mass_*"}
@@ -552,7 +619,7 @@ def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_
     kl, top1, tail = S("kl"), S("top1", "n_top1"), S("tail")
     eng_nll, r_nll, dnll, worse = S("engine_nll", "n_nll"), S("ref_nll", "n_nll"), S("dnll", "n_nll"), S("row_worse", "row_scored")
     exp = lambda v: float(np.exp(v)) if v is not None else None
-    exp_ci = lambda ci: [exp(c) for c in ci]
+    exp_ci = lambda ci: [exp(c) for c in ci] if ci is not None else None
 
     def scope(pick, sel_rows=None) -> dict:
         out = {"kl_mean": pick(kl).value, "kl_mean_ci95": pick(kl).ci(), "top1": pick(top1).value,

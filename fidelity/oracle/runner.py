@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..errors import FidelityError, PackError
+from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
 from .common import Family, Fetch, rms_norm
 
@@ -164,7 +164,7 @@ class Oracle:
         store = ActivationStore(self.device, self._activation_budget(batches, rows))
         for b, (idx, t) in enumerate(zip(batches, ids)):
             x = store.arrived(fam.embed_hook(F.embedding(t, embed)))
-            self._check_finite(x, idx, "the embeddings")
+            self._check_finite(x, idx, None)
             store.put(b, x)
         del embed
         release_freed_memory()
@@ -190,7 +190,7 @@ class Oracle:
             for b, idx in enumerate(batches):
                 x = store.take(b)
                 x = layer(x, _slice_rope(rope, x.shape[1]), *([ids[b]] if fam.wants_tokens else []))
-                self._check_finite(x, idx, f"layer {layer_index}")
+                self._check_finite(x, idx, layer_index)
                 if last:
                     finish(b, x)
                 else:
@@ -320,7 +320,8 @@ class Oracle:
         return batches
 
     @staticmethod
-    def _check_finite(x: torch.Tensor, rows: list[int], where: str) -> None:
+    def _check_finite(x: torch.Tensor, rows: list[int], layer: int | None) -> None:
+        """`layer` None: the embeddings. Raises NonFiniteActivations (compare names the pack, row id and tensor)."""
         if bool(torch.isfinite(x.sum())):  # one cheap pass; NaN and Inf both survive a sum
             return
         finite = torch.isfinite(x).flatten(1).all(dim=1)
@@ -328,7 +329,9 @@ class Oracle:
             j = int((~finite).nonzero()[0])
             kind = "NaN" if bool(torch.isnan(x[j]).any()) else "Inf"
             pos = int((~torch.isfinite(x[j])).flatten(1).any(dim=-1).nonzero()[0])
-            raise FidelityError(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})")
+            where = "the embeddings" if layer is None else f"layer {layer}"
+            raise NonFiniteActivations(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})",
+                                       kind=kind, layer=layer, row=rows[j], position=pos)
 
 
 class ActivationStore:

@@ -107,7 +107,7 @@ class OverlayPack(Pack):
         h.update(self.base.fingerprint().encode())
         h.update(self.overlay.fingerprint().encode())
         h.update(json.dumps(sorted(self.sources()["overlay"])).encode())
-        return h.hexdigest()[:16]
+        return h.hexdigest()[:32]
 
     def __repr__(self) -> str:
         n = len(self.sources()["overlay"])

@@ -68,11 +68,16 @@ class SafetensorsFile:
                 header = json.loads(f.read(header_len))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise PackError(f"unreadable safetensors header: {e}", file=self.path) from None
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(header, dict):
+            raise PackError(f"safetensors header is not a JSON object (got {type(header).__name__})", file=self.path)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise PackError("safetensors header's __metadata__ is not an object", file=self.path)
+        self.metadata: dict[str, str] = meta
         data_start = 8 + header_len
         self.tensors: dict[str, RawTensorInfo] = {}
         for name, h in header.items():
-            dtype, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
+            dtype, shape, (b, e) = _entry(h, self.path, name)
             if dtype not in DTYPES:
                 raise PackError(f"unknown safetensors dtype {dtype!r}", file=self.path, tensor=name)
             expected = math.prod(shape) * DTYPES[dtype][1]
@@ -110,6 +115,28 @@ class SafetensorsFile:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="c")
         buf = self._mmap[info.begin:info.end]
         return torch.from_numpy(buf).view(torch_dtype).reshape(info.shape)
+
+
+def _entry(h, path: Path, name: str) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, data_offsets) of one header entry, checked the way the safetensors library checks them: a
+    string dtype, a list of non-negative integer dims, two non-negative integer offsets in order."""
+    if not isinstance(h, dict):
+        raise PackError(f"header entry is not an object (got {type(h).__name__})", file=path, tensor=name)
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in h]
+    if missing:
+        raise PackError(f"header entry lacks {', '.join(missing)}", file=path, tensor=name)
+    dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+    is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)
+    if not isinstance(dtype, str):
+        raise PackError(f"header dtype {dtype!r} is not a string", file=path, tensor=name)
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+        raise PackError(f"header shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(x) for x in offsets)):
+        raise PackError(f"header data_offsets {offsets!r} is not two integers", file=path, tensor=name)
+    b, e = offsets
+    if b < 0 or e < b:
+        raise PackError(f"header data_offsets {offsets!r} are negative or out of order", file=path, tensor=name)
+    return dtype, tuple(shape), (b, e)
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):

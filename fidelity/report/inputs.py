@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class PackResult:
     source: str
     format: str | None = None
     original_label: str = ""          # the label in its compare JSON (paired entries refer to it)
+    records: str | None = None        # its per-position records' file name in the `--out` folder
 
     def __post_init__(self):
         self.original_label = self.original_label or self.label
@@ -46,6 +48,7 @@ class CompareRun:
     positions: pd.DataFrame | None = None        # reference store: every token: row_id, domain, position, token, scored, ref_top_*
     pack_positions: dict[str, pd.DataFrame] = field(default_factory=dict)   # label -> scored positions: row_id, position, token, kl, ...
     token_text: dict[int, str] | None = None      # token id -> text, when the run folder stored it
+    warnings: list[str] = field(default_factory=list)   # non-finite numbers, packs that failed in that run
 
     def local_path(self, value) -> Path | None:
         """A path the compare run recorded, as readable here: absolute, or relative to the result's folder or to the cwd."""
@@ -127,20 +130,83 @@ def _bpw(value) -> float | None:
     return None
 
 
+def _check_block(block, where: str, source: str, warnings: list[str]) -> dict:
+    """A result block as compare writes it: an object whose numbers are numbers (or null) and whose `*_ci95` are null or
+    two numbers. Anything else (a hand edit) is a ReportInputError naming the file and the item; a NaN or infinity is
+    kept but warned about, naming them."""
+    if not isinstance(block, dict):
+        raise ReportInputError(f"{source}: {where} is not an object (got {type(block).__name__})")
+    for k, v in block.items():
+        item = f"{where}.{k}"
+        if k.endswith("_ci95") or k == "ci95":
+            if v is None:
+                continue
+            if not (isinstance(v, list) and len(v) == 2 and all(x is None or (isinstance(x, (int, float))
+                                                                               and not isinstance(x, bool)) for x in v)):
+                raise ReportInputError(f"{source}: {item} must be null or [low, high] numbers, got {v!r}")
+            if any(x is not None and not math.isfinite(x) for x in v):
+                warnings.append(f"{source}: {item} is {v} (not finite)")
+        elif isinstance(v, float) and not math.isfinite(v):
+            warnings.append(f"{source}: {item} is {v} (not finite); shown as such, not as a measurement")
+        elif k in _NUMERIC and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ReportInputError(f"{source}: {item} must be a number or null, got {v!r}")
+    return block
+
+
+_NUMERIC = {"positions", "nonfinite", "kld_mean", "kld_domains_equal", "top1", "top1_domains_equal", "ppl", "ppl_ref",
+            "kld_median", "kld_p90", "kld_p99", "kld_p999", "kld_max", "noise_floor_kld", "x_noise_floor",
+            "ln_ppl_ratio", "delta_nll_mean", "delta_p_mean", "rms_delta_p", "kld_reverse_mean", "rows",
+            "kld_mean_diff", "p_value", "top1_flips_clear", "top1_flips_near_tie", "clear_positions",
+            "near_tie_positions"}
+
+
 def _compare_run(data: dict, source: str) -> CompareRun:
     panel, reference = data.get("panel") or {}, data.get("reference") or {}
     if not isinstance(panel, dict) or "sha256" not in panel:
         raise ReportInputError(f"{source}: compare result has no panel sha256 (panel = {panel!r})")
-    results = []
-    for i, r in enumerate(data.get("results") or []):
+    if not isinstance(reference, dict):
+        raise ReportInputError(f"{source}: reference is not an object (got {type(reference).__name__})")
+    raw = data.get("results") or []
+    if not isinstance(raw, list):
+        raise ReportInputError(f"{source}: results is not a list (got {type(raw).__name__})")
+    results, warnings = [], []
+    for i, r in enumerate(raw):
+        if not isinstance(r, dict):
+            raise ReportInputError(f"{source}: results[{i}] is not an object (got {type(r).__name__})")
+        if r.get("status") == "failed":
+            warnings.append(f"{source}: pack {r.get('label') or r.get('pack')!r} failed in that run and has no numbers: "
+                            f"{r.get('error')}")
+            continue
         if "overall" not in r:
             raise ReportInputError(f"{source}: results[{i}] ({r.get('label') or r.get('pack')!r}) has no 'overall' block")
         label = str(r.get("label") or Path(str(r.get("pack", f"pack{i}"))).name)
-        results.append(PackResult(label=label, pack=str(r.get("pack", label)), bpw=_bpw(r.get("bpw")), overall=r["overall"],
-                                  domains=r.get("domains") or {}, fingerprint=r.get("fingerprint"), source=source,
-                                  format=r.get("format")))
+        overall = _check_block(r["overall"], f"results[{i}] ({label}).overall", source, warnings)
+        domains = r.get("domains") or {}
+        if not isinstance(domains, dict):
+            raise ReportInputError(f"{source}: results[{i}] ({label}).domains is not an object")
+        for d, block in domains.items():
+            _check_block(block, f"results[{i}] ({label}).domains.{d}", source, warnings)
+        bpw = r.get("bpw")
+        if isinstance(bpw, float) and not math.isfinite(bpw):
+            warnings.append(f"{source}: results[{i}] ({label}).bpw is {bpw} (not finite)")
+        try:
+            bpw = _bpw(bpw)
+        except (TypeError, ValueError, AttributeError):
+            raise ReportInputError(f"{source}: results[{i}] ({label}).bpw is not a number or a bits table: {bpw!r}") from None
+        results.append(PackResult(label=label, pack=str(r.get("pack", label)), bpw=bpw, overall=overall,
+                                  domains=domains, fingerprint=r.get("fingerprint"), source=source,
+                                  format=r.get("format"), records=r.get("records")))
+    paired = data.get("paired") or []
+    if not isinstance(paired, list):
+        raise ReportInputError(f"{source}: paired is not a list (got {type(paired).__name__})")
+    for j, d in enumerate(paired):
+        _check_block(d, f"paired[{j}]", source, warnings)
+    nf = data.get("noise_floor")
+    if nf is not None:
+        _check_block(nf, "noise_floor", source, warnings)
     meta = {k: v for k, v in data.items() if k not in ("panel", "reference", "results", "paired")}
-    return CompareRun(source=source, panel=panel, reference=reference, results=results, paired=list(data.get("paired") or []), meta=meta)
+    return CompareRun(source=source, panel=panel, reference=reference, results=results, paired=list(paired), meta=meta,
+                      warnings=warnings)
 
 
 # ---- run folders -------------------------------------------------------------------------------------------------------
@@ -181,7 +247,9 @@ def _attach_records(run: CompareRun, folder: Path | None, store: Path | None = N
     ref_top1, pack_top1, ref_pmax, finite, ...), and the reference store's records (every token of every row, the reference
     top-K) when the folder holds or names one: then the worst positions get full text and the reference's top tokens."""
     for res in run.results if folder is not None else []:
-        path = next((p for p in (folder / f"{res.label}.parquet", folder / f"pack-{res.label}.parquet") if p.is_file()), None)
+        named = [folder / Path(res.records).name] if res.records else []
+        path = next((p for p in (*named, folder / f"{res.label}.parquet", folder / f"pack-{res.label}.parquet")
+                     if p.is_file()), None)
         if path is None:
             continue
         df = pd.read_parquet(path).rename(columns={"kld": "kl", "topk_ids": "top_ids", "topk_logprobs": "top_logprobs"})
@@ -308,7 +376,7 @@ def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
 
 def load_inputs(items) -> Inputs:
     """Paths (files or run folders) or dicts, in order; compare results are grouped by panel."""
-    runs, suites, gates, folders = [], [], [], []
+    runs, suites, gates, folders, beside = [], [], [], [], []
     for n, item in enumerate(items):
         if isinstance(item, CompareRun):
             runs.append(item)
@@ -330,14 +398,21 @@ def load_inputs(items) -> Inputs:
             data, source = _read_json(path), str(path)
         kind = classify(data, source)
         if kind == "compare":
-            runs.append(load_compare(data, source))
+            run = load_compare(data, source)
+            if not isinstance(item, (dict, list)):
+                beside.append((run, Path(item).parent))
+            runs.append(run)
         elif kind == "suite":
             suites.append((source, data))
         else:
             gates.append((source, data))
     for folder in folders:
         _attach_folder(folder, runs)
+    for run, folder in beside:   # a compare.json's records lie beside it, unless a folder given holds them
+        if not run.pack_positions:
+            _attach_records(run, folder)
     if not (runs or suites or gates):
         raise ReportInputError("nothing to report: give at least one compare, suite-compare or gate result")
     groups, warnings = group_runs(runs)
+    warnings = [w for r in runs for w in r.warnings] + warnings
     return Inputs(groups=groups, suites=suites, gates=gates, warnings=warnings)
