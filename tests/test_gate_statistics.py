@@ -50,8 +50,11 @@ def test_oracle_kl_per_domain_matches_the_exact_perturbation(server, rng_seed):
         assert got["engine_ppl"] == pytest.approx(np.exp(frame.eng.mean()), rel=1e-9)
         assert got["ref_ppl"] == pytest.approx(np.exp(frame.ref.mean()), rel=1e-9)
         assert got["delta_nll_mean"] == pytest.approx(frame.dnll.mean(), rel=1e-9)
-        lo, hi = got["kl_mean_ci95"]
-        assert lo <= got["kl_mean"] <= hi
+        if len(rm) < 3:   # a domain of 2 rows has no interval (issue 16: fewer than stats.MIN_ROWS rows)
+            assert got["kl_mean_ci95"] is None
+        else:
+            lo, hi = got["kl_mean_ci95"]
+            assert lo <= got["kl_mean"] <= hi
         rw = got["rows_worse"]
         assert (rw["worse"], rw["better"], rw["rows"]) == ((rm > 0).sum(), (rm < 0).sum(), len(rm))
         if rw["worse"] + rw["better"]:

@@ -215,7 +215,7 @@ def test_results_are_written_before_anything_is_printed(packs, tmp_path, monkeyp
     from fidelity.cli import main
     j, md = tmp_path / "r.json", tmp_path / "r.md"
 
-    def printing_fails(report, console=None):
+    def printing_fails(report, console=None, full=False):
         assert j.is_file() and md.is_file()
         raise RuntimeError("the terminal went away")
 

@@ -18,7 +18,8 @@ def _metrics(kld, finite=None) -> PositionMetrics:
     return PositionMetrics(kld=t(np.where(finite, kld, np.nan)), kld_reverse=t(np.full(n, np.nan)),
                            ref_top1=torch.zeros(n, dtype=torch.long), pack_top1=torch.zeros(n, dtype=torch.long),
                            ref_margin=t(one), ref_pmax=t(one * 0.5), ref_nll=t(np.where(finite, one, np.nan)),
-                           pack_nll=t(np.where(finite, 1 + kld, np.nan)), finite=torch.as_tensor(finite))
+                           pack_nll=t(np.where(finite, 1 + kld, np.nan)), finite=torch.as_tensor(finite),
+                           topk_match=torch.full((n,), 5, dtype=torch.long))
 
 
 def _groups(rows: int, per_row: int = 6, domains=("d",)):
