@@ -3,7 +3,10 @@
 `records.parquet` has one record per token of every panel row: row id, domain, position, token, scored flag, and for
 scored tokens the reference NLL, its top-K ids and log-probabilities and the final hidden state (float32) that produced
 that distribution. Re-applying the reference pack's head to the hidden state gives back the *exact* full-vocabulary
-logits (checked against the stored top-K every time they are re-derived), at ~1/40 of the bytes of storing logits.
+logits (checked against the stored top-K every time they are re-derived). Per scored position it keeps 4·hidden bytes
+(+ 8·K for the top-K) where llama.cpp's KLD base file keeps 2·vocab (uint16 logits): ~1/40 of it for SmolLM2-135M
+(vocab 49152, hidden 576), ~1/15 for Llama-3-8B (128256, 4096), ~1/9 for DeepSeek-V3 (129280, 7168), before parquet's
+compression. Re-derived logits are bit-exact only through the same reference pack on the same torch, BLAS and CPU code path.
 `manifest.json` pins the panel (sha256), the reference pack (fingerprint), the tokenizer (fingerprint) and the library
 version; a store is refused for any other panel, pack or tokenizer. It also records where the panel and the reference pack
 were read from (`panel.path`, `reference_pack.path`, absolute), so readers can default to them (`stored_sources`).

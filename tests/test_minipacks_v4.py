@@ -21,6 +21,7 @@ from fidelity.packs.minipacks import EncodingCache
 from fidelity.packs.minipacks_v4 import (EXL3_LAYOUTS, LAYOUTS, TINY_V4, V4MiniSpec, kind_of, official_name,
                                          write_all)
 from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
+from test_exl3_layouts import raw_tensors, standard_decode
 from test_oracle_support import compare_cli_kl
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v4"
@@ -137,6 +138,7 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
             pack.tensor("engram.tables.0.weight")
     expert_err: dict[int, list[float]] = {}
     kinds = {}
+    raw = raw_tensors(packs[layout])  # EXL3 values: bit for bit exl3.decode_weight of the stored pieces (standard layout)
     for name in native.names():
         want = native.tensor(name)
         got = pack.tensor(stored_name(layout, name))
@@ -147,13 +149,15 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
         if kind == "expert" and layout != "fp8-mxfp4":
             K = SPEC.expert_bits(layout, routed_expert(name)[1], routed_expert(name)[2])
             assert storage == "exl3", name
+            assert torch.equal(got, standard_decode(raw, stored_name(layout, name), tuple(want.shape))), name
             expert_err.setdefault(K, []).append(rel)
         elif kind in ("expert", "shared"):
             assert storage == "mxfp4" and torch.equal(got, mxfp4_reference(want)), name
         elif kind in ("dense", "head", "wo_a") and storage != "exl3":
             assert storage == "fp8_e4m3" and torch.equal(got, fp8_ue8m0_reference(want)), name
         elif kind in ("head", "wo_a"):
-            assert layout in ("exllamav3", "deepseek_v41_exl3") and rel < 0.1, (name, rel)
+            assert layout in ("exllamav3", "deepseek_v41_exl3") and storage == "exl3", name
+            assert torch.equal(got, standard_decode(raw, stored_name(layout, name), tuple(want.shape))), name
         else:
             assert torch.equal(got, want), name                 # bf16 stays bf16; tid2eid exact
     assert {"expert", "shared", "dense", "head", "wo_a", "plain"} <= set(kinds.values())
@@ -165,7 +169,7 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
         mean = {K: sum(v) / len(v) for K, v in sorted(expert_err.items())}
         print(f"{layout}: EXL3 expert relative error by K {mean}")
         ks = sorted(mean)
-        assert all(mean[a] > mean[b] for a, b in zip(ks, ks[1:])) and mean[ks[-1]] < 0.15
+        assert all(mean[a] > mean[b] for a, b in zip(ks, ks[1:]))    # the encodings: more bits, less error
         assert len(ks) >= 3                                      # mixed K really is mixed
     tokens = torch.randint(0, TINY_V4["vocab_size"], (1, 24))
     assert torch.isfinite(Oracle(pack).logits(tokens)).all()
