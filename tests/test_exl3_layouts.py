@@ -1,5 +1,8 @@
 """The five EXL3 seed layouts, written by fidelity.packs.minipacks from a tiny random-init DeepSeek-V3-style model
-(tests/fixtures/exl3; encodings pre-computed on a GPU by our reference encoder, see the README there)."""
+(tests/fixtures/exl3; encodings pre-computed on a GPU by our reference encoder, see the README there). Scope of the
+exactness claim: each layout's reader gives, bit for bit, what the standard exllamav3 layout's reader gives for the same
+stored tensors, which is exl3.decode_weight, itself bit-exact against exllamav3 1.6.5 on the golden data
+(test_exl3_decode). How close an encoding is to its native weight is the encoder's business, not tested here."""
 import json
 import re
 from pathlib import Path
