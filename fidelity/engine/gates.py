@@ -6,6 +6,11 @@ worst examples). A gate that cannot get valid answers from the engine returns st
 - decode-vs-prefill: greedy generation with logprobs vs the same tokens prefilled with `echo`.
 - prefix-cache: a long prompt cold vs warm, and a shared prefix with different suffixes cold vs warm.
 
+When oracle-kl or decode-vs-prefill fails, each checks whether the engine's echo logprobs are shifted (entry t holding the
+distribution of position t + d): oracle-kl against the reference and against the engine's own next-token answer after a
+row, decode-vs-prefill against the decode's own logprobs; a fitting shift is named first in the notes (`measured["echo_shift"]`)
+with the fix to try (llama-cpp-python shifts by +1 for prompts without BOS).
+
 Default thresholds (`DEFAULT_THRESHOLDS`, overridden per gate from TOML) assume the engine serves the reference weights in fp32/fp16
 and claims determinism; a bf16 or quantized engine should raise `kl_mean_max` in its gate.toml.
 """
