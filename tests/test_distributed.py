@@ -357,7 +357,8 @@ def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
 
 @pytest.mark.slow
 def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_gguf, rng_seed):
-    """`--parallel experts` on a tiny Qwen3Moe: every rank runs every row, experts split; same JSON as one process."""
+    """`--parallel experts` on a tiny Qwen3Moe: every rank runs every row, experts split; same JSON as one process
+    (measured routing counts included), and so does row parallel, whose ranks' counts are summed."""
     from safetensors.torch import load_file
     from fidelity.cli import main
     from fidelity.packs.tokenizer import load_tokenizer
@@ -383,6 +384,11 @@ def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_g
     one = without_command_line(tmp_path / "one.json")
     assert json.loads(one)["results"][0]["overall"]["kld_mean"] > 0
     assert one == without_command_line(tmp_path / "two.json")
+    # row parallel: each rank routes its own rows; the expert counts summed over the ranks are one process's
+    done = torchrun(["compare", *common, "--json", str(tmp_path / "rows.json")], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(one)["results"][0]["routing"]["layers"]
+    assert one == without_command_line(tmp_path / "rows.json")
 
 
 # -- failure detection, in one process against a real store -------------------------------------------------------
