@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .content_hash import tree_digest
-from .errors import PackError
+from .errors import ConfigError, PackError
 from .metrics import PositionMetrics, position_metrics
 from .packs.config_check import check_against_config
 from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
@@ -59,24 +59,38 @@ def _oracle(pack, device: str):
 
 def perturbed_oracle(pack, device: str = "cpu", seed: int = 0, rel: float = NOISE_REL):
     """An Oracle whose every layer's attention and MLP outputs are multiplied by (1 + rel * u), u ~ U(-1, 1), from a
-    generator seeded per (seed, layer, module): a reproducible stand-in for bf16 rounding of each module output. It hooks
-    `Oracle.load_layer` (the one place layers are built) and wraps the layer's `attn` / `mlp` callables, or the whole
-    layer for families without them."""
+    generator seeded per (seed, layer, role): a reproducible stand-in for bf16 rounding of each module output. It hooks
+    `Oracle.load_layer` (the one place layers are built) and wraps the sub-blocks each layer class declares by role in
+    its `SUB_BLOCKS` (role -> attribute; DeepSeek V4/V4.1 name their MLP `ffn`)."""
     from .oracle import Oracle
 
     class PerturbedOracle(Oracle):
         def load_layer(self, i: int):
             layer = super().load_layer(i)
-            wrapped = False
-            for j, attr in enumerate(("attn", "mlp")):
-                fn = getattr(layer, attr, None)
-                if callable(fn):
-                    setattr(layer, attr, _perturb(fn, seed * 1_000_003 + 2 * i + j, rel))
-                    wrapped = True
-            return layer if wrapped else _perturb(layer, seed * 1_000_003 + 2 * i, rel)
+            for role, attr in sub_blocks(layer).items():
+                setattr(layer, attr, _perturb(getattr(layer, attr), seed * 1_000_003 + 2 * i + NOISE_ROLES.index(role),
+                                              rel))
+            return layer
 
     from . import distributed  # prefetch, and row/expert parallel under torchrun, as for every oracle here
     return distributed.parallelize(PerturbedOracle(pack, device=distributed.local_device(device)))
+
+
+NOISE_ROLES = ("attention", "mlp")   # the order fixes each role's seed offset
+
+
+def sub_blocks(layer) -> dict[str, str]:
+    """The layer's {role: attribute} for every role in NOISE_ROLES, each a callable; a clear error otherwise."""
+    name = type(layer).__qualname__
+    roles = getattr(type(layer), "SUB_BLOCKS", None)
+    if not roles:
+        raise ConfigError(f"the noise floor cannot perturb layer class {type(layer).__module__}.{name}: it declares "
+                          f"no SUB_BLOCKS (role -> attribute for roles {list(NOISE_ROLES)})")
+    missing = [r for r in NOISE_ROLES if r not in roles or not callable(getattr(layer, roles[r], None))]
+    if missing:
+        raise ConfigError(f"the noise floor cannot perturb layer class {type(layer).__module__}.{name}: roles "
+                          f"{missing} are not declared in its SUB_BLOCKS {roles} or name no callable attribute")
+    return {r: roles[r] for r in NOISE_ROLES}
 
 
 def _perturb(fn, seed: int, rel: float):

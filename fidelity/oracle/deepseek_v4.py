@@ -547,6 +547,7 @@ def attention_chunk(T: int, pair_bytes: int, query_bytes: int) -> int:
 
 class DecoderLayer:
     """Both blocks read and write the hc streams through their own hyper-connection."""
+    SUB_BLOCKS = {"attention": "attn", "mlp": "ffn"}   # role -> attribute (the noise floor perturbs by role)
 
     def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
         self.a = a

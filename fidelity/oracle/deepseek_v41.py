@@ -392,6 +392,7 @@ class Attention:
 # layer and family
 # ---------------------------------------------------------------------------------------------------------------------
 class DecoderLayer:
+    SUB_BLOCKS = {"attention": "attn", "mlp": "ffn"}   # role -> attribute (the noise floor perturbs by role)
     def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, store: StateStore, engram=None,
                  token_map=None, emulation=None):
         b = a.base

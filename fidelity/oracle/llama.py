@@ -209,6 +209,7 @@ def diagonal_mask(n: int, group: int, dtype, device) -> torch.Tensor:
 
 class DecoderLayer:
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). `mlp` is any callable on [B, T, hidden]."""
+    SUB_BLOCKS = {"attention": "attn", "mlp": "mlp"}   # role -> attribute (the noise floor perturbs by role)
 
     def __init__(self, attn, mlp, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float):
         self.attn, self.mlp = attn, mlp
