@@ -1,6 +1,7 @@
-"""Long panel rows through the oracle on the CPU: peak memory and time of one row of T tokens, against the stated bound.
+"""Long panel rows through the oracle on the CPU or a GPU (`--device cuda`): peak memory and time of one row of T tokens, against the stated bound.
 
     python benchmarks/long_rows.py --lengths 2048 8192 32768 --layers 2
+    python benchmarks/long_rows.py --device cuda --lengths 32768 131072 262144 --layers 2   # peak = CUDA allocator peak
 
 Each length runs in a fresh subprocess on a synthetic Llama with SmolLM2-135M's geometry (hidden 576, MLP 1536, 9 query
 / 3 KV heads of 64, vocab 49,152; `--layers` of its 30 layers, weights random): `oracle.hidden_states([row])`, then the
@@ -44,7 +45,8 @@ geometry = json.loads(sys.argv[4])
 cfg = llama_config(n_layers=layers, **geometry)
 cfg["max_position_embeddings"] = max(T, 4096)
 pack = SyntheticPack(cfg, seed=0)
-oracle = Oracle(pack)
+device = sys.argv[5]
+oracle = Oracle(pack, device=device)
 tokens = torch.randint(0, cfg["vocab_size"], (T,), generator=torch.Generator().manual_seed(1)).tolist()
 oracle.hidden_states([tokens[:64]], progress=False)  # thread pools, allocator, vector-math warm-up
 try:
@@ -53,12 +55,17 @@ try:
 except OSError:
     reset = False
 base = status("VmRSS")
+if device != "cpu":
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
 t0 = time.perf_counter()
 hidden = oracle.hidden_states([tokens], progress=False)[0]
 t1 = time.perf_counter()
 nll = oracle.map_logits(hidden, lambda chunk: torch.logsumexp(chunk, -1))
+if device != "cpu":
+    torch.cuda.synchronize()
 t2 = time.perf_counter()
-print(json.dumps({"T": T, "layers": layers, "reset": reset, "base": base, "peak": status("VmHWM"),
+peak = status("VmHWM") if device == "cpu" else torch.cuda.max_memory_allocated()
+print(json.dumps({"T": T, "layers": layers, "reset": reset, "base": base, "peak": peak,
                   "forward_s": t1 - t0, "head_s": t2 - t1, "finite": bool(torch.isfinite(nll).all()),
                   "largest_layer": max(pack.layer_bytes(i) for i in range(layers)),
                   "embed": cfg["vocab_size"] * cfg["hidden_size"] * 4}))
@@ -79,23 +86,24 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": str(2**20)}
     rows = []
     for T in sorted(args.lengths):
         out = subprocess.run([sys.executable, "-c", CHILD, str(T), str(args.layers), str(args.threads),
-                              json.dumps(GEOMETRY)], capture_output=True, text=True, env=env)
+                              json.dumps(GEOMETRY), args.device], capture_output=True, text=True, env=env)
         if out.returncode:
             sys.exit(out.stderr[-3000:])
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = rows[0]
     mib = lambda b: b / 2**20
-    print(f"synthetic Llama, SmolLM2-135M geometry, {args.layers} layers, {args.threads} threads; baseline: T = {base['T']}")
-    print("| tokens | peak RSS growth | bound | growth / baseline's | forward | head + reduction | per layer and 1k tokens |")
+    print(f"synthetic Llama, SmolLM2-135M geometry, {args.layers} layers, {args.device}, {args.threads} threads; baseline: T = {base['T']}")
+    print("| tokens | peak growth (RSS, or CUDA allocator) | bound | growth / baseline's | forward | head + reduction | per layer and 1k tokens |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         growth = r["peak"] - r["base"]
-        assert r["reset"] and r["finite"], r
+        assert (r["reset"] or args.device != "cpu") and r["finite"], r
         print(f"| {r['T']:,} | {mib(growth):,.0f} MiB | {mib(bound_bytes(r)):,.0f} MiB | "
               f"{growth / max(base['peak'] - base['base'], 1):.1f}x | {r['forward_s']:.1f} s | {r['head_s']:.1f} s | "
               f"{r['forward_s'] / args.layers / (r['T'] / 1000):.2f} s |")
