@@ -98,9 +98,9 @@ def chat_panel(tmp_path, rng, planted: str | None = None) -> Path:
 def test_check_finds_a_planted_ifeval_8gram_and_nothing_in_a_clean_panel(tmp_path, rng_seed):
     rng = np.random.default_rng(rng_seed)
     records = [json.loads(l) for l in IFEVAL.read_text().splitlines()]
-    long_ones = [r for r in records if len(r["prompt"].split()) >= 12]
+    long_ones = [r for r in records if len(words_of(r["prompt"])) >= 12]
     rec = long_ones[int(rng.integers(len(long_ones)))]
-    words = rec["prompt"].split()
+    words = words_of(rec["prompt"])  # the checker's own words: a split() piece of punctuation alone is no word
     start = int(rng.integers(0, max(1, len(words) - 8)))
     planted = " ".join(words[start:start + 8]).upper()  # case and punctuation do not hide it
     dirty, clean = chat_panel(tmp_path, rng, planted), chat_panel(tmp_path, np.random.default_rng(rng_seed))
