@@ -3,7 +3,7 @@
     python benchmarks/compare_speed.py                 # kernel only (random logits, vocab 49152), 1 and 2 threads
     python benchmarks/compare_speed.py --e2e           # also end-to-end compare and store size on SmolLM2 (builds the demo packs)
 
-1. Full-vocab metric kernel (`fidelity.metrics.position_metrics` with reverse=True, as `compare` calls it: KL both ways,
+1. Full-vocab metric kernel (`fidelity.measuring.metrics.position_metrics` with reverse=True, as `compare` calls it: KL both ways,
    reference top-1/top-2 margin and confidence, top-1 of both, both NLLs) against what a user would write in torch on
    the same float32 logits: log_softmax of both, KL = sum(exp(lp) * (lp - lq)), argmax of both, NLL by gather. Same
    thread count (torch.set_num_threads; the kernel splits rows over the same count), same inputs, repeats interleaved,
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from fidelity.metrics import position_metrics
+from fidelity.measuring.metrics import position_metrics
 
 
 def naive_metrics(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> dict:
@@ -73,8 +73,8 @@ def kernel(n: int, vocab: int, reps: int, noise: float, threads: int, call_posit
 def end_to_end(rows_per_domain: int) -> dict:
     from fidelity.commands.demo import build_demo_packs
     from fidelity.commands.reference import build_store
-    from fidelity.compare import compare
-    from fidelity.panels import load_panel
+    from fidelity.measuring.compare import compare
+    from fidelity.measuring.panels import load_panel
 
     packs = build_demo_packs()
     panel = load_panel().subset(rows_per_domain)

@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fidelity import open_pack  # noqa: E402
-from fidelity.packs import exl3, staging  # noqa: E402
+from fidelity.packs import staging  # noqa: E402
+from fidelity.packs.exl3 import codec  # noqa: E402
 from fidelity.packs.safetensors_io import write_safetensors  # noqa: E402
 
 HIDDEN, EXPERT = 4096, 2048          # DeepSeek-V4-Flash hidden size and routed/shared expert width
@@ -50,9 +51,9 @@ def write(root: Path, tensors: dict, config: dict) -> Path:
 def exl3_case(K: float):
     """A routed expert w1 [2048, 4096] in exllamav3 naming (mul1)."""
     out, inp = EXPERT, HIDDEN
-    t = {"e.trellis": torch.randint(-32768, 32768, (inp // 16, out // 16, exl3.Bitrate.of(K).words), dtype=torch.int16),
+    t = {"e.trellis": torch.randint(-32768, 32768, (inp // 16, out // 16, codec.Bitrate.of(K).words), dtype=torch.int16),
          "e.suh": (torch.randn(inp) * 0.05).half(), "e.svh": (torch.randn(out) * 0.05).half(),
-         **{f"e.{k}": v for k, v in exl3.codebook_marker("mul1").items()}}
+         **{f"e.{k}": v for k, v in codec.codebook_marker("mul1").items()}}
     return t, {"quantization_config": {"quant_method": "exl3"}}, "e.weight"
 
 
@@ -94,7 +95,7 @@ def cases():
 def gguf_cases(root: Path):
     try:
         import gguf
-        from fidelity.packs.writers import write_gguf_tensors
+        from fidelity.fixtures.writers import write_gguf_tensors
     except ImportError:
         print("(gguf-py not installed: GGUF rows skipped)")
         return
@@ -152,8 +153,8 @@ def decode_table(args, root: Path) -> list[dict]:
         if label.startswith("EXL3") and cuda:
             lin = pack.raw
             tr, suh, svh = (lin.get(f"e.{k}").cuda() for k in ("trellis", "suh", "svh"))
-            for sums in exl3.HADAMARD_SUMS:
-                s, w = timed(lambda: exl3.decode_weight(tr, suh, svh, "mul1", sums=sums), args.repeat, True)
+            for sums in codec.HADAMARD_SUMS:
+                s, w = timed(lambda: codec.decode_weight(tr, suh, svh, "mul1", sums=sums), args.repeat, True)
                 print(f"|   decode_weight on the device, {sums} Hadamard sums (trellis already there) | | "
                       f"{s * 1e3:.3f} ms | | | | {torch.equal(w.cpu(), cpu)} |")
     return rows
@@ -169,9 +170,9 @@ def print_row(r: dict) -> None:
 
 
 def layer_table(args, root: Path) -> None:
-    from fidelity.distributed import prefetch
-    from fidelity.oracle import Oracle
-    from fidelity.oracle.synthetic import llama_config, llama_shapes
+    from fidelity.oracle import LoadChain, Oracle
+    from fidelity.oracle.parallel import Prefetcher
+    from fidelity.fixtures.synthetic import llama_config, llama_shapes
 
     n = 4
     cfg = llama_config(HIDDEN, 11008, n, 1024, 32, 8)
@@ -184,17 +185,17 @@ def layer_table(args, root: Path) -> None:
     del tensors
     rows = args.tokens // 4096
     tokens = torch.randint(0, 1024, (rows, 4096), generator=torch.Generator().manual_seed(0)).tolist()
-    oracle = prefetch(Oracle(pack, device="cuda"))
-    loader = oracle.load_layer
     marks: dict[tuple[str, int], float] = {}
 
-    def marked(i):
-        torch.cuda.synchronize()         # layer i-1's kernels done: its compute ends here
-        marks[("call", i)] = time.perf_counter()
-        layer = loader(i)
-        marks[("ret", i)] = time.perf_counter()
-        return layer
-    oracle.load_layer = marked
+    class Marked(Prefetcher):
+        def __call__(self, i):
+            torch.cuda.synchronize()         # layer i-1's kernels done: its compute ends here
+            marks[("call", i)] = time.perf_counter()
+            layer = super().__call__(i)
+            marks[("ret", i)] = time.perf_counter()
+            return layer
+    oracle = Oracle(pack, device="cuda", chain=LoadChain(prefetch=Marked))
+    loader = oracle.prefetcher
     oracle.hidden_states(tokens[:1], progress=False)      # warm-up: kernels, page cache
     marks.clear()
     t0 = time.perf_counter()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fidelity.packs import exl3
+from fidelity.fixtures import exl3_encoder
+from fidelity.packs.exl3 import codec
 
 BINDING = """
 #include <torch/extension.h>
@@ -43,18 +44,18 @@ def main() -> None:
     t0 = time.perf_counter()
     ext = build(Path(args.ext_src))
     print(f"built reconstruct.cu in {time.perf_counter() - t0:.0f} s")
-    cases = [(cb, K) for cb in exl3.CODEBOOKS for K in range(1, 9)] + [("mul1", K) for K in (1.5, 2.5, 3.5)]
+    cases = [(cb, K) for cb in codec.CODEBOOKS for K in range(1, 9)] + [("mul1", K) for K in (1.5, 2.5, 3.5)]
     g = torch.Generator().manual_seed(0)
     bad = 0
     for cb, K in cases:
         w = (torch.randn(256, 384, generator=g) * 0.02).cuda()                 # torch layout [out, in]
-        enc = exl3.encode(w, K, cb)
-        rand = torch.randint(-32768, 32768, (16, 8, exl3.Bitrate.of(K).words), dtype=torch.int16, generator=g).cuda()
+        enc = exl3_encoder.encode(w, K, cb)
+        rand = torch.randint(-32768, 32768, (16, 8, codec.Bitrate.of(K).words), dtype=torch.int16, generator=g).cuda()
         for what, trellis in (("our encoding", enc.tensors["trellis"]), ("random trellis", rand)):
             kt, nt, _ = trellis.shape
             theirs = torch.empty(kt * 16, nt * 16, dtype=torch.half, device="cuda")
             ext.reconstruct(theirs, trellis.contiguous(), float(K), cb == "mcg", cb == "mul1")
-            ours = exl3.decode_inner(trellis, cb).half()
+            ours = codec.decode_inner(trellis, cb).half()
             same = torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
             bad += not same
             print(f"{cb:5s} K={K:<4g} {what:15s} {list(trellis.shape)}: {'bit-identical' if same else 'DIFFERENT'}")

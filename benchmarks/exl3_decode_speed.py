@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from fidelity.packs import exl3
+from fidelity.packs.exl3 import codec
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--codebook", default="mul1", choices=exl3.CODEBOOKS)
+    ap.add_argument("--codebook", default="mul1", choices=codec.CODEBOOKS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     k, n, K = 4096, 2048, 4
@@ -27,13 +27,13 @@ def main() -> None:
     trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, generator=g).to(args.device)
     suh = torch.randn(k, generator=g).half().to(args.device)
     svh = torch.randn(n, generator=g).half().to(args.device)
-    exl3.decode_weight(trellis, suh, svh, args.codebook)        # warm-up: codebook table, plans
+    codec.decode_weight(trellis, suh, svh, args.codebook)        # warm-up: codebook table, plans
     times = []
     for _ in range(args.repeats):
         if args.device != "cpu":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        w = exl3.decode_weight(trellis, suh, svh, args.codebook)
+        w = codec.decode_weight(trellis, suh, svh, args.codebook)
         if args.device != "cpu":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fidelity.packs import exl3
+from fidelity.fixtures import exl3_encoder
 
 SHAPES = ["s256x128", "s384x256", "s200x100p"]
 
@@ -62,12 +62,12 @@ def main() -> None:
             mse_x, proxy_x = errors(w, theirs, H)
             row = {"name": name, "codebook": cb, "K": e["K"], "shape": shape, "exl3_mse": mse_x, "exl3_proxy": proxy_x}
             t0 = time.perf_counter()
-            enc = exl3.encode(w.t().to(args.device), e["K"], cb)
+            enc = exl3_encoder.encode(w.t().to(args.device), e["K"], cb)
             row["ours_mse"], row["ours_proxy_noH"] = errors(w, enc.weight.t().cpu(), H)
             row["t_noH"] = time.perf_counter() - t0
             if not args.no_hessian_runs:
                 t0 = time.perf_counter()
-                enc_h = exl3.encode(w.t().to(args.device), e["K"], cb, hessian=H.to(args.device))
+                enc_h = exl3_encoder.encode(w.t().to(args.device), e["K"], cb, hessian=H.to(args.device))
                 row["oursH_mse"], row["oursH_proxy"] = errors(w, enc_h.weight.t().cpu(), H)
                 row["t_H"] = time.perf_counter() - t0
             rows.append(row)

@@ -33,7 +33,7 @@ CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]))
 from fidelity.oracle import Oracle
-from fidelity.oracle.synthetic import SyntheticPack, llama_config
+from fidelity.fixtures.synthetic import SyntheticPack, llama_config
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -67,18 +67,24 @@ t2 = time.perf_counter()
 peak = status("VmHWM") if device == "cpu" else torch.cuda.max_memory_allocated()
 print(json.dumps({"T": T, "layers": layers, "reset": reset, "base": base, "peak": peak,
                   "forward_s": t1 - t0, "head_s": t2 - t1, "finite": bool(torch.isfinite(nll).all()),
-                  "largest_layer": max(pack.layer_bytes(i) for i in range(layers)),
-                  "embed": cfg["vocab_size"] * cfg["hidden_size"] * 4}))
+                  "largest_layer": max(pack.layer_bytes(i) for i in range(layers))}))
 """
 
 
-def bound_bytes(r: dict) -> int:
+def bound_bytes(T: int, hidden: int, inner: int, vocab: int, largest_layer: int) -> int:
+    """The module docstring's bound for one row of T tokens (tests/test_panels_long.py asserts it too)."""
     from fidelity.oracle.common import ATTENTION_CHUNK_BYTES
     from fidelity.oracle.runner import HEAD_CHUNK_BYTES
 
-    h, inner = GEOMETRY["hidden_size"], GEOMETRY["intermediate_size"]
-    activations = r["T"] * (4 * h + 3 * inner + h) * 4
-    return r["largest_layer"] + 2 * r["embed"] + activations + 3 * ATTENTION_CHUNK_BYTES + 2 * HEAD_CHUNK_BYTES
+    embed_and_head = 2 * vocab * hidden * 4
+    activations = T * (4 * hidden + 3 * inner + hidden) * 4
+    head_chunks = 2 * min(HEAD_CHUNK_BYTES, T * vocab * 4)   # a logits chunk and the reduction's temporary
+    return largest_layer + embed_and_head + activations + 3 * ATTENTION_CHUNK_BYTES + head_chunks
+
+
+def row_bound(r: dict) -> int:
+    return bound_bytes(r["T"], GEOMETRY["hidden_size"], GEOMETRY["intermediate_size"], GEOMETRY["vocab_size"],
+                       r["largest_layer"])
 
 
 def main():
@@ -104,10 +110,10 @@ def main():
     for r in rows:
         growth = r["peak"] - r["base"]
         assert (r["reset"] or args.device != "cpu") and r["finite"], r
-        print(f"| {r['T']:,} | {mib(growth):,.0f} MiB | {mib(bound_bytes(r)):,.0f} MiB | "
+        print(f"| {r['T']:,} | {mib(growth):,.0f} MiB | {mib(row_bound(r)):,.0f} MiB | "
               f"{growth / max(base['peak'] - base['base'], 1):.1f}x | {r['forward_s']:.1f} s | {r['head_s']:.1f} s | "
               f"{r['forward_s'] / args.layers / (r['T'] / 1000):.2f} s |")
-        if growth > bound_bytes(r):
+        if growth > row_bound(r):
             print(f"  over the bound at T = {r['T']}")
 
 

@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fidelity import distributed  # noqa: E402
-from fidelity.oracle import Oracle  # noqa: E402
-from fidelity.oracle.synthetic import llama_config, llama_shapes  # noqa: E402
+from fidelity.oracle import parallel  # noqa: E402
+from fidelity.oracle import LoadChain, Oracle  # noqa: E402
+from fidelity.fixtures.synthetic import llama_config, llama_shapes  # noqa: E402
 from fidelity.packs.base import LogicalTensor, Pack, Storage  # noqa: E402
 
 WORK = Path("/tmp/oracle_gpu_work")  # large intermediate files (single-GPU hidden states, MoE packs)
@@ -137,9 +137,7 @@ def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: i
     for fmt in ("fp32",) if no_int8 else ("fp32", "int8"):
         pack = HostPack(cfg, weights, int8=fmt == "int8")
         for pre in (False, True):
-            oracle = Oracle(pack, device=device)
-            if pre:
-                distributed.prefetch(oracle)
+            oracle = Oracle(pack, device=device, chain=LoadChain(prefetch=parallel.Prefetcher if pre else None))
             seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), repeats)
             res[f"oracle_{fmt}{'_prefetch' if pre else ''}_s"] = seconds
         torch.save(torch.stack(hidden).cpu(), WORK / f"{name}_{fmt}_hidden.pt")
@@ -200,7 +198,7 @@ def dist_run(args) -> None:
     (each rank reads ~1/N and the ranks broadcast); hidden states compared with `single`'s; then expert parallel."""
     from fidelity import open_pack
     from test_oracle import COMMON, make_moe
-    g = distributed.group("cuda" if torch.cuda.is_available() else "cpu")
+    g = parallel.current_group("cuda" if torch.cuda.is_available() else "cpu")
     device, out = g.device, Path(args.out)
     one_gpu = json.loads((out / "single.json").read_text()) if (out / "single.json").exists() else {"stacks": []}
     report = {"world_size": g.world_size, "rank": g.rank, "torch_threads": torch.get_num_threads(), "stacks": []}
@@ -215,8 +213,8 @@ def dist_run(args) -> None:
             want_path = WORK / f"{name}_{fmt}_hidden.pt"
             want = torch.load(want_path) if want_path.exists() else None
             for sharded in (False, True):
-                distributed.configure(shard_loads=sharded)
-                oracle = distributed.parallelize(Oracle(pack, device=device), parallel="rows")
+                parallel.configure(shard_loads=sharded)
+                oracle = parallel.make_oracle(pack, device, parallel="rows")
                 seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), args.repeats)
                 key = f"{fmt}_{'sharded' if sharded else 'every_rank_reads_all'}"
                 res[f"{key}_tok_per_s"] = rows * length / seconds
@@ -228,7 +226,7 @@ def dist_run(args) -> None:
                 del oracle, hidden
         report["stacks"].append(res)
         del weights
-    distributed.configure(shard_loads=True)
+    parallel.configure(shard_loads=True)
     cases = ("deepseek-v3-qlora-yarn", "qwen3moe-renorm-sparse-step")
     if g.rank == 0:  # transformers' save_pretrained writes on rank 0 only
         for case in cases:
@@ -238,10 +236,9 @@ def dist_run(args) -> None:
         moe = open_pack(WORK / "moe" / case)
         toks = torch.randint(0, COMMON["vocab_size"], (3, 29), generator=torch.Generator().manual_seed(2))
         one = Oracle(moe, device=device).logits(toks)
-        ep = Oracle(moe, device=device)
-        ep.fetch.expert_parallel = distributed.ExpertParallel(g)
+        ep = Oracle(moe, device=device, chain=LoadChain(experts=parallel.ExpertParallel(g)))
         report[f"expert_parallel_equal_single_gpu_{case}"] = bool(torch.equal(ep.logits(toks), one))
-    distributed.finish()
+    parallel.finish()
     if g.rank == 0:
         (out / "dist.json").write_text(json.dumps(report, indent=2))
         print(json.dumps(report, indent=2))

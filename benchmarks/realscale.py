@@ -3,11 +3,20 @@ the real vocabulary. Everything is built where the script runs (random weights, 
 
     python benchmarks/realscale.py [--device cuda] [--archs v4,v41] [--rows 8 --length 2048] [--out DIR]
     python benchmarks/realscale.py --smoke          # tiny sizes, any device (CPU here): checks the script itself
+    python benchmarks/realscale.py --archs v41 --shapes 1x32768   # also time the built layer at other rows x lengths
+    torchrun --nproc-per-node N benchmarks/realscale.py --parallel experts,rows [--archs v41 --experts 48]
+    torchrun --nproc-per-node 2 benchmarks/realscale.py --parallel experts,rows --device cpu --smoke   # gloo, seconds
+
+`--parallel` (under torchrun, or in one process as world size 1): the one layer through fidelity.oracle.parallel's own paths,
+`make_oracle(pack, parallel="experts")` (the routed experts split across ranks, per-(token, slot) outputs exchanged
+with one all_reduce) and `parallel="rows"` (row batches dealt to ranks, each layer read 1/N per rank, hidden states
+broadcast), timed against one rank running the plain Oracle on the same rows in the same run, and compared with it by
+torch.equal (see parallel_main).
 
 Layers (transformers 5.24 DeepseekV4Config defaults: hidden 4096, 64 heads x 512, q/o LoRA 1024 (8 output groups),
 a CSA layer (ratio 4, indexer 64 x 128, top-512, window 128), 256 routed experts x 2048 for V4-Flash and 384 for
 V4.1-Flash, top-6, one shared expert, hc 4; V4.1 adds its shared pool/indexer/candidate blocks and an Engram layer),
-written by fidelity.packs.minipacks_v4's writer in the `deepseek_v41_exl3` layout: routed experts EXL3 at mixed K 2-5
+written by fidelity.fixtures.minipacks_v4's writer in the `deepseek_v41_exl3` layout: routed experts EXL3 at mixed K 2-5
 (the seed cards' K mix) as random valid trellises (any bits are a valid trellis; decode costs the same), `wo_a` and the
 head EXL3 too, FP8 e4m3 ue8m0 dense/attention, MXFP4 shared experts, V4.1's Engram table FP8 per row. Per layer:
 read (the layer's stored bytes from the page cache), load (Oracle.load_layer: read + decode + copy to the device, as
@@ -130,8 +139,8 @@ def v4_native_without_experts(cfg: dict, out: Path, device) -> tuple[Path, dict[
     """The official-named one-layer V4 as minipacks_v4.build_native writes it (bf16, randomize_weights' scales),
     except the routed experts, which are only named (their [out, in] shapes returned): their bytes come as random
     EXL3 trellises later, never as bf16 weights."""
-    from fidelity.packs.exl3_layouts import routed_expert
-    from fidelity.packs.minipacks_v4 import byte_tokenizer
+    from fidelity.packs.exl3.layouts import routed_expert
+    from fidelity.fixtures.minipacks_v4 import byte_tokenizer
     from fidelity.packs.safetensors_io import write_safetensors
 
     tensors, experts = {}, {}
@@ -179,7 +188,7 @@ class RandomTrellis:
     decoded weight has about the std 1/sqrt(in) of the native init. Generated on `device`."""
 
     def __init__(self, device, seed: int = 7):
-        from fidelity.packs.exl3 import HAD, codebook_marker, decode_weight
+        from fidelity.packs.exl3.codec import HAD, codebook_marker, decode_weight
         self.device, self.misses, self.HAD, self.marker = device, 0, HAD, codebook_marker("mul1")
         self.g = torch.Generator(device=device).manual_seed(seed)
         probe = self._trellis(256, 256, 3)
@@ -214,13 +223,13 @@ def expert_k_string(n_experts: int, seed: int = 3) -> str:
 
 
 def build_layer_pack(arch: str, geometry: dict, v41_extra: dict, experts: int, work: Path, device) -> tuple[Path, dict]:
-    from fidelity.packs.minipacks_v4 import V4MiniSpec, write_v4_minipack
+    from fidelity.fixtures.minipacks_v4 import V4MiniSpec, write_v4_minipack
 
     cfg = v4_config(geometry, experts)
     v4_dir, expert_shapes = v4_native_without_experts(cfg, work / f"{arch}-native-v4", device)
     native_dir = v4_dir
     if arch == "v41":
-        from fidelity.packs.minipacks_v41 import build_native_v41
+        from fidelity.fixtures.minipacks_v41 import build_native_v41
         native_dir = build_native_v41(v4_dir, work / f"{arch}-native", index_topk=geometry["index_topk"], **v41_extra)
     spec = V4MiniSpec(expert_k=expert_k_string(experts), dense_k=4, head_k=4, fp8_block=32 if arch == "v41" else 128)
     native = WithExperts(open_pack(native_dir), expert_shapes)
@@ -280,7 +289,7 @@ def layer_flops_per_token(cfg: dict, length: int) -> float:
 
 def device_decode_seconds(cfg: dict, device) -> float:
     """EXL3 decode of one [inter, hidden] K3 mul1 matrix with the project's functions on `device`."""
-    from fidelity.packs.exl3 import decode_weight
+    from fidelity.packs.exl3.codec import decode_weight
     rt = RandomTrellis(device)
     t = rt.get("x", torch.empty(cfg["moe_intermediate_size"], cfg["hidden_size"]), 3, "mul1")
     parts = [t["trellis"].to(device), t["suh"].to(device), t["svh"].to(device)]
@@ -303,7 +312,7 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     oracle = Oracle(pack, device=device, keep_weights=True)
     load_s, _ = timed(lambda: oracle.load_layer(0), device)
-    from fidelity.packs.exl3_layouts import routed_expert
+    from fidelity.packs.exl3.layouts import routed_expert
     sample = [n for n in pack.names() if routed_expert(n) is not None or (".experts." in n and "shared" not in n)][:6]
     if not sample:
         raise AssertionError(f"no routed expert among the pack's names, e.g. {sorted(pack.names())[:5]}")
@@ -315,6 +324,13 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
     tokens = args.rows * args.length
     finite = all(bool(torch.isfinite(h).all()) for h in hidden)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    engram_s = None
+    if arch == "v41":         # the Engram rows of the batch alone: hashing, distinct rows, reads, decode, gather
+        from fidelity.oracle.deepseek.engram import EngramArgs, ngram_rows
+        family = oracle.family
+        engram_args = EngramArgs.from_config(family.text, 0, family.token_map())
+        ids = family.token_map()[torch.tensor(rows)].to(device)
+        engram_s, _ = timed(lambda: family.table(0).rows(ngram_rows(ids, engram_args)), device)
     flops = layer_flops_per_token(pack.config, args.length) * tokens
     rate = args.matmul_rate
     decode_one = device_decode_seconds(pack.config, device)
@@ -326,8 +342,21 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
     serial = LAYERS * (panel_load + panel_compute)
     overlapped = LAYERS * max(panel_load, panel_compute)
     floor_panel = LAYERS * (flops / rate * PANEL_TOKENS / tokens + decode_floor * scale)
-    return {"arch": arch, **info, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
-            "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
+    shapes = []
+    for n_rows, length in args.shapes:                              # the same layer at other rows x lengths
+        more = torch.randint(0, 256, (n_rows, length), generator=g).tolist()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        s, h = timed(lambda: oracle.hidden_states(more, progress=False), device)
+        n_tok = n_rows * length
+        f = layer_flops_per_token(pack.config, length) * n_tok
+        shapes.append({"rows": n_rows, "length": length, "compute_s": s, "tokens_per_s": n_tok / s,
+                       "tflops": f / s / 1e12, "compute_x_matmul_floor": s / (f / rate),
+                       "finite": all(bool(torch.isfinite(x).all()) for x in h),
+                       "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                       "panel_40_layers_compute_min": LAYERS * s * PANEL_TOKENS / n_tok / 60})
+    return {"arch": arch, **info, "shapes": shapes, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
+            "engram_rows_s": engram_s, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
             "layer_load_at_384_s": panel_load, "compute_s": compute_s, "tokens": tokens,
             "tokens_per_s": tokens / compute_s, "tflops": flops / compute_s / 1e12, "floor_s": floor,
             "x_floor": (load_s + compute_s) / floor, "compute_x_matmul_floor": compute_s / (flops / rate),
@@ -350,9 +379,9 @@ class DeviceHead:
 
 
 def bench_head(args, device) -> dict:
-    from fidelity import metrics
-    from fidelity.panels import TokenizedRow
-    from fidelity.store import ReferenceRun, device_row_metrics
+    from fidelity.measuring import metrics
+    from fidelity.measuring.panels import TokenizedRow
+    from fidelity.measuring.store import ReferenceRun, device_row_metrics
 
     n, vocab, hidden = (256, 1000, 64) if args.smoke else (args.head_positions, VOCAB, FLASH["hidden_size"])
     g = torch.Generator(device=device).manual_seed(5)
@@ -397,14 +426,21 @@ def bench_head(args, device) -> dict:
            "panel_317k_head_metrics_min": step_s * PANEL_TOKENS / n / 60}
     a, b = bufs
     bytes_read = 2 * a.numel() * 4
-    default = metrics.TRITON_BLOCK, metrics.TRITON_WARPS
+    knobs = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_TOPK", "TRITON_SHIFT", "TRITON_MAGIC")
+    default = tuple(getattr(metrics, k) for k in knobs)
     variants = [("torch", None)]
     if device.type == "cuda" and metrics._triton_kernel() is not None:
-        variants += [("triton", c) for c in (default, (2048, 8), (512, 4), (1024, 8))]
+        variants += [("triton", c) for c in (default, (512, 4, "fused", "running", False), (1024, 4, "torch", "running", False),
+                                             (1024, 4, "separate", "running", False), (256, 2, "fused", "fixed", True),
+                                             (512, 2, "fused", "fixed", True), (256, 4, "fused", "fixed", True),
+                                             (1024, 4, "separate", "running", True), (1024, 4, "separate", "fixed", False),
+                                             (1024, 4, "separate", "fixed", True),
+                                             (2048, 8, "separate", "fixed", True))]
     want = metrics.device_metrics_columns(a, b, targets, backend="torch")
     for backend, config in variants:
         if config is not None:
-            metrics.TRITON_BLOCK, metrics.TRITON_WARPS = config
+            for k, value in zip(knobs, config):
+                setattr(metrics, k, value)
         try:
             run_kernel = lambda: metrics.device_metrics_columns(a, b, targets, backend=backend)   # noqa: E731
             got = run_kernel()
@@ -413,23 +449,32 @@ def bench_head(args, device) -> dict:
             out[f"kernel_{backend}_{config}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
         finally:
-            metrics.TRITON_BLOCK, metrics.TRITON_WARPS = default
-        name = backend if config is None or config == default else f"{backend}_{config[0]}x{config[1]}"
+            for k, value in zip(knobs, default):
+                setattr(metrics, k, value)
+        name = backend if config is None else (f"{backend}_{config[0]}x{config[1]}_top5_{config[2]}_shift_{config[3]}"
+                                               + ("_magic" if config[4] else ""))
         out[f"kernel_{name}_s"] = s
         out[f"kernel_{name}_GBps"] = bytes_read / s / 1e9
         out[f"kernel_{name}_x_copy_bw"] = bytes_read / s / args.copy_bw
         out[f"kernel_{name}_max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
         out[f"kernel_{name}_top1_equal_torch"] = bool(torch.equal(got[1], want[1]))
+        out[f"kernel_{name}_topk_match_equal_torch"] = bool(torch.equal(got[1][:, 2], want[1][:, 2]))
     if device.type == "cuda" and metrics._triton_kernel() is not None:   # the fused kernel alone (no top-K lists)
         cols = torch.empty(n, 6, dtype=torch.float64, device=device), torch.empty(n, 2, dtype=torch.int64, device=device)
-        try:
-            only = lambda: metrics.triton_rows(a, b, targets, *cols)     # noqa: E731
-            only()
-            s, _ = timed(only, device, repeat=3)
-            out["fused_kernel_only_s"] = s
-            out["fused_kernel_only_x_copy_bw"] = bytes_read / s / args.copy_bw
-        except Exception as e:
-            out["fused_kernel_only_error"] = f"{type(e).__name__}: {e}"[:300]
+        for shift, magic in (("running", False), ("running", True), ("fixed", False), ("fixed", True)):
+            key = "fused_kernel_only" + ("" if (shift, magic) == ("running", False) else
+                                         f"_shift_{shift}" + ("_magic" if magic else ""))
+            metrics.TRITON_SHIFT, metrics.TRITON_MAGIC = shift, magic
+            try:
+                only = lambda: metrics.triton_rows(a, b, targets, *cols)     # noqa: E731
+                only()
+                s, _ = timed(only, device, repeat=3)
+                out[f"{key}_s"] = s
+                out[f"{key}_x_copy_bw"] = bytes_read / s / args.copy_bw
+            except Exception as e:
+                out[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                metrics.TRITON_SHIFT, metrics.TRITON_MAGIC = default[3], default[4]
     out["device_copy_GBps"] = args.copy_bw / 1e9
     return out
 
@@ -441,16 +486,25 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--length", type=int, default=None)
     ap.add_argument("--experts", type=int, default=None, help="routed experts built (default: the geometry's)")
+    ap.add_argument("--shapes", default="", help="more ROWSxLENGTH to time the same layers at, e.g. 1x32768")
     ap.add_argument("--head-positions", type=int, default=8192)
     ap.add_argument("--skip-head", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--work", default=None, help="scratch folder for the packs (default: a temporary one)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed passes per measurement, median (--parallel)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per process (--parallel)")
+    ap.add_argument("--parallel", default="", help="experts,rows: the layer across torchrun's ranks vs one rank")
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="the oracle's batch size in tokens (runner.BATCH_TOKENS; --parallel --smoke: 128)")
     args = ap.parse_args(argv)
+    if args.parallel:
+        return parallel_main(args)
     device = torch.device(args.device)
     exact_math(device)
     args.rows = args.rows or (2 if args.smoke else 8)
     args.length = args.length or (64 if args.smoke else 2048)
+    args.shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",") if x]
     args.matmul_rate = matmul_rate(device, 512 if args.smoke else 8192)
     args.copy_bw = copy_bandwidth(device, 1 << (20 if args.smoke else 30))
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -491,6 +545,140 @@ def main(argv=None) -> int:
     return 0
 
 
+# -- the layer across ranks ---------------------------------------------------------------------------------------
+def parallel_main(args) -> int:
+    """Every rank opens the one layer pack rank 0 built (in --work, or a folder named by torchrun's run id). Rank 0
+    alone runs the plain Oracle (keep_weights) over the rows: the one-rank time and the result. Then, per mode, every
+    rank runs `parallel.make_oracle(pack, device, parallel=mode, keep_weights=True)` on the same rows; the N-rank time
+    is the slowest rank's. Each time is the median of --repeat passes after one warm-up pass (which loads the layer and this rank's
+    experts); ranks start each pass together after a checkpoint. Rank 0 compares its last pass with the one-rank
+    result by torch.equal (bit equality holds at one thread count per process: on the CPU every rank and the one-rank
+    run use --threads, torchrun's 1 by default)."""
+    from fidelity.oracle import parallel
+    from fidelity.oracle import runner
+    from fidelity.packs.exl3.layouts import routed_expert
+
+    modes = [m for m in args.parallel.split(",") if m]
+    if any(m not in ("experts", "rows") for m in modes):
+        raise SystemExit(f"--parallel takes experts and/or rows, not {args.parallel!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner.BATCH_TOKENS = args.batch_tokens or (128 if args.smoke else runner.BATCH_TOKENS)
+    g = parallel.current_group(args.device)                 # None in one process (world size 1)
+    rank, world = (g.rank, g.world_size) if g else (0, 1)
+    device = parallel.local_device(args.device)
+    exact_math(device)
+    run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}-{os.environ.get('MASTER_PORT', '')}"
+    work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / f"realscale-parallel-{run_id}"
+    if rank == 0 and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    length = args.length or (64 if args.smoke else 2048)
+    per_batch = max(1, runner.BATCH_TOKENS // length)
+    n_rows = args.rows or per_batch * 8                # 8 batches: an equal deal over 1, 2, 4 or 8 ranks
+    rows = torch.randint(0, 256, (n_rows, length), generator=torch.Generator().manual_seed(1)).tolist()
+    geometry = SMOKE if args.smoke else FLASH
+    results = {"machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                           "torch": torch.__version__, "ranks": world, "threads_per_rank": torch.get_num_threads(),
+                           "backend": g.backend if g else None, "smoke": args.smoke,
+                           "batch_tokens": runner.BATCH_TOKENS}, "runs": []}
+    failure = None
+    try:
+        for arch in [a for a in args.archs.split(",") if a]:
+            experts = args.experts or (geometry["n_routed_experts"] if arch == "v4" or args.smoke else EXPERTS_V41)
+            pack_dir = work / f"{arch}-exl3"
+            if rank == 0 and not (pack_dir / "config.json").exists():
+                build_layer_pack(arch, geometry, V41_SMOKE if args.smoke else V41_FLASH, experts, work, device)
+            if g:
+                g.checkpoint(f"rank 0's {arch} layer pack")
+
+            def timed_pass(oracle, together: bool):
+                """The median of --repeat timed passes after one warm-up pass (the layer, the experts, kernels)."""
+                oracle.hidden_states(rows, progress=False)
+                times = []
+                for _ in range(args.repeat):
+                    if together:
+                        g.checkpoint("the start of a timed pass")
+                    s, out = timed(lambda: oracle.hidden_states(rows, progress=False), device)
+                    times.append(s)
+                return sorted(times)[len(times) // 2], out
+
+            want, one_s = None, None
+            if rank == 0:
+                one_s, want = timed_pass(Oracle(open_pack(pack_dir), device=device, keep_weights=True), False)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if g:
+                g.checkpoint("the one-rank baseline")
+            for mode in modes:
+                pack = open_pack(pack_dir)
+                read = set()
+                tensor = pack.tensor
+                pack.tensor = lambda name, tensor=tensor, **where: (read.add(name), tensor(name, **where))[1]
+                oracle = parallel.make_oracle(pack, device, parallel=mode, keep_weights=True)
+                seconds, got = timed_pass(oracle, g is not None)
+                mine = sorted({routed_expert(n)[2] for n in read if routed_expert(n) is not None})
+                slowest, per_rank = seconds, [mine]
+                if g:
+                    gathered = [None] * world
+                    g.checkpoint("the gathering of the ranks' times")
+                    g.dist.all_gather_object(gathered, (seconds, mine))
+                    slowest, per_rank = max(s for s, _ in gathered), [m for _, m in gathered]
+                del oracle
+                if rank != 0:
+                    continue
+                equal = len(got) == len(want) and all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
+                tokens = n_rows * length
+                run = {"arch": arch, "mode": mode, "ranks": world, "experts": experts, "rows": n_rows,
+                       "length": length, "tokens": tokens, "one_rank_s": one_s, "ranks_s": slowest,
+                       "tokens_per_s": tokens / slowest, "one_rank_tokens_per_s": tokens / one_s,
+                       "speedup": one_s / slowest, "target_speedup": 0.9 * world if mode == "rows" else None,
+                       "equal_one_rank": equal, "experts_read_per_rank": [len(m) for m in per_rank],
+                       "experts_read_overlap": mode == "experts" and len(per_rank) > 1
+                                               and bool(set.intersection(*map(set, per_rank)))}
+                results["runs"].append(run)
+                print(json.dumps(run), flush=True)
+                if args.out:
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    torch.save(rows, Path(args.out) / "rows.pt")
+                    torch.save([h.cpu() for h in got], Path(args.out) / f"hidden-{arch}-{mode}.pt")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del want
+    except BaseException as e:
+        failure = e
+        raise
+    finally:
+        parallel.finish(failure)
+        if rank == 0 and not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    if rank == 0:
+        print(parallel_table(results))
+        if args.out:
+            (Path(args.out) / "realscale-parallel.json").write_text(json.dumps(results, indent=1))
+        if not all(r["equal_one_rank"] for r in results["runs"]):
+            print("NOT EQUAL to one rank (torch.equal)", flush=True)
+            return 1
+    return 0
+
+
+def parallel_table(results: dict) -> str:
+    m = results["machine"]
+    lines = [f"{m['ranks']} rank(s) on {m['device']} ({m['backend'] or 'one process'}, {m['threads_per_rank']} "
+             f"thread(s) per rank, torch {m['torch']}, BATCH_TOKENS {m['batch_tokens']})",
+             "| layer | parallel | ranks | experts | rows x length | 1 rank s | N ranks s | tokens/s per layer | "
+             "1 rank tokens/s | x 1 rank | target | torch.equal(1 rank) | routed experts read per rank |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["runs"]:
+        target = "none set" if r["target_speedup"] is None else \
+            f">= {r['target_speedup']:.1f}: {'met' if r['speedup'] >= r['target_speedup'] else 'NOT met'}"
+        reads = "/".join(map(str, r["experts_read_per_rank"])) + (" (overlap!)" if r["experts_read_overlap"] else "")
+        lines.append(f"| {r['arch']} | {r['mode']} | {r['ranks']} | {r['experts']} | {r['rows']} x {r['length']} | "
+                     f"{r['one_rank_s']:.3f} | {r['ranks_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['one_rank_tokens_per_s']:.0f} | {r['speedup']:.2f} | {target} | {r['equal_one_rank']} | "
+                     f"{reads} |")
+    return "\n".join(lines)
+
+
 def table(results: dict) -> str:
     lines = ["| layer | experts | read s | load s (read+decode+copy) | compute s | tokens/s | TFLOP/s | x floor | "
              "GPU peak GiB | 317k x 40 layers x 384: serial / overlapped / floor min |",
@@ -501,6 +689,15 @@ def table(results: dict) -> str:
                      f"{r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {r['x_floor']:.1f} | {peak} | "
                      f"{r['panel_40x384_serial_min']:.1f} / {r['panel_40x384_overlapped_min']:.1f} / "
                      f"{r['panel_floor_min']:.1f} |")
+    for r in results["layers"]:
+        if r.get("engram_rows_s") is not None:
+            lines.append(f"  {r['arch']}: the batch's Engram rows alone (hash, distinct rows, reads, decode, gather) "
+                         f"{r['engram_rows_s']:.3f} s of the {r['compute_s']:.2f} s compute")
+        for x in r.get("shapes", []):
+            lines.append(f"  {r['arch']} at {x['rows']} x {x['length']}: compute {x['compute_s']:.2f} s, "
+                         f"{x['tokens_per_s']:.0f} tokens/s, {x['tflops']:.1f} TFLOP/s, {x['compute_x_matmul_floor']:.1f}x "
+                         f"the matmul floor, 40 layers' compute at 317k tokens {x['panel_40_layers_compute_min']:.1f} min"
+                         + (f", GPU peak {x['gpu_peak_GiB']:.1f} GiB" if x["gpu_peak_GiB"] is not None else ""))
     h = results["head"]
     if h:
         lines += ["", f"head + metrics, {h['positions']} positions x vocab {h['vocab']}: plain GEMMs "
@@ -512,10 +709,11 @@ def table(results: dict) -> str:
             lines.append(f"metric kernel ({name}): {h[f'kernel_{name}_s'] * 1e3:.2f} ms, "
                          f"{h[f'kernel_{name}_GBps']:.0f} GB/s = {100 * h[f'kernel_{name}_x_copy_bw']:.0f} % "
                          f"of the measured copy bandwidth ({h['device_copy_GBps']:.0f} GB/s); KL vs torch path "
-                         f"{h[f'kernel_{name}_max_kl_diff_vs_torch']:.1e}, top-1 equal: {h[f'kernel_{name}_top1_equal_torch']}")
-        if "fused_kernel_only_s" in h:
-            lines.append(f"fused Triton kernel alone (KL both ways, top-1/2, NLL; no top-5 lists): "
-                         f"{h['fused_kernel_only_s'] * 1e3:.2f} ms = {100 * h['fused_kernel_only_x_copy_bw']:.0f} % of "
+                         f"{h[f'kernel_{name}_max_kl_diff_vs_torch']:.1e}, top-1 equal: {h[f'kernel_{name}_top1_equal_torch']}"
+                         f", topk_match equal: {h.get(f'kernel_{name}_topk_match_equal_torch')}")
+        for key in [k[:-len("_s")] for k in h if k.startswith("fused_kernel_only") and k.endswith("_s")]:
+            lines.append(f"fused Triton kernel alone (KL both ways, top-1/2, NLL; no top-5 lists){key[len('fused_kernel_only'):]}: "
+                         f"{h[f'{key}_s'] * 1e3:.2f} ms = {100 * h[f'{key}_x_copy_bw']:.0f} % of "
                          f"the measured copy bandwidth")
         lines += [f"{k}: {v}" for k, v in h.items() if k.endswith("_error")]
         layers = {r["arch"]: r for r in results["layers"]}

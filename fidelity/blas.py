@@ -1,16 +1,20 @@
 """MKL's strict conditional numerical reproducibility, asked for before torch's first matrix product.
 
 Without it MKL's float32 GEMMs may sum in an order that depends on the thread count and, on some CPUs, on the operands'
-alignment: on MKL's AVX2 code path (what AMD EPYC runs; `MKL_ENABLE_INSTRUCTIONS=AVX2` shows it on an Intel Xeon) a
-[99, 48] x [48, 97] product differs in the last bits between one and two threads, so a torchrun rank (one thread) and
-one process (two) disagreed. MKL's strict CNR mode (`MKL_CBWR=<branch>,STRICT`) makes ?gemm results independent of the
-thread count and alignment for a fixed code branch; it needs an AVX2-or-later branch. MKL reads `MKL_CBWR` at its first
-BLAS call, so `fidelity` sets it when imported, unless the environment already names a mode:
+alignment: on MKL's AVX2 code path (`MKL_ENABLE_INSTRUCTIONS=AVX2` on an Intel Xeon) a [99, 48] x [48, 97] product
+differed in the last bits between one and two threads. MKL's strict CNR mode (`MKL_CBWR=<branch>,STRICT`) makes ?gemm
+results independent of alignment, and on Intel CPUs of the thread count, for a fixed code branch; it needs an
+AVX2-or-later branch. MKL reads `MKL_CBWR` at its first BLAS call, so `fidelity` sets it when imported, unless the
+environment already names a mode:
 
 - Intel CPU with AVX2: `AUTO,STRICT` (the CPU's own best branch; measured as fast as MKL's default on a Xeon);
-- another x86-64 CPU with AVX2 (AMD): `AVX2,STRICT` (a branch strict mode supports, named explicitly: MKL's automatic
-  choice on a non-Intel CPU need not be one);
-- no AVX2: left unset (strict mode does not exist there; equality across thread counts is then not claimed).
+- another x86-64 CPU with AVX2 (AMD): `AVX2,STRICT` (a branch strict mode supports, named explicitly);
+- no AVX2: left unset (strict mode does not exist there).
+
+Measured on an AMD EPYC (2 cores, MKL 2024.2, 2026-12-01): strict mode keeps results independent of alignment and of
+the process, but GEMMs with few rows per thread (3-22 rows at 2 threads) still differ in the last bits between one and
+two threads, in every MKL_CBWR mode tried (tests/test_blas.py prints how many). So fidelity's bit-equality claims hold
+at one thread count per process (torchrun ranks vs one process with the ranks' thread count), not across thread counts.
 
 Set `MKL_CBWR` yourself to choose otherwise (`MKL_CBWR=AUTO` is MKL's default behaviour). A process that ran a matrix
 product before importing fidelity keeps the mode MKL started with.

@@ -125,9 +125,9 @@ def test_text_config_reads_like_the_flat_config(tmp_path, rng_seed):
 def test_compare_reports_measured_routing_bpw(tmp_path, smollm2_gguf, rng_seed):
     """compare counts each pack's routing on the panel and reports the measured per-token bpw next to k / n; HF's
     router on the same tokens gives the same counts."""
-    from fidelity.compare import compare
+    from fidelity.measuring.compare import compare
     from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.panels import PanelRow, write_panel
+    from fidelity.measuring.panels import PanelRow, write_panel
 
     tok = load_tokenizer(open_pack(smollm2_gguf))
     model = skewed_moe(tmp_path / "ref", rng_seed, vocab=49152)

@@ -27,12 +27,14 @@ for name in commands:
         parser.parse_args([name, '--help'])
     except SystemExit:
         pass
-print(after_import, 'torch' in sys.modules, 'transformers' in sys.modules, ','.join(commands))
+from fidelity.registry import SUITES
+suites = any(m in sys.modules for m in SUITES.declared_names().values())  # `suite run` lists them unimported
+print(after_import, 'torch' in sys.modules, 'transformers' in sys.modules, suites, ','.join(commands))
 """
     out = run_python(code)
     assert out.returncode == 0, out.stderr
-    after_import, after_parsers, transformers, commands = out.stdout.split()[-4:]
-    assert (after_import, after_parsers, transformers) == ("False", "False", "False"), out.stdout
+    after_import, after_parsers, transformers, suites, commands = out.stdout.split()[-5:]
+    assert (after_import, after_parsers, transformers, suites) == ("False", "False", "False", "False"), out.stdout
     assert {"compare", "gate", "inspect", "panel", "reference", "serve"} <= set(commands.split(","))
 
 

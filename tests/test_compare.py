@@ -1,26 +1,27 @@
 """compare() end to end on tiny Llama packs that carry SmolLM2's real tokenizer (fast), checked against HF transformers."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from fidelity.compare import compare
+from fidelity.measuring.compare import compare
 from fidelity.errors import PackError
-from fidelity.panels import PanelRow, write_panel
-from fidelity.store import StoreError
+from fidelity.measuring.panels import PanelRow, write_panel
+from fidelity.measuring.store import StoreError
 
 VOCAB = 49152
 
 
 def _config(vocab=VOCAB):
-    from fidelity.oracle.synthetic import llama_config
+    from fidelity.fixtures.synthetic import llama_config
     return llama_config(hidden_size=64, intermediate_size=128, n_layers=2, vocab_size=vocab, n_heads=4, n_kv_heads=2)
 
 
 def _weights(cfg, gen):
-    from fidelity.oracle.synthetic import llama_shapes
+    from fidelity.fixtures.synthetic import llama_shapes
     out = {}
     for name, shape in llama_shapes(cfg).items():
         if name.endswith("norm.weight"):
@@ -40,6 +41,16 @@ def _save(path, cfg, weights, tokenizer=None):
     return path
 
 
+def tiny_setting(tmp_path_factory, smollm2_gguf, name: str):
+    """(a fresh folder `name`, SmolLM2's tokenizer, a generator on a fresh seed printed as "`name` seed N";
+    FIDELITY_TEST_MODULE_SEED=N replays one): what the module fixtures building tiny packs start from."""
+    from fidelity.packs import open_pack
+    from fidelity.packs.tokenizer import load_tokenizer
+    seed = int(os.environ.get("FIDELITY_TEST_MODULE_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"{name} seed {seed}")
+    return tmp_path_factory.mktemp(name), load_tokenizer(open_pack(smollm2_gguf)), torch.Generator().manual_seed(seed)
+
+
 def noisy_packs(root: Path, tok, gen: torch.Generator, noise: dict[str, float]):
     """(config, reference weights, {"ref": path, name: path…}): a random tiny reference and, per name, a pack whose every
     weight carries Gaussian noise of `noise[name]` x that tensor's mean |w|."""
@@ -54,13 +65,7 @@ def noisy_packs(root: Path, tok, gen: torch.Generator, noise: dict[str, float]):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_gguf):
-    from fidelity.packs import open_pack
-    from fidelity.packs.tokenizer import load_tokenizer
-    seed = int.from_bytes(np.random.bytes(4), "little")
-    print(f"tiny packs seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    root = tmp_path_factory.mktemp("tiny")
-    tok = load_tokenizer(open_pack(smollm2_gguf))
+    root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "tiny")
     cfg, w, packs = noisy_packs(root, tok, gen, {"small": 0.01, "large": 0.05})
     nan_w = dict(w)
     nan_w["lm_head.weight"] = w["lm_head.weight"].clone()
@@ -81,6 +86,14 @@ def tiny(tmp_path_factory, smollm2_gguf):
     return packs
 
 
+TIE_TOLERANCE = 1e-4   # the oracle's logits match HF's to 1e-4
+
+
+def _top2_margin(logp: torch.Tensor) -> torch.Tensor:
+    top2 = logp.topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
 def _hf_logits(path, tokens):
     from transformers import LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
@@ -95,10 +108,10 @@ def live(tiny):
 
 def test_compare_matches_transformers(tiny, live):
     """KL(ref||pack), top-1 and PPL equal plain-torch numbers on HF transformers' fp32 logits, to 1e-4 relative."""
-    from fidelity.panels import load_panel, tokenize_panel
+    from fidelity.measuring.panels import load_panel, tokenize_panel
     rows = tokenize_panel(load_panel(tiny["panel"]), tiny["tokenizer"])
     for label in ("small", "large"):
-        kl, agree, nll_ref, nll_pack = [], [], [], []
+        kl, agree, near_tie, nll_ref, nll_pack = [], [], [], [], []
         for r in rows:
             pos = torch.tensor([t - 1 for t, s in enumerate(r.scored) if s])
             tgt = torch.tensor(r.tokens)[pos + 1]
@@ -106,12 +119,20 @@ def test_compare_matches_transformers(tiny, live):
             lq = torch.log_softmax(_hf_logits(tiny[label], r.tokens)[pos], -1)
             kl.append((lp.exp() * (lp - lq)).sum(-1))
             agree.append(lp.argmax(-1) == lq.argmax(-1))
+            near_tie.append((_top2_margin(lp) < TIE_TOLERANCE) | (_top2_margin(lq) < TIE_TOLERANCE))
             nll_ref.append(-lp.gather(1, tgt[:, None])[:, 0])
             nll_pack.append(-lq.gather(1, tgt[:, None])[:, 0])
         res = next(r for r in live.report["results"] if r["label"] == label)["overall"]
         assert res["positions"] == sum(len(k) for k in kl) == live.report["panel"]["scored_positions"]
         assert res["kld_mean"] == pytest.approx(float(torch.cat(kl).mean()), rel=1e-4)
-        assert res["top1"] == pytest.approx(float(torch.cat(agree).double().mean()), rel=1e-4)
+        # A position whose top two logits lie within the oracle's tolerance of HF's may pick either: count it both ways.
+        agree_all, tie = torch.cat(agree), torch.cat(near_tie)
+        print(label, "top-1", res["top1"], "HF", float(agree_all.double().mean()), "near-tie positions", int(tie.sum()))
+        assert int(tie.sum()) <= 2, f"{label}: {int(tie.sum())} near-tie positions (the seed printed above)"
+        n = len(agree_all)
+        assert int((agree_all & ~tie).sum()) / n - 1e-12 <= res["top1"] <= int((agree_all | tie).sum()) / n + 1e-12
+        if not tie.any():
+            assert res["top1"] == pytest.approx(float(agree_all.double().mean()), rel=1e-4)
         assert res["ppl"] == pytest.approx(float(torch.cat(nll_pack).mean().exp()), rel=1e-4)
         assert res["ppl_ref"] == pytest.approx(float(torch.cat(nll_ref).mean().exp()), rel=1e-4)
     small, large = (next(r for r in live.report["results"] if r["label"] == k)["overall"] for k in ("small", "large"))
@@ -121,6 +142,24 @@ def test_compare_matches_transformers(tiny, live):
     assert pair["kld_mean_diff"] == pytest.approx(small["kld_mean"] - large["kld_mean"], rel=1e-9)
     nf = live.report["noise_floor"]["kld_mean"]
     assert 0 < nf < small["kld_mean"] and small["noise_floor_kld"] == nf
+
+
+def test_reference_logits_are_computed_once_and_change_no_number(tiny, live, monkeypatch):
+    """On a CPU oracle the reference's logits are kept across the noise floor and the packs when they fit in
+    REF_LOGITS_CACHE_BYTES: the reference head runs once per row, and the report is the one recomputing them gives."""
+    import fidelity.measuring.compare as C
+
+    calls = []
+    check = C._check_reference_logits
+    monkeypatch.setattr(C, "_check_reference_logits", lambda ref, i, *a: (calls.append(i), check(ref, i, *a))[1])
+    kept = compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False)
+    assert sorted(calls) == list(range(len(kept.rows)))
+    calls.clear()
+    monkeypatch.setattr(C, "REF_LOGITS_CACHE_BYTES", 0)
+    fresh = compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False)
+    assert len(calls) == 3 * len(fresh.rows)   # the noise floor and each pack computed them again
+    assert json.dumps(kept.report, sort_keys=True) == json.dumps(fresh.report, sort_keys=True) == \
+        json.dumps(live.report, sort_keys=True)
 
 
 def test_store_equals_live_exactly(tiny, live, tmp_path):
@@ -141,7 +180,7 @@ def test_interrupted_compare_resumes_without_recomputing_finished_passes(tiny, l
     """A run killed while measuring its second pack, rerun with the same resume folder: the reference, the noise floor
     and the first pack are read back (never recomputed), only the second pack runs, and the report equals an
     uninterrupted run's."""
-    import fidelity.compare as C
+    import fidelity.measuring.compare as C
 
     built, real_oracle, real_reference = [], C._oracle, C.run_reference
 
@@ -336,7 +375,7 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
     from fidelity.commands.panel import build_panel
     from fidelity.oracle import Oracle
     from fidelity.packs import open_pack
-    from fidelity.panels import load_panel
+    from fidelity.measuring.panels import load_panel
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p1", "domain": "chat", "prompt": "Say something about rivers."}) + "\n" +
                        json.dumps({"id": "p2", "domain": "math", "messages": [{"role": "user", "content": "2+2?"}]}) + "\n")
@@ -359,13 +398,13 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
         assert row.messages[-1] == (want if stopped else {**want, "truncated": True})
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "b1", "domain": "x", "messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
-    from fidelity.panels import PanelError
+    from fidelity.measuring.panels import PanelError
     with pytest.raises(PanelError, match=r"bad\.jsonl line 1 \(row 'b1'\): needs a string 'prompt' or 'messages' ending"):
         build_panel(bad, tiny["ref"], tmp_path / "nope", progress=False)
 
 
 def test_noise_floor_perturbation_is_seeded_and_small(tiny):
-    from fidelity.compare import NOISE_REL, perturbed_oracle
+    from fidelity.measuring.compare import NOISE_REL, perturbed_oracle
     from fidelity.oracle import Oracle
     from fidelity.packs import open_pack
     pack = open_pack(tiny["ref"])

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from fidelity.commands.demo import build_demo_packs
-from fidelity.compare import compare
-from fidelity.panels import load_panel, tokenize_panel
+from fidelity.measuring.compare import compare
+from fidelity.measuring.panels import load_panel, tokenize_panel
 
 pytestmark = pytest.mark.slow
 

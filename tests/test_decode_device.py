@@ -16,8 +16,10 @@ machine can build them too.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -25,10 +27,11 @@ import torch
 
 from conftest import SHARED
 from fidelity import PackError, open_pack
-from fidelity.distributed import Prefetcher, prefetch
-from fidelity.oracle import Oracle
-from fidelity.oracle.synthetic import SyntheticPack, llama_config
-from fidelity.packs import exl3, staging
+from fidelity.oracle import LoadChain, Oracle
+from fidelity.oracle.parallel import Prefetcher
+from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from fidelity.packs import staging
+from fidelity.packs.exl3 import codec
 from fidelity.packs.safetensors_io import SafetensorsFile, write_safetensors
 from test_packs_fp4 import e2m1_by_formula, expand, random_e4m3_scales
 from test_packs_fp8 import expand_grid, random_fp8, reference
@@ -36,6 +39,7 @@ from test_packs_fp8 import expand_grid, random_fp8, reference
 HAS_CUDA = torch.cuda.is_available()
 CUDA = pytest.param("cuda", marks=[pytest.mark.device, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")])
 DEVICES = ["cpu", CUDA]
+STAGING = LoadChain(prefetch=partial(Prefetcher, stage=True))   # prefetch, stored bytes staged ahead on the CPU too
 
 
 def write_pack(path, tensors: dict, config: dict):
@@ -301,8 +305,8 @@ EXL3_CASES = [("3inst", 2, "suh"), ("mcg", 4, "suh"), ("mul1", 3, "suh"), ("mul1
 
 def exl3_linear(codebook: str, K: float, signs: str, k_p: int = 256, n_p: int = 128) -> dict:
     """Stored tensors of one EXL3 linear (exllamav3 naming): random trellis bits, fp16 scales or sign bitfields."""
-    t = {"trellis": torch.randint(-32768, 32768, (k_p // 16, n_p // 16, exl3.Bitrate.of(K).words), dtype=torch.int16),
-         **exl3.codebook_marker(codebook)}
+    t = {"trellis": torch.randint(-32768, 32768, (k_p // 16, n_p // 16, codec.Bitrate.of(K).words), dtype=torch.int16),
+         **codec.codebook_marker(codebook)}
     if signs == "suh":
         t["suh"], t["svh"] = (torch.randn(k_p) * 0.1).half(), (torch.randn(n_p) * 0.1).half()
     else:                                            # legacy sign bitfields
@@ -325,10 +329,10 @@ def exl3_reference(t: dict, codebook: str, K: float) -> torch.Tensor:
         from safetensors.torch import load_file
         table = load_file(golden)[f"codebook.{codebook}"].float().numpy()
     else:                                            # ours, which test_exl3_decode checks against those tables
-        table = exl3.codebook_values(codebook).numpy()
+        table = codec.codebook_values(codebook).numpy()
     inner = torch.from_numpy(_numpy_reference_inner(t["trellis"].numpy(), K, table))
-    suh = t["suh"] if "suh" in t else exl3.unpack_sign_bits(t["su"])
-    svh = t["svh"] if "svh" in t else exl3.unpack_sign_bits(t["sv"])
+    suh = t["suh"] if "suh" in t else codec.unpack_sign_bits(t["su"])
+    svh = t["svh"] if "svh" in t else codec.unpack_sign_bits(t["sv"])
     return torch.from_numpy(_numpy_exact_rebuild(inner, suh, svh).T.astype(np.float32).copy())
 
 
@@ -365,17 +369,17 @@ def test_exl3_integer_sums_equal_float64_sums(rng_seed, device, codebook, K):
     matmul path's bits; on a GPU both equal the CPU's."""
     for t in exl3_extremes(codebook, K):
         args = [t["trellis"], t["suh"], t["svh"]]
-        cpu = exl3.decode_weight(*args, codebook, sums="float64")
-        for sums in exl3.HADAMARD_SUMS:
-            got = exl3.decode_weight(*[a.to(device) for a in args], codebook, sums=sums)
+        cpu = codec.decode_weight(*args, codebook, sums="float64")
+        for sums in codec.HADAMARD_SUMS:
+            got = codec.decode_weight(*[a.to(device) for a in args], codebook, sums=sums)
             assert got.device.type == device
             assert torch.equal(got.cpu(), cpu), (sums, (got.cpu() - cpu).abs().max())
 
 
 def test_exl3_sums_by_device():
-    assert exl3.default_sums(torch.device("cpu")) == "float64"
+    assert codec.default_sums(torch.device("cpu")) == "float64"
     with pytest.raises(ValueError, match="Hadamard sums 'float32'"):
-        exl3.decode_weight(torch.zeros(16, 8, 32, dtype=torch.int16), torch.ones(256).half(), torch.ones(128).half(),
+        codec.decode_weight(torch.zeros(16, 8, 32, dtype=torch.int16), torch.ones(256).half(), torch.ones(128).half(),
                            "3inst", sums="float32")
 
 
@@ -384,9 +388,9 @@ def test_v4_and_v41_miniature_layouts_decode_on_the_device_like_the_cpu(tmp_path
     """The five EXL3 seed layouts and the FP8/MXFP4 pack of tests/test_minipacks_v4 and _v41 (mixed K, wo_a slices,
     FP8 ue8m0 on 128 and 32 blocks, MXFP4 shared experts, FP8 Engram rows, official names): every tensor."""
     from test_minipacks_v4 import ENCODINGS, NATIVE, SPEC
-    from fidelity.packs.minipacks import EncodingCache
-    from fidelity.packs.minipacks_v4 import write_all
-    from fidelity.packs.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+    from fidelity.fixtures.minipacks import EncodingCache
+    from fidelity.fixtures.minipacks_v4 import write_all
+    from fidelity.fixtures.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
     packs = write_all(open_pack(NATIVE), tmp_path / "v4", SPEC, EncodingCache(ENCODINGS))
     v41 = build_native_v41(NATIVE, tmp_path / "v41native")
     packs |= {f"v4.1 {k}": v for k, v in write_all_v41(v41, tmp_path / "v41", V41_SPEC, EncodingCache(ENCODINGS)).items()}
@@ -421,7 +425,7 @@ def gguf_stored(qtype: str, rows: int, cols: int, g: torch.Generator) -> np.ndar
 
 
 def gguf_pack(tmp_path, qtype: str, g: torch.Generator, arch: str = "qwen3"):
-    from fidelity.packs.writers import write_gguf_tensors
+    from fidelity.fixtures.writers import write_gguf_tensors
     from test_packs_gguf import HPARAMS
     import gguf
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
@@ -491,13 +495,18 @@ def test_staged_bytes_are_what_decode_reads(tmp_path, rng_seed, monkeypatch):
     assert torch.equal(pack.tensor(name), refs[name]) and sorted(reads) == sorted(pack.storage(name).raw)
 
 
+def staging_prefetch_case(tmp_path, seed: int, rows: int, length: int, n: int = 4):
+    """(an n-layer Llama pack, random tokens [rows, length], the plain oracle's logits, a prefetching oracle that
+    stages stored bytes)."""
+    pack = llama_pack(tmp_path, n_layers=n, seed=seed)
+    tokens = torch.randint(0, 128, (rows, length), generator=torch.Generator().manual_seed(seed))
+    return pack, tokens, Oracle(pack).logits(tokens), Oracle(pack, chain=STAGING)
+
+
 def test_prefetch_stages_in_order_overlaps_compute_and_keeps_the_numbers(tmp_path, rng_seed):
     n = 4
-    pack = llama_pack(tmp_path, n_layers=n, seed=rng_seed)
-    tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(rng_seed))
-    want = Oracle(pack).logits(tokens)
-    oracle = prefetch(Oracle(pack), stage=True)
-    loader: Prefetcher = oracle.load_layer
+    pack, tokens, want, oracle = staging_prefetch_case(tmp_path, rng_seed, 2, 11, n)
+    loader: Prefetcher = oracle.prefetcher
     events = []
     stage = pack.stage
 
@@ -541,10 +550,7 @@ def test_prefetch_stages_in_order_overlaps_compute_and_keeps_the_numbers(tmp_pat
 
 def test_prefetch_read_failure_names_the_tensor_and_stops_the_queue(tmp_path, rng_seed):
     n = 4
-    pack = llama_pack(tmp_path, n_layers=n, seed=rng_seed)
-    tokens = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(rng_seed))
-    want = Oracle(pack).logits(tokens)
-    oracle = prefetch(Oracle(pack), stage=True)
+    pack, tokens, want, oracle = staging_prefetch_case(tmp_path, rng_seed, 1, 7, n)
     k = int(torch.randint(0, n - 1, (1,)))
     stage, staged, broken = pack.stage, [], [True]
 
@@ -575,7 +581,7 @@ def test_prefetch_stages_routed_experts_off_the_compute_thread(monkeypatch, rng_
     original = SafetensorsFile.get
     monkeypatch.setattr(SafetensorsFile, "get",
                         lambda self, n: (reads.append((n, threading.current_thread().name)), original(self, n))[1])
-    oracle = prefetch(Oracle(pack), stage=True)
+    oracle = Oracle(pack, chain=STAGING)
     assert torch.equal(oracle.logits(tokens), want)
     experts = [(n, thread) for n, thread in reads if ".experts." in n]
     assert experts and all(thread.startswith("fidelity-prefetch") for _, thread in experts)
@@ -591,8 +597,8 @@ def test_visible_load_time_below_compute_time(tmp_path, device):
     n = 6
     pack = llama_pack(tmp_path, n_layers=n, hidden=2048, inner=5632)
     tokens = torch.randint(0, 128, (8, 2048), generator=torch.Generator().manual_seed(0))
-    oracle = prefetch(Oracle(pack, device=device))
-    loader: Prefetcher = oracle.load_layer
+    oracle = Oracle(pack, device=device, chain=LoadChain(prefetch=Prefetcher))
+    loader: Prefetcher = oracle.prefetcher
     oracle.hidden_states(tokens.tolist(), progress=False)           # warm-up pass (kernels, page cache)
     t_pass = time.perf_counter()
     oracle.hidden_states(tokens.tolist(), progress=False)
@@ -611,7 +617,7 @@ def test_prefetch_stages_only_what_this_rank_decodes(tmp_path, rng_seed):
     """Under sharded loads a rank reads ahead only its own share of a layer (the rest arrives by broadcast); under
     expert parallelism only its own experts."""
     from types import SimpleNamespace
-    from fidelity.distributed import ExpertParallel, deal_tensors
+    from fidelity.oracle.parallel import ExpertParallel, deal_tensors
     from test_minipacks_v4 import NATIVE
     oracle = Oracle(open_pack(NATIVE))
     loader = Prefetcher(oracle, stage=True)
@@ -621,11 +627,98 @@ def test_prefetch_stages_only_what_this_rank_decodes(tmp_path, rng_seed):
 
     shared = [n for n in everything if ".experts." not in n]
     owners = deal_tensors([oracle.pack.storage(n).nbytes for n in shared], 2)
-    oracle.sharded_loads = SimpleNamespace(plan=lambda i: (shared, owners), group=SimpleNamespace(rank=1))
-    mine = loader.stage_names(0)
+    shards = SimpleNamespace(plan=lambda i: (shared, owners), group=SimpleNamespace(rank=1))
+    sharded = Oracle(open_pack(NATIVE), chain=LoadChain(prefetch=STAGING.prefetch, shards=lambda oracle: shards))
+    mine = sharded.prefetcher.stage_names(0)
     assert set(mine) == {n for n, o in zip(shared, owners) if o == 1} | set(experts)
-    del oracle.sharded_loads
 
-    oracle.fetch.expert_parallel = ExpertParallel(SimpleNamespace(rank=1, world_size=2))
-    mine = loader.stage_names(0)
+    experts_split = ExpertParallel(SimpleNamespace(rank=1, world_size=2))
+    mine = Oracle(open_pack(NATIVE), chain=LoadChain(prefetch=STAGING.prefetch, experts=experts_split)
+                  ).prefetcher.stage_names(0)
     assert set(mine) == set(shared) | {n for n in experts if ".experts.2." in n or ".experts.3." in n}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the staging budget (host memory held read ahead)
+# ---------------------------------------------------------------------------------------------------------------------
+def meminfo_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+@pytest.mark.parametrize("share", [0.3, 0.8, 2.0])
+def test_prefetch_holds_at_most_its_host_budget(tmp_path, rng_seed, share):
+    """The bytes held read ahead, as the pack's staging store counts them after every stage and at every layer's
+    compute, never exceed the budget; a layer over half the budget stages part of itself and reads the rest at decode,
+    with the same numbers; staged + left out = the layer's stored bytes."""
+    n = 4
+    pack = llama_pack(tmp_path, n_layers=n, seed=rng_seed)
+    tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(rng_seed))
+    want = Oracle(pack).logits(tokens)
+    oracle = Oracle(pack, chain=STAGING)
+    loader: Prefetcher = oracle.prefetcher
+    layer_bytes = sum(pack.storage(name).nbytes for name in loader.stage_names(1))
+    budget = int(share * layer_bytes)
+    loader.budget_bytes = budget
+    held = []
+    stage, build = pack.stage, loader.load
+
+    def counting_stage(names, pin=False):
+        keys = stage(names, pin)
+        held.append(pack.raw.staged.nbytes())
+        return keys
+
+    def counting_build(i):
+        layer = build(i)
+
+        def run(*args):
+            held.append(pack.raw.staged.nbytes())
+            return layer(*args)
+        return run
+    pack.stage, loader.load = counting_stage, counting_build
+    for _ in range(2):
+        assert torch.equal(oracle.logits(tokens), want)
+    assert held and max(held) <= budget, (max(held), budget)
+    for t in list(loader.timeline)[-n:]:
+        full = sum(pack.storage(name).nbytes for name in loader.stage_names(t.layer))
+        assert t.staged_bytes + t.unstaged_bytes == full
+        assert t.staged_bytes <= budget // 2
+        if share >= 2.0:
+            assert t.unstaged_bytes == 0
+        else:
+            assert t.unstaged_bytes > 0 and t.staged_bytes > 0
+    loader.release(keep=None)
+    assert len(pack.raw.staged) == 0 and not loader.staged_host_bytes
+
+
+def test_staging_budget_takes_routed_experts_first_and_is_chosen_from_host_memory(monkeypatch):
+    """Experts decode on the compute thread, so under a budget they are staged before the rest (the tiny V4 fixture);
+    the default budget is half the host memory available (MemAvailable), SETTINGS / FIDELITY_STAGE_BUDGET_BYTES override
+    it, and pinned copies are counted at the power-of-two size torch's pinned allocator reserves."""
+    from fidelity.oracle import parallel
+    from fidelity.errors import FidelityError
+    from test_minipacks_v4 import NATIVE
+    oracle = Oracle(open_pack(NATIVE))
+    names = Prefetcher(oracle, stage=True, budget_bytes=0).stage_names(0)
+    size = {n: oracle.pack.storage(n).nbytes for n in names}
+    experts = [n for n in names if ".experts." in n and "shared" not in n]
+    assert experts and len(experts) < len(names)
+    loader = Prefetcher(oracle, stage=True, budget_bytes=2 * sum(size[n] for n in experts))
+    taken, left_out = loader.within_budget(names)
+    assert set(taken) == set(experts) and left_out == sum(size.values()) - sum(size[n] for n in experts)
+    assert taken == [n for n in names if n in set(experts)]                     # in the layer's order
+    assert Prefetcher(oracle, stage=True, budget_bytes=0).within_budget(names) == ([], sum(size.values()))
+
+    if os.path.exists("/proc/meminfo"):
+        before = meminfo_available()
+        chosen = Prefetcher(oracle, stage=True).budget_bytes
+        after = meminfo_available()
+        assert 0.5 * min(before, after) * 0.95 <= chosen <= 0.5 * max(before, after) * 1.05
+    monkeypatch.setattr(parallel.SETTINGS, "stage_budget_bytes", 12345)
+    assert Prefetcher(oracle, stage=True).budget_bytes == 12345
+    monkeypatch.setenv("FIDELITY_STAGE_BUDGET_BYTES", "4096")
+    assert parallel.Settings().stage_budget_bytes == 4096
+    with pytest.raises(FidelityError, match="staging budget must be >= 0 bytes"):
+        Prefetcher(oracle, stage=True, budget_bytes=-1)
+    assert [parallel.held_host_bytes(b, pin=True) for b in (0, 1, 1000, 1024, 1025)] == [0, 1, 1024, 1024, 2048]
+    assert parallel.held_host_bytes(1025, pin=False) == 1025

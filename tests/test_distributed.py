@@ -2,6 +2,7 @@
 single-process oracle exactly (torch.equal); a rank that dies or raises fails the run with that rank named."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,9 +16,10 @@ import pytest
 import torch
 import transformers as T
 
-from fidelity import distributed, open_pack
+from fidelity import open_pack
 from fidelity.errors import FidelityError, PackError
-from fidelity.oracle import Oracle, runner
+from fidelity.oracle import LoadChain, Oracle, parallel, runner
+from fidelity.oracle.parallel import Prefetcher
 from test_oracle import COMMON, MOE, make_moe
 from test_oracle_support import build
 
@@ -27,8 +29,23 @@ DEVICE_VAR = "FIDELITY_DIST_TEST_DEVICE"
 
 
 def rank_device() -> torch.device:
-    return distributed.local_device(os.environ.get(DEVICE_VAR, "cpu"))
+    return parallel.local_device(os.environ.get(DEVICE_VAR, "cpu"))
 SMALL_BATCH_TOKENS = 40  # several batches per row length, some partial: exercises the deal and the regrouping
+# Each rank runs with one torch thread (as torchrun's OMP_NUM_THREADS=1 gives it), so one process is run with one thread
+# too: the bit-equality claim is "same thread count per process". MKL's strict CNR mode does not make a float32 GEMM with
+# few rows per thread independent of the thread count on AMD EPYC (tests/test_blas.py measures it; DEVELOPERS.md).
+RANK_THREADS = 1
+
+
+@contextlib.contextmanager
+def rank_threads():
+    """This process at the ranks' torch thread count, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def without_command_line(path) -> str:
@@ -48,7 +65,7 @@ def _rank_main(rank: int, port: int, job: str, root: str) -> None:
     """One rank of a test run: the launcher's environment, then `job`; results and errors go to root/<job>.<rank>.pt."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    torch.set_num_threads(RANK_THREADS)
     if os.environ.get("FIDELITY_DIST_TEST_DUMP_S"):  # a rank that hangs prints every thread's stack, then exits
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["FIDELITY_DIST_TEST_DUMP_S"]), exit=True)
@@ -56,10 +73,10 @@ def _rank_main(rank: int, port: int, job: str, root: str) -> None:
     out = Path(root) / f"{job}.{rank}.pt"
     try:
         result = JOBS[job](rank, Path(root))
-        distributed.finish()
+        parallel.finish()
         torch.save({"ok": result}, out)
     except BaseException as e:
-        distributed.finish(e)
+        parallel.finish(e)
         torch.save({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, out)
 
 
@@ -75,7 +92,7 @@ def _equal_job(rank: int, root: Path) -> dict:
     inputs = torch.load(root / "inputs.pt")
     pack = open_pack(root / "llama")
     read = _reads(pack)
-    llama = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="rows")
+    llama = parallel.make_oracle(pack, rank_device(), parallel="rows")
     result = {"llama_logits": llama.logits(inputs["tokens"]),
               "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
               "llama_one_batch": llama.logits(inputs["tokens"][:2]),  # one batch: rank 1 has no rows, reads its share
@@ -85,7 +102,7 @@ def _equal_job(rank: int, root: Path) -> dict:
         read = []
         original = pack.tensor
         pack.tensor = lambda name, original=original, **where: (read.append(name), original(name, **where))[1]
-        oracle = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="experts")
+        oracle = parallel.make_oracle(pack, rank_device(), parallel="experts")
         result[case] = oracle.logits(inputs["moe_tokens"])
         result[f"{case}_experts_read"] = sorted({n.split(".experts.")[0] + "." + n.split(".experts.")[1].split(".")[0]
                                                  for n in read if ".experts." in n})
@@ -93,28 +110,21 @@ def _equal_job(rank: int, root: Path) -> dict:
 
 
 def _killed_job(rank: int, root: Path) -> dict:
-    distributed.configure(stale_s=3.0)
-    oracle = distributed.parallelize(Oracle(open_pack(root / "llama"), device=rank_device()), parallel="rows")
-    if rank == 1:
-        load = oracle.load_layer
-
-        def dying(i):
-            if i == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return load(i)
-        oracle.oracle.load_layer = dying
+    parallel.configure(stale_s=3.0)
+    def dying(i, layer):
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return layer
+    oracle = parallel.make_oracle(open_pack(root / "llama"), rank_device(), parallel="rows",
+                                  layer=(dying,) if rank == 1 else ())
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
 
 def _raising_job(rank: int, root: Path) -> dict:
-    oracle = distributed.parallelize(Oracle(open_pack(root / "llama"), device=rank_device()), parallel="rows")
-    if rank == 1:  # rank 1's layer 1 turns its rows' activations to NaN
-        load = oracle.load_layer
-
-        def poisoned(i):
-            layer = load(i)
-            return (lambda *args: layer(*args) * float("nan")) if i == 1 else layer
-        oracle.oracle.load_layer = poisoned
+    def poisoned(i, layer):  # rank 1's layer 1 turns its rows' activations to NaN
+        return (lambda *args: layer(*args) * float("nan")) if i == 1 else layer
+    oracle = parallel.make_oracle(open_pack(root / "llama"), rank_device(), parallel="rows",
+                                  layer=(poisoned,) if rank == 1 else ())
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
 
@@ -129,7 +139,7 @@ def _bad_share_job(rank: int, root: Path) -> dict:
                 raise PackError("block 7 has a corrupt scale", file=pack.path, tensor=name)
             return original(name, **where)
         pack.tensor = broken
-    oracle = distributed.parallelize(Oracle(pack, device=rank_device()), parallel="rows")
+    oracle = parallel.make_oracle(pack, rank_device(), parallel="rows")
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
 
@@ -174,21 +184,22 @@ def packs(tmp_path_factory):
 
 def single_process(root: Path, inputs: dict, monkeypatch, device: str = "cpu") -> dict:
     monkeypatch.setattr(runner, "BATCH_TOKENS", SMALL_BATCH_TOKENS)
-    llama = Oracle(open_pack(root / "llama"), device=device)
-    want = {"llama_logits": llama.logits(inputs["tokens"]),
-            "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
-            "llama_one_batch": llama.logits(inputs["tokens"][:2])}
-    for case in MOE_CASES:
-        want[case] = Oracle(open_pack(root / case), device=device).logits(inputs["moe_tokens"])
+    with rank_threads():
+        llama = Oracle(open_pack(root / "llama"), device=device)
+        want = {"llama_logits": llama.logits(inputs["tokens"]),
+                "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
+                "llama_one_batch": llama.logits(inputs["tokens"][:2])}
+        for case in MOE_CASES:
+            want[case] = Oracle(open_pack(root / case), device=device).logits(inputs["moe_tokens"])
     return want
 
 
 def test_deal_is_balanced_and_deterministic():
     batches = [[0, 1], [2], [3, 4, 5], [6]]
     lengths = [10, 10, 40, 5, 5, 5, 100]
-    assert distributed.deal(batches, lengths, 2) == [1, 1, 1, 0]   # 100-token batch alone vs 20 + 40 + 15
-    assert distributed.deal(batches, lengths, 1) == [0, 0, 0, 0]
-    assert distributed.deal(batches, lengths, 2) == distributed.deal(batches, lengths, 2)
+    assert parallel.deal(batches, lengths, 2) == [1, 1, 1, 0]   # 100-token batch alone vs 20 + 40 + 15
+    assert parallel.deal(batches, lengths, 1) == [0, 0, 0, 0]
+    assert parallel.deal(batches, lengths, 2) == parallel.deal(batches, lengths, 2)
 
 
 def test_prefetch_gives_the_same_numbers_and_reads_ahead(tmp_path, rng_seed):
@@ -196,10 +207,10 @@ def test_prefetch_gives_the_same_numbers_and_reads_ahead(tmp_path, rng_seed):
     pack = open_pack(tmp_path / "m")
     tokens = torch.randint(0, COMMON["vocab_size"], (3, 17))
     want = Oracle(pack).logits(tokens)
-    oracle = distributed.prefetch(Oracle(pack))
     asked = []
-    inner = oracle.load_layer.load
-    oracle.load_layer.load = lambda i: (asked.append((i, threading.current_thread().name)), inner(i))[1]
+    oracle = Oracle(pack, chain=LoadChain(prefetch=Prefetcher,
+                                          layer=(lambda i, layer: asked.append((i, threading.current_thread().name))
+                                                 or layer,)))
     got = oracle.logits(tokens)
     assert torch.equal(got, want)
     # every layer on the one loader thread, in order: layer 0 on demand, each next one while the previous computes
@@ -266,7 +277,7 @@ def test_raising_rank_fails_the_run_with_its_error(packs):
     results = run_ranks("raising", root)
     assert all("error" in r for r in results)
     # 9 rows of 11 tokens, 3 rows a batch: rank 1 owns the middle batch, rows 3-5, and names row 3 as one process would
-    assert distributed.deal([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [11] * 9, WORLD) == [0, 1, 0]
+    assert parallel.deal([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [11] * 9, WORLD) == [0, 1, 0]
     want = "NaN in the activations after layer 1, row 3 (first at position 0)"
     # rank 0 meets rank 1's error at the next exchange: of layer 2's weights (rank 1 had already exchanged them ahead,
     # so it waits at layer 3's) or of the logits
@@ -293,14 +304,10 @@ def check_bad_share(results: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def cli_packs(tmp_path_factory, smollm2_gguf):
-    from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.panels import PanelRow, write_panel
-    from test_compare import noisy_packs
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"cli packs seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    root = tmp_path_factory.mktemp("dist_cli")
-    _, _, packs = noisy_packs(root, load_tokenizer(open_pack(smollm2_gguf)), gen, {"pack": 0.02})
+    from fidelity.measuring.panels import PanelRow, write_panel
+    from test_compare import noisy_packs, tiny_setting
+    root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "dist_cli")
+    _, _, packs = noisy_packs(root, tok, gen, {"pack": 0.02})
     ref, pack = packs["ref"], packs["pack"]
     texts = ["The river flows through the old town towards the sea.", "def square(x):\n    return x * x\n",
              "Red, green and blue are colors.", "One two three four five six seven eight nine ten eleven twelve.",
@@ -313,7 +320,7 @@ def cli_packs(tmp_path_factory, smollm2_gguf):
 def torchrun(args: list[str], cwd: Path, timeout: float = 300):
     import subprocess
     import sys
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(RANK_THREADS), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
            str(free_port()), "-m", "fidelity", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -326,8 +333,9 @@ def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
     from fidelity.cli import main
     root, ref, pack, panel = cli_packs
     common = [str(ref), str(pack), "--panel", str(panel), "--bootstrap", "200", "--seed", "3"]
-    assert main(["compare", *common, "--json", str(root / "one.json")]) == 0
-    assert main(["reference", str(ref), "--panel", str(panel), "-o", str(root / "store_one")]) == 0
+    with rank_threads():
+        assert main(["compare", *common, "--json", str(root / "one.json")]) == 0
+        assert main(["reference", str(ref), "--panel", str(panel), "-o", str(root / "store_one")]) == 0
     done = torchrun(["compare", *common, "--json", str(root / "two.json"), "--out", str(root / "out_two")], root)
     assert done.returncode == 0, done.stderr[-3000:]
     # the same command again resumes: rank 0 finds every pass finished in OUT/passes and all ranks skip them together
@@ -348,8 +356,7 @@ def test_torchrun_compare_and_reference_equal_one_process(cli_packs):
         json.dumps({**three, "resumed": []}, sort_keys=True)
     a, b = (pq.read_table(root / d / "records.parquet") for d in ("store_one", "store_two"))
     assert a.equals(b)
-    # identical apart from the thread count recorded as a diagnostic (torchrun gives each rank one thread; the head's
-    # fixed-shape GEMMs make the logits independent of it, which the equal records above show)
+    # identical apart from the thread count recorded as a diagnostic (one per process here: RANK_THREADS)
     m_one, m_two = (json.loads((root / d / "manifest.json").read_text()) for d in ("store_one", "store_two"))
     assert m_one["numerics"].pop("threads") >= 1 and m_two["numerics"].pop("threads") >= 1
     assert m_one == m_two
@@ -362,7 +369,7 @@ def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_g
     from safetensors.torch import load_file
     from fidelity.cli import main
     from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.panels import PanelRow, write_panel
+    from fidelity.measuring.panels import PanelRow, write_panel
     from test_compare import _save
     from test_oracle import MOE_COMMON
     tok = load_tokenizer(open_pack(smollm2_gguf))
@@ -378,7 +385,8 @@ def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_g
                                              PanelRow("b", "code", text="for i in range(3):\n    print(i)\n")],
                         name="moe-test").path
     common = [str(tmp_path / "ref"), str(tmp_path / "pack"), "--panel", str(panel), "--bootstrap", "100"]
-    assert main(["compare", *common, "--json", str(tmp_path / "one.json")]) == 0
+    with rank_threads():
+        assert main(["compare", *common, "--json", str(tmp_path / "one.json")]) == 0
     done = torchrun(["compare", *common, "--parallel", "experts", "--json", str(tmp_path / "two.json")], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     one = without_command_line(tmp_path / "one.json")
@@ -396,32 +404,32 @@ def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_g
 def lonely_rank0(monkeypatch, **settings):
     """A Group of world size 2 whose rank 1 never shows up (no process group needed for checkpoints)."""
     import torch.distributed as dist
-    g = object.__new__(distributed.Group)
+    g = object.__new__(parallel.Group)
     g.rank, g.world_size, g._steps, g._beats = 0, 2, {}, {}
     g.store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     for key, value in settings.items():
-        monkeypatch.setattr(distributed.SETTINGS, key, value)
-    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+        monkeypatch.setattr(parallel.SETTINGS, key, value)
+    monkeypatch.setattr(parallel.group, "HEARTBEAT_S", 0.05)
     return g
 
 
 def test_checkpoint_names_a_rank_that_posted_an_error(monkeypatch):
     g = lonely_rank0(monkeypatch)
     g.store.set("fidelity/error/1", "FidelityError: NaN in the activations after layer 4, row 2")
-    with pytest.raises(distributed.RankFailed, match=r"rank 1 failed before the exchange: FidelityError: NaN .*layer 4"):
+    with pytest.raises(parallel.RankFailed, match=r"rank 1 failed before the exchange: FidelityError: NaN .*layer 4"):
         g.checkpoint("the exchange")
 
 
 def test_checkpoint_names_a_rank_whose_heartbeat_stopped(monkeypatch):
     g = lonely_rank0(monkeypatch, stale_s=0.3)
     g.store.add("fidelity/beat/1", 5)  # it beat once, then nothing
-    with pytest.raises(distributed.RankFailed, match=r"rank 1 stopped responding before the exchange .*no result"):
+    with pytest.raises(parallel.RankFailed, match=r"rank 1 stopped responding before the exchange .*no result"):
         g.checkpoint("the exchange")
 
 
 def test_checkpoint_times_out_naming_the_missing_rank(monkeypatch):
     g = lonely_rank0(monkeypatch, stale_s=1e9, timeout_s=0.3)
-    with pytest.raises(distributed.RankFailed, match=r"rank\(s\) \[1\] did not reach the exchange within"):
+    with pytest.raises(parallel.RankFailed, match=r"rank\(s\) \[1\] did not reach the exchange within"):
         g.checkpoint("the exchange")
 
 
@@ -433,17 +441,19 @@ def test_checkpoint_passes_when_every_rank_arrives(monkeypatch):
 
 def test_bad_settings_are_named():
     with pytest.raises(FidelityError, match="parallel must be 'rows' or 'experts', not 'tensors'"):
-        distributed.configure(parallel="tensors")
-    assert distributed.SETTINGS.parallel == "rows"
+        parallel.configure(parallel="tensors")
+    assert parallel.SETTINGS.parallel == "rows"
     with pytest.raises(FidelityError, match="unknown distributed setting 'nodes'"):
-        distributed.configure(nodes=2)
+        parallel.configure(nodes=2)
 
 
 def test_single_process_is_untouched(tmp_path, rng_seed, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     build(T.LlamaConfig(**{**COMMON, "tie_word_embeddings": False}), T.LlamaForCausalLM, tmp_path / "m", rng_seed)
-    oracle = Oracle(open_pack(tmp_path / "m"))
-    assert distributed.parallelize(oracle) is oracle and distributed.group() is None and distributed.is_main()
+    oracle = parallel.make_oracle(open_pack(tmp_path / "m"))
+    assert type(oracle) is Oracle and parallel.current_group() is None and parallel.is_main()
+    assert oracle.shards is None and oracle.fetch.expert_parallel is None
+    assert isinstance(oracle.prefetcher, Prefetcher) == parallel.SETTINGS.prefetch
 
 
 def test_prefetch_recovers_from_an_aborted_pass(tmp_path, rng_seed):
@@ -453,19 +463,17 @@ def test_prefetch_recovers_from_an_aborted_pass(tmp_path, rng_seed):
     pack = open_pack(tmp_path / "m")
     tokens = torch.randint(0, COMMON["vocab_size"], (2, 9))
     want = Oracle(pack).logits(tokens)
-    oracle = distributed.prefetch(Oracle(pack))
-    inner, state = oracle.load_layer.load, set()
+    state = set()
 
-    def flaky(i):
+    def flaky(i, layer):
         if i == 1 and "layer 1 failed" not in state:
             state.add("layer 1 failed")
             raise FidelityError("transient read error in layer 1")
-        layer = inner(i)
         if i == 0 and "aborted" not in state:
             state.add("aborted")
             return lambda *args: (_ for _ in ()).throw(FidelityError("boom"))
         return layer
-    oracle.load_layer.load = flaky
+    oracle = Oracle(pack, chain=LoadChain(prefetch=Prefetcher, layer=(flaky,)))
     with pytest.raises(FidelityError, match="boom"):
         oracle.logits(tokens)
     assert torch.equal(oracle.logits(tokens), want)
@@ -475,10 +483,10 @@ def test_bad_launch_environment_is_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(FidelityError, match="WORLD_SIZE=2 asks for a distributed run but RANK is missing"):
-        distributed.Group("cpu")
+        parallel.Group("cpu")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(FidelityError, match=r"rank 1 of 2 could not join the gloo process group at "
                                             r"MASTER_ADDR:MASTER_PORT=None:None: .*MASTER_ADDR"):
-        distributed.Group("cpu")
+        parallel.Group("cpu")

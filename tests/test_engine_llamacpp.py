@@ -9,7 +9,7 @@ import pytest
 
 from fidelity.engine import gates as G
 from fidelity.engine.client import ClientConfig, EngineClient
-from fidelity.engine.faults import Spawned, free_port
+from fidelity.fixtures.faults import Spawned, free_port
 
 pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -36,7 +36,7 @@ def llama_server(model_path, tmp_path) -> Spawned:
 def smol(smollm2_gguf, tmp_path_factory):
     from fidelity.packs import open_pack
     from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.packs.writers import write_gguf
+    from fidelity.fixtures.writers import write_gguf
 
     pack = open_pack(smollm2_gguf)
     out = tmp_path_factory.mktemp("gguf")
@@ -99,10 +99,10 @@ def full_vocab_kl(model_path, ref, rows, top_k: int, bos: int) -> tuple[float, f
 
 def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path, rng_seed):
     from fidelity.commands.reference import build_store
-    from fidelity.compare import compare
+    from fidelity.measuring.compare import compare
     from fidelity.engine.reference import reference_from_store
     from fidelity.packs import open_pack
-    from fidelity.panels import PanelRow, write_panel
+    from fidelity.measuring.panels import PanelRow, write_panel
 
     rng = np.random.default_rng(rng_seed)
     chats = [CHATS[i] for i in rng.choice(len(CHATS), size=2, replace=False)]
@@ -169,7 +169,7 @@ def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_
     echo comes one position early, oracle-kl fails and says so, against the reference and the engine's own answer."""
     from fidelity.commands.reference import build_store
     from fidelity.engine.reference import reference_from_store
-    from fidelity.panels import PanelRow, write_panel
+    from fidelity.measuring.panels import PanelRow, write_panel
 
     panel = write_panel(tmp_path / "panel", [PanelRow("t0", "text", text="The river flows through the old town towards the sea."),
                                              PanelRow("t1", "text", text="Bees make honey from the nectar of flowers.")],

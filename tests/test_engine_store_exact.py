@@ -13,9 +13,9 @@ import torch
 
 from fidelity.oracle import Oracle
 from fidelity.oracle.runner import HEAD_ROWS
-from fidelity.oracle.synthetic import SyntheticPack, llama_config
-from fidelity.panels import TokenizedRow
-from fidelity.store import ReferenceRun, StoreError, check_topk, numerics
+from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from fidelity.measuring.panels import TokenizedRow
+from fidelity.measuring.store import ReferenceRun, StoreError, check_topk, numerics
 
 # SmolLM2's head shape: MKL multiplies it with another kernel below 16 rows, so groupings here differ in the last bits
 # unless every GEMM has one shape.
@@ -79,7 +79,7 @@ def test_head_logits_do_not_depend_on_threads_or_process(head, tmp_path, rng_see
 
 
 def _run(logits: torch.Tensor, k: int = 20) -> ReferenceRun:
-    from fidelity.metrics import topk_logprobs
+    from fidelity.measuring.metrics import topk_logprobs
     n = logits.shape[0]
     row = TokenizedRow("row-7", "chat", tokens=list(range(100, 100 + n + 3)), scored=[False, False] + [True] * n + [False])
     ids, lps = topk_logprobs(logits, k)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fidelity.errors import ConfigError, PackError
-from fidelity.oracle.engram import (EngramArgs, EngramLayer, RowTable, compressed_token_map, head_vocab_sizes,
-                                    layer_multipliers, ngram_rows)
+from fidelity.oracle.deepseek.engram import (EngramArgs, EngramLayer, RowTable, compressed_token_map, head_vocab_sizes,
+                                             layer_multipliers, ngram_rows)
 from fidelity.packs.safetensors_io import write_safetensors
 
 
@@ -62,11 +62,21 @@ def naive_rows(ids: list[int], a: EngramArgs) -> list[list[int]]:
     return out
 
 
-def test_hash_rows_match_naive_loop(rng_seed):
+HAS_CUDA = torch.cuda.is_available()
+CUDA = pytest.param("cuda", marks=[pytest.mark.device, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")])
+DEVICES = ["cpu", CUDA]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hash_rows_match_naive_loop(rng_seed, device):
+    """Hashed where the ids are (on CUDA: the same wrapping int64 products, XORs and floor remainders)."""
     rng = np.random.default_rng(rng_seed)
     a = small_args(rng)
     ids = torch.as_tensor(rng.integers(0, 1000, size=(3, 17)))
-    got = ngram_rows(ids, a)
+    ids[0, :3] = torch.tensor([2 ** 40, 2 ** 62 - 1, 129_279])       # products that wrap
+    got = ngram_rows(ids.to(device), a)
+    assert got.device.type == device
+    got = got.cpu()
     assert got.shape == (3, 17, a.n_heads)
     for b in range(3):
         assert got[b].tolist() == naive_rows(ids[b].tolist(), a)
@@ -154,6 +164,87 @@ def test_sharded_table_from_pack(tmp_path, rng_seed):
         RowTable.from_pack(open_pack(folder), "layers.0.engram.nope")
     with pytest.raises(PackError, match="outside the table's 23 rows"):
         rt.rows(torch.tensor([23]))
+
+
+def every_code(dtype, rows: int, dim: int, g) -> torch.Tensor:
+    """[rows, dim] of `dtype` holding every finite bit pattern (NaN/inf codes replaced by zero), shuffled."""
+    width = torch.finfo(dtype).bits
+    codes = torch.arange(2 ** width, dtype=torch.int32)
+    codes = codes.to(torch.uint8) if width == 8 else codes.to(torch.int16)   # int16 wraps 32768.. to negatives
+    values = codes.view(dtype)
+    values = torch.where(torch.isfinite(values.float()), values, torch.zeros((), dtype=dtype))
+    pick = torch.randint(0, values.numel(), (rows * dim,), generator=g)
+    pick[:values.numel()] = torch.randperm(values.numel(), generator=g)[:rows * dim]
+    return values[pick].view(rows, dim)
+
+
+TABLE_KINDS = ["F32", "F16 every code", "BF16 every code", "e4m3 every code, per-row F32 scales",
+               "e5m2 every code, e8m0 row groups down to 2**-127", "e4m3 every code, e8m0 blocks 8x16, 3 shards"]
+
+
+@pytest.mark.parametrize("kind", TABLE_KINDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_decode_where_asked_from_stored_bytes(tmp_path, rng_seed, device, kind):
+    """RowTable.rows on `device` (the index there too): only the touched rows' stored bytes (and their scale rows) are
+    sent, and the fp32 rows equal, bit for bit, torch's own casts times the index-expanded scale computed in float64
+    and rounded once to fp32 (exact: an fp8 x fp32 product fits float64), subnormal products included; the CPU path
+    gives the same bits."""
+    from fidelity.packs import staging
+    g = torch.Generator().manual_seed(rng_seed)
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "e4m3": torch.float8_e4m3fn,
+             "e5m2": torch.float8_e5m2}[kind.split()[0]]
+    rows, dim, n_shards = (96 if dtype.itemsize != 2 else 1024), 64, (3 if "3 shards" in kind else 1)
+    values = torch.randn(rows, dim, generator=g) if dtype == torch.float32 else every_code(dtype, rows, dim, g)
+    full = torch.ones(rows, dim, dtype=torch.float64)
+    scales = stored_scale = None
+    if "per-row F32" in kind:
+        stored_scale = torch.rand(rows, generator=g) * 2 ** float(torch.randint(-30, 30, (1,), generator=g)) + 1e-3
+        full = stored_scale.double()[:, None].expand(rows, dim)
+        block = None
+    elif "row groups" in kind:                 # V4.1's layout: [rows, dim / 32] e8m0, one per 32 columns of a row
+        exps = torch.randint(0, 255, (rows, dim // 32), generator=g)
+        exps[:4, 0] = torch.tensor([0, 1, 127, 254])
+        stored_scale = exps.to(torch.uint8).view(torch.float8_e8m0fnu)
+        full = torch.tensor([[2.0 ** (int(exps[r, c // 32]) - 127) for c in range(dim)] for r in range(rows)],
+                            dtype=torch.float64)
+        block = (1, 32)
+    elif "blocks" in kind:
+        exps = torch.randint(100, 150, (rows // n_shards // 8, dim // 16), generator=g)
+        block = (8, 16)
+    per_shard = rows // n_shards
+    shards, scale_parts = [], []
+    for k in range(n_shards):
+        part = slice(k * per_shard, (k + 1) * per_shard)
+        tensors = {"t.weight": values[part]}
+        if "blocks" in kind:
+            e = torch.randint(100, 150, (per_shard // 8, dim // 16), generator=g)
+            tensors["t.scale"] = e.to(torch.uint8).view(torch.float8_e8m0fnu)
+            full[part] = torch.tensor([[2.0 ** (int(e[r // 8, c // 16]) - 127) for c in range(dim)]
+                                       for r in range(per_shard)], dtype=torch.float64)
+        elif stored_scale is not None:
+            tensors["t.scale"] = stored_scale[part]
+        write_safetensors(tmp_path / f"s{k}.safetensors", tensors)
+        shards.append((tmp_path / f"s{k}.safetensors", "t.weight"))
+        scale_parts.append((tmp_path / f"s{k}.safetensors", "t.scale", block) if "t.scale" in tensors else None)
+    table = RowTable(shards, scale_parts if any(scale_parts) else None)
+    index = torch.randint(0, rows, (4, 9, 3), generator=g)
+    index[0, 0, :] = torch.tensor([0, rows - 1, per_shard % rows])     # both ends, a shard's first row
+    want = (values.double()[index] * full[index]).float()
+    before = staging.bytes_sent()
+    got = table.rows(index.to(device))
+    sent = staging.bytes_sent() - before
+    assert got.device.type == device and got.dtype == torch.float32 and got.shape == (4, 9, 3, dim)
+    assert torch.equal(got.cpu(), want), f"max |d| {(got.cpu() - want).abs().max()}"
+    assert torch.equal(got.cpu(), table.rows(index))                  # the CPU path, same bits
+    touched = index.unique().numel()
+    row_bytes = dim * values.element_size()
+    scale_bytes = 0 if stored_scale is None and "blocks" not in kind else touched * (dim // 16 if "blocks" in kind else
+                                                                                      (dim // 32 if block else 4))
+    assert sent <= touched * row_bytes + scale_bytes, (sent, touched * row_bytes)
+    if device != "cpu":
+        assert sent >= touched * row_bytes                            # the rows travelled as stored bytes
+    if "2**-127" in kind:                                            # the test reaches fp32 subnormal products
+        assert bool(((want != 0) & (want.abs() < torch.finfo(torch.float32).tiny)).any())
 
 
 def test_quantised_table_refused_naming_it(tmp_path):

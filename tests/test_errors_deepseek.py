@@ -1,4 +1,4 @@
-"""Bad input to the DeepSeek drafters (fidelity.oracle.deepseek_mtp) and to the V4.1 config (deepseek_v41): each
+"""Bad input to the DeepSeek drafters (fidelity.oracle.deepseek.mtp) and to the V4.1 config (deepseek_v41): each
 error names the architecture, layer, option or tensor it is about. Tiny packs from the builders of
 test_oracle_deepseek_mtp / test_oracle_deepseek_v41 and the checked-in tiny V4 fixture."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fidelity import open_pack
 from fidelity.errors import ConfigError, FidelityError, PackError
 from fidelity.oracle import Oracle, family_for
-from fidelity.oracle.deepseek_mtp import DSPARK_ARCHS, NEXTN_ARCHS, DSparkDrafter, NextNDrafter
+from fidelity.oracle.deepseek.mtp import DSPARK_ARCHS, NEXTN_ARCHS, DSparkDrafter, NextNDrafter
 from _deepseek_configs import edit_config
 from test_oracle import COMMON
 from test_oracle_deepseek_mtp import build as build_dspark

@@ -1,5 +1,5 @@
-"""Bad Engram tables and wiring (fidelity.oracle.engram, the V4.1 family's table/tokenizer reads) and a failing layer
-load under the prefetcher (fidelity.distributed.Prefetcher): each error names the layer, tensor and file. Tiny V4.1
+"""Bad Engram tables and wiring (fidelity.oracle.deepseek.engram, the V4.1 family's table/tokenizer reads) and a failing layer
+load under the prefetcher (fidelity.oracle.parallel.Prefetcher): each error names the layer, tensor and file. Tiny V4.1
 packs from test_oracle_deepseek_v41's `write_pack`."""
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import pytest
 import torch
 import transformers as T
 
-from fidelity import distributed, open_pack
+from fidelity import open_pack
+from fidelity.oracle.parallel import Prefetcher
 from fidelity.errors import FidelityError, PackError
-from fidelity.oracle import Oracle, family_for
-from fidelity.oracle.engram import RowTable
+from fidelity.oracle import LoadChain, Oracle, family_for
+from fidelity.oracle.deepseek.engram import RowTable
 from fidelity.packs.safetensors_io import write_safetensors
 from test_oracle import COMMON
 from test_oracle_deepseek_v41 import base_config, write_pack
@@ -120,7 +121,7 @@ def test_prefetch_failure_names_the_failed_layer_and_stops_the_queue(tmp_path, r
             raise PackError("read failed: Input/output error", file=tmp_path / "m" / "model.safetensors", tensor=name)
         return read(name)
     pack.tensor = tensor
-    oracle = distributed.prefetch(Oracle(pack))
+    oracle = Oracle(pack, chain=LoadChain(prefetch=Prefetcher))
     with pytest.raises(PackError, match=rf"Input/output error \[tensor 'model\.layers\.{k}\.") as err:
         oracle.logits(x)
     assert err.value.tensor.startswith(f"model.layers.{k}.")

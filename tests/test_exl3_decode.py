@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from conftest import SHARED
 from fidelity import PackError
-from fidelity.packs import exl3
+from fidelity.packs.exl3 import codec
 
 GOLDEN = SHARED / "golden" / "exl3"
 LINEAR_FILES = {"3inst": "linears_3inst.safetensors", "mul1": "linears_mul1.safetensors"}
@@ -30,11 +30,11 @@ def _fp16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - 11)
 
 
-@pytest.mark.parametrize("codebook", exl3.CODEBOOKS)
+@pytest.mark.parametrize("codebook", codec.CODEBOOKS)
 def test_codebook_bit_exact(codebook):
     g = _golden("codebooks.safetensors")
     assert torch.equal(g["states"].to(torch.int64) & 0xFFFF, torch.arange(65536))
-    ours = exl3.codebook_values(codebook).half()
+    ours = codec.codebook_values(codebook).half()
     assert torch.equal(ours.view(torch.int16), g[f"codebook.{codebook}"].view(torch.int16))
 
 
@@ -44,11 +44,11 @@ def test_inner_tiles_bit_exact(codebook):
     prefixes = _prefixes(d)
     rates = set()
     for p in prefixes:
-        inner = exl3.decode_inner(d[p + ".trellis"], codebook)
+        inner = codec.decode_inner(d[p + ".trellis"], codebook)
         assert inner.dtype == torch.float32
         assert torch.equal(inner.half().view(torch.int16), d[p + ".inner"].view(torch.int16)), p
         assert torch.equal(inner.half().float(), inner), p      # fp16 values held exactly
-        rates.add(exl3.bitrate_from_trellis(tuple(d[p + ".trellis"].shape), codebook).K)
+        rates.add(codec.bitrate_from_trellis(tuple(d[p + ".trellis"].shape), codebook).K)
     expected = set(range(1, 9)) | ({1.5, 2.5, 3.5} if codebook == "mul1" else set())
     assert rates == expected
 
@@ -79,13 +79,13 @@ def test_full_weight_against_exllamav3_recon(codebook):
     worst_ulps = 0.0
     for p in _prefixes(d):
         tr, suh, svh, recon = d[p + ".trellis"], d[p + ".suh"], d[p + ".svh"], d[p + ".recon"]
-        w = exl3.decode_weight(tr, suh, svh, codebook)            # torch layout [out, in]
+        w = codec.decode_weight(tr, suh, svh, codebook)            # torch layout [out, in]
         assert w.shape == (recon.shape[1], recon.shape[0])
         exact = _numpy_exact_rebuild(d[p + ".inner"], suh, svh).T
         spacing = np.spacing(np.abs(exact).astype(np.float32))
         assert np.all(np.abs(w.double().numpy() - exact) <= spacing), p    # fp32 precision of the exact value
         # exllamav3 rounds to fp16 after each of its four steps: redoing those steps on our Q gives its bits ...
-        assert torch.equal(_fp16_steps(exl3.decode_inner(tr, codebook), suh, svh).view(torch.int16),
+        assert torch.equal(_fp16_steps(codec.decode_inner(tr, codebook), suh, svh).view(torch.int16),
                            recon.view(torch.int16)), p
         # ... and our exact weight sits within two fp16 ulps (at the tensor's largest magnitude) of it
         ulps = ((w.t().double() - recon.double()).abs().max() / _fp16_ulp(recon.abs().max())).item()
@@ -119,9 +119,9 @@ def _numpy_reference_inner(trellis: np.ndarray, K: float, table: np.ndarray) -> 
 def test_random_trellis_matches_independent_decoder(rng_seed, codebook, K):
     g = _golden("codebooks.safetensors")
     table = g[f"codebook.{codebook}"].float().numpy()
-    width = exl3.Bitrate.of(K).words
+    width = codec.Bitrate.of(K).words
     tr = torch.randint(-32768, 32768, (3, 2, width), dtype=torch.int16)
-    ours = exl3.decode_inner(tr, codebook)
+    ours = codec.decode_inner(tr, codebook)
     ref = _numpy_reference_inner(tr.numpy(), K, table)
     assert np.array_equal(ours.numpy(), ref)
 
@@ -129,11 +129,11 @@ def test_random_trellis_matches_independent_decoder(rng_seed, codebook, K):
 def test_padding_cut_and_layout(rng_seed):
     tr = torch.randint(-32768, 32768, (16, 8, 48), dtype=torch.int16)     # padded [256 in, 128 out]
     suh, svh = torch.randn(256).half(), torch.randn(128).half()
-    full = exl3.decode_weight(tr, suh, svh, "3inst")
-    cut = exl3.decode_weight(tr, suh, svh, "3inst", shape=(100, 200))
+    full = codec.decode_weight(tr, suh, svh, "3inst")
+    cut = codec.decode_weight(tr, suh, svh, "3inst", shape=(100, 200))
     assert full.shape == (128, 256) and cut.shape == (100, 200)
     assert torch.equal(cut, full[:100, :200])
-    exact = _numpy_exact_rebuild(exl3.decode_inner(tr, "3inst"), suh, svh)
+    exact = _numpy_exact_rebuild(codec.decode_inner(tr, "3inst"), suh, svh)
     assert np.allclose(cut.double().numpy(), exact[:200, :100].T, rtol=2 ** -23, atol=0)
 
 
@@ -144,22 +144,22 @@ def test_legacy_sign_bitfield(rng_seed):
         if s < 0:
             words[i // 16] |= np.uint16(1 << (i % 16))
     bitfield = torch.from_numpy(words.view(np.int16).copy())
-    assert torch.equal(exl3.unpack_sign_bits(bitfield).float(), signs.float())
+    assert torch.equal(codec.unpack_sign_bits(bitfield).float(), signs.float())
 
 
 @pytest.mark.parametrize("width,needle", [(20, "not divisible by 16"), (144, "K=9, outside 1..8"), (0, "K=0")])
 def test_bad_trellis_width_names_tensor_and_file(width, needle):
     tr = torch.zeros((8, 8, width), dtype=torch.int16)
     with pytest.raises(PackError, match=needle) as e:
-        exl3.decode_weight(tr, torch.ones(128).half(), torch.ones(128).half(), "3inst", file="x.safetensors", tensor="a.trellis")
+        codec.decode_weight(tr, torch.ones(128).half(), torch.ones(128).half(), "3inst", file="x.safetensors", tensor="a.trellis")
     assert "a.trellis" in str(e.value) and "x.safetensors" in str(e.value)
 
 
 def test_half_rate_needs_mul1():
     tr = torch.zeros((8, 8, 24), dtype=torch.int16)
     with pytest.raises(PackError, match="mul1"):
-        exl3.decode_inner(tr, "3inst", tensor="t")
-    assert exl3.decode_inner(tr, "mul1").shape == (128, 128)
+        codec.decode_inner(tr, "3inst", tensor="t")
+    assert codec.decode_inner(tr, "mul1").shape == (128, 128)
 
 
 @pytest.mark.device
@@ -168,6 +168,6 @@ def test_decodes_on_cuda_like_cpu(rng_seed):
         pytest.skip("no CUDA device")
     tr = torch.randint(-32768, 32768, (16, 16, 64), dtype=torch.int16)
     suh, svh = torch.randn(256).half(), torch.randn(256).half()
-    cpu = exl3.decode_weight(tr, suh, svh, "mul1")
-    gpu = exl3.decode_weight(tr.cuda(), suh.cuda(), svh.cuda(), "mul1")
+    cpu = codec.decode_weight(tr, suh, svh, "mul1")
+    gpu = codec.decode_weight(tr.cuda(), suh.cuda(), svh.cuda(), "mul1")
     assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)

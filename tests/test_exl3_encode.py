@@ -10,7 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import SHARED
-from fidelity.packs import exl3
+from fidelity.fixtures import exl3_encoder
+from fidelity.packs.exl3 import codec
 
 GOLDEN = SHARED / "golden" / "exl3"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -19,13 +20,13 @@ from exl3_encoder_vs_exllamav3 import SHAPES, errors, golden_hessian  # noqa: E4
 
 @pytest.mark.parametrize("codebook,K", [("mul1", 2), ("3inst", 3), ("mul1", 2.5)])
 def test_viterbi_ring_is_consistent_and_good(rng_seed, codebook, K):
-    rate = exl3.Bitrate.of(K)
+    rate = codec.Bitrate.of(K)
     x = torch.randn(2, 256)
-    states = exl3.viterbi_tiles(x, rate, codebook)
-    trellis = exl3.pack_states(states, rate)
+    states = exl3_encoder.viterbi_tiles(x, rate, codebook)
+    trellis = codec.pack_states(states, rate)
     assert trellis.shape == (2, rate.words)
-    assert torch.equal(exl3.trellis_states(trellis, rate), states)      # every window continues the previous one
-    q = exl3.codebook_values(codebook)[states]
+    assert torch.equal(codec.trellis_states(trellis, rate), states)      # every window continues the previous one
+    q = codec.codebook_values(codebook)[states]
     rel = ((q - x).pow(2).mean() / x.pow(2).mean()).item()
     # Gaussian rate-distortion bound 4^-K (up to the sample's fluctuation); trellis codes get within ~1.3x of it
     assert 0.85 * 4.0 ** -K < rel < 1.6 * 4.0 ** -K, rel
@@ -50,10 +51,10 @@ def _check_against_exllamav3(codebook, K, shape, device, hessian: bool):
     mse_x, proxy_x = errors(w, theirs, H)
     # the rebuilt Hessian is exllamav3's: its recorded proxy error (of the unrounded weight) is reproduced
     assert abs(proxy_x - meta["proxy_err"]) < 0.05 * meta["proxy_err"] + 1e-6
-    enc = exl3.encode(w.t().to(device), K, codebook, hessian=H.to(device) if hessian else None)
+    enc = exl3_encoder.encode(w.t().to(device), K, codebook, hessian=H.to(device) if hessian else None)
     t = {k: v.cpu() for k, v in enc.tensors.items()}
-    assert t["trellis"].shape[-1] == exl3.Bitrate.of(K).words and ("mul1" in t) == (codebook == "mul1")
-    ours = exl3.decode_weight(t["trellis"], t["suh"], t["svh"], codebook, shape=(w.shape[1], w.shape[0]))
+    assert t["trellis"].shape[-1] == codec.Bitrate.of(K).words and ("mul1" in t) == (codebook == "mul1")
+    ours = codec.decode_weight(t["trellis"], t["suh"], t["svh"], codebook, shape=(w.shape[1], w.shape[0]))
     assert torch.equal(ours, enc.weight.cpu())
     mse, proxy = errors(w, ours.t(), H)
     if hessian:

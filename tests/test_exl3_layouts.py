@@ -1,7 +1,7 @@
-"""The five EXL3 seed layouts, written by fidelity.packs.minipacks from a tiny random-init DeepSeek-V3-style model
+"""The five EXL3 seed layouts, written by fidelity.fixtures.minipacks from a tiny random-init DeepSeek-V3-style model
 (tests/fixtures/exl3; encodings pre-computed on a GPU by our reference encoder, see the README there). Scope of the
 exactness claim: each layout's reader gives, bit for bit, what the standard exllamav3 layout's reader gives for the same
-stored tensors, which is exl3.decode_weight, itself bit-exact against exllamav3 1.6.5 on the golden data
+stored tensors, which is codec.decode_weight, itself bit-exact against exllamav3 1.6.5 on the golden data
 (test_exl3_decode). How close an encoding is to its native weight is the encoder's business, not tested here."""
 import json
 import re
@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fidelity import PackError, open_pack
-from fidelity.packs import exl3, minipacks
-from fidelity.packs.exl3_layouts import hf_to_official, official_to_hf
+from fidelity.fixtures import minipacks
+from fidelity.packs.exl3 import codec
+from fidelity.packs.exl3.layouts import hf_to_official, official_to_hf
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "exl3"
 SPEC = minipacks.MiniPackSpec()
@@ -122,7 +123,7 @@ def raw_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def standard_decode(raw: dict[str, torch.Tensor], name: str, shape: tuple[int, int]) -> torch.Tensor:
-    """exl3.decode_weight (exllamav3's decode, test_exl3_decode) of the stored pieces of the logical `name` (a name as
+    """codec.decode_weight (exllamav3's decode, test_exl3_decode) of the stored pieces of the logical `name` (a name as
     the pack lists it, official or HF), read from the raw files; head-group slices `<base>.<g>` stacked."""
     for base in dict.fromkeys([name[: -len(".weight")], hf_to_official(name)[: -len(".weight")]]):
         pieces = sorted({k.rsplit(".", 1)[0] for k in raw if re.fullmatch(re.escape(base) + r"(\.\d+)?\.trellis", k)},
@@ -135,7 +136,7 @@ def standard_decode(raw: dict[str, torch.Tensor], name: str, shape: tuple[int, i
     parts = []
     for piece in pieces:
         codebook = "mul1" if f"{piece}.mul1" in raw else "mcg" if f"{piece}.mcg" in raw else "3inst"
-        parts.append(exl3.decode_weight(raw[f"{piece}.trellis"], raw[f"{piece}.suh"], raw[f"{piece}.svh"], codebook,
+        parts.append(codec.decode_weight(raw[f"{piece}.trellis"], raw[f"{piece}.suh"], raw[f"{piece}.svh"], codebook,
                                         shape=(rows, shape[1])))
     return torch.cat(parts)
 
@@ -143,7 +144,7 @@ def standard_decode(raw: dict[str, torch.Tensor], name: str, shape: tuple[int, i
 @pytest.mark.parametrize("layout", minipacks.LAYOUTS)
 def test_each_layout_decodes_as_the_standard_layout_bit_for_bit(packs, layout, tmp_path):
     """Every EXL3 tensor a layout's reader decodes equals, bit for bit, the decode of the same stored tensors placed in
-    the standard exllamav3 layout, whose reader is exl3.decode_weight (checked against exllamav3 1.6.5's own decode on
+    the standard exllamav3 layout, whose reader is codec.decode_weight (checked against exllamav3 1.6.5's own decode on
     the golden data in test_exl3_decode) - which this checks too, from the raw tensors."""
     pack, std = open_pack(packs[layout]), open_pack(as_standard(packs[layout], tmp_path / "std"))
     assert std.format == "exl3"
@@ -181,7 +182,7 @@ def test_wo_a_head_group_slices_stack_along_output(packs, native):
     w = pack.tensor("layers.1.attn.wo_a.weight")
     for g in range(2):
         t = {p: raw[f"layers.1.attn.wo_a.{g}.{p}"] for p in ("trellis", "suh", "svh")}
-        part = exl3.decode_weight(t["trellis"], t["suh"], t["svh"], "mul1", shape=(32, 16))
+        part = codec.decode_weight(t["trellis"], t["suh"], t["svh"], "mul1", shape=(32, 16))
         assert torch.equal(w[32 * g: 32 * (g + 1)], part)
 
 

@@ -118,7 +118,7 @@ def test_bias_is_its_own_logical_tensor_cut_to_the_config_shape(golden_models, t
 
 
 def test_legacy_sign_bitfields_decode_like_the_signs_they_encode(golden_models, tmp_path):
-    from fidelity.packs import exl3
+    from fidelity.packs.exl3 import codec
 
     dst = _copy(golden_models, tmp_path)
     base = "model.layers.1.mlp.down_proj"
@@ -135,5 +135,5 @@ def test_legacy_sign_bitfields_decode_like_the_signs_they_encode(golden_models, 
         del t[f"{base}.suh"], t[f"{base}.svh"]
     _edit_tensors(dst, edit)
     got = open_pack(dst).tensor(f"{base}.weight")
-    ref = exl3.decode_weight(ts[f"{base}.trellis"], signs_u, signs_v, "mul1")
+    ref = codec.decode_weight(ts[f"{base}.trellis"], signs_u, signs_v, "mul1")
     assert torch.equal(got, ref)

@@ -3,7 +3,7 @@ attention it must equal what transformers' own DeepseekV4 model builds."""
 import pytest
 import torch
 
-from fidelity.packs.exl3_layouts import logical_shape
+from fidelity.packs.exl3.layouts import logical_shape
 
 transformers = pytest.importorskip("transformers")
 

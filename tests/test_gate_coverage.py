@@ -12,7 +12,7 @@ import pytest
 
 from fidelity.engine import gates as G
 from fidelity.engine.client import ClientConfig, EngineClient
-from fidelity.engine.faults import set_plan, spawn_fault_server, toy_reference
+from fidelity.fixtures.faults import set_plan, spawn_fault_server, toy_reference
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,9 @@ def test_other_gates_on_replies_without_logprobs_are_errors(server, rng_seed, ga
 
 
 def _gate_cli(tmp_path, monkeypatch, url, texts, journal=None):
-    import fidelity.commands.gate as CG
+    import fidelity.engine.gate_config as GC
     from fidelity.cli import main
-    monkeypatch.setattr(CG, "load_reference", lambda *a, **k: toy_reference(texts))
+    monkeypatch.setattr(GC, "load_reference", lambda *a, **k: toy_reference(texts))
     cfg = tmp_path / "gate.toml"
     cfg.write_text("[settings]\nprompt_logprobs = true\nbackoff_s = 0.01\n")
     js, xml = tmp_path / "g.json", tmp_path / "g.xml"

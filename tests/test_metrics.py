@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.special import log_softmax
 
-from fidelity.metrics import BLOCK, TOPK, naive_kld, position_metrics, topk_logprobs
+from fidelity.measuring.metrics import BLOCK, TOPK, naive_kld, position_metrics, topk_logprobs
 
 KL_ATOL = 1e-12   # the kernel is float64 after the float32 inputs; scipy in float64 is the truth
 

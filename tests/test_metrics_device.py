@@ -1,4 +1,4 @@
-"""The metrics on the logits' device (fidelity.metrics.device_metrics_columns: plain torch, and the Triton kernel) agree
+"""The metrics on the logits' device (fidelity.measuring.metrics.device_metrics_columns: plain torch, and the Triton kernel) agree
 with scipy in float64 and with the CPU kernel to float64 rounding; top-1 ids and margins are the same numbers; compare's
 device head+metrics step (store.device_row_metrics) gives the CPU path's numbers with the logits never leaving the
 device, and re-derives a reference store's top-K there. The torch path runs here on the CPU; the Triton kernel runs in
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -17,19 +18,36 @@ from test_metrics import _assert_matches_scipy, _scipy_reference
 CUDA = torch.cuda.is_available()
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON and not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # before fidelity.metrics_triton is imported: CPU interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before fidelity.measuring.metrics_triton is imported: CPU interpreter
 
-from fidelity.metrics import (TRITON_BLOCK, device_metrics_columns, finish_columns, position_metrics,  # noqa: E402
+from fidelity.measuring.metrics import (TRITON_BLOCK, device_metrics_columns, finish_columns, position_metrics,  # noqa: E402
                               topk_logprobs)
 
 # Device path vs the CPU kernel (both float64 after the float32 inputs, sums in another order and exps of another
 # construction): KL to 2e-13 nats + 1e-11 relative, NLLs to 1e-12 relative, p(top-1) to 1e-13 relative.
 KL_ATOL, KL_RTOL = 2e-13, 1e-11
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))]
+# "triton" is the kernel as configured (one logsumexp shift per row, the exp's magic-number rounding, top-5 fused);
+# "triton-running" the CPU kernel's running shift with a separate top-5 pass, "triton-magic" the running shift with
+# that rounding (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK)
+TRITON_VARIANTS = {"triton": {},
+                   "triton-running": {"TRITON_SHIFT": "running", "TRITON_MAGIC": False, "TRITON_TOPK": "separate",
+                                      "TRITON_BLOCK": 1024},
+                   "triton-magic": {"TRITON_SHIFT": "running", "TRITON_MAGIC": True}}
+BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
+                        for name in TRITON_VARIANTS]
 
 
 def device_pm(a, b, t, backend, reverse=True, device="cpu"):
-    out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend=backend)
+    from fidelity.measuring import metrics
+    settings = TRITON_VARIANTS.get(backend, {})
+    saved = {k: getattr(metrics, k) for k in settings}
+    try:
+        for k, value in settings.items():
+            setattr(metrics, k, value)
+        out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend=backend.split("-")[0])
+    finally:
+        for k, value in saved.items():
+            setattr(metrics, k, value)
     return finish_columns(out, top, reverse)
 
 
@@ -48,7 +66,7 @@ def assert_matches_cpu_kernel(pm, cpu):
 
 
 def _small(backend: str) -> int:
-    return 1 if backend == "triton" and not CUDA else 4    # the interpreter runs programs one by one, in numpy
+    return 1 if backend.startswith("triton") and not CUDA else 4    # the interpreter runs programs one by one, in numpy
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -100,6 +118,25 @@ def test_tiny_kl_large_logits_offsets_rising_maxima_and_ties(rng_seed, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_far_above_their_first_block_match_the_cpu_kernel(rng_seed, backend):
+    """Rows whose maximum lies 1,000-5,000 nats above their first block's (the fixed-shift kernel's terms would
+    overflow: it flags them and measures them again with the running shift), next to ordinary rows."""
+    v = 2 * TRITON_BLOCK + 11
+    n = 2 * _small(backend)
+    a = torch.randn(n, v) * 3
+    b = a + 0.2 * torch.randn(n, v)
+    a[0, :TRITON_BLOCK] -= 1000.0
+    b[0, :TRITON_BLOCK] -= 1000.0
+    a[-1, TRITON_BLOCK:] += torch.linspace(0, 5000, v - TRITON_BLOCK)
+    b[-1] = a[-1] + 0.1 * torch.randn(v)
+    t = torch.randint(0, v, (n,))
+    pm = device_pm(a, b, t, backend)
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert bool(cpu.finite.all())
+    assert_matches_cpu_kernel(pm, cpu)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_positions_are_flagged_like_the_cpu_kernel(rng_seed, backend):
     v = TRITON_BLOCK + 300
     a = torch.randn(7, v)
@@ -128,7 +165,7 @@ def test_bad_targets_are_named_on_the_device_path():
 
 
 def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypatch):
-    from fidelity import metrics
+    from fidelity.measuring import metrics
 
     def broken(*args):
         raise RuntimeError("no such instruction")
@@ -152,10 +189,25 @@ def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypat
         choose("cpu")
 
 
+@pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse")])
+def test_a_misspelt_kernel_switch_is_an_error_not_a_fallback(switch, value, monkeypatch):
+    from fidelity.measuring import metrics
+    ran = []
+    monkeypatch.setattr(metrics, "_TRITON", [lambda *a, **k: ran.append(a)])
+    monkeypatch.setattr(metrics, "device_backend", lambda device: "triton")
+    monkeypatch.setattr(metrics, switch, value)
+    a, b = torch.randn(3, 50), torch.randn(3, 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # no "Triton kernel failed ... torch path" fallback
+        with pytest.raises(ValueError, match=f"metrics.{switch}='{value}'"):
+            device_metrics_columns(a, b, torch.randint(0, 50, (3,)))
+    assert not ran and metrics._TRITON[0] is not None
+
+
 def test_blocked_topk_matches_scipy_and_does_not_depend_on_grouping(rng_seed):
     from scipy.special import log_softmax
 
-    from fidelity.metrics import TOPK_BLOCK_ROWS, _topk_logprobs_blocks
+    from fidelity.measuring.metrics import TOPK_BLOCK_ROWS, _topk_logprobs_blocks
     x = torch.randn(2 * TOPK_BLOCK_ROWS + 9, 500) * 3
     ids, lp = _topk_logprobs_blocks(x, 20)
     ref = log_softmax(x.double().numpy(), -1)
@@ -170,9 +222,9 @@ def test_blocked_topk_matches_scipy_and_does_not_depend_on_grouping(rng_seed):
 # -- compare's device step ------------------------------------------------------------------------------------------
 def _head_setup(seed: int, device: str, vocab: int = 3000, hidden_size: int = 64):
     from fidelity.oracle import Oracle
-    from fidelity.oracle.synthetic import SyntheticPack, llama_config
-    from fidelity.panels import TokenizedRow
-    from fidelity.store import ReferenceRun
+    from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+    from fidelity.measuring.panels import TokenizedRow
+    from fidelity.measuring.store import ReferenceRun
 
     cfg = llama_config(hidden_size=hidden_size, intermediate_size=32, n_layers=1, vocab_size=vocab, n_heads=2,
                        n_kv_heads=2)
@@ -190,7 +242,7 @@ def _head_setup(seed: int, device: str, vocab: int = 3000, hidden_size: int = 64
 
 
 def _cpu_path(ref, ref_oracle, pack_hidden, pack_oracle):
-    from fidelity.metrics import PositionMetrics
+    from fidelity.measuring.metrics import PositionMetrics
     parts = [position_metrics(ref_oracle.apply_head(h).float(), pack_oracle.apply_head(p).float(), t, reverse=True)
              for h, p, t in zip(ref.hidden, pack_hidden, ref.targets)]
     return PositionMetrics.concat(parts)
@@ -200,7 +252,7 @@ def _cpu_path(ref, ref_oracle, pack_hidden, pack_oracle):
 def test_device_row_metrics_equal_the_cpu_path_and_check_the_store(rng_seed, chunk):
     """Chunks of whole head blocks that cut rows (70 + 1 + 129 + ... positions) give the per-row path's numbers; the
     stored top-K is checked in every chunk; a changed top-K is refused naming the row, position and rank."""
-    from fidelity.store import ReferenceRun, StoreError, device_row_metrics
+    from fidelity.measuring.store import ReferenceRun, StoreError, device_row_metrics
     ref_oracle, pack_oracle, ref, pack_hidden = _head_setup(rng_seed % 10_000, "cpu")
     want = _cpu_path(ref, ref_oracle, pack_hidden, pack_oracle)
     got = device_row_metrics(ref, ref_oracle, pack_hidden, pack_oracle, chunk_positions=chunk, progress=False)
@@ -242,7 +294,7 @@ def test_cuda_metrics_at_the_real_vocabulary_match_the_cpu_kernel(rng_seed, back
 def test_cuda_device_row_metrics_and_store_rederivation(rng_seed, tmp_path):
     """The head on CUDA, logits kept there: the numbers equal the CPU kernel's on the same CUDA logits, and a top-K
     computed on CUDA in fixed blocks (as write_store does there) re-derives bit for bit in other chunkings."""
-    from fidelity.store import ReferenceRun, _device_topk_nll, device_row_metrics
+    from fidelity.measuring.store import ReferenceRun, _device_topk_nll, device_row_metrics
     ref_oracle, pack_oracle, ref, pack_hidden = _head_setup(rng_seed % 10_000, "cuda", vocab=129_280, hidden_size=256)
     want = _cpu_path(ref, ref_oracle, pack_hidden, pack_oracle)      # apply_head: CUDA GEMMs, CPU kernel
     topk = [_device_topk_nll(ref_oracle, h, t, 20)[:2] for h, t in zip(ref.hidden, ref.targets)]
@@ -250,3 +302,49 @@ def test_cuda_device_row_metrics_and_store_rederivation(rng_seed, tmp_path):
     for chunk in (64, 192, None):
         got = device_row_metrics(stored, ref_oracle, pack_hidden, pack_oracle, chunk_positions=chunk, progress=False)
         assert_matches_cpu_kernel(got, want)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
+                                    pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, device, monkeypatch):
+    """topk_match from the Triton pass (fused into the metric kernel, or its own pass) equals the CPU kernel's, on
+    rows built to break a top-5 list: a tie straddling the 5th place, equal values in one lane (index j and
+    j + BLOCK) and across lanes, the lists diverging at each place 1..5, fewer than 5 finite logits, and a row of
+    fewer than 5 tokens."""
+    from fidelity.measuring import metrics
+    monkeypatch.setattr(metrics, "TRITON_TOPK", mode)
+    g = torch.Generator().manual_seed(rng_seed)
+    v = 2 * TRITON_BLOCK + 37
+    n = 10 if device == "cuda" else 6
+    a = torch.randn(n, v, generator=g)
+    b = a.clone()
+    top = float(a.max()) + 1
+    a[0, [10, 11, 12, 13]] = top + torch.arange(4, 0, -1).float()
+    a[0, [500, 7, TRITON_BLOCK + 7]] = top                       # the 5th place: a tie of three, lowest index 7
+    b[0] = a[0]
+    b[0, 500] = top + 0.5                                        # pack: 500 takes the 5th place alone
+    a[1, [3, 3 + TRITON_BLOCK, 3 + 2 * TRITON_BLOCK]] = top      # equal values in one lane
+    b[1] = a[1]
+    b[1, 3 + 2 * TRITON_BLOCK] = top + 1                         # pack's best is the last of them
+    k = int(torch.randint(1, 6, (1,), generator=g))
+    order = torch.randperm(v, generator=g)[:5]
+    a[2, order] = top + torch.arange(5, 0, -1).float()
+    b[2] = a[2]
+    b[2, order[k - 1]] = top - 10                                # the lists part at place k
+    a[3, :] = float("-inf")
+    a[3, [4, 900]] = 1.0                                          # two finite logits, tied
+    b[3] = a[3]
+    a[4] = torch.round(a[4] * 4) / 4                             # many ties everywhere
+    b[4] = a[4]
+    b[5] = a[5] + 1e-3 * torch.randn(v, generator=g)
+    t = torch.randint(0, v, (n,), generator=g)
+    for x, y in ((a, b), (a[:3, :4], b[:3, :4])):                 # and a 4-token vocabulary: lists of 4
+        tt = t[:x.shape[0]].clamp(max=x.shape[1] - 1)
+        _, got = device_metrics_columns(x.to(device), y.to(device), tt.to(device), backend="triton")
+        cpu = position_metrics(x, y, tt, reverse=True)
+        assert torch.equal(got[:, 2].cpu(), cpu.topk_match), (got[:, 2], cpu.topk_match)
+        if x.shape[1] == v:      # the rows do what they were built for (on the CPU kernel's numbers)
+            assert cpu.topk_match[0] == 4 and cpu.topk_match[1] == 0 and cpu.topk_match[2] == k - 1
+            assert cpu.topk_match[3] == 2           # two finite logits: the lists end there

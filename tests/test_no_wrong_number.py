@@ -12,29 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from fidelity.compare import compare
+from fidelity.measuring.compare import compare
 from fidelity.errors import FidelityError, PackError
-from fidelity.panels import PanelRow, write_panel
-from test_compare import _config, _save, _weights
+from fidelity.measuring.panels import PanelRow, write_panel
+from test_compare import _save, noisy_packs, tiny_setting
 
 OLD_SAMPLES, OLD_WINDOW = 64, 64 * 1024   # the sampled fingerprint this replaces: 64 windows of 64 KiB per file
 
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory, smollm2_gguf):
-    from fidelity.packs import open_pack
-    from fidelity.packs.tokenizer import load_tokenizer
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"packs seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    root = tmp_path_factory.mktemp("wrongnum")
-    tok = load_tokenizer(open_pack(smollm2_gguf))
-    cfg = _config()
-    w = _weights(cfg, gen)
-    out = {"cfg": cfg, "w": w, "tok": tok, "root": root}
-    out["ref"] = _save(root / "ref", cfg, w, tok)
-    out["small"] = _save(root / "small", cfg, {k: v + 0.01 * v.abs().mean() * torch.randn(v.shape, generator=gen)
-                                               for k, v in w.items()}, tok)
+    root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "wrongnum")
+    cfg, w, built = noisy_packs(root, tok, gen, {"small": 0.01})
+    out = {"cfg": cfg, "w": w, "tok": tok, "root": root, **built}
     rows = [PanelRow("c1", "chat", messages=[{"role": "user", "content": "Name three colors."},
                                              {"role": "assistant", "content": "Red, green and blue."}]),
             PanelRow("c2", "chat", messages=[{"role": "user", "content": "What is 3 times 4?"},
@@ -127,25 +117,26 @@ def test_manifest_sha256_is_verified(packs, tmp_path):
         open_pack(pack).fingerprint()
 
 
+def flip_bit(path: Path, divisor: int, mask: int) -> None:
+    """XORs `mask` into the byte at len // divisor of the file."""
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // divisor] ^= mask
+    path.write_bytes(bytes(raw))
+
+
 def test_a_flipped_bit_in_a_kept_pass_is_refused(packs, tmp_path):
     keep = tmp_path / "passes"
-    compare(packs["ref"], [packs["small"]], panel=packs["panel"], noise_floor=False, n_boot=50, progress=False,
-            resume=keep)
+    resume = lambda: compare(packs["ref"], [packs["small"]], panel=packs["panel"], noise_floor=False,  # noqa: E731
+                             n_boot=50, progress=False, resume=keep)
+    resume()
     (data,) = keep.glob("pack-*.parquet")
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0x04
-    data.write_bytes(bytes(raw))
+    flip_bit(data, 2, 0x04)
     with pytest.raises(PackError, match=r"finished pass 'pack-.*changed after it was written.*delete it to recompute"):
-        compare(packs["ref"], [packs["small"]], panel=packs["panel"], noise_floor=False, n_boot=50, progress=False,
-                resume=keep)
-    store = keep / "reference-store" / "records.parquet"
+        resume()
     data.unlink()
-    raw = bytearray(store.read_bytes())
-    raw[len(raw) // 3] ^= 0x01
-    store.write_bytes(bytes(raw))
+    flip_bit(keep / "reference-store" / "records.parquet", 3, 0x01)
     with pytest.raises(PackError, match=r"finished pass 'reference-store' .*changed.*records\.parquet"):
-        compare(packs["ref"], [packs["small"]], panel=packs["panel"], noise_floor=False, n_boot=50, progress=False,
-                resume=keep)
+        resume()
 
 
 @pytest.mark.parametrize("field,value,pattern", [
@@ -154,7 +145,7 @@ def test_a_flipped_bit_in_a_kept_pass_is_refused(packs, tmp_path):
     ("vocab_size", 1000, r"shape \[49152, 64\] disagrees with .*config\.json: vocab_size x hidden_size = \[1000, 64\]"),
 ])
 def test_compare_refuses_a_config_its_tensors_contradict(packs, tmp_path, field, value, pattern, monkeypatch):
-    import fidelity.compare as C
+    import fidelity.measuring.compare as C
     bad = _copy(packs["small"], tmp_path / "bad")
     cfg = json.loads((bad / "config.json").read_text())
     cfg[field] = value

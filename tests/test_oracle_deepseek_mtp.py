@@ -1,4 +1,4 @@
-"""DeepSeek-V4's DSpark drafter (fidelity.oracle.deepseek_mtp) against a composition written here from transformers'
+"""DeepSeek-V4's DSpark drafter (fidelity.oracle.deepseek.mtp) against a composition written here from transformers'
 own V4 modules: the trunk taps come from hooks on transformers' DeepseekV4ForCausalLM; the drafter blocks are the
 layers of a second transformers V4 model (sliding attention, biased MoE) whose saved weights are the pack's `mtp.i.*`
 tensors: its hyper-connections, norms, MoE, q/kv projections, RoPE, grouped output and hc_head are transformers'
@@ -18,9 +18,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_po
 from fidelity import open_pack
 from fidelity.errors import ConfigError, FidelityError, PackError
 from fidelity.oracle import Oracle
-from fidelity.oracle.deepseek_mtp import DSparkDrafter, acceptance
-from fidelity.packs.minipacks_v4 import official_name
-from _deepseek_configs import random_v4
+from fidelity.oracle.deepseek.mtp import DSparkDrafter, acceptance
+from fidelity.fixtures.minipacks_v4 import official_name
+from _deepseek_configs import random_v4, reference_ties_to_lower_index  # noqa: F401 (autouse: indexer ties by index)
 
 TOL = 1e-4
 TRUNK = dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=4,
@@ -203,17 +203,19 @@ def test_main_outputs_unchanged(built, rng_seed):
     assert "load_layer" not in oracle.__dict__
 
 
-def test_existing_layer_wrapper_is_kept(built, rng_seed):
-    """An oracle whose load_layer is already wrapped (prefetch, expert shards) keeps its wrapper, which serves the
-    drafter's trunk pass too."""
-    from fidelity.distributed import Prefetcher
+def test_trunk_pass_runs_through_the_oracles_load_chain(built, rng_seed):
+    """An oracle loading through prefetch keeps its chain: the drafter's trunk pass taps the layers' outputs (a
+    forward argument) without touching how they load, and gives the same drafts."""
+    from fidelity.oracle import LoadChain
+    from fidelity.oracle.parallel import Prefetcher
     _, _, _, folder = built
-    oracle = Oracle(open_pack(folder))
     tokens = torch.randint(0, TRUNK["vocab_size"], (1, 8))
-    want = DSparkDrafter(oracle).draft(tokens, [4]).logits
-    oracle.load_layer = wrapper = Prefetcher(oracle)
+    want = DSparkDrafter(Oracle(open_pack(folder))).draft(tokens, [4]).logits
+    oracle = Oracle(open_pack(folder), chain=LoadChain(prefetch=Prefetcher))
+    loader = oracle.prefetcher
     got = DSparkDrafter(oracle).draft(tokens, [4]).logits
-    assert oracle.__dict__["load_layer"] is wrapper
+    assert oracle.prefetcher is loader and "load_layer" not in oracle.__dict__
+    assert [t.layer for t in loader.timeline] == list(range(oracle.family.n_layers))   # one trunk pass, prefetched
     assert torch.equal(got, want)
 
 
@@ -244,7 +246,7 @@ def test_acceptance_against_hand_count(built, rng_seed):
 
 def test_acceptance_of_a_perfect_drafter(built):
     """Drafts equal to the trunk's greedy tokens are all accepted (checks the offsets: draft j vs position p0 + j)."""
-    from fidelity.oracle.deepseek_mtp import DraftOutput
+    from fidelity.oracle.deepseek.mtp import DraftOutput
     main = torch.randn(1, 10, 7)
     greedy = main.argmax(-1)
     starts = [1, 4, 8]
@@ -284,7 +286,7 @@ def test_config_errors(tmp_path):
 
 
 def test_chunked_drafts_equal_unchunked(built, rng_seed, monkeypatch):
-    import fidelity.oracle.deepseek_mtp as mtp
+    import fidelity.oracle.deepseek.mtp as mtp
     _, _, _, folder = built
     drafter = DSparkDrafter(Oracle(open_pack(folder), keep_weights=True))
     tokens = torch.randint(0, TRUNK["vocab_size"], (2, 10))
@@ -325,7 +327,7 @@ def test_model_prefixed_drafter_names(built, tmp_path, rng_seed):
 
 
 def test_refuses_fake_quant_emulation(built):
-    from fidelity.oracle.deepseek_v4_quant import QuantEmulation, emulate_reference_quant
+    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
     _, _, _, folder = built
     oracle = Oracle(open_pack(folder))
     drafter = DSparkDrafter(oracle)
@@ -440,7 +442,7 @@ def v3_reference(trunk, deep, extra, tokens, hidden):
 @pytest.mark.parametrize("arch,hidden", [("v3", "post_norm"), ("v3", "pre_norm"), ("v32", "post_norm")])
 def test_v3_mtp_matches_composition(tmp_path, rng_seed, arch, hidden):
     """V3.2: 22 tokens, more than index_topk (7), so the MTP layer's own indexer selects."""
-    from fidelity.oracle.deepseek_mtp import NextNDrafter
+    from fidelity.oracle.deepseek.mtp import NextNDrafter
     trunk, deep, extra, folder = build_v3_mtp(tmp_path, rng_seed, arch=arch)
     vocab = trunk.config.vocab_size
     tokens = torch.randint(0, vocab, (2, 22 if arch == "v32" else 11))
@@ -461,7 +463,7 @@ def test_v3_mtp_matches_composition(tmp_path, rng_seed, arch, hidden):
 
 
 def test_v3_mtp_absent_or_incomplete(tmp_path):
-    from fidelity.oracle.deepseek_mtp import NextNDrafter
+    from fidelity.oracle.deepseek.mtp import NextNDrafter
     n = V3["num_hidden_layers"]
     *_, folder = build_v3_mtp(tmp_path / "a", 3, drop=(f"model.layers.{n}.hnorm.weight",))
     with pytest.raises(PackError, match=rf"model\.layers\.{n}\.hnorm\.weight"):
@@ -472,7 +474,7 @@ def test_v3_mtp_absent_or_incomplete(tmp_path):
 
 
 def test_v3_mtp_bad_options_and_inputs(tmp_path):
-    from fidelity.oracle.deepseek_mtp import NextNDrafter
+    from fidelity.oracle.deepseek.mtp import NextNDrafter
     *_, folder = build_v3_mtp(tmp_path / "a", 3)
     oracle = Oracle(open_pack(folder))
     with pytest.raises(FidelityError, match=r"hidden must be 'post_norm' or 'pre_norm', not 'final'"):
@@ -490,8 +492,8 @@ V41_TARGETS, V41_EXPERTS, V41_TOP_K = [1, 2], 6, 3
 
 
 def build_v41(root, seed: int, **over):
-    from fidelity.packs.minipacks_v4 import TINY_V4, build_native
-    from fidelity.packs.minipacks_v41 import build_native_v41
+    from fidelity.fixtures.minipacks_v4 import TINY_V4, build_native
+    from fidelity.fixtures.minipacks_v41 import build_native_v41
     v4 = build_native(root / "v4", seed=seed, dtype=torch.float32)
     dspark = dict(dspark_block_size=BLOCK, dspark_noise_token_id=5, dspark_target_layer_ids=V41_TARGETS,
                   dspark_num_experts=V41_EXPERTS, dspark_num_experts_per_tok=V41_TOP_K)
@@ -530,9 +532,9 @@ def reference_v41(oracle, body, extra, tokens, starts):
     fam = oracle.family
     x = fam.embed_hook(F.embedding(tokens, oracle.fetch(fam.embed_name)))
     rope = fam.rope_tables(tokens.shape[1], torch.float32, "cpu")
-    outputs = []
+    outputs, state = [], fam.new_pass_state()
     for i in range(fam.n_layers):
-        x = fam.load_layer(i, oracle.fetch)(x, rope, tokens)
+        x = fam.load_layer(i, oracle.fetch)(x, rope, tokens, state)
         outputs.append(x)
     taps = torch.cat([outputs[t - 1].mean(dim=2) for t in V41_TARGETS], dim=-1)
     main_x = rms(taps @ extra["mtp.0.main_proj.weight"].T, extra["mtp.0.main_norm.weight"])

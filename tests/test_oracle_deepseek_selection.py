@@ -17,7 +17,7 @@ import torch
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle
-from fidelity.oracle.common import Fetch
+from fidelity.oracle.common import Fetch, layer_call_args
 from fidelity.oracle.selection import top_k_indices, top_k_mask
 
 V4_FIXTURES = Path(__file__).parent / "fixtures" / "v4"
@@ -74,7 +74,7 @@ def logits_with_other_ties(monkeypatch, pack, tokens, dtype=torch.float64):
 
 
 def v41_native(tmp_path) -> Path:
-    from fidelity.packs.minipacks_v41 import build_native_v41
+    from fidelity.fixtures.minipacks_v41 import build_native_v41
     return build_native_v41(V4_FIXTURES / "tiny_v4", tmp_path / "v41")
 
 
@@ -113,10 +113,10 @@ def run_layers_on_meta(monkeypatch, oracle: Oracle, T: int) -> list:
     tokens = torch.zeros(2, T, dtype=torch.long, device="meta")
     x = fam.embed_hook(torch.empty(2, T, fam.hidden_size, device="meta"))
     rope = fam.rope_tables(T, torch.float32, "meta")
-    outs = []
+    outs, state = [], fam.new_pass_state()
     for i in range(fam.n_layers):
         layer = fam.load_layer(i, fetch)
-        x = layer(x, rope, *([tokens] if fam.wants_tokens else []))
+        x = layer(x, rope, *layer_call_args(fam, tokens, state))
         outs.append(x)
     return outs
 

@@ -62,7 +62,7 @@ def test_sparse_context_matches_transformers(tmp_path, rng_seed, case):
 def test_indexer_selection_equals_transformers_and_matters(tmp_path, rng_seed):
     """The oracle's kept keys are, per query, HF's top-k clipped to the causal past; and selection changes the output
     (turning the indexer off, i.e. dense MLA, moves the logits far beyond the tolerance)."""
-    from fidelity.oracle.deepseek_v32 import IndexedMLA
+    from fidelity.oracle.deepseek.v32 import IndexedMLA
     model, pack = make(tmp_path, "default-rope", rng_seed)
     T_len, topk = 30, model.config.index_topk
     tokens = torch.randint(0, BASE["vocab_size"], (1, T_len))
@@ -93,7 +93,7 @@ def test_indexer_selection_equals_transformers_and_matters(tmp_path, rng_seed):
 
 
 def test_short_context_is_dense_and_skips_the_indexer(tmp_path, rng_seed, monkeypatch):
-    from fidelity.oracle import deepseek_v32
+    from fidelity.oracle.deepseek import v32 as deepseek_v32
     model, pack = make(tmp_path, "default-rope", rng_seed)
     tokens = torch.randint(0, BASE["vocab_size"], (3, model.config.index_topk))
     monkeypatch.setattr(deepseek_v32.LightningIndexer, "selected", lambda *a: pytest.fail("indexer computed"))
@@ -129,7 +129,7 @@ def test_bad_mlp_layer_types_named(tmp_path, rng_seed):
 
 
 def test_query_chunking_changes_nothing(tmp_path, rng_seed, monkeypatch):
-    from fidelity.oracle import deepseek_v32
+    from fidelity.oracle.deepseek import v32 as deepseek_v32
     model, pack = make(tmp_path, "default-rope", rng_seed)
     monkeypatch.setattr(deepseek_v32, "ATTENTION_CHUNK_BYTES", 1)
     tokens = torch.randint(0, BASE["vocab_size"], (2, 20))

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 oracle (fidelity/oracle/deepseek_v41.py) against formulations written here, on tiny random packs:
+"""DeepSeek-V4.1 oracle (fidelity/oracle/deepseek/v41.py) against formulations written here, on tiny random packs:
 every layer's attention output recomputed query by query (pools recomputed from the owning layer's input, index scores
 and top-k by Python loops, the candidate-block filter from sorted block maxima), the Engram-wired layer against a naive
 per-position lookup, FP8 Engram rows against a float8 cast x scale, and a V4.1 config whose every compressing layer
@@ -18,8 +18,8 @@ import torch
 from fidelity import open_pack
 from fidelity.errors import ConfigError, PackError
 from fidelity.oracle import Oracle, family_for
-from fidelity.oracle import deepseek_v41 as v41
-from fidelity.oracle.deepseek_v4 import DeepseekV4Family
+from fidelity.oracle.deepseek import v41
+from fidelity.oracle.deepseek.v4 import DeepseekV4Family
 from fidelity.packs.safetensors_io import write_safetensors
 
 H, HC, HEADS, D, RD, Q, G, R, E, I, IH, ID, VOCAB = 32, 2, 2, 16, 4, 16, 2, 8, 4, 32, 2, 8, 64
@@ -41,7 +41,7 @@ def base_config(**over) -> dict:
                engram_head_dim=8, engram_pad_token_id=0, engram_compressed_vocab_size=38)
     cfg.update(over)
     if cfg.get("engram_layer_ids"):
-        from fidelity.packs.minipacks_v41 import engram_rows
+        from fidelity.fixtures.minipacks_v41 import engram_rows
         cfg["engram_num_embeddings"] = engram_rows(cfg)
     return cfg
 
@@ -355,7 +355,7 @@ def test_fp4_kv_emulation_rounds_pool_entries(tmp_path, rng_seed, monkeypatch):
     """The reference's FP4 KV (e2m1 in blocks of 16, e4m3 scales) in the optional emulation: every 16-value block of a
     pool entry's non-rotary part is an e4m3 scale times e2m1 values, the rotary part is not rounded, the label says
     so."""
-    from fidelity.oracle.deepseek_v4_quant import QuantEmulation, emulate_reference_quant
+    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
     cfg = base_config(engram_layer_ids=[], head_dim=36)
     oracle = Oracle(open_pack(write_pack(tmp_path / "p", cfg, rng_seed)))
     calls = capture_attention(monkeypatch)
@@ -365,7 +365,7 @@ def test_fp4_kv_emulation_rounds_pool_entries(tmp_path, rng_seed, monkeypatch):
     label = emulate_reference_quant(oracle, QuantEmulation(activations=False, kv="fp4"))
     assert "kv fp4-e2m1/16 e4m3 scales" in label and oracle.family.numerics == label
     calls.clear()
-    from fidelity.oracle import deepseek_v4_quant
+    from fidelity.oracle.deepseek import quant as deepseek_v4_quant
     roundings = []                                               # (input, output) of every fp4 rounding in the forward
     real_fp4 = deepseek_v4_quant.fake_fp4_e4m3_scales
     monkeypatch.setattr(deepseek_v4_quant, "fake_fp4_e4m3_scales",
@@ -402,7 +402,23 @@ def test_rows_batched_together_equal_rows_alone(tmp_path, rng_seed):
     for row, got in zip(rows, together):
         alone = oracle.hidden_states([row], progress=False)[0]
         assert (got - alone).abs().max() < 1e-5
-    assert not oracle.family.store.states                      # every batch's state ended with its final collapse
+    again = oracle.hidden_states(rows, progress=False)          # a new pass starts from a new state
+    assert all(torch.equal(a, b) for a, b in zip(together, again))
+
+
+def test_attribution_reruns_from_any_layer_with_that_layers_pass_state(tmp_path, rng_seed):
+    """fidelity.attribute re-runs a variant from a layer's kept input with the state the reference pass handed that
+    layer (pools of earlier layers, the last selection and candidate blocks, the carried pre): with every layer the
+    reference's, a re-run from any layer (or from the final hidden states) gives the reference's logits bit for bit."""
+    from fidelity.attribute import Trunk
+    oracle = Oracle(open_pack(write_pack(tmp_path / "p", base_config(), rng_seed)))
+    g = torch.Generator().manual_seed(rng_seed)
+    rows = [random_tokens(g, 1, n)[0].tolist() for n in (20, 13, 20)]
+    trunk = Trunk(oracle, rows, [torch.arange(len(r) - 1) for r in rows], keep_layers=True)
+    trunk.reference_pass()
+    for start in range(-1, oracle.family.n_layers + 1):
+        got = trunk.run(start)
+        assert all(torch.equal(a, b) for a, b in zip(got, trunk.ref_logits)), f"re-run from layer {start}"
 
 
 RELEASED_V41 = dict(    # DeepSeek-V4.1-Flash's text_config, as the checkpoint's notes quote it
@@ -433,7 +449,7 @@ def test_released_v41_config_gives_the_checkpoints_tensor_counts():
     a = fam.v41
     assert [a.kv_source[i] for i in (0, 2, 7, 8, 19, 20, 39)] == [None, 2, 2, 8, 14, 20, 20]
     assert [a.candidate_mode(i) for i in (14, 20, 21, 24, 25)] == [None, "source", None, "use", None]
-    from fidelity.oracle.engram import EngramArgs
+    from fidelity.oracle.deepseek.engram import EngramArgs
     assert [sum(EngramArgs.from_config(fam.text, i).head_sizes) for i in (1, 14)] == [384006168, 384016682]
     assert len(EngramArgs.from_config(fam.text, 14).head_sizes) == 24
 
@@ -450,7 +466,7 @@ def fp8_block_ok(block: torch.Tensor) -> bool:
 def test_v41_reference_emulation_rounds_where_the_reference_does(tmp_path, rng_seed, monkeypatch):
     """QuantEmulation.deepseek_v41(): window KV whole-vector fp8 in blocks of 32 with power-of-two scales, pool entries
     whole-vector fp4 (blocks of 16, e4m3 scales), rotary dims included; activations in blocks of 32 (not wo_a's)."""
-    from fidelity.oracle.deepseek_v4_quant import QuantEmulation, emulate_reference_quant
+    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
     cfg = base_config(head_dim=64, q_lora_rank=32, o_lora_rank=16)
     oracle = Oracle(open_pack(write_pack(tmp_path / "p", cfg, rng_seed)))
     tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 20)
@@ -488,7 +504,8 @@ def test_a_pool_reader_run_before_its_source_is_named(tmp_path, rng_seed):
     tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 8)
     streams = torch.randn(1, 8, HC, H)
     with pytest.raises(FidelityError, match=r"layer 2 reads the pool of layer 1, which has not run"):
-        oracle.load_layer(2)(streams, oracle.family.rope_tables(8, torch.float32, "cpu"), tokens)
+        oracle.load_layer(2)(streams, oracle.family.rope_tables(8, torch.float32, "cpu"), tokens,
+                             oracle.family.new_pass_state())
 
 
 def test_text_config_nesting_and_v41_defaults(rng_seed):
@@ -532,14 +549,15 @@ def test_single_pass_hyper_connections(tmp_path, rng_seed):
     layer.attn = lambda x, rope, state: (seen.setdefault("attn_in", x), attn(x, rope, state))[1]
     layer.ffn = lambda x, tok: (seen.setdefault("ffn_in", x), ffn(x, tok))[1]
     layer.ffn_hc.weights = lambda s: (seen.setdefault("mid", s), ffn_weights(s))[1]
-    out = layer(streams, oracle.family.rope_tables(12, torch.float32, "cpu"), tokens)
+    state = oracle.family.new_pass_state()
+    out = layer(streams, oracle.family.rope_tables(12, torch.float32, "cpu"), tokens, state)
     p = "layers.0"
     assert torch.allclose(seen["attn_in"], rms(streams[:, :, 0], w[f"{p}.attn_norm.weight"]), atol=1e-6)
     pre_attn = mhc_pre(streams, w[f"{p}.hc_attn_fn"], w[f"{p}.hc_attn_base"], w[f"{p}.hc_attn_scale"])
     want_ffn_in = rms((pre_attn.unsqueeze(-1) * seen["mid"]).sum(2), w[f"{p}.ffn_norm.weight"])
     assert (seen["ffn_in"] - want_ffn_in).abs().max() < 1e-5
     pre_ffn = mhc_pre(seen["mid"], w[f"{p}.hc_ffn_fn"], w[f"{p}.hc_ffn_base"], w[f"{p}.hc_ffn_scale"])
-    final = oracle.family.final_hook(out, oracle.fetch)
+    final = oracle.family.final_hook(out, oracle.fetch, state)
     assert (final - (pre_ffn.unsqueeze(-1) * out).sum(2)).abs().max() < 1e-5
     assert not (pre_ffn - pre_attn).abs().max() < 1e-3          # the two sites' weights really differ
 
@@ -549,7 +567,7 @@ def test_single_pass_hyper_connections(tmp_path, rng_seed):
 # ---------------------------------------------------------------------------------------------------------------------
 def naive_engram(streams: torch.Tensor, tokens: list[int], w: dict, cfg: dict, layer: int) -> torch.Tensor:
     """Compressed ids from the tokenizer's lower-casing, n-gram XOR hashes per position, rows from the whole table."""
-    from fidelity.oracle.engram import head_vocab_sizes, layer_multipliers
+    from fidelity.oracle.deepseek.engram import head_vocab_sizes, layer_multipliers
     compressed = {}
     ids = [compressed.setdefault(TOKENS[t].lower(), len(compressed)) for t in range(len(TOKENS))]
     pad = ids[cfg["engram_pad_token_id"]]
@@ -595,10 +613,11 @@ def test_engram_layer_is_wired_before_its_block(tmp_path, rng_seed, monkeypatch)
     rope = oracle.family.rope_tables(20, torch.float32, "cpu")
     layer = oracle.load_layer(0)
     assert layer.engram is not None and layer.engram.table.rows_read == 0
-    got = layer(streams, rope, tokens)
+    got = layer(streams, rope, tokens, oracle.family.new_pass_state())
     assert 0 < layer.engram.table.rows_read <= 20 * 4
     layer.engram = None
-    want = layer(naive_engram(streams[0], tokens[0].tolist(), w, cfg, 0)[None], rope, tokens)
+    want = layer(naive_engram(streams[0], tokens[0].tolist(), w, cfg, 0)[None], rope, tokens,
+                 oracle.family.new_pass_state())
     delta = (got - want).abs().max().item()
     print(f"Engram-wired layer vs naive lookup: max |d| {delta:.3g}")
     assert delta < 1e-5
@@ -607,7 +626,7 @@ def test_engram_layer_is_wired_before_its_block(tmp_path, rng_seed, monkeypatch)
 def test_engram_gate_floors_a_zero_dot_like_the_reference(tmp_path, rng_seed):
     """A stream orthogonal to its key (q_weight 0: dot exactly 0) is gated by sigmoid(sqrt(1e-6)) = sigmoid(1e-3), as
     DeepSeek's reference floors |dot| at 1e-6 before the signed square root, not by sigmoid(0)."""
-    from fidelity.oracle.engram import EngramArgs, EngramLayer, RowTable
+    from fidelity.oracle.deepseek.engram import EngramArgs, EngramLayer, RowTable
     g = torch.Generator().manual_seed(rng_seed)
     a = EngramArgs(layer=0, ngram_size=2, heads_per_ngram=1, head_sizes=[7], multipliers=[3, 5], pad_id=0, hc_mult=HC,
                    hidden_size=H, eps=1e-6)
@@ -632,7 +651,7 @@ def test_oracle_with_multi_gb_fp8_engram_table_reads_only_rows_touched(tmp_path,
     """A V4.1 pack whose Engram table is the release's layout at 3.9 GiB (FP8 e4m3 rows of 64, e8m0 scales per 32: a
     sparse file, the rows this forward hashes to written, holes elsewhere): the oracle's resident memory grows by
     megabytes, the table is read row by row, and the rows it read are the written ones dequantized."""
-    from fidelity.oracle.engram import EngramArgs, ngram_rows
+    from fidelity.oracle.deepseek.engram import EngramArgs, ngram_rows
     cfg = base_config(engram_vocab_size=16_000_000, engram_head_dim=64)
     rows, dim = cfg["engram_num_embeddings"][0], 64
     root = write_pack(tmp_path / "p", cfg, rng_seed, tables=False)
@@ -687,9 +706,15 @@ def test_engram_vocabulary_mismatch_is_named(tmp_path, rng_seed):
 # ---------------------------------------------------------------------------------------------------------------------
 # FP8 Engram rows
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reads", ["nearby rows in one pread", "one pread per row", "preads of at most 3 rows"])
 @pytest.mark.parametrize("scales", ["per-row F32", "block 32x32 e8m0", "row groups of 32 e8m0 (the release)"])
-def test_fp8_engram_rows_dequantize_exactly(tmp_path, rng_seed, scales):
-    from fidelity.oracle.engram import RowTable
+def test_fp8_engram_rows_dequantize_exactly(tmp_path, rng_seed, scales, reads, monkeypatch):
+    from fidelity.oracle.deepseek import engram
+    from fidelity.oracle.deepseek.engram import RowTable
+    if reads == "one pread per row":
+        monkeypatch.setattr(engram, "MAX_GAP_BYTES", 1)
+    elif reads != "nearby rows in one pread":
+        monkeypatch.setattr(engram, "MAX_READ_BYTES", 3 * 64)     # rows of 64 fp8 bytes; scale rows are shorter
     g = torch.Generator().manual_seed(rng_seed)
     rows, dim = 100, 64
     values = (torch.randn(rows, dim, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -713,13 +738,14 @@ def test_fp8_engram_rows_dequantize_exactly(tmp_path, rng_seed, scales):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], "quantization_config": qc}))
     table = RowTable.from_pack(open_pack(tmp_path), "layers.1.engram.embed")
     index = torch.randint(0, rows, (3, 7), generator=g)
+    index[0, :4] = torch.arange(4) + int(index[0, 4]) % (rows - 4)      # a run of adjacent rows too
     want = values.float()[index] * full[index]            # float8 cast x its scale, per element
     got = table.rows(index)
     assert torch.equal(got, want) and table.rows_read == index.unique().numel()
 
 
 def test_fp8_engram_rows_without_scales_are_named(tmp_path, rng_seed):
-    from fidelity.oracle.engram import RowTable
+    from fidelity.oracle.deepseek.engram import RowTable
     write_safetensors(tmp_path / "t.safetensors",
                       {"layers.1.engram.embed.weight": torch.randn(10, 8).to(torch.float8_e4m3fn)})
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
@@ -730,7 +756,7 @@ def test_fp8_engram_rows_without_scales_are_named(tmp_path, rng_seed):
 
 def test_fp8_engram_rows_with_bad_scales_are_named(tmp_path, rng_seed):
     """Scales of an integer dtype are refused at open; a NaN scale is refused when its row is read, naming the file."""
-    from fidelity.oracle.engram import RowTable
+    from fidelity.oracle.deepseek.engram import RowTable
     g = torch.Generator().manual_seed(rng_seed)
     values = torch.randn(10, 8, generator=g).to(torch.float8_e4m3fn)
     write_safetensors(tmp_path / "int.safetensors", {"t.weight": values, "t.scale": torch.ones(10, 1, dtype=torch.int32)})

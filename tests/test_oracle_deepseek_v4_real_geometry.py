@@ -10,7 +10,7 @@ import transformers as T
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle
-from _deepseek_configs import build_v4
+from _deepseek_configs import build_v4, reference_ties_to_lower_index  # noqa: F401 (autouse: the indexer's exact-0 ties)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not hasattr(T, "DeepseekV4Config"), reason="transformers without DeepSeek-V4")]

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fidelity.panels import (PanelError, PanelRow, load_hf_panel, load_panel, render_chat, tokenize_row, write_panel)
+from fidelity.measuring.panels import (PanelError, PanelRow, load_hf_panel, load_panel, render_chat, tokenize_row, write_panel)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_parquet_and_hf_datasets_loaders_read_local_files(tmp_path, rng_seed):
 
 def test_invalid_json_line_names_file_and_line(tmp_path):
     from fidelity.commands.panel import read_prompts
-    from fidelity.panels import PanelError, read_jsonl
+    from fidelity.measuring.panels import PanelError, read_jsonl
 
     bad = tmp_path / "rows.jsonl"
     bad.write_text('\n{"id": "b", "domain": \n{"id": "c", "domain": "math", "text": "1 + 1 = 2"}\n')
@@ -122,3 +122,13 @@ def test_an_answer_cut_short_scores_its_content_but_not_the_end_of_turn(tokenize
     assert scored_whole.startswith(scored_cut) and scored_whole != scored_cut
     assert scored_cut.strip() == answer
     assert "<|im_end|>" in scored_whole and "<|im_end|>" not in scored_cut
+
+
+def test_the_default_panel_is_the_repositorys_panels_default():
+    # found from the module's own path: moving the module (fidelity/panels.py -> fidelity/measuring/) once broke it
+    from pathlib import Path
+
+    from fidelity.measuring.panels import DEFAULT_PANEL
+
+    assert DEFAULT_PANEL == Path(__file__).resolve().parents[1] / "panels" / "default"
+    assert load_panel(None).rows and load_panel(None).path == DEFAULT_PANEL

@@ -16,9 +16,9 @@ import httpx
 import numpy as np
 import pytest
 
-from fidelity.engine.faults import Spawned, free_port, set_plan, spawn_fault_server
-from fidelity.panel_build import JOURNAL_FILE, EngineSettings, build_panel_from_engine
-from fidelity.panels import PanelError, load_panel
+from fidelity.fixtures.faults import Spawned, free_port, set_plan, spawn_fault_server
+from fidelity.engine.panel_build import JOURNAL_FILE, EngineSettings, build_panel_from_engine
+from fidelity.measuring.panels import PanelError, load_panel
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 3?", "Say hello in Spanish.",
@@ -156,9 +156,18 @@ def test_build_reproduces_llamacpp_greedy_answers_resumes_after_kill_and_marks_t
     assert manifest["answers"]["settings"]["max_new_tokens"] == limit
     assert manifest["answers"]["settings"]["temperature"] == 0.0
     truncated = 0
-    for row, p in zip(panel.rows, prompts):
-        want = direct_answer(llama.url, p["prompt"], limit)
+    for i, (row, p) in enumerate(zip(panel.rows, prompts)):
         answer = row.messages[-1]
+        want = direct_answer(llama.url, p["prompt"], limit)
+        # llama-cpp-python reuses the KV of the previous prompt's common prefix, and evaluating the rest in other
+        # batches can flip a greedy near-tie (seen once in a clean-clone CI run): when the plain re-ask differs, ask
+        # again from the server states the build asked in (after the row before, or after this row's own request that
+        # the killed run left in flight); one of them must give the build's answer exactly
+        for before in (prompts[i - 1]["prompt"] if i else None, p["prompt"]):
+            if answer["content"] == want["message"]["content"] or before is None:
+                continue
+            direct_answer(llama.url, before, 1)
+            want = direct_answer(llama.url, p["prompt"], limit)
         assert row.messages[:-1] == [{"role": "user", "content": p["prompt"]}]
         assert answer["content"] == want["message"]["content"], p
         assert bool(answer.get("truncated")) == (want["finish_reason"] == "length")

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import SHARED
-from fidelity.panel_check import check_panel
-from fidelity.panel_text import panel_from_text
-from fidelity.panels import PanelError, PanelRow, load_panel, tokenize_panel, write_panel
+from fidelity.suites.panel_check import check_panel
+from fidelity.measuring.panel_text import panel_from_text
+from fidelity.measuring.panels import PanelError, PanelRow, load_panel, tokenize_panel, write_panel
 
 REPO = Path(__file__).resolve().parent.parent
 IFEVAL = SHARED / "data" / "ifeval" / "input_data.jsonl"

@@ -77,7 +77,7 @@ def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel
     dom = np.array(domains)
     folder.mkdir(parents=True, exist_ok=True)
     if write_records and store:
-        # the reference store's records (fidelity.store layout): every token; top-K and NLL on scored ones
+        # the reference store's records (fidelity.measuring.store layout): every token; top-K and NLL on scored ones
         (folder / "reference").mkdir()
         flat_scored = scored.reshape(-1).numpy()
         pd.DataFrame({"row_id": np.repeat(row_ids, T), "domain": np.repeat(domains, T), "position": np.tile(np.arange(T), R),
@@ -113,7 +113,7 @@ def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel
                    "nonfinite": 0, "noise_floor_kld": noise_floor, "positions": int(kls.size),
                    "kld_by_ref_confidence": _buckets(kls, ref_lp.exp().amax(-1)[scored].numpy())}
         results.append({"pack": f"/packs/{label}", "label": label, "bpw": bpw, "overall": overall, "domains": domain_blocks})
-        if write_records:     # compare's `<label>.parquet`: scored positions only, fidelity.metrics.PositionMetrics columns
+        if write_records:     # compare's `<label>.parquet`: scored positions only, fidelity.measuring.metrics.PositionMetrics columns
             sel = scored.reshape(-1).numpy()
             ref_top2 = ref_lp.topk(2, -1).values
             pd.DataFrame({"row_id": np.repeat(row_ids, T)[sel], "domain": np.repeat(domains, T)[sel],
@@ -369,8 +369,8 @@ def test_a_pack_with_only_non_finite_positions(tmp_path, rng_seed):
 
 
 def _suite_compare_json(tmp_path: Path, seed: int) -> dict:
-    """A real `suite compare` result: two runs of random pass/fail items through fidelity.suites.compare."""
-    compare = pytest.importorskip("fidelity.suites.compare")
+    """A real `suite compare` result: two runs of random pass/fail items through fidelity.suites.paired."""
+    paired = pytest.importorskip("fidelity.suites.paired")
     records = pytest.importorskip("fidelity.suites.records")
     rng = np.random.default_rng(seed)
     a_pass = rng.random(80) < 0.6
@@ -384,7 +384,7 @@ def _suite_compare_json(tmp_path: Path, seed: int) -> dict:
         recs[5] = records.Record("t5", None, None, "h5", "{}", "", "", "", "HTTP 503", 0.1) if name == "q4" else recs[5]
         records.write_records(d / "records.parquet", recs)
         runs.append(d)
-    return compare.compare_runs(*runs)
+    return paired.compare_runs(*runs)
 
 
 def _gate_json(seed: int) -> dict:

@@ -16,7 +16,7 @@ from fidelity.cli import main as cli_main
 from fidelity.report import render
 from test_report import close_to_printed, md_tables, overall_rows, parse_with_ci
 
-pytest.importorskip("fidelity.compare")
+pytest.importorskip("fidelity.measuring.compare")
 pytest.importorskip("fidelity.commands.compare")
 pytest.importorskip("fidelity.commands.reference")
 T = pytest.importorskip("transformers")
@@ -62,7 +62,7 @@ def _perturbed(model, cfg, scale: float, seed: int):
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> RealRun:
-    from fidelity.panels import PanelRow, write_panel
+    from fidelity.measuring.panels import PanelRow, write_panel
 
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed {seed}")

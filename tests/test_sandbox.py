@@ -19,7 +19,7 @@ import pytest
 
 from fidelity.suites import sandbox as sb
 from fidelity.suites._sandbox_boot import decode, encode
-from fidelity.suites.compare import compare_runs
+from fidelity.suites.paired import compare_runs
 from fidelity.suites.humaneval import make_code_suite
 from fidelity.suites.records import read_manifest
 from fidelity.suites.runner import Settings, run_suite

@@ -114,7 +114,10 @@ def assert_contained(results: dict, ctx: dict, listeners: Listeners, labels: lis
     assert "File too large" in v["write-100-GB"] or "No space left" in v["write-100-GB"]
     assert "no other sandbox in sight" in v["read-concurrent-sandbox"]
     # what it finds under 'steal-' (its own code in its memory maps, say) is not the judge's expected answer
-    assert "nowhere to be read" in v["steal-the-expected-answer"] or v["steal-the-expected-answer"] == "AssertionError"
+    # the search either ends empty-handed or, on a loaded machine, is stopped by the wall clock before it has walked
+    # everything (the clean-clone CI run at load ~8 took > 5 s); that it never found the secret is asserted above
+    assert ("nowhere to be read" in v["steal-the-expected-answer"] or v["steal-the-expected-answer"] == "AssertionError"
+            or "wall-clock" in v["steal-the-expected-answer"])
     assert "SystemExit" in v["forge-nonce-from-argv-and-excepthook"]
     assert "ended before answering" in v["forge-os-exit-0"]
     assert "cannot be compared outside" in v["forge-monkeypatched-assert"]
@@ -194,8 +197,8 @@ def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
     try:
         os.chmod(where, 0o755)
         code = where / "code"
-        for rel in ("fidelity/errors.py", "fidelity/suites/__init__.py", "fidelity/suites/sandbox.py",
-                    "fidelity/suites/_sandbox_boot.py"):
+        for rel in ("fidelity/errors.py", "fidelity/registry.py", "fidelity/suites/__init__.py",
+                    "fidelity/suites/sandbox.py", "fidelity/suites/_sandbox_boot.py"):
             (code / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / rel, code / rel)
         (code / "fidelity/__init__.py").write_text("")  # the package's own __init__ wants torch-side modules; these need none

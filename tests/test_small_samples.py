@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
-from fidelity.metrics import PositionMetrics
-from fidelity.stats import MIN_ROWS, RatioBootstrap, RowGroups, interval, paired_difference, summarize
+from fidelity.measuring.metrics import PositionMetrics
+from fidelity.measuring.stats import MIN_ROWS, RatioBootstrap, RowGroups, interval, paired_difference, summarize
 
 
 def _metrics(kld, finite=None) -> PositionMetrics:

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from fidelity.metrics import TOPK, PositionMetrics
-from fidelity.stats import (CONFIDENCE_EDGES, RatioBootstrap, RowGroups, bootstrap_counts, domain_sums, iid_mean_ci,
+from fidelity.measuring.metrics import TOPK, PositionMetrics
+from fidelity.measuring.stats import (CONFIDENCE_EDGES, RatioBootstrap, RowGroups, bootstrap_counts, domain_sums, iid_mean_ci,
                             paired_difference, percentile_ci, ratio_scopes, summarize)
 
 DOMAINS = ["code", "math", "chat", "writing"]
@@ -342,7 +342,7 @@ def test_new_intervals_cover(rng_seed):
 def test_quantile_replicates_equal_numpys_weighted_quantile(rng_seed):
     """Each replicate's quantile (row-constant weights, windowed search, widened when a replicate falls outside)
     equals numpy's inverted-CDF weighted quantile of every position with its row's weight."""
-    from fidelity.stats import quantile_reps
+    from fidelity.measuring.stats import quantile_reps
 
     rng = np.random.default_rng(rng_seed)
     rows, n_boot = 40, 30

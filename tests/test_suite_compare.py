@@ -8,7 +8,7 @@ from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
 from statsmodels.stats.weightstats import DescrStatsW
 
 from fidelity.cli import main as cli
-from fidelity.suites.compare import compare_runs, mcnemar, paired_t, wilcoxon
+from fidelity.suites.paired import compare_runs, mcnemar, paired_t, wilcoxon
 from fidelity.suites.records import Record, RunError, write_manifest, write_records
 
 

@@ -9,15 +9,19 @@ import pytest
 from scipy import stats
 from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
 
-from fidelity.engine.faults import Spawned, free_port
+from fidelity.fixtures.faults import Spawned, free_port
 from fidelity.suites import make_suite
-from fidelity.suites.compare import compare_runs
+from fidelity.suites.paired import compare_runs
 from fidelity.suites.records import read_manifest, read_records
 from fidelity.suites.runner import Settings, run_suite
 
 from test_suite_scoring import SHARED_IFEVAL, evalplus_file, mbpp_file
 
 pytestmark = pytest.mark.slow
+
+
+def m_summary(run_dir):
+    return read_manifest(run_dir)["summary"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +61,8 @@ def test_suite_runs_end_to_end(llama, tmp_path, name):
     assert summary.errors == 0 and len(df) == summary.items == 2
     assert (df["error"] == "").all() and df["passed"].notna().all()
     assert df["response"].str.len().gt(0).any()
+    assert df["finish_reason"].isin(["stop", "length", "tool_calls"]).all()  # llama-cpp-python's reasons, recorded per item
+    assert m_summary(tmp_path / "run")["cut_by_limit"] == int((df["finish_reason"] == "length").sum()) == summary.cut_by_limit
     for req in df["request"]:
         body = json.loads(req)
         assert body["temperature"] == 0.0 and body["max_tokens"] == settings.max_tokens

@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fidelity.engine.faults import set_plan, spawn_fault_server
+from fidelity.fixtures.faults import set_plan, spawn_fault_server
 from fidelity.suites import make_suite
-from fidelity.suites.compare import compare_runs
+from fidelity.suites.paired import compare_runs
 from fidelity.suites.records import ItemJournal, Record, RunError, read_manifest, read_records
 from fidelity.suites.runner import Settings, run_suite
 
@@ -123,8 +123,8 @@ def test_bad_inputs_name_the_file(tmp_path):
         make_suite("humaneval", data=str(bad))
     with pytest.raises(ConfigError, match="does not exist"):
         make_suite("humaneval", data=str(tmp_path / "nope.jsonl"))
-    with pytest.raises(ConfigError, match="unknown suite 'gsm8k'"):
-        make_suite("gsm8k")
+    with pytest.raises(ConfigError, match="unknown suite 'gsm9k'"):
+        make_suite("gsm9k")
     with pytest.raises(RunError, match="supports modes \\['chat'\\], not 'completion'"):
         asyncio.run(run_suite(make_suite("toolcall", categories=["simple"]), tmp_path / "t", engine="http://127.0.0.1:9",
                               model="m", settings=Settings(mode="completion")))

@@ -60,16 +60,18 @@ def test_evalplus_base_and_plus_oracle(tmp_path, humaneval):
     for tid, p in suite.problems.items():
         out = suite.check(tid, p["prompt"] + p["canonical_solution"])
         assert out.passed and out.details["plus"]["status"] == "pass", (tid, out.verdict)
+        assert out.metrics == {"base": True, "plus": True}
     p = suite.problems["HumanEval/0"]
     # right on the base inputs, wrong on the plus edge case threshold == 0 (a pair of equal numbers is not "closer than 0")
     sloppy = p["prompt"] + "    return any(abs(a - b) <= threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
     out = suite.check("HumanEval/0", sloppy)
     assert not out.passed and out.details["base"]["status"] == "pass"
+    assert out.metrics == {"base": True, "plus": False}  # evalplus's two numbers, kept apart
     assert out.details["plus"] == {"status": "fail", "passed_inputs": 2, "inputs": 3} or out.details["plus"]["status"] == "fail"
     assert out.verdict.startswith("plus: fail")
     slow = suite.check("HumanEval/2", p["prompt"].replace("has_close_elements", "x") + "\nimport time\ndef truncate_number(n):\n"
                        "    time.sleep(30)\n")
-    assert not slow.passed and "base: fail" in slow.verdict
+    assert not slow.passed and "base: fail" in slow.verdict and slow.metrics == {"base": False, "plus": False}
 
 
 def mbpp_file(tmp_path):

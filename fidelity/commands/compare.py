@@ -250,7 +250,7 @@ def _write_text(path: str, text: str) -> None:
 
 
 def write_outputs(res, args) -> None:
-    from ..compare import write_records
+    from ..measuring.compare import write_records
 
     res.report.setdefault("command_line", getattr(args, "command_line", None))
     if args.json_out:
@@ -311,28 +311,28 @@ def _write_error(args, error: BaseException) -> None:
 def run(args) -> int:
     from contextlib import ExitStack
 
-    from .. import distributed
-    from ..compare import compare
+    from ..oracle import parallel
+    from ..measuring.compare import compare
     from ..errors import FidelityError
 
-    distributed.configure(parallel=getattr(args, "parallel", "rows"))
+    parallel.configure(parallel=getattr(args, "parallel", "rows"))
     resume = args.resume or (Path(args.out) / "passes" if args.out else None)
     with ExitStack() as locks:
         try:
-            if distributed.is_main():
+            if parallel.is_main():
                 for folder in dict.fromkeys(f for f in (args.out, resume) if f):
                     locks.enter_context(OutLock(folder))
             res = compare(args.reference, args.packs, panel=args.panel, reference_store=args.reference_store,
                           device=args.device, labels=args.label, noise_floor=not args.no_noise_floor,
                           n_boot=args.bootstrap, seed=args.seed, truncate=args.truncate,
-                          progress=distributed.is_main(), resume=resume)
+                          progress=parallel.is_main(), resume=resume)
         except BaseException as e:
-            distributed.finish(e)
-            if distributed.is_main() and isinstance(e, FidelityError):
+            parallel.finish(e)
+            if parallel.is_main() and isinstance(e, FidelityError):
                 _write_error(args, e)
             raise
-        distributed.finish()  # every rank got here: the result is complete
-        if distributed.is_main():
+        parallel.finish()  # every rank got here: the result is complete
+        if parallel.is_main():
             write_outputs(res, args)   # every result on disk before anything is printed
             print_report(res.report, full=args.full)
     return 1 if res.report.get("failed") else 0

@@ -13,6 +13,17 @@ gate.toml:
   [oracle-kl]           # any threshold above
   kl_mean_max = 0.02
 
+Speed and suites (run only when their section is present, or named in --only):
+  [speed]               # baseline = "bench.json" (fidelity bench --json, ideally --aa), drop_max_pct = 5,
+                        # metrics = ["decode.all", "aggregate.4", ...] (default: every tok/s metric), repeats = N
+                        # the baseline's bench is re-run; a metric fails when it drops by more than
+                        # max(drop_max_pct, the A/A spread or, without one, the repeats' spread)
+  [suite.humaneval]     # baseline = "runs/q8" (a `fidelity suite run` folder), threshold = 1.0 (points), alpha = 0.05,
+                        # out = "runs/gate-humaneval" (the new run; resumes), data, unsafe_no_sandbox, concurrency
+                        # the suite runs with the baseline's settings and items; fail = `suite compare`'s verdict
+Relative paths are taken from the config file's folder. The speed gate re-measures on a rerun (timings cannot be
+journaled); a suite gate's run folder resumes like `suite run`.
+
 oracle-kl reads the store with the pack it was built from (its head re-derives the exact distributions) and the panel it
 was built on; both default to the paths the store's manifest records (--reference-pack, --panel override them; another
 pack or panel than the store's is refused); --rows-per-domain N keeps the run short.
@@ -26,16 +37,11 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
-from ..errors import ConfigError
-from ..engine import gates as G
-from ..engine.client import ClientConfig, EngineClient
-
-CLIENT_KEYS = {"concurrency", "timeout_s", "retries", "journal", "backoff_s"}
-SETTINGS_KEYS = {f.name for f in fields(G.GateSettings)} | {"prompt_as"}
+# the config reader and runner live in the engine layer (the tuning ladder uses them too); re-exported for callers
+from ..engine.gate_config import always_run_gates, exit_code, load_config, run_gates, select_gates  # noqa: F401
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -48,104 +54,13 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--panel", help="the panel the store was built on (default: the path the store records)")
     p.add_argument("--rows-per-domain", type=int, help="oracle-kl on the first N rows of each domain only")
     p.add_argument("--config", help="gate.toml with [settings] and per-gate thresholds")
-    p.add_argument("--only", help=f"comma-separated subset of: {','.join(G.GATES)}")
+    p.add_argument("--only", help=f"comma-separated subset of: {','.join(always_run_gates())}")
     p.add_argument("--junit", help="write JUnit XML here")
     p.add_argument("--json", dest="json_out", help="write the results as JSON here")
     p.add_argument("--journal", help="request journal (JSONL): a rerun after an interruption resumes without re-sending")
     p.add_argument("--timeout", type=float, help="seconds per request (default 120)")
     p.add_argument("--retries", type=int, help="extra attempts on 5xx / connection errors / timeouts (default 3)")
     p.add_argument("--concurrency", type=int, help="requests in flight at most (default: the largest batch size)")
-
-
-def load_config(path: str | None) -> dict:
-    if not path:
-        return {}
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        with open(path, "rb") as f:
-            cfg = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"gate config {path} does not exist")
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"gate config {path} is not valid TOML: {e}")
-    for section, table in cfg.items():
-        if section == "settings":
-            bad = set(table) - SETTINGS_KEYS - CLIENT_KEYS
-            if bad:
-                raise ConfigError(f"gate config {path}: unknown key(s) {sorted(bad)} in [settings] (known: {sorted(SETTINGS_KEYS | CLIENT_KEYS)})")
-        elif section in G.DEFAULT_THRESHOLDS:
-            bad = set(table) - set(G.DEFAULT_THRESHOLDS[section])
-            if bad:
-                raise ConfigError(f"gate config {path}: unknown threshold(s) {sorted(bad)} in [{section}] "
-                                  f"(known: {sorted(G.DEFAULT_THRESHOLDS[section])})")
-            for k, v in table.items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ConfigError(f"gate config {path}: [{section}] {k} must be a number, got {v!r}")
-        else:
-            raise ConfigError(f"gate config {path}: unknown section [{section}] (known: settings, {', '.join(G.GATES)})")
-    return cfg
-
-
-def select_gates(only: str | None) -> list[str]:
-    if not only:
-        return list(G.GATES)
-    names = [n.strip() for n in only.split(",") if n.strip()]
-    bad = [n for n in names if n not in G.GATES]
-    if bad:
-        raise ConfigError(f"--only: unknown gate(s) {bad} (known: {', '.join(G.GATES)})")
-    return names
-
-
-def load_reference(store: str, pack: str | None, panel: str | None, rows_per_domain: int | None):
-    from ..engine.reference import reference_from_store
-
-    return reference_from_store(store, pack, panel, rows_per_domain=rows_per_domain)
-
-
-async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, store: str | None = None,
-                    reference_pack: str | None = None, panel: str | None = None, rows_per_domain: int | None = None,
-                    journal: str | None = None, timeout: float | None = None, retries: int | None = None,
-                    concurrency: int | None = None) -> dict:
-    st = dict(cfg.get("settings", {}))
-    prompt_as = st.pop("prompt_as", "auto")
-    client_kw = {k: st.pop(k) for k in list(st) if k in CLIENT_KEYS}
-    settings = G.GateSettings(**st)
-    client_kw.update({k: v for k, v in {"journal": journal, "timeout_s": timeout, "retries": retries,
-                                        "concurrency": concurrency}.items() if v is not None})
-    client_kw.setdefault("concurrency", max(settings.batch_sizes))
-    results = []
-    async with EngineClient(ClientConfig(engine, model=model, **client_kw)) as client:
-        for name in names:
-            th = cfg.get(name)
-            if name == "oracle-kl":
-                if not store:
-                    results.append(G.GateResult(name, "error", error="oracle-kl needs --reference-store"))
-                    continue
-                try:
-                    ref = load_reference(store, reference_pack, panel, rows_per_domain)
-                except Exception as e:  # a missing/incompatible store means this gate could not run
-                    results.append(G.GateResult(name, "error", error=f"reference store {store}: {e}"))
-                    continue
-                results.append(await G.run_gate(name, G.oracle_kl, client, ref, settings, th, prompt_as=prompt_as))
-            else:
-                fn = {"batch-invariance": G.batch_invariance, "decode-vs-prefill": G.decode_vs_prefill,
-                      "prefix-cache": G.prefix_cache}[name]
-                results.append(await G.run_gate(name, fn, client, settings, th))
-        stats = client.stats
-    return {"engine": engine, "model": model, "reference_store": store, "gates": [r.to_dict() for r in results],
-            "client": {"sent": stats.sent, "retries": stats.retries, "journal_hits": stats.journal_hits, "errors": stats.errors},
-            "exit_code": exit_code(results), "status": {0: "pass", 1: "fail", 2: "error"}[exit_code(results)]}
-
-
-def exit_code(results: list[G.GateResult]) -> int:
-    if any(r.status == "fail" for r in results):
-        return 1
-    if any(r.status == "error" for r in results):
-        return 2
-    return 0
 
 
 def junit_xml(report: dict) -> str:
@@ -194,9 +109,26 @@ def print_summary(report: dict):
                       f"{m['worst_prompt']}), over all positions {m['kl_mean']:.3g}")
         for n in g["notes"]:
             con.print(f"[dim]{g['gate']}: {n}[/dim]")
-    cl = report["client"]
-    con.print(f"requests sent {cl['sent']}, retries {cl['retries']}, from journal {cl['journal_hits']}, errors {cl['errors']}; "
-              f"exit {report['exit_code']} ({report['status']})")
+    for line in request_counts(report):
+        con.print(line)
+    con.print(f"exit {report['exit_code']} ({report['status']})")
+
+
+def request_counts(report: dict) -> list[str]:
+    """What each kind of gate sent: the logprob gates share the report's client; the speed and suite gates run their
+    own requests (a bench, a suite run), counted in their measured blocks."""
+    cl, parts = report["client"], []
+    if any(g["gate"] != "speed" and not g["gate"].startswith("suite.") for g in report["gates"]):
+        parts.append(f"logprob gates: requests sent {cl['sent']}, retries {cl['retries']}, from journal "
+                     f"{cl['journal_hits']}, errors {cl['errors']}")
+    for g in report["gates"]:
+        m = g["measured"]
+        if g["gate"] == "speed" and "bench" in m:
+            rq = m["bench"]["requests"]
+            parts.append(f"speed: requests sent {rq['sent']}, retries {rq['retries']}, failed {rq['failed']}")
+        elif g["gate"].startswith("suite.") and "items" in m:
+            parts.append(f"{g['gate']}: {m['items']} items asked, engine errors {m['engine_errors']}")
+    return parts or ["no requests sent"]
 
 
 def oracle_kl_table(st: dict):
@@ -222,7 +154,7 @@ def oracle_kl_table(st: dict):
 
 def run(args) -> int:
     cfg = load_config(args.config)
-    names = select_gates(args.only)
+    names = select_gates(args.only, cfg)
     t0 = time.time()
     report = asyncio.run(run_gates(args.engine, args.model, names, cfg, store=args.reference_store,
                                    reference_pack=args.reference_pack, panel=args.panel, rows_per_domain=args.rows_per_domain,

@@ -18,30 +18,30 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", truncate: bool = False, progress: bool = True):
-    from ..compare import _oracle, prepare
-    from ..store import run_reference, write_store
+    from ..measuring.compare import _oracle, prepare
+    from ..measuring.store import run_reference, write_store
 
     ref_pack, panel, rows, tok_fp = prepare(pack, panel, truncate=truncate)
     oracle = _oracle(ref_pack, device)
     ref = run_reference(oracle, rows, progress=progress)
-    from .. import distributed
-    if not distributed.is_main():  # under torchrun rank 0 writes the store
+    from ..oracle import parallel
+    if not parallel.is_main():  # under torchrun rank 0 writes the store
         return None
     return write_store(out, ref, oracle, panel, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp,
                        k=top_k)
 
 
 def run(args) -> int:
-    from .. import distributed
+    from ..oracle import parallel
 
-    distributed.configure(parallel=getattr(args, "parallel", "rows"))
+    parallel.configure(parallel=getattr(args, "parallel", "rows"))
     try:
         m = build_store(args.pack, args.panel, args.out, top_k=args.top_k, device=args.device, truncate=args.truncate,
-                        progress=distributed.is_main())
+                        progress=parallel.is_main())
     except BaseException as e:
-        distributed.finish(e)
+        parallel.finish(e)
         raise
-    distributed.finish()
+    parallel.finish()
     if m is None:
         return 0
     v = m["hidden_size"]

@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from ..errors import FidelityError
+        raise FidelityError("fidelity report draws its figures with matplotlib, which is not installed: "
+                            "pip install 'fidelity[report]' (or matplotlib>=3.8)") from None
     from ..report import render
 
     argv = ["fidelity", "report", *args.results, "-o", args.out, "--title", args.title, "--worst", str(args.worst)]

@@ -1,6 +1,6 @@
-"""Run a benchmark suite (humaneval, humaneval+, mbpp+, ifeval, needle, toolcall) against an engine, or compare two runs item by item.
+"""Run a benchmark suite (humaneval, humaneval+, mbpp+, ifeval, mmlu, gsm8k, needle, toolcall) against an engine, or compare two runs item by item.
 
-  fidelity suite run SUITE --engine URL --model NAME -o RUN_DIR [--limit N] [--concurrency C]
+  fidelity suite run SUITE --engine URL --model NAME -o RUN_DIR [--limit N | --sample N --seed S] [--concurrency C]
   fidelity suite compare RUN_A RUN_B [--json FILE] [--threshold 1.0] [--alpha 0.05] [--aa]
 
 Code suites run the generated code in a sandbox (bubblewrap, see README); where none can start, `run` stops with exit
@@ -21,21 +21,25 @@ from ..errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    from ..suites import SUITE_NAMES
+    from ..registry import SUITES
 
     sub = p.add_subparsers(dest="suite_command", metavar="{run,compare}", required=True)
     r = sub.add_parser("run", help="run one suite against an OpenAI-compatible engine")
-    r.add_argument("suite", choices=SUITE_NAMES)
+    r.add_argument("suite", choices=list(SUITES))
     r.add_argument("--engine", required=True, help="base URL of the OpenAI-compatible server")
     r.add_argument("--model", required=True, help="model name to send")
     r.add_argument("-o", "--out", required=True, help="run folder (resumes if it holds an unfinished run of the same settings)")
     r.add_argument("--limit", type=int, help="first N items only")
+    r.add_argument("--sample", type=int, help="a random subset of N items (seeded by --seed, kept in dataset order; the "
+                                              "items go into the manifest)")
+    r.add_argument("--seed", type=int, default=0, help="seed of --sample's subset (default 0)")
     r.add_argument("--concurrency", type=int, default=4)
     r.add_argument("--mode", choices=["chat", "completion"], default="chat")
     r.add_argument("--max-tokens", type=int, help="per-item generation budget (default: the suite's)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) by default")
     r.add_argument("--thinking", choices=["on", "off"], help="chat_template_kwargs.enable_thinking, where the template has it")
     r.add_argument("--data", help="local data file or folder instead of the default source (see the suite's docs)")
+    r.add_argument("--shots", type=int, help="mmlu, gsm8k: few-shot examples per prompt (default 5, as lm-eval)")
     r.add_argument("--lengths", help="needle: context lengths in tokens, comma-separated (default 1024,2048)")
     r.add_argument("--depths", help="needle: needle depths in [0, 1], comma-separated (default 0,0.5,1)")
     r.add_argument("--seeds", type=int, help="needle: seeds per (length, depth) cell (default 2)")
@@ -62,6 +66,10 @@ def _suite_options(args) -> dict:
             opts["depths"] = [float(x) for x in args.depths.split(",")]
         if args.seeds:
             opts["seeds"] = args.seeds
+    if args.shots is not None:
+        if args.suite not in ("mmlu", "gsm8k"):
+            raise ConfigError(f"--shots is for mmlu and gsm8k, not {args.suite}")
+        opts["shots"] = args.shots
     if args.suite == "toolcall" and args.categories:
         opts["categories"] = args.categories.split(",")
     if args.unsafe_no_sandbox:
@@ -77,6 +85,7 @@ def run_command(args) -> int:
 
     suite = make_suite(args.suite, **_suite_options(args))
     settings = Settings(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature, limit=args.limit,
+                        sample=args.sample, sample_seed=args.seed,
                         thinking=None if args.thinking is None else args.thinking == "on")
     con = Console(stderr=True)
     isolation = getattr(suite, "isolation", None)
@@ -100,12 +109,16 @@ def run_command(args) -> int:
     if summary.mean_score is not None:
         line += f", mean score {summary.mean_score:.4f}"
     print(line)
+    for name, m in summary.metrics.items():
+        print(f"  {name}: {m['rate']:.4f} ({m['followed']}/{m['of']})" if m["rate"] is not None else f"  {name}: -")
+    print(f"  cut by the token limit (finish_reason length): {summary.cut_by_limit}/{summary.items - summary.errors}; "
+          f"finish reasons: {', '.join(f'{k or None}: {v}' for k, v in summary.finish_reasons.items()) or '-'}")
     print(f"records: {summary.run_dir}/records.parquet")
     return 0
 
 
 def compare_command(args) -> int:
-    from ..suites.compare import compare_runs
+    from ..suites.paired import compare_runs
 
     rep = compare_runs(args.run_a, args.run_b, threshold_points=args.threshold, alpha=args.alpha, aa=args.aa)
     con = Console()
@@ -127,6 +140,21 @@ def compare_command(args) -> int:
             extra = f", flip rate {100 * m['flip_rate']:.2f}% (95% CI {100 * lo:.2f}..{100 * hi:.2f}%)"
         con.print(f"  {metric}: {rates}, drop {m['drop']:+.2f} points, flips A->B {m['flips_a_to_b']} / B->A "
                   f"{m['flips_b_to_a']}, {m['test']} p={m['p_value']:.4g}{extra}: {m['verdict']}")
+    for name, m in rep.get("metrics", {}).items():
+        if "error" in m:
+            con.print(f"  {name}: {m['error']}")
+            continue
+        if "flips_a_to_b" in m:
+            extra = f"flips A->B {m['flips_a_to_b']} / B->A {m['flips_b_to_a']}"
+        else:
+            lo, hi = m["drop_ci95"]
+            extra = (f"95% CI {lo:+.2f}..{hi:+.2f}, items worse/better {m['items_worse']}/{m['items_better']}, Wilcoxon "
+                     f"p={m['wilcoxon']['p_value']:.4g}")
+        con.print(f"  {name}: {m['rate_a']:.4f} -> {m['rate_b']:.4f} (of {m['of']}), drop {m['drop']:+.2f} points, {extra}, "
+                  f"{m['test']} p={m['p_value']:.4g}: {m['verdict']}")
+    cut = rep.get("cut_by_limit")
+    if cut:
+        con.print(f"  cut by the token limit: A {cut['a']}, B {cut['b']} of {rep['n_items']}")
     if rep.get("warning"):
         con.print(f"[yellow]warning: {rep['warning']}[/yellow]")
     con.print(f"verdict: {rep['verdict']}")

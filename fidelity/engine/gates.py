@@ -24,6 +24,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import ConfigError
+from ..registry import GATES
 from .client import Completion, EngineClient, EngineError, EngineProtocolError, TokenLogprob
 
 DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
@@ -36,7 +38,6 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     # cold vs warm: identical outputs, max |delta logprob| over echoed prompt and generated tokens
     "prefix-cache": {"identical_min": 1.0, "max_abs_dlogprob_max": 1e-5},
 }
-GATES = tuple(DEFAULT_THRESHOLDS)
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -122,6 +123,80 @@ async def run_gate(name: str, fn: Callable, *args, **kw) -> GateResult:
         res = GateResult(name, "error", error=f"{type(e).__name__}: {e}")
     res.seconds = round(time.monotonic() - t0, 3)
     return res
+
+
+# ---- gate kinds: each registered in `fidelity.registry.GATES` under its gate.toml section --------------------------------
+
+@dataclass
+class GateCall:
+    """What `engine.gate_config.run_gates` hands every gate kind's runner."""
+    engine: str
+    model: str
+    client: EngineClient
+    settings: GateSettings
+    prompt_as: str
+    config_dir: str | None
+    journal: str | None
+    store: str | None  # the reference store (--reference-store); None: not given
+    load_reference: Callable[[], "Reference"]  # reads `store` (oracle-kl only)
+
+
+@dataclass(frozen=True)
+class GateKind:
+    """One kind of gate. `run(call, name, section)` returns its `GateResult` (section: its gate.toml table, or None);
+    `check(path, section, table)` raises `ConfigError` for a bad table; `names(table)`, when set, makes the kind run only
+    where its section is in the config, as the gates that section defines (`speed`; `suite.NAME`)."""
+    run: Callable
+    check: Callable[[str, str, object], None]
+    names: Callable[[object], list[str]] | None = None
+
+    @property
+    def defined_by(self) -> Callable:
+        return self.run
+
+
+def gate_kind(section: str, *, check: Callable[[str, str, object], None], names: Callable | None = None):
+    """Decorator: register the runner below as the gate kind of `section`."""
+    def add(run: Callable) -> Callable:
+        GATES.register(section)(GateKind(run, check, names))
+        return run
+    return add
+
+
+def check_thresholds(path: str, section: str, table) -> None:
+    bad = set(table) - set(DEFAULT_THRESHOLDS[section])
+    if bad:
+        raise ConfigError(f"gate config {path}: unknown threshold(s) {sorted(bad)} in [{section}] "
+                          f"(known: {sorted(DEFAULT_THRESHOLDS[section])})")
+    for k, v in table.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"gate config {path}: [{section}] {k} must be a number, got {v!r}")
+
+
+@gate_kind("oracle-kl", check=check_thresholds)
+async def _run_oracle_kl(call: GateCall, name: str, thresholds: dict | None) -> GateResult:
+    if not call.store:
+        return GateResult(name, "error", error="oracle-kl needs --reference-store")
+    try:
+        ref = call.load_reference()
+    except Exception as e:  # a missing/incompatible store means this gate could not run
+        return GateResult(name, "error", error=f"reference store {call.store}: {e}")
+    return await run_gate(name, oracle_kl, call.client, ref, call.settings, thresholds, prompt_as=call.prompt_as)
+
+
+@gate_kind("batch-invariance", check=check_thresholds)
+async def _run_batch_invariance(call: GateCall, name: str, thresholds: dict | None) -> GateResult:
+    return await run_gate(name, batch_invariance, call.client, call.settings, thresholds)
+
+
+@gate_kind("decode-vs-prefill", check=check_thresholds)
+async def _run_decode_vs_prefill(call: GateCall, name: str, thresholds: dict | None) -> GateResult:
+    return await run_gate(name, decode_vs_prefill, call.client, call.settings, thresholds)
+
+
+@gate_kind("prefix-cache", check=check_thresholds)
+async def _run_prefix_cache(call: GateCall, name: str, thresholds: dict | None) -> GateResult:
+    return await run_gate(name, prefix_cache, call.client, call.settings, thresholds)
 
 
 # ---- comparing two sets of per-token logprobs ---------------------------------------------------------------------------
@@ -599,11 +674,11 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
 
 
 def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_boot: int = 2000, seed: int = 0) -> dict:
-    """oracle-kl's numbers with compare's statistics (fidelity.stats: row-bootstrap 95% intervals stratified by
+    """oracle-kl's numbers with compare's statistics (fidelity.measuring.stats: row-bootstrap 95% intervals stratified by
     domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1 agreement
     (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's, ΔNLL
     (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
-    from ..stats import RatioBootstrap, RowGroups, ratio_scopes, sign_test
+    from ..measuring.stats import RatioBootstrap, RowGroups, ratio_scopes, sign_test
 
     groups = RowGroups.build(np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row])
     pos = [p for _, per in by_row for p in per]

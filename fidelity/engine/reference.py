@@ -46,9 +46,9 @@ def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per
 
     import torch
 
-    from ..compare import _oracle, prepare
+    from ..measuring.compare import _oracle, prepare
     from ..packs.tokenizer import load_tokenizer
-    from ..store import check_topk, load_store, stored_sources
+    from ..measuring.store import check_topk, load_store, stored_sources
 
     stored_pack, stored_panel = stored_sources(store_dir)
     if reference_pack is None:

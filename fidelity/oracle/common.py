@@ -21,13 +21,26 @@ class Fetch:
     stacks tensors along dim 0 into one preallocated buffer, so fusing never holds the parts and the whole at once.
 
     `read(name)` gives the exact float32 tensor decoded on the CPU; off the CPU it is called `read(name, device=d)` and
-    decodes on `d` (`Pack.tensor`: the host sends stored bytes, the decode runs there, bit for bit the CPU's)."""
+    decodes on `d` (`Pack.tensor`: the host sends stored bytes, the decode runs there, bit for bit the CPU's).
+
+    Slots the oracle's load chain fills (`fidelity.oracle.runner.LoadChain`): `ready` holds tensors already placed on
+    the device for the layer being built (sharded loads: received from the rank that read them), each handed out once
+    instead of being read; `RoutedExperts` hands its calls to `expert_parallel` and its expert choices to
+    `routing_counts` when set."""
+
+    expert_parallel = None      # an ExpertParallel (fidelity.oracle.parallel.experts) or attribute's recorder
+    routing_counts = None       # a fidelity.routing.RoutingCounts sink
 
     def __init__(self, read: Callable[..., torch.Tensor], shape_of: Callable[[str], tuple] | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.read, self.shape_of, self.device, self.dtype = read, shape_of, torch.device(device), dtype
+        self.ready: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str) -> torch.Tensor:
+        if self.ready:
+            t = self.ready.pop(name, None)
+            if t is not None:
+                return t
         t = self.read(name) if self.device.type == "cpu" else self.read(name, device=self.device)
         return t.to(device=self.device, dtype=self.dtype)
 
@@ -133,20 +146,27 @@ class GatedMLP:
         return F.linear(self.act(gate).mul_(up), self.down, self.down_bias)
 
     @staticmethod
+    def tensors(gate: str, up: str, down: str, bias: bool = False) -> dict[str, str | list[str]]:
+        """gate/up/down: module names (without `.weight`)."""
+        out = {"gate_up": [f"{gate}.weight", f"{up}.weight"], "down": f"{down}.weight"}
+        return {**out, "gate_up_bias": [f"{gate}.bias", f"{up}.bias"], "down_bias": f"{down}.bias"} if bias else out
+
+    @staticmethod
+    def modules(prefix: str) -> tuple[str, str, str]:
+        return f"{prefix}.gate_proj", f"{prefix}.up_proj", f"{prefix}.down_proj"
+
+    @staticmethod
     def names(prefix: str, bias: bool = False) -> list[str]:
-        names = [f"{prefix}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-        return names + ([f"{prefix}.{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")] if bias else [])
+        return tensor_names(GatedMLP.tensors(*GatedMLP.modules(prefix), bias))
 
     @classmethod
     def load(cls, prefix: str, fetch: Fetch, act: str, bias: bool = False) -> "GatedMLP":
-        return cls.from_names(fetch, f"{prefix}.gate_proj", f"{prefix}.up_proj", f"{prefix}.down_proj", act, bias)
+        return cls.from_names(fetch, *GatedMLP.modules(prefix), act, bias)
 
     @classmethod
     def from_names(cls, fetch: Fetch, gate: str, up: str, down: str, act: str, bias: bool = False) -> "GatedMLP":
         """gate/up/down: module names (without `.weight`)."""
-        return cls(fetch.concat([f"{gate}.weight", f"{up}.weight"]), fetch(f"{down}.weight"), act,
-                   fetch.concat([f"{gate}.bias", f"{up}.bias"]) if bias else None,
-                   fetch(f"{down}.bias") if bias else None)
+        return cls(act=act, **fetched(GatedMLP.tensors(gate, up, down, bias), fetch))
 
 
 class Family:
@@ -182,6 +202,13 @@ class Family:
     # Optional hooks; the defaults keep the residual stream a plain [B, T, hidden] tensor.
     wants_tokens = False  # True: layers are called layer(x, rope, tokens [B, T])
 
+    def new_pass_state(self):
+        """The state one pass of a batch of rows carries from layer to layer, or None (the default: layers share
+        nothing). A family that has one (DeepSeek-V4.1: shared pools, index selections, the carried hyper-connection
+        weights) gets a fresh one per batch per pass, handed to every layer after its other arguments
+        (`layer_call_args`) and to final_hook."""
+        return None
+
     def bind_pack(self, pack) -> None:
         """Called once with the pack before its names are resolved (families that read more than whole tensors
         through fetch, e.g. DeepSeek-V4.1's Engram tables, row by row)."""
@@ -193,8 +220,9 @@ class Family:
         """The embeddings [B, T, hidden] -> the residual stream the first layer reads."""
         return x
 
-    def final_hook(self, x: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-        """The last layer's residual stream -> [B, T, hidden] for the final norm."""
+    def final_hook(self, x: torch.Tensor, fetch: Fetch, state=None) -> torch.Tensor:
+        """The last layer's residual stream (and the pass's state, new_pass_state) -> [B, T, hidden] for the final
+        norm."""
         return x
 
     def required_names(self) -> list[str]:
@@ -202,6 +230,32 @@ class Family:
         for i in range(self.n_layers):
             names += self.layer_names(i)
         return names
+
+
+def fetched(tensors: dict[str, str | list[str]], fetch: Fetch, n=None) -> dict[str, torch.Tensor]:
+    """{attribute: fetch(n(name))} for each attribute: name of the tensors a module declares (once, in a `tensors()`
+    whose values are also its `names()`); a list of names is one tensor fused along dim 0 (`fetch.concat`); n maps
+    official names to stored ones, where they differ."""
+    n = n or (lambda name: name)
+    return {attr: fetch.concat([n(x) for x in name]) if isinstance(name, list) else fetch(n(name))
+            for attr, name in tensors.items()}
+
+
+def fetch_tensors(module, tensors: dict[str, str | list[str]], fetch: Fetch, n=None) -> None:
+    """module.<attribute> = its tensor, for each of `tensors` (see `fetched`)."""
+    for attr, t in fetched(tensors, fetch, n).items():
+        setattr(module, attr, t)
+
+
+def tensor_names(tensors: dict[str, str | list[str]]) -> list[str]:
+    """The names a `tensors()` table reads, in its order (a fused entry's parts in theirs)."""
+    return [x for name in tensors.values() for x in (name if isinstance(name, list) else [name])]
+
+
+def layer_call_args(family: Family, tokens: torch.Tensor, state) -> tuple:
+    """What the family's layers take after (x, rope): the batch's token ids when it wants_tokens, then the pass's
+    state when it has one (Family.new_pass_state)."""
+    return (*([tokens] if family.wants_tokens else []), *([state] if state is not None else []))
 
 
 def head_dim_of(cfg: dict) -> int:

@@ -8,8 +8,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .common import (ATTENTION_CHUNK_BYTES, Family, Fetch, GatedMLP, head_dim_of, mask_bias, require,
-                     rms_norm, softmax_scale)
+from ..registry import ARCHITECTURES
+from .common import (ATTENTION_CHUNK_BYTES, Family, Fetch, GatedMLP, fetch_tensors, fetched, head_dim_of, mask_bias,
+                     require, rms_norm, softmax_scale, tensor_names)
 from .rope import RopeArgs, cos_sin
 
 
@@ -105,26 +106,26 @@ class Attention:
 
     def __init__(self, a: AttentionArgs, prefix: str, fetch: Fetch, window: int | None):
         self.a, self.window = a, window
-        parts = ("q_proj", "k_proj", "v_proj")
-        self.qkv = fetch.concat([f"{prefix}.{p}.weight" for p in parts])
-        self.qkv_bias = fetch.concat([f"{prefix}.{p}.bias" for p in parts]) if a.qkv_bias else None
-        self.o = fetch(f"{prefix}.o_proj.weight")
-        self.o_bias = fetch(f"{prefix}.o_proj.bias") if a.o_bias else None
-        if a.qk_norm:
-            self.q_norm, self.k_norm = fetch(f"{prefix}.q_norm.weight"), fetch(f"{prefix}.k_norm.weight")
+        self.qkv_bias = self.o_bias = None
+        fetch_tensors(self, self.tensors(a, prefix), fetch)
         self.split = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)
         self.scale = softmax_scale(a.head_dim)
 
     @staticmethod
-    def names(a: AttentionArgs, prefix: str) -> list[str]:
-        names = [f"{prefix}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    def tensors(a: AttentionArgs, prefix: str) -> dict[str, str | list[str]]:
+        qkv = [f"{prefix}.{p}_proj" for p in "qkv"]
+        out = {"qkv": [f"{x}.weight" for x in qkv], "o": f"{prefix}.o_proj.weight"}
         if a.qkv_bias:
-            names += [f"{prefix}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
+            out["qkv_bias"] = [f"{x}.bias" for x in qkv]
         if a.o_bias:
-            names.append(f"{prefix}.o_proj.bias")
+            out["o_bias"] = f"{prefix}.o_proj.bias"
         if a.qk_norm:
-            names += [f"{prefix}.q_norm.weight", f"{prefix}.k_norm.weight"]
-        return names
+            out.update(q_norm=f"{prefix}.q_norm.weight", k_norm=f"{prefix}.k_norm.weight")
+        return out
+
+    @staticmethod
+    def names(a: AttentionArgs, prefix: str) -> list[str]:
+        return tensor_names(Attention.tensors(a, prefix))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a = self.a
@@ -220,10 +221,16 @@ class DecoderLayer:
         return x.add_(self.mlp(rms_norm(x, self.post_norm, self.eps)))
 
 
+def norm_tensors(prefix: str) -> dict[str, str]:
+    """A decoder layer's two norms, as DecoderLayer's arguments."""
+    return {"input_norm": f"{prefix}.input_layernorm.weight", "post_norm": f"{prefix}.post_attention_layernorm.weight"}
+
+
 def norm_names(prefix: str) -> list[str]:
-    return [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
+    return list(norm_tensors(prefix).values())
 
 
+@ARCHITECTURES.register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 class LlamaFamily(Family):
     def __init__(self, config: dict):
         super().__init__(config)
@@ -240,8 +247,8 @@ class LlamaFamily(Family):
         a, p = self.args, f"model.layers.{i}"
         return DecoderLayer(
             Attention(a.attention, f"{p}.self_attn", fetch, a.windows[i]),
-            GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act, a.mlp_bias),
-            fetch(f"{p}.input_layernorm.weight"), fetch(f"{p}.post_attention_layernorm.weight"), a.rms_norm_eps)
+            GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act, a.mlp_bias), **fetched(norm_tensors(p), fetch),
+            eps=a.rms_norm_eps)
 
     def rope_tables(self, length: int, dtype: torch.dtype, device):
         return cos_sin(self.args.attention.rope, length, dtype, device)

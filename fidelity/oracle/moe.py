@@ -8,8 +8,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .common import Family, Fetch, GatedMLP, require
-from .llama import Attention, AttentionArgs, DecoderLayer, attention_args, norm_names, sliding_windows
+from ..registry import ARCHITECTURES
+from .common import Family, Fetch, GatedMLP, fetch_tensors, fetched, require
+from .llama import Attention, AttentionArgs, DecoderLayer, attention_args, norm_names, norm_tensors, sliding_windows
 from .rope import cos_sin
 
 
@@ -33,7 +34,7 @@ class RoutedExperts:
         counts = getattr(self.fetch, "routing_counts", None)  # optional sink (fidelity.routing): tokens per expert
         if counts is not None:
             counts.add(self, indices)
-        parallel = getattr(self.fetch, "expert_parallel", None)  # set by fidelity.distributed (experts across ranks)
+        parallel = getattr(self.fetch, "expert_parallel", None)  # set by fidelity.oracle.parallel (experts across ranks)
         if parallel is not None:
             return parallel.combine(self, x, indices, weights)
         # one stable sort groups the token-expert pairs by expert (tokens ascending within each), one host sync reads the
@@ -62,8 +63,14 @@ def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torc
 
 
 class SoftmaxMoE:
-    def __init__(self, router: torch.Tensor, experts: RoutedExperts, k: int, renormalize: bool):
-        self.router, self.experts, self.k, self.renormalize = router, experts, k, renormalize
+    def __init__(self, prefix: str, fetch: Fetch, experts: RoutedExperts, k: int, renormalize: bool):
+        fetch_tensors(self, self.tensors(prefix), fetch)
+        self.experts, self.k, self.renormalize = experts, k, renormalize
+
+    @staticmethod
+    def tensors(prefix: str) -> dict[str, str]:
+        """The router's (the experts' are the family's expert_names)."""
+        return {"router": f"{prefix}.gate.weight"}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -118,6 +125,7 @@ class MoeArgs:
         )
 
 
+@ARCHITECTURES.register("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 class MoeFamily(Family):
     def __init__(self, config: dict):
         super().__init__(config)
@@ -131,16 +139,14 @@ class MoeFamily(Family):
 
     def expert_names(self, i: int, e: int) -> tuple[str, str, str]:
         p = f"{self._moe_prefix(i)}.experts.{e}"
-        if self.mixtral:
-            return f"{p}.w1", f"{p}.w3", f"{p}.w2"
-        return f"{p}.gate_proj", f"{p}.up_proj", f"{p}.down_proj"
+        return (f"{p}.w1", f"{p}.w3", f"{p}.w2") if self.mixtral else GatedMLP.modules(p)
 
     def layer_names(self, i: int) -> list[str]:
         p = f"model.layers.{i}"
         names = norm_names(p) + Attention.names(self.args.attention, f"{p}.self_attn")
         if not self.args.moe_layers[i]:
             return names + GatedMLP.names(f"{p}.mlp")
-        names.append(f"{self._moe_prefix(i)}.gate.weight")
+        names += list(SoftmaxMoE.tensors(self._moe_prefix(i)).values())
         for e in range(self.args.n_experts):
             names += [f"{m}.weight" for m in self.expert_names(i, e)]
         return names
@@ -149,12 +155,11 @@ class MoeFamily(Family):
         a, p = self.args, f"model.layers.{i}"
         if a.moe_layers[i]:
             experts = RoutedExperts(a.n_experts, lambda e: self.expert_names(i, e), fetch, a.hidden_act)
-            mlp = SoftmaxMoE(fetch(f"{self._moe_prefix(i)}.gate.weight"), experts, a.top_k, a.renormalize)
+            mlp = SoftmaxMoE(self._moe_prefix(i), fetch, experts, a.top_k, a.renormalize)
         else:
             mlp = GatedMLP.load(f"{p}.mlp", fetch, a.hidden_act)
         return DecoderLayer(Attention(a.attention, f"{p}.self_attn", fetch, a.windows[i]), mlp,
-                            fetch(f"{p}.input_layernorm.weight"), fetch(f"{p}.post_attention_layernorm.weight"),
-                            a.rms_norm_eps)
+                            **fetched(norm_tensors(p), fetch), eps=a.rms_norm_eps)
 
     def rope_tables(self, length: int, dtype: torch.dtype, device):
         return cos_sin(self.args.attention.rope, length, dtype, device)

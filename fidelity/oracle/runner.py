@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -12,7 +13,8 @@ from tqdm.auto import tqdm
 
 from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
-from .common import Family, Fetch, rms_norm
+from .families import family_for
+from .common import Family, Fetch, layer_call_args, rms_norm
 
 # Target bytes of one logits chunk in apply_head / iter_logits.
 HEAD_CHUNK_BYTES = 256 * 2**20
@@ -59,16 +61,45 @@ def exact_math(device: torch.device) -> None:
     warm_up_vector_math()
 
 
+@dataclass(frozen=True)
+class LoadChain:
+    """How the oracle turns a pack's stored bytes into layer i: one declared chain, in this order, whatever order the
+    stages were chosen in (every slot optional; the oracle builds each stage once, at its construction):
+
+        prefetch   (oracle) -> stage(i) -> layer: when and where loads run. `parallel.Prefetcher`: layer i+1 loads
+                   on a loader thread while layer i computes, its stored bytes staged ahead in host memory; it calls
+                   `oracle.build_layer` for the rest of the chain
+        (cache)    keep_weights: a layer built once is handed out again, nothing below runs
+        shards     (oracle) -> stage(i, build) -> layer: place/shard. `parallel.ShardedLoads`: this rank reads its
+                   share of the layer, every share is broadcast into `fetch.ready`, then `build(i)`
+        read       `pack.tensor(name, device=)`: stored bytes (staged or memory-mapped) -> exact fp32, decoded on the
+                   oracle's device (`Fetch`; a tensor in `fetch.ready` is taken instead)
+        decode     `family.load_layer(i, fetch)`: the layer's module objects from its tensors
+        experts    object RoutedExperts hands its calls to (`fetch.expert_parallel`; `parallel.ExpertParallel`: this
+                   rank computes its own experts, one all_reduce per MoE call); experts are read when first routed to
+        layer      ((i, layer) -> layer, ...), applied in order to every built layer (the noise floor's perturbation,
+                   `fidelity.measuring.compare.Perturbation`)
+
+    Observing a pass is not loading: `Oracle._forward(rows, taps={i: fn})` hands layer i's outputs to fn (the DeepSeek
+    drafters' trunk pass). No stage replaces an oracle attribute; `Oracle.load_layer` is the chain's one entry."""
+
+    prefetch: Callable | None = None
+    shards: Callable | None = None
+    experts: object | None = None
+    layer: tuple = ()
+
+
 class Oracle:
     """Exact reference forward of a pack.
 
     Oracle(pack, device="cpu", dtype=torch.float32). `dtype=torch.float64` runs everything in float64 (outputs too).
     `keep_weights=True` keeps layers in memory after the first pass (for repeated small runs of a model that fits).
+    `chain`: the LoadChain of stages layers load through (default: none, layers built on demand on the calling thread;
+    `fidelity.oracle.parallel.load_chain` gives the one a run uses).
     """
 
     def __init__(self, pack, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 keep_weights: bool = False, activation_budget: int | None = None):
-        from . import family_for  # late import: the registry imports this module's siblings
+                 keep_weights: bool = False, activation_budget: int | None = None, chain: LoadChain | None = None):
         if dtype not in (torch.float32, torch.float64):
             raise FidelityError(f"the oracle computes in float32 or float64, not {dtype}")
         self.pack = pack
@@ -81,6 +112,10 @@ class Oracle:
         self.family.resolve_names(self.pack.names())
         self._check_names()
         self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype)
+        self.chain = LoadChain() if chain is None else chain
+        if not isinstance(self.chain, LoadChain):
+            raise FidelityError(f"chain must be a LoadChain, not {type(self.chain).__name__}")
+        self.fetch.expert_parallel = self.chain.experts
         self._head: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._layers: dict[int, object] = {}
@@ -89,6 +124,8 @@ class Oracle:
         # memory (pinned) and travel to the device for each layer
         self.activation_budget = activation_budget
         self.last_forward: dict = {}   # what the last forward kept where, and its peaks (see ActivationStore.report)
+        self.shards = self.chain.shards(self) if self.chain.shards is not None else None
+        self.prefetcher = self.chain.prefetch(self) if self.chain.prefetch is not None else None
 
     # -- weights -------------------------------------------------------------------------------------------
     def _check_names(self) -> None:
@@ -108,12 +145,22 @@ class Oracle:
         return sum(math.prod(self._stored_shape(n)) for n in self.family.layer_names(i)) * itemsize
 
     def load_layer(self, i: int):
-        """The one place a layer's weights are read (prefetch and expert parallelism slot in here)."""
+        """Layer i through the load chain (LoadChain): the one place a layer's weights are read."""
+        return self.build_layer(i) if self.prefetcher is None else self.prefetcher(i)
+
+    def build_layer(self, i: int):
+        """Layer i below the prefetch stage, on the calling thread: cached, else sharded, read, decoded, transformed."""
         layer = self._layers.get(i)
         if layer is None:
-            layer = self.family.load_layer(i, self.fetch)
+            layer = self._build(i) if self.shards is None else self.shards(i, self._build)
             if self.keep_weights:
                 self._layers[i] = layer
+        return layer
+
+    def _build(self, i: int):
+        layer = self.family.load_layer(i, self.fetch)
+        for transform in self.chain.layer:
+            layer = transform(i, layer)
         return layer
 
     def head_weight(self) -> torch.Tensor:
@@ -127,8 +174,8 @@ class Oracle:
 
     def drafter(self, **options):
         """The pack's own drafter over this oracle's trunk (DeepSeek-V4/V4.1 DSpark, V3/V3.2 MTP module); the oracle's
-        outputs are unchanged. See fidelity.oracle.deepseek_mtp."""
-        from .deepseek_mtp import drafter
+        outputs are unchanged. See fidelity.oracle.deepseek.mtp."""
+        from .deepseek.mtp import drafter
         return drafter(self, **options)
 
     # -- forward -------------------------------------------------------------------------------------------
@@ -153,8 +200,10 @@ class Oracle:
             self._head_into(x, out[idx[0]:idx[-1] + 1])
         return out
 
-    def _forward(self, rows: list[list[int]], progress: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """All rows through every layer and the final norm: (row-index batches, activations [b, T, hidden] each)."""
+    def _forward(self, rows: list[list[int]], progress: bool, taps: dict[int, Callable] | None = None
+                 ) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """All rows through every layer and the final norm: (row-index batches, activations [b, T, hidden] each).
+        `taps` {layer: fn}: fn(output) of that layer for each batch, in batch order."""
         warm_up_vector_math()
         rows = [self._validate_row(r, i) for i, r in enumerate(rows)]
         batches = self._batches(rows)
@@ -162,6 +211,7 @@ class Oracle:
         embed = self.fetch(fam.embed_name)
         ids = [torch.stack([rows[i] for i in idx]).to(self.device) for idx in batches]
         store = ActivationStore(self.device, self._activation_budget(batches, rows))
+        states = [fam.new_pass_state() for _ in batches]   # what each batch's pass carries from layer to layer
         for b, (idx, t) in enumerate(zip(batches, ids)):
             x = store.arrived(fam.embed_hook(F.embedding(t, embed)))
             self._check_finite(x, idx, None)
@@ -176,9 +226,9 @@ class Oracle:
         norm = None
 
         def finish(b: int, x: torch.Tensor) -> None:
-            # the final norm straight after the last layer: a batch waiting in host memory comes back once, and the
-            # final hook sees the last layer's own output tensor (V4.1 finds its carried state by it)
-            y = rms_norm(fam.final_hook(x, self.fetch), norm, fam.rms_norm_eps)
+            # the final norm straight after the last layer: a batch waiting in host memory comes back once
+            y = rms_norm(fam.final_hook(x, self.fetch, states[b]), norm, fam.rms_norm_eps)
+            states[b] = None
             out[b] = y if store.is_resident(b) else store.to_host(y)
             store.left(x)
 
@@ -189,8 +239,10 @@ class Oracle:
                 norm = self.fetch(fam.norm_name)
             for b, idx in enumerate(batches):
                 x = store.take(b)
-                x = layer(x, _slice_rope(rope, x.shape[1]), *([ids[b]] if fam.wants_tokens else []))
+                x = layer(x, _slice_rope(rope, x.shape[1]), *layer_call_args(fam, ids[b], states[b]))
                 self._check_finite(x, idx, layer_index)
+                if taps and layer_index in taps:
+                    taps[layer_index](x)
                 if last:
                     finish(b, x)
                 else:

@@ -19,7 +19,8 @@ import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Storage
-from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
+from .folder import KNOWN_QUANT_METHODS, SafetensorsPack
+from ..registry import CLAIMERS
 from .fp4 import MX_BLOCK, NV_BLOCK, check_group_grid, dequantize_mxfp4, dequantize_nvfp4
 from .fp8 import FP8_DTYPES, absent_entry, ceil_div, read_scales
 from .staging import CPU, to_device
@@ -350,6 +351,7 @@ def stored_form_fits(m: ModuleParams, scheme: Scheme) -> bool:
     return not packed
 
 
+@CLAIMERS.register("compressed-tensors")
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     if pack.format != "compressed-tensors":
         return {}
@@ -385,4 +387,3 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     return out
 
 
-register_claimer("compressed-tensors", claim)

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from ..errors import PackError
+from ..registry import CLAIMERS
 from .base import LogicalTensor, Pack
 from .safetensors_io import RawTensorInfo, SafetensorsFile
 from .staging import StagedBytes, host_copy
@@ -77,24 +78,9 @@ class RawIndex:
 
 
 # A claimer looks at the unclaimed raw names of a pack, takes those it understands (removing them from `pool`)
-# and returns logical tensors. Claimers run in order; `native` runs last and takes whatever is left.
+# and returns logical tensors. Claimers run in `fidelity.registry.CLAIMERS` order; `native` runs last and takes whatever
+# is left.
 Claimer = Callable[["SafetensorsPack", set], dict[str, LogicalTensor]]
-CLAIMERS: list[tuple[str, Claimer]] = []
-
-
-def register_claimer(name: str, fn: Claimer, *, before: str | None = None):
-    for i, (n, _) in enumerate(CLAIMERS):
-        if n == name:
-            CLAIMERS[i] = (name, fn)
-            return
-    if before is not None:
-        for i, (n, _) in enumerate(CLAIMERS):
-            if n == before:
-                CLAIMERS.insert(i, (name, fn))
-                return
-    CLAIMERS.append((name, fn))
-
-
 # quant_method values we know how to read (the pack's `format` is this, or "native")
 KNOWN_QUANT_METHODS: set[str] = set()
 
@@ -137,13 +123,14 @@ class SafetensorsPack(Pack):
         cfg_path = root / "config.json"
         self.config = read_json(cfg_path) if cfg_path.exists() else {}
         self.quant_config = self._quant_config()
+        claimers = list(CLAIMERS.values())  # imports every format module: each adds its quant_method to KNOWN_QUANT_METHODS
         method = (self.quant_config or {}).get("quant_method")
         if method is not None and method not in KNOWN_QUANT_METHODS:
             raise PackError(f"unknown quant_method {method!r}; supported: {sorted(KNOWN_QUANT_METHODS)}", file=cfg_path)
         self.format = method or "native"
         self.raw = RawIndex(root, weight_map)
         pool = set(self.raw.names())
-        for _, claim in CLAIMERS:
+        for claim in claimers:
             for name, entry in claim(self, pool).items():
                 if name in self._entries:
                     raise PackError("two stored tensors decode to the same logical name", file=root, tensor=name)

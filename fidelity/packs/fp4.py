@@ -19,7 +19,8 @@ import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Storage
-from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
+from .folder import KNOWN_QUANT_METHODS, SafetensorsPack
+from ..registry import CLAIMERS
 from .fp8 import absent_entry, ceil_div, read_scales
 from .staging import to_device
 
@@ -165,6 +166,7 @@ def mxfp4_entry(pack: SafetensorsPack, name: str, scale: str, logical: str | Non
                                  files=raw.files_of(name, scale), raw=(name, scale)), decode, on_device=True)
 
 
+@CLAIMERS.register("fp4")
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     if pack.format == "compressed-tensors":
         return {}
@@ -201,4 +203,3 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     return out
 
 
-register_claimer("fp4", claim)

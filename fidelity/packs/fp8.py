@@ -14,7 +14,8 @@ import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Storage
-from .folder import KNOWN_QUANT_METHODS, SafetensorsPack, register_claimer
+from .folder import KNOWN_QUANT_METHODS, SafetensorsPack
+from ..registry import CLAIMERS
 from .staging import CPU, to_device
 
 FP8_DTYPES = {"F8_E4M3": "fp8_e4m3", "F8_E5M2": "fp8_e5m2"}
@@ -172,6 +173,7 @@ def fp8_entry(pack: SafetensorsPack, name: str, scale_name: str, block: tuple[in
     return LogicalTensor(storage, decode, on_device=True)
 
 
+@CLAIMERS.register("fp8")
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     if pack.format == "compressed-tensors":  # its own module reads its scheme
         return {}
@@ -200,4 +202,3 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     return out
 
 
-register_claimer("fp8", claim)

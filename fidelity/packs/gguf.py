@@ -21,6 +21,7 @@ import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Pack, Storage
+from .gguf_file import GGUFFile
 from .staging import to_device
 
 # gguf architecture name -> (HF model_type, HF architectures[0])
@@ -143,22 +144,23 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b):
-    x = _blocks(b, 144)
+def _k_multipliers(x):
+    """Q4_K/Q5_K super-blocks x [n, bytes]: (n, each sub-block's scale d * sc and min dmin * m, [n, 8, 1])."""
     n = x.shape[0]
     sc, mn = _k_scales(x[:, 4:16])
-    d = (_f16(x[:, 0:2]) * sc.float()).reshape(n, -1, 1)
-    dm = (_f16(x[:, 2:4]) * mn.float()).reshape(n, -1, 1)
+    return n, (_f16(x[:, 0:2]) * sc.float()).reshape(n, -1, 1), (_f16(x[:, 2:4]) * mn.float()).reshape(n, -1, 1)
+
+
+def _q4_k(b):
+    x = _blocks(b, 144)
+    n, d, dm = _k_multipliers(x)
     q = (_shifted(x[:, 16:].reshape(n, 4, 32), (0, 4), 2) & 0x0F).reshape(n, -1, 32).float()
     return (d * q - dm).reshape(n, 256)
 
 
 def _q5_k(b):
     x = _blocks(b, 176)
-    n = x.shape[0]
-    sc, mn = _k_scales(x[:, 4:16])
-    d = (_f16(x[:, 0:2]) * sc.float()).reshape(n, -1, 1)
-    dm = (_f16(x[:, 2:4]) * mn.float()).reshape(n, -1, 1)
+    n, d, dm = _k_multipliers(x)
     ql = (_shifted(x[:, 48:].reshape(n, 4, 32), (0, 4), 2) & 0x0F).reshape(n, -1, 32)
     qh = (_shifted(x[:, 16:48].reshape(n, 1, 32), tuple(range(8)), 2) & 1).reshape(n, -1, 32)
     q = (ql | (qh << 4)).float()
@@ -352,8 +354,8 @@ class GGUFPack(Pack):
     def __init__(self, path: str | Path):
         super().__init__(path)
         try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on malformed files
+            self.reader = GGUFFile(self.path)
+        except Exception as e:  # ValueError names what is malformed; numpy/OS errors on unreadable files
             raise PackError(f"cannot read GGUF file ({type(e).__name__}: {e}); truncated or corrupt?", file=self.path) from None
         r = self.reader
         self.arch = str(field_value(r, "general.architecture", ""))

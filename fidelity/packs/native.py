@@ -5,7 +5,8 @@ import torch
 
 from ..errors import PackError
 from .base import LogicalTensor, Storage
-from .folder import SafetensorsPack, register_claimer
+from .folder import SafetensorsPack
+from ..registry import CLAIMERS
 from .staging import to_device
 
 # Stored codes of these types are not values without scales: a weight of such a type left to `native` is refused.
@@ -13,6 +14,7 @@ _NEEDS_SCALES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "I16", "I32", "U16
 _FLOAT_FORMAT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
 
 
+@CLAIMERS.register("native")
 def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
     out = {}
     for name in sorted(pool):
@@ -55,4 +57,3 @@ def _entry(pack: SafetensorsPack, name: str) -> LogicalTensor:
                          on_device=True)
 
 
-register_claimer("native", claim)

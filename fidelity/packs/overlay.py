@@ -16,6 +16,7 @@ from pathlib import Path
 from ..errors import PackError
 from .base import LogicalTensor, Pack
 from .folder import SafetensorsPack, read_json
+from .opening import open_pack, register_folder_marker
 
 MARKER = "fidelity_overlay.json"
 
@@ -35,8 +36,6 @@ class OverlayPack(Pack):
     format = "overlay"
 
     def __init__(self, base: Pack | str | Path, overlay: Pack | str | Path):
-        from . import open_pack
-
         base = base if isinstance(base, Pack) else open_pack(base)
         if not isinstance(overlay, Pack):
             overlay = OverlayFolder(overlay, getattr(base, "quant_config", None))
@@ -71,8 +70,6 @@ class OverlayPack(Pack):
             raise PackError("overlay marker names its own folder as the base", file=marker)
         if not base.exists():
             raise PackError(f"overlay base {base} does not exist", file=marker)
-        from . import open_pack
-
         return cls(open_pack(base), folder)
 
     # -- the listing ------------------------------------------------------------------------------------------------
@@ -121,3 +118,6 @@ def _forward(pack: Pack, name: str) -> LogicalTensor:
 def _file_of(pack: Pack, name: str) -> str:
     files = pack.storage(name).files
     return files[0] if files else str(pack.path)
+
+
+register_folder_marker("fidelity_overlay.json", OverlayPack.from_marker)

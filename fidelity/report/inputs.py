@@ -88,6 +88,8 @@ class Inputs:
     suites: list[tuple[str, dict | list]]
     gates: list[tuple[str, dict | list]]
     warnings: list[str]
+    speed: list[tuple[str, dict]] = field(default_factory=list)  # `fidelity bench --json` and `fidelity ladder --json`
+    attributions: list[tuple[str, dict]] = field(default_factory=list)   # `fidelity attribute --json` documents
 
 
 def _read_json(path: Path) -> dict:
@@ -99,21 +101,30 @@ def _read_json(path: Path) -> dict:
         raise ReportInputError(f"{path} is not valid JSON: {e}") from None
 
 
+def is_attribution(data) -> bool:
+    """A `fidelity attribute --json` document."""
+    return isinstance(data, dict) and "swaps" in data and "summary" in data and "layers" in data
+
+
 def classify(data, source: str) -> str:
-    """'compare', 'suite' or 'gate' from a JSON document's shape."""
+    """'compare', 'suite', 'gate' or 'speed' (bench / ladder) from a JSON document's shape."""
     if isinstance(data, list) and data and all(isinstance(d, dict) and "gate" in d and "status" in d for d in data):
         return "gate"
     if isinstance(data, list) and data and all(isinstance(d, dict) and "suite" in d for d in data):
         return "suite"
     if isinstance(data, dict):
+        if data.get("kind") in ("fidelity-bench", "fidelity-ladder"):
+            return "speed"
+        if is_attribution(data):
+            return "attribute"
         if "results" in data and "panel" in data:
             return "compare"
         if "gates" in data or ("gate" in data and ("passed" in data or "status" in data)):
             return "gate"
         if "suite" in data or "suites" in data:
             return "suite"
-    raise ReportInputError(f"{source}: not a compare, suite-compare or gate result (expected keys 'panel'+'results', "
-                           f"'suite'/'suites' or 'gates'; found {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__})")
+    raise ReportInputError(f"{source}: not a compare, suite-compare or gate result, nor a bench or ladder (expected keys "
+                           f"'panel'+'results', 'suite'/'suites', 'gates' or kind fidelity-bench/fidelity-ladder; found {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__})")
 
 
 def _bpw(value) -> float | None:
@@ -376,7 +387,7 @@ def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
 
 def load_inputs(items) -> Inputs:
     """Paths (files or run folders) or dicts, in order; compare results are grouped by panel."""
-    runs, suites, gates, folders, beside = [], [], [], [], []
+    runs, suites, gates, folders, beside, speed, attributions = [], [], [], [], [], [], []
     for n, item in enumerate(items):
         if isinstance(item, CompareRun):
             runs.append(item)
@@ -402,8 +413,12 @@ def load_inputs(items) -> Inputs:
             if not isinstance(item, (dict, list)):
                 beside.append((run, Path(item).parent))
             runs.append(run)
+        elif kind == "attribute":
+            attributions.append((source, data))
         elif kind == "suite":
             suites.append((source, data))
+        elif kind == "speed":
+            speed.append((source, data))
         else:
             gates.append((source, data))
     for folder in folders:
@@ -411,8 +426,8 @@ def load_inputs(items) -> Inputs:
     for run, folder in beside:   # a compare.json's records lie beside it, unless a folder given holds them
         if not run.pack_positions:
             _attach_records(run, folder)
-    if not (runs or suites or gates):
-        raise ReportInputError("nothing to report: give at least one compare, suite-compare or gate result")
+    if not (runs or suites or gates or speed or attributions):
+        raise ReportInputError("nothing to report: give at least one compare, suite-compare, gate, bench, ladder or attribute result")
     groups, warnings = group_runs(runs)
     warnings = [w for r in runs for w in r.warnings] + warnings
-    return Inputs(groups=groups, suites=suites, gates=gates, warnings=warnings)
+    return Inputs(groups=groups, suites=suites, gates=gates, warnings=warnings, speed=speed, attributions=attributions)

@@ -39,7 +39,7 @@ def worst_table(worst) -> str:
 
 
 def summary(title: str, warnings: list[str], groups: list, suites: Table | None, gates: Table | None, provenance: Table,
-            gate_worst: list[Table] = ()) -> str:
+            gate_worst: list[Table] = (), speed: list[Table] = (), attributions: list = ()) -> str:
     out = [f"# {title}", "", "KL is KL(reference ‖ pack) in nats over scored positions (full vocabulary); 95% CIs are bootstrap "
            "intervals over panel rows.", ""]
     out += [f"> **Warning:** {escape(w)}\n" for w in warnings]
@@ -58,10 +58,13 @@ def summary(title: str, warnings: list[str], groups: list, suites: Table | None,
         out += [n + "\n" for n in g.notes]
         out.append(worst_table(g.worst))
         out += [table(t) for t in g.worst_rows]
+    for a in attributions:
+        out += [f"## {a.heading}", ""] + [table(t) for t in a.tables] + [f"![{f.caption}]({f.name})\n" for f in a.figures]
     if suites:
         out.append(table(suites, 2))
     if gates:
         out.append(table(gates, 2))
         out += [table(t) for t in gate_worst]
+    out += [table(t, 2) for t in speed]
     out.append(table(provenance, 2))
     return "\n".join(s for s in out if s is not None).rstrip() + "\n"

@@ -92,7 +92,7 @@ def _reference_tokenizer(group: Group):
 def _panel_positions(panel_source, group: Group, tokenizer) -> tuple[pd.DataFrame | None, str | None]:
     """Every token of every panel row (row_id, domain, position, token, scored), tokenized as compare did, so the worst
     positions get their prompt text too. The panel must be the one the results were measured on (same sha256)."""
-    from ..panels import load_panel, tokenize_panel
+    from ..measuring.panels import load_panel, tokenize_panel
 
     panel = load_panel(panel_source)
     if panel.sha256 != group.panel.get("sha256"):
@@ -241,22 +241,40 @@ def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     views = [_group_view(g, i, out, tokenizer, worst, panel) for i, g in enumerate(inputs.groups, 1)]
+    attributions = [_attribution_view(src, doc, i, out) for i, (src, doc) in enumerate(inputs.attributions, 1)]
     meta = {"version": __version__, "command_line": command_line or "fidelity.report.render(...) (Python API)",
             "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     suites, gates = tables.suite_table(inputs.suites), tables.gate_table(inputs.gates)
     gate_worst = tables.gate_worst_tables(inputs.gates)
+    speed = tables.speed_tables(inputs.speed)
     provenance = tables.provenance_table(inputs.groups, meta, inputs.suites, inputs.gates)
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.globals.update(num=tables.num, status_class=_status_class)
     html = env.from_string(INDEX_HTML).render(title=title, warnings=inputs.warnings, groups=views, suites=suites, gates=gates,
-                                              gate_worst=gate_worst, provenance=provenance)
+                                              gate_worst=gate_worst, speed=speed, provenance=provenance,
+                                              attributions=attributions)
     index = out / "index.html"
     index.write_text(html, encoding="utf-8")
     summary = out / "summary.md"
-    summary.write_text(markdown.summary(title, inputs.warnings, views, suites, gates, provenance, gate_worst), encoding="utf-8")
-    figs = [f.path for v in views for f in v.figures_top + v.figures_records]
+    summary.write_text(markdown.summary(title, inputs.warnings, views, suites, gates, provenance, gate_worst, speed,
+                                        attributions), encoding="utf-8")
+    figs = [f.path for v in views for f in v.figures_top + v.figures_records] + \
+        [f.path for a in attributions for f in a.figures]
     return Report(out_dir=out, index_html=index, summary_md=summary, figures=figs, warnings=inputs.warnings, groups=views)
+
+
+def _attribution_view(source: str, doc: dict, index: int, out: Path):
+    from .attribution import FIGURES, AttributionView, attribution_tables
+
+    s = doc["summary"]
+    view = AttributionView(f"Attribution {index}: {Path(s.get('pack') or source).name} vs "
+                           f"{Path(s.get('reference') or '?').name}", attribution_tables(doc))
+    for name, draw, caption in FIGURES:
+        f = _figure(out, f"{name}_{index}.png", caption, lambda path, draw=draw: draw(doc, path))
+        if f is not None:
+            view.figures.append(f)
+    return view
 
 
 def _status_class(cell: str) -> str:

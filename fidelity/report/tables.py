@@ -186,6 +186,14 @@ def suite_table(entries: list[tuple[str, dict]]) -> Table | None:
                 if isinstance(f.get(side), str):
                     f[side] = Path(f[side]).name or f[side]
             flat.append(f)
+            metrics = it.get("metrics") if isinstance(it.get("metrics"), dict) else {}
+            for name, m in metrics.items():  # evalplus base / plus, IFEval's four, MMLU / GSM8K filters: a row each
+                if isinstance(m, dict) and "rate_a" in m:
+                    flat.append({"suite": f"{it.get('suite', '?')} · {name}", "mode": f.get("mode"), "b": f.get("b"),
+                                 "n_items": m.get("of"), "pass_rate_a": m["rate_a"], "pass_rate_b": m.get("rate_b"),
+                                 "drop": m.get("drop"), "flips_a_to_b": m.get("flips_a_to_b", m.get("items_worse")),
+                                 "flips_b_to_a": m.get("flips_b_to_a", m.get("items_better")), "test": m.get("test"),
+                                 "p_value": m.get("p_value"), "verdict": m.get("verdict")})
     if not flat:
         return None
     cols = [(k, h) for k, h in _SUITE_COLUMNS if any(k in f for f in flat)]
@@ -204,7 +212,8 @@ def suite_table(entries: list[tuple[str, dict]]) -> Table | None:
     notes = sorted({f["warning"] for f in flat if f.get("warning")})
     return Table("Suites, candidate (B) paired against the reference build (A)", [h for _, h in cols], rows,
                  note=" ".join(notes) + (" " if notes else "") + "A drop counts in percentage points; the verdict fails a "
-                 "candidate when the drop is larger than the threshold at p below alpha.",
+                 "candidate when the drop is larger than the threshold at p below alpha. Rows 'suite · metric' are the "
+                 "suite's named metrics (pooled: items = trials; instruction-level rows count items worse / better).",
                  status_columns=tuple(i for i, (k, _) in enumerate(cols) if k == "verdict"))
 
 
@@ -300,3 +309,31 @@ def provenance_table(groups: list[Group], report_meta: dict, suites=(), gates=()
     rows.append(["this report", f"fidelity {report_meta['version']} · command: {report_meta['command_line']} · "
                  f"generated {report_meta['generated']}"])
     return Table("Provenance", ["what", "value"], rows, classes=["left"])
+
+
+# ---- speed: `fidelity bench --json` and `fidelity ladder --json` --------------------------------------------------------------
+
+def speed_tables(entries: list[tuple[str, dict]]) -> list[Table]:
+    """One table per bench (metric medians, spreads, the A/A spread) and per ladder (rungs, deltas, verdicts)."""
+    out = []
+    for source, d in entries:
+        if d.get("kind") == "fidelity-bench":
+            aa = (d.get("aa") or {}).get("spread_pct") or {}
+            rows = [[k, num(m.get("median")), num(m.get("min")), num(m.get("max")), num(m.get("spread_pct"), 3),
+                     num(aa.get(k), 3), str(m.get("unit", ""))] for k, m in d["metrics"].items()]
+            s = d.get("settings", {})
+            out.append(Table(f"Speed: {d.get('engine')} ({d.get('model')})",
+                             ["metric", "median", "min", "max", "± %", "A/A %", "unit"], rows,
+                             note=f"{source}; {s.get('repeats')} repeats, {s.get('max_tokens')} tokens per request, "
+                                  f"{len(d.get('errors', []))} failed requests", classes=["left"]))
+        else:
+            rows = []
+            for r in d["rungs"]:
+                deltas = "; ".join(f"{m} {v['change_pct']:+.1f} % (± {v['spread_pct']:.1f})" for m, v in r["deltas"].items()
+                                   if v.get("change_pct") is not None) or "—"
+                rows.append([r["rung"], str(r.get("rank", "—")), num(r["metrics"].get(d["accept"]["single_stream_metric"])),
+                             deltas, r["gates"], r["verdict"], r["reason"]])
+            out.append(Table(f"Tuning ladder ({d.get('model')}): best {d.get('best')}",
+                             ["rung", "rank", f"{d['accept']['single_stream_metric']} tok/s", "deltas vs best before",
+                              "gates", "verdict", "reason"], rows, note=source, status_columns=(4,), classes=["left"]))
+    return out

@@ -72,8 +72,13 @@ position {{ w.position }} · KL {{ num(w.kl) }}</div>
 {% endfor %}</div>{% endif %}
 {% for t in g.worst_rows %}{{ table(t) }}{% endfor %}
 {% endfor %}
+{% for a in attributions %}<h2>{{ a.heading }}</h2>
+{% for t in a.tables %}{{ table(t) }}{% endfor %}
+{% for f in a.figures %}{{ figure(f) }}{% endfor %}
+{% endfor %}
 {{ table(suites, 2) }}
 {% if gates %}{{ table(gates, 2) }}{% for t in gate_worst %}{{ table(t) }}{% endfor %}{% endif %}
+{% for t in speed %}{{ table(t, 2) }}{% endfor %}
 {{ table(provenance, 2) }}
 </body>
 </html>

@@ -6,7 +6,8 @@ and `mbpp+` use evalplus's loaders: `data=` (or HUMANEVAL_OVERRIDE_PATH / MBPP_O
 without one evalplus downloads its release (needs the internet). Expected outputs come from running each task's canonical
 solution on its inputs, in the sandbox too (a user's --data file is code like any other); the generated code then runs in
 the sandbox on the same inputs, judged by evalplus's own `unsafe_execute` and output oracle in a second sandbox, base inputs
-then plus inputs. `passed` = base and plus both pass. Every verdict comes from a judge process the generated code cannot
+then plus inputs. `passed` = base and plus both pass (evalplus's "base + extra"); the record's metrics hold "base" and
+"plus" separately, and summaries and `suite compare` report and test each. Every verdict comes from a judge process the generated code cannot
 reach (fidelity/suites/sandbox.py): printing a nonce, `os._exit(0)` or patching `assert` cannot forge a pass.
 
 Chat mode asks with evalplus's instruction ("Please provide a self-contained Python script ... in a markdown code block") and
@@ -26,6 +27,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..registry import SUITES
 from .records import sha256_file
 from .runner import Item, Outcome, Settings, Suite
 from ._sandbox_boot import decode, encode
@@ -152,10 +154,13 @@ class EvalPlus(CodeSuite):
             result[part] = out
             if out["status"] != "pass":
                 break
-        passed = len(result) == 2 and all(r["status"] == "pass" for r in result.values())
+        base = result["base"]["status"] == "pass"
+        passed = base and result.get("plus", {}).get("status") == "pass"
         failing = [f"{k}: {r['status']} ({r.get('reason') or str(r['passed_inputs']) + '/' + str(r['inputs']) + ' inputs'})"
                    for k, r in result.items() if r["status"] != "pass"]
-        return Outcome(extracted=code, passed=passed, verdict="passed" if passed else "; ".join(failing), details=result)
+        # evalplus's two numbers: "base" (base tests) and "plus" (base + extra tests: both pass), which `passed` equals
+        return Outcome(extracted=code, passed=passed, verdict="passed" if passed else "; ".join(failing), details=result,
+                       metrics={"base": base, "plus": passed})
 
     def _run_part(self, task_id: str, code: str, part: str) -> dict:
         p = self.problems[task_id]
@@ -218,3 +223,18 @@ def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | 
                          limits, unsafe_no_sandbox=unsafe_no_sandbox)
     problems, source = _evalplus_problems(name, data)
     return EvalPlus(name, problems, source, limits, unsafe_no_sandbox=unsafe_no_sandbox)
+
+
+@SUITES.register("humaneval")
+def humaneval(**options) -> CodeSuite:
+    return make_code_suite("humaneval", **options)
+
+
+@SUITES.register("humaneval+")
+def humaneval_plus(**options) -> CodeSuite:
+    return make_code_suite("humaneval+", **options)
+
+
+@SUITES.register("mbpp+")
+def mbpp_plus(**options) -> CodeSuite:
+    return make_code_suite("mbpp+", **options)

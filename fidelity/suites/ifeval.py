@@ -1,7 +1,10 @@
 """IFEval (Zhou et al. 2023): verifiable instructions, scored by lm-eval's instruction checkers (`lm_eval.tasks.ifeval`).
 
-Records: `passed` = prompt-level strict (every instruction followed), `score` = instruction-level strict (fraction followed);
-`details` has the loose variants (the response also tried without its first/last line and without '*'), as lm-eval computes them.
+Records: `passed` = prompt-level strict (every instruction followed), `score` = this prompt's fraction of instructions
+followed (strict); `details` has the loose variants (the response also tried without its first/last line and without '*'),
+as lm-eval computes them. The four official numbers are the record's metrics, named as lm-eval names them:
+prompt_level_{strict,loose}_acc (a mean over prompts) and inst_level_{strict,loose}_acc, pooled over all instructions of
+all prompts (lm-eval's `agg_inst_level_acc`), not the mean of the per-prompt fractions.
 
 Differences from the official scorer, on purpose, so runs are deterministic and work offline:
 - `langdetect` is seeded (DetectorFactory.seed = 0); the official scorer leaves it unseeded, so its language checks can vary
@@ -31,6 +34,7 @@ from pathlib import Path
 from unittest import mock
 
 from ..errors import ConfigError
+from ..registry import SUITES
 from .records import sha256_file
 from .runner import Item, Outcome, Suite
 
@@ -114,10 +118,15 @@ def score_response(row: dict, response: str) -> Outcome:
     loose = utils.test_instruction_following_loose(inp, response)
     followed = strict.follow_instruction_list
     failed = [i for i, ok in zip(row["instruction_id_list"], followed) if not ok]
+    loose_followed = loose.follow_instruction_list
     return Outcome(extracted=response, passed=bool(strict.follow_all_instructions), score=sum(followed) / len(followed),
                    verdict="all instructions followed" if not failed else "not followed: " + ", ".join(failed),
                    details={"strict": list(followed), "loose": list(loose.follow_instruction_list),
-                            "prompt_loose": bool(loose.follow_all_instructions), "instructions": row["instruction_id_list"]})
+                            "prompt_loose": bool(loose.follow_all_instructions), "instructions": row["instruction_id_list"]},
+                   metrics={"prompt_level_strict_acc": bool(strict.follow_all_instructions),
+                            "inst_level_strict_acc": (sum(followed), len(followed)),
+                            "prompt_level_loose_acc": bool(loose.follow_all_instructions),
+                            "inst_level_loose_acc": (sum(loose_followed), len(loose_followed))})
 
 
 REQUIRED = ("key", "prompt", "instruction_id_list", "kwargs")
@@ -133,6 +142,7 @@ def _check_rows(rows: list[dict], where: str):
                               f"instructions but {len(r['kwargs'])} kwargs")
 
 
+@SUITES.register("ifeval")
 class IFEval(Suite):
     name = "ifeval"
     metric = "passed"

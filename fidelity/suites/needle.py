@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..registry import SUITES
 from .runner import Item, Outcome, Settings, Suite
 
 STDLIB_MODULES = ["argparse", "asyncio.events", "collections", "csv", "decimal", "difflib", "email.message", "json", "logging",
@@ -90,6 +91,7 @@ def read_number(text: str) -> str:
     return m.group(0) if m else ""
 
 
+@SUITES.register("needle")
 class Needle(Suite):
     name = "needle"
     metric = "passed"

@@ -41,11 +41,17 @@ class Record:
     error: str  # non-empty: the engine failed on this item; excluded from paired tests
     latency_s: float
     details: str = "{}"  # suite-specific JSON (IFEval's per-instruction results, ...)
+    finish_reason: str = ""  # the engine's finish_reason ("stop", "length": cut by the token limit, ...); "" where none
+    metrics: str = "{}"  # JSON {name: [followed, of]} of the suite's named metrics (see `Outcome.metrics`)
+
+
+NEW_COLUMNS = {"finish_reason": "", "metrics": "{}"}  # columns later than the first runs; older records read with these
 
 
 SCHEMA = pa.schema([("item_id", pa.string()), ("passed", pa.bool_()), ("score", pa.float64()), ("prompt_hash", pa.string()),
                     ("request", pa.string()), ("response", pa.string()), ("extracted", pa.string()), ("verdict", pa.string()),
-                    ("error", pa.string()), ("latency_s", pa.float64()), ("details", pa.string())])
+                    ("error", pa.string()), ("latency_s", pa.float64()), ("details", pa.string()),
+                    ("finish_reason", pa.string()), ("metrics", pa.string())])
 
 
 def prompt_hash(request: dict) -> str:
@@ -111,10 +117,13 @@ def read_records(run_dir: str | os.PathLike):
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise RunError(f"cannot read records: {e}", file=path)
-    missing = set(SCHEMA.names) - set(table.column_names)
+    missing = set(SCHEMA.names) - set(table.column_names) - set(NEW_COLUMNS)
     if missing:
         raise RunError(f"records lack columns {sorted(missing)}", file=path)
     df = table.to_pandas()
+    for name, default in NEW_COLUMNS.items():
+        if name not in df:
+            df[name] = default
     dup = df["item_id"][df["item_id"].duplicated()]
     if len(dup):
         raise RunError(f"duplicate item ids in records: {sorted(set(dup))[:5]}", file=path)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,23 @@ class Outcome:
     score: float | None = None
     verdict: str = ""
     details: dict = field(default_factory=dict)
+    # named metrics: name -> bool (one trial) or (followed, of) (IFEval's instructions of one prompt); summaries pool them
+    # over items as sum(followed) / sum(of), the way evalplus and lm-eval aggregate
+    metrics: dict = field(default_factory=dict)
+
+
+def metric_counts(metrics: dict) -> dict[str, list[int]]:
+    """`Outcome.metrics` as {name: [followed, of]}."""
+    out = {}
+    for name, v in metrics.items():
+        if isinstance(v, bool):
+            out[name] = [int(v), 1]
+        else:
+            k, n = (int(x) for x in v)
+            if not 0 <= k <= n:
+                raise ValueError(f"metric {name!r}: {k} of {n}")
+            out[name] = [k, n]
+    return out
 
 
 @dataclass
@@ -36,8 +55,19 @@ class Settings:
     max_tokens: int | None = None  # None: the suite's default
     temperature: float = 0.0
     thinking: bool | None = None  # None: leave the template's default
-    limit: int | None = None
-    seed: int = 0
+    limit: int | None = None  # the first N items
+    seed: int = 0  # the engine's sampling seed (sent with every request)
+    sample: int | None = None  # a random subset of N items, drawn with `sample_seed`, kept in dataset order
+    sample_seed: int = 0
+
+
+def seeded_subset(items: list, n: int, seed: int) -> list:
+    """`n` items drawn without replacement by Python's `random.Random(seed)` (stable across Python versions for integer
+    seeds), in dataset order."""
+    if not 0 < n <= len(items):
+        raise RunError(f"--sample {n}: the suite has {len(items)} items")
+    keep = sorted(random.Random(seed).sample(range(len(items)), n))
+    return [items[i] for i in keep]
 
 
 class Suite:
@@ -89,15 +119,15 @@ def request_body(suite: Suite, item: Item, settings: Settings, model: str) -> di
 
 
 async def _ask(client, body: dict, tag: str):
-    """Sends `body` through the client; returns (text, tool_calls as dicts)."""
+    """Sends `body` through the client; returns (text, tool_calls as dicts, finish_reason or "")."""
     common = {k: body[k] for k in ("max_tokens", "temperature", "stop", "seed") if k in body}
     if "prompt" in body:
         comp = await client.completion(body["prompt"], tag=tag, **common)
-        return comp.text, []
+        return comp.text, [], getattr(comp, "finish_reason", None) or ""
     extra = {"chat_template_kwargs": body["chat_template_kwargs"]} if "chat_template_kwargs" in body else None
     chat = await client.chat(body["messages"], tools=body.get("tools"), extra=extra, tag=tag, **common)
     calls = [{"name": c.name, "arguments": c.arguments} for c in chat.tool_calls]
-    return chat.content or "", calls
+    return chat.content or "", calls, getattr(chat, "finish_reason", None) or ""
 
 
 def manifest_for(suite: Suite, settings: Settings, engine: str, model: str, items: list[Item], isolation: str | None) -> dict:
@@ -111,6 +141,8 @@ _RESUME_KEYS = ("suite", "data", "suite_config", "engine", "model", "settings", 
 
 def check_resume(run_dir: Path, new: dict):
     old = read_manifest(run_dir)
+    # settings added since (sample, sample_seed) read as their defaults in an older run's manifest
+    old = {**old, "settings": {**asdict(Settings()), **old.get("settings", {})}} if "settings" in old else old
     old = {**old, "unsafe_no_sandbox": bool(old.get("unsafe_no_sandbox"))}  # runs from before the flag were not unsafe
     for k in _RESUME_KEYS:
         if old.get(k) != new.get(k):
@@ -126,6 +158,29 @@ class RunSummary:
     errors: int
     passed: int | None
     mean_score: float | None
+    metrics: dict = field(default_factory=dict)  # name -> {"followed", "of", "rate"} pooled over the items without error
+    finish_reasons: dict = field(default_factory=dict)  # finish_reason -> items ("" where the engine gave none)
+    cut_by_limit: int = 0  # items whose reply ended at the token limit (finish_reason "length")
+
+
+def pooled_metrics(records: list[Record]) -> dict:
+    """Each named metric pooled over the records without an engine error: sum(followed) / sum(of)."""
+    sums: dict[str, list[int]] = {}
+    for r in records:
+        if r.error:
+            continue
+        for name, (k, n) in json.loads(r.metrics or "{}").items():
+            acc = sums.setdefault(name, [0, 0])
+            acc[0] += k
+            acc[1] += n
+    return {name: {"followed": k, "of": n, "rate": k / n if n else None} for name, (k, n) in sums.items()}
+
+
+def run_summary(records: list[Record]) -> dict:
+    """What the manifest's "summary" and the console report: pooled metrics, finish reasons, replies cut by the limit."""
+    reasons = Counter(r.finish_reason for r in records if not r.error)
+    return {"metrics": pooled_metrics(records), "finish_reasons": dict(sorted(reasons.items())),
+            "cut_by_limit": reasons.get("length", 0)}
 
 
 async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: str, settings: Settings | None = None,
@@ -146,8 +201,12 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
                                            **(client_options or {})))
     try:
         items = suite.load()
+        if settings.limit is not None and settings.sample is not None:
+            raise RunError("give --limit (the first N items) or --sample (a seeded random N), not both")
         if settings.limit is not None:
             items = items[: settings.limit]
+        if settings.sample is not None:
+            items = seeded_subset(items, settings.sample, settings.sample_seed)
         items = await suite.prepare(items, client, settings)
         ids = [it.item_id for it in items]
         if len(set(ids)) != len(ids):
@@ -166,7 +225,7 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
             body = request_body(suite, item, settings, model)
             t0 = time.monotonic()
             try:
-                text, calls = await _ask(client, body, tag=f"{suite.name}:{item.item_id}")
+                text, calls, finish = await _ask(client, body, tag=f"{suite.name}:{item.item_id}")
             except EngineError as e:
                 rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), "", "", "engine error", str(e),
                              time.monotonic() - t0)
@@ -177,10 +236,11 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
                     out = await asyncio.to_thread(suite.score, item, text, calls)
                 except Exception as e:  # a scorer bug must not sink the run nor count against the model
                     rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), response, "", "scorer error",
-                                 f"scorer error: {type(e).__name__}: {e}", latency)
+                                 f"scorer error: {type(e).__name__}: {e}", latency, finish_reason=finish)
                 else:
                     rec = Record(item.item_id, out.passed, out.score, prompt_hash(body), json.dumps(body), response,
-                                 out.extracted, out.verdict, "", latency, json.dumps(out.details, default=str))
+                                 out.extracted, out.verdict, "", latency, json.dumps(out.details, default=str),
+                                 finish_reason=finish, metrics=json.dumps(metric_counts(out.metrics)))
             journal.append(rec)
             if progress:
                 progress(rec)
@@ -189,8 +249,9 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
         journal.close()
         records = [journal.records[i] for i in ids]
         write_records(run_dir / RECORDS, records)
+        summary = run_summary(records)
         manifest = {**read_manifest(run_dir), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "errors": sum(bool(r.error) for r in records)}
+                    "errors": sum(bool(r.error) for r in records), "summary": summary}
         write_manifest(run_dir, manifest)
     finally:
         if own_client:
@@ -199,4 +260,4 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
     passed = sum(bool(r.passed) for r in ok) if suite.metric == "passed" else None
     scores = [r.score for r in ok if r.score is not None]
     return RunSummary(str(run_dir), len(records), resumed, len(records) - len(ok), passed,
-                      sum(scores) / len(scores) if scores else None)
+                      sum(scores) / len(scores) if scores else None, **summary)

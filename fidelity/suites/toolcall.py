@@ -23,6 +23,7 @@ import types
 from collections import defaultdict
 
 from ..errors import ConfigError
+from ..registry import SUITES
 from .runner import Item, Outcome, Suite
 
 CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel",
@@ -125,6 +126,7 @@ def integrity(calls: list[dict], tools: list[dict]) -> tuple[list[dict], list[st
     return parsed, problems
 
 
+@SUITES.register("toolcall")
 class ToolCall(Suite):
     name = "toolcall"
     metric = "passed"

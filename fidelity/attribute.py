@@ -1,0 +1,714 @@
+"""attribute(): where a pack's error comes from, on the streamed oracle.
+
+One streamed pass of the reference keeps every layer's input, so a variant (the reference with one module group's
+tensors taken from the pack, or with noise injected at one layer) re-runs only from the first layer it changes.
+Reported (definitions once, here):
+
+- swap-one-in (exllamav3 `model_diff_attrib`'s): for each module group, the reference with only that group's tensors
+  read from the pack; `kld_mean` = mean over scored positions of KL(P_ref || Q_variant) (nats, `fidelity.measuring.metrics`),
+  `share` = its KL / the sum over groups, `additivity` = sum of the groups' KL / the whole pack's KL. The noise control
+  replaces each of the group's tensors W by W + N with N isotropic Gaussian scaled to exactly ||W_pack - W_ref||_F
+  (`noise_kld_each` per draw, `noise_kld_mean` their mean, `x_noise` = kld_mean / noise_kld_mean).
+  `x_noise_ci`: a 95 % percentile bootstrap interval of x_noise, resampling rows (paired: the same rows for the pack
+  and the control) and the control's draws (needs >= 2 of each); `kl_vs_noise` says "more harmful" / "less harmful"
+  when the interval lies above / below 1, "not separable" when it holds 1.
+  By KL at equal norm, real quantization error is often NOT separable from isotropic noise (SmolLM2 Q2_K MLPs: x_noise
+  0.77-1.11 over layers 4, 12, 20, 28, direction changing with the layer). What separates them is structure:
+  `err_scale_corr` = Pearson r, over groups of ERROR_GROUP consecutive weights along a row, between the error's RMS
+  and the weight's max |w| in the group (a blockwise quantizer's step follows its block's scale; noise independent of W
+  has r ~ N(0, 1/n_groups)); per tensor in `tensors`, per group pooled over its 2-D tensors as
+  sum(r_i n_i) / sum(n_i), with `err_scale_z` = sum(r_i n_i) / sqrt(sum(n_i)) (~ N(0, 1) under that null; Stouffer);
+  `noise_err_scale_corr` / `noise_err_scale_z`: the same for the control's first draw (SmolLM2 Q2_K MLPs: r 0.23-0.89
+  per tensor, z > 100; the control |z| < 4). exllamav3's model_diff_attrib controls in activation space instead
+  (`Settings.activation_control`, groups within one layer): the reference's output of that layer plus Gaussian noise
+  with the real error's norm at every position (and hc stream), re-run from the next layer: `act_kld_each` /
+  `act_kld_mean`, `x_act` = kld_mean / act_kld_mean, `x_act_ci`, `kl_vs_act` as for x_noise. Measured on the same
+  MLPs: real / control 1.2-1.6 on layers 12 and 20 but 1.1 on 4 and 0.92 on 28, so not separable everywhere either.
+- layer divergence along one pass of each (both streamed from the same tokens): after each layer, over every
+  position, `rel_fro` = ||H_pack - H_ref||_F / ||H_ref||_F, `sqnr_db` = 10 log10(||H_ref||^2 / ||H_pack - H_ref||^2),
+  `cosine` = mean over positions of cos(h_pack, h_ref); per tensor the same rel_fro and SQNR of W_pack vs W_ref.
+  Hyper-connection models (DeepSeek V4: the residual is [tokens, hc, hidden]): `layers` pools the hc streams (every
+  (position, stream) is a vector), `layer_streams` gives the same three numbers for each stream alone.
+- routing (MoE): per layer and expert, token counts, `weight_share` (the expert's share of the layer's routing
+  weights), `energy_share` (its share of sum ||w_te E_e(x_t)||^2, the routed output's energy); `jaccard` per token =
+  |top-k_ref & top-k_pack| / |top-k_ref | top-k_pack| (each side on its own pass); super experts: energy share >= a
+  threshold; the pack's routing-weighted bits per weight (`Pack.bits_per_weight(routing=...)`).
+- sensitivity: per layer, Gaussian noise of RMS eps * RMS(out) added to the layer's MLP / routed-experts output (the
+  sub-block its class declares in SUB_BLOCKS as "mlp"), at two or three eps: KL per level, `dkl_deps2` = the
+  least-squares slope of KL on eps^2 through the origin (KL is quadratic in a small perturbation) and `loglog_slope`.
+- engram_access (V4.1): per Engram table, on the reference's pass (rows hash token ids only, the pack's are the same):
+  `lookups` (tokens x n-gram lengths x heads), `distinct_rows`, and the coverage curve: the top N most-read rows'
+  share of the lookups at N = 1, 10, 100, ..., 1 % and 10 % of the distinct rows, and all of them (1).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError, PackError
+from .measuring.metrics import position_metrics
+
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+MODULES = ("layer", "block", "expert")
+ERROR_GROUP = 16      # err_scale_corr's group: the k-quants' sub-block (Q2_K..Q6_K: 16; Q4_K/Q5_K's 32 are two of them)
+CI_BOOTSTRAP = 2000
+NOISE_LEVELS = (2.0 ** -10, 2.0 ** -8, 2.0 ** -6)   # bf16 rounding (2^-8) in the middle; larger levels flip
+# routing choices on MoE models, where KL stops being quadratic (tiny V4: quadratic to 1e-2, not at 1e-1)
+SUPER_EXPERT_SHARE = 0.2
+# Reference layers are kept in memory (built once, reused by every re-run) when all of them fit in this many bytes.
+KEEP_LAYERS_BYTES = 8 * 2**30
+
+
+@dataclass
+class Settings:
+    modules: str = "block"                       # layer: one group per layer; block: attention / router / experts /
+                                                 # shared experts / MLP per layer; expert: each routed expert alone
+    groups: list[str] | None = None              # only these groups (names as `module_groups` gives them)
+    noise_control: bool = True
+    noise_repeats: int = 3                       # isotropic controls, each with its own noise draw (>= 2: x_noise_ci)
+    activation_control: bool = False             # also exllamav3's control at the group's layer output (one-layer
+                                                 # groups; noise_repeats draws)
+    sensitivity: bool = True
+    noise_levels: tuple = NOISE_LEVELS
+    sensitivity_layers: list[int] | None = None  # only these layers (default all)
+    super_expert_share: float = SUPER_EXPERT_SHARE
+    seed: int = 0
+    keep_layers: bool | None = None              # None: when the reference's layers fit in KEEP_LAYERS_BYTES
+
+
+@dataclass
+class Attribution:
+    """Tables as lists of row dicts (`pandas.DataFrame(result.swaps)`, `pyarrow.Table.from_pylist`) and `to_json()`."""
+    summary: dict
+    swaps: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)
+    layer_streams: list[dict] = field(default_factory=list)     # hyper-connection models: per layer and stream
+    tensors: list[dict] = field(default_factory=list)
+    routing: list[dict] = field(default_factory=list)           # per layer and expert
+    routing_layers: list[dict] = field(default_factory=list)    # per layer: agreement, super experts
+    sensitivity: list[dict] = field(default_factory=list)
+    engram_access: list[dict] = field(default_factory=list)     # per Engram table: lookups, coverage curve
+
+    def table(self, name: str):
+        import pandas as pd
+        return pd.DataFrame(getattr(self, name))
+
+    def to_json(self) -> dict:
+        return {"summary": self.summary, "swaps": self.swaps, "layers": self.layers, "layer_streams": self.layer_streams, "tensors": self.tensors,
+                "routing": self.routing, "routing_layers": self.routing_layers, "sensitivity": self.sensitivity,
+                "engram_access": self.engram_access}
+
+
+# -- module groups -------------------------------------------------------------------------------------------
+def block_of(name: str) -> str:
+    """The block kind of a layer tensor: attention, router, experts, shared_experts, mlp or other."""
+    if ".experts." in name:
+        return "experts"
+    if "shared_expert" in name:
+        return "shared_experts"
+    if re.search(r"\.gate\.(weight|bias|e_score_correction_bias)$", name) or "e_score_correction_bias" in name:
+        return "router"
+    if "attn" in name or "input_layernorm" in name:
+        return "attention"
+    if "mlp" in name or "ffn" in name or "post_attention_layernorm" in name:
+        return "mlp"
+    return "other"
+
+
+def module_groups(family, modules: str = "block") -> dict[str, list[str]]:
+    """Group name -> the tensor names the oracle reads for it. Layer groups are `layers.{i}.{block}` (block mode),
+    `layers.{i}` (layer mode) or also `layers.{i}.experts.{e}` (expert mode); then `embedding` and `head` (the final
+    norm and the untied head; with tied embeddings the embedding group is the head too)."""
+    if modules not in MODULES:
+        raise ConfigError(f"--modules {modules!r}: expected one of {list(MODULES)}")
+    groups: dict[str, list[str]] = {}
+    for i in range(family.n_layers):
+        for name in family.layer_names(i):
+            if modules == "layer":
+                key = f"layers.{i}"
+            else:
+                key = f"layers.{i}.{block_of(name)}"
+                if modules == "expert" and ".experts." in name:
+                    key += "." + name.split(".experts.")[1].split(".")[0]
+            groups.setdefault(key, []).append(name)
+    groups["embedding"] = [family.embed_name]
+    groups["head"] = [family.norm_name] + ([] if family.tie_word_embeddings else [family.head_name])
+    return groups
+
+
+def first_layer(names: list[str], n_layers: int) -> int:
+    """The first place a group's tensors are read: -1 the embeddings, a layer index, or n_layers (norm and head)."""
+    where = []
+    for n in names:
+        m = LAYER.search(n)
+        where.append(int(m.group(1)) if m else (-1 if "embed" in n else n_layers))
+    return min(where)
+
+
+# -- weight error ----------------------------------------------------------------------------------------------
+def weight_error(ref_w: torch.Tensor, pack_w: torch.Tensor) -> dict:
+    r, d = ref_w.double(), pack_w.double() - ref_w.double()
+    ref2, err2 = float((r * r).sum()), float((d * d).sum())
+    corr, groups = error_scale_corr(r, d) if err2 else (None, 0)
+    return {"ref_norm": math.sqrt(ref2), "err_norm": math.sqrt(err2),
+            "rel_fro": math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf),
+            "sqnr_db": 10 * math.log10(ref2 / err2) if err2 else math.inf,
+            "err_scale_corr": corr, "err_scale_groups": groups}
+
+
+def error_scale_corr(w: torch.Tensor, d: torch.Tensor, group: int = ERROR_GROUP) -> tuple[float | None, int]:
+    """Pearson r between the error's RMS and the weight's max |w| over groups of `group` consecutive weights along the
+    last axis, and the number of groups; (None, 0) for a tensor that is not 2-D, whose rows do not split into groups,
+    or whose error or weights are constant over the groups."""
+    if w.dim() != 2 or w.shape[1] % group or w.numel() < 2 * group:
+        return None, 0
+    e = d.double().reshape(-1, group).pow(2).mean(1).sqrt()
+    m = w.double().reshape(-1, group).abs().amax(1)
+    e, m = e - e.mean(), m - m.mean()
+    den = float(e.norm() * m.norm())
+    return (float((e * m).sum()) / den if den else None), e.numel()
+
+
+def pooled_scale_corr(stats: list[tuple[float | None, int]]) -> tuple[float | None, float | None]:
+    """(sum r_i n_i / sum n_i, sum r_i n_i / sqrt(sum n_i)) over the tensors that have r."""
+    stats = [(r, n) for r, n in stats if r is not None]
+    n = sum(k for _, k in stats)
+    if not n:
+        return None, None
+    s = sum(r * k for r, k in stats)
+    return s / n, s / math.sqrt(n)
+
+
+def ratio_ci(real: np.ndarray, control: np.ndarray, seed: int, level: float = 0.95,
+             draws: int = CI_BOOTSTRAP) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of sum(real) / mean_r sum(control[r]): real [rows] per-row KL sums, control
+    [repeats, rows]; rows resampled paired, repeats resampled too. None with fewer than 2 rows or 2 repeats."""
+    control = np.asarray(control, dtype=np.float64)
+    if control.ndim != 2 or control.shape[0] < 2 or control.shape[1] < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    n_rep, n = control.shape
+    rows = rng.integers(0, n, (draws, n))
+    reps = rng.integers(0, n_rep, (draws, n_rep))
+    num = np.asarray(real, dtype=np.float64)[rows].sum(1)
+    per = control[:, rows].sum(2).T                              # [draws, repeats]: each repeat on the resampled rows
+    den = np.take_along_axis(per, reps, axis=1).mean(1)
+    ratio = num[den > 0] / den[den > 0]
+    if not ratio.size:
+        return None
+    a = (1 - level) / 2
+    return float(np.quantile(ratio, a)), float(np.quantile(ratio, 1 - a))
+
+
+def hidden_divergence(ref_h: list[torch.Tensor], pack_h: list[torch.Tensor]) -> dict:
+    """ref_h / pack_h: the batches' activations [..., hidden], same shapes; positions = every leading index."""
+    ref2 = err2 = 0.0
+    cos_sum, n = 0.0, 0
+    for r, p in zip(ref_h, pack_h):
+        r, p = r.double().reshape(-1, r.shape[-1]), p.double().reshape(-1, p.shape[-1])
+        d = p - r
+        ref2 += float((r * r).sum())
+        err2 += float((d * d).sum())
+        cos_sum += float(F.cosine_similarity(p, r, dim=-1, eps=1e-300).sum())
+        n += r.shape[0]
+    return {"rel_fro": math.sqrt(err2 / ref2) if ref2 else math.nan,
+            "sqnr_db": 10 * math.log10(ref2 / err2) if err2 else math.inf, "cosine": cos_sum / n if n else math.nan}
+
+
+def stream_divergence(ref_h: list[torch.Tensor], pack_h: list[torch.Tensor]) -> list[dict]:
+    """Hyper-connection streams [B, T, hc, hidden]: hidden_divergence of each stream alone; [] for [B, T, hidden]."""
+    if not ref_h or ref_h[0].dim() != 4:
+        return []
+    return [{"stream": s, **hidden_divergence([r[:, :, s] for r in ref_h], [p[:, :, s] for p in pack_h])}
+            for s in range(ref_h[0].shape[2])]
+
+
+# -- routing -------------------------------------------------------------------------------------------------
+class RoutingRecorder:
+    """Set as `fetch.expert_parallel` (the hook `RoutedExperts` hands its call to): records every call's expert choices
+    and weights and each expert's routed-output energy for the layer `current_layer`, then computes the call the normal
+    way. Every family whose MoE is `fidelity.oracle.moe.RoutedExperts` (Qwen3Moe, Mixtral, DeepSeek) is seen."""
+
+    def __init__(self):
+        self.current_layer = -1
+        self.layers: dict[int, dict] = {}
+        from .routing import RoutingCounts
+        self.counts = RoutingCounts()
+
+    def combine(self, experts, x, indices, weights):
+        fetch = experts.fetch
+        fetch.expert_parallel = None
+        try:
+            out = experts(x, indices, weights)
+            energy = torch.zeros(experts.n_experts, dtype=torch.float64)
+            flat, w = indices.reshape(-1), weights.reshape(-1)
+            tokens = torch.arange(indices.shape[0], device=indices.device).repeat_interleave(indices.shape[1])
+            for e in torch.unique(flat).tolist():
+                pick = flat == e
+                y = experts.expert(e)(x[tokens[pick]]) * w[pick, None]
+                energy[e] = float(y.double().pow(2).sum())
+        finally:
+            fetch.expert_parallel = self
+        self.counts.add(experts, indices)
+        entry = self.layers.setdefault(self.current_layer, {"n_experts": experts.n_experts, "indices": [],
+                                                            "weights": [], "energy": torch.zeros_like(energy)})
+        entry["indices"].append(indices.cpu())
+        entry["weights"].append(weights.detach().double().cpu())
+        entry["energy"] += energy
+        return out
+
+
+def routing_tables(ref: RoutingRecorder, pack: RoutingRecorder, threshold: float) -> tuple[list[dict], list[dict]]:
+    per_expert, per_layer = [], []
+    for layer in sorted(ref.layers):
+        r, p = ref.layers[layer], pack.layers.get(layer)
+        if p is None:
+            raise PackError(f"layer {layer} routes experts in the reference but not in the pack")
+        n = r["n_experts"]
+        sides = {}
+        for side, entry in (("ref", r), ("pack", p)):
+            idx, w = torch.cat(entry["indices"]), torch.cat(entry["weights"])
+            counts = torch.bincount(idx.reshape(-1), minlength=n).numpy()
+            mass = torch.zeros(n, dtype=torch.float64).index_add_(0, idx.reshape(-1), w.reshape(-1)).numpy()
+            energy = entry["energy"].numpy()
+            sides[side] = {"idx": idx, "counts": counts, "weight_share": mass / mass.sum(),
+                           "energy_share": energy / energy.sum() if energy.sum() else energy}
+        ri, pi = sides["ref"]["idx"], sides["pack"]["idx"]
+        if ri.shape != pi.shape:
+            raise PackError(f"layer {layer}: the reference routes {list(ri.shape)} token-expert choices, the pack "
+                            f"{list(pi.shape)}")
+        ref_sets = torch.zeros(ri.shape[0], n, dtype=torch.bool).scatter_(1, ri, True)
+        pack_sets = torch.zeros(pi.shape[0], n, dtype=torch.bool).scatter_(1, pi, True)
+        jaccard = (ref_sets & pack_sets).sum(1).double() / (ref_sets | pack_sets).sum(1).double()
+        for e in range(n):
+            per_expert.append({"layer": layer, "expert": e,
+                               **{f"{k}_{side}": (int(s[k][e]) if k == "counts" else float(s[k][e]))
+                                  for side, s in sides.items() for k in ("counts", "weight_share", "energy_share")}})
+        per_layer.append({"layer": layer, "tokens": int(ri.shape[0]), "top_k": int(ri.shape[1]),
+                          "jaccard_mean": float(jaccard.mean()), "jaccard_min": float(jaccard.min()),
+                          "same_set": float((jaccard == 1).double().mean()),
+                          "super_experts_ref": [e for e in range(n) if sides["ref"]["energy_share"][e] >= threshold],
+                          "super_experts_pack": [e for e in range(n) if sides["pack"]["energy_share"][e] >= threshold]})
+    return per_expert, per_layer
+
+
+# -- the streamed trunk -----------------------------------------------------------------------------------------
+class Reader:
+    """read(name) for a variant: the pack's tensor for names in `swapped`, the reference's otherwise; `noise` adds a
+    fixed tensor to a reference tensor (the isotropic control)."""
+
+    def __init__(self, ref, pack=None, swapped=(), noise: dict[str, torch.Tensor] | None = None):
+        self.ref, self.pack, self.swapped, self.noise = ref, pack, set(swapped), noise or {}
+
+    def __call__(self, name: str, **where) -> torch.Tensor:
+        if name in self.swapped:
+            return self.pack.tensor(name, **where)
+        t = self.ref.tensor(name, **where)
+        return t + self.noise[name].to(t.device) if name in self.noise else t
+
+
+class Trunk:
+    """The reference's layers streamed over row batches, each layer's input kept; `run(start, ...)` re-runs from a
+    layer on with any layer built from another reader or wrapped."""
+
+    def __init__(self, oracle, rows: list[list[int]], scored: list[torch.Tensor], keep_layers: bool | None):
+        from .oracle.common import Fetch
+        self.oracle, self.fam, self.ref = oracle, oracle.family, oracle.pack
+        self.Fetch = Fetch
+        tokens = [oracle._validate_row(r, i) for i, r in enumerate(rows)]
+        self.batches = oracle._batches(tokens)
+        self.ids = [torch.stack([tokens[i] for i in idx]).to(oracle.device) for idx in self.batches]
+        self.rope = self.fam.rope_tables(max(len(r) for r in rows), oracle.dtype, oracle.device)
+        # scored positions and true next tokens per batch, in batch order (flattened b, t)
+        self.scored, self.targets = [], []
+        self.row_of = [torch.cat([torch.full((len(scored[i]),), i) for i in idx]) for idx in self.batches]
+        self.n_rows = len(rows)
+        for idx, t in zip(self.batches, self.ids):
+            T = t.shape[1]
+            pos = torch.cat([scored[i] + j * T for j, i in enumerate(idx)])
+            self.scored.append(pos)
+            self.targets.append(t.reshape(-1).cpu()[pos + 1])   # scored positions stop before a row's last token
+        if keep_layers is None:
+            keep_layers = sum(oracle._layer_bytes(i) for i in range(self.fam.n_layers)) <= KEEP_LAYERS_BYTES
+        self.keep = keep_layers
+        self._layers: dict[int, object] = {}
+        self.inputs: list[list[torch.Tensor]] = []      # inputs[i][b]: layer i's input of batch b
+        self.states_in: list[list] = []                  # states_in[i][b]: the pass state layer i got (new_pass_state)
+        self.final_states: list = []
+        self.ref_logits: list[torch.Tensor] = []
+
+    def fetch(self, read, recorder=None):
+        f = self.Fetch(read, lambda n: tuple(self.ref.storage(n).shape), self.oracle.device, self.oracle.dtype)
+        if recorder is not None:
+            f.expert_parallel = recorder
+        return f
+
+    def ref_layer(self, i: int):
+        layer = self._layers.get(i)
+        if layer is None:
+            layer = self.fam.load_layer(i, self.fetch(Reader(self.ref)))
+            if self.keep:
+                self._layers[i] = layer
+        return layer
+
+    def embed(self, read) -> list[torch.Tensor]:
+        w = self.fetch(read)(self.fam.embed_name)
+        return [self.fam.embed_hook(F.embedding(t, w)) for t in self.ids]
+
+    def call(self, layer, x: torch.Tensor, b: int, state) -> torch.Tensor:
+        from .oracle.common import layer_call_args
+        from .oracle.runner import _slice_rope
+        return layer(x.clone(), _slice_rope(self.rope, x.shape[1]), *layer_call_args(self.fam, self.ids[b], state))
+
+    def new_states(self) -> list:
+        """A fresh pass state per batch (Family.new_pass_state; None for families without one)."""
+        return [self.fam.new_pass_state() for _ in self.ids]
+
+    def logits(self, xs: list[torch.Tensor], read, states: list) -> list[torch.Tensor]:
+        """The final norm and head (read through `read`) at the scored positions of each batch: [n, vocab] float32."""
+        from .oracle.common import rms_norm
+        fetch = self.fetch(read)
+        norm, head = fetch(self.fam.norm_name), fetch(self.fam.head_name)
+        out = []
+        for x, pos, state in zip(xs, self.scored, states):
+            h = rms_norm(self.fam.final_hook(x, fetch, state), norm, self.fam.rms_norm_eps)
+            h = h.reshape(-1, h.shape[-1])[pos]
+            logits = torch.empty(h.shape[0], head.shape[0], dtype=self.oracle.dtype, device=self.oracle.device)
+            self.oracle._head_blocks(h, head, logits)
+            out.append(logits.float().cpu())
+        return out
+
+    def reference_pass(self, recorder=None, keep_outputs: bool = False, engram_access=None) -> list[list[torch.Tensor]]:
+        xs = self.embed(Reader(self.ref))
+        states = self.new_states()
+        outputs = []
+        for i in range(self.fam.n_layers):
+            self.inputs.append(xs)
+            self.states_in.append([copy.copy(s) for s in states])   # a re-run from layer i starts from these
+            layer = self.ref_layer(i)
+            if recorder is not None:
+                recorder.current_layer = i
+            engram = getattr(layer, "engram", None)     # a V4.1 Engram layer: count its rows on this pass only
+            if engram_access is not None and engram is not None:
+                engram.fetch.engram_access = engram_access
+            try:
+                xs = self._with_recorder(layer, xs, recorder, states)
+            finally:
+                if engram_access is not None and engram is not None:
+                    engram.fetch.engram_access = None
+            if keep_outputs:
+                outputs.append(xs)
+        self.final, self.final_states = xs, states
+        self.ref_logits = self.logits(xs, Reader(self.ref), states)
+        return outputs
+
+    def _with_recorder(self, layer, xs, recorder, states):
+        experts = _routed_experts(layer)
+        if recorder is not None and experts is not None:
+            experts.fetch.expert_parallel = recorder
+        try:
+            return [self.call(layer, x, b, state) for b, (x, state) in enumerate(zip(xs, states))]
+        finally:
+            if recorder is not None and experts is not None:
+                experts.fetch.expert_parallel = None
+
+    def run(self, start: int, build: Callable[[int], object | None] | None = None, read_head=None,
+            recorder=None, each_output: Callable[[int, list], None] | None = None,
+            embed_read=None, xs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Logits of a variant: from the embeddings (start -1, read through `embed_read`), a layer's kept input (or
+        `xs` in its place), or the final hidden states (start = n_layers). `build(i)` gives layer i's replacement or
+        None for the reference's."""
+        n = self.fam.n_layers
+        if start < 0:
+            xs = xs if xs is not None else self.embed(embed_read or Reader(self.ref))
+            states, start = self.new_states(), 0
+        else:   # the reference pass's input (or xs in its place) and its pass state there
+            at_end = start >= n
+            xs = xs if xs is not None else self.final if at_end else self.inputs[start]
+            states = [copy.copy(s) for s in (self.final_states if at_end else self.states_in[start])]
+        for i in range(start, n):
+            layer = (build(i) if build else None) or self.ref_layer(i)
+            if recorder is not None:
+                recorder.current_layer = i
+            xs = self._with_recorder(layer, xs, recorder, states)
+            if each_output is not None:
+                each_output(i, xs)
+        return self.logits(xs, read_head or Reader(self.ref), states)
+
+    def kld(self, logits: list[torch.Tensor]) -> float:
+        return self.kld_rows(logits)[0]
+
+    def kld_rows(self, logits: list[torch.Tensor]) -> tuple[float, np.ndarray]:
+        """(mean KL over the scored positions, each row's sum of KL over its scored positions)."""
+        if all(torch.equal(r, q) for r, q in zip(self.ref_logits, logits)):
+            return 0.0, np.zeros(self.n_rows)   # the same distributions (exp/log rounding leaves ~1e-16 per position)
+        pm = [position_metrics(r, q, t) for r, q, t in zip(self.ref_logits, logits, self.targets)]
+        k = torch.cat([p.kld for p in pm])
+        sums = torch.zeros(self.n_rows, dtype=torch.float64).index_add_(0, torch.cat(self.row_of), k.double())
+        return float(k.mean()), sums.numpy()
+
+
+def _routed_experts(layer):
+    """The layer's RoutedExperts, wherever its MLP keeps it (None for a dense layer)."""
+    from .oracle.moe import RoutedExperts
+    for attr in ("mlp", "ffn", "moe"):
+        block = getattr(layer, attr, None)
+        for inner in (block, getattr(block, "experts", None)):
+            if isinstance(inner, RoutedExperts):
+                return inner
+    return None
+
+
+class NoisyOutput:
+    """Wraps a sub-block: adds Gaussian noise of RMS eps * RMS(out) from a generator seeded per call."""
+
+    def __init__(self, fn, eps: float, seed: int):
+        self.fn, self.eps, self.seed, self.calls = fn, eps, seed, 0
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        g = torch.Generator().manual_seed(self.seed + self.calls)
+        self.calls += 1
+        noise = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        rms = float(out.double().pow(2).mean().sqrt())
+        return out + (noise * (self.eps * rms)).to(out.dtype).to(out.device)
+
+
+def isotropic_noise(shape, norm: float, seed: int) -> torch.Tensor:
+    """Gaussian noise scaled to exactly Frobenius norm `norm`."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randn(shape, generator=g, dtype=torch.float64)
+    return (n * (norm / float(n.norm()))).float() if norm else torch.zeros(shape)
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = None, settings: Settings | None = None,
+              device: str = "cpu", progress: bool = False) -> Attribution:
+    """Swap-one-in attribution, layer divergence, routing and sensitivity of `pack` against `reference` (paths or
+    packs) on `panel` (its scored positions) or on token `rows` (every position but the last scored)."""
+    from tqdm.auto import tqdm
+
+    from .measuring.compare import check_same_vocab
+    from .oracle import Oracle
+    from .packs import open_pack
+    from .packs.config_check import check_against_config
+
+    s = settings or Settings()
+    ref = reference if hasattr(reference, "names") else open_pack(reference)
+    pack = pack if hasattr(pack, "names") else open_pack(pack)
+    check_against_config(ref)
+    check_against_config(pack)
+    check_same_vocab(ref, pack)
+    if rows is None:
+        from .measuring.compare import prepare
+        from .measuring.store import scored_index
+        ref, _, tok_rows, _ = prepare(ref, panel)
+        rows = [r.tokens for r in tok_rows]
+        scored = [scored_index(r)[0] for r in tok_rows]
+    else:
+        rows = [list(map(int, r)) for r in rows]
+        for i, r in enumerate(rows):
+            if len(r) < 2:
+                raise ConfigError(f"row {i}: needs at least 2 tokens (a position predicts the next one)")
+        scored = [torch.arange(len(r) - 1) for r in rows]
+    oracle = Oracle(ref, device=device)
+    fam = oracle.family
+    groups = module_groups(fam, s.modules)
+    if s.groups is not None:
+        unknown = [g for g in s.groups if g not in groups]
+        if unknown:
+            raise ConfigError(f"unknown module group(s) {unknown}; the reference has e.g. {list(groups)[:6]}")
+        groups = {g: groups[g] for g in s.groups}
+    for names in groups.values():
+        for n in names:
+            if n not in pack:
+                raise PackError(f"the pack has no tensor {n!r} (the reference's oracle reads it)",
+                                file=getattr(pack, "path", None), tensor=n)
+
+    # per tensor weight error (every tensor the oracle reads)
+    tensors, diff_norm, scale_corr = [], {}, {}
+    for name in tqdm(fam.required_names(), desc="weights", disable=not progress, leave=False):
+        if name in diff_norm or name not in pack:
+            continue
+        w_ref, w_pack = ref.tensor(name), pack.tensor(name)
+        if tuple(w_ref.shape) != tuple(w_pack.shape):
+            raise PackError(f"pack tensor shape {list(w_pack.shape)} differs from the reference's {list(w_ref.shape)}",
+                            file=getattr(pack, "path", None), tensor=name)
+        e = weight_error(w_ref, w_pack)
+        m = LAYER.search(name)
+        tensors.append({"tensor": name, "layer": int(m.group(1)) if m else None, "block": block_of(name) if m else
+                        ("embedding" if "embed" in name else "head"), "numel": w_ref.numel(), **e})
+        diff_norm[name] = e["err_norm"]
+        scale_corr[name] = (e["err_scale_corr"], e["err_scale_groups"])
+
+    trunk = Trunk(oracle, rows, scored, s.keep_layers)
+    moe = any(_routed_experts_class(fam, i) for i in range(fam.n_layers))
+    ref_rec, pack_rec = (RoutingRecorder(), RoutingRecorder()) if moe else (None, None)
+    from .engram_access import EngramAccess
+    access = EngramAccess()
+    ref_outputs = trunk.reference_pass(recorder=ref_rec, keep_outputs=True, engram_access=access)
+
+    # the whole pack along one streamed pass, with its layer divergence
+    all_pack = Reader(ref, pack, swapped=[n for n in fam.required_names() if n in pack])
+    layers, layer_streams = [], []
+
+    def note(i, ref_xs, xs):
+        where = "embeddings" if i < 0 else f"after layer {i}"
+        layers.append({"layer": i, "where": where, **hidden_divergence(ref_xs, xs)})
+        layer_streams.extend({"layer": i, "where": where, **r} for r in stream_divergence(ref_xs, xs))
+    if fam.n_layers:
+        note(-1, trunk.inputs[0], trunk.embed(all_pack))
+
+    whole_logits = trunk.run(-1, build=lambda i: fam.load_layer(i, trunk.fetch(all_pack)), read_head=all_pack,
+                             recorder=pack_rec, each_output=lambda i, xs: note(i, ref_outputs[i], xs),
+                             embed_read=all_pack)
+    whole = trunk.kld(whole_logits)
+
+    # swap-one-in, and its noise control
+    swaps = []
+    for g, names in tqdm(groups.items(), desc="swap-one-in", disable=not progress, leave=False):
+        err = math.sqrt(sum(diff_norm.get(n, 0.0) ** 2 for n in names))
+        row = {"group": g, "layer": first_layer(names, fam.n_layers) if g.startswith("layers.") else None,
+               "tensors": len(names), "weight_err_norm": err}
+        row["err_scale_corr"], row["err_scale_z"] = pooled_scale_corr([scale_corr[n] for n in names
+                                                                        if n in scale_corr])
+        if err == 0:   # the pack's tensors are the reference's: the variant is the reference, its KL exactly 0
+            row.update(kld_mean=0.0, identical=True, noise_kld_mean=0.0 if s.noise_control else None,
+                       noise_kld_each=[0.0] * s.noise_repeats if s.noise_control else None)
+            swaps.append(row)
+            continue
+        layer_k = one_layer(names) if s.activation_control else None
+        var_out = {}
+        row["kld_mean"], real_rows = trunk.kld_rows(_variant(
+            trunk, fam, names, Reader(ref, pack, swapped=names),
+            each_output=None if layer_k is None else lambda i, xs: var_out.update({i: xs}) if i == layer_k else None))
+        row["identical"] = False
+        if layer_k is not None:
+            act, act_rows = [], []
+            for rep in range(s.noise_repeats):
+                noisy = activation_noise(ref_outputs[layer_k], var_out[layer_k], act_seed(s.seed, rep))
+                k, by_row = trunk.kld_rows(trunk.run(layer_k + 1, xs=noisy))
+                act.append(k)
+                act_rows.append(by_row)
+            row["act_kld_each"], row["act_kld_mean"] = act, float(np.mean(act))
+            row["x_act"] = row["kld_mean"] / row["act_kld_mean"] if row["act_kld_mean"] else None
+            ci = ratio_ci(real_rows, np.stack(act_rows), s.seed)
+            row["x_act_ci"] = list(ci) if ci else None
+            row["kl_vs_act"] = None if ci is None else ("more harmful" if ci[0] > 1 else
+                                                        "less harmful" if ci[1] < 1 else "not separable")
+        if s.noise_control:
+            controls, control_rows = [], []
+            for rep in range(s.noise_repeats):
+                noise = {n: isotropic_noise(tuple(ref.storage(n).shape), diff_norm.get(n, 0.0),
+                                            (s.seed * 7919 + rep) * 100_003 + k) for k, n in enumerate(names)}
+                if rep == 0:
+                    row["noise_err_scale_corr"], row["noise_err_scale_z"] = pooled_scale_corr(
+                        [error_scale_corr(ref.tensor(n), noise[n]) for n in names if diff_norm.get(n, 0.0)])
+                k, by_row = trunk.kld_rows(_variant(trunk, fam, names, Reader(ref, noise=noise)))
+                controls.append(k)
+                control_rows.append(by_row)
+            row["noise_kld_mean"] = float(np.mean(controls))
+            row["noise_kld_each"] = controls
+            ci = ratio_ci(real_rows, np.stack(control_rows), s.seed)
+            row["x_noise_ci"] = list(ci) if ci else None
+            row["kl_vs_noise"] = None if ci is None else ("more harmful" if ci[0] > 1 else
+                                                          "less harmful" if ci[1] < 1 else "not separable")
+        swaps.append(row)
+    total = sum(r["kld_mean"] for r in swaps)
+    for r in swaps:
+        r["share"] = r["kld_mean"] / total if total else 0.0
+        nk = r.get("noise_kld_mean")
+        r["x_noise"] = r["kld_mean"] / nk if nk else None
+
+    # routing
+    routing, routing_layers, bpw = [], [], None
+    if moe:
+        routing, routing_layers = routing_tables(ref_rec, pack_rec, s.super_expert_share)
+        rows_bpw = pack.bits_per_weight(routing=pack_rec.counts.fractions()).rows
+        bpw = {k: v for k, v in rows_bpw.items() if "per_decoded_token" in k}
+
+    # sensitivity at each layer's MLP / routed output
+    sensitivity = []
+    if s.sensitivity:
+        from .measuring.compare import sub_blocks
+        chosen = list(range(fam.n_layers)) if s.sensitivity_layers is None else list(s.sensitivity_layers)
+        bad = [i for i in chosen if not 0 <= i < fam.n_layers]
+        if bad:
+            raise ConfigError(f"sensitivity layers {bad} are outside the model's {fam.n_layers} layers")
+        for i in tqdm(chosen, desc="sensitivity", disable=not progress, leave=False):
+            kls = []
+            for j, eps in enumerate(s.noise_levels):
+                def build(k, i=i, eps=eps, j=j):
+                    if k != i:
+                        return None
+                    layer = fam.load_layer(i, trunk.fetch(Reader(ref)))
+                    attr = sub_blocks(layer)["mlp"]
+                    setattr(layer, attr, NoisyOutput(getattr(layer, attr), eps, noise_seed(s.seed, i, j)))
+                    return layer
+                kls.append(trunk.kld(trunk.run(i, build=build)))
+            e2 = np.asarray(s.noise_levels, dtype=np.float64) ** 2
+            k = np.asarray(kls)
+            slope = float((e2 * k).sum() / (e2 * e2).sum())
+            positive = k > 0
+            loglog = float(np.polyfit(np.log(np.sqrt(e2[positive])), np.log(k[positive]), 1)[0]) \
+                if positive.sum() >= 2 else None
+            sensitivity.append({"layer": i, "levels": list(map(float, s.noise_levels)), "kld_mean": kls,
+                                "dkl_deps2": slope, "loglog_slope": loglog})
+
+    parts = sum(r["kld_mean"] for r in swaps)
+    summary = {"reference": str(getattr(ref, "path", "")), "pack": str(getattr(pack, "path", "")),
+               "modules": s.modules, "rows": len(rows), "scored_positions": int(sum(len(p) for p in scored)),
+               "pack_kld_mean": whole, "sum_of_parts_kld": parts,
+               "additivity": parts / whole if whole else None,
+               "noise_levels": list(map(float, s.noise_levels)), "seed": s.seed,
+               "super_expert_share": s.super_expert_share, "bits_per_weight_routed": bpw,
+               "definitions": __doc__.split("Reported (definitions once, here):")[1].strip()}
+    return Attribution(summary, swaps, layers, layer_streams, tensors, routing, routing_layers, sensitivity, access.summary())
+
+
+def noise_seed(seed: int, layer: int, level: int) -> int:
+    return seed * 1_000_003 + 1000 * layer + 10 * level
+
+
+def _routed_experts_class(fam, i: int) -> bool:
+    return any(".experts." in n for n in fam.layer_names(i))
+
+
+def _variant(trunk: Trunk, fam, names: list[str], read: Reader, each_output=None) -> list[torch.Tensor]:
+    start = first_layer(names, fam.n_layers)
+    touched = {int(m.group(1)) for m in (LAYER.search(n) for n in names) if m}
+    head = any(not LAYER.search(n) for n in names)
+
+    def build(i):
+        return fam.load_layer(i, trunk.fetch(read)) if i in touched else None
+    return trunk.run(start, build=build, read_head=read if head else None, embed_read=read, each_output=each_output)
+
+
+def one_layer(names: list[str]) -> int | None:
+    """The layer a group's tensors all belong to, or None (embedding, head, or several layers)."""
+    where = {int(m.group(1)) if m else None for m in (LAYER.search(n) for n in names)}
+    return where.pop() if len(where) == 1 and None not in where else None
+
+
+def act_seed(seed: int, rep: int) -> int:
+    return seed * 1_000_033 + 31 * rep + 17
+
+
+def activation_noise(ref_out: list[torch.Tensor], var_out: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """exllamav3's control: the reference's layer output plus Gaussian noise with, at every position (and hc stream),
+    the norm of the variant's error there; one generator over the batches in order, float64 draws."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r, v in zip(ref_out, var_out):
+        e = (v.double() - r.double()).cpu()
+        z = torch.randn(e.shape, generator=g, dtype=torch.float64)
+        z = z * (e.norm(dim=-1, keepdim=True) / z.norm(dim=-1, keepdim=True))
+        out.append(r + z.to(r.dtype).to(r.device))
+    return out

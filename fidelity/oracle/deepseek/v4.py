@@ -1,0 +1,701 @@
+"""DeepSeek-V4, as transformers' `models/deepseek_v4` computes it (fp32, full-sequence prefill, no cache):
+
+- shared-KV multi-query attention: one KV head (`wkv`) read as both key and value, head_dim 512 in the real models;
+  q through a LoRA (`wq_a`, `q_norm`, `wq_b`) and a weightless per-head RMSNorm; partial RoPE on each head's *trailing*
+  `qk_rope_head_dim` dims in DeepSeek's interleaved pairs; the output's rope slice is rotated back (position -t);
+- per layer, a sliding window (`sliding_window` keys) plus, for compressing layers, entries that pool `ratio` tokens
+  each: `compressed_sparse_attention` (CSA: overlapping windows, a lightning indexer keeps `index_topk` entries per
+  query) or `heavily_compressed_attention` (HCA: non-overlapping windows, all finished entries visible);
+- a learned attention sink per head (a logit that joins the softmax and is then dropped);
+- grouped low-rank output: heads in `o_groups` groups, each projected to `o_lora_rank` (`wo_a`), then `wo_b`;
+- manifold-constrained hyper-connections: the residual is `hc_mult` streams [B, T, hc, hidden]; before each block a
+  small map gives pre (collapse), post (expand) and comb (stream mixing, Sinkhorn-normalised) weights; `hc_head`
+  collapses the streams before the final norm;
+- MoE on every layer: sqrt(softplus) router scores, a bias that only picks experts, weights renormalised then scaled;
+  the first layers route by a frozen token->experts table (`tid2eid`); SwiGLU with clamped gate/up (`swiglu_limit`)
+  in routed and shared experts.
+
+Tensor names are DeepSeek's official ones (`layers.L.attn.wq_a.weight`, `layers.L.ffn.experts.E.w1.weight`,
+`layers.L.hc_attn_fn`, `hc_head_fn`, `embed.weight`, `head.weight`...). A pack may store them with a `model.` prefix,
+with the names transformers' `save_pretrained` writes, or with the Hugging Face names the EXL3 layouts map official
+ones to; `resolve_names` finds whichever is there.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import ConfigError
+from ...registry import ARCHITECTURES
+from ..common import ATTENTION_CHUNK_BYTES, Family, Fetch, GatedMLP, fetch_tensors, require, rms_norm
+from ..moe import RoutedExperts
+from ..rope import RopeArgs, inverse_frequencies
+from ..selection import mask_indices, top_k_indices, top_k_mask
+
+ARCH = "DeepseekV4ForCausalLM"
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
+DEFAULT_HASH_LAYERS = 3  # transformers' default when a config states neither mlp_layer_types nor num_hash_layers
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class DeepseekV4Args:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: list
+    ratios: list                  # per layer: 0 (sliding only) or tokens pooled per compressed entry
+    hash_layers: list             # per layer: True when experts are chosen by tid2eid
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    n_routed_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float | None
+    scoring_func: str
+    rms_norm_eps: float
+    main_rope: RopeArgs
+    compress_rope: RopeArgs
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: dict, arch: str = ARCH) -> "DeepseekV4Args":
+        n = require(cfg, "num_hidden_layers", arch)
+        head_dim = require(cfg, "head_dim", arch)
+        types, ratios = layer_schedule(cfg, n, arch)
+        partial = cfg.get("partial_rotary_factor")
+        rope_dim = int(head_dim * partial) if partial else cfg.get("qk_rope_head_dim") or head_dim // 8
+        main, compress = rope_parameters(cfg, rope_dim / head_dim)
+        mpe = cfg.get("max_position_embeddings")
+        a = cls(
+            vocab_size=require(cfg, "vocab_size", arch),
+            hidden_size=require(cfg, "hidden_size", arch),
+            n_layers=n,
+            n_heads=require(cfg, "num_attention_heads", arch),
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            q_lora_rank=require(cfg, "q_lora_rank", arch),
+            o_groups=require(cfg, "o_groups", arch),
+            o_lora_rank=require(cfg, "o_lora_rank", arch),
+            sliding_window=require(cfg, "sliding_window", arch),
+            layer_types=types,
+            ratios=ratios,
+            hash_layers=hash_schedule(cfg, n, arch),
+            index_n_heads=cfg.get("index_n_heads") or 0,
+            index_head_dim=cfg.get("index_head_dim") or 0,
+            index_topk=cfg.get("index_topk") or 0,
+            hc_mult=require(cfg, "hc_mult", arch),
+            hc_sinkhorn_iters=require(cfg, "hc_sinkhorn_iters", arch),
+            hc_eps=float(cfg.get("hc_eps", 1e-6)),
+            n_routed_experts=require(cfg, "n_routed_experts", arch),
+            top_k=require(cfg, "num_experts_per_tok", arch),
+            moe_intermediate_size=require(cfg, "moe_intermediate_size", arch),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            swiglu_limit=cfg.get("swiglu_limit"),
+            scoring_func=cfg.get("scoring_func", "sqrtsoftplus"),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            main_rope=RopeArgs.from_config({"rope_parameters": main, "max_position_embeddings": mpe}, head_dim),
+            compress_rope=RopeArgs.from_config({"rope_parameters": compress, "max_position_embeddings": mpe}, head_dim),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+        if CSA in types and not (a.index_n_heads and a.index_head_dim and a.index_topk):
+            raise ConfigError(f"config.json of {arch} has compressed_sparse_attention layers but no "
+                              f"index_n_heads/index_head_dim/index_topk")
+        if a.scoring_func not in ROUTER_SCORES:
+            raise ConfigError(f"config.json of {arch}: scoring_func {a.scoring_func!r} is not supported; "
+                              f"supported: {sorted(ROUTER_SCORES)}")
+        if (a.n_heads * a.head_dim) % a.o_groups:
+            raise ConfigError(f"config.json of {arch}: o_groups {a.o_groups} does not divide heads x head_dim")
+        return a
+
+
+def layer_schedule(cfg: dict, n: int, arch: str) -> tuple[list[str], list[int]]:
+    """Per-layer attention type and compression ratio, from `layer_types` + `compress_rates` (transformers) or the
+    official per-layer `compress_ratios` (0 = sliding only, 4 = CSA, any other ratio = HCA)."""
+    rates = {**DEFAULT_COMPRESS_RATES, **(cfg.get("compress_rates") or {})}
+    for key, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+        if cfg.get(key):
+            rates[kind] = cfg[key]
+    if cfg.get("layer_types"):
+        types = list(cfg["layer_types"])[:n]
+        bad = [t for t in types if t not in (SLIDING, CSA, HCA)]
+        if len(types) != n or bad:
+            raise ConfigError(f"config.json of {arch}: layer_types must name one of {[SLIDING, CSA, HCA]} for each "
+                              f"of the {n} layers, got {cfg['layer_types']}")
+        return types, [0 if t == SLIDING else int(rates[t]) for t in types]
+    if cfg.get("compress_ratios") is not None:
+        ratios = [int(r) for r in cfg["compress_ratios"]][:n]
+        if len(ratios) != n or any(r < 0 for r in ratios):
+            raise ConfigError(f"config.json of {arch}: compress_ratios must give a ratio >= 0 for each of the {n} "
+                              f"layers, got {cfg['compress_ratios']}")
+        return [SLIDING if r == 0 else CSA if r == 4 else HCA for r in ratios], ratios
+    types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]  # transformers' default
+    return types, [int(rates[t]) for t in types]
+
+
+def hash_schedule(cfg: dict, n: int, arch: str) -> list[bool]:
+    if cfg.get("mlp_layer_types"):
+        types = list(cfg["mlp_layer_types"])[:n]
+        if len(types) != n or set(types) - {"hash_moe", "moe"}:
+            raise ConfigError(f"config.json of {arch}: mlp_layer_types must be 'hash_moe' or 'moe' for each of the "
+                              f"{n} layers, got {cfg['mlp_layer_types']}")
+        return [t == "hash_moe" for t in types]
+    n_hash = cfg.get("num_hash_layers")
+    n_hash = DEFAULT_HASH_LAYERS if n_hash is None else int(n_hash)
+    return [i < n_hash for i in range(n)]
+
+
+def rope_parameters(cfg: dict, partial: float) -> tuple[dict, dict]:
+    """(main, compress) rope parameter dicts. Sliding layers rotate with plain RoPE at `rope_theta`; compressing layers
+    (and their compressors and indexers) at `compress_rope_theta` with the config's scaling (YaRN), whose
+    attention factor V4 leaves at 1."""
+    rp = cfg.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return rp["main"], rp["compress"]
+    flat = {k: v for k, v in {**(cfg.get("rope_scaling") or {}), **rp}.items() if k not in ("main", "compress")}
+    main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0), "partial_rotary_factor": partial}
+    compress = {**flat, "rope_theta": cfg.get("compress_rope_theta", 160000.0), "partial_rotary_factor": partial}
+    compress["rope_type"] = compress.get("rope_type", compress.get("type", "default"))
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return main, compress
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------------------------------------------------
+def name_candidates(name: str) -> list[str]:
+    """Where a pack may hold the official tensor `name`: as is, under `model.`, as transformers' save_pretrained writes
+    V4 (`model.embed_tokens.weight`, `model.hc_head.hc_fn`, `attn.norm` for the attention's `kv_norm`), or under the
+    Hugging Face name the EXL3 layouts map official DeepSeek names to."""
+    from ...packs.exl3.layouts import official_to_hf
+    saved = {"embed.weight": "model.embed_tokens.weight", "hc_head_fn": "model.hc_head.hc_fn",
+             "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+    out = [name, f"model.{name}"]
+    if name in saved:
+        out.append(saved[name])
+    if ".attn.kv_norm." in name:
+        out.append("model." + name.replace(".attn.kv_norm.", ".attn.norm."))
+    out.append(official_to_hf(name))
+    return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pieces
+# ---------------------------------------------------------------------------------------------------------------------
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the trailing 2 * cos.shape[-1] dims of x [..., T, (heads,) D] in interleaved pairs (2i, 2i+1), in place
+    (no de-interleaving: V4's values carry the rotated slice into the output). cos/sin [T, pairs], or [N, pairs]
+    positions that line up with x's T axis; x's head axis, if any, is the one after T."""
+    pairs = cos.shape[-1]
+    if x.dim() == 4:  # [B, T, H, D]
+        cos, sin = cos[:, None], sin[:, None]
+    tail = x[..., -2 * pairs:]
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-2 * pairs], rotated), dim=-1)
+
+
+def rope_table(a: RopeArgs, positions: torch.Tensor, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, dim/2] at the given positions (one angle per interleaved pair), moved to `device`. `positions`
+    (a CPU tensor) and the angles are computed on the CPU whatever the device, so every device rotates by the same
+    floats."""
+    inv_freq, attention_factor = inverse_frequencies(a, torch.float32)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return ((freqs.cos() * attention_factor).to(device=device, dtype=dtype),
+            (freqs.sin() * attention_factor).to(device=device, dtype=dtype))
+
+
+def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x).sqrt()
+
+
+ROUTER_SCORES = {"sqrtsoftplus": sqrt_softplus, "sigmoid": torch.sigmoid, "softmax": lambda x: x.softmax(-1)}
+
+
+@dataclass
+class HyperConnection:
+    """mHC weights of one site: fn [(2 + hc) * hc, hc * hidden], base [(2 + hc) * hc], scale [3]."""
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+    hc: int
+    sinkhorn_iters: int
+    hc_eps: float
+    norm_eps: float
+
+    def __call__(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, T, hc, hidden] -> (post [B, T, hc], comb [B, T, hc, hc], collapsed block input [B, T, hidden])."""
+        pre, post, comb = self.weights(streams)
+        return post, comb, collapse(streams, pre)
+
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, T, hc, hidden] -> (pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc])."""
+        hc = self.hc
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(2), self.norm_eps), self.fn)
+        pre_w, post_w, comb_w = mixes.split((hc, hc, hc * hc), dim=-1)
+        pre_b, post_b, comb_b = self.base.split((hc, hc, hc * hc))
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * self.scale[2] + comb_b.view(hc, hc), dim=-1)
+        comb = sinkhorn(comb + self.hc_eps, self.sinkhorn_iters, self.hc_eps)
+        return pre, post, comb
+
+    @staticmethod
+    def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams: stream k = post_k * block_out + sum_j comb[j, k] * streams_j."""
+        return post.unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_k pre_k * stream_k: streams [B, T, hc, hidden], pre [B, T, hc] -> [B, T, hidden]."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=2)
+
+
+def sinkhorn(m: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Alternating column / row normalisation towards a doubly-stochastic matrix (columns first, then iters - 1
+    row-then-column rounds), each with eps in the denominator."""
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+class ClampedGatedMLP(GatedMLP):
+    """SwiGLU with the gate clamped from above and the up projection to [-limit, limit] (no clamp when limit is 0
+    or None)."""
+
+    limit: float | None = None
+    act_quant = staticmethod(lambda x: x)  # fake quantisation of the GEMM inputs (quant.py), or none
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(self.act_quant(x), self.gate_up, self.gate_up_bias).split(self.inner, dim=-1)
+        if self.limit:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return F.linear(self.act_quant(self.act(gate) * up), self.down, self.down_bias)
+
+
+class ClampedExperts(RoutedExperts):
+    def __init__(self, n_experts, names, fetch, act, limit, act_quant):
+        super().__init__(n_experts, names, fetch, act)
+        self.limit, self.act_quant = limit, act_quant
+
+    def expert(self, e: int) -> GatedMLP:
+        mlp = self.loaded.get(e)
+        if mlp is None:
+            mlp = self.loaded[e] = ClampedGatedMLP.from_names(self.fetch, *self.names(e), self.act)
+            mlp.limit, mlp.act_quant = self.limit, self.act_quant
+        return mlp
+
+
+def no_quant(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class MoE:
+    """Routed experts (sqrt-softplus scores, selection bias or token hash) plus one shared expert."""
+
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
+        self.a, self.hashed = a, a.hash_layers[layer]
+        act_quant = emulation.act if emulation is not None else no_quant
+        fetch_tensors(self, self.tensors(a, layer), fetch, n)
+        if self.hashed:
+            self.tid2eid = self.tid2eid.round().long()
+        self.experts = ClampedExperts(a.n_routed_experts, lambda e: expert_names(n, layer, e), fetch, a.hidden_act,
+                                      a.swiglu_limit, act_quant)
+        self.shared = ClampedGatedMLP.from_names(fetch, *(n(f"{x}.weight")[:-len(".weight")]
+                                                          for x in expert_modules(layer, "shared_experts")),
+                                                 a.hidden_act)
+        self.shared.limit, self.shared.act_quant = a.swiglu_limit, act_quant
+
+    @staticmethod
+    def tensors(a: DeepseekV4Args, layer: int) -> dict[str, str]:
+        """The router's tensors (the experts' are expert_modules')."""
+        p = f"layers.{layer}.ffn.gate"
+        return {"router": f"{p}.weight", **({"tid2eid": f"{p}.tid2eid"} if a.hash_layers[layer] else
+                                            {"selection_bias": f"{p}.bias"})}
+
+    @staticmethod
+    def names(a: DeepseekV4Args, layer: int) -> list[str]:
+        # each expert's w1, w2, w3 (sorted), the order names were always listed in: random test packs draw in it
+        experts = [f"experts.{e}" for e in range(a.n_routed_experts)]
+        return list(MoE.tensors(a, layer).values()) + [f"{x}.weight" for which in ("shared_experts", *experts)
+                                                       for x in sorted(expert_modules(layer, which))]
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        scores = ROUTER_SCORES[self.a.scoring_func](F.linear(flat, self.router))
+        if self.hashed:
+            indices = self.tid2eid[tokens.reshape(-1)]
+        else:
+            indices = top_k_indices(scores + self.selection_bias, self.a.top_k)
+        weights = scores.gather(1, indices)  # the bias (or hash) picks experts, the scores weigh them
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.a.routed_scaling_factor
+        return self.experts(flat, indices, weights).view_as(x) + self.shared(x)
+
+
+def expert_modules(layer: int, which: str) -> tuple[str, str, str]:
+    """(gate, up, down) official module names of an expert (`which`: experts.E or shared_experts)."""
+    return tuple(f"layers.{layer}.ffn.{which}.{w}" for w in ("w1", "w3", "w2"))
+
+
+def expert_names(n, layer: int, e: int) -> tuple[str, str, str]:
+    """(gate, up, down) module names of expert e as stored (without `.weight`)."""
+    return tuple(n(f"{x}.weight")[:-len(".weight")] for x in expert_modules(layer, f"experts.{e}"))
+
+
+class Compressor:
+    """Pools every `ratio` tokens into one entry: a softmax over the window (gate + learned position bias `ape`) weighs
+    the projected rows, then RMSNorm and RoPE at the window's first position. `overlap` (CSA and the indexer): the
+    projections are 2 * width wide; entry w pools window w's second half with window w-1's first half (2 * ratio
+    rows)."""
+
+    def __init__(self, prefix: str, n, fetch: Fetch, width: int, ratio: int, overlap: bool, eps: float,
+                 rope: RopeArgs, round_kv=None):
+        fetch_tensors(self, self.tensors(prefix), fetch, n)
+        self.width, self.ratio, self.overlap, self.eps, self.rope = width, ratio, overlap, eps, rope
+        self.round_kv = round_kv or no_quant
+
+    @staticmethod
+    def tensors(prefix: str) -> dict[str, str]:
+        return {"wkv": f"{prefix}.wkv.weight", "wgate": f"{prefix}.wgate.weight", "ape": f"{prefix}.ape",
+                "norm": f"{prefix}.norm.weight"}
+
+    @staticmethod
+    def names(prefix: str) -> list[str]:
+        return list(Compressor.tensors(prefix).values())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> entries [B, T // ratio, width] (a trailing partial window makes no entry)."""
+        B, T, _ = x.shape
+        m, d = self.ratio, self.width
+        n_win = T // m
+        if n_win == 0:
+            return x.new_zeros(B, 0, d)
+        kv = F.linear(x[:, :n_win * m], self.wkv).view(B, n_win, m, -1)
+        gate = F.linear(x[:, :n_win * m], self.wgate).view(B, n_win, m, -1) + self.ape
+        if self.overlap:
+            pooled_kv = kv.new_zeros(B, n_win, 2 * m, d)
+            pooled_gate = gate.new_full((B, n_win, 2 * m, d), float("-inf"))
+            pooled_kv[:, :, m:], pooled_gate[:, :, m:] = kv[..., d:], gate[..., d:]
+            pooled_kv[:, 1:, :m], pooled_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
+            kv, gate = pooled_kv, pooled_gate
+        entries = self.round_kv(rms_norm((kv * gate.softmax(dim=2)).sum(dim=2), self.norm, self.eps))
+        cos, sin = rope_table(self.rope, torch.arange(n_win) * m, x.dtype, x.device)
+        return rope_tail(entries, cos, sin)
+
+
+def finished_entries(T: int, ratio: int, device) -> torch.Tensor:
+    """Entries a query may use: query t sees entry w when the whole window ended at or before t, i.e.
+    w < (t + 1) // ratio. [T, T // ratio] bool."""
+    t = torch.arange(T, device=device)[:, None]
+    w = torch.arange(T // ratio, device=device)[None, :]
+    return w < (t + 1) // ratio
+
+
+class Indexer:
+    """CSA's lightning indexer: its own overlapping compressor at index_head_dim, queries from the q latent (RoPE'd
+    at the compress theta), score[t, w] = sum_h weight_h(x_t) * relu(q_h(t) . k_w) / sqrt(d); each query keeps the
+    index_topk best of its finished entries (equal scores: the earlier entries, on every device)."""
+
+    def __init__(self, a: DeepseekV4Args, prefix: str, n, fetch: Fetch, ratio: int):
+        self.a = a
+        self.compressor = Compressor(f"{prefix}.compressor", n, fetch, a.index_head_dim, ratio, True, a.rms_norm_eps,
+                                     a.compress_rope)
+        fetch_tensors(self, self.tensors(prefix), fetch, n)
+
+    @staticmethod
+    def tensors(prefix: str) -> dict[str, str]:
+        """Its own (its compressor's are Compressor's)."""
+        return {"wq_b": f"{prefix}.wq_b.weight", "weights_proj": f"{prefix}.weights_proj.weight"}
+
+    @staticmethod
+    def names(prefix: str) -> list[str]:
+        return Compressor.names(f"{prefix}.compressor") + list(Indexer.tensors(prefix).values())
+
+    def selected(self, x: torch.Tensor, q_latent: torch.Tensor, compress_rope) -> torch.Tensor:
+        """Bool [B, T, n_entries]: entries each query attends to (finished and among its top-k)."""
+        a = self.a
+        B, T, _ = x.shape
+        keys = self.compressor(x)                                     # [B, W, d]
+        n_entries, ratio = keys.shape[1], self.compressor.ratio
+        q = F.linear(q_latent, self.wq_b).view(B, T, a.index_n_heads, a.index_head_dim)
+        q = rope_tail(q, *compress_rope)
+        head_weights = F.linear(x, self.weights_proj) * a.index_n_heads ** -0.5
+        finished = finished_entries(T, ratio, x.device)
+        keep = torch.zeros(B, T, n_entries, dtype=torch.bool, device=x.device)
+        chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * a.index_n_heads * n_entries * 4, 1)))
+        for start in range(0, T, chunk):
+            end = min(T, start + chunk)
+            n_vis = min(n_entries, end // ratio)       # entries any of these queries may see; the rest are not scored
+            if n_vis == 0:
+                continue
+            scores = torch.einsum("bthd,bwd->bthw", q[:, start:end], keys[:, :n_vis]).relu_() * a.index_head_dim ** -0.5
+            index = torch.matmul(head_weights[:, start:end].unsqueeze(-2), scores).squeeze(-2)   # sum over heads
+            index = index.masked_fill(~finished[start:end, :n_vis], float("-inf"))
+            keep[:, start:end, :n_vis] = top_k_mask(index, a.index_topk)
+        return keep
+
+
+def attention_tensors(p: str) -> dict[str, str]:
+    """The projections, norms and sinks every V4-style attention layer stores under `p` (= layers.L.attn)."""
+    return {"wq_a": f"{p}.wq_a.weight", "q_norm": f"{p}.q_norm.weight", "wq_b": f"{p}.wq_b.weight",
+            "wkv": f"{p}.wkv.weight", "kv_norm": f"{p}.kv_norm.weight", "wo_a": f"{p}.wo_a.weight",
+            "wo_b": f"{p}.wo_b.weight", "sinks": f"{p}.attn_sink"}
+
+
+class Attention:
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
+        p = f"layers.{layer}.attn"
+        self.a, self.kind, self.ratio = a, a.layer_types[layer], a.ratios[layer]
+        self.act_quant = emulation.act if emulation is not None else no_quant
+        self.round_kv = (lambda kv: emulation.kv_nope(kv, a.rope_dim)) if emulation is not None else no_quant
+        fetch_tensors(self, attention_tensors(p), fetch, n)
+        self.compressor = self.indexer = None
+        if self.kind != SLIDING:
+            self.compressor = Compressor(f"{p}.compressor", n, fetch, a.head_dim, self.ratio, self.kind == CSA,
+                                         a.rms_norm_eps, a.compress_rope, self.round_kv)
+        if self.kind == CSA:
+            self.indexer = Indexer(a, f"{p}.indexer", n, fetch, self.ratio)
+
+    @staticmethod
+    def names(a: DeepseekV4Args, layer: int) -> list[str]:
+        p = f"layers.{layer}.attn"
+        names = list(attention_tensors(p).values())
+        if a.layer_types[layer] != SLIDING:
+            names += Compressor.names(f"{p}.compressor")
+        if a.layer_types[layer] == CSA:
+            names += Indexer.names(f"{p}.indexer")
+        return names
+
+    def __call__(self, x: torch.Tensor, rope) -> torch.Tensor:
+        a = self.a
+        B, T, _ = x.shape
+        main_rope, compress_rope = rope[:2], rope[2:]
+        cos, sin = main_rope if self.kind == SLIDING else compress_rope
+        fq = self.act_quant
+        q_latent = rms_norm(F.linear(fq(x), self.wq_a), self.q_norm, a.rms_norm_eps)
+        q = F.linear(fq(q_latent), self.wq_b).view(B, T, a.n_heads, a.head_dim)
+        q = rope_tail(unweighted_rms_norm(q, a.rms_norm_eps), cos, sin)
+        kv = self.round_kv(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, a.rms_norm_eps))
+        kv = rope_tail(kv, cos, sin)   # [B, T, D]
+        entries = visible = gather = None
+        if self.compressor is not None:
+            entries = self.compressor(x)
+            if self.indexer is not None and entries.shape[1] > a.index_topk:
+                visible, gather = self.indexer.selected(x, q_latent, compress_rope), a.index_topk
+            else:                                      # every finished entry is among the top-k
+                visible = finished_entries(T, self.ratio, x.device).expand(B, T, -1)
+        out = sink_attention(q, kv, entries, visible, self.sinks, a.head_dim ** -0.5, a.sliding_window, self.ratio,
+                             gather)
+        out = rope_tail(out, cos, -sin)  # undo the rotation the values carried, at the query's position
+        groups = out.reshape(B, T, a.o_groups, -1)
+        low_rank = torch.einsum("btgi,gri->btgr", fq(groups), self.wo_a.view(a.o_groups, a.o_lora_rank, -1))
+        return F.linear(fq(low_rank.flatten(2)), self.wo_b)
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None, visible: torch.Tensor | None,
+                   sinks: torch.Tensor, scale: float, window: int, ratio: int = 1,
+                   gather: int | None = None) -> torch.Tensor:
+    """q [B, T, H, D] over the shared keys/values kv [B, T, D] (query t sees t - window < j <= t) and the compressed
+    entries [B, W, D] `visible` [B, T, W] allows, with a per-head sink logit in the softmax. -> [B, T, H, D].
+
+    Entries pool `ratio` tokens each, so queries up to t only score the first (t + 1) // ratio (the later ones are
+    invisible to all of them). `gather` (a CSA top-k of at most `gather` entries per query out of many more): each
+    query's visible entries are gathered and scored, not every entry masked."""
+    B, T, H, D = q.shape
+    n_entries = 0 if entries is None else entries.shape[1]
+    n_far = min(n_entries, gather) if gather else n_entries
+    chunk = attention_chunk(T, B * H * 4, B * H * 4 * (window + n_far + 1) + (B * n_far * D * 4 if gather else 0))
+    out = q.new_empty(B, T, H, D)
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        first = max(0, start - window + 1)
+        qc = q[:, start:end]
+        i = torch.arange(start, end, device=q.device)[:, None]
+        j = torch.arange(first, end, device=q.device)[None, :]
+        local = torch.einsum("bshd,btd->bhst", qc, kv[:, first:end]) * scale
+        local.masked_fill_(~((j <= i) & (j > i - window)), float("-inf"))
+        logits = [local]
+        if n_entries and gather:
+            index, valid = mask_indices(visible[:, start:end], n_far)                       # [B, s, k]
+            far_kv = entries.gather(1, index.reshape(B, -1, 1).expand(-1, -1, D)).view(B, end - start, n_far, D)
+            far = torch.einsum("bshd,bskd->bhsk", qc, far_kv) * scale
+            logits.append(far.masked_fill_(~valid[:, None], float("-inf")))
+        elif n_entries:
+            far_kv = entries[:, :min(n_entries, end // ratio)]
+            far = torch.einsum("bshd,bwd->bhsw", qc, far_kv) * scale
+            logits.append(far.masked_fill_(~visible[:, None, start:end, :far_kv.shape[1]], float("-inf")))
+        logits.append(sinks.view(1, H, 1, 1).expand(B, H, end - start, 1))
+        probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+        ctx = torch.einsum("bhst,btd->bshd", probs[..., :end - first], kv[:, first:end])
+        if n_entries:
+            far_probs = probs[..., end - first:-1]
+            ctx += torch.einsum("bhsk,bskd->bshd" if gather else "bhsw,bwd->bshd", far_probs, far_kv)
+        out[:, start:end] = ctx
+    return out
+
+
+def attention_chunk(T: int, pair_bytes: int, query_bytes: int) -> int:
+    """Queries per chunk so that a chunk of c queries, each scoring its c-query block plus `query_bytes` worth of
+    other keys and buffers (c * (c * pair_bytes + query_bytes)), stays within ATTENTION_CHUNK_BYTES."""
+    c = (math.sqrt(query_bytes ** 2 + 4 * pair_bytes * ATTENTION_CHUNK_BYTES) - query_bytes) / (2 * pair_bytes)
+    return max(1, min(T, int(c)))
+
+
+class DecoderLayer:
+    """Both blocks read and write the hc streams through their own hyper-connection."""
+    SUB_BLOCKS = {"attention": "attn", "mlp": "ffn"}   # role -> attribute (the noise floor perturbs by role)
+
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
+        self.a = a
+        fetch_block_inputs(self, a, layer, n, fetch)
+        self.attn = Attention(a, layer, n, fetch, emulation)
+        self.ffn = MoE(a, layer, n, fetch, emulation)
+
+    def __call__(self, streams: torch.Tensor, rope, tokens: torch.Tensor) -> torch.Tensor:
+        eps = self.a.rms_norm_eps
+        post, comb, x = self.attn_hc(streams)
+        streams = HyperConnection.merge(streams, self.attn(rms_norm(x, self.attn_norm, eps), rope), post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, self.ffn(rms_norm(x, self.ffn_norm, eps), tokens), post, comb)
+
+
+def hc_names(prefix: str) -> list[str]:
+    """A hyper-connection site's fn, base and scale (`layers.L.hc_attn`, `hc_head`, ...)."""
+    return [f"{prefix}_{w}" for w in ("fn", "base", "scale")]
+
+
+def hyper_connection(a: DeepseekV4Args, prefix: str, n, fetch: Fetch) -> HyperConnection:
+    return HyperConnection(*(fetch(n(x)) for x in hc_names(prefix)), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
+                           a.rms_norm_eps)
+
+
+def block_input_names(layer: int) -> tuple[dict[str, str], dict[str, str]]:
+    """What a V4-style layer reads before its blocks: ({attribute: norm}, {attribute: hyper-connection prefix})."""
+    p = f"layers.{layer}"
+    return ({"attn_norm": f"{p}.attn_norm.weight", "ffn_norm": f"{p}.ffn_norm.weight"},
+            {"attn_hc": f"{p}.hc_attn", "ffn_hc": f"{p}.hc_ffn"})
+
+
+def fetch_block_inputs(block, a: DeepseekV4Args, layer: int, n, fetch: Fetch) -> None:
+    norms, sites = block_input_names(layer)
+    for attr, prefix in sites.items():
+        setattr(block, attr, hyper_connection(a, prefix, n, fetch))
+    fetch_tensors(block, norms, fetch, n)
+
+
+def layer_names(a: DeepseekV4Args, layer: int) -> list[str]:
+    norms, sites = block_input_names(layer)
+    names = list(norms.values()) + [x for prefix in sites.values() for x in hc_names(prefix)]
+    return names + Attention.names(a, layer) + MoE.names(a, layer)
+
+
+@ARCHITECTURES.register("DeepseekV4ForCausalLM")
+class DeepseekV4Family(Family):
+    wants_tokens = True  # hash-routed layers pick experts from the token ids
+
+    def __init__(self, config: dict, args: DeepseekV4Args | None = None):
+        """args: the V4 blocks' arguments when a variant read them from its own config (V4.1)."""
+        super().__init__(config)
+        self.args = a = args if args is not None else DeepseekV4Args.from_config(config, self.arch())
+        self.n_layers, self.hidden_size, self.vocab_size = a.n_layers, a.hidden_size, a.vocab_size
+        self.rms_norm_eps, self.tie_word_embeddings = a.rms_norm_eps, a.tie_word_embeddings
+        self.stored: dict[str, str] = {}
+        self.embed_name, self.norm_name = "embed.weight", "norm.weight"
+        self.emulation = None  # a quant.QuantEmulation: the reference's fake quantisation, else exact
+
+    @property
+    def numerics(self) -> str:
+        return "exact (no fake quantisation)" if self.emulation is None else self.emulation.label
+
+    @classmethod
+    def arch(cls) -> str:
+        return ARCH
+
+    # -- names ------------------------------------------------------------------------------------------------
+    def resolve_names(self, available) -> None:
+        """Maps each official name to the name the pack stores it under (first candidate present)."""
+        have = set(available)
+        self.stored = {}
+        for name in self.official_names():
+            found = next((c for c in name_candidates(name) if c in have), None)
+            if found is not None:
+                self.stored[name] = found
+        self.embed_name, self.norm_name = self.n("embed.weight"), self.n("norm.weight")
+
+    def n(self, name: str) -> str:
+        return self.stored.get(name, name)
+
+    @property
+    def head_name(self) -> str:
+        return self.n("embed.weight" if self.tie_word_embeddings else "head.weight")
+
+    def official_names(self) -> list[str]:
+        names = ["embed.weight", "norm.weight", "head.weight", *hc_names("hc_head")]
+        for i in range(self.n_layers):
+            names += self.official_layer_names(i) + self.optional_layer_names(i)
+        return names
+
+    def official_layer_names(self, i: int) -> list[str]:
+        return layer_names(self.args, i)
+
+    def optional_layer_names(self, i: int) -> list[str]:
+        """Layer i's tensors a pack may store (resolved where present, never required)."""
+        return []
+
+    def layer_names(self, i: int) -> list[str]:
+        return [self.n(x) for x in self.official_layer_names(i)]
+
+    def required_names(self) -> list[str]:
+        return super().required_names() + self.exit_names()
+
+    def exit_names(self) -> list[str]:
+        """The final collapse's tensors (hc_head)."""
+        return [self.n(x) for x in hc_names("hc_head")]
+
+    # -- compute ----------------------------------------------------------------------------------------------
+    def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
+        return DecoderLayer(self.args, i, self.n, fetch, self.emulation)
+
+    def rope_tables(self, length: int, dtype: torch.dtype, device):
+        positions = torch.arange(length)
+        return (*rope_table(self.args.main_rope, positions, dtype, device),
+                *rope_table(self.args.compress_rope, positions, dtype, device))
+
+    def embed_hook(self, x: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, T, hidden] -> hc_mult identical streams [B, T, hc, hidden]."""
+        return x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
+
+    def final_hook(self, streams: torch.Tensor, fetch: Fetch, state=None) -> torch.Tensor:
+        """hc_head: collapse the streams with sigmoid weights from their normed concatenation."""
+        fn, base, scale = (fetch(self.n(x)) for x in hc_names("hc_head"))
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(2), self.args.rms_norm_eps), fn)
+        pre = torch.sigmoid(mixes * scale + base) + self.args.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=2)
