@@ -13,7 +13,8 @@ Reported (definitions once, here):
   and the control) and the control's draws (needs >= 2 of each); `kl_vs_noise` says "more harmful" / "less harmful"
   when the interval lies above / below 1, "not separable" when it holds 1.
   By KL at equal norm, real quantization error is often NOT separable from isotropic noise (SmolLM2 Q2_K MLPs: x_noise
-  0.77-1.11 over layers 4, 12, 20, 28, direction changing with the layer). What separates them is structure:
+  0.35-1.28 over layers 3-26 and three draws of 4 random-token rows, direction changing with the layer and, on some
+  layers, the rows; layer 11 is 0.35 for every draw). What separates them is structure:
   `err_scale_corr` = Pearson r, over groups of ERROR_GROUP consecutive weights along a row, between the error's RMS
   and the weight's max |w| in the group (a blockwise quantizer's step follows its block's scale; noise independent of W
   has r ~ N(0, 1/n_groups)); per tensor in `tensors`, per group pooled over its 2-D tensors as
@@ -23,7 +24,7 @@ Reported (definitions once, here):
   (`Settings.activation_control`, groups within one layer): the reference's output of that layer plus Gaussian noise
   with the real error's norm at every position (and hc stream), re-run from the next layer: `act_kld_each` /
   `act_kld_mean`, `x_act` = kld_mean / act_kld_mean, `x_act_ci`, `kl_vs_act` as for x_noise. Measured on the same
-  MLPs: real / control 1.2-1.6 on layers 12 and 20 but 1.1 on 4 and 0.92 on 28, so not separable everywhere either.
+  MLPs: real / control 0.72-1.92 over layers 3-26 (1.2-1.6 on 12-20), so not separable everywhere either.
 - layer divergence along one pass of each (both streamed from the same tokens): after each layer, over every
   position, `rel_fro` = ||H_pack - H_ref||_F / ||H_ref||_F, `sqnr_db` = 10 log10(||H_ref||^2 / ||H_pack - H_ref||^2),
   `cosine` = mean over positions of cos(h_pack, h_ref); per tensor the same rel_fro and SQNR of W_pack vs W_ref.

@@ -72,15 +72,21 @@ def test_one_replaced_mlp_gets_the_whole_share_and_the_oracle_kl(packs, rows, rn
     layers = {r["layer"]: r for r in res.layers}
     assert all(layers[i]["rel_fro"] == 0.0 for i in range(-1, k)) and layers[k]["rel_fro"] > 0
     # Separating the real error from its isotropic control of the same weight-error norm. By KL it is not reliably
-    # separable: measured x_noise 0.88, 0.92, 1.09, 0.65 for layers 4, 12, 20, 28 (4 random-token rows of 48, 3 draws),
-    # bootstrap intervals holding 1 except layer 28's [0.59, 0.72] (Q2_K less harmful than noise there). By structure it
-    # is: the error's RMS over 16-weight groups follows the group's max |w| (Q2_K's sub-block scale), r 0.52-0.62 pooled
-    # over the three projections (z 211-252), while the control's |z| <= 1.3 (null: N(0, 1)).
+    # separable, and the ratio depends on the layer and the rows: measured x_noise 0.35-1.28 over layers 3-26 and three
+    # row draws (4 random-token rows of 48, 3 draws; layer 11 is 0.35 for every row draw: Q2_K's error there is a third
+    # as harmful as noise of its norm, interval [0.30, 0.40]; layer 8 went from 0.46 to 1.22 between two row draws).
+    # So the band only checks the control's scale: KL is quadratic in the error, so a control whose norm were off by
+    # 2.3x would put the ratio outside (1/5, 5). By structure it separates: the error's RMS over 16-weight groups follows
+    # the group's max |w| (Q2_K's sub-block scale), r 0.52-0.62 pooled over the three projections (z 211-252), while the
+    # control's |z| <= 1.8 (null: N(0, 1)).
     row = by[f"layers.{k}.mlp"]
     ratio, (lo, hi) = row["x_noise"], row["x_noise_ci"]
     print(f"x_noise CI [{lo:.3f}, {hi:.3f}] ({row['kl_vs_noise']}); err_scale_corr {row['err_scale_corr']:.4f} "
           f"z {row['err_scale_z']:.1f}; control z {row['noise_err_scale_z']:.2f}")
-    assert row["noise_kld_mean"] > 0 and 0.5 < ratio < 1.5 and lo < ratio < hi, (ratio, lo, hi)
+    assert row["noise_kld_mean"] == pytest.approx(np.mean(row["noise_kld_each"]), rel=1e-12)
+    assert ratio == pytest.approx(row["kld_mean"] / row["noise_kld_mean"], rel=1e-12)
+    assert len(set(row["noise_kld_each"])) == 3 and min(row["noise_kld_each"]) > 0      # three draws, each its own
+    assert 1 / 5 < ratio < 5 and lo < ratio < hi, (ratio, lo, hi)
     assert row["kl_vs_noise"] == ("more harmful" if lo > 1 else "less harmful" if hi < 1 else "not separable")
     stats = []
     for p in ("gate_proj", "up_proj", "down_proj"):             # numpy on the two packs' tensors
@@ -95,10 +101,11 @@ def test_one_replaced_mlp_gets_the_whole_share_and_the_oracle_kl(packs, rows, rn
         s / np.sqrt(n), rel=1e-9)
     assert row["err_scale_corr"] > 0.4 and row["err_scale_z"] > 150 and abs(row["noise_err_scale_z"]) < 4.5
     # exllamav3's activation-space control (noise of the error's per-position norm at layer k's output): measured real /
-    # control 1.1, 1.5, 1.4, 0.92 on layers 4, 12, 20, 28 (8 rows, by hand); it does not separate every layer either
+    # control 0.72-1.92 over the same layers and row draws; it does not separate every layer either. The band again
+    # checks only the control's scale
     print(f"x act {row['x_act']:.3f} CI {row['x_act_ci']} ({row['kl_vs_act']})")
-    assert 0.7 < row["x_act"] < 2.0 and len(row["act_kld_each"]) == 3
-
+    assert row["x_act"] == pytest.approx(row["kld_mean"] / np.mean(row["act_kld_each"]), rel=1e-12)
+    assert 1 / 5 < row["x_act"] < 5 and len(row["act_kld_each"]) == 3 and min(row["act_kld_each"]) > 0
 
 def test_two_replaced_mlps_add_up(packs, rows, rng_seed_module, tmp_path):
     native = open_pack(packs["native"])
