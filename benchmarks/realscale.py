@@ -324,6 +324,7 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
     tokens = args.rows * args.length
     finite = all(bool(torch.isfinite(h).all()) for h in hidden)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    profile = profile_pass(oracle, rows, device, args.profile) if args.profile else None
     engram_s = None
     if arch == "v41":         # the Engram rows of the batch alone: hashing, distinct rows, reads, decode, gather
         from fidelity.oracle.deepseek.engram import EngramArgs, ngram_rows
@@ -361,8 +362,30 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
             "tokens_per_s": tokens / compute_s, "tflops": flops / compute_s / 1e12, "floor_s": floor,
             "x_floor": (load_s + compute_s) / floor, "compute_x_matmul_floor": compute_s / (flops / rate),
             "device_decode_one_matrix_ms": decode_one * 1e3, "gpu_peak_GiB": peak / 2**30 if peak else None,
-            "finite": finite, "panel_40x384_serial_min": serial / 60, "panel_40x384_overlapped_min": overlapped / 60,
+            "finite": finite, "profile": profile, "panel_40x384_serial_min": serial / 60, "panel_40x384_overlapped_min": overlapped / 60,
             "panel_floor_min": floor_panel / 60}
+
+
+def profile_pass(oracle, rows, device, top: int) -> list[dict]:
+    """One more compute pass under torch.profiler: the `top` operators by self device time (self CPU time on the CPU),
+    each with its share of the pass, calls, and self CPU time (where host work, syncs and Python sit)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        oracle.hidden_states(rows, progress=False)
+        sync(device)
+    events = prof.key_averages()
+    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    key = dev if device.type == "cuda" else "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in events) or 1
+    rows_out = [{"op": e.key[:60], "calls": e.count, "self_device_ms": getattr(e, dev) / 1e3,
+                 "self_cpu_ms": e.self_cpu_time_total / 1e3, "share": getattr(e, key) / total}
+                for e in sorted(events, key=lambda e: -getattr(e, key))[:top]]
+    print(f"profile ({key}, total {total / 1e3:.1f} ms):")
+    for r in rows_out:
+        print(f"  {r['share'] * 100:5.1f} %  {r['self_device_ms']:9.2f} ms dev  {r['self_cpu_ms']:9.2f} ms cpu  "
+              f"{r['calls']:6d}x  {r['op']}")
+    return rows_out
 
 
 class DeviceHead:
@@ -489,6 +512,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="more ROWSxLENGTH to time the same layers at, e.g. 1x32768")
     ap.add_argument("--head-positions", type=int, default=8192)
     ap.add_argument("--skip-head", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="profile one more pass per layer: print the top N operators")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--work", default=None, help="scratch folder for the packs (default: a temporary one)")

@@ -1,0 +1,174 @@
+"""Where the metric kernel's time goes (issue 24 item 6: ">= 70 % of HBM bandwidth"), on one CUDA device.
+
+    python benchmarks/metric_kernel_roofline.py [--positions 8192 --vocab 129280] [--configs 512x4,256x4,...]
+    TRITON_INTERPRET=1 python benchmarks/metric_kernel_roofline.py --device cpu --positions 4 --vocab 1000 --configs 256x4
+                                                    # checks the script itself (timings mean nothing)
+
+Times, on the same [N, V] float32 logits of reference and pack (random, 2 x N x V x 4 bytes read):
+- copy:        torch's device copy of the same bytes (read + write): the baseline the RESULTS figures divide by;
+- read-only:   a Triton kernel with the metric kernel's access pattern (one program per position, BLOCK lanes, both
+               rows) that only sums the values in float32: the memory floor of this access pattern;
+- fp64 math:   the metric kernel's float64 arithmetic per pair of logits (the shift, two exps, the four sums) on values
+               made from the lane index, nothing loaded: the ALU floor;
+- the library kernel (fidelity.measuring.metrics.triton_rows) at each BLOCK x warps configuration, with the top-5 lists
+  fused and without them, and its agreement with the float64 torch path (max |KL difference|, top-1 / topk_match equal).
+Each is the median of --repeat timed runs after a warm-up. Prints a table against the copy baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fidelity.measuring import metrics  # noqa: E402
+from fidelity.measuring.metrics_triton import exp_nonpositive  # noqa: E402
+
+
+@triton.jit
+def read_only_kernel(a_ptr, b_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for lo in range(0, V, BLOCK):
+        offs = lo + lanes
+        mask = offs < V
+        acc += tl.load(a_ptr + row * stride + offs, mask=mask, other=0.0)
+        acc += tl.load(b_ptr + row * stride + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row, tl.sum(acc, 0))
+
+
+@triton.jit
+def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
+    # the metric kernel's per-pair float64 work (fixed shift, magic rounding) on values derived from the lane index
+    row = tl.program_id(0).to(tl.int64)
+    inv_step, step_hi, step_lo = tl.load(const_ptr), tl.load(const_ptr + 1), tl.load(const_ptr + 2)
+    c2, c3, c4, c5 = tl.load(const_ptr + 3), tl.load(const_ptr + 4), tl.load(const_ptr + 5), tl.load(const_ptr + 6)
+    magic = tl.load(const_ptr + 7)
+    lanes = tl.arange(0, BLOCK)
+    s_a = row.to(tl.float64) * 1e-6
+    s_b = s_a + 0.5
+    z_a = tl.zeros([BLOCK], tl.float64)
+    z_b = tl.zeros([BLOCK], tl.float64)
+    k_a = tl.zeros([BLOCK], tl.float64)
+    k_b = tl.zeros([BLOCK], tl.float64)
+    for lo in range(0, V, BLOCK):
+        offs = lo + lanes
+        mask = offs < V
+        xa = -(offs & 4095).to(tl.float32) * 0.01        # float32 "logits", as loaded
+        xb = xa - (offs & 7).to(tl.float32) * 0.001
+        x = xa.to(tl.float64) - s_a
+        y = xb.to(tl.float64) - s_b
+        e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True), 0.0)
+        e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True), 0.0)
+        d = x - y
+        z_a += e_a
+        z_b += e_b
+        k_a += tl.where(mask, e_a * d, 0.0)
+        k_b += tl.where(mask, e_b * d, 0.0)
+    tl.store(out_ptr + row, tl.sum(z_a, 0) + tl.sum(z_b, 0) + tl.sum(k_a, 0) + tl.sum(k_b, 0))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--positions", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=129_280)
+    ap.add_argument("--configs", default="512x4,256x4,256x2,128x4,128x2,1024x8")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device(args.device)
+    n, v = args.positions, args.vocab
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, v, device=device, generator=g) * 3
+    b = a + 0.05 * torch.randn(n, v, device=device, generator=g)
+    targets = torch.randint(0, v, (n,), device=device, generator=g)
+    nbytes = 2 * a.numel() * 4
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__, "triton": triton.__version__,
+           "positions": n, "vocab": v, "GB_read": nbytes / 1e9}
+    dst = torch.empty_like(a)
+    copy_s = timed(lambda: (dst.copy_(a), dst.copy_(b)), args.repeat)      # reads and writes nbytes each
+    res["copy_GBps"] = 2 * nbytes / copy_s / 1e9
+    rows_out = []
+    sink = torch.empty(n, device=device, dtype=torch.float32)
+    consts, table = metrics._exp_constants(device)
+    sink64 = torch.empty(n, device=device, dtype=torch.float64)
+    want = metrics.device_metrics_columns(a, b, targets, backend="torch")
+    defaults = (metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK)
+    for config in args.configs.split(","):
+        block, warps = (int(x) for x in config.split("x"))
+        s_read = timed(lambda: read_only_kernel[(n,)](a, b, sink, a.stride(0), V=v, BLOCK=block, num_warps=warps),
+                       args.repeat)
+        s_math = timed(lambda: fp64_math_kernel[(n,)](sink64, consts, table, V=v, BLOCK=block, num_warps=warps),
+                       args.repeat)
+        row = {"config": config, "read_only_ms": s_read * 1e3, "fp64_math_ms": s_math * 1e3}
+        for topk, name in (("fused", "kernel_top5"), ("torch", "kernel_alone")):
+            metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = block, warps, topk
+            try:
+                if topk == "fused":
+                    run = lambda: metrics.device_metrics_columns(a, b, targets, backend="triton")  # noqa: E731
+                    got = run()
+                    row["max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
+                    row["top1_topk_equal_torch"] = bool(torch.equal(got[1], want[1]))
+                else:
+                    cols = (torch.empty(n, 6, dtype=torch.float64, device=device),
+                            torch.empty(n, 2, dtype=torch.int64, device=device))
+                    run = lambda: metrics.triton_rows(a, b, targets, *cols)  # noqa: E731
+                row[f"{name}_ms"] = timed(run, args.repeat) * 1e3
+            except Exception as e:          # a configuration that does not build is reported, not fatal
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            finally:
+                metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = defaults
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    res["rows"] = rows_out
+    bw = res["copy_GBps"] * 1e9
+
+    def cell(ms):
+        return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
+    print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
+          f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
+    print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | kernel alone | kernel + top-5 | "
+          "max KL diff vs torch | top-1 / topk_match equal |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows_out:
+        print(f"| {r['config']} | {cell(r['read_only_ms'])} | {cell(r['fp64_math_ms'])} | {cell(r.get('kernel_alone_ms'))} "
+              f"| {cell(r.get('kernel_top5_ms'))} | {r.get('max_kl_diff_vs_torch', '-')} | "
+              f"{r.get('top1_topk_equal_torch', '-')} |")
+    print("(percentages: the bytes read over the time, against the copy baseline)")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "metric_kernel_roofline.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
