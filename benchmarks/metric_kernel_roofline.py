@@ -130,14 +130,21 @@ def main(argv=None) -> int:
         s_math = timed(lambda: fp64_math_kernel[(n,)](sink64, consts, table, V=v, BLOCK=block, num_warps=warps),
                        args.repeat)
         row = {"config": config, "read_only_ms": s_read * 1e3, "fp64_math_ms": s_math * 1e3}
-        for topk, name in (("fused", "kernel_top5"), ("torch", "kernel_alone")):
+        for (topk, name), prefetch in [(t, p) for t in (("fused", "kernel_top5"), ("torch", "kernel_alone"))
+                                       for p in (False, True)]:
+            name += "_prefetch" if prefetch else ""
             metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = block, warps, topk
+            metrics.TRITON_PREFETCH = prefetch
             try:
                 if topk == "fused":
                     run = lambda: metrics.device_metrics_columns(a, b, targets, backend="triton")  # noqa: E731
                     got = run()
-                    row["max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
-                    row["top1_topk_equal_torch"] = bool(torch.equal(got[1], want[1]))
+                    row[f"{name}_max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
+                    row[f"{name}_top1_topk_equal_torch"] = bool(torch.equal(got[1], want[1]))
+                    if prefetch:       # the same arithmetic in the same order: bit-identical to the plain loop
+                        row["prefetch_bit_identical"] = bool(torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]))
+                    else:
+                        plain = got
                 else:
                     cols = (torch.empty(n, 6, dtype=torch.float64, device=device),
                             torch.empty(n, 2, dtype=torch.int64, device=device))
@@ -147,6 +154,7 @@ def main(argv=None) -> int:
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
             finally:
                 metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = defaults
+                metrics.TRITON_PREFETCH = False
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     res["rows"] = rows_out
@@ -156,13 +164,16 @@ def main(argv=None) -> int:
         return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
     print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
           f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
-    print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | kernel alone | kernel + top-5 | "
-          "max KL diff vs torch | top-1 / topk_match equal |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | kernel alone | alone, prefetch | "
+          "kernel + top-5 | + top-5, prefetch | max KL diff vs torch | top-1 / topk_match equal | prefetch bit-identical |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows_out:
+        diff = max(r.get("kernel_top5_max_kl_diff_vs_torch", float("nan")),
+                   r.get("kernel_top5_prefetch_max_kl_diff_vs_torch", float("nan")))
+        equal = r.get("kernel_top5_top1_topk_equal_torch") and r.get("kernel_top5_prefetch_top1_topk_equal_torch")
         print(f"| {r['config']} | {cell(r['read_only_ms'])} | {cell(r['fp64_math_ms'])} | {cell(r.get('kernel_alone_ms'))} "
-              f"| {cell(r.get('kernel_top5_ms'))} | {r.get('max_kl_diff_vs_torch', '-')} | "
-              f"{r.get('top1_topk_equal_torch', '-')} |")
+              f"| {cell(r.get('kernel_alone_prefetch_ms'))} | {cell(r.get('kernel_top5_ms'))} "
+              f"| {cell(r.get('kernel_top5_prefetch_ms'))} | {diff:.1e} | {equal} | {r.get('prefetch_bit_identical')} |")
     print("(percentages: the bytes read over the time, against the copy baseline)")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -310,7 +310,8 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    oracle = Oracle(pack, device=device, keep_weights=True)
+    budget = None if args.activation_gib is None else int(args.activation_gib * 2**30)
+    oracle = Oracle(pack, device=device, keep_weights=True, activation_budget=budget)
     load_s, _ = timed(lambda: oracle.load_layer(0), device)
     from fidelity.packs.exl3.layouts import routed_expert
     sample = [n for n in pack.names() if routed_expert(n) is not None or (".experts." in n and "shared" not in n)][:6]
@@ -349,12 +350,19 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         s, h = timed(lambda: oracle.hidden_states(more, progress=False), device)
+        activations = dict(oracle.last_forward or {})
+        finite_more = all(bool(torch.isfinite(x).all()) for x in h)
+        h_bytes = sum(x.numel() * x.element_size() for x in h)
+        h_device = h[0].device.type if h else None
+        del h
         n_tok = n_rows * length
         f = layer_flops_per_token(pack.config, length) * n_tok
         shapes.append({"rows": n_rows, "length": length, "compute_s": s, "tokens_per_s": n_tok / s,
                        "tflops": f / s / 1e12, "compute_x_matmul_floor": s / (f / rate),
-                       "finite": all(bool(torch.isfinite(x).all()) for x in h),
+                       "finite": finite_more,
                        "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                       "host_peak_rss_GiB": host_peak_rss_gib(), "activations": activations,
+                       "output_GiB": h_bytes / 2**30, "output_on": h_device,
                        "panel_40_layers_compute_min": LAYERS * s * PANEL_TOKENS / n_tok / 60})
     return {"arch": arch, **info, "shapes": shapes, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
             "engram_rows_s": engram_s, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
@@ -364,6 +372,11 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
             "device_decode_one_matrix_ms": decode_one * 1e3, "gpu_peak_GiB": peak / 2**30 if peak else None,
             "finite": finite, "profile": profile, "panel_40x384_serial_min": serial / 60, "panel_40x384_overlapped_min": overlapped / 60,
             "panel_floor_min": floor_panel / 60}
+
+
+def host_peak_rss_gib() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # Linux: KiB
 
 
 def profile_pass(oracle, rows, device, top: int) -> list[dict]:
@@ -512,6 +525,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="more ROWSxLENGTH to time the same layers at, e.g. 1x32768")
     ap.add_argument("--head-positions", type=int, default=8192)
     ap.add_argument("--skip-head", action="store_true")
+    ap.add_argument("--activation-gib", type=float, default=None,
+                    help="activations kept on the device between layers (GiB; default: from free device memory)")
     ap.add_argument("--profile", type=int, default=0, help="profile one more pass per layer: print the top N operators")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
     ap.add_argument("--out", default=None, help="folder for results.json")
@@ -703,6 +718,17 @@ def parallel_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def activation_line(a: dict) -> str:
+    if not a:
+        return ""
+    gib = 2**30
+    budget = "all" if a.get("budget_bytes") is None else f"{a['budget_bytes'] / gib:.1f} GiB"
+    return (f"; activations: {a.get('offloaded_batches', 0)} of {a.get('offloaded_batches', 0) + a.get('resident_batches', 0)}"
+            f" batches in host memory ({a.get('host_activation_bytes', 0) / gib:.1f} GiB), device peak "
+            f"{a.get('peak_device_activation_bytes', 0) / gib:.1f} GiB of budget {budget}, moved "
+            f"{a.get('moved_bytes', 0) / gib:.1f} GiB")
+
+
 def table(results: dict) -> str:
     lines = ["| layer | experts | read s | load s (read+decode+copy) | compute s | tokens/s | TFLOP/s | x floor | "
              "GPU peak GiB | 317k x 40 layers x 384: serial / overlapped / floor min |",
@@ -721,7 +747,11 @@ def table(results: dict) -> str:
             lines.append(f"  {r['arch']} at {x['rows']} x {x['length']}: compute {x['compute_s']:.2f} s, "
                          f"{x['tokens_per_s']:.0f} tokens/s, {x['tflops']:.1f} TFLOP/s, {x['compute_x_matmul_floor']:.1f}x "
                          f"the matmul floor, 40 layers' compute at 317k tokens {x['panel_40_layers_compute_min']:.1f} min"
-                         + (f", GPU peak {x['gpu_peak_GiB']:.1f} GiB" if x["gpu_peak_GiB"] is not None else ""))
+                         + (f", GPU peak {x['gpu_peak_GiB']:.1f} GiB" if x["gpu_peak_GiB"] is not None else "")
+                         + f", host peak RSS {x['host_peak_rss_GiB']:.1f} GiB"
+                         + (f" (GPU + host {x['gpu_peak_GiB'] + x['host_peak_rss_GiB']:.1f} GiB: one pool on a "
+                            f"unified-memory machine)" if x["gpu_peak_GiB"] is not None else "")
+                         + activation_line(x.get("activations") or {}))
     h = results["head"]
     if h:
         lines += ["", f"head + metrics, {h['positions']} positions x vocab {h['vocab']}: plain GEMMs "

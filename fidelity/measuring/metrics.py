@@ -281,6 +281,7 @@ TRITON_TOPK_BLOCK = 1024
 # are measured again with "running")
 TRITON_SHIFT = "fixed"
 TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
+TRITON_PREFETCH = False         # load the next block before this block's arithmetic (memory under the float64 math)
 EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
 
 
@@ -440,6 +441,8 @@ def check_triton_settings() -> None:
         raise ValueError(f"metrics.TRITON_SHIFT={TRITON_SHIFT!r}: expected 'running' or 'fixed'")
     if TRITON_TOPK not in ("fused", "separate", "torch"):
         raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected 'fused', 'separate' or 'torch'")
+    if not isinstance(TRITON_PREFETCH, bool):
+        raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected True or False")
 
 
 def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor,
@@ -457,7 +460,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
     retry = torch.zeros(a.shape[0] if fixed else 1, dtype=torch.int8, device=a.device)
     kernel[(a.shape[0],)](a, b, t, out, top, match if fused else top, retry, consts, table, a.stride(0), b.stride(0),
                           V=a.shape[1], BLOCK=TRITON_BLOCK, TOP5=fused, FIXED_SHIFT=fixed, MAGIC=TRITON_MAGIC,
-                          num_warps=TRITON_WARPS)
+                          PREFETCH=TRITON_PREFETCH, num_warps=TRITON_WARPS)
     if fixed and bool(retry.any()):
         rows = retry.nonzero()[:, 0]
         sub_a, sub_b, sub_t = a[rows].contiguous(), b[rows].contiguous(), t[rows].contiguous()
@@ -465,7 +468,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
         sub_match = match[rows] if fused else sub_top
         kernel[(len(rows),)](sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, retry, consts, table, sub_a.stride(0),
                              sub_b.stride(0), V=a.shape[1], BLOCK=TRITON_BLOCK, TOP5=fused, FIXED_SHIFT=False,
-                             MAGIC=TRITON_MAGIC, num_warps=TRITON_WARPS)
+                             MAGIC=TRITON_MAGIC, PREFETCH=TRITON_PREFETCH, num_warps=TRITON_WARPS)
         out[rows], top[rows] = sub_out, sub_top
         if fused:
             match[rows] = sub_match

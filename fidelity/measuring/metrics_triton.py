@@ -94,7 +94,7 @@ def top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, 
 @triton.jit
 def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, const_ptr, table_ptr, stride_a, stride_b,
                 V: tl.constexpr, BLOCK: tl.constexpr, TOP5: tl.constexpr, FIXED_SHIFT: tl.constexpr,
-                MAGIC: tl.constexpr):
+                MAGIC: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     a_row, b_row = a_ptr + row * stride_a, b_ptr + row * stride_b
     inv_step, step_hi, step_lo = tl.load(const_ptr), tl.load(const_ptr + 1), tl.load(const_ptr + 2)
@@ -124,11 +124,22 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
         none = tl.full([BLOCK], V, tl.int32)
         a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = ninf, ninf, ninf, ninf, ninf, none, none, none, none, none
         b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = ninf, ninf, ninf, ninf, ninf, none, none, none, none, none
+    if PREFETCH:
+        # the next block's loads are issued before this block's arithmetic, so memory and float64 math overlap
+        # (same values, same order of operations: the results do not change)
+        next_a = tl.load(a_row + lanes, mask=lanes < V, other=float("-inf"))
+        next_b = tl.load(b_row + lanes, mask=lanes < V, other=float("-inf"))
     for lo in range(0, V, BLOCK):
         offs = lo + lanes
         mask = offs < V
-        xa = tl.load(a_row + offs, mask=mask, other=float("-inf"))
-        xb = tl.load(b_row + offs, mask=mask, other=float("-inf"))
+        if PREFETCH:
+            xa, xb = next_a, next_b
+            ahead = offs + BLOCK
+            next_a = tl.load(a_row + ahead, mask=ahead < V, other=float("-inf"))
+            next_b = tl.load(b_row + ahead, mask=ahead < V, other=float("-inf"))
+        else:
+            xa = tl.load(a_row + offs, mask=mask, other=float("-inf"))
+            xb = tl.load(b_row + offs, mask=mask, other=float("-inf"))
         up_a = xa > top_a               # strictly greater: a lane keeps the first index of its best
         second_a = tl.where(up_a, top_a, tl.maximum(second_a, xa))
         top_a = tl.where(up_a, xa, top_a)
