@@ -345,10 +345,17 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
     overlapped = LAYERS * max(panel_load, panel_compute)
     floor_panel = LAYERS * (flops / rate * PANEL_TOKENS / tokens + decode_floor * scale)
     shapes = []
-    for n_rows, length in args.shapes:                              # the same layer at other rows x lengths
+    budgets = [None if b in ("", "auto") else float(b) for b in args.shape_budgets.split(",")] if args.shape_budgets \
+        else [args.activation_gib]
+    for (n_rows, length), gib in [(shape, b) for shape in args.shapes for b in budgets]:   # other rows x lengths
         more = torch.randint(0, 256, (n_rows, length), generator=g).tolist()
+        oracle.activation_budget = None if gib is None else int(gib * 2**30)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        # two passes: the first allocates the offloaded batches' pinned host buffers (once per batch in a whole-model
+        # pass, whose later layers reuse them), the second finds them in torch's pinned-memory cache
+        first_s, h = timed(lambda: oracle.hidden_states(more, progress=False), device)
+        del h
         s, h = timed(lambda: oracle.hidden_states(more, progress=False), device)
         activations = dict(oracle.last_forward or {})
         finite_more = all(bool(torch.isfinite(x).all()) for x in h)
@@ -357,13 +364,15 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
         del h
         n_tok = n_rows * length
         f = layer_flops_per_token(pack.config, length) * n_tok
-        shapes.append({"rows": n_rows, "length": length, "compute_s": s, "tokens_per_s": n_tok / s,
+        shapes.append({"rows": n_rows, "length": length, "activation_gib": gib, "first_pass_s": first_s,
+                       "compute_s": s, "tokens_per_s": n_tok / s,
                        "tflops": f / s / 1e12, "compute_x_matmul_floor": s / (f / rate),
                        "finite": finite_more,
                        "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                        "host_peak_rss_GiB": host_peak_rss_gib(), "activations": activations,
                        "output_GiB": h_bytes / 2**30, "output_on": h_device,
                        "panel_40_layers_compute_min": LAYERS * s * PANEL_TOKENS / n_tok / 60})
+    oracle.activation_budget = budget
     return {"arch": arch, **info, "shapes": shapes, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
             "engram_rows_s": engram_s, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
             "layer_load_at_384_s": panel_load, "compute_s": compute_s, "tokens": tokens,
@@ -462,7 +471,7 @@ def bench_head(args, device) -> dict:
            "panel_317k_head_metrics_min": step_s * PANEL_TOKENS / n / 60}
     a, b = bufs
     bytes_read = 2 * a.numel() * 4
-    knobs = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_TOPK", "TRITON_SHIFT", "TRITON_MAGIC")
+    knobs = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_TOPK", "TRITON_SHIFT", "TRITON_MAGIC", "TRITON_PREFETCH")
     default = tuple(getattr(metrics, k) for k in knobs)
     variants = [("torch", None)]
     if device.type == "cuda" and metrics._triton_kernel() is not None:
@@ -471,7 +480,8 @@ def bench_head(args, device) -> dict:
                                              (512, 2, "fused", "fixed", True), (256, 4, "fused", "fixed", True),
                                              (1024, 4, "separate", "running", True), (1024, 4, "separate", "fixed", False),
                                              (1024, 4, "separate", "fixed", True),
-                                             (2048, 8, "separate", "fixed", True))]
+                                             (2048, 8, "separate", "fixed", True), (512, 4, "fused", "fixed", True, False))]
+        variants = [variants[0]] + [(k, c if len(c) == 6 else c + (True,)) for k, c in variants[1:]]
     want = metrics.device_metrics_columns(a, b, targets, backend="torch")
     for backend, config in variants:
         if config is not None:
@@ -488,7 +498,7 @@ def bench_head(args, device) -> dict:
             for k, value in zip(knobs, default):
                 setattr(metrics, k, value)
         name = backend if config is None else (f"{backend}_{config[0]}x{config[1]}_top5_{config[2]}_shift_{config[3]}"
-                                               + ("_magic" if config[4] else ""))
+                                               + ("_magic" if config[4] else "") + ("_prefetch" if config[5] else ""))
         out[f"kernel_{name}_s"] = s
         out[f"kernel_{name}_GBps"] = bytes_read / s / 1e9
         out[f"kernel_{name}_x_copy_bw"] = bytes_read / s / args.copy_bw
@@ -527,6 +537,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-head", action="store_true")
     ap.add_argument("--activation-gib", type=float, default=None,
                     help="activations kept on the device between layers (GiB; default: from free device memory)")
+    ap.add_argument("--shape-budgets", default="",
+                    help="--shapes once per activation budget in GiB, e.g. 8,auto (auto: from free device memory)")
     ap.add_argument("--profile", type=int, default=0, help="profile one more pass per layer: print the top N operators")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
     ap.add_argument("--out", default=None, help="folder for results.json")
@@ -744,11 +756,13 @@ def table(results: dict) -> str:
             lines.append(f"  {r['arch']}: the batch's Engram rows alone (hash, distinct rows, reads, decode, gather) "
                          f"{r['engram_rows_s']:.3f} s of the {r['compute_s']:.2f} s compute")
         for x in r.get("shapes", []):
-            lines.append(f"  {r['arch']} at {x['rows']} x {x['length']}: compute {x['compute_s']:.2f} s, "
+            budget = "" if x.get("activation_gib") is None else f", activation budget {x['activation_gib']:g} GiB"
+            lines.append(f"  {r['arch']} at {x['rows']} x {x['length']}{budget}: first pass {x['first_pass_s']:.2f} s, "
+                         f"then compute {x['compute_s']:.2f} s, "
                          f"{x['tokens_per_s']:.0f} tokens/s, {x['tflops']:.1f} TFLOP/s, {x['compute_x_matmul_floor']:.1f}x "
                          f"the matmul floor, 40 layers' compute at 317k tokens {x['panel_40_layers_compute_min']:.1f} min"
                          + (f", GPU peak {x['gpu_peak_GiB']:.1f} GiB" if x["gpu_peak_GiB"] is not None else "")
-                         + f", host peak RSS {x['host_peak_rss_GiB']:.1f} GiB"
+                         + f", host peak RSS (process) {x['host_peak_rss_GiB']:.1f} GiB"
                          + (f" (GPU + host {x['gpu_peak_GiB'] + x['host_peak_rss_GiB']:.1f} GiB: one pool on a "
                             f"unified-memory machine)" if x["gpu_peak_GiB"] is not None else "")
                          + activation_line(x.get("activations") or {}))

@@ -26,17 +26,16 @@ from fidelity.measuring.metrics import (TRITON_BLOCK, device_metrics_columns, fi
 # Device path vs the CPU kernel (both float64 after the float32 inputs, sums in another order and exps of another
 # construction): KL to 2e-13 nats + 1e-11 relative, NLLs to 1e-12 relative, p(top-1) to 1e-13 relative.
 KL_ATOL, KL_RTOL = 2e-13, 1e-11
-# "triton" is the kernel as configured (one logsumexp shift per row, the exp's magic-number rounding, top-5 fused);
+# "triton" is the kernel as configured (one logsumexp shift per row, the exp's magic-number rounding, top-5 fused,
+# 256 lanes, the next block prefetched);
 # "triton-running" the CPU kernel's running shift with a separate top-5 pass, "triton-magic" the running shift with
-# that rounding, "triton-256" the configured kernel at 256 lanes, "-prefetch" with the next block loaded ahead
-# (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
+# that rounding, "triton-512-plain" the former default (512 lanes, no prefetch), "triton-running-prefetch" the running
+# shift with the block prefetch (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
 TRITON_VARIANTS = {"triton": {},
                    "triton-running": {"TRITON_SHIFT": "running", "TRITON_MAGIC": False, "TRITON_TOPK": "separate",
                                       "TRITON_BLOCK": 1024},
                    "triton-magic": {"TRITON_SHIFT": "running", "TRITON_MAGIC": True},
-                   "triton-256": {"TRITON_BLOCK": 256},
-                   "triton-prefetch": {"TRITON_PREFETCH": True},
-                   "triton-256-prefetch": {"TRITON_BLOCK": 256, "TRITON_PREFETCH": True},
+                   "triton-512-plain": {"TRITON_BLOCK": 512, "TRITON_PREFETCH": False},
                    "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True}}
 BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
                         for name in TRITON_VARIANTS]

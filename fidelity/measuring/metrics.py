@@ -268,12 +268,13 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
 
 # -- on the logits' device ----------------------------------------------------------------------------------------
 DEVICE_ROWS_ELEMENTS = 1 << 24   # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
-# Defaults from benchmarks/realscale.py on an H200 (8,192 x 129,280, 2026-12-02): the metric step with top-5 in 8.46 ms
-# (23 % of copy bandwidth) against 12.68 ms for the running shift with a separate top-5 pass (RESULTS.md)
-TRITON_BLOCK = 512               # logits per side per step of one Triton program (lanes: 4 per thread at 4 warps)
+# Defaults from benchmarks/metric_kernel_roofline.py on an H200 (8,192 x 129,280, 2026-12-02): the metric step with
+# top-5 in 7.23 ms (28 % of copy bandwidth) at 256 lanes with the next block prefetched, against 8.46 ms at 512 lanes
+# without (12.68 ms for the running shift with a separate top-5 pass); RESULTS.md
+TRITON_BLOCK = 256               # logits per side per step of one Triton program (lanes: 2 per thread at 4 warps)
 TRITON_WARPS = 4
 # topk_match on the Triton path: "separate" (a second Triton pass of TRITON_TOPK_BLOCK lanes), "fused" (in the metric
-# kernel's pass: fastest with 512 lanes; at 1024 the top-5 registers spill, 20x slower on an H200) or "torch"
+# kernel's pass: fastest with 256-512 lanes; at 1024 the top-5 registers spill, 20x slower on an H200) or "torch"
 TRITON_TOPK = "fused"
 TRITON_TOPK_BLOCK = 1024
 # the logsumexp shift: "running" (the CPU kernel's: the maximum so far, a cross-lane maximum and a possible rescale per
@@ -281,7 +282,7 @@ TRITON_TOPK_BLOCK = 1024
 # are measured again with "running")
 TRITON_SHIFT = "fixed"
 TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
-TRITON_PREFETCH = False         # load the next block before this block's arithmetic (memory under the float64 math)
+TRITON_PREFETCH = True          # load the next block before this block's arithmetic (memory under the float64 math)
 EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
 
 
