@@ -326,9 +326,10 @@ def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, dev
     b = a.clone()
     top = float(a.max()) + 1
     a[0, [10, 11, 12, 13]] = top + torch.arange(4, 0, -1).float()
-    a[0, [500, 7, TRITON_BLOCK + 7]] = top                       # the 5th place: a tie of three, lowest index 7
+    late = TRITON_BLOCK + 100
+    a[0, [late, 7, TRITON_BLOCK + 7]] = top                      # the 5th place: a tie of three, lowest index 7
     b[0] = a[0]
-    b[0, 500] = top + 0.5                                        # pack: 500 takes the 5th place alone
+    b[0, late] = top + 0.5                                       # pack: the latest of them takes the 5th place alone
     a[1, [3, 3 + TRITON_BLOCK, 3 + 2 * TRITON_BLOCK]] = top      # equal values in one lane
     b[1] = a[1]
     b[1, 3 + 2 * TRITON_BLOCK] = top + 1                         # pack's best is the last of them
@@ -338,7 +339,7 @@ def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, dev
     b[2] = a[2]
     b[2, order[k - 1]] = top - 10                                # the lists part at place k
     a[3, :] = float("-inf")
-    a[3, [4, 900]] = 1.0                                          # two finite logits, tied
+    a[3, [4, v - 1]] = 1.0                                        # two finite logits, tied
     b[3] = a[3]
     a[4] = torch.round(a[4] * 4) / 4                             # many ties everywhere
     b[4] = a[4]
