@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from .. import json_out
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -64,8 +65,7 @@ def run(args) -> int:
                     progress=True)
     print_tables(res, Console(), top=args.top)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(_finite_json(res.to_json()), indent=1, allow_nan=False,
-                                                  default=_json_default))
+        Path(args.json_out).write_text(json_out.dumps(res.to_json(), indent=1))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -78,22 +78,6 @@ def run(args) -> int:
             from ..engram_access import coverage_rows
             pd.DataFrame(coverage_rows(res.engram_access)).to_parquet(out / "engram_access.parquet")
     return 0
-
-
-def _finite_json(x):
-    """The attribution with every non-finite float as null, so the file is standard JSON (json.dumps would write
-    Infinity, which JSON parsers outside Python refuse): sqnr_db is infinite exactly where rel_fro is 0."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite_json(v) for v in x]
-    return x
-
-
-def _json_default(x):
-    return float(x) if hasattr(x, "__float__") else str(x)
 
 
 def _f(x, spec=".4g"):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from pathlib import Path
 
+from .. import json_out
 from ..errors import ConfigError
 from ..engine.bench import SETS, BenchConfig, parse_length, run_bench
 
@@ -102,5 +102,5 @@ def run(args) -> int:
     doc = asyncio.run(run_bench(cfg))
     print_report(doc)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2))
+        Path(args.json_out).write_text(json_out.dumps(doc, indent=2))
     return 2 if doc["errors"] else 0

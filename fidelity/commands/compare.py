@@ -11,6 +11,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .. import json_out
+
 
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("reference", help="reference pack (folder, .safetensors or .gguf)")
@@ -254,7 +256,7 @@ def write_outputs(res, args) -> None:
 
     res.report.setdefault("command_line", getattr(args, "command_line", None))
     if args.json_out:
-        _write_text(args.json_out, json.dumps(res.report, indent=2) + "\n")
+        _write_text(args.json_out, json_out.dumps(res.report, indent=2) + "\n")
     if args.markdown:
         _write_text(args.markdown, markdown(res.report))
     if args.out:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from .. import json_out
 from ..errors import FidelityError
 
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
@@ -244,8 +245,6 @@ def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, d
 
 
 def run(args) -> int:
-    import json
-
     from .compare import print_report, write_outputs
 
     con = Console()
@@ -256,7 +255,7 @@ def run(args) -> int:
     res = run_demo(args.cache, args.panel, args.rows_per_domain, formats, args.device, not args.no_noise_floor, console=con)
     print_report(res.report, con)
     cache = Path(args.cache) if args.cache else default_cache()
-    (cache / "demo-report.json").write_text(json.dumps(res.report, indent=2) + "\n")
+    (cache / "demo-report.json").write_text(json_out.dumps(res.report, indent=2) + "\n")
     write_outputs(res, args)
     con.print(f"done in {res.report['demo_seconds']:.0f} s; report kept in {cache / 'demo-report.json'}")
     return 0

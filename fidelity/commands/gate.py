@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
+from .. import json_out
 # the config reader and runner live in the engine layer (the tuning ladder uses them too); re-exported for callers
 from ..engine.gate_config import always_run_gates, exit_code, load_config, run_gates, select_gates  # noqa: F401
 
@@ -77,7 +77,7 @@ def junit_xml(report: dict) -> str:
             out.append(f'    <failure message={quoteattr(bad)}/>')
         elif g["status"] == "error":
             out.append(f'    <error message={quoteattr(g["error"] or "error")}/>')
-        out.append(f'    <system-out>{escape(json.dumps(g["measured"], default=str))}</system-out>')
+        out.append(f'    <system-out>{escape(json_out.dumps(g["measured"]))}</system-out>')
         out.append('  </testcase>')
     out.append('</testsuite>')
     return "\n".join(out) + "\n"
@@ -163,7 +163,7 @@ def run(args) -> int:
     report["seconds"] = round(time.time() - t0, 3)
     print_summary(report)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2, default=str))
+        Path(args.json_out).write_text(json_out.dumps(report, indent=2))
     if args.junit:
         Path(args.junit).write_text(junit_xml(report))
     sys.stdout.flush()

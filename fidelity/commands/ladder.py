@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 from pathlib import Path
+
+from .. import json_out
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -55,7 +56,7 @@ def run(args) -> int:
     doc = asyncio.run(run_ladder(ladder, logs, progress=lambda r: con.print(f"{r['rung']}: {r['verdict']} ({r['reason']})")))
     con.print(console_table(doc))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2, default=str))
+        Path(args.json_out).write_text(json_out.dumps(doc, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(markdown(doc))
     return 2 if any(r["errors"] for r in doc["rungs"]) else 0

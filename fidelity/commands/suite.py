@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 
 from rich.console import Console
 
+from .. import json_out
 from ..errors import ConfigError
 
 
@@ -160,7 +160,7 @@ def compare_command(args) -> int:
     con.print(f"verdict: {rep['verdict']}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(rep, f, indent=2)
+            f.write(json_out.dumps(rep, indent=2))
     return 1 if rep["verdict"] == "fail" else 0
 
 
