@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fidelity.measuring import metrics  # noqa: E402
-from fidelity.measuring.metrics_triton import exp_nonpositive, exp_taylor10  # noqa: E402
+from fidelity.measuring.metrics_triton import exp_nonpositive  # noqa: E402
 
 
 @triton.jit
@@ -48,16 +48,12 @@ def read_only_kernel(a_ptr, b_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr, TAYLOR10: tl.constexpr):
+def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
     # the metric kernel's per-pair float64 work (fixed shift, magic rounding) on values derived from the lane index
     row = tl.program_id(0).to(tl.int64)
     inv_step, step_hi, step_lo = tl.load(const_ptr), tl.load(const_ptr + 1), tl.load(const_ptr + 2)
     c2, c3, c4, c5 = tl.load(const_ptr + 3), tl.load(const_ptr + 4), tl.load(const_ptr + 5), tl.load(const_ptr + 6)
     magic = tl.load(const_ptr + 7)
-    log2e, ln2_hi, ln2_lo = tl.load(const_ptr + 8), tl.load(const_ptr + 9), tl.load(const_ptr + 10)
-    t10, t9, t8, t7 = tl.load(const_ptr + 11), tl.load(const_ptr + 12), tl.load(const_ptr + 13), tl.load(const_ptr + 14)
-    t6, t5, t4, t3 = tl.load(const_ptr + 15), tl.load(const_ptr + 16), tl.load(const_ptr + 17), tl.load(const_ptr + 18)
-    t2 = tl.load(const_ptr + 19)
     lanes = tl.arange(0, BLOCK)
     s_a = row.to(tl.float64) * 1e-6
     s_b = s_a + 0.5
@@ -72,16 +68,8 @@ def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.c
         xb = xa - (offs & 7).to(tl.float32) * 0.001
         x = xa.to(tl.float64) - s_a
         y = xb.to(tl.float64) - s_b
-        if TAYLOR10:
-            e_a = tl.where(mask, exp_taylor10(x, log2e, ln2_hi, ln2_lo, t10, t9, t8, t7, t6, t5, t4, t3, t2, magic, True),
-                           0.0)
-            e_b = tl.where(mask, exp_taylor10(y, log2e, ln2_hi, ln2_lo, t10, t9, t8, t7, t6, t5, t4, t3, t2, magic, True),
-                           0.0)
-        else:
-            e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True),
-                           0.0)
-            e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True),
-                           0.0)
+        e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True), 0.0)
+        e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True), 0.0)
         d = x - y
         z_a += e_a
         z_b += e_b
@@ -135,29 +123,27 @@ def main(argv=None) -> int:
     sink64 = torch.empty(n, device=device, dtype=torch.float64)
     want = metrics.device_metrics_columns(a, b, targets, backend="torch")
     defaults = (metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK)
-    default_prefetch, default_exp = metrics.TRITON_PREFETCH, metrics.TRITON_EXP
     for config in args.configs.split(","):
         block, warps = (int(x) for x in config.split("x"))
         s_read = timed(lambda: read_only_kernel[(n,)](a, b, sink, a.stride(0), V=v, BLOCK=block, num_warps=warps),
                        args.repeat)
-        s_math, s_math10 = (timed(lambda: fp64_math_kernel[(n,)](sink64, consts, table, V=v, BLOCK=block, TAYLOR10=t10,
-                                                                 num_warps=warps), args.repeat) for t10 in (False, True))
-        row = {"config": config, "read_only_ms": s_read * 1e3, "fp64_math_ms": s_math * 1e3,
-               "fp64_math_taylor10_ms": s_math10 * 1e3}
-        for (topk, name), prefetch, exp in [(t, p, e) for t in (("fused", "kernel_top5"), ("torch", "kernel_alone"))
-                                            for p, e in ((False, "table"), (True, "table"), (True, "taylor10"))]:
-            name += ("_prefetch" if prefetch else "") + ("_taylor10" if exp == "taylor10" else "")
+        s_math = timed(lambda: fp64_math_kernel[(n,)](sink64, consts, table, V=v, BLOCK=block, num_warps=warps),
+                       args.repeat)
+        row = {"config": config, "read_only_ms": s_read * 1e3, "fp64_math_ms": s_math * 1e3}
+        for (topk, name), prefetch in [(t, p) for t in (("fused", "kernel_top5"), ("torch", "kernel_alone"))
+                                       for p in (False, True)]:
+            name += "_prefetch" if prefetch else ""
             metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = block, warps, topk
-            metrics.TRITON_PREFETCH, metrics.TRITON_EXP = prefetch, exp
+            metrics.TRITON_PREFETCH = prefetch
             try:
                 if topk == "fused":
                     run = lambda: metrics.device_metrics_columns(a, b, targets, backend="triton")  # noqa: E731
                     got = run()
                     row[f"{name}_max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
                     row[f"{name}_top1_topk_equal_torch"] = bool(torch.equal(got[1], want[1]))
-                    if prefetch and exp == "table":   # the same arithmetic in the same order: bit-identical
+                    if prefetch:       # the same arithmetic in the same order: bit-identical to the plain loop
                         row["prefetch_bit_identical"] = bool(torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]))
-                    elif not prefetch:
+                    else:
                         plain = got
                 else:
                     cols = (torch.empty(n, 6, dtype=torch.float64, device=device),
@@ -168,7 +154,7 @@ def main(argv=None) -> int:
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
             finally:
                 metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = defaults
-                metrics.TRITON_PREFETCH, metrics.TRITON_EXP = default_prefetch, default_exp
+                metrics.TRITON_PREFETCH = False
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     res["rows"] = rows_out
@@ -178,19 +164,16 @@ def main(argv=None) -> int:
         return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
     print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
           f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
-    print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | the same, taylor10 exp | kernel alone | "
-          "alone, prefetch | alone, prefetch, taylor10 | kernel + top-5 | + top-5, prefetch | + top-5, prefetch, taylor10 "
-          "| max KL diff vs torch | top-1 / topk_match equal | prefetch bit-identical |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | kernel alone | alone, prefetch | "
+          "kernel + top-5 | + top-5, prefetch | max KL diff vs torch | top-1 / topk_match equal | prefetch bit-identical |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows_out:
-        kinds = ("kernel_top5", "kernel_top5_prefetch", "kernel_top5_prefetch_taylor10")
-        diff = max(r.get(f"{k}_max_kl_diff_vs_torch", float("nan")) for k in kinds)
-        equal = all(r.get(f"{k}_top1_topk_equal_torch") for k in kinds)
-        print(f"| {r['config']} | {cell(r['read_only_ms'])} | {cell(r['fp64_math_ms'])} | {cell(r['fp64_math_taylor10_ms'])} "
-              f"| {cell(r.get('kernel_alone_ms'))} | {cell(r.get('kernel_alone_prefetch_ms'))} "
-              f"| {cell(r.get('kernel_alone_prefetch_taylor10_ms'))} | {cell(r.get('kernel_top5_ms'))} "
-              f"| {cell(r.get('kernel_top5_prefetch_ms'))} | {cell(r.get('kernel_top5_prefetch_taylor10_ms'))} "
-              f"| {diff:.1e} | {equal} | {r.get('prefetch_bit_identical')} |")
+        diff = max(r.get("kernel_top5_max_kl_diff_vs_torch", float("nan")),
+                   r.get("kernel_top5_prefetch_max_kl_diff_vs_torch", float("nan")))
+        equal = r.get("kernel_top5_top1_topk_equal_torch") and r.get("kernel_top5_prefetch_top1_topk_equal_torch")
+        print(f"| {r['config']} | {cell(r['read_only_ms'])} | {cell(r['fp64_math_ms'])} | {cell(r.get('kernel_alone_ms'))} "
+              f"| {cell(r.get('kernel_alone_prefetch_ms'))} | {cell(r.get('kernel_top5_ms'))} "
+              f"| {cell(r.get('kernel_top5_prefetch_ms'))} | {diff:.1e} | {equal} | {r.get('prefetch_bit_identical')} |")
     print("(percentages: the bytes read over the time, against the copy baseline)")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -30,16 +30,13 @@ KL_ATOL, KL_RTOL = 2e-13, 1e-11
 # 256 lanes, the next block prefetched);
 # "triton-running" the CPU kernel's running shift with a separate top-5 pass, "triton-magic" the running shift with
 # that rounding, "triton-512-plain" the former default (512 lanes, no prefetch), "triton-running-prefetch" the running
-# shift with the block prefetch, "-taylor10" the CPU kernel's exp without a table (metrics.TRITON_SHIFT / TRITON_MAGIC /
-# TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH / TRITON_EXP)
+# shift with the block prefetch (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
 TRITON_VARIANTS = {"triton": {},
                    "triton-running": {"TRITON_SHIFT": "running", "TRITON_MAGIC": False, "TRITON_TOPK": "separate",
                                       "TRITON_BLOCK": 1024},
                    "triton-magic": {"TRITON_SHIFT": "running", "TRITON_MAGIC": True},
                    "triton-512-plain": {"TRITON_BLOCK": 512, "TRITON_PREFETCH": False},
-                   "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True},
-                   "triton-taylor10": {"TRITON_EXP": "taylor10"},
-                   "triton-taylor10-running": {"TRITON_EXP": "taylor10", "TRITON_SHIFT": "running", "TRITON_MAGIC": False}}
+                   "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True}}
 BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
                         for name in TRITON_VARIANTS]
 
@@ -196,8 +193,7 @@ def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypat
         choose("cpu")
 
 
-@pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse"), ("TRITON_EXP", "taylor"),
-                                           ("TRITON_PREFETCH", "yes")])
+@pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse")])
 def test_a_misspelt_kernel_switch_is_an_error_not_a_fallback(switch, value, monkeypatch):
     from fidelity.measuring import metrics
     ran = []

@@ -284,9 +284,6 @@ TRITON_SHIFT = "fixed"
 TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
 TRITON_PREFETCH = True          # load the next block before this block's arithmetic (memory under the float64 math)
 EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
-# the Triton kernel's exp: "table" (EXP_TABLE_BITS above: a table read per exp) or "taylor10" (the CPU kernel's: no
-# table, Taylor to r^10 over |r| <= ln2/2)
-TRITON_EXP = "table"
 
 
 def device_backend(device: torch.device | str) -> str:
@@ -417,8 +414,7 @@ def _exp_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         bits = np.array([step]).view(np.uint64) & np.uint64(2**64 - 2**20)
         hi = float(bits.view(np.float64)[0])       # ln2/64 to 33 bits: n * hi is exact for |n| < 2^20
         lo = step - hi
-        consts = [size / math.log(2), hi, lo, 1 / 2, 1 / 6, 1 / 24, 1 / 120, 1.5 * 2.0**52,
-                  _LOG2E, _LN2_HI, _LN2_LO, *_EXP_TAYLOR[:9]]      # the CPU kernel's exp: 1/10!, ..., 1/2!
+        consts = [size / math.log(2), hi, lo, 1 / 2, 1 / 6, 1 / 24, 1 / 120, 1.5 * 2.0**52]
         table = np.array([2.0 ** (j / size) for j in range(size)], np.float64).view(np.int64)
         _EXP_CONSTANTS[key] = (torch.tensor(consts, dtype=torch.float64, device=device),
                                torch.from_numpy(table.copy()).to(device))
@@ -446,8 +442,6 @@ def check_triton_settings() -> None:
         raise ValueError(f"metrics.TRITON_SHIFT={TRITON_SHIFT!r}: expected 'running' or 'fixed'")
     if TRITON_TOPK not in ("fused", "separate", "torch"):
         raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected 'fused', 'separate' or 'torch'")
-    if TRITON_EXP not in ("table", "taylor10"):
-        raise ValueError(f"metrics.TRITON_EXP={TRITON_EXP!r}: expected 'table' or 'taylor10'")
     if not isinstance(TRITON_PREFETCH, bool):
         raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected True or False")
 
@@ -467,7 +461,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
     retry = torch.zeros(a.shape[0] if fixed else 1, dtype=torch.int8, device=a.device)
     kernel[(a.shape[0],)](a, b, t, out, top, match if fused else top, retry, consts, table, a.stride(0), b.stride(0),
                           V=a.shape[1], BLOCK=TRITON_BLOCK, TOP5=fused, FIXED_SHIFT=fixed, MAGIC=TRITON_MAGIC,
-                          PREFETCH=TRITON_PREFETCH, TAYLOR10=TRITON_EXP == "taylor10", num_warps=TRITON_WARPS)
+                          PREFETCH=TRITON_PREFETCH, num_warps=TRITON_WARPS)
     if fixed and bool(retry.any()):
         rows = retry.nonzero()[:, 0]
         sub_a, sub_b, sub_t = a[rows].contiguous(), b[rows].contiguous(), t[rows].contiguous()
@@ -475,8 +469,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
         sub_match = match[rows] if fused else sub_top
         kernel[(len(rows),)](sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, retry, consts, table, sub_a.stride(0),
                              sub_b.stride(0), V=a.shape[1], BLOCK=TRITON_BLOCK, TOP5=fused, FIXED_SHIFT=False,
-                             MAGIC=TRITON_MAGIC, PREFETCH=TRITON_PREFETCH, TAYLOR10=TRITON_EXP == "taylor10",
-                             num_warps=TRITON_WARPS)
+                             MAGIC=TRITON_MAGIC, PREFETCH=TRITON_PREFETCH, num_warps=TRITON_WARPS)
         out[rows], top[rows] = sub_out, sub_top
         if fused:
             match[rows] = sub_match

@@ -4,8 +4,7 @@ under one shift per row and side and per-lane top-1/top-2 tracking, combined at 
 running maximum (FIXED_SHIFT off: a cross-lane maximum and a possible rescale per block) or the first block's maximum
 kept for the whole row (FIXED_SHIFT: 1.5x faster on an H200; rows far above it are flagged for a running-shift pass). Its exp is the CPU kernel's
 with a 64-entry table: x = (64 k + j) ln2/64 + r, |r| <= ln2/128, exp(r) by Taylor to r^5 (4e-17), times 2^(j/64) from
-the table with k added to its exponent bits; or (TAYLOR10) the CPU kernel's own construction without a table (k ln2 + r,
-Taylor to r^10: more float64 operations, no memory access). Constants come in as a float64 tensor: Triton would type a Python float
+the table with k added to its exponent bits. Constants come in as a float64 tensor: Triton would type a Python float
 as float32.
 
 With TOP5, the program also keeps each lane's top-5 (value, index) list, strictly-greater inserts so an equal later
@@ -32,32 +31,6 @@ def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, ma
     p = 1.0 + r * (1.0 + r * (c2 + r * (c3 + r * (c4 + r * c5))))
     scale = tl.load(table_ptr + (ni & 63)) + ((ni >> 6).to(tl.int64) << 52)      # 2^(j/64), k added to its exponent
     return p * scale.to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def exp_taylor10(x, log2e, ln2_hi, ln2_lo, t10, t9, t8, t7, t6, t5, t4, t3, t2, magic, MAGIC: tl.constexpr):
-    # the CPU kernel's _exp_nonpositive without a table: x = k ln2 + r, |r| <= ln2/2, exp(r) by Taylor to r^10 in
-    # Horner form (its coefficients 1/10!, ..., 1/2!, then 1, 1), times 2^k built in the exponent bits; no memory access
-    x = tl.where(x > -700.0, x, -700.0)
-    if MAGIC:
-        shifted = x * log2e + magic
-        k = shifted - magic
-        ki = shifted.to(tl.int64, bitcast=True) - magic.to(tl.int64, bitcast=True)
-    else:
-        k = tl.floor(x * log2e + 0.5)
-        ki = k.to(tl.int64)
-    r = (x - k * ln2_hi) - k * ln2_lo
-    p = t10 * r + t9
-    p = p * r + t8
-    p = p * r + t7
-    p = p * r + t6
-    p = p * r + t5
-    p = p * r + t4
-    p = p * r + t3
-    p = p * r + t2
-    p = p * r + 1.0
-    p = p * r + 1.0
-    return p * ((ki + 1023) << 52).to(tl.float64, bitcast=True)
 
 
 @triton.jit
@@ -121,16 +94,12 @@ def top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, 
 @triton.jit
 def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, const_ptr, table_ptr, stride_a, stride_b,
                 V: tl.constexpr, BLOCK: tl.constexpr, TOP5: tl.constexpr, FIXED_SHIFT: tl.constexpr,
-                MAGIC: tl.constexpr, PREFETCH: tl.constexpr, TAYLOR10: tl.constexpr):
+                MAGIC: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     a_row, b_row = a_ptr + row * stride_a, b_ptr + row * stride_b
     inv_step, step_hi, step_lo = tl.load(const_ptr), tl.load(const_ptr + 1), tl.load(const_ptr + 2)
     c2, c3, c4, c5 = tl.load(const_ptr + 3), tl.load(const_ptr + 4), tl.load(const_ptr + 5), tl.load(const_ptr + 6)
     magic = tl.load(const_ptr + 7)
-    log2e, ln2_hi, ln2_lo = tl.load(const_ptr + 8), tl.load(const_ptr + 9), tl.load(const_ptr + 10)
-    t10, t9, t8, t7 = tl.load(const_ptr + 11), tl.load(const_ptr + 12), tl.load(const_ptr + 13), tl.load(const_ptr + 14)
-    t6, t5, t4, t3 = tl.load(const_ptr + 15), tl.load(const_ptr + 16), tl.load(const_ptr + 17), tl.load(const_ptr + 18)
-    t2 = tl.load(const_ptr + 19)
     lanes = tl.arange(0, BLOCK)
     if FIXED_SHIFT:
         # one shift per side for the whole row, the first block's maximum: no cross-lane maximum, branch or rescale per
@@ -197,16 +166,8 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
                 s_a, s_b = new_a, new_b
         x = xa.to(tl.float64) - s_a
         y = xb.to(tl.float64) - s_b
-        if TAYLOR10:
-            e_a = tl.where(mask, exp_taylor10(x, log2e, ln2_hi, ln2_lo, t10, t9, t8, t7, t6, t5, t4, t3, t2, magic,
-                                              MAGIC), 0.0)
-            e_b = tl.where(mask, exp_taylor10(y, log2e, ln2_hi, ln2_lo, t10, t9, t8, t7, t6, t5, t4, t3, t2, magic,
-                                              MAGIC), 0.0)
-        else:
-            e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC),
-                           0.0)
-            e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC),
-                           0.0)
+        e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
+        e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
         d = x - y
         z_a += e_a
         z_b += e_b
