@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
 from fidelity.attribute import Settings, attribute
-from test_bpw_routing import expected_per_token_bpw, hf_expert_counts, skewed_moe
+from test_bpw_routing import expected_per_token_bpw, hf_expert_counts, skewed_moe, well_routed_tokens
 from test_oracle import COMMON
 
 N_EXPERTS, K, PERMUTED_LAYER = 8, 2, 1
@@ -42,7 +42,8 @@ def moe(tmp_path, rng_seed):
     name = f"model.layers.{PERMUTED_LAYER}.mlp.gate.weight"
     w[name] = w[name][perm].contiguous()            # pack router row e = reference row perm[e]
     save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    tokens = torch.randint(0, COMMON["vocab_size"], (3, 19), generator=g)
+    models = [T.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval() for d in (tmp_path / "ref", dst)]
+    tokens = well_routed_tokens(models, (3, 19), K, COMMON["vocab_size"], generator=g)
     return tmp_path / "ref", dst, perm, tokens
 
 

@@ -43,6 +43,31 @@ def hf_expert_counts(model, tokens: torch.Tensor, k: int) -> list[np.ndarray]:
     return [np.bincount(l.topk(k, dim=-1).indices.flatten().numpy(), minlength=l.shape[-1]) for l in logits]
 
 
+def router_margin(model, tokens: torch.Tensor, k: int) -> float:
+    """The smallest gap, over layers and tokens, between HF's k-th and (k+1)-th router logits."""
+    with torch.no_grad():
+        logits = model(input_ids=tokens, use_cache=False, output_router_logits=True).router_logits
+    return min(float((s[:, k - 1] - s[:, k]).min()) for s in (l.sort(dim=-1, descending=True).values for l in logits))
+
+
+# Two forwards that agree to ~1e-6 (the oracle and HF in float32, summing in other orders) may route a token whose
+# k-th and (k+1)-th router logits lie closer than that either way; both are right. Count tests draw tokens whose
+# routing is decided by more than this.
+ROUTER_TIE = 1e-4
+
+
+def well_routed_tokens(models, shape, k: int, vocab: int, generator=None, tries: int = 50) -> torch.Tensor:
+    """Random tokens of `shape` on which every model's top-k routing has a margin >= ROUTER_TIE (redrawn until then)."""
+    for attempt in range(tries):
+        tokens = torch.randint(0, vocab, shape, generator=generator)
+        margins = [router_margin(m, tokens, k) for m in models]
+        if min(margins) >= ROUTER_TIE:
+            if attempt:
+                print(f"tokens redrawn {attempt} times for a router margin >= {ROUTER_TIE}")
+            return tokens
+    raise AssertionError(f"no draw of {shape} tokens in {tries} with every router margin >= {ROUTER_TIE}")
+
+
 def expected_per_token_bpw(pack, share: dict[str, float] | None, exclude_head: bool = False) -> float:
     """Written out from the storage table: dense projections and the head once per token, expert tensors times the
     share of tokens that read them (k / n when `share` is None)."""
@@ -62,7 +87,7 @@ def expected_per_token_bpw(pack, share: dict[str, float] | None, exclude_head: b
 def test_measured_routing_weights_the_experts_as_hf_routes(tmp_path, rng_seed):
     model = skewed_moe(tmp_path / "m", rng_seed)
     pack = open_pack(tmp_path / "m")
-    tokens = torch.randint(0, COMMON["vocab_size"], (3, 19))
+    tokens = well_routed_tokens([model], (3, 19), 2, COMMON["vocab_size"])
     counts = RoutingCounts()
     oracle = Oracle(pack)
     oracle.fetch.routing_counts = counts
