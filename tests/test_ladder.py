@@ -85,6 +85,21 @@ def test_ladder_file_errors_are_named(tmp_path):
     p.write_text('[ladder]\nmodel = "m"\n[accept]\ngain = 3\n')
     with pytest.raises(ConfigError, match="\\[accept\\] knows"):
         load_ladder(p)
+    p.write_text('[ladder]\nmodel = "m"\n[[rung]\n')
+    with pytest.raises(ConfigError, match=f"ladder {p} is not valid TOML"):
+        load_ladder(p)
+    with pytest.raises(ConfigError, match=f"ladder {tmp_path / 'none.toml'} does not exist"):
+        load_ladder(tmp_path / "none.toml")
+
+
+def test_gate_config_file_errors_are_named(tmp_path):
+    from fidelity.engine.gate_config import load_config
+    p = tmp_path / "gates.toml"
+    p.write_text("[speed\n")
+    with pytest.raises(ConfigError, match=f"gate config {p} is not valid TOML"):
+        load_config(str(p))
+    with pytest.raises(ConfigError, match=f"gate config {tmp_path / 'none.toml'} does not exist"):
+        load_config(str(tmp_path / "none.toml"))
 
 
 @pytest.mark.slow

@@ -19,20 +19,25 @@ def always_run_gates() -> list[str]:
     return [name for name, kind in GATES.items() if kind.names is None]
 
 
-def load_config(path: str | None) -> dict:
-    if not path:
-        return {}
+def read_toml(path, what: str) -> dict:
+    """A TOML file's tables; a missing or malformed file is a ConfigError naming `what` and the path."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
     try:
         with open(path, "rb") as f:
-            cfg = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"gate config {path} does not exist")
+        raise ConfigError(f"{what} {path} does not exist")
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"gate config {path} is not valid TOML: {e}")
+        raise ConfigError(f"{what} {path} is not valid TOML: {e}")
+
+
+def load_config(path: str | None) -> dict:
+    if not path:
+        return {}
+    cfg = read_toml(path, "gate config")
     for section, table in cfg.items():
         if section == "settings":
             bad = set(table) - SETTINGS_KEYS - CLIENT_KEYS

@@ -28,7 +28,6 @@ its rung. A gate that fails or cannot run rejects the rung whatever its speed.
 """
 from __future__ import annotations
 
-import asyncio
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,18 +71,10 @@ class Ladder:
 
 
 def load_ladder(path) -> Ladder:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+    from .gate_config import read_toml
 
     p = Path(path)
-    try:
-        cfg = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"ladder {p} does not exist")
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"ladder {p} is not valid TOML: {e}")
+    cfg = read_toml(p, "ladder")
     bad = set(cfg) - {"ladder", "bench", "accept", "rung"}
     if bad:
         raise ConfigError(f"ladder {p}: unknown section(s) {sorted(bad)} (known: ladder, bench, accept, rung)")
