@@ -18,14 +18,17 @@ def finite(x):
 
 
 def _scalar(x):
-    if hasattr(x, "item") and getattr(x, "shape", None) == ():        # numpy / torch scalars (np.float32 is no float)
-        v = x.item()
-        return finite(v) if isinstance(v, float) else v
-    if hasattr(x, "__float__") and not isinstance(x, (str, bytes)):
-        return finite(float(x))
-    return str(x)
+    """What json.dumps cannot write itself: numpy / torch scalars (np.float32 is no float) and other numbers as
+    numbers (non-finite: null), anything else as its str()."""
+    if hasattr(x, "item") and getattr(x, "shape", None) == ():
+        x = x.item()
+    elif hasattr(x, "__float__") and not isinstance(x, (str, bytes)):
+        x = float(x)
+    else:
+        return str(x)
+    return finite(x)
 
 
 def dumps(obj, **kwargs) -> str:
     """json.dumps of `obj` as standard JSON (allow_nan=False after the non-finite floats became null)."""
-    return json.dumps(finite(obj), allow_nan=False, default=lambda x: finite(_scalar(x)), **kwargs)
+    return json.dumps(finite(obj), allow_nan=False, default=_scalar, **kwargs)
