@@ -8,8 +8,8 @@ Times, on the same [N, V] float32 logits of reference and pack (random, 2 x N x 
 - copy:        torch's device copy of the same bytes (read + write): the baseline the RESULTS figures divide by;
 - read-only:   a Triton kernel with the metric kernel's access pattern (one program per position, BLOCK lanes, both
                rows) that only sums the values in float32: the memory floor of this access pattern;
-- fp64 math:   the metric kernel's float64 arithmetic per pair of logits (the shift, two exps, the four sums) on values
-               made from the lane index, nothing loaded: the ALU floor;
+- fp64 math:   the metric kernel's float64 arithmetic per pair of logits (the shift, then its own add_pair_terms: two
+               exps, the four sums) on values made from the lane index, nothing loaded: the ALU floor;
 - the library kernel (fidelity.measuring.metrics.triton_rows) at each BLOCK x warps configuration, with the top-5 lists
   fused and without them, and its agreement with the float64 torch path (max |KL difference|, top-1 / topk_match equal).
 Each is the median of --repeat timed runs after a warm-up. Prints a table against the copy baseline.
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fidelity.measuring import metrics  # noqa: E402
-from fidelity.measuring.metrics_triton import exp_nonpositive  # noqa: E402
+from fidelity.measuring.metrics_triton import add_pair_terms, exp_constants  # noqa: E402
 
 
 @triton.jit
@@ -51,9 +51,7 @@ def read_only_kernel(a_ptr, b_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.c
 def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
     # the metric kernel's per-pair float64 work (fixed shift, magic rounding) on values derived from the lane index
     row = tl.program_id(0).to(tl.int64)
-    inv_step, step_hi, step_lo = tl.load(const_ptr), tl.load(const_ptr + 1), tl.load(const_ptr + 2)
-    c2, c3, c4, c5 = tl.load(const_ptr + 3), tl.load(const_ptr + 4), tl.load(const_ptr + 5), tl.load(const_ptr + 6)
-    magic = tl.load(const_ptr + 7)
+    inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
     lanes = tl.arange(0, BLOCK)
     s_a = row.to(tl.float64) * 1e-6
     s_b = s_a + 0.5
@@ -68,13 +66,8 @@ def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.c
         xb = xa - (offs & 7).to(tl.float32) * 0.001
         x = xa.to(tl.float64) - s_a
         y = xb.to(tl.float64) - s_b
-        e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True), 0.0)
-        e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, True), 0.0)
-        d = x - y
-        z_a += e_a
-        z_b += e_b
-        k_a += tl.where(mask, e_a * d, 0.0)
-        k_b += tl.where(mask, e_b * d, 0.0)
+        z_a, z_b, k_a, k_b = add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo,
+                                            c2, c3, c4, c5, magic, True)
     tl.store(out_ptr + row, tl.sum(z_a, 0) + tl.sum(z_b, 0) + tl.sum(k_a, 0) + tl.sum(k_b, 0))
 
 
@@ -130,6 +123,7 @@ def main(argv=None) -> int:
         s_math = timed(lambda: fp64_math_kernel[(n,)](sink64, consts, table, V=v, BLOCK=block, num_warps=warps),
                        args.repeat)
         row = {"config": config, "read_only_ms": s_read * 1e3, "fp64_math_ms": s_math * 1e3}
+        plain = None           # the plain loop's result, which the prefetching run must equal bit for bit
         for (topk, name), prefetch in [(t, p) for t in (("fused", "kernel_top5"), ("torch", "kernel_alone"))
                                        for p in (False, True)]:
             name += "_prefetch" if prefetch else ""

@@ -475,13 +475,13 @@ def bench_head(args, device) -> dict:
     default = tuple(getattr(metrics, k) for k in knobs)
     variants = [("torch", None)]
     if device.type == "cuda" and metrics._triton_kernel() is not None:
-        variants += [("triton", c) for c in (default, (512, 4, "fused", "running", False), (1024, 4, "torch", "running", False),
-                                             (1024, 4, "separate", "running", False), (256, 2, "fused", "fixed", True),
-                                             (512, 2, "fused", "fixed", True), (256, 4, "fused", "fixed", True),
-                                             (1024, 4, "separate", "running", True), (1024, 4, "separate", "fixed", False),
-                                             (1024, 4, "separate", "fixed", True),
-                                             (2048, 8, "separate", "fixed", True), (512, 4, "fused", "fixed", True, False))]
-        variants = [variants[0]] + [(k, c if len(c) == 6 else c + (True,)) for k, c in variants[1:]]
+        # (BLOCK, warps, top-5, shift, magic), each with the block prefetch; then the former default without it
+        variants += [("triton", default)] + [("triton", c + (True,)) for c in (
+            (512, 4, "fused", "running", False), (1024, 4, "torch", "running", False),
+            (1024, 4, "separate", "running", False), (256, 2, "fused", "fixed", True), (512, 2, "fused", "fixed", True),
+            (256, 4, "fused", "fixed", True), (1024, 4, "separate", "running", True),
+            (1024, 4, "separate", "fixed", False), (1024, 4, "separate", "fixed", True),
+            (2048, 8, "separate", "fixed", True))] + [("triton", (512, 4, "fused", "fixed", True, False))]
     want = metrics.device_metrics_columns(a, b, targets, backend="torch")
     for backend, config in variants:
         if config is not None:

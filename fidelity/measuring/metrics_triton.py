@@ -34,6 +34,23 @@ def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, ma
 
 
 @triton.jit
+def exp_constants(const_ptr):
+    # exp_nonpositive's float64 constants (metrics._exp_constants): inv_step, step_hi, step_lo, c2..c5, magic
+    return (tl.load(const_ptr), tl.load(const_ptr + 1), tl.load(const_ptr + 2), tl.load(const_ptr + 3),
+            tl.load(const_ptr + 4), tl.load(const_ptr + 5), tl.load(const_ptr + 6), tl.load(const_ptr + 7))
+
+
+@triton.jit
+def add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
+                   MAGIC: tl.constexpr):
+    # one block's terms of the four sums, x and y the shifted logits of both sides: Z = sum exp, K = sum exp * (x - y)
+    e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
+    e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
+    d = x - y
+    return z_a + e_a, z_b + e_b, k_a + tl.where(mask, e_a * d, 0.0), k_b + tl.where(mask, e_b * d, 0.0)
+
+
+@triton.jit
 def top5_insert(x, offs, v0, v1, v2, v3, v4, i0, i1, i2, i3, i4):
     # a lane's list is sorted (v0 >= ... >= v4), so x > v0 implies x > v1 ...: x lands at the first place it beats
     c0, c1, c2, c3, c4 = x > v0, x > v1, x > v2, x > v3, x > v4
@@ -97,9 +114,7 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
                 MAGIC: tl.constexpr, PREFETCH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     a_row, b_row = a_ptr + row * stride_a, b_ptr + row * stride_b
-    inv_step, step_hi, step_lo = tl.load(const_ptr), tl.load(const_ptr + 1), tl.load(const_ptr + 2)
-    c2, c3, c4, c5 = tl.load(const_ptr + 3), tl.load(const_ptr + 4), tl.load(const_ptr + 5), tl.load(const_ptr + 6)
-    magic = tl.load(const_ptr + 7)
+    inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
     lanes = tl.arange(0, BLOCK)
     if FIXED_SHIFT:
         # one shift per side for the whole row, the first block's maximum: no cross-lane maximum, branch or rescale per
@@ -166,13 +181,8 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
                 s_a, s_b = new_a, new_b
         x = xa.to(tl.float64) - s_a
         y = xb.to(tl.float64) - s_b
-        e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
-        e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
-        d = x - y
-        z_a += e_a
-        z_b += e_b
-        k_a += tl.where(mask, e_a * d, 0.0)
-        k_b += tl.where(mask, e_b * d, 0.0)
+        z_a, z_b, k_a, k_b = add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo,
+                                            c2, c3, c4, c5, magic, MAGIC)
     sum_za, sum_zb, sum_ka, sum_kb = tl.sum(z_a, 0), tl.sum(z_b, 0), tl.sum(k_a, 0), tl.sum(k_b, 0)
     best_a = tl.max(top_a, 0)
     first_a = tl.min(tl.where(top_a == best_a, idx_a, V), 0)
