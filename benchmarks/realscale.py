@@ -95,9 +95,9 @@ V4_DEFAULTS = dict(
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
 
 
-def v4_config(geometry: dict, experts: int) -> dict:
-    cfg = {**V4_DEFAULTS, **geometry, "n_routed_experts": experts, "num_hidden_layers": 1, "vocab_size": 256,
-           "layer_types": ["compressed_sparse_attention"], "mlp_layer_types": ["moe"], "bos_token_id": None,
+def v4_config(geometry: dict, experts: int, layers: int = 1) -> dict:
+    cfg = {**V4_DEFAULTS, **geometry, "n_routed_experts": experts, "num_hidden_layers": layers, "vocab_size": 256,
+           "layer_types": ["compressed_sparse_attention"] * layers, "mlp_layer_types": ["moe"] * layers, "bos_token_id": None,
            "eos_token_id": None, "tie_word_embeddings": False}
     rot = cfg["partial_rotary_factor"]
     for site in cfg["rope_parameters"].values():
@@ -107,18 +107,23 @@ def v4_config(geometry: dict, experts: int) -> dict:
 
 
 def v4_shapes(cfg: dict) -> dict[str, tuple]:
-    """Official names and shapes of the one-layer V4 (a CSA layer with a routed MoE), as transformers' save_pretrained
+    """Official names and shapes of the V4 (every layer a CSA layer with a routed MoE), as transformers' save_pretrained
     and DeepSeek's release name them (tests/fixtures/v4/tiny_v4 holds the same names at its own sizes)."""
+    h, hc, V = cfg["hidden_size"], cfg["hc_mult"], cfg["vocab_size"]
+    out = {"embed.weight": (V, h), "head.weight": (V, h), "norm.weight": (h,), "hc_head_base": (hc,),
+           "hc_head_fn": (hc, hc * h), "hc_head_scale": (1,)}
+    for layer in range(cfg["num_hidden_layers"]):
+        out.update(v4_layer_shapes(cfg, f"layers.{layer}"))
+    return out
+
+
+def v4_layer_shapes(cfg: dict, p: str) -> dict[str, tuple]:
     h, heads, hd, hc = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"], cfg["hc_mult"]
     q_rank, o_rank, groups = cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"]
-    ih, ihd, inter, E, V = cfg["index_n_heads"], cfg["index_head_dim"], cfg["moe_intermediate_size"], \
-        cfg["n_routed_experts"], cfg["vocab_size"]
+    ih, ihd, inter, E = cfg["index_n_heads"], cfg["index_head_dim"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     ratio = cfg["compress_rates"]["compressed_sparse_attention"]
     mix = (2 + hc) * hc
-    p = "layers.0"
-    out = {"embed.weight": (V, h), "head.weight": (V, h), "norm.weight": (h,), "hc_head_base": (hc,),
-           "hc_head_fn": (hc, hc * h), "hc_head_scale": (1,),
-           f"{p}.attn.attn_sink": (heads,), f"{p}.attn.kv_norm.weight": (hd,), f"{p}.attn.q_norm.weight": (q_rank,),
+    out = {f"{p}.attn.attn_sink": (heads,), f"{p}.attn.kv_norm.weight": (hd,), f"{p}.attn.q_norm.weight": (q_rank,),
            f"{p}.attn.wkv.weight": (hd, h), f"{p}.attn.wq_a.weight": (q_rank, h), f"{p}.attn.wq_b.weight": (heads * hd, q_rank),
            f"{p}.attn.wo_a.weight": (groups * o_rank, heads * hd // groups), f"{p}.attn.wo_b.weight": (h, groups * o_rank),
            f"{p}.attn.indexer.weights_proj.weight": (ih, h), f"{p}.attn.indexer.wq_b.weight": (ih * ihd, q_rank),
@@ -136,7 +141,7 @@ def v4_shapes(cfg: dict) -> dict[str, tuple]:
 
 
 def v4_native_without_experts(cfg: dict, out: Path, device) -> tuple[Path, dict[str, tuple]]:
-    """The official-named one-layer V4 as minipacks_v4.build_native writes it (bf16, randomize_weights' scales),
+    """The official-named V4 as minipacks_v4.build_native writes it (bf16, randomize_weights' scales),
     except the routed experts, which are only named (their [out, in] shapes returned): their bytes come as random
     EXL3 trellises later, never as bf16 weights."""
     from fidelity.packs.exl3.layouts import routed_expert
@@ -222,15 +227,28 @@ def expert_k_string(n_experts: int, seed: int = 3) -> str:
     return "".join(str(ks[int(i)]) for i in picks)
 
 
-def build_layer_pack(arch: str, geometry: dict, v41_extra: dict, experts: int, work: Path, device) -> tuple[Path, dict]:
+def v41_layers(v41_extra: dict, layers: int) -> dict:
+    """V4.1's per-layer lists for `layers` layers alike: each owns its compressed pool and runs its own indexer (the
+    one-layer benchmark's cost in every layer); the last layer is the candidate source (a later index layer would have
+    to read its pool), layer 0 the one Engram layer."""
+    if layers == 1:
+        return v41_extra
+    ratio = v41_extra["compress_ratios"][0]
+    return {**v41_extra, "compress_ratios": [ratio] * layers, "kv_source_layer_ids": list(range(layers)),
+            "index_source_layer_ids": list(range(layers)), "candidate_source_layer_id": layers - 1}
+
+
+def build_layer_pack(arch: str, geometry: dict, v41_extra: dict, experts: int, work: Path, device,
+                     layers: int = 1) -> tuple[Path, dict]:
     from fidelity.fixtures.minipacks_v4 import V4MiniSpec, write_v4_minipack
 
-    cfg = v4_config(geometry, experts)
+    cfg = v4_config(geometry, experts, layers)
     v4_dir, expert_shapes = v4_native_without_experts(cfg, work / f"{arch}-native-v4", device)
     native_dir = v4_dir
     if arch == "v41":
         from fidelity.fixtures.minipacks_v41 import build_native_v41
-        native_dir = build_native_v41(v4_dir, work / f"{arch}-native", index_topk=geometry["index_topk"], **v41_extra)
+        native_dir = build_native_v41(v4_dir, work / f"{arch}-native", index_topk=geometry["index_topk"],
+                                      **v41_layers(v41_extra, layers))
     spec = V4MiniSpec(expert_k=expert_k_string(experts), dense_k=4, head_k=4, fp8_block=32 if arch == "v41" else 128)
     native = WithExperts(open_pack(native_dir), expert_shapes)
     out = write_v4_minipack(native, "deepseek_v41_exl3", work / f"{arch}-exl3", spec, RandomTrellis(device))
@@ -381,6 +399,102 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
             "device_decode_one_matrix_ms": decode_one * 1e3, "gpu_peak_GiB": peak / 2**30 if peak else None,
             "finite": finite, "profile": profile, "panel_40x384_serial_min": serial / 60, "panel_40x384_overlapped_min": overlapped / 60,
             "panel_floor_min": floor_panel / 60}
+
+
+def bench_pipeline(arch: str, args, device, work: Path) -> dict:
+    """`args.layers` layers of the geometry through one pass with the load chain's Prefetcher (layer i+1 staged, read
+    and decoded on the loader thread while layer i computes; routed experts decode on the compute thread when first
+    routed to, from bytes staged ahead), against the same pass with every layer already decoded and resident
+    (keep_weights, second pass). Per layer: stage and build seconds on the loader thread, the compute thread's wait for
+    the layer, and the layer's span (end of layer i-1 to end of layer i, synchronized) in both passes; visible load =
+    span with prefetch - span resident (the wait plus the experts' decode and whatever the loader's work slowed)."""
+    from fidelity.oracle import LoadChain
+    from fidelity.oracle.parallel import Prefetcher
+
+    geometry = SMOKE if args.smoke else FLASH
+    experts = args.experts or (geometry["n_routed_experts"] if arch == "v4" or args.smoke else EXPERTS_V41)
+    t0 = time.perf_counter()
+    pack_dir, info = build_layer_pack(arch, geometry, V41_SMOKE if args.smoke else V41_FLASH, experts, work, device,
+                                      layers=args.layers)
+    build_s = time.perf_counter() - t0
+    read_s, read_bytes = read_seconds(pack_dir)
+    pack = open_pack(pack_dir)
+    n = pack.config["num_hidden_layers"]
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 256, (args.rows, args.length), generator=g).tolist()
+    budget = None if args.activation_gib is None else int(args.activation_gib * 2**30)
+
+    def spans(oracle) -> tuple[float, list[float]]:
+        ends: dict[int, float] = {}
+
+        def tap(i):
+            def mark(_):
+                sync(device)
+                ends[i] = time.perf_counter()
+            return mark
+        sync(device)
+        start = time.perf_counter()
+        _, out = oracle._forward(rows, False, taps={i: tap(i) for i in range(n)})
+        sync(device)
+        total = time.perf_counter() - start
+        return total, [ends[i] - (ends[i - 1] if i else start) for i in range(n)], out
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    oracle = Oracle(pack, device=device, activation_budget=budget, chain=LoadChain(prefetch=Prefetcher))
+    oracle.hidden_states(rows[:1], progress=False)        # warm-up: kernels, rope tables, page cache, pinned buffers
+    prefetched_s, prefetched, out_prefetched = spans(oracle)
+    timeline = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]}
+    peak_prefetch = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    rss_prefetch = host_peak_rss_gib()
+    del oracle
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    oracle = Oracle(pack, device=device, activation_budget=budget, keep_weights=True)
+    first_s, _, _ = spans(oracle)                         # loads and decodes every layer once, kept
+    resident_s, resident, out_resident = spans(oracle)
+    same = all(torch.equal(a, b) for a, b in zip(out_prefetched, out_resident))
+    finite = all(bool(torch.isfinite(a).all()) for a in out_prefetched)
+    del out_prefetched, out_resident
+    peak_resident = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    del oracle
+    per_layer = [{"layer": i, "stage_s": timeline[i].stage_s, "build_s": timeline[i].build_s,
+                  "wait_s": timeline[i].wait_s, "staged_GiB": timeline[i].staged_bytes / 2**30,
+                  "unstaged_GiB": timeline[i].unstaged_bytes / 2**30, "span_prefetch_s": prefetched[i],
+                  "span_resident_s": resident[i], "visible_load_s": prefetched[i] - resident[i]} for i in range(n)]
+    later = per_layer[1:]
+    return {"arch": arch, **info, "layers": n, "rows": args.rows, "length": args.length, "build_s": build_s,
+            "read_s": read_s, "read_GiB": read_bytes / 2**30, "pass_prefetch_s": prefetched_s,
+            "pass_first_resident_s": first_s, "pass_resident_s": resident_s, "per_layer": per_layer,
+            "prefetch_equals_resident": same, "finite": finite,
+            "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in later),
+            "gpu_peak_prefetch_GiB": peak_prefetch, "gpu_peak_resident_GiB": peak_resident,
+            "host_peak_rss_GiB": rss_prefetch}
+
+
+def pipeline_table(results: list[dict]) -> str:
+    lines = []
+    for r in results:
+        lines += ["", f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, {r['rows']} x {r['length']} tokens, "
+                  f"{r['read_GiB']:.1f} GiB stored; pass with prefetch {r['pass_prefetch_s']:.2f} s, resident "
+                  f"(every layer decoded, second pass) {r['pass_resident_s']:.2f} s; GPU peak "
+                  + (f"{r['gpu_peak_prefetch_GiB']:.1f} / {r['gpu_peak_resident_GiB']:.1f} GiB"
+                     if r["gpu_peak_prefetch_GiB"] is not None else "-")
+                  + f", host peak RSS {r['host_peak_rss_GiB']:.1f} GiB; outputs of both passes equal: "
+                  f"{r['prefetch_equals_resident']}",
+                  "",
+                  "| layer | staged GiB (left out) | stage s (loader) | build s (loader) | wait s (compute thread) | "
+                  "span with prefetch s | span resident s (compute) | visible load s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for x in r["per_layer"]:
+            lines.append(f"| {x['layer']} | {x['staged_GiB']:.2f} ({x['unstaged_GiB']:.2f}) | {x['stage_s']:.3f} | "
+                         f"{x['build_s']:.3f} | {x['wait_s']:.3f} | {x['span_prefetch_s']:.3f} | "
+                         f"{x['span_resident_s']:.3f} | {x['visible_load_s']:.3f} |")
+        lines.append(f"layers 1+: visible load below the layer's compute: {r['later_layers_visible_below_compute']} "
+                     f"(layer 0 has nothing to hide behind)")
+    return "\n".join(lines)
 
 
 def host_peak_rss_gib() -> float:
@@ -540,6 +654,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape-budgets", default="",
                     help="--shapes once per activation budget in GiB, e.g. 8,auto (auto: from free device memory)")
     ap.add_argument("--profile", type=int, default=0, help="profile one more pass per layer: print the top N operators")
+    ap.add_argument("--layers", type=int, default=1,
+                    help=">= 2: build that many layers and time one pass with the prefetcher against the resident pass")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--work", default=None, help="scratch folder for the packs (default: a temporary one)")
@@ -563,19 +679,20 @@ def main(argv=None) -> int:
             "copy_GBps": args.copy_bw / 1e9, "smoke": args.smoke,
             "device_decode_on_main": "device" in __import__("inspect").signature(Pack.tensor).parameters}
     print(json.dumps(info))
-    results = {"machine": info, "layers": [], "head": None}
+    results = {"machine": info, "layers": [], "pipeline": [], "head": None}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="realscale-"))
     try:
         for arch in [a for a in args.archs.split(",") if a]:
             try:
-                r = bench_layer(arch, args, device, work)
+                r = (bench_pipeline if args.layers > 1 else bench_layer)(arch, args, device, work)
             except Exception:      # a part that fails is reported; the others still run
                 import traceback
                 traceback.print_exc()
                 continue
-            results["layers"].append(r)
+            results["pipeline" if args.layers > 1 else "layers"].append(r)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-            shutil.rmtree(work / f"{arch}-exl3", ignore_errors=True)
+            for built in work.glob(f"{arch}-*"):
+                shutil.rmtree(built, ignore_errors=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if not args.skip_head:
@@ -589,7 +706,7 @@ def main(argv=None) -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    print(table(results))
+    print(table(results) + pipeline_table(results["pipeline"]))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "realscale.json").write_text(json.dumps(results, indent=1))
@@ -742,7 +859,7 @@ def activation_line(a: dict) -> str:
 
 
 def table(results: dict) -> str:
-    lines = ["| layer | experts | read s | load s (read+decode+copy) | compute s | tokens/s | TFLOP/s | x floor | "
+    lines = [] if not results["layers"] else ["| layer | experts | read s | load s (read+decode+copy) | compute s | tokens/s | TFLOP/s | x floor | "
              "GPU peak GiB | 317k x 40 layers x 384: serial / overlapped / floor min |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["layers"]:
