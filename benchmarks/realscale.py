@@ -445,6 +445,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     oracle = Oracle(pack, device=device, activation_budget=budget, chain=LoadChain(prefetch=Prefetcher))
     oracle.hidden_states(rows[:1], progress=False)        # warm-up: kernels, rope tables, page cache, pinned buffers
     prefetched_s, prefetched, out_prefetched = spans(oracle)
+    offloaded = [(oracle.last_forward or {}).get("offloaded_batches", 0)]
     timeline = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]}
     peak_prefetch = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     rss_prefetch = host_peak_rss_gib()
@@ -455,7 +456,8 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     oracle = Oracle(pack, device=device, activation_budget=budget, keep_weights=True)
     first_s, _, _ = spans(oracle)                         # loads and decodes every layer once, kept
     resident_s, resident, out_resident = spans(oracle)
-    same = all(torch.equal(a, b) for a, b in zip(out_prefetched, out_resident))
+    offloaded.append((oracle.last_forward or {}).get("offloaded_batches", 0))     # spans compare alike only at 0, 0
+    same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out_prefetched, out_resident))
     finite = all(bool(torch.isfinite(a).all()) for a in out_prefetched)
     del out_prefetched, out_resident
     peak_resident = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -468,7 +470,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     return {"arch": arch, **info, "layers": n, "rows": args.rows, "length": args.length, "build_s": build_s,
             "read_s": read_s, "read_GiB": read_bytes / 2**30, "pass_prefetch_s": prefetched_s,
             "pass_first_resident_s": first_s, "pass_resident_s": resident_s, "per_layer": per_layer,
-            "prefetch_equals_resident": same, "finite": finite,
+            "prefetch_equals_resident": same, "finite": finite, "offloaded_batches_prefetch_resident": offloaded,
             "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in later),
             "gpu_peak_prefetch_GiB": peak_prefetch, "gpu_peak_resident_GiB": peak_resident,
             "host_peak_rss_GiB": rss_prefetch}
@@ -483,7 +485,8 @@ def pipeline_table(results: list[dict]) -> str:
                   + (f"{r['gpu_peak_prefetch_GiB']:.1f} / {r['gpu_peak_resident_GiB']:.1f} GiB"
                      if r["gpu_peak_prefetch_GiB"] is not None else "-")
                   + f", host peak RSS {r['host_peak_rss_GiB']:.1f} GiB; outputs of both passes equal: "
-                  f"{r['prefetch_equals_resident']}",
+                  f"{r['prefetch_equals_resident']}; activation batches in host memory (prefetch, resident): "
+                  f"{r['offloaded_batches_prefetch_resident']}",
                   "",
                   "| layer | staged GiB (left out) | stage s (loader) | build s (loader) | wait s (compute thread) | "
                   "span with prefetch s | span resident s (compute) | visible load s |",
