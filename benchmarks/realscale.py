@@ -442,6 +442,29 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    eager = None
+    if args.eager_experts:
+        # the same pass with every routed expert decoded on the loader thread (a layer transform of the load chain,
+        # run in the Prefetcher's side stream) instead of on the compute thread when first routed to
+        from fidelity.attribute import _routed_experts
+
+        def decode_every_expert(i, layer):
+            experts = _routed_experts(layer)
+            for e in range(experts.n_experts if experts is not None else 0):
+                experts.expert(e)
+            return layer
+        oracle = Oracle(pack, device=device, activation_budget=budget,
+                        chain=LoadChain(prefetch=Prefetcher, layer=(decode_every_expert,)))
+        oracle.hidden_states(rows[:1], progress=False)
+        eager_s, eager_spans, out_eager = spans(oracle)
+        eager_timeline = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]}
+        eager = {"pass_s": eager_s, "spans": eager_spans, "wait_s": [eager_timeline[i].wait_s for i in range(n)],
+                 "build_s": [eager_timeline[i].build_s for i in range(n)],
+                 "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+        del oracle
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
     oracle = Oracle(pack, device=device, activation_budget=budget, chain=LoadChain(prefetch=Prefetcher))
     oracle.hidden_states(rows[:1], progress=False)        # warm-up: kernels, rope tables, page cache, pinned buffers
     prefetched_s, prefetched, out_prefetched = spans(oracle)
@@ -450,6 +473,9 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     peak_prefetch = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     rss_prefetch = host_peak_rss_gib()
     del oracle
+    if eager is not None:
+        eager["equals_prefetch"] = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out_eager, out_prefetched))
+        del out_eager
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -470,7 +496,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     return {"arch": arch, **info, "layers": n, "rows": args.rows, "length": args.length, "build_s": build_s,
             "read_s": read_s, "read_GiB": read_bytes / 2**30, "pass_prefetch_s": prefetched_s,
             "pass_first_resident_s": first_s, "pass_resident_s": resident_s, "per_layer": per_layer,
-            "prefetch_equals_resident": same, "finite": finite, "offloaded_batches_prefetch_resident": offloaded,
+            "prefetch_equals_resident": same, "finite": finite, "eager_experts": eager, "offloaded_batches_prefetch_resident": offloaded,
             "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in later),
             "gpu_peak_prefetch_GiB": peak_prefetch, "gpu_peak_resident_GiB": peak_resident,
             "host_peak_rss_GiB": rss_prefetch}
@@ -497,6 +523,15 @@ def pipeline_table(results: list[dict]) -> str:
                          f"{x['span_resident_s']:.3f} | {x['visible_load_s']:.3f} |")
         lines.append(f"layers 1+: visible load below the layer's compute: {r['later_layers_visible_below_compute']} "
                      f"(layer 0 has nothing to hide behind)")
+        e = r.get("eager_experts")
+        if e:
+            lines.append(f"experts decoded on the loader thread: pass {e['pass_s']:.2f} s, spans "
+                         + " / ".join(f"{x:.3f}" for x in e["spans"]) + " s, waits "
+                         + " / ".join(f"{x:.3f}" for x in e["wait_s"]) + " s, builds "
+                         + " / ".join(f"{x:.3f}" for x in e["build_s"]) + " s, visible load (span - resident) "
+                         + " / ".join(f"{x - y['span_resident_s']:.3f}" for x, y in zip(e["spans"], r["per_layer"]))
+                         + (f" s, GPU peak {e['gpu_peak_GiB']:.1f} GiB" if e["gpu_peak_GiB"] is not None else " s")
+                         + f"; outputs equal the lazy pass's: {e['equals_prefetch']}")
     return "\n".join(lines)
 
 
@@ -659,6 +694,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="profile one more pass per layer: print the top N operators")
     ap.add_argument("--layers", type=int, default=1,
                     help=">= 2: build that many layers and time one pass with the prefetcher against the resident pass")
+    ap.add_argument("--eager-experts", action="store_true",
+                    help="--layers: also a pass with every routed expert decoded on the loader thread")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--work", default=None, help="scratch folder for the packs (default: a temporary one)")

@@ -33,10 +33,10 @@ def test_realscale_pipeline_smoke_builds_every_layer_and_prefetch_changes_nothin
         import realscale
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert realscale.main(["--smoke", "--device", "cpu", "--layers", "3", "--skip-head", "--out", str(tmp_path)]) == 0
+    assert realscale.main(["--smoke", "--device", "cpu", "--layers", "3", "--eager-experts", "--skip-head", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "realscale.json").read_text())
     assert r["layers"] == [] and [x["arch"] for x in r["pipeline"]] == ["v4", "v41"]
     for p in r["pipeline"]:
         assert p["layers"] == 3 and [x["layer"] for x in p["per_layer"]] == [0, 1, 2]
-        assert p["prefetch_equals_resident"] and p["finite"]
+        assert p["prefetch_equals_resident"] and p["finite"] and p["eager_experts"]["equals_prefetch"]
         assert all(x["build_s"] > 0 and x["span_resident_s"] > 0 for x in p["per_layer"])
