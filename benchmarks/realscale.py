@@ -424,7 +424,13 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     rows = torch.randint(0, 256, (args.rows, args.length), generator=g).tolist()
     budget = None if args.activation_gib is None else int(args.activation_gib * 2**30)
 
-    def spans(oracle) -> tuple[float, list[float]]:
+    def measured_pass(warm_up: list, **options) -> dict:
+        """A fresh oracle: `warm_up` rows first (untimed), then one timed pass over `rows` with each layer's end marked."""
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        oracle = Oracle(pack, device=device, activation_budget=budget, **options)
+        warm_up_s, _ = timed(lambda: oracle.hidden_states(warm_up, progress=False), device)
         ends: dict[int, float] = {}
 
         def tap(i):
@@ -436,12 +442,12 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
         start = time.perf_counter()
         _, out = oracle._forward(rows, False, taps={i: tap(i) for i in range(n)})
         sync(device)
-        total = time.perf_counter() - start
-        return total, [ends[i] - (ends[i - 1] if i else start) for i in range(n)], out
+        loads = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]} if oracle.prefetcher else None
+        return {"warm_up_s": warm_up_s, "pass_s": time.perf_counter() - start, "spans": [ends[i] - (ends[i - 1] if i else start) for i in range(n)],
+                "out": [x.cpu() for x in out], "loads": loads,
+                "offloaded": (oracle.last_forward or {}).get("offloaded_batches", 0),
+                "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     eager = None
     if args.eager_experts:
         # the same pass with every routed expert decoded on the loader thread (a layer transform of the load chain,
@@ -453,52 +459,32 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
             for e in range(experts.n_experts if experts is not None else 0):
                 experts.expert(e)
             return layer
-        oracle = Oracle(pack, device=device, activation_budget=budget,
-                        chain=LoadChain(prefetch=Prefetcher, layer=(decode_every_expert,)))
-        oracle.hidden_states(rows[:1], progress=False)
-        eager_s, eager_spans, out_eager = spans(oracle)
-        eager_timeline = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]}
-        eager = {"pass_s": eager_s, "spans": eager_spans, "wait_s": [eager_timeline[i].wait_s for i in range(n)],
-                 "build_s": [eager_timeline[i].build_s for i in range(n)],
-                 "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
-        del oracle
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-    oracle = Oracle(pack, device=device, activation_budget=budget, chain=LoadChain(prefetch=Prefetcher))
-    oracle.hidden_states(rows[:1], progress=False)        # warm-up: kernels, rope tables, page cache, pinned buffers
-    prefetched_s, prefetched, out_prefetched = spans(oracle)
-    offloaded = [(oracle.last_forward or {}).get("offloaded_batches", 0)]
-    timeline = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]}
-    peak_prefetch = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        eager = measured_pass(rows[:1], chain=LoadChain(prefetch=Prefetcher, layer=(decode_every_expert,)))
+    # warm-up: kernels, rope tables, page cache, pinned buffers
+    lazy = measured_pass(rows[:1], chain=LoadChain(prefetch=Prefetcher))
     rss_prefetch = host_peak_rss_gib()
-    del oracle
-    if eager is not None:
-        eager["equals_prefetch"] = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out_eager, out_prefetched))
-        del out_eager
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    oracle = Oracle(pack, device=device, activation_budget=budget, keep_weights=True)
-    first_s, _, _ = spans(oracle)                         # loads and decodes every layer once, kept
-    resident_s, resident, out_resident = spans(oracle)
-    offloaded.append((oracle.last_forward or {}).get("offloaded_batches", 0))     # spans compare alike only at 0, 0
-    same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out_prefetched, out_resident))
-    finite = all(bool(torch.isfinite(a).all()) for a in out_prefetched)
-    del out_prefetched, out_resident
-    peak_resident = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    del oracle
+    # the warm-up pass over the same rows loads and decodes every layer once, kept
+    resident = measured_pass(rows, keep_weights=True)
+    timeline = lazy["loads"]
     per_layer = [{"layer": i, "stage_s": timeline[i].stage_s, "build_s": timeline[i].build_s,
                   "wait_s": timeline[i].wait_s, "staged_GiB": timeline[i].staged_bytes / 2**30,
-                  "unstaged_GiB": timeline[i].unstaged_bytes / 2**30, "span_prefetch_s": prefetched[i],
-                  "span_resident_s": resident[i], "visible_load_s": prefetched[i] - resident[i]} for i in range(n)]
-    later = per_layer[1:]
+                  "unstaged_GiB": timeline[i].unstaged_bytes / 2**30, "span_prefetch_s": lazy["spans"][i],
+                  "span_resident_s": resident["spans"][i], "visible_load_s": lazy["spans"][i] - resident["spans"][i]}
+                 for i in range(n)]
+    if eager is not None:
+        eager = {"pass_s": eager["pass_s"], "spans": eager["spans"], "gpu_peak_GiB": eager["gpu_peak_GiB"],
+                 "wait_s": [eager["loads"][i].wait_s for i in range(n)],
+                 "build_s": [eager["loads"][i].build_s for i in range(n)],
+                 "equals_prefetch": all(torch.equal(a, b) for a, b in zip(eager["out"], lazy["out"]))}
     return {"arch": arch, **info, "layers": n, "rows": args.rows, "length": args.length, "build_s": build_s,
-            "read_s": read_s, "read_GiB": read_bytes / 2**30, "pass_prefetch_s": prefetched_s,
-            "pass_first_resident_s": first_s, "pass_resident_s": resident_s, "per_layer": per_layer,
-            "prefetch_equals_resident": same, "finite": finite, "eager_experts": eager, "offloaded_batches_prefetch_resident": offloaded,
-            "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in later),
-            "gpu_peak_prefetch_GiB": peak_prefetch, "gpu_peak_resident_GiB": peak_resident,
+            "read_s": read_s, "read_GiB": read_bytes / 2**30, "pass_prefetch_s": lazy["pass_s"],
+            "pass_first_resident_s": resident["warm_up_s"], "pass_resident_s": resident["pass_s"], "per_layer": per_layer,
+            "prefetch_equals_resident": all(torch.equal(a, b) for a, b in zip(lazy["out"], resident["out"])),
+            "finite": all(bool(torch.isfinite(a).all()) for a in lazy["out"]), "eager_experts": eager,
+            # spans compare alike only when neither pass held activation batches in host memory: [0, 0]
+            "offloaded_batches_prefetch_resident": [lazy["offloaded"], resident["offloaded"]],
+            "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in per_layer[1:]),
+            "gpu_peak_prefetch_GiB": lazy["gpu_peak_GiB"], "gpu_peak_resident_GiB": resident["gpu_peak_GiB"],
             "host_peak_rss_GiB": rss_prefetch}
 
 
