@@ -329,7 +329,8 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     budget = None if args.activation_gib is None else int(args.activation_gib * 2**30)
-    oracle = Oracle(pack, device=device, keep_weights=True, activation_budget=budget)
+    oracle = Oracle(pack, device=device, keep_weights=True, activation_budget=budget,
+                    expert_budget_bytes=expert_budget(args))
     load_s, _ = timed(lambda: oracle.load_layer(0), device)
     from fidelity.packs.exl3.layouts import routed_expert
     sample = [n for n in pack.names() if routed_expert(n) is not None or (".experts." in n and "shared" not in n)][:6]
@@ -340,6 +341,7 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
     rows = torch.randint(0, 256, (args.rows, args.length), generator=g).tolist()
     oracle.hidden_states(rows[:1], progress=False)                 # warm-up: kernels, rope tables, masks
     compute_s, hidden = timed(lambda: oracle.hidden_states(rows, progress=False), device)
+    expert_decodes = (oracle.last_forward or {}).get("experts")
     tokens = args.rows * args.length
     finite = all(bool(torch.isfinite(h).all()) for h in hidden)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -392,7 +394,7 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
                        "panel_40_layers_compute_min": LAYERS * s * PANEL_TOKENS / n_tok / 60})
     oracle.activation_budget = budget
     return {"arch": arch, **info, "shapes": shapes, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
-            "engram_rows_s": engram_s, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
+            "engram_rows_s": engram_s, "experts_pass": expert_decodes, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
             "layer_load_at_384_s": panel_load, "compute_s": compute_s, "tokens": tokens,
             "tokens_per_s": tokens / compute_s, "tflops": flops / compute_s / 1e12, "floor_s": floor,
             "x_floor": (load_s + compute_s) / floor, "compute_x_matmul_floor": compute_s / (flops / rate),
@@ -429,7 +431,8 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        oracle = Oracle(pack, device=device, activation_budget=budget, **options)
+        oracle = Oracle(pack, device=device, activation_budget=budget, expert_budget_bytes=expert_budget(args),
+                        **options)
         warm_up_s, _ = timed(lambda: oracle.hidden_states(warm_up, progress=False), device)
         ends: dict[int, float] = {}
 
@@ -446,6 +449,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
         return {"warm_up_s": warm_up_s, "pass_s": time.perf_counter() - start, "spans": [ends[i] - (ends[i - 1] if i else start) for i in range(n)],
                 "out": [x.cpu() for x in out], "loads": loads,
                 "offloaded": (oracle.last_forward or {}).get("offloaded_batches", 0),
+                "experts": (oracle.last_forward or {}).get("experts"),
                 "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
     eager = None
@@ -473,6 +477,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
                  for i in range(n)]
     if eager is not None:
         eager = {"pass_s": eager["pass_s"], "spans": eager["spans"], "gpu_peak_GiB": eager["gpu_peak_GiB"],
+                 "experts": eager["experts"],
                  "wait_s": [eager["loads"][i].wait_s for i in range(n)],
                  "build_s": [eager["loads"][i].build_s for i in range(n)],
                  "equals_prefetch": all(torch.equal(a, b) for a, b in zip(eager["out"], lazy["out"]))}
@@ -483,6 +488,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
             "finite": all(bool(torch.isfinite(a).all()) for a in lazy["out"]), "eager_experts": eager,
             # spans compare alike only when neither pass held activation batches in host memory: [0, 0]
             "offloaded_batches_prefetch_resident": [lazy["offloaded"], resident["offloaded"]],
+            "experts_prefetch": lazy["experts"], "experts_resident": resident["experts"],
             "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in per_layer[1:]),
             "gpu_peak_prefetch_GiB": lazy["gpu_peak_GiB"], "gpu_peak_resident_GiB": resident["gpu_peak_GiB"],
             "host_peak_rss_GiB": rss_prefetch}
@@ -498,7 +504,9 @@ def pipeline_table(results: list[dict]) -> str:
                      if r["gpu_peak_prefetch_GiB"] is not None else "-")
                   + f", host peak RSS {r['host_peak_rss_GiB']:.1f} GiB; outputs of both passes equal: "
                   f"{r['prefetch_equals_resident']}; activation batches in host memory (prefetch, resident): "
-                  f"{r['offloaded_batches_prefetch_resident']}",
+                  f"{r['offloaded_batches_prefetch_resident']}"
+                  + expert_line(r.get("experts_prefetch"), "; routed experts, prefetch pass")
+                  + expert_line(r.get("experts_resident"), "; resident pass"),
                   "",
                   "| layer | staged GiB (left out) | stage s (loader) | build s (loader) | wait s (compute thread) | "
                   "span with prefetch s | span resident s (compute) | visible load s |",
@@ -517,7 +525,8 @@ def pipeline_table(results: list[dict]) -> str:
                          + " / ".join(f"{x:.3f}" for x in e["build_s"]) + " s, visible load (span - resident) "
                          + " / ".join(f"{x - y['span_resident_s']:.3f}" for x, y in zip(e["spans"], r["per_layer"]))
                          + (f" s, GPU peak {e['gpu_peak_GiB']:.1f} GiB" if e["gpu_peak_GiB"] is not None else " s")
-                         + f"; outputs equal the lazy pass's: {e['equals_prefetch']}")
+                         + f"; outputs equal the lazy pass's: {e['equals_prefetch']}"
+                         + expert_line(e.get("experts"), "; routed experts"))
     return "\n".join(lines)
 
 
@@ -682,6 +691,9 @@ def main(argv=None) -> int:
                     help=">= 2: build that many layers and time one pass with the prefetcher against the resident pass")
     ap.add_argument("--eager-experts", action="store_true",
                     help="--layers: also a pass with every routed expert decoded on the loader thread")
+    ap.add_argument("--expert-gib", type=float, default=None,
+                    help="decoded routed experts kept per layer (GiB; Oracle(expert_budget_bytes=)); default: all; "
+                         "the others are decoded for each call")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--work", default=None, help="scratch folder for the packs (default: a temporary one)")
@@ -798,7 +810,8 @@ def parallel_main(args) -> int:
 
             want, one_s = None, None
             if rank == 0:
-                one_s, want = timed_pass(Oracle(open_pack(pack_dir), device=device, keep_weights=True), False)
+                one_s, want = timed_pass(Oracle(open_pack(pack_dir), device=device, keep_weights=True,
+                                                expert_budget_bytes=expert_budget(args)), False)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             if g:
@@ -808,7 +821,8 @@ def parallel_main(args) -> int:
                 read = set()
                 tensor = pack.tensor
                 pack.tensor = lambda name, tensor=tensor, **where: (read.add(name), tensor(name, **where))[1]
-                oracle = parallel.make_oracle(pack, device, parallel=mode, keep_weights=True)
+                oracle = parallel.make_oracle(pack, device, parallel=mode, keep_weights=True,
+                                              expert_budget_bytes=expert_budget(args))
                 seconds, got = timed_pass(oracle, g is not None)
                 mine = sorted({routed_expert(n)[2] for n in read if routed_expert(n) is not None})
                 slowest, per_rank = seconds, [mine]
@@ -873,6 +887,22 @@ def parallel_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def expert_budget(args) -> int | None:
+    """--expert-gib as the Oracle's expert_budget_bytes (None: every decoded expert kept)."""
+    return None if args.expert_gib is None else int(args.expert_gib * 2**30)
+
+
+def expert_line(e: dict | None, what: str) -> str:
+    """A pass's routed-expert decodes (Oracle.last_forward["experts"]): decodes of how many distinct experts, and
+    the most one layer held (kept + the one decoded for a call)."""
+    if not e:
+        return ""
+    gib = 2**30
+    budget = "all kept" if e.get("budget_bytes") is None else f"budget {e['budget_bytes'] / gib:.3g} GiB per layer"
+    return (f"{what} ({budget}): {e['decodes']} decodes of {e['used']} distinct experts, a layer kept "
+            f"{e['kept_bytes'] / gib:.3g} GiB, peak {e['peak_bytes'] / gib:.3g} GiB")
+
+
 def activation_line(a: dict) -> str:
     if not a:
         return ""
@@ -895,6 +925,8 @@ def table(results: dict) -> str:
                      f"{r['panel_40x384_serial_min']:.1f} / {r['panel_40x384_overlapped_min']:.1f} / "
                      f"{r['panel_floor_min']:.1f} |")
     for r in results["layers"]:
+        if r.get("experts_pass"):
+            lines.append(f"  {r['arch']}" + expert_line(r["experts_pass"], ": routed experts, the timed pass"))
         if r.get("engram_rows_s") is not None:
             lines.append(f"  {r['arch']}: the batch's Engram rows alone (hash, distinct rows, reads, decode, gather) "
                          f"{r['engram_rows_s']:.3f} s of the {r['compute_s']:.2f} s compute")
@@ -908,7 +940,8 @@ def table(results: dict) -> str:
                          + f", host peak RSS (process) {x['host_peak_rss_GiB']:.1f} GiB"
                          + (f" (GPU + host {x['gpu_peak_GiB'] + x['host_peak_rss_GiB']:.1f} GiB: one pool on a "
                             f"unified-memory machine)" if x["gpu_peak_GiB"] is not None else "")
-                         + activation_line(x.get("activations") or {}))
+                         + activation_line(x.get("activations") or {})
+                         + expert_line((x.get("activations") or {}).get("experts"), "; routed experts"))
     h = results["head"]
     if h:
         lines += ["", f"head + metrics, {h['positions']} positions x vocab {h['vocab']}: plain GEMMs "

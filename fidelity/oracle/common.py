@@ -26,10 +26,15 @@ class Fetch:
     Slots the oracle's load chain fills (`fidelity.oracle.runner.LoadChain`): `ready` holds tensors already placed on
     the device for the layer being built (sharded loads: received from the rank that read them), each handed out once
     instead of being read; `RoutedExperts` hands its calls to `expert_parallel` and its expert choices to
-    `routing_counts` when set."""
+    `routing_counts` when set. `expert_budget_bytes` (the Oracle's `expert_budget_bytes=`): None keeps every decoded
+    routed expert for the layer's lifetime; an int keeps at most that many bytes of them per layer (first fit in the
+    order they are first used; the others are decoded for each call and freed after it: `moe.DecodedExperts`), read by
+    `RoutedExperts` when a layer is built; `expert_decodes` (the oracle's, one per forward) tallies their decodes."""
 
     expert_parallel = None      # an ExpertParallel (fidelity.oracle.parallel.experts) or attribute's recorder
     routing_counts = None       # a fidelity.routing.RoutingCounts sink
+    expert_budget_bytes = None  # bytes of decoded routed experts a layer keeps (None: all)
+    expert_decodes = None       # a fidelity.oracle.moe.ExpertDecodes tally
 
     def __init__(self, read: Callable[..., torch.Tensor], shape_of: Callable[[str], tuple] | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):

@@ -1,7 +1,10 @@
 """Softmax-routed mixture-of-experts decoders: Qwen3Moe (top-k, renormalised when norm_topk_prob) and Mixtral (top-k,
-always renormalised). Attention is the Llama family's. Experts are read from the pack only when a token routes to them."""
+always renormalised). Attention is the Llama family's. Experts are read from the pack only when a token routes to them,
+and kept within the oracle's expert budget (`Oracle(expert_budget_bytes=)`, DecodedExperts)."""
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,23 +17,122 @@ from .llama import Attention, AttentionArgs, DecoderLayer, attention_args, norm_
 from .rope import cos_sin
 
 
-class RoutedExperts:
-    """Experts of one layer, materialised on first use and kept for the layer's lifetime.
+class DecodedExperts(Mapping):
+    """The decoded experts one layer's RoutedExperts keeps (`RoutedExperts.loaded`): expert index -> module, read-only.
 
-    `names(e)` gives expert e's (gate, up, down) module names (without `.weight`)."""
+    `offer(e, mlp)` hands it an expert just decoded and returns the module. `budget` None keeps every one; an int keeps
+    at most that many bytes of decoded weights, first fit in the order experts are first decoded (one is kept when its
+    bytes fit in what the budget has left). An expert not kept belongs to the caller alone: used for one call, freed
+    when the caller drops it, decoded again at its next use (same bytes, same numbers). Counters: `decodes` (offers),
+    `used` (distinct experts decoded), `kept_bytes`, `peak_bytes` (the most held at once: the kept experts plus the one
+    transient expert, which the caller drops before it decodes the next)."""
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
+        self._kept: dict[int, object] = {}
+        self._used: set[int] = set()
+        self.decodes = self.kept_bytes = self.peak_bytes = 0
+
+    @staticmethod
+    def nbytes(mlp) -> int:
+        """Bytes of a decoded expert's tensors (its weights and biases)."""
+        return sum(t.numel() * t.element_size() for t in vars(mlp).values() if isinstance(t, torch.Tensor))
+
+    def offer(self, e: int, mlp):
+        nbytes = self.nbytes(mlp)
+        self.decodes += 1
+        self._used.add(e)
+        if self.budget is None or self.kept_bytes + nbytes <= self.budget:
+            self._kept[e] = mlp
+            self.kept_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.kept_bytes)
+        else:
+            self.peak_bytes = max(self.peak_bytes, self.kept_bytes + nbytes)
+        return mlp
+
+    @property
+    def used(self) -> int:
+        return len(self._used)
+
+    def get(self, e: int, default=None):
+        return self._kept.get(e, default)
+
+    def __getitem__(self, e: int):
+        return self._kept[e]
+
+    def __iter__(self):
+        return iter(self._kept)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+class ExpertDecodes:
+    """A tally over every layer's DecodedExperts (`fetch.expert_decodes`; the Oracle starts a new one per forward and
+    reports it in `last_forward["experts"]`): `decodes` over all layers, `used` the distinct (layer, expert) pairs
+    among them; `kept_bytes` and `peak_bytes` the largest of one layer's (its DecodedExperts' at its calls in the pass:
+    a layer kept by keep_weights brings the experts it kept before). Counted under a lock: the prefetcher's loader
+    thread may decode (a layer transform) while the compute thread does."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.decodes = self.kept_bytes = self.peak_bytes = 0
+        self.pairs: set[tuple] = set()
+
+    @property
+    def used(self) -> int:
+        return len(self.pairs)
+
+    def decoded(self, layer: tuple, e: int) -> None:
+        """`layer`: a key of the layer's experts (their expert 0's module names, as fidelity.routing keys them)."""
+        with self.lock:
+            self.decodes += 1
+            self.pairs.add((layer, e))
+
+    def saw(self, table: DecodedExperts) -> None:
+        with self.lock:
+            self.kept_bytes = max(self.kept_bytes, table.kept_bytes)
+            self.peak_bytes = max(self.peak_bytes, table.peak_bytes)
+
+    def report(self) -> dict:
+        with self.lock:
+            return {"decodes": self.decodes, "used": len(self.pairs), "kept_bytes": self.kept_bytes,
+                    "peak_bytes": self.peak_bytes}
+
+
+class RoutedExperts:
+    """Experts of one layer, decoded on first use and kept for the layer's lifetime, within `fetch.expert_budget_bytes`
+    when one is set (read when the layer is built; see DecodedExperts: an expert over the budget is decoded for each
+    call and freed after it).
+
+    `names(e)` gives expert e's (gate, up, down) module names (without `.weight`); `decode(e)` builds expert e from
+    the pack (a family with other expert math overrides it)."""
 
     def __init__(self, n_experts: int, names: Callable[[int], tuple[str, str, str]], fetch: Fetch, act: str):
         self.n_experts, self.names, self.fetch, self.act = n_experts, names, fetch, act
-        self.loaded: dict[int, GatedMLP] = {}
+        self.loaded = DecodedExperts(getattr(fetch, "expert_budget_bytes", None))
+
+    def decode(self, e: int) -> GatedMLP:
+        return GatedMLP.from_names(self.fetch, *self.names(e), self.act)
 
     def expert(self, e: int) -> GatedMLP:
         mlp = self.loaded.get(e)
         if mlp is None:
-            mlp = self.loaded[e] = GatedMLP.from_names(self.fetch, *self.names(e), self.act)
+            mlp = self.loaded.offer(e, self.decode(e))
+            tally = getattr(self.fetch, "expert_decodes", None)
+            if tally is not None:
+                tally.decoded(tuple(self.names(0)), e)
         return mlp
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]; indices, weights [N, k] -> sum_k weights * expert_k(x), experts applied in ascending order."""
+        out = self._combine(x, indices, weights)
+        tally = getattr(self.fetch, "expert_decodes", None)
+        if tally is not None:
+            tally.saw(self.loaded)
+        return out
+
+    def _combine(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         counts = getattr(self.fetch, "routing_counts", None)  # optional sink (fidelity.routing): tokens per expert
         if counts is not None:
             counts.add(self, indices)
@@ -38,7 +140,8 @@ class RoutedExperts:
         if parallel is not None:
             return parallel.combine(self, x, indices, weights)
         # one stable sort groups the token-expert pairs by expert (tokens ascending within each), one host sync reads the
-        # group sizes; each token's output sums its experts in ascending order, on every device
+        # group sizes; each token's output sums its experts in ascending order, on every device. An expert over the
+        # budget lives only in this expression: freed once its output is computed, before the next one decodes
         N, k = indices.shape
         flat = indices.flatten()
         order = torch.sort(flat, stable=True).indices

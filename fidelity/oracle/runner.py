@@ -3,7 +3,10 @@ activations, never the whole model."""
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import re
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -15,6 +18,7 @@ from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
 from .families import family_for
 from .common import Family, Fetch, layer_call_args, rms_norm
+from .moe import ExpertDecodes
 
 # Target bytes of one logits chunk in apply_head / iter_logits.
 HEAD_CHUNK_BYTES = 256 * 2**20
@@ -35,6 +39,9 @@ ACTIVATIONS_ENV = "FIDELITY_DEVICE_ACTIVATIONS_GIB"
 # the activations' freed blocks back too, and their next allocation faults them in again (SmolLM2-135M, 1024 tokens:
 # 415k page faults and 3.0 s CPU per pass trimming every 14 MiB layer). Layers this large are trimmed after each one.
 TRIM_AFTER_BYTES = 64 * 2**20
+# A routed expert's tensor, in every family's spellings (`...experts.<e>.<matrix>`; shared experts are `shared_experts`):
+# group 1 names the expert.
+ROUTED_EXPERT_NAME = re.compile(r"^(.*\.experts\.\d+)\.")
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -77,6 +84,8 @@ class LoadChain:
         decode     `family.load_layer(i, fetch)`: the layer's module objects from its tensors
         experts    object RoutedExperts hands its calls to (`fetch.expert_parallel`; `parallel.ExpertParallel`: this
                    rank computes its own experts, one all_reduce per MoE call); experts are read when first routed to
+                   and kept within `fetch.expert_budget_bytes` per layer (`Oracle(expert_budget_bytes=)`; None: all
+                   kept; over it an expert is decoded for each call and freed after it)
         layer      ((i, layer) -> layer, ...), applied in order to every built layer (the noise floor's perturbation,
                    `fidelity.measuring.compare.Perturbation`)
 
@@ -96,12 +105,19 @@ class Oracle:
     `keep_weights=True` keeps layers in memory after the first pass (for repeated small runs of a model that fits).
     `chain`: the LoadChain of stages layers load through (default: none, layers built on demand on the calling thread;
     `fidelity.oracle.parallel.load_chain` gives the one a run uses).
+    `expert_budget_bytes`: None keeps every decoded routed expert for its layer's lifetime; an int >= 0 keeps at most
+    that many bytes of decoded routed-expert weights per layer (in the oracle's dtype; first fit in the order experts
+    are first used), the others are decoded for each call and freed after it. Same numbers either way; a budget trades
+    memory for repeated decodes (`last_forward["experts"]` counts them). Settable later (`oracle.expert_budget_bytes =
+    n`): layers built from then on use it (a layer kept by keep_weights keeps what it kept; `release()` drops it).
     """
 
     def __init__(self, pack, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 keep_weights: bool = False, activation_budget: int | None = None, chain: LoadChain | None = None):
+                 keep_weights: bool = False, activation_budget: int | None = None, chain: LoadChain | None = None,
+                 expert_budget_bytes: int | None = None):
         if dtype not in (torch.float32, torch.float64):
             raise FidelityError(f"the oracle computes in float32 or float64, not {dtype}")
+        expert_budget_bytes = checked_expert_budget(expert_budget_bytes)
         self.pack = pack
         self.device = torch.device(device)
         self.dtype = dtype
@@ -116,6 +132,7 @@ class Oracle:
         if not isinstance(self.chain, LoadChain):
             raise FidelityError(f"chain must be a LoadChain, not {type(self.chain).__name__}")
         self.fetch.expert_parallel = self.chain.experts
+        self.fetch.expert_budget_bytes = expert_budget_bytes
         self._head: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._layers: dict[int, object] = {}
@@ -126,6 +143,15 @@ class Oracle:
         self.last_forward: dict = {}   # what the last forward kept where, and its peaks (see ActivationStore.report)
         self.shards = self.chain.shards(self) if self.chain.shards is not None else None
         self.prefetcher = self.chain.prefetch(self) if self.chain.prefetch is not None else None
+
+    @property
+    def expert_budget_bytes(self) -> int | None:
+        """Bytes of decoded routed experts each layer keeps (None: all); read by a layer when it is built."""
+        return self.fetch.expert_budget_bytes
+
+    @expert_budget_bytes.setter
+    def expert_budget_bytes(self, value: int | None) -> None:
+        self.fetch.expert_budget_bytes = checked_expert_budget(value)
 
     # -- weights -------------------------------------------------------------------------------------------
     def _check_names(self) -> None:
@@ -143,6 +169,21 @@ class Oracle:
         """Bytes of layer i's weights in the oracle's dtype (every expert counted: an upper bound)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return sum(math.prod(self._stored_shape(n)) for n in self.family.layer_names(i)) * itemsize
+
+    def _resident_layer_bytes(self, i: int) -> int:
+        """Bytes of layer i's weights it can hold at once: `_layer_bytes`, except that under an expert budget its routed
+        experts count as at most the budget plus the one expert decoded for a call (DecodedExperts.peak_bytes' bound)."""
+        total, budget = self._layer_bytes(i), self.expert_budget_bytes
+        if budget is None:
+            return total
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        experts: dict[str, int] = defaultdict(int)
+        for n in self.family.layer_names(i):
+            m = ROUTED_EXPERT_NAME.match(n)
+            if m is not None:
+                experts[m.group(1)] += math.prod(self._stored_shape(n)) * itemsize
+        routed = sum(experts.values())
+        return total - routed + min(routed, budget + max(experts.values(), default=0))
 
     def load_layer(self, i: int):
         """Layer i through the load chain (LoadChain): the one place a layer's weights are read."""
@@ -211,6 +252,7 @@ class Oracle:
         embed = self.fetch(fam.embed_name)
         ids = [torch.stack([rows[i] for i in idx]).to(self.device) for idx in batches]
         store = ActivationStore(self.device, self._activation_budget(batches, rows))
+        self.fetch.expert_decodes = decodes = ExpertDecodes()   # this pass's routed-expert decodes
         states = [fam.new_pass_state() for _ in batches]   # what each batch's pass carries from layer to layer
         for b, (idx, t) in enumerate(zip(batches, ids)):
             x = store.arrived(fam.embed_hook(F.embedding(t, embed)))
@@ -260,14 +302,16 @@ class Oracle:
             norm = self.fetch(fam.norm_name)
             for b in range(len(batches)):
                 finish(b, store.take(b))
-        self.last_forward = store.report()
+        self.last_forward = {**store.report(),
+                             "experts": {"budget_bytes": self.expert_budget_bytes, **decodes.report()}}
         if progress and store.offloaded:
             tqdm.write(f"oracle: {store.describe()}")
         return batches, out
 
     def _activation_budget(self, batches: list[list[int]], rows: list[torch.Tensor]) -> int | None:
         """Bytes of activations that stay on the device between layers: the caller's, the environment's, or on a
-        GPU what its free memory leaves after two layers' weights and one batch's working memory; None keeps all."""
+        GPU what its free memory leaves after two layers' weights (routed experts within the expert budget, when set:
+        `_resident_layer_bytes`) and one batch's working memory; None keeps all."""
         if self.activation_budget is not None:
             return int(self.activation_budget)
         env = os.environ.get(ACTIVATIONS_ENV)
@@ -282,7 +326,7 @@ class Oracle:
         streams = getattr(getattr(self.family, "args", None), "hc_mult", 1)   # V4: hyper-connection streams
         per_token = self.family.hidden_size * streams * self.dtype.itemsize
         biggest = max(len(idx) * len(rows[idx[0]]) for idx in batches) * per_token
-        weights = 2 * max((self._layer_bytes(i) for i in range(self.family.n_layers)), default=0)
+        weights = 2 * max((self._resident_layer_bytes(i) for i in range(self.family.n_layers)), default=0)
         return max(0, int(0.9 * (free - weights - WORK_FACTOR * biggest)))
 
     # -- head ----------------------------------------------------------------------------------------------
@@ -384,6 +428,16 @@ class Oracle:
             where = "the embeddings" if layer is None else f"layer {layer}"
             raise NonFiniteActivations(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})",
                                        kind=kind, layer=layer, row=rows[j], position=pos)
+
+
+def checked_expert_budget(value) -> int | None:
+    """None, or the expert budget as an int >= 0 (bytes); anything else raises FidelityError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise FidelityError(f"expert_budget_bytes must be None (keep every decoded routed expert) or an int >= 0 "
+                            f"(bytes of decoded routed experts kept per layer), not {value!r}")
+    return int(value)
 
 
 class ActivationStore:

@@ -306,11 +306,9 @@ class ClampedExperts(RoutedExperts):
         super().__init__(n_experts, names, fetch, act)
         self.limit, self.act_quant = limit, act_quant
 
-    def expert(self, e: int) -> GatedMLP:
-        mlp = self.loaded.get(e)
-        if mlp is None:
-            mlp = self.loaded[e] = ClampedGatedMLP.from_names(self.fetch, *self.names(e), self.act)
-            mlp.limit, mlp.act_quant = self.limit, self.act_quant
+    def decode(self, e: int) -> GatedMLP:
+        mlp = ClampedGatedMLP.from_names(self.fetch, *self.names(e), self.act)
+        mlp.limit, mlp.act_quant = self.limit, self.act_quant
         return mlp
 
 
