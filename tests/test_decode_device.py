@@ -15,6 +15,7 @@ machine can build them too.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import threading
@@ -37,6 +38,9 @@ from test_packs_fp4 import e2m1_by_formula, expand, random_e4m3_scales
 from test_packs_fp8 import expand_grid, random_fp8, reference
 
 HAS_CUDA = torch.cuda.is_available()
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if HAVE_TRITON and not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before fidelity.packs.exl3.decode_triton is imported
 CUDA = pytest.param("cuda", marks=[pytest.mark.device, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")])
 DEVICES = ["cpu", CUDA]
 STAGING = LoadChain(prefetch=partial(Prefetcher, stage=True))   # prefetch, stored bytes staged ahead on the CPU too
@@ -370,14 +374,71 @@ def test_exl3_integer_sums_equal_float64_sums(rng_seed, device, codebook, K):
     for t in exl3_extremes(codebook, K):
         args = [t["trellis"], t["suh"], t["svh"]]
         cpu = codec.decode_weight(*args, codebook, sums="float64")
-        for sums in codec.HADAMARD_SUMS:
+        for sums in ("float64", "int64"):
             got = codec.decode_weight(*[a.to(device) for a in args], codebook, sums=sums)
             assert got.device.type == device
             assert torch.equal(got.cpu(), cpu), (sums, (got.cpu() - cpu).abs().max())
 
 
-def test_exl3_sums_by_device():
+NEEDS_TRITON = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+TRITON_CASES = [pytest.param("cpu", marks=NEEDS_TRITON), pytest.param("cuda", marks=[*CUDA.marks, NEEDS_TRITON])]
+
+
+@pytest.mark.parametrize("device", TRITON_CASES)
+@pytest.mark.parametrize("codebook,K,signs", EXL3_CASES)
+def test_exl3_fused_kernel_equals_the_float64_decode(rng_seed, device, codebook, K, signs):
+    """The one-kernel decode (codec "int8" sums: trellis -> states -> integer codebook -> both Hadamard sums as int8
+    digits on tensor cores -> float32) gives the float64 decode's bits, padding cut or not; on the CPU it runs in
+    Triton's interpreter, on CUDA compiled."""
+    t = exl3_linear(codebook, K, signs, k_p=256, n_p=384)
+    suh = t["suh"] if "suh" in t else codec.unpack_sign_bits(t["su"])
+    svh = t["svh"] if "svh" in t else codec.unpack_sign_bits(t["sv"])
+    args = [t["trellis"], suh, svh]
+    for shape in (None, (380, 250), (129, 1)):
+        cpu = codec.decode_weight(*args, codebook, sums="float64", shape=shape)
+        got = codec.decode_weight(*[a.to(device) for a in args], codebook, sums="int8", shape=shape)
+        assert got.device.type == device and got.shape == cpu.shape and got.is_contiguous()
+        assert torch.equal(got.cpu(), cpu), (shape, (got.cpu() - cpu).abs().max())
+
+
+@pytest.mark.parametrize("device", TRITON_CASES)
+@pytest.mark.parametrize("codebook,K", [("3inst", 1), ("mcg", 3), ("mul1", 2.5), ("mul1", 8), ("3inst", 6)])
+def test_exl3_fused_kernel_at_the_extremes(rng_seed, device, codebook, K):
+    """All-zero / all-one trellises (one state everywhere: the Hadamard sums reach their largest magnitude, 128 x 128
+    equal values, the digits' widest case) with the largest and smallest fp16 scales."""
+    for t in exl3_extremes(codebook, K):
+        args = [t["trellis"], t["suh"], t["svh"]]
+        cpu = codec.decode_weight(*args, codebook, sums="float64")
+        got = codec.decode_weight(*[a.to(device) for a in args], codebook, sums="int8")
+        assert torch.equal(got.cpu(), cpu), (got.cpu() - cpu).abs().max()
+
+
+def test_exl3_integer_codebooks_and_digits():
+    """The fused kernel's integer tables: every codebook value times 2^CODEBOOK_SHIFT is an integer (checked here
+    against the float64 codebook independently of the table builder) and the digit counts hold its sums."""
+    for codebook in codec.CODEBOOKS:
+        values = codec._codebook_f64(codebook)
+        scaled = values * 2.0 ** codec.CODEBOOK_SHIFT
+        assert torch.equal(scaled, scaled.round()) and values.abs().max() < 4
+        table, biggest = codec._int_codebook(codebook)
+        assert torch.equal(table.double() * 2.0 ** -codec.CODEBOOK_SHIFT, values)
+        for bound in (biggest, 128 * biggest):
+            d = codec._digits(bound)
+            assert bound <= 127 * 256 ** (d - 1) and (d == 1 or bound > 127 * 256 ** (d - 2))
+    assert [codec._digits(b) for b in (127, 128, 127 * 256, 127 * 256 + 1)] == [1, 2, 2, 3]
+
+
+def test_exl3_sums_by_device(monkeypatch):
     assert codec.default_sums(torch.device("cpu")) == "float64"
+    monkeypatch.setenv(codec.SUMS_ENV, "int64")
+    assert codec.default_sums(torch.device("cpu")) == "int64"
+    monkeypatch.setenv(codec.SUMS_ENV, "fast")
+    with pytest.raises(ValueError, match="FIDELITY_EXL3_SUMS='fast'"):
+        codec.default_sums(torch.device("cpu"))
+    monkeypatch.delenv(codec.SUMS_ENV)
+    if HAS_CUDA:
+        want = "int8" if HAVE_TRITON and torch.cuda.get_device_capability() >= (8, 0) else None
+        assert want is None or codec.default_sums(torch.device("cuda")) == want
     with pytest.raises(ValueError, match="Hadamard sums 'float32'"):
         codec.decode_weight(torch.zeros(16, 8, 32, dtype=torch.int16), torch.ones(256).half(), torch.ones(128).half(),
                            "3inst", sums="float32")

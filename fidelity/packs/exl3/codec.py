@@ -21,6 +21,7 @@ Format facts (checked bit for bit against exllamav3 1.6.5's CUDA kernels, see te
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
 from functools import lru_cache
 
 import torch
@@ -214,13 +215,18 @@ def pack_states(states: torch.Tensor, rate: Bitrate) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------------
 # decoding
 # ---------------------------------------------------------------------------------------------------------------------
-def _decode_tiles(trellis: torch.Tensor, codebook: str, file, tensor) -> torch.Tensor:
-    """float32 [k/16, n/16, 16, 16]: every tile's values in row-major order (rows = input dim)."""
+def _checked_rate(trellis: torch.Tensor, codebook: str, file, tensor) -> Bitrate:
     if codebook not in CODEBOOKS:
         raise PackError(f"unknown EXL3 codebook {codebook!r}", file=file, tensor=tensor)
     rate = bitrate_from_trellis(tuple(trellis.shape), codebook, file=file, tensor=tensor)
     if trellis.dtype not in (torch.int16, torch.uint16):
         raise PackError(f"EXL3 trellis must be int16, got {trellis.dtype}", file=file, tensor=tensor)
+    return rate
+
+
+def _decode_tiles(trellis: torch.Tensor, codebook: str, file, tensor) -> torch.Tensor:
+    """float32 [k/16, n/16, 16, 16]: every tile's values in row-major order (rows = input dim)."""
+    rate = _checked_rate(trellis, codebook, file, tensor)
     kt, nt, _ = trellis.shape
     states = trellis_states(trellis, rate, row_major=True)
     values = codebook_values(codebook, trellis.device).index_select(0, states.flatten())
@@ -266,22 +272,102 @@ def _rotate_back_f64(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> t
     return x.to(torch.float32)
 
 
-# Hadamard sums: "float64" (matmuls; every sum of these fp16 values is exact in float64) or "int64" (butterflies on the
-# values times 2**24, exact integers: every fp16 value is a multiple of 2**-24). The same bits either way; int64 is for
-# GPUs whose float64 matmuls are slow (consumer cards, GB10: 1/64 of the fp32 rate), which then run only elementwise
-# float64 (one conversion, two scalings per weight).
-HADAMARD_SUMS = ("float64", "int64")
+# Hadamard sums: "float64" (matmuls; every sum of these fp16 values is exact in float64), "int64" (butterflies on the
+# values times 2**24, exact integers: every fp16 value is a multiple of 2**-24) or "int8" (the whole decode in one
+# Triton kernel, decode_triton.py: the sums as balanced int8 digits on integer tensor cores, exact). The same bits every
+# way; int64 and int8 need no float64 matmul (consumer cards, GB10: float64 at 1/64 of the fp32 rate), only elementwise
+# float64 (one conversion, two scalings per weight). int8 is the default on CUDA GPUs with int8 tensor cores in Triton
+# (compute capability 8.0 and up) where Triton is installed; FIDELITY_EXL3_SUMS=float64|int64|int8 overrides the default.
+HADAMARD_SUMS = ("float64", "int64", "int8")
 INT_SHIFT = 24
 FAST_FLOAT64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}   # P100, V100, A100, H100/H200, B200 (compute capability)
 
 
+SUMS_ENV = "FIDELITY_EXL3_SUMS"
+
+
 def default_sums(device: torch.device) -> str:
-    """float64 on the CPU and on GPUs with fast float64, int64 elsewhere."""
+    """float64 on the CPU; on CUDA the fused int8 kernel where Triton runs it, else float64 on GPUs with fast float64
+    and int64 elsewhere. FIDELITY_EXL3_SUMS overrides (for a device the choice does not fit, decode_weight says so)."""
+    forced = os.environ.get(SUMS_ENV)
+    if forced:
+        if forced not in HADAMARD_SUMS:
+            raise ValueError(f"{SUMS_ENV}={forced!r}: expected one of {HADAMARD_SUMS}")
+        return forced
     if device.type == "cpu":
         return "float64"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and _triton_decode() is not None:
+        return "int8"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) in FAST_FLOAT64:
         return "float64"
     return "int64"
+
+
+_TRITON: list = []
+
+
+def _triton_decode():
+    """fidelity.packs.exl3.decode_triton's kernel, imported on first use; None without Triton."""
+    if not _TRITON:
+        try:
+            from .decode_triton import decode_kernel
+        except ImportError:
+            decode_kernel = None
+        _TRITON.append(decode_kernel)
+    return _TRITON[0]
+
+
+# Every codebook value is a multiple of 2^-CODEBOOK_SHIFT (3INST/MCG: fp16 halves of exponent >= -3 summed, so of
+# 2^-13; MUL1: h * k_inv + k_bias with k_inv a multiple of 2^-18), checked when the integer table is built.
+CODEBOOK_SHIFT = 18
+
+
+@lru_cache(maxsize=None)
+def _int_codebook(codebook: str) -> tuple[torch.Tensor, int]:
+    """int32 [65536] codebook values times 2^CODEBOOK_SHIFT (exact integers) and their largest magnitude."""
+    scaled = _codebook_f64(codebook) * 2.0 ** CODEBOOK_SHIFT
+    ints = scaled.round()
+    if not torch.equal(ints, scaled) or ints.abs().max() >= 2 ** 30:
+        raise AssertionError(f"EXL3 {codebook} codebook values are not multiples of 2^-{CODEBOOK_SHIFT}")
+    return ints.to(torch.int32), int(ints.abs().max())
+
+
+@lru_cache(maxsize=None)
+def _triton_tables(codebook: str, rate: Bitrate, device: str) -> tuple:
+    table, biggest = _int_codebook(codebook)
+    hi, lo, shift = _window_plan(rate, row_major=True)
+    return (table.to(device), hi.to(device=device, dtype=torch.int32), lo.to(device=device, dtype=torch.int32),
+            shift.to(device), hadamard_pm1(device, torch.int8),
+            torch.tensor([2.0 ** -CODEBOOK_SHIFT], dtype=torch.float64, device=device),
+            _digits(biggest), _digits(HAD * biggest))
+
+
+def _digits(bound: int) -> int:
+    """Balanced base-256 digits that hold integers of magnitude <= bound (the last digit within int8)."""
+    d = 1
+    while bound > 127 * 256 ** (d - 1):
+        d += 1
+    return d
+
+
+def _decode_weight_triton(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, rate: Bitrate,
+                          out: int, inp: int) -> torch.Tensor:
+    kernel = _triton_decode()
+    if kernel is None:
+        raise RuntimeError("EXL3 Hadamard sums 'int8' run in a Triton kernel, but triton is not installed")
+    if trellis.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"EXL3 Hadamard sums 'int8' run on a CUDA device (or in Triton's interpreter, "
+                         f"TRITON_INTERPRET=1), not on {trellis.device}")
+    kt, nt, words = trellis.shape
+    table, hi, lo, shift, h, inv_scale, left, right = _triton_tables(codebook, rate, str(trellis.device))
+    w_t = torch.empty(out, inp, dtype=torch.float32, device=trellis.device)
+    kernel[(nt * TILE // HAD, kt * TILE // HAD)](
+        trellis.contiguous(), table, hi, lo, shift, h, svh.contiguous(), suh.contiguous(), w_t, nt, out, inp,
+        inv_scale, WORDS=words, LEFT_DIGITS=left, RIGHT_DIGITS=right, num_warps=TRITON_WARPS)
+    return w_t
+
+
+TRITON_WARPS = 8
 
 
 def _butterflies(x: torch.Tensor) -> torch.Tensor:
@@ -313,9 +399,10 @@ def unpack_sign_bits(bitfield: torch.Tensor) -> torch.Tensor:
 def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str = "3inst", *,
                   shape: tuple[int, int] | None = None, file=None, tensor=None, sums: str | None = None) -> torch.Tensor:
     """The torch weight [out, in] float32 of an EXL3 linear, on the trellis' device; `shape` = logical (out, in) cuts
-    the padding off. `sums`: "float64" or "int64" Hadamard sums (bit-identical results; default `default_sums`)."""
-    tiles = _decode_tiles(trellis, codebook, file, tensor)
-    kt, nt = tiles.shape[:2]
+    the padding off. `sums`: "float64", "int64" or "int8" Hadamard sums (bit-identical results; default
+    `default_sums`)."""
+    rate = _checked_rate(trellis, codebook, file, tensor)
+    kt, nt = trellis.shape[:2]
     k_p, n_p = kt * TILE, nt * TILE
     if suh.dim() != 1 or suh.shape[0] != k_p:
         raise PackError(f"EXL3 suh has shape {list(suh.shape)}; the trellis {list(trellis.shape)} needs [{k_p}]",
@@ -329,9 +416,12 @@ def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, c
     out, inp = shape if shape is not None else (n_p, k_p)
     if out > n_p or inp > k_p:
         raise PackError(f"logical shape [{out}, {inp}] exceeds the padded EXL3 weight [{n_p}, {k_p}]", file=file, tensor=tensor)
-    sums = sums or default_sums(tiles.device)
+    sums = sums or default_sums(trellis.device)
     if sums not in HADAMARD_SUMS:
         raise ValueError(f"Hadamard sums {sums!r}: expected one of {HADAMARD_SUMS}")
+    if sums == "int8":
+        return _decode_weight_triton(trellis, suh, svh, codebook, rate, out, inp)
+    tiles = _decode_tiles(trellis, codebook, file, tensor)
     if sums == "int64":
         tiles = tiles * 2.0 ** INT_SHIFT                                # exact in float32: fp16 values < 2**16
     inner_t = torch.empty(n_p, k_p, dtype=torch.float64 if sums == "float64" else torch.int64, device=tiles.device)
