@@ -467,6 +467,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     # warm-up: kernels, rope tables, page cache, pinned buffers
     lazy = measured_pass(rows[:1], chain=LoadChain(prefetch=Prefetcher))
     rss_prefetch = host_peak_rss_gib()
+    variants_after_prefetch = exl3_kernel_variants()
     # the warm-up pass over the same rows loads and decodes every layer once, kept
     resident = measured_pass(rows, keep_weights=True)
     timeline = lazy["loads"]
@@ -484,6 +485,7 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     return {"arch": arch, **info, "layers": n, "rows": args.rows, "length": args.length, "build_s": build_s,
             "read_s": read_s, "read_GiB": read_bytes / 2**30, "pass_prefetch_s": lazy["pass_s"],
             "pass_first_resident_s": resident["warm_up_s"], "pass_resident_s": resident["pass_s"], "per_layer": per_layer,
+            "exl3_kernel_variants": {"after_prefetch_pass": variants_after_prefetch, "after_all": exl3_kernel_variants()},
             "prefetch_equals_resident": all(torch.equal(a, b) for a, b in zip(lazy["out"], resident["out"])),
             "finite": all(bool(torch.isfinite(a).all()) for a in lazy["out"]), "eager_experts": eager,
             # spans compare alike only when neither pass held activation batches in host memory: [0, 0]
@@ -528,6 +530,15 @@ def pipeline_table(results: list[dict]) -> str:
                          + f"; outputs equal the lazy pass's: {e['equals_prefetch']}"
                          + expert_line(e.get("experts"), "; routed experts"))
     return "\n".join(lines)
+
+
+def exl3_kernel_variants() -> int | None:
+    """Compiled variants of the EXL3 Triton decode so far (None without it): one per bitrate, a new one mid-pass is a
+    compile inside the timed pass."""
+    from fidelity.packs.exl3 import codec
+    kernel = codec._triton_decode() if torch.cuda.is_available() else None
+    caches = getattr(kernel, "device_caches", None)
+    return None if caches is None else sum(len(c[0]) for c in caches.values())
 
 
 def host_peak_rss_gib() -> float:

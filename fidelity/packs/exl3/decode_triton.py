@@ -49,7 +49,9 @@ def _hadamard_right(x, h, DIGITS: tl.constexpr):
     return acc
 
 
-@triton.jit
+# Stored tensors sit at any even offset of a staged or memory-mapped buffer: specialising on their alignment would
+# compile a variant per offset pattern during a pass (a second or more each)
+@triton.jit(do_not_specialize_on_alignment=["trellis_ptr", "svh_ptr", "suh_ptr"])
 def decode_kernel(trellis_ptr, int_table_ptr, hi_ptr, lo_ptr, shift_ptr, hadamard_ptr, svh_ptr, suh_ptr, out_ptr,
                   n_tiles_n, out_rows, out_cols, inv_scale_ptr,
                   WORDS: tl.constexpr, LEFT_DIGITS: tl.constexpr, RIGHT_DIGITS: tl.constexpr):
