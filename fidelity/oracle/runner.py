@@ -167,8 +167,11 @@ class Oracle:
 
     def _layer_bytes(self, i: int) -> int:
         """Bytes of layer i's weights in the oracle's dtype (every expert counted: an upper bound)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(math.prod(self._stored_shape(n)) for n in self.family.layer_names(i)) * itemsize
+        return sum(self._tensor_bytes(n) for n in self.family.layer_names(i))
+
+    def _tensor_bytes(self, name: str) -> int:
+        """Bytes of one weight decoded in the oracle's dtype."""
+        return math.prod(self._stored_shape(name)) * self.dtype.itemsize
 
     def _resident_layer_bytes(self, i: int) -> int:
         """Bytes of layer i's weights it can hold at once: `_layer_bytes`, except that under an expert budget its routed
@@ -176,12 +179,11 @@ class Oracle:
         total, budget = self._layer_bytes(i), self.expert_budget_bytes
         if budget is None:
             return total
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
         experts: dict[str, int] = defaultdict(int)
         for n in self.family.layer_names(i):
             m = ROUTED_EXPERT_NAME.match(n)
             if m is not None:
-                experts[m.group(1)] += math.prod(self._stored_shape(n)) * itemsize
+                experts[m.group(1)] += self._tensor_bytes(n)
         routed = sum(experts.values())
         return total - routed + min(routed, budget + max(experts.values(), default=0))
 
