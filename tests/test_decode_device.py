@@ -413,6 +413,18 @@ def test_exl3_fused_kernel_at_the_extremes(rng_seed, device, codebook, K):
         assert torch.equal(got.cpu(), cpu), (got.cpu() - cpu).abs().max()
 
 
+def test_exl3_fused_kernel_refuses_where_it_cannot_run(monkeypatch):
+    """sums 'int8' without Triton, or on CPU tensors outside Triton's interpreter: a clear error, no other decode."""
+    args = (torch.zeros(16, 8, 32, dtype=torch.int16), torch.ones(256).half(), torch.ones(128).half(), "3inst")
+    if not HAVE_TRITON:
+        with pytest.raises(RuntimeError, match="'int8' run in a Triton kernel, but triton is not installed"):
+            codec.decode_weight(*args, sums="int8")
+        return
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="'int8' run on a CUDA device .* not on cpu"):
+        codec.decode_weight(*args, sums="int8")
+
+
 def test_exl3_integer_codebooks_and_digits():
     """The fused kernel's integer tables: every codebook value times 2^CODEBOOK_SHIFT is an integer (checked here
     against the float64 codebook independently of the table builder) and the digit counts hold its sums."""
