@@ -413,6 +413,65 @@ def test_exl3_fused_kernel_at_the_extremes(rng_seed, device, codebook, K):
         assert torch.equal(got.cpu(), cpu), (got.cpu() - cpu).abs().max()
 
 
+BATCHED_SUMS = [("cpu", "float64"), pytest.param("cuda", "float64", marks=CUDA.marks),
+                pytest.param("cuda", "int64", marks=CUDA.marks),
+                *[pytest.param(case.values[0], "int8", marks=case.marks) for case in TRITON_CASES]]
+
+
+@pytest.mark.parametrize("device,sums", BATCHED_SUMS)
+@pytest.mark.parametrize("codebook,K,signs", [EXL3_CASES[0], EXL3_CASES[4], EXL3_CASES[8]])
+def test_exl3_batched_decode_equals_each_matrix(rng_seed, device, sums, codebook, K, signs):
+    """decode_weights over three matrices of one codebook, rate and shape (with sums 'int8' one kernel launch for
+    all) gives each one's float64 CPU decode, padding cut or not."""
+    ts = [exl3_linear(codebook, K, signs, k_p=256, n_p=384) for _ in range(3)]
+    trellis = torch.stack([t["trellis"] for t in ts])
+    suh = torch.stack([t["suh"] if "suh" in t else codec.unpack_sign_bits(t["su"]) for t in ts])
+    svh = torch.stack([t["svh"] if "svh" in t else codec.unpack_sign_bits(t["sv"]) for t in ts])
+    for shape in (None, (380, 250)):
+        got = codec.decode_weights(trellis.to(device), suh.to(device), svh.to(device), codebook, shape=shape, sums=sums)
+        assert got.device.type == device and tuple(got.shape) == (3, *(shape or (384, 256)))
+        for m in range(3):
+            want = codec.decode_weight(trellis[m], suh[m], svh[m], codebook, sums="float64", shape=shape)
+            assert torch.equal(got[m].cpu(), want), (m, shape, (got[m].cpu() - want).abs().max())
+    with pytest.raises(ValueError, match=r"decode_weights takes trellis \[E, kt, nt, words\]"):
+        codec.decode_weights(trellis[0], suh, svh, codebook)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exl3_pack_tensors_decode_each_kind_together(tmp_path, rng_seed, device, monkeypatch):
+    """Pack.tensors: the linears of one codebook, trellis shape and scale encoding go through one batched decode,
+    the others alone, every tensor equal to its own decode on the CPU (and to the independent reference); at most
+    the stored bytes travel."""
+    from fidelity.packs.exl3 import layouts
+    linears = {"model.layers.0.mlp.gate_proj": exl3_linear("mul1", 3, "suh"),
+               "model.layers.0.mlp.up_proj": exl3_linear("mul1", 3, "suh"),
+               "model.layers.0.mlp.down_proj": exl3_linear("mul1", 3, "su"),
+               "model.layers.0.self_attn.q_proj": exl3_linear("3inst", 2, "suh"),
+               "model.layers.0.self_attn.k_proj": exl3_linear("mul1", 3, "suh", k_p=256, n_p=256)}
+    pack = open_pack(write_exl3(tmp_path, linears))
+    names = [f"{b}.weight" for b in linears]
+    sizes = []
+    original = layouts.decode_weights
+    monkeypatch.setattr(layouts, "decode_weights", lambda t, *a, **k: (sizes.append(t.shape[0]), original(t, *a, **k))[1])
+    before = staging.bytes_sent()
+    got = pack.tensors(names, device=device)
+    sent = staging.bytes_sent() - before
+    assert list(got) == names and sorted(sizes) == [1, 1, 1, 2]
+    assert sent <= sum(pack.storage(n).nbytes for n in names) and (device == "cpu" or sent > 0)
+    for (base, t), name in zip(linears.items(), names):
+        want = pack.tensor(name)
+        assert got[name].device.type == device and torch.equal(got[name].cpu(), want), name
+        K, codebook = (2, "3inst") if "q_proj" in base else (3, "mul1")
+        assert torch.equal(want, exl3_reference(t, codebook, K)), name
+
+
+def test_stack_to_device_takes_one_shape_and_dtype():
+    ts = [torch.randn(3, 2).half() for _ in range(3)]
+    assert torch.equal(staging.stack_to_device(ts, torch.device("cpu")), torch.stack(ts))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        staging.stack_to_device([ts[0], ts[1].float()], torch.device("meta"))
+
+
 def test_exl3_fused_kernel_refuses_where_it_cannot_run(monkeypatch):
     """sums 'int8' without Triton, or on CPU tensors outside Triton's interpreter: a clear error, no other decode."""
     args = (torch.zeros(16, 8, 32, dtype=torch.int16), torch.ones(256).half(), torch.ones(128).half(), "3inst")

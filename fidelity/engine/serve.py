@@ -35,6 +35,10 @@ class CachedPack:
                 self._cache[key] = self._pack.tensor(name, device=device)
             return self._cache[key]
 
+    def tensors(self, names, device=None) -> dict[str, torch.Tensor]:
+        """Through the cache, one by one (the inner pack's batched decode would bypass it)."""
+        return {n: self.tensor(n, device=device) for n in names}
+
     def __getattr__(self, name):
         return getattr(self._pack, name)
 

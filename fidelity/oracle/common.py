@@ -22,6 +22,8 @@ class Fetch:
 
     `read(name)` gives the exact float32 tensor decoded on the CPU; off the CPU it is called `read(name, device=d)` and
     decodes on `d` (`Pack.tensor`: the host sends stored bytes, the decode runs there, bit for bit the CPU's).
+    `read_many(names[, device=d])` (optional, `Pack.tensors`) gives several at once, decoded together where the format
+    can; `read_ahead(names)` puts them in `ready`, where the next `fetch(name)` of each takes it.
 
     Slots the oracle's load chain fills (`fidelity.oracle.runner.LoadChain`): `ready` holds tensors already placed on
     the device for the layer being built (sharded loads: received from the rank that read them), each handed out once
@@ -37,9 +39,19 @@ class Fetch:
     expert_decodes = None       # a fidelity.oracle.moe.ExpertDecodes tally
 
     def __init__(self, read: Callable[..., torch.Tensor], shape_of: Callable[[str], tuple] | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 read_many: Callable[..., dict] | None = None):
         self.read, self.shape_of, self.device, self.dtype = read, shape_of, torch.device(device), dtype
+        self.read_many = read_many
         self.ready: dict[str, torch.Tensor] = {}
+
+    def read_ahead(self, names: list[str]) -> None:
+        """Decode `names` together now (`read_many`; one by one without it) and hold them in `ready` for their fetch."""
+        if self.read_many is None:
+            got = {n: self.read(n) if self.device.type == "cpu" else self.read(n, device=self.device) for n in names}
+        else:
+            got = self.read_many(names) if self.device.type == "cpu" else self.read_many(names, device=self.device)
+        self.ready.update({n: t.to(device=self.device, dtype=self.dtype) for n, t in got.items()})
 
     def __call__(self, name: str) -> torch.Tensor:
         if self.ready:
@@ -50,6 +62,10 @@ class Fetch:
         return t.to(device=self.device, dtype=self.dtype)
 
     def concat(self, names: list[str]) -> torch.Tensor:
+        if self.ready and all(n in self.ready for n in names):
+            parts = [self.ready.pop(n) for n in names]
+            joined = adjacent_rows(parts)
+            return joined if joined is not None else torch.cat(parts, dim=0)
         shapes = [tuple(self.shape_of(n)) if self.shape_of else () for n in names]
         if any(len(s) == 0 for s in shapes) or len({s[1:] for s in shapes}) != 1:
             return torch.cat([self(n) for n in names], dim=0)
@@ -59,6 +75,22 @@ class Fetch:
             out[start:start + shape[0]] = self(name)
             start += shape[0]
         return out
+
+def adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts' concatenation along dim 0 as one view, when they already lie one after the other in one storage
+    (a batched decode wrote them so: `read_ahead` of an expert's gate and up); else None."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for t in parts:
+        if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
+                or not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape,
+                                   torch.empty(shape, device="meta").stride())
+
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

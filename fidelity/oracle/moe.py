@@ -3,6 +3,7 @@ always renormalised). Attention is the Llama family's. Experts are read from the
 and kept within the oracle's expert budget (`Oracle(expert_budget_bytes=)`, DecodedExperts)."""
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,11 @@ from ..registry import ARCHITECTURES
 from .common import Family, Fetch, GatedMLP, fetch_tensors, fetched, require
 from .llama import Attention, AttentionArgs, DecoderLayer, attention_args, norm_names, norm_tensors, sliding_windows
 from .rope import cos_sin
+
+
+# Decoded bytes of the experts one batched read-ahead decodes at most (RoutedExperts.read_ahead): the batch is held
+# whole until its experts are built, on top of the ones kept
+READ_AHEAD_BYTES = 2 << 30
 
 
 class DecodedExperts(Mapping):
@@ -115,10 +121,56 @@ class RoutedExperts:
     def decode(self, e: int) -> GatedMLP:
         return GatedMLP.from_names(self.fetch, *self.names(e), self.act)
 
-    def expert(self, e: int) -> GatedMLP:
+    def weight_names(self, e: int) -> list[str]:
+        """The stored weights decode(e) reads."""
+        return [f"{m}.weight" for m in self.names(e)]
+
+    def decoded_bytes(self, e: int) -> int | None:
+        """Bytes expert e takes decoded (DecodedExperts.nbytes of its module), None where the shapes are not known."""
+        shape_of = self.fetch.shape_of
+        if shape_of is None:
+            return None
+        return sum(math.prod(shape_of(n)) for n in self.weight_names(e)) * self.fetch.dtype.itemsize
+
+    def read_ahead(self, experts: list[int]) -> dict[int, GatedMLP]:
+        """The experts among `experts` this call decodes that the table will keep, decoded in batches of at most
+        READ_AHEAD_BYTES (`Fetch.read_ahead`: one batched decode per stored kind where the pack has one, e.g. one EXL3
+        kernel launch per codebook, rate and shape), not yet offered: `expert(e, decoded)` offers them in the call's
+        order, so the table keeps what it would keep one by one. Experts over the budget are left to `expert(e)`
+        (decoded for their call alone); so is everything where the fetch has no `read_many`."""
+        if getattr(self.fetch, "read_many", None) is None:
+            return {}
+        budget, kept = self.loaded.budget, self.loaded.kept_bytes
+        batches: list[list[int]] = [[]]
+        batch_bytes = 0
+        for e in experts:
+            nbytes = self.decoded_bytes(e)
+            if e in self.loaded or nbytes is None or (budget is not None and kept + nbytes > budget):
+                continue
+            kept += nbytes
+            if batches[-1] and batch_bytes + nbytes > READ_AHEAD_BYTES:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append(e)
+            batch_bytes += nbytes
+        decoded = {}
+        for batch in batches:
+            if len(batch) < 2:
+                continue
+            names = [n for e in batch for n in self.weight_names(e)]
+            self.fetch.read_ahead(names)
+            try:
+                decoded.update({e: self.decode(e) for e in batch})
+            finally:                                  # a weight decode(e) did not take must not outlive the call
+                for n in names:
+                    self.fetch.ready.pop(n, None)
+        return decoded
+
+    def expert(self, e: int, decoded: GatedMLP | None = None) -> GatedMLP:
+        """Expert e: kept, else `decoded` (read_ahead's) or decoded now, and offered to the table."""
         mlp = self.loaded.get(e)
         if mlp is None:
-            mlp = self.loaded.offer(e, self.decode(e))
+            mlp = self.loaded.offer(e, decoded if decoded is not None else self.decode(e))
             tally = getattr(self.fetch, "expert_decodes", None)
             if tally is not None:
                 tally.decoded(tuple(self.names(0)), e)
@@ -147,12 +199,13 @@ class RoutedExperts:
         order = torch.sort(flat, stable=True).indices
         sizes = torch.bincount(flat, minlength=self.n_experts).tolist()
         tokens, pair_weights = order // k, weights.flatten()[order]
+        decoded = self.read_ahead([e for e, n in enumerate(sizes) if n])
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(sizes):
             if n:
                 rows = tokens[start:start + n]
-                out.index_add_(0, rows, self.expert(e)(x[rows]) * pair_weights[start:start + n, None])
+                out.index_add_(0, rows, self.expert(e, decoded.pop(e, None))(x[rows]) * pair_weights[start:start + n, None])
                 start += n
         return out
 

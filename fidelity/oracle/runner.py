@@ -127,7 +127,9 @@ class Oracle:
         self.family.bind_pack(pack)
         self.family.resolve_names(self.pack.names())
         self._check_names()
-        self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype)
+        self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype,
+                           read_many=(lambda names, **where: self.pack.tensors(names, **where))
+                           if hasattr(self.pack, "tensors") else None)
         self.chain = LoadChain() if chain is None else chain
         if not isinstance(self.chain, LoadChain):
             raise FidelityError(f"chain must be a LoadChain, not {type(self.chain).__name__}")

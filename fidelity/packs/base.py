@@ -40,16 +40,29 @@ class Storage:
         return 8.0 * self.nbytes / max(self.numel, 1)
 
 
+@dataclass(frozen=True)
+class BatchDecode:
+    """How a format decodes several tensors of one kind at once (`Pack.tensors`): the entries whose `decode_many` and
+    `key` are equal go to one call `decode_many(device, [their parts])`, which returns their tensors in that order, each
+    bit for bit what its entry's own `decode(device)` gives."""
+
+    decode_many: Callable[..., list]
+    key: tuple
+    part: object
+
+
 @dataclass
 class LogicalTensor:
     """A logical tensor a format module recognised: its storage and how to decode it exactly.
 
     `on_device=True`: `decode(device)` reads the stored bytes, sends them to `device` and decodes there (bit for bit
-    the CPU's result); otherwise `decode()` returns a CPU tensor that `Pack.tensor` moves."""
+    the CPU's result); otherwise `decode()` returns a CPU tensor that `Pack.tensor` moves. `batch`: how it decodes
+    together with others of its kind (BatchDecode; on-device entries only), or None."""
 
     storage: Storage
     decode: Callable[..., torch.Tensor]
     on_device: bool = False
+    batch: BatchDecode | None = None
 
 
 _NON_LINEAR = re.compile(r"(norm|embed_tokens|wte|tok_embeddings|[._]bias$|e_score_correction_bias|\.gate\.weight$|router)")
@@ -112,7 +125,32 @@ class Pack:
         Off the CPU the stored bytes travel and the decode runs there; the values are the CPU decode's, bit for bit."""
         entry = self._entry(name)
         device = as_device(device)
-        t = entry.decode(device) if entry.on_device else entry.decode().to(device)
+        return self._checked(name, entry, entry.decode(device) if entry.on_device else entry.decode().to(device))
+
+    def tensors(self, names: list[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """`tensor(name, device)` for every name, the same values, decoded together where the format can (entries with
+        a BatchDecode of equal kind: one batched decode for them, e.g. one EXL3 kernel launch per codebook, rate and
+        shape); {name: tensor} in the order given."""
+        device = as_device(device)
+        out: dict[str, torch.Tensor] = {}
+        kinds: dict[tuple, list[str]] = {}
+        for name in dict.fromkeys(names):
+            batch = self._entry(name).batch
+            if batch is None or not self._entry(name).on_device:
+                out[name] = self.tensor(name) if device.type == "cpu" else self.tensor(name, device=device)
+            else:
+                kinds.setdefault((batch.decode_many, batch.key), []).append(name)
+        for (decode_many, _), group in kinds.items():
+            entries = [self._entry(n) for n in group]
+            decoded = decode_many(device, [e.batch.part for e in entries])
+            if len(decoded) != len(group):
+                raise PackError(f"a batched decode of {len(group)} tensors returned {len(decoded)}", file=self.path,
+                                tensor=group[0])
+            for name, entry, t in zip(group, entries, decoded):
+                out[name] = self._checked(name, entry, t)
+        return {n: out[n] for n in names}
+
+    def _checked(self, name: str, entry: LogicalTensor, t: torch.Tensor) -> torch.Tensor:
         if t.dtype != torch.float32:
             t = t.to(torch.float32)
         expected = entry.storage.shape

@@ -53,6 +53,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return moved.view(dtype).reshape(shape)
 
 
+def stack_to_device(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Stored tensors of one shape and dtype (host views) stacked on `device` [len(ts), *shape]: `torch.stack` on the
+    CPU; elsewhere each one's bytes copied once into one buffer there (as `to_device`: through pinned memory to CUDA,
+    asynchronously on the current stream), so a batched decode reads them with no per-tensor device tensor."""
+    if device.type == "cpu":
+        return torch.stack(ts)
+    shape, dtype = ts[0].shape, ts[0].dtype
+    if any(t.shape != shape or t.dtype != dtype for t in ts):
+        raise ValueError(f"stack_to_device takes tensors of one shape and dtype; got "
+                         f"{sorted({(tuple(t.shape), str(t.dtype)) for t in ts})}")
+    nbytes = shape.numel() * dtype.itemsize
+    out = torch.empty(len(ts), nbytes, dtype=torch.uint8, device=device)
+    for row, t in zip(out, ts):
+        flat = t.reshape(-1).view(torch.uint8)
+        if t.device.type == "cpu" and device.type == "cuda" and not flat.is_pinned():
+            flat = host_copy(flat, pin=True)
+        row.copy_(flat, non_blocking=device.type == "cuda")
+    _sent[0] += out.numel()
+    return out.view(dtype).view(len(ts), *shape)
+
+
 class StagedBytes:
     """Stored tensors read ahead into host memory, keyed by (folder, stored name), each held until every `hold` of it
     is released. Thread-safe: a prefetch thread holds the next layer's tensors while the compute thread decodes the

@@ -350,20 +350,23 @@ def _digits(bound: int) -> int:
     return d
 
 
-def _decode_weight_triton(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, rate: Bitrate,
-                          out: int, inp: int) -> torch.Tensor:
+def _decode_weights_triton(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, rate: Bitrate,
+                           out: int, inp: int) -> torch.Tensor:
+    """trellis [E, kt, nt, words], suh [E, k_p], svh [E, n_p] -> float32 [E, out, inp], one kernel launch."""
     kernel = _triton_decode()
     if kernel is None:
         raise RuntimeError("EXL3 Hadamard sums 'int8' run in a Triton kernel, but triton is not installed")
     if trellis.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"EXL3 Hadamard sums 'int8' run on a CUDA device (or in Triton's interpreter, "
                          f"TRITON_INTERPRET=1), not on {trellis.device}")
-    kt, nt, words = trellis.shape
+    E, kt, nt, words = trellis.shape
     table, hi, lo, shift, h, inv_scale, left, right = _triton_tables(codebook, rate, str(trellis.device))
-    w_t = torch.empty(out, inp, dtype=torch.float32, device=trellis.device)
-    kernel[(nt * TILE // HAD, kt * TILE // HAD)](
-        trellis.contiguous(), table, hi, lo, shift, h, svh.contiguous(), suh.contiguous(), w_t, nt, out, inp,
-        inv_scale, WORDS=words, LEFT_DIGITS=left, RIGHT_DIGITS=right, num_warps=TRITON_WARPS)
+    w_t = torch.empty(E, out, inp, dtype=torch.float32, device=trellis.device)
+    trellis, svh, suh = trellis.contiguous(), svh.contiguous(), suh.contiguous()
+    kernel[(nt * TILE // HAD, kt * TILE // HAD, E)](
+        trellis, table, hi, lo, shift, h, svh, suh, w_t, nt, out, inp, inv_scale,
+        kt * nt * words, nt * TILE, kt * TILE, out * inp,
+        WORDS=words, LEFT_DIGITS=left, RIGHT_DIGITS=right, num_warps=TRITON_WARPS)
     return w_t
 
 
@@ -401,6 +404,42 @@ def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, c
     """The torch weight [out, in] float32 of an EXL3 linear, on the trellis' device; `shape` = logical (out, in) cuts
     the padding off. `sums`: "float64", "int64" or "int8" Hadamard sums (bit-identical results; default
     `default_sums`)."""
+    rate, (out, inp), sums = _checked_decode(trellis, suh, svh, codebook, shape, file, tensor, sums)
+    if sums == "int8":
+        return _decode_weights_triton(trellis[None], suh[None], svh[None], codebook, rate, out, inp)[0]
+    kt, nt = trellis.shape[:2]
+    k_p, n_p = kt * TILE, nt * TILE
+    tiles = _decode_tiles(trellis, codebook, file, tensor)
+    if sums == "int64":
+        tiles = tiles * 2.0 ** INT_SHIFT                                # exact in float32: fp16 values < 2**16
+    inner_t = torch.empty(n_p, k_p, dtype=torch.float64 if sums == "float64" else torch.int64, device=tiles.device)
+    inner_t.view(nt, TILE, kt, TILE).copy_(tiles.permute(1, 3, 0, 2))   # Q^T, so the result comes out as W^T
+    w_t = _rotate_back_f64(inner_t, svh, suh)
+    return w_t if (out, inp) == (n_p, k_p) else w_t[:out, :inp].contiguous()
+
+
+def decode_weights(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str = "3inst", *,
+                   shape: tuple[int, int] | None = None, files=None, tensors=None, sums: str | None = None) -> torch.Tensor:
+    """E linears of one codebook, rate and shape at once: trellis [E, kt, nt, words], suh [E, k_p], svh [E, n_p] ->
+    float32 [E, out, in], each matrix bit for bit `decode_weight`'s (sums "int8": one kernel launch for all; the
+    others decode one by one). `files` / `tensors`: per matrix, for errors."""
+    if trellis.dim() != 4 or suh.dim() != 2 or svh.dim() != 2 or not trellis.shape[0] == suh.shape[0] == svh.shape[0]:
+        raise ValueError(f"decode_weights takes trellis [E, kt, nt, words], suh [E, k], svh [E, n]; got "
+                         f"{list(trellis.shape)}, {list(suh.shape)}, {list(svh.shape)}")
+    E = trellis.shape[0]
+    files, tensors = files or [None] * E, tensors or [None] * E
+    rate, (out, inp), sums = _checked_decode(trellis[0], suh[0], svh[0], codebook, shape, files[0], tensors[0], sums)
+    if sums == "int8":
+        return _decode_weights_triton(trellis, suh, svh, codebook, rate, out, inp)
+    w = torch.empty(E, out, inp, dtype=torch.float32, device=trellis.device)
+    for m in range(E):
+        w[m] = decode_weight(trellis[m], suh[m], svh[m], codebook, shape=(out, inp), file=files[m], tensor=tensors[m],
+                             sums=sums)
+    return w
+
+
+def _checked_decode(trellis, suh, svh, codebook, shape, file, tensor, sums) -> tuple[Bitrate, tuple[int, int], str]:
+    """The rate, logical (out, in) and Hadamard sums of one decode, after checking the operands' shapes."""
     rate = _checked_rate(trellis, codebook, file, tensor)
     kt, nt = trellis.shape[:2]
     k_p, n_p = kt * TILE, nt * TILE
@@ -419,12 +458,4 @@ def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, c
     sums = sums or default_sums(trellis.device)
     if sums not in HADAMARD_SUMS:
         raise ValueError(f"Hadamard sums {sums!r}: expected one of {HADAMARD_SUMS}")
-    if sums == "int8":
-        return _decode_weight_triton(trellis, suh, svh, codebook, rate, out, inp)
-    tiles = _decode_tiles(trellis, codebook, file, tensor)
-    if sums == "int64":
-        tiles = tiles * 2.0 ** INT_SHIFT                                # exact in float32: fp16 values < 2**16
-    inner_t = torch.empty(n_p, k_p, dtype=torch.float64 if sums == "float64" else torch.int64, device=tiles.device)
-    inner_t.view(nt, TILE, kt, TILE).copy_(tiles.permute(1, 3, 0, 2))   # Q^T, so the result comes out as W^T
-    w_t = _rotate_back_f64(inner_t, svh, suh)
-    return w_t if (out, inp) == (n_p, k_p) else w_t[:out, :inp].contiguous()
+    return rate, (out, inp), sums

@@ -51,14 +51,21 @@ def _hadamard_right(x, h, DIGITS: tl.constexpr):
 
 # Stored tensors sit at any even offset of a staged or memory-mapped buffer: specialising on their alignment would
 # compile a variant per offset pattern during a pass (a second or more each)
-@triton.jit(do_not_specialize_on_alignment=["trellis_ptr", "svh_ptr", "suh_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["trellis_ptr", "svh_ptr", "suh_ptr"],
+            do_not_specialize=["trellis_stride", "svh_stride", "suh_stride", "out_stride"])
 def decode_kernel(trellis_ptr, int_table_ptr, hi_ptr, lo_ptr, shift_ptr, hadamard_ptr, svh_ptr, suh_ptr, out_ptr,
-                  n_tiles_n, out_rows, out_cols, inv_scale_ptr,
+                  n_tiles_n, out_rows, out_cols, inv_scale_ptr, trellis_stride, svh_stride, suh_stride, out_stride,
                   WORDS: tl.constexpr, LEFT_DIGITS: tl.constexpr, RIGHT_DIGITS: tl.constexpr):
-    """Block (program_id 0 = n block, 1 = k block) of W^T [out_rows, out_cols] (the padding cut off by the mask).
+    """Block (program_id 0 = n block, 1 = k block) of matrix program_id 2 of a batch of W^T [out_rows, out_cols] (the
+    padding cut off by the mask); each operand of matrix m starts m strides (elements) after the first one's.
     Rows of the block index n (outputs), columns k (inputs): the block is Q^T, and W^T = diag(svh) H Q^T H diag(suh)."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
+    trellis_ptr += m * trellis_stride
+    svh_ptr += m * svh_stride
+    suh_ptr += m * suh_stride
+    out_ptr += m * out_stride
     n = tl.arange(0, 128)
     k = tl.arange(0, 128)
     # element (n, k) of Q^T is row r = k % 16, column c = n % 16 of tile (k // 16, n // 16)

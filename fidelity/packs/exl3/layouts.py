@@ -49,11 +49,11 @@ from typing import Callable
 import torch
 
 from ...errors import PackError
-from ..base import LogicalTensor, Storage
-from .codec import HAD, Bitrate, bitrate_from_trellis, decode_weight, unpack_sign_bits
+from ..base import BatchDecode, LogicalTensor, Storage
+from .codec import HAD, Bitrate, bitrate_from_trellis, decode_weight, decode_weights, unpack_sign_bits
 from ..folder import KNOWN_QUANT_METHODS
 from ...registry import CLAIMERS
-from ..staging import CPU, to_device
+from ..staging import CPU, stack_to_device, to_device
 
 PLAN_FILE = "exl3_moe_plan.json"
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
@@ -282,12 +282,31 @@ def linear_weight(pack, c: CheckedLinear, shape: tuple[int, int], device: torch.
                          file=raw.file_path(lin.trellis), tensor=lin.trellis)
 
 
+def linear_weights(device: torch.device, parts: list) -> list[torch.Tensor]:
+    """BatchDecode of EXL3 linears of one codebook, trellis shape, scale encoding and logical shape: parts (pack,
+    CheckedLinear, shape) -> their decoded weights, every stored tensor sent once into one buffer per kind and all
+    decoded in one `decode_weights` (one kernel launch with the fused int8 sums), each bit for bit `linear_weight`'s."""
+    def scales(dense: str, bits: str) -> torch.Tensor:
+        if all(dense in c.lin.parts for _, c, _ in parts):
+            return stack_to_device([pack.raw.get(c.lin.parts[dense]) for pack, c, _ in parts], device)
+        return torch.stack([_read_scale(pack, c.lin, dense, bits, device) for pack, c, _ in parts])
+
+    _, c0, shape = parts[0]
+    trellis = stack_to_device([pack.raw.get(c.lin.trellis) for pack, c, _ in parts], device)
+    w = decode_weights(trellis, scales("suh", "su"), scales("svh", "sv"), c0.codebook, shape=shape,
+                       files=[pack.raw.file_path(c.lin.trellis) for pack, c, _ in parts],
+                       tensors=[c.lin.trellis for _, c, _ in parts])
+    return list(w.unbind(0))
+
+
 def linear_entries(pack, c: CheckedLinear, logical: str, shape: tuple[int, int]) -> dict[str, LogicalTensor]:
     """The logical weight (and bias) of one checked EXL3 linear."""
     lin, raw = c.lin, pack.raw
     storage = Storage(logical, "exl3", f"exl3 K={c.rate.K:g} {c.codebook}", tuple(shape), c.nbytes,
                       block=(16, 16), files=c.files, raw=tuple(n for s, n in lin.parts.items() if s != "bias"))
-    out = {logical: LogicalTensor(storage, lambda device: linear_weight(pack, c, shape, device), on_device=True)}
+    kind = (c.codebook, pack.raw.info(lin.trellis).shape, tuple(shape), "suh" in lin.parts, "svh" in lin.parts)
+    out = {logical: LogicalTensor(storage, lambda device: linear_weight(pack, c, shape, device), on_device=True,
+                                  batch=BatchDecode(linear_weights, kind, (pack, c, shape)))}
     if "bias" in lin.parts:
         bname = lin.parts["bias"]
         binfo = raw.info(bname)
