@@ -18,8 +18,9 @@ from .llama import Attention, AttentionArgs, DecoderLayer, attention_args, norm_
 from .rope import cos_sin
 
 
-# Decoded bytes of the experts one batched read-ahead decodes at most (RoutedExperts.read_ahead): the batch is held
-# whole until its experts are built, on top of the ones kept
+# Decoded bytes of the experts one batched read-ahead decodes at most (RoutedExperts.read_ahead). In float32 the
+# batch's buffers become the experts' weights (views, nothing copied); a float64 oracle copies them, so a batch's
+# float32 decode is held on top until its experts are built
 READ_AHEAD_BYTES = 2 << 30
 
 

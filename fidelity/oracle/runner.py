@@ -84,6 +84,7 @@ class LoadChain:
         decode     `family.load_layer(i, fetch)`: the layer's module objects from its tensors
         experts    object RoutedExperts hands its calls to (`fetch.expert_parallel`; `parallel.ExpertParallel`: this
                    rank computes its own experts, one all_reduce per MoE call); experts are read when first routed to
+                   (a call's new experts together: `RoutedExperts.read_ahead`, one batched decode per stored kind)
                    and kept within `fetch.expert_budget_bytes` per layer (`Oracle(expert_budget_bytes=)`; None: all
                    kept; over it an expert is decoded for each call and freed after it)
         layer      ((i, layer) -> layer, ...), applied in order to every built layer (the noise floor's perturbation,
