@@ -30,7 +30,7 @@ class Fetch:
     instead of being read; `RoutedExperts` hands its calls to `expert_parallel` and its expert choices to
     `routing_counts` when set. `expert_budget_bytes` (the Oracle's `expert_budget_bytes=`): None keeps every decoded
     routed expert for the layer's lifetime; an int keeps at most that many bytes of them per layer (first fit in the
-    order they are first used; the others are decoded for each call and freed after it: `moe.DecodedExperts`), read by
+    order they are first used; the others are decoded for each call, together within min(budget, READ_AHEAD_BYTES), and freed after it: `moe.DecodedExperts`), read by
     `RoutedExperts` when a layer is built; `expert_decodes` (the oracle's, one per forward) tallies their decodes."""
 
     expert_parallel = None      # an ExpertParallel (fidelity.oracle.parallel.experts) or attribute's recorder

@@ -45,17 +45,22 @@ class DecodedExperts(Mapping):
         """Bytes of a decoded expert's tensors (its weights and biases)."""
         return sum(t.numel() * t.element_size() for t in vars(mlp).values() if isinstance(t, torch.Tensor))
 
-    def offer(self, e: int, mlp):
+    def offer(self, e: int, mlp, held: int = 0):
+        """`held`: bytes of other decoded experts the caller holds outside the table at this moment (read ahead)."""
         nbytes = self.nbytes(mlp)
         self.decodes += 1
         self._used.add(e)
         if self.budget is None or self.kept_bytes + nbytes <= self.budget:
             self._kept[e] = mlp
             self.kept_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.kept_bytes)
+            self.peak_bytes = max(self.peak_bytes, self.kept_bytes + held)
         else:
-            self.peak_bytes = max(self.peak_bytes, self.kept_bytes + nbytes)
+            self.peak_bytes = max(self.peak_bytes, self.kept_bytes + held + nbytes)
         return mlp
+
+    def note(self, held: int) -> None:
+        """The caller holds `held` bytes of decoded experts outside the table now (a read-ahead batch)."""
+        self.peak_bytes = max(self.peak_bytes, self.kept_bytes + held)
 
     @property
     def used(self) -> int:
@@ -110,7 +115,8 @@ class ExpertDecodes:
 class RoutedExperts:
     """Experts of one layer, decoded on first use and kept for the layer's lifetime, within `fetch.expert_budget_bytes`
     when one is set (read when the layer is built; see DecodedExperts: an expert over the budget is decoded for each
-    call and freed after it).
+    call and freed after it). A call's new experts decode together where the pack can (`read_ahead` for the ones the
+    table keeps, `read_transients` for the ones over the budget).
 
     `names(e)` gives expert e's (gate, up, down) module names (without `.weight`); `decode(e)` builds expert e from
     the pack (a family with other expert math overrides it)."""
@@ -134,11 +140,11 @@ class RoutedExperts:
         return sum(math.prod(shape_of(n)) for n in self.weight_names(e)) * self.fetch.dtype.itemsize
 
     def read_ahead(self, experts: list[int]) -> dict[int, GatedMLP]:
-        """The experts among `experts` this call decodes that the table will keep, decoded in batches of at most
-        READ_AHEAD_BYTES (`Fetch.read_ahead`: one batched decode per stored kind where the pack has one, e.g. one EXL3
-        kernel launch per codebook, rate and shape), not yet offered: `expert(e, decoded)` offers them in the call's
-        order, so the table keeps what it would keep one by one. Experts over the budget are left to `expert(e)`
-        (decoded for their call alone); so is everything where the fetch has no `read_many`."""
+        """The experts among `experts` (a call's, in its order) that the table will keep and does not hold yet, decoded
+        in batches of at most READ_AHEAD_BYTES (`Fetch.read_ahead`: one batched decode per stored kind where the pack
+        has one, e.g. one EXL3 kernel launch per codebook, rate and shape), not yet offered: `expert(e, decoded)`
+        offers them in the call's order, so the table keeps what it would keep one by one. Nothing where the fetch has
+        no `read_many`."""
         if getattr(self.fetch, "read_many", None) is None:
             return {}
         budget, kept = self.loaded.budget, self.loaded.kept_bytes
@@ -156,22 +162,43 @@ class RoutedExperts:
             batch_bytes += nbytes
         decoded = {}
         for batch in batches:
-            if len(batch) < 2:
-                continue
-            names = [n for e in batch for n in self.weight_names(e)]
-            self.fetch.read_ahead(names)
-            try:
-                decoded.update({e: self.decode(e) for e in batch})
-            finally:                                  # a weight decode(e) did not take must not outlive the call
-                for n in names:
-                    self.fetch.ready.pop(n, None)
+            if batch:
+                decoded.update(self._decode_together(batch))
         return decoded
 
-    def expert(self, e: int, decoded: GatedMLP | None = None) -> GatedMLP:
-        """Expert e: kept, else `decoded` (read_ahead's) or decoded now, and offered to the table."""
+    def read_transients(self, experts: list[int]) -> dict[int, GatedMLP]:
+        """Under a budget, the next experts of a call that the table will not keep (`experts`, in the call's order,
+        the first one due now): as many as fit in min(budget, READ_AHEAD_BYTES), at least the first, decoded together
+        (`Fetch.read_ahead`). They share the batch's buffers, which are freed once the last of them has run, so a layer
+        holds at most budget + max(one expert, min(budget, READ_AHEAD_BYTES)). Nothing for fewer than two, or where
+        the fetch has no `read_many` (then each decodes alone, `expert(e)`)."""
+        budget = self.loaded.budget
+        if budget is None or getattr(self.fetch, "read_many", None) is None:
+            return {}
+        room, chunk, total = min(budget, READ_AHEAD_BYTES), [], 0
+        for e in experts:
+            nbytes = self.decoded_bytes(e)
+            if nbytes is None or (chunk and total + nbytes > room):
+                break
+            chunk.append(e)
+            total += nbytes
+        return self._decode_together(chunk) if len(chunk) > 1 else {}
+
+    def _decode_together(self, experts: list[int]) -> dict[int, GatedMLP]:
+        names = [n for e in experts for n in self.weight_names(e)]
+        self.fetch.read_ahead(names)
+        try:
+            return {e: self.decode(e) for e in experts}
+        finally:                                  # a weight decode(e) did not take must not outlive the call
+            for n in names:
+                self.fetch.ready.pop(n, None)
+
+    def expert(self, e: int, decoded: GatedMLP | None = None, held: int = 0) -> GatedMLP:
+        """Expert e: kept, else `decoded` (read ahead) or decoded now, and offered to the table (`held`: bytes of
+        other experts read ahead and not yet offered)."""
         mlp = self.loaded.get(e)
         if mlp is None:
-            mlp = self.loaded.offer(e, decoded if decoded is not None else self.decode(e))
+            mlp = self.loaded.offer(e, decoded if decoded is not None else self.decode(e), held)
             tally = getattr(self.fetch, "expert_decodes", None)
             if tally is not None:
                 tally.decoded(tuple(self.names(0)), e)
@@ -200,14 +227,24 @@ class RoutedExperts:
         order = torch.sort(flat, stable=True).indices
         sizes = torch.bincount(flat, minlength=self.n_experts).tolist()
         tokens, pair_weights = order // k, weights.flatten()[order]
-        decoded = self.read_ahead([e for e, n in enumerate(sizes) if n])
+        routed = [e for e, n in enumerate(sizes) if n]
+        ahead = self.read_ahead(routed)                 # the new experts the table keeps, decoded together
+        held = sum(DecodedExperts.nbytes(m) for m in ahead.values())
+        self.loaded.note(held)
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(sizes):
-            if n:
-                rows = tokens[start:start + n]
-                out.index_add_(0, rows, self.expert(e, decoded.pop(e, None))(x[rows]) * pair_weights[start:start + n, None])
-                start += n
+        for i, e in enumerate(routed):
+            n = sizes[e]
+            rows = tokens[start:start + n]
+            if e not in ahead and e not in self.loaded:  # over the budget: this one and the next ones like it together
+                chunk = self.read_transients([f for f in routed[i:] if f not in ahead and f not in self.loaded])
+                ahead.update(chunk)
+                held += sum(DecodedExperts.nbytes(m) for m in chunk.values())
+                self.loaded.note(held)
+            mlp = ahead.pop(e, None)
+            held -= 0 if mlp is None else DecodedExperts.nbytes(mlp)
+            out.index_add_(0, rows, self.expert(e, mlp, held)(x[rows]) * pair_weights[start:start + n, None])
+            start += n
         return out
 
 

@@ -18,6 +18,7 @@ from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
 from .families import family_for
 from .common import Family, Fetch, layer_call_args, rms_norm
+from . import moe
 from .moe import ExpertDecodes
 
 # Target bytes of one logits chunk in apply_head / iter_logits.
@@ -86,7 +87,8 @@ class LoadChain:
                    rank computes its own experts, one all_reduce per MoE call); experts are read when first routed to
                    (a call's new experts together: `RoutedExperts.read_ahead`, one batched decode per stored kind)
                    and kept within `fetch.expert_budget_bytes` per layer (`Oracle(expert_budget_bytes=)`; None: all
-                   kept; over it an expert is decoded for each call and freed after it)
+                   kept; over it an expert is decoded for each call, with the next ones over it within
+                   min(budget, moe.READ_AHEAD_BYTES), and freed after it)
         layer      ((i, layer) -> layer, ...), applied in order to every built layer (the noise floor's perturbation,
                    `fidelity.measuring.compare.Perturbation`)
 
@@ -108,7 +110,7 @@ class Oracle:
     `fidelity.oracle.parallel.load_chain` gives the one a run uses).
     `expert_budget_bytes`: None keeps every decoded routed expert for its layer's lifetime; an int >= 0 keeps at most
     that many bytes of decoded routed-expert weights per layer (in the oracle's dtype; first fit in the order experts
-    are first used), the others are decoded for each call and freed after it. Same numbers either way; a budget trades
+    are first used), the others are decoded for each call (together, within min(budget, moe.READ_AHEAD_BYTES)) and freed after it. Same numbers either way; a budget trades
     memory for repeated decodes (`last_forward["experts"]` counts them). Settable later (`oracle.expert_budget_bytes =
     n`): layers built from then on use it (a layer kept by keep_weights keeps what it kept; `release()` drops it).
     """
@@ -178,7 +180,8 @@ class Oracle:
 
     def _resident_layer_bytes(self, i: int) -> int:
         """Bytes of layer i's weights it can hold at once: `_layer_bytes`, except that under an expert budget its routed
-        experts count as at most the budget plus the one expert decoded for a call (DecodedExperts.peak_bytes' bound)."""
+        experts count as at most the budget plus the experts decoded for a call over it: one, or a batch of at most
+        min(budget, READ_AHEAD_BYTES) (RoutedExperts.read_transients; DecodedExperts.peak_bytes' bound)."""
         total, budget = self._layer_bytes(i), self.expert_budget_bytes
         if budget is None:
             return total
@@ -188,7 +191,8 @@ class Oracle:
             if m is not None:
                 experts[m.group(1)] += self._tensor_bytes(n)
         routed = sum(experts.values())
-        return total - routed + min(routed, budget + max(experts.values(), default=0))
+        transient = max(max(experts.values(), default=0), min(budget, moe.READ_AHEAD_BYTES))
+        return total - routed + min(routed, budget + transient)
 
     def load_layer(self, i: int):
         """Layer i through the load chain (LoadChain): the one place a layer's weights are read."""
