@@ -33,6 +33,14 @@ def skewed_moe(folder: Path, seed: int, vocab: int = COMMON["vocab_size"]):
                 p = params.get(name)
                 if p is not None:
                     p.copy_(weights[name].float())
+    # transformers 5 holds each layer's experts fused ([experts, ...] gate_up_proj / down_proj), not under the stored
+    # per-expert names: round those experts' slices the same way (elementwise, so their layout does not matter); left
+    # in float32 they made HF and the pack differ by bf16 rounding and flip routings decided by 2e-3 (seed 1486810694)
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and p.dim() == 3:
+                for e in BF16_EXPERTS:
+                    p[e].copy_(p[e].to(torch.bfloat16).float())
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return model
 
