@@ -465,6 +465,18 @@ def test_exl3_pack_tensors_decode_each_kind_together(tmp_path, rng_seed, device,
         assert torch.equal(want, exl3_reference(t, codebook, K)), name
 
 
+def test_pack_tensors_refuses_a_batched_decode_that_loses_tensors(tmp_path, monkeypatch):
+    """A format's batched decode that returns fewer tensors than it was given: a PackError naming the pack and the
+    first tensor of the batch, not a silently shorter result."""
+    from fidelity.packs.exl3 import layouts
+    linears = {f"model.layers.0.mlp.{p}_proj": exl3_linear("mul1", 3, "suh") for p in ("gate", "up")}
+    pack = open_pack(write_exl3(tmp_path, linears))
+    monkeypatch.setattr(layouts, "decode_weights", lambda t, *a, **k: torch.zeros(1, 128, 256))
+    with pytest.raises(PackError, match=r"a batched decode of 2 tensors returned 1") as e:
+        pack.tensors([f"{b}.weight" for b in linears])
+    assert "model.layers.0.mlp.gate_proj.weight" in str(e.value) and str(tmp_path) in str(e.value)
+
+
 def test_stack_to_device_takes_one_shape_and_dtype():
     ts = [torch.randn(3, 2).half() for _ in range(3)]
     assert torch.equal(staging.stack_to_device(ts, torch.device("cpu")), torch.stack(ts))

@@ -45,12 +45,14 @@ class Fetch:
         self.read_many = read_many
         self.ready: dict[str, torch.Tensor] = {}
 
+    def _decoded(self, read: Callable, what):
+        """read(what) on the CPU, read(what, device=d) elsewhere (the readers' convention above)."""
+        return read(what) if self.device.type == "cpu" else read(what, device=self.device)
+
     def read_ahead(self, names: list[str]) -> None:
         """Decode `names` together now (`read_many`; one by one without it) and hold them in `ready` for their fetch."""
-        if self.read_many is None:
-            got = {n: self.read(n) if self.device.type == "cpu" else self.read(n, device=self.device) for n in names}
-        else:
-            got = self.read_many(names) if self.device.type == "cpu" else self.read_many(names, device=self.device)
+        got = ({n: self._decoded(self.read, n) for n in names} if self.read_many is None
+               else self._decoded(self.read_many, names))
         self.ready.update({n: t.to(device=self.device, dtype=self.dtype) for n, t in got.items()})
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -58,8 +60,7 @@ class Fetch:
             t = self.ready.pop(name, None)
             if t is not None:
                 return t
-        t = self.read(name) if self.device.type == "cpu" else self.read(name, device=self.device)
-        return t.to(device=self.device, dtype=self.dtype)
+        return self._decoded(self.read, name).to(device=self.device, dtype=self.dtype)
 
     def concat(self, names: list[str]) -> torch.Tensor:
         if self.ready and all(n in self.ready for n in names):

@@ -135,8 +135,9 @@ class Pack:
         out: dict[str, torch.Tensor] = {}
         kinds: dict[tuple, list[str]] = {}
         for name in dict.fromkeys(names):
-            batch = self._entry(name).batch
-            if batch is None or not self._entry(name).on_device:
+            entry = self._entry(name)
+            batch = entry.batch
+            if batch is None or not entry.on_device:
                 out[name] = self.tensor(name) if device.type == "cpu" else self.tensor(name, device=device)
             else:
                 kinds.setdefault((batch.decode_many, batch.key), []).append(name)

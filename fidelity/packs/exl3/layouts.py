@@ -286,12 +286,13 @@ def linear_weights(device: torch.device, parts: list) -> list[torch.Tensor]:
     """BatchDecode of EXL3 linears of one codebook, trellis shape, scale encoding and logical shape: parts (pack,
     CheckedLinear, shape) -> their decoded weights, every stored tensor sent once into one buffer per kind and all
     decoded in one `decode_weights` (one kernel launch with the fused int8 sums), each bit for bit `linear_weight`'s."""
+    _, c0, shape = parts[0]
+
     def scales(dense: str, bits: str) -> torch.Tensor:
-        if all(dense in c.lin.parts for _, c, _ in parts):
+        if dense in c0.lin.parts:                   # one encoding per batch: it is part of the kind
             return stack_to_device([pack.raw.get(c.lin.parts[dense]) for pack, c, _ in parts], device)
         return torch.stack([_read_scale(pack, c.lin, dense, bits, device) for pack, c, _ in parts])
 
-    _, c0, shape = parts[0]
     trellis = stack_to_device([pack.raw.get(c.lin.trellis) for pack, c, _ in parts], device)
     w = decode_weights(trellis, scales("suh", "su"), scales("svh", "sv"), c0.codebook, shape=shape,
                        files=[pack.raw.file_path(c.lin.trellis) for pack, c, _ in parts],
