@@ -9,6 +9,10 @@ all prompts (lm-eval's `agg_inst_level_acc`), not the mean of the per-prompt fra
 Differences from the official scorer, on purpose, so runs are deterministic and work offline:
 - `langdetect` is seeded (DetectorFactory.seed = 0); the official scorer leaves it unseeded, so its language checks can vary
   from run to run on short or mixed-language answers.
+- Python's `random` is seeded with 0 before each response is checked. Two of the 541 prompts (keys 1122 and 1129) ask for a
+  "letter" `#` or `!`, which `keywords:letter_frequency` refuses and replaces with a letter drawn at random: the official
+  scorer's verdict on that instruction changes from run to run, ours is the same every run (and equals lm-eval's when
+  lm-eval's random state is seeded the same way).
 - Sentence counting uses nltk's Punkt English model when its data is installed; otherwise (the default offline, where the
   scorer would try `nltk.download("punkt_tab")`) an untrained `PunktSentenceTokenizer`, which knows no English abbreviations:
   "Dr. Smith arrived." counts as two sentences instead of one. Only the `length_constraints:number_sentences` instruction
