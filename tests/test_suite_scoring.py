@@ -149,6 +149,7 @@ def test_ifeval_wrapper_agrees_with_lm_eval_process_results(ifeval_rows, rng_see
         response = rng.choice(["", "HELLO WORLD, THIS IS ALL CAPS.", "a short answer in lower case", "*x*\n\n***\n\nP.S. done",
                                "Title: <<t>>\n" + " ".join(["lorem"] * rng.randrange(5, 400))])
         out = suite.score(items[key], response, [])
+        random.seed(0)  # as our scorer: rows 1122 and 1129 make lm-eval's letter_frequency checker draw a letter
         ref = utils.process_results(row, [response])
         assert out.passed == ref["prompt_level_strict_acc"] and out.details["prompt_loose"] == ref["prompt_level_loose_acc"]
         assert out.details["strict"] == ref["inst_level_strict_acc"] and out.details["loose"] == ref["inst_level_loose_acc"]
@@ -167,6 +168,21 @@ def test_ifeval_is_deterministic_offline(ifeval_rows):
     lang_rows = [k for k, it in items.items() if "language:response_language" in suite._rows[k]["instruction_id_list"]]
     mixed = "Ciao, this is mostly English mais un peu français y un poco de español."
     assert len({suite.score(items[lang_rows[0]], mixed, []).details["strict"][0] for _ in range(5)}) == 1
+    # keys 1122 and 1129 ask for the "letter" '#' / '!': lm-eval's checker then draws one at random. Half the alphabet
+    # appears 9 times in this answer, so the drawn letter decides; ours is the same whatever the random state before
+    utils = mods["utils"]
+    answer = " ".join(c * 9 for c in "abcdefghijklm")
+    for key in ("1122", "1129"):
+        row = suite._rows[key]
+        ours, official = set(), set()
+        for state in range(12):
+            random.seed(state)
+            ours.add(tuple(suite.score(items[key], answer, []).details["strict"]))
+            random.seed(state)
+            official.add(tuple(utils.process_results(row, [answer])["inst_level_strict_acc"]))
+        assert len(ours) == 1 and len(official) == 2, (key, ours, official)
+        random.seed(0)
+        assert ours == {tuple(utils.process_results(row, [answer])["inst_level_strict_acc"])}
 
 
 def test_ifeval_from_the_hub_format(monkeypatch):
