@@ -3,6 +3,7 @@ built into a pack folder, V4's builder, config.json edits for the bad-input test
 references run under (`reference_ties_to_lower_index`, autouse where imported)."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -67,3 +68,46 @@ def reference_ties_to_lower_index(monkeypatch):
     """Autouse in the modules that import it: transformers' (and any) torch.topk breaks ties by index."""
     monkeypatch.setattr(torch, "topk", topk_ties_to_lower_index)
     monkeypatch.setattr(torch.Tensor, "topk", topk_ties_to_lower_index)
+
+
+@contextlib.contextmanager
+def float32_casts_kept_float64():
+    """transformers' DeepSeek-V4 code casts to float32 inside its forward (RMSNorm, hyper-connections, compressor
+    softmax, indexer scores), so a `.double()` model is float32-accurate there (~1e-7 relative from the first layer on).
+    Within this context those casts leave float64 tensors float64: a float64 reference for float64 comparisons. The
+    rotary tables keep their float32 angles, as the oracle's `rope_table` does (DeepSeek's reference computes them so)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    original_float, original_to, original_softmax = torch.Tensor.float, torch.Tensor.to, torch.Tensor.softmax
+    original_rope = hf.DeepseekV4RotaryEmbedding.forward
+    keep = [True]
+
+    def keep_float(self, *args, **kwargs):
+        return self if keep[0] and self.dtype == torch.float64 else original_float(self, *args, **kwargs)
+
+    def keep_to(self, *args, **kwargs):
+        if keep[0] and self.dtype == torch.float64:
+            if kwargs.get("dtype") is torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        return original_to(self, *args, **kwargs)
+
+    def keep_softmax(self, *args, **kwargs):
+        if keep[0] and self.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+            kwargs = {**kwargs, "dtype": torch.float64}
+        return original_softmax(self, *args, **kwargs)
+
+    def rope_as_stored(self, *args, **kwargs):
+        keep[0] = False
+        try:
+            return original_rope(self, *args, **kwargs)
+        finally:
+            keep[0] = True
+
+    torch.Tensor.float, torch.Tensor.to, torch.Tensor.softmax = keep_float, keep_to, keep_softmax
+    hf.DeepseekV4RotaryEmbedding.forward = rope_as_stored
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to, torch.Tensor.softmax = original_float, original_to, original_softmax
+        hf.DeepseekV4RotaryEmbedding.forward = original_rope
