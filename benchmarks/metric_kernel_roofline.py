@@ -10,8 +10,10 @@ Times, on the same [N, V] float32 logits of reference and pack (random, 2 x N x 
                rows) that only sums the values in float32: the memory floor of this access pattern;
 - fp64 math:   the metric kernel's float64 arithmetic per pair of logits (the shift, then its own add_pair_terms: two
                exps, the four sums) on values made from the lane index, nothing loaded: the ALU floor;
-- the library kernel (fidelity.measuring.metrics.triton_rows) at each BLOCK x warps configuration, with the top-5 lists
-  fused and without them, and its agreement with the float64 torch path (max |KL difference|, top-1 / topk_match equal).
+- the library kernel (fidelity.measuring.metrics.triton_rows) at each BLOCK x warps configuration, with and without the
+  block prefetch: without top-5 lists, with them fused as lists of 5 per lane ("fused") and as lists of 2 with the
+  exact pass for the rows they cannot answer ("fused-top2"), and its agreement with the float64 torch path (max |KL
+  difference|, top-1 / topk_match equal) and across those variants (bit for bit).
 Each is the median of --repeat timed runs after a warm-up. Prints a table against the copy baseline.
 """
 from __future__ import annotations
@@ -67,7 +69,7 @@ def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.c
         x = xa.to(tl.float64) - s_a
         y = xb.to(tl.float64) - s_b
         z_a, z_b, k_a, k_b = add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo,
-                                            c2, c3, c4, c5, magic, True)
+                                            c2, c3, c4, c5, magic, True, False)
     tl.store(out_ptr + row, tl.sum(z_a, 0) + tl.sum(z_b, 0) + tl.sum(k_a, 0) + tl.sum(k_b, 0))
 
 
@@ -124,21 +126,21 @@ def main(argv=None) -> int:
                        args.repeat)
         row = {"config": config, "read_only_ms": s_read * 1e3, "fp64_math_ms": s_math * 1e3}
         plain = None           # the plain loop's result, which the prefetching run must equal bit for bit
-        for (topk, name), prefetch in [(t, p) for t in (("fused", "kernel_top5"), ("torch", "kernel_alone"))
-                                       for p in (False, True)]:
+        for (topk, name), prefetch in [(t, p) for t in (("fused", "kernel_top5"), ("fused-top2", "kernel_top2"),
+                                                        ("torch", "kernel_alone")) for p in (False, True)]:
             name += "_prefetch" if prefetch else ""
             metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = block, warps, topk
             metrics.TRITON_PREFETCH = prefetch
             try:
-                if topk == "fused":
+                if topk != "torch":
                     run = lambda: metrics.device_metrics_columns(a, b, targets, backend="triton")  # noqa: E731
                     got = run()
                     row[f"{name}_max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
                     row[f"{name}_top1_topk_equal_torch"] = bool(torch.equal(got[1], want[1]))
-                    if prefetch:       # the same arithmetic in the same order: bit-identical to the plain loop
-                        row["prefetch_bit_identical"] = bool(torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]))
-                    else:
+                    if plain is None:
                         plain = got
+                    else:      # the same arithmetic in the same order, other top lists: bit-identical to the first run
+                        row[f"{name}_bit_identical"] = bool(torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]))
                 else:
                     cols = (torch.empty(n, 6, dtype=torch.float64, device=device),
                             torch.empty(n, 2, dtype=torch.int64, device=device))
@@ -158,16 +160,20 @@ def main(argv=None) -> int:
         return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
     print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
           f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
-    print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | kernel alone | alone, prefetch | "
-          "kernel + top-5 | + top-5, prefetch | max KL diff vs torch | top-1 / topk_match equal | prefetch bit-identical |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    variants = ("kernel_alone", "kernel_top5", "kernel_top2")
+    names = {"kernel_alone": "alone", "kernel_top5": "+ top-5 (lists of 5)", "kernel_top2": "+ top-5 (lists of 2)"}
+    heads = [f"{names[v]}{', prefetch' if p else ''}" for v in variants for p in ("", "_prefetch")]
+    print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | " + " | ".join(heads)
+          + " | max KL diff vs torch | top-1 / topk_match equal | bit-identical across variants |")
+    print("| --- " * (len(heads) + 6) + "|")
     for r in rows_out:
-        diff = max(r.get("kernel_top5_max_kl_diff_vs_torch", float("nan")),
-                   r.get("kernel_top5_prefetch_max_kl_diff_vs_torch", float("nan")))
-        equal = r.get("kernel_top5_top1_topk_equal_torch") and r.get("kernel_top5_prefetch_top1_topk_equal_torch")
-        print(f"| {r['config']} | {cell(r['read_only_ms'])} | {cell(r['fp64_math_ms'])} | {cell(r.get('kernel_alone_ms'))} "
-              f"| {cell(r.get('kernel_alone_prefetch_ms'))} | {cell(r.get('kernel_top5_ms'))} "
-              f"| {cell(r.get('kernel_top5_prefetch_ms'))} | {diff:.1e} | {equal} | {r.get('prefetch_bit_identical')} |")
+        listed = [f"{v}{p}" for v in ("kernel_top5", "kernel_top2") for p in ("", "_prefetch")]
+        diff = max(r.get(f"{k}_max_kl_diff_vs_torch", float("nan")) for k in listed)
+        equal = all(r.get(f"{k}_top1_topk_equal_torch") for k in listed)
+        same = all(r.get(f"{k}_bit_identical") for k in listed[1:])
+        cells = " | ".join(cell(r.get(f"{v}{p}_ms")) for v in variants for p in ("", "_prefetch"))
+        print(f"| {r['config']} | {cell(r['read_only_ms'])} | {cell(r['fp64_math_ms'])} | {cells} | {diff:.1e} "
+              f"| {equal} | {same} |")
     print("(percentages: the bytes read over the time, against the copy baseline)")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -26,12 +26,16 @@ from fidelity.measuring.metrics import (TRITON_BLOCK, device_metrics_columns, fi
 # Device path vs the CPU kernel (both float64 after the float32 inputs, sums in another order and exps of another
 # construction): KL to 2e-13 nats + 1e-11 relative, NLLs to 1e-12 relative, p(top-1) to 1e-13 relative.
 KL_ATOL, KL_RTOL = 2e-13, 1e-11
-# "triton" is the kernel as configured (one logsumexp shift per row, the exp's magic-number rounding, top-5 fused,
-# 256 lanes, the next block prefetched);
+# "triton" is the kernel as configured (one logsumexp shift per row, the exp's magic-number rounding, top-5 lists from
+# lists of 2 per lane, 256 lanes, the next block prefetched);
 # "triton-running" the CPU kernel's running shift with a separate top-5 pass, "triton-magic" the running shift with
 # that rounding, "triton-512-plain" the former default (512 lanes, no prefetch), "triton-running-prefetch" the running
-# shift with the block prefetch (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
+# shift with the block prefetch, "triton-top5" the top-5 lists as lists of 5 per lane, "triton-top2-running" the
+# default lists of 2 under the running shift
+# (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
 TRITON_VARIANTS = {"triton": {},
+                   "triton-top5": {"TRITON_TOPK": "fused"},
+                   "triton-top2-running": {"TRITON_TOPK": "fused-top2", "TRITON_SHIFT": "running"},
                    "triton-running": {"TRITON_SHIFT": "running", "TRITON_MAGIC": False, "TRITON_TOPK": "separate",
                                       "TRITON_BLOCK": 1024},
                    "triton-magic": {"TRITON_SHIFT": "running", "TRITON_MAGIC": True},
@@ -311,7 +315,7 @@ def test_cuda_device_row_metrics_and_store_rederivation(rng_seed, tmp_path):
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
-@pytest.mark.parametrize("mode", ["fused", "separate"])
+@pytest.mark.parametrize("mode", ["fused", "fused-top2", "separate"])
 def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, device, monkeypatch):
     """topk_match from the Triton pass (fused into the metric kernel, or its own pass) equals the CPU kernel's, on
     rows built to break a top-5 list: a tie straddling the 5th place, equal values in one lane (index j and
@@ -353,3 +357,44 @@ def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, dev
         if x.shape[1] == v:      # the rows do what they were built for (on the CPU kernel's numbers)
             assert cpu.topk_match[0] == 4 and cpu.topk_match[1] == 0 and cpu.topk_match[2] == k - 1
             assert cpu.topk_match[3] == 2           # two finite logits: the lists end there
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
+                                    pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("shift", ["fixed", "running"])
+def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_seed, device, shift, monkeypatch):
+    """TRITON_TOPK "fused-top2": a lane holding three of a row's top-5 makes its list of two run out; the row goes to
+    top5_kernel when its prefix reaches that place (rows 0, 2) and not when the lists part before it (row 1) or the
+    lane holds only the 4th and 5th places (row 3). Every row's ids and topk_match equal the CPU kernel's."""
+    from fidelity.measuring import metrics
+    monkeypatch.setattr(metrics, "TRITON_TOPK", "fused-top2")
+    monkeypatch.setattr(metrics, "TRITON_SHIFT", shift)
+    sent = []
+    exact_pass = metrics._top5
+
+    def spy(a, b, match, rows):
+        sent.extend([] if rows is None else rows.tolist())
+        exact_pass(a, b, match, rows)
+    monkeypatch.setattr(metrics, "_top5", spy)
+    g = torch.Generator().manual_seed(rng_seed)
+    B = TRITON_BLOCK
+    v = 3 * B + 19
+    a = torch.randn(5, v, generator=g)
+    top = float(a.max()) + 1
+    lane = [5, 5 + B, 5 + 2 * B]                 # one lane (index mod BLOCK), three places
+    others = [17, 40, 77]                        # three other lanes
+    a[0, lane + others[:2]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # the lane holds places 1-3
+    a[1] = a[0]
+    a[2, others[:2] + lane] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 3-5
+    a[3, others + lane[:2]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 4-5 only
+    b = a.clone()
+    b[1, 100] = top + 10                          # row 1: the pack's list starts elsewhere
+    b[4] = a[4] + 1e-3 * torch.randn(v, generator=g)
+    t = torch.randint(0, v, (5,), generator=g)
+    _, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend="triton")
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert cpu.topk_match[:4].tolist() == [5, 0, 5, 5]
+    assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
+    assert torch.equal(got[:, 0].cpu(), cpu.ref_top1) and torch.equal(got[:, 1].cpu(), cpu.pack_top1)
+    assert {0, 2} <= set(sent) and not {1, 3} & set(sent), sent

@@ -268,14 +268,16 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
 
 # -- on the logits' device ----------------------------------------------------------------------------------------
 DEVICE_ROWS_ELEMENTS = 1 << 24   # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
-# Defaults from benchmarks/metric_kernel_roofline.py on an H200 (8,192 x 129,280, 2026-12-02): the metric step with
-# top-5 in 7.23 ms (28 % of copy bandwidth) at 256 lanes with the next block prefetched, against 8.46 ms at 512 lanes
-# without (12.68 ms for the running shift with a separate top-5 pass); RESULTS.md
+# Defaults from benchmarks/metric_kernel_roofline.py on an H200 (8,192 x 129,280): the metric step with top-5 in
+# 5.3-5.5 ms (36-37 % of copy bandwidth) with lists of 2 per lane, 256 lanes, the next block prefetched, against
+# 7.6-7.7 ms for the lists of 5 of 2026-12-02 measured in the same call (2026-12-04); RESULTS.md
 TRITON_BLOCK = 256               # logits per side per step of one Triton program (lanes: 2 per thread at 4 warps)
 TRITON_WARPS = 4
-# topk_match on the Triton path: "separate" (a second Triton pass of TRITON_TOPK_BLOCK lanes), "fused" (in the metric
-# kernel's pass: fastest with 256-512 lanes; at 1024 the top-5 registers spill, 20x slower on an H200) or "torch"
-TRITON_TOPK = "fused"
+# topk_match on the Triton path: "fused-top2" (lists of 2 per lane in the metric kernel's pass; the rows they cannot
+# answer, where one lane holds three of a row's five, go through top5_kernel: the same numbers), "fused" (lists of 5
+# per lane in that pass: 136 registers at 256 lanes, 1.7x slower; at 1024 lanes they spill), "separate" (a second
+# Triton pass of TRITON_TOPK_BLOCK lanes) or "torch"
+TRITON_TOPK = "fused-top2"
 TRITON_TOPK_BLOCK = 1024
 # the logsumexp shift: "running" (the CPU kernel's: the maximum so far, a cross-lane maximum and a possible rescale per
 # block) or "fixed" (the first block's maximum for the whole row: 1.5x faster; rows whose maximum lies > 600 above it
@@ -440,8 +442,8 @@ def check_triton_settings() -> None:
     fails to build, which falls back to torch with a warning)."""
     if TRITON_SHIFT not in ("running", "fixed"):
         raise ValueError(f"metrics.TRITON_SHIFT={TRITON_SHIFT!r}: expected 'running' or 'fixed'")
-    if TRITON_TOPK not in ("fused", "separate", "torch"):
-        raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected 'fused', 'separate' or 'torch'")
+    if TRITON_TOPK not in ("fused", "fused-top2", "separate", "torch"):
+        raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected 'fused', 'fused-top2', 'separate' or 'torch'")
     if not isinstance(TRITON_PREFETCH, bool):
         raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected True or False")
 
@@ -456,30 +458,49 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
         raise RuntimeError("FIDELITY_METRICS_KERNEL=triton, but triton is not installed")
     check_triton_settings()
     consts, table = _exp_constants(a.device)
-    fused = match is not None and TRITON_TOPK == "fused"
+    in_pass = match is not None and TRITON_TOPK in ("fused", "fused-top2")
+    lists = 5 if match is not None and TRITON_TOPK == "fused" else 2
     fixed = TRITON_SHIFT == "fixed"
-    retry = torch.zeros(a.shape[0] if fixed else 1, dtype=torch.int8, device=a.device)
-    kernel[(a.shape[0],)](a, b, t, out, top, match if fused else top, retry, consts, table, a.stride(0), b.stride(0),
-                          V=a.shape[1], BLOCK=TRITON_BLOCK, TOP5=fused, FIXED_SHIFT=fixed, MAGIC=TRITON_MAGIC,
-                          PREFETCH=TRITON_PREFETCH, num_warps=TRITON_WARPS)
-    if fixed and bool(retry.any()):
-        rows = retry.nonzero()[:, 0]
-        sub_a, sub_b, sub_t = a[rows].contiguous(), b[rows].contiguous(), t[rows].contiguous()
-        sub_out, sub_top = out[rows], top[rows]
-        sub_match = match[rows] if fused else sub_top
-        kernel[(len(rows),)](sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, retry, consts, table, sub_a.stride(0),
-                             sub_b.stride(0), V=a.shape[1], BLOCK=TRITON_BLOCK, TOP5=fused, FIXED_SHIFT=False,
-                             MAGIC=TRITON_MAGIC, PREFETCH=TRITON_PREFETCH, num_warps=TRITON_WARPS)
-        out[rows], top[rows] = sub_out, sub_top
-        if fused:
-            match[rows] = sub_match
-    if match is not None and not fused:
+    flagged = fixed or (in_pass and lists == 2)
+
+    def run(x, y, targets, out_, top_, match_, retry_, fixed_):
+        kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
+                              y.stride(0), V=x.shape[1], BLOCK=TRITON_BLOCK, LISTS=lists, MATCH=in_pass,
+                              FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=TRITON_PREFETCH,
+                              num_warps=TRITON_WARPS)
+
+    # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel
+    retry = torch.zeros(a.shape[0] if flagged else 1, dtype=torch.int8, device=a.device)
+    run(a, b, t, out, top, match, retry, fixed)
+    if flagged and bool(retry.any()):
+        far = (retry & 1).nonzero()[:, 0]
+        if len(far):
+            sub_a, sub_b, sub_t = a[far].contiguous(), b[far].contiguous(), t[far].contiguous()
+            sub_out, sub_top = out[far], top[far]
+            sub_match = match[far] if in_pass else sub_top
+            sub_retry = torch.zeros(len(far), dtype=torch.int8, device=a.device)
+            run(sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, sub_retry, False)
+            out[far], top[far] = sub_out, sub_top
+            if in_pass:
+                match[far] = sub_match
+            retry[far] = sub_retry
+        if in_pass and lists == 2:
+            exact = (retry & 2).nonzero()[:, 0]
+            if len(exact):
+                _top5(a, b, match, exact)
+    if match is not None and not in_pass:
         if TRITON_TOPK == "separate":
-            from .metrics_triton import top5_kernel
-            top5_kernel[(a.shape[0],)](a, b, match, a.stride(0), b.stride(0), V=a.shape[1], BLOCK=TRITON_TOPK_BLOCK,
-                                       num_warps=TRITON_WARPS)
+            _top5(a, b, match, None)
         else:
             match.copy_(topk_match_torch(a, b))
+
+
+def _top5(a: torch.Tensor, b: torch.Tensor, match: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """topk_match of every row (rows None) or of the given rows, by top5_kernel's exact lists."""
+    from .metrics_triton import top5_kernel
+    count = a.shape[0] if rows is None else len(rows)
+    top5_kernel[(count,)](a, b, match, match if rows is None else rows, a.stride(0), b.stride(0), V=a.shape[1],
+                          BLOCK=TRITON_TOPK_BLOCK, INDIRECT=rows is not None, num_warps=TRITON_WARPS)
 
 
 def naive_kld(ref_logits: torch.Tensor, pack_logits: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,17 @@
 """The Triton kernel behind `fidelity.measuring.metrics` on CUDA (imported only when Triton is there): one program per
-position walks both rows of logits once, as the CPU kernel does (see fidelity/measuring/metrics.py), with per-lane float64 sums
-under one shift per row and side and per-lane top-1/top-2 tracking, combined at the end. The shift is the CPU kernel's
-running maximum (FIXED_SHIFT off: a cross-lane maximum and a possible rescale per block) or the first block's maximum
-kept for the whole row (FIXED_SHIFT: 1.5x faster on an H200; rows far above it are flagged for a running-shift pass). Its exp is the CPU kernel's
-with a 64-entry table: x = (64 k + j) ln2/64 + r, |r| <= ln2/128, exp(r) by Taylor to r^5 (4e-17), times 2^(j/64) from
-the table with k added to its exponent bits. Constants come in as a float64 tensor: Triton would type a Python float
-as float32.
+position walks both rows of logits once, as the CPU kernel does (see fidelity/measuring/metrics.py), with per-lane float64
+sums under one shift per row and side, combined at the end. The shift is the CPU kernel's running maximum (FIXED_SHIFT
+off: a cross-lane maximum and a possible rescale per block) or the first block's maximum kept for the whole row
+(FIXED_SHIFT: 1.5x faster on an H200; rows far above it are flagged for a running-shift pass). Its exp is the CPU
+kernel's with a 64-entry table: x = (64 k + j) ln2/64 + r, |r| <= ln2/128, exp(r) by Taylor to r^5 (4e-17), times
+2^(j/64) from the table with k added to its exponent bits. Constants come in as a float64 tensor: Triton would type a
+Python float as float32.
 
-With TOP5, the program also keeps each lane's top-5 (value, index) list, strictly-greater inserts so an equal later
-value goes after the earlier one, and at the end pops the 5 best over the lanes (largest value, then lowest index):
-the CPU kernel's top-5 lists exactly, whose common prefix is topk_match."""
+Each lane keeps its best LISTS (value, index) pairs per side, strictly-greater inserts so an equal later value goes
+after the earlier one; at the end the program pops the best over the lanes (largest value, then lowest index): the
+row's best, runner-up and first index, and for topk_match the CPU kernel's top-5 lists. LISTS 5 holds them exactly;
+LISTS 2 (a fifth of the selects per logit) holds them unless one lane holds three of a row's five, which the program
+detects and flags: those rows get the exact lists from top5_kernel, so topk_match is the CPU kernel's either way."""
 import triton
 import triton.language as tl
 
@@ -18,12 +20,14 @@ import triton.language as tl
 def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC: tl.constexpr):
     # as the CPU kernel's _exp_nonpositive, with a 64-entry table: x = (64 k + j) ln2/64 + r. Good for x < 700 too
     # (the fixed-shift kernel's terms above its shift). MAGIC rounds x / step by adding 1.5 * 2^52 (the integer then
-    # sits in the low mantissa bits): no float->int conversion and no floor, which run on the GPU's slow units
-    x = tl.where(x > -700.0, x, -700.0)
+    # sits in the low mantissa bits): no float->int conversion and no floor, which run on the GPU's slow units.
+    # tl.maximum is the clamp where(x > -700, x, -700) in one instruction, NaN included (max returns the other operand)
+    x = tl.maximum(x, -700.0)
     if MAGIC:
         shifted = x * inv_step + magic
         n = shifted - magic
-        ni = (shifted.to(tl.int64, bitcast=True) - magic.to(tl.int64, bitcast=True)).to(tl.int32)
+        # the magic number's low 32 bits are zero, so the low word of the sum's bits is n (|n| < 2^16) as an int32
+        ni = shifted.to(tl.int64, bitcast=True).to(tl.int32)
     else:
         n = tl.floor(x * inv_step + 0.5)
         ni = n.to(tl.int32)      # |n| <= 700 * 64 / ln2 < 2^16: int32 index arithmetic, one int64 add
@@ -42,12 +46,17 @@ def exp_constants(const_ptr):
 
 @triton.jit
 def add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                   MAGIC: tl.constexpr):
-    # one block's terms of the four sums, x and y the shifted logits of both sides: Z = sum exp, K = sum exp * (x - y)
-    e_a = tl.where(mask, exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
-    e_b = tl.where(mask, exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC), 0.0)
+                   MAGIC: tl.constexpr, MASKED: tl.constexpr):
+    # one block's terms of the four sums, x and y the shifted logits of both sides: Z = sum exp, K = sum exp * (x - y).
+    # A full block (MASKED off) has no lanes past the vocabulary: no selects
+    e_a = exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC)
+    e_b = exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC)
     d = x - y
-    return z_a + e_a, z_b + e_b, k_a + tl.where(mask, e_a * d, 0.0), k_b + tl.where(mask, e_b * d, 0.0)
+    if MASKED:
+        e_a = tl.where(mask, e_a, 0.0)
+        e_b = tl.where(mask, e_b, 0.0)
+        return z_a + e_a, z_b + e_b, k_a + tl.where(mask, e_a * d, 0.0), k_b + tl.where(mask, e_b * d, 0.0)
+    return z_a + e_a, z_b + e_b, k_a + e_a * d, k_b + e_b * d
 
 
 @triton.jit
@@ -76,9 +85,34 @@ def top5_pop(v0, v1, v2, v3, v4, i0, i1, i2, i3, i4, V):
 
 
 @triton.jit
-def top5_kernel(a_ptr, b_ptr, match_ptr, stride_a, stride_b, V: tl.constexpr, BLOCK: tl.constexpr):
-    """topk_match alone: one program per position, both rows' top-5 lists, their common prefix length."""
-    row = tl.program_id(0).to(tl.int64)
+def top2_insert(x, offs, v0, v1, i0, i1):
+    # a lane's best two (v0 >= v1), strictly-greater inserts as top5_insert
+    c0, c1 = x > v0, x > v1
+    v1, i1 = tl.where(c0, v0, tl.where(c1, x, v1)), tl.where(c0, i0, tl.where(c1, offs, i1))
+    v0, i0 = tl.where(c0, x, v0), tl.where(c0, offs, i0)
+    return v0, v1, i0, i1
+
+
+@triton.jit
+def top2_pop(v0, v1, i0, i1, V):
+    # top5_pop on lists of two; `hit` marks the lane it took from (a lane taken from twice has run out of entries)
+    best = tl.max(v0, 0)
+    pick = tl.min(tl.where(v0 == best, i0, V), 0)
+    hit = i0 == pick
+    v0, v1 = tl.where(hit, v1, v0), tl.where(hit, float("-inf"), v1)
+    i0, i1 = tl.where(hit, i1, i0), tl.where(hit, V, i1)
+    return best, tl.where(best > float("-inf"), pick, -1), hit.to(tl.int32), v0, v1, i0, i1
+
+
+@triton.jit
+def top5_kernel(a_ptr, b_ptr, match_ptr, rows_ptr, stride_a, stride_b, V: tl.constexpr, BLOCK: tl.constexpr,
+                INDIRECT: tl.constexpr):
+    """topk_match alone: one program per position (INDIRECT: per entry of rows_ptr), both rows' top-5 lists, their
+    common prefix length."""
+    if INDIRECT:
+        row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
     a_row, b_row = a_ptr + row * stride_a, b_ptr + row * stride_b
     lanes = tl.arange(0, BLOCK)
     ninf = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -92,26 +126,64 @@ def top5_kernel(a_ptr, b_ptr, match_ptr, stride_a, stride_b, V: tl.constexpr, BL
         xb = tl.load(b_row + offs, mask=mask, other=float("-inf"))
         a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4)
         b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_insert(xb, offs, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4)
-    tl.store(match_ptr + row, top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4,
-                                         b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V))
+    match, _, _, _, _, _ = top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3,
+                                   bi4, V)
+    tl.store(match_ptr + row, match)
 
 
 @triton.jit
 def top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V):
-    match = 0
-    same = True
-    for _ in tl.static_range(5):
+    # (common prefix length, the reference's best value and its runner-up (the second entry: equal to it on a tie),
+    # the first index of each side's best (-1: no entry), 5: every entry is right)
+    best_a = tl.max(a0, 0)
+    pa, a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_pop(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, V)
+    pb, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_pop(b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V)
+    first_a, first_b = pa, pb
+    runner_up = tl.max(a0, 0)
+    same = (pa >= 0) & (pa == pb)
+    match = same.to(tl.int64)
+    for _ in tl.static_range(4):
         pa, a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_pop(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, V)
         pb, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_pop(b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V)
         same = same & (pa >= 0) & (pa == pb)
         match += same.to(tl.int64)
-    return match
+    return match, best_a, runner_up, first_a, first_b, 5
+
+
+@triton.jit
+def top2_match(a0, a1, ai0, ai1, b0, b1, bi0, bi1, V, MATCH: tl.constexpr):
+    # top5_match from lists of two per lane. Such lists hold a row's top-5 unless one lane holds three of them: once a
+    # lane is taken from twice (pop m), the entries after m may be wrong; `reliable` is that m (5: none ran out), and
+    # the prefix length is right if it stopped before m (match < reliable), else the row is measured again
+    best_a, pa, hit_a, a0, a1, ai0, ai1 = top2_pop(a0, a1, ai0, ai1, V)
+    _, pb, hit_b, b0, b1, bi0, bi1 = top2_pop(b0, b1, bi0, bi1, V)
+    first_a, first_b = pa, pb
+    runner_up = tl.max(a0, 0)
+    same = (pa >= 0) & (pa == pb)
+    match = same.to(tl.int64)
+    reliable = 5
+    if MATCH:
+        used_a, used_b = hit_a, hit_b
+        for m in tl.static_range(2, 6):
+            _, pa, hit_a, a0, a1, ai0, ai1 = top2_pop(a0, a1, ai0, ai1, V)
+            _, pb, hit_b, b0, b1, bi0, bi1 = top2_pop(b0, b1, bi0, bi1, V)
+            same = same & (pa >= 0) & (pa == pb)
+            match += same.to(tl.int64)
+            used_a, used_b = used_a + hit_a, used_b + hit_b
+            ran_out = (tl.max(used_a, 0) > 1) | (tl.max(used_b, 0) > 1)
+            if m < 5:
+                reliable = tl.where(ran_out & (reliable == 5), m, reliable)
+    return match, best_a, runner_up, first_a, first_b, reliable
 
 
 @triton.jit
 def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, const_ptr, table_ptr, stride_a, stride_b,
-                V: tl.constexpr, BLOCK: tl.constexpr, TOP5: tl.constexpr, FIXED_SHIFT: tl.constexpr,
-                MAGIC: tl.constexpr, PREFETCH: tl.constexpr):
+                V: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, MATCH: tl.constexpr,
+                FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, PREFETCH: tl.constexpr):
+    """One position per program. Each lane keeps its LISTS (2 or 5) best logits per side with their indices, from
+    which the row's best, runner-up and (MATCH) top-5 prefix come at the end. retry_ptr bit 0: the row lies too far
+    above its fixed shift (measure it again with the running shift); bit 1 (LISTS 2): its top-5 prefix needs the
+    exact lists of top5_kernel."""
     row = tl.program_id(0).to(tl.int64)
     a_row, b_row = a_ptr + row * stride_a, b_ptr + row * stride_b
     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
@@ -129,68 +201,66 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     z_b = tl.zeros([BLOCK], tl.float64)
     k_a = tl.zeros([BLOCK], tl.float64)
     k_b = tl.zeros([BLOCK], tl.float64)
-    top_a = tl.full([BLOCK], float("-inf"), tl.float32)     # per lane: best, runner-up, index of the best
-    second_a = tl.full([BLOCK], float("-inf"), tl.float32)
-    top_b = tl.full([BLOCK], float("-inf"), tl.float32)
-    idx_a = tl.zeros([BLOCK], tl.int32)     # int32: fewer registers (vocabularies are far below 2^31)
-    idx_b = tl.zeros([BLOCK], tl.int32)
-    if TOP5:
-        ninf = tl.full([BLOCK], float("-inf"), tl.float32)
-        none = tl.full([BLOCK], V, tl.int32)
+    ninf = tl.full([BLOCK], float("-inf"), tl.float32)
+    none = tl.full([BLOCK], V, tl.int32)      # int32 indices: fewer registers (vocabularies are far below 2^31)
+    if LISTS == 5:
         a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = ninf, ninf, ninf, ninf, ninf, none, none, none, none, none
         b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = ninf, ninf, ninf, ninf, ninf, none, none, none, none, none
+    else:
+        a0, a1, ai0, ai1, b0, b1, bi0, bi1 = ninf, ninf, none, none, ninf, ninf, none, none
     if PREFETCH:
         # the next block's loads are issued before this block's arithmetic, so memory and float64 math overlap
         # (same values, same order of operations: the results do not change)
         next_a = tl.load(a_row + lanes, mask=lanes < V, other=float("-inf"))
         next_b = tl.load(b_row + lanes, mask=lanes < V, other=float("-inf"))
-    for lo in range(0, V, BLOCK):
+    else:
+        next_a, next_b = ninf, ninf
+    # the full blocks (no lane past the vocabulary: no masked selects), then the partial one, if any
+    FULL: tl.constexpr = V // BLOCK * BLOCK
+    for lo in range(0, FULL, BLOCK):
         offs = lo + lanes
-        mask = offs < V
-        if PREFETCH:
-            xa, xb = next_a, next_b
-            ahead = offs + BLOCK
-            next_a = tl.load(a_row + ahead, mask=ahead < V, other=float("-inf"))
-            next_b = tl.load(b_row + ahead, mask=ahead < V, other=float("-inf"))
-        else:
-            xa = tl.load(a_row + offs, mask=mask, other=float("-inf"))
-            xb = tl.load(b_row + offs, mask=mask, other=float("-inf"))
-        up_a = xa > top_a               # strictly greater: a lane keeps the first index of its best
-        second_a = tl.where(up_a, top_a, tl.maximum(second_a, xa))
-        top_a = tl.where(up_a, xa, top_a)
-        idx_a = tl.where(up_a, offs, idx_a)
-        up_b = xb > top_b
-        top_b = tl.where(up_b, xb, top_b)
-        idx_b = tl.where(up_b, offs, idx_b)
-        if TOP5:
+        xa, xb, next_a, next_b = load_block(a_row, b_row, offs, next_a, next_b, V, BLOCK, PREFETCH, False)
+        if LISTS == 5:
             a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4,
                                                                       ai0, ai1, ai2, ai3, ai4)
             b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_insert(xb, offs, b0, b1, b2, b3, b4,
                                                                       bi0, bi1, bi2, bi3, bi4)
-        if not FIXED_SHIFT:
-            m_a, m_b = tl.max(xa, 0).to(tl.float64), tl.max(xb, 0).to(tl.float64)
-            if (m_a > s_a) | (m_b > s_b):
-                # a new maximum rescales the sums so far (k_* hold d - (s_a - s_b): they move by that offset's change)
-                new_a, new_b = tl.maximum(s_a, m_a), tl.maximum(s_b, m_b)
-                change = (new_a - new_b) - (s_a - s_b)
-                scale_a, scale_b = tl.exp(s_a - new_a), tl.exp(s_b - new_b)
-                k_a = (k_a - change * z_a) * scale_a
-                k_b = (k_b - change * z_b) * scale_b
-                z_a = z_a * scale_a
-                z_b = z_b * scale_b
-                s_a, s_b = new_a, new_b
-        x = xa.to(tl.float64) - s_a
-        y = xb.to(tl.float64) - s_b
-        z_a, z_b, k_a, k_b = add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo,
-                                            c2, c3, c4, c5, magic, MAGIC)
+        else:
+            a0, a1, ai0, ai1 = top2_insert(xa, offs, a0, a1, ai0, ai1)
+            b0, b1, bi0, bi1 = top2_insert(xb, offs, b0, b1, bi0, bi1)
+        s_a, s_b, z_a, z_b, k_a, k_b = shift_and_sum(xa, xb, offs < V, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr,
+                                                     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
+                                                     FIXED_SHIFT, MAGIC, False)
+    if FULL < V:
+        offs = FULL + lanes
+        xa, xb, next_a, next_b = load_block(a_row, b_row, offs, next_a, next_b, V, BLOCK, PREFETCH, True)
+        if LISTS == 5:
+            a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4,
+                                                                      ai0, ai1, ai2, ai3, ai4)
+            b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_insert(xb, offs, b0, b1, b2, b3, b4,
+                                                                      bi0, bi1, bi2, bi3, bi4)
+        else:
+            a0, a1, ai0, ai1 = top2_insert(xa, offs, a0, a1, ai0, ai1)
+            b0, b1, bi0, bi1 = top2_insert(xb, offs, b0, b1, bi0, bi1)
+        s_a, s_b, z_a, z_b, k_a, k_b = shift_and_sum(xa, xb, offs < V, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr,
+                                                     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
+                                                     FIXED_SHIFT, MAGIC, True)
     sum_za, sum_zb, sum_ka, sum_kb = tl.sum(z_a, 0), tl.sum(z_b, 0), tl.sum(k_a, 0), tl.sum(k_b, 0)
-    best_a = tl.max(top_a, 0)
-    first_a = tl.min(tl.where(top_a == best_a, idx_a, V), 0)
-    runner_up = tl.maximum(tl.max(second_a, 0), tl.max(tl.where(idx_a == first_a, float("-inf"), top_a), 0))
-    best_b = tl.max(top_b, 0)
-    first_b = tl.min(tl.where(top_b == best_b, idx_b, V), 0)
+    if LISTS == 5:
+        match, best_a, runner_up, first_a, first_b, reliable = top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4,
+                                                                          b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4,
+                                                                          V)
+    else:
+        match, best_a, runner_up, first_a, first_b, reliable = top2_match(a0, a1, ai0, ai1, b0, b1, bi0, bi1, V, MATCH)
+    flags = 0
     if FIXED_SHIFT:
-        tl.store(retry_ptr + row, ((best_a.to(tl.float64) - s_a > 600.0) | (best_b.to(tl.float64) - s_b > 600.0)).to(tl.int8))
+        best_b = tl.max(b0, 0)
+        far = (best_a.to(tl.float64) - s_a > 600.0) | (best_b.to(tl.float64) - s_b > 600.0)
+        flags = far.to(tl.int32)
+    if MATCH and LISTS == 2:
+        flags = flags | (((reliable < 5) & (match >= reliable)).to(tl.int32) << 1)
+    if FIXED_SHIFT or (MATCH and LISTS == 2):
+        tl.store(retry_ptr + row, flags.to(tl.int8))
     c = tl.log(sum_za / sum_zb)
     lse_a, lse_b = s_a + tl.log(sum_za), s_b + tl.log(sum_zb)
     target = tl.load(t_ptr + row)
@@ -201,8 +271,51 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     tl.store(o + 3, tl.exp(best_a.to(tl.float64) - lse_a))
     tl.store(o + 4, lse_a - tl.load(a_row + target).to(tl.float64))
     tl.store(o + 5, lse_b - tl.load(b_row + target).to(tl.float64))
-    tl.store(top_ptr + row * 2, first_a.to(tl.int64))
-    tl.store(top_ptr + row * 2 + 1, first_b.to(tl.int64))
-    if TOP5:
-        tl.store(match_ptr + row, top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4,
-                                             b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V))
+    # a row without a finite (or non-NaN) logit has no list entry: index 0, as the CPU kernel's
+    tl.store(top_ptr + row * 2, tl.maximum(first_a, 0).to(tl.int64))
+    tl.store(top_ptr + row * 2 + 1, tl.maximum(first_b, 0).to(tl.int64))
+    if MATCH:
+        tl.store(match_ptr + row, match)
+
+
+@triton.jit
+def load_block(a_row, b_row, offs, next_a, next_b, V, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+               MASKED: tl.constexpr):
+    # this block's logits of both sides (-inf past the vocabulary); PREFETCH: they were loaded one block earlier, and
+    # the next block's loads are issued now (the last, partial block has no next)
+    if PREFETCH:
+        xa, xb = next_a, next_b
+        if not MASKED:
+            ahead = offs + BLOCK
+            next_a = tl.load(a_row + ahead, mask=ahead < V, other=float("-inf"))
+            next_b = tl.load(b_row + ahead, mask=ahead < V, other=float("-inf"))
+    elif MASKED:
+        xa = tl.load(a_row + offs, mask=offs < V, other=float("-inf"))
+        xb = tl.load(b_row + offs, mask=offs < V, other=float("-inf"))
+    else:
+        xa = tl.load(a_row + offs)
+        xb = tl.load(b_row + offs)
+    return xa, xb, next_a, next_b
+
+
+@triton.jit
+def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
+                  magic, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, MASKED: tl.constexpr):
+    # the running shift's update for a block that raises a maximum (the fixed shift has none), then the block's terms
+    if not FIXED_SHIFT:
+        m_a, m_b = tl.max(xa, 0).to(tl.float64), tl.max(xb, 0).to(tl.float64)
+        if (m_a > s_a) | (m_b > s_b):
+            # a new maximum rescales the sums so far (k_* hold d - (s_a - s_b): they move by that offset's change)
+            new_a, new_b = tl.maximum(s_a, m_a), tl.maximum(s_b, m_b)
+            change = (new_a - new_b) - (s_a - s_b)
+            scale_a, scale_b = tl.exp(s_a - new_a), tl.exp(s_b - new_b)
+            k_a = (k_a - change * z_a) * scale_a
+            k_b = (k_b - change * z_b) * scale_b
+            z_a = z_a * scale_a
+            z_b = z_b * scale_b
+            s_a, s_b = new_a, new_b
+    x = xa.to(tl.float64) - s_a
+    y = xb.to(tl.float64) - s_b
+    z_a, z_b, k_a, k_b = add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo,
+                                        c2, c3, c4, c5, magic, MAGIC, MASKED)
+    return s_a, s_b, z_a, z_b, k_a, k_b
