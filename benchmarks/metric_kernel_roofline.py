@@ -10,8 +10,8 @@ Times, on the same [N, V] float32 logits of reference and pack (random, 2 x N x 
                rows) that only sums the values in float32: the memory floor of this access pattern;
 - fp64 math:   the metric kernel's float64 arithmetic per pair of logits (the shift, then its own add_pair_terms: two
                exps, the four sums) on values made from the lane index, nothing loaded: the ALU floor;
-- the library kernel (fidelity.measuring.metrics.triton_rows) at each BLOCK x warps configuration, with and without the
-  block prefetch: without top-5 lists, with them fused as lists of 5 per lane ("fused") and as lists of 2 with the
+- the library kernel (fidelity.measuring.metrics.triton_rows) at each BLOCK x warps configuration, with 0, 1 and 2
+  blocks loaded ahead of the arithmetic: without top-5 lists, with them fused as lists of 5 per lane ("fused") and as lists of 2 with the
   exact pass for the rows they cannot answer ("fused-top2"), and its agreement with the float64 torch path (max |KL
   difference|, top-1 / topk_match equal) and across those variants (bit for bit).
 Each is the median of --repeat timed runs after a warm-up. Prints a table against the copy baseline.
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
         row = {"config": config, "read_only_ms": s_read * 1e3, "fp64_math_ms": s_math * 1e3}
         plain = None           # the plain loop's result, which the prefetching run must equal bit for bit
         for (topk, name), prefetch in [(t, p) for t in (("fused", "kernel_top5"), ("fused-top2", "kernel_top2"),
-                                                        ("torch", "kernel_alone")) for p in (False, True)]:
-            name += "_prefetch" if prefetch else ""
+                                                        ("torch", "kernel_alone")) for p in (0, 1, 2)]:
+            name += ("", "_prefetch", "_ahead2")[prefetch]
             metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = block, warps, topk
             metrics.TRITON_PREFETCH = prefetch
             try:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
             finally:
                 metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = defaults
-                metrics.TRITON_PREFETCH = False
+                metrics.TRITON_PREFETCH = 0
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     res["rows"] = rows_out
@@ -162,16 +162,17 @@ def main(argv=None) -> int:
           f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
     variants = ("kernel_alone", "kernel_top5", "kernel_top2")
     names = {"kernel_alone": "alone", "kernel_top5": "+ top-5 (lists of 5)", "kernel_top2": "+ top-5 (lists of 2)"}
-    heads = [f"{names[v]}{', prefetch' if p else ''}" for v in variants for p in ("", "_prefetch")]
+    ahead = {"": "", "_prefetch": ", 1 block ahead", "_ahead2": ", 2 ahead"}
+    heads = [f"{names[v]}{ahead[p]}" for v in variants for p in ahead]
     print("| BLOCK x warps | read-only (memory floor) | fp64 math only (ALU floor) | " + " | ".join(heads)
           + " | max KL diff vs torch | top-1 / topk_match equal | bit-identical across variants |")
     print("| --- " * (len(heads) + 6) + "|")
     for r in rows_out:
-        listed = [f"{v}{p}" for v in ("kernel_top5", "kernel_top2") for p in ("", "_prefetch")]
+        listed = [f"{v}{p}" for v in ("kernel_top5", "kernel_top2") for p in ahead]
         diff = max(r.get(f"{k}_max_kl_diff_vs_torch", float("nan")) for k in listed)
         equal = all(r.get(f"{k}_top1_topk_equal_torch") for k in listed)
         same = all(r.get(f"{k}_bit_identical") for k in listed[1:])
-        cells = " | ".join(cell(r.get(f"{v}{p}_ms")) for v in variants for p in ("", "_prefetch"))
+        cells = " | ".join(cell(r.get(f"{v}{p}_ms")) for v in variants for p in ahead)
         print(f"| {r['config']} | {cell(r['read_only_ms'])} | {cell(r['fp64_math_ms'])} | {cells} | {diff:.1e} "
               f"| {equal} | {same} |")
     print("(percentages: the bytes read over the time, against the copy baseline)")

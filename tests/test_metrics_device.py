@@ -31,7 +31,8 @@ KL_ATOL, KL_RTOL = 2e-13, 1e-11
 # "triton-running" the CPU kernel's running shift with a separate top-5 pass, "triton-magic" the running shift with
 # that rounding, "triton-512-plain" the former default (512 lanes, no prefetch), "triton-running-prefetch" the running
 # shift with the block prefetch, "triton-top5" the top-5 lists as lists of 5 per lane, "triton-top2-running" the
-# default lists of 2 under the running shift
+# default lists of 2 under the running shift, "triton-512" / "triton-512-ahead2" / "triton-256-ahead2-running" 512
+# lanes, two blocks loaded ahead
 # (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
 TRITON_VARIANTS = {"triton": {},
                    "triton-top5": {"TRITON_TOPK": "fused"},
@@ -40,7 +41,10 @@ TRITON_VARIANTS = {"triton": {},
                                       "TRITON_BLOCK": 1024},
                    "triton-magic": {"TRITON_SHIFT": "running", "TRITON_MAGIC": True},
                    "triton-512-plain": {"TRITON_BLOCK": 512, "TRITON_PREFETCH": False},
-                   "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True}}
+                   "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True},
+                   "triton-512-ahead2": {"TRITON_BLOCK": 512, "TRITON_PREFETCH": 2},
+                   "triton-256-ahead2-running": {"TRITON_PREFETCH": 2, "TRITON_SHIFT": "running"},
+                   "triton-512": {"TRITON_BLOCK": 512}}
 BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
                         for name in TRITON_VARIANTS]
 
@@ -197,7 +201,8 @@ def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypat
         choose("cpu")
 
 
-@pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse"), ("TRITON_PREFETCH", "yes")])
+@pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse"), ("TRITON_PREFETCH", "yes"),
+                                           ("TRITON_PREFETCH", 3)])
 def test_a_misspelt_kernel_switch_is_an_error_not_a_fallback(switch, value, monkeypatch):
     from fidelity.measuring import metrics
     ran = []
@@ -207,7 +212,7 @@ def test_a_misspelt_kernel_switch_is_an_error_not_a_fallback(switch, value, monk
     a, b = torch.randn(3, 50), torch.randn(3, 50)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                    # no "Triton kernel failed ... torch path" fallback
-        with pytest.raises(ValueError, match=f"metrics.{switch}='{value}'"):
+        with pytest.raises(ValueError, match=f"metrics.{switch}={value!r}"):
             device_metrics_columns(a, b, torch.randint(0, 50, (3,)))
     assert not ran and metrics._TRITON[0] is not None
 

@@ -284,7 +284,7 @@ TRITON_TOPK_BLOCK = 1024
 # are measured again with "running")
 TRITON_SHIFT = "fixed"
 TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
-TRITON_PREFETCH = True          # load the next block before this block's arithmetic (memory under the float64 math)
+TRITON_PREFETCH = 1             # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
 EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
 
 
@@ -378,6 +378,8 @@ def torch_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Ten
     """The kernel's sums in plain torch, float64 after the float32 inputs, a few rows at a time: one exact max shift
     per row (so no rescaling), exp clamped at -700 like the CPU kernel's (a -inf logit reaches the sums as -inf)."""
     n, v = a.shape
+    if a.device.type == "cpu":
+        warm_up_vector_math()      # torch's CPU exp is MKL's: a process's first one split over threads can be inexact
     rows = max(1, DEVICE_ROWS_ELEMENTS // max(v, 1))
     for s in range(0, n, rows):
         e_ = min(n, s + rows)
@@ -444,8 +446,8 @@ def check_triton_settings() -> None:
         raise ValueError(f"metrics.TRITON_SHIFT={TRITON_SHIFT!r}: expected 'running' or 'fixed'")
     if TRITON_TOPK not in ("fused", "fused-top2", "separate", "torch"):
         raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected 'fused', 'fused-top2', 'separate' or 'torch'")
-    if not isinstance(TRITON_PREFETCH, bool):
-        raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected True or False")
+    if not isinstance(TRITON_PREFETCH, int) or TRITON_PREFETCH not in (0, 1, 2):
+        raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected 0, 1 or 2 (blocks loaded ahead)")
 
 
 def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor,
@@ -466,7 +468,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
     def run(x, y, targets, out_, top_, match_, retry_, fixed_):
         kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
                               y.stride(0), V=x.shape[1], BLOCK=TRITON_BLOCK, LISTS=lists, MATCH=in_pass,
-                              FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=TRITON_PREFETCH,
+                              FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=int(TRITON_PREFETCH),
                               num_warps=TRITON_WARPS)
 
     # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel

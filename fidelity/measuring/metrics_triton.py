@@ -208,18 +208,21 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
         b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = ninf, ninf, ninf, ninf, ninf, none, none, none, none, none
     else:
         a0, a1, ai0, ai1, b0, b1, bi0, bi1 = ninf, ninf, none, none, ninf, ninf, none, none
-    if PREFETCH:
-        # the next block's loads are issued before this block's arithmetic, so memory and float64 math overlap
-        # (same values, same order of operations: the results do not change)
+    # PREFETCH (1 or 2): the next block's (and the one after's) loads are issued before this block's arithmetic, so
+    # memory and float64 math overlap (same values, same order of operations: the results do not change)
+    next_a, next_b, far_a, far_b = ninf, ninf, ninf, ninf
+    if PREFETCH > 0:
         next_a = tl.load(a_row + lanes, mask=lanes < V, other=float("-inf"))
         next_b = tl.load(b_row + lanes, mask=lanes < V, other=float("-inf"))
-    else:
-        next_a, next_b = ninf, ninf
+    if PREFETCH > 1:
+        far_a = tl.load(a_row + BLOCK + lanes, mask=BLOCK + lanes < V, other=float("-inf"))
+        far_b = tl.load(b_row + BLOCK + lanes, mask=BLOCK + lanes < V, other=float("-inf"))
     # the full blocks (no lane past the vocabulary: no masked selects), then the partial one, if any
     FULL: tl.constexpr = V // BLOCK * BLOCK
     for lo in range(0, FULL, BLOCK):
         offs = lo + lanes
-        xa, xb, next_a, next_b = load_block(a_row, b_row, offs, next_a, next_b, V, BLOCK, PREFETCH, False)
+        xa, xb, next_a, next_b, far_a, far_b = load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V,
+                                                               BLOCK, PREFETCH, False)
         if LISTS == 5:
             a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4,
                                                                       ai0, ai1, ai2, ai3, ai4)
@@ -233,7 +236,8 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
                                                      FIXED_SHIFT, MAGIC, False)
     if FULL < V:
         offs = FULL + lanes
-        xa, xb, next_a, next_b = load_block(a_row, b_row, offs, next_a, next_b, V, BLOCK, PREFETCH, True)
+        xa, xb, next_a, next_b, far_a, far_b = load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V,
+                                                               BLOCK, PREFETCH, True)
         if LISTS == 5:
             a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4,
                                                                       ai0, ai1, ai2, ai3, ai4)
@@ -279,23 +283,32 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
 
 
 @triton.jit
-def load_block(a_row, b_row, offs, next_a, next_b, V, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+def load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
                MASKED: tl.constexpr):
-    # this block's logits of both sides (-inf past the vocabulary); PREFETCH: they were loaded one block earlier, and
-    # the next block's loads are issued now (the last, partial block has no next)
-    if PREFETCH:
-        xa, xb = next_a, next_b
-        if not MASKED:
-            ahead = offs + BLOCK
-            next_a = tl.load(a_row + ahead, mask=ahead < V, other=float("-inf"))
-            next_b = tl.load(b_row + ahead, mask=ahead < V, other=float("-inf"))
-    elif MASKED:
-        xa = tl.load(a_row + offs, mask=offs < V, other=float("-inf"))
-        xb = tl.load(b_row + offs, mask=offs < V, other=float("-inf"))
+    # this block's logits of both sides (-inf past the vocabulary). PREFETCH 1: they were loaded one block earlier and
+    # the next block's loads are issued now; 2: two blocks earlier, the block after next is loaded now (the last,
+    # partial block has nothing left to load)
+    if PREFETCH == 0:
+        if MASKED:
+            xa = tl.load(a_row + offs, mask=offs < V, other=float("-inf"))
+            xb = tl.load(b_row + offs, mask=offs < V, other=float("-inf"))
+        else:
+            xa = tl.load(a_row + offs)
+            xb = tl.load(b_row + offs)
     else:
-        xa = tl.load(a_row + offs)
-        xb = tl.load(b_row + offs)
-    return xa, xb, next_a, next_b
+        xa, xb = next_a, next_b
+        if PREFETCH == 1:
+            if not MASKED:
+                ahead = offs + BLOCK
+                next_a = tl.load(a_row + ahead, mask=ahead < V, other=float("-inf"))
+                next_b = tl.load(b_row + ahead, mask=ahead < V, other=float("-inf"))
+        else:
+            next_a, next_b = far_a, far_b
+            if not MASKED:
+                ahead = offs + 2 * BLOCK
+                far_a = tl.load(a_row + ahead, mask=ahead < V, other=float("-inf"))
+                far_b = tl.load(b_row + ahead, mask=ahead < V, other=float("-inf"))
+    return xa, xb, next_a, next_b, far_a, far_b
 
 
 @triton.jit
