@@ -27,12 +27,12 @@ from fidelity.measuring.metrics import (TRITON_BLOCK, device_metrics_columns, fi
 # construction): KL to 2e-13 nats + 1e-11 relative, NLLs to 1e-12 relative, p(top-1) to 1e-13 relative.
 KL_ATOL, KL_RTOL = 2e-13, 1e-11
 # "triton" is the kernel as configured (one logsumexp shift per row, the exp's magic-number rounding, top-5 lists from
-# lists of 2 per lane, 256 lanes, the next block prefetched);
+# lists of 2 per lane, 512 lanes, two blocks loaded ahead);
 # "triton-running" the CPU kernel's running shift with a separate top-5 pass, "triton-magic" the running shift with
 # that rounding, "triton-512-plain" the former default (512 lanes, no prefetch), "triton-running-prefetch" the running
 # shift with the block prefetch, "triton-top5" the top-5 lists as lists of 5 per lane, "triton-top2-running" the
-# default lists of 2 under the running shift, "triton-512" / "triton-512-ahead2" / "triton-256-ahead2-running" 512
-# lanes, two blocks loaded ahead
+# default lists of 2 under the running shift, "triton-256-ahead1" (the default of 2026-12-04's first change),
+# "triton-256-ahead2-running", "triton-512-ahead1": other lanes and blocks ahead
 # (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
 TRITON_VARIANTS = {"triton": {},
                    "triton-top5": {"TRITON_TOPK": "fused"},
@@ -42,9 +42,9 @@ TRITON_VARIANTS = {"triton": {},
                    "triton-magic": {"TRITON_SHIFT": "running", "TRITON_MAGIC": True},
                    "triton-512-plain": {"TRITON_BLOCK": 512, "TRITON_PREFETCH": False},
                    "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True},
-                   "triton-512-ahead2": {"TRITON_BLOCK": 512, "TRITON_PREFETCH": 2},
-                   "triton-256-ahead2-running": {"TRITON_PREFETCH": 2, "TRITON_SHIFT": "running"},
-                   "triton-512": {"TRITON_BLOCK": 512}}
+                   "triton-256-ahead1": {"TRITON_BLOCK": 256, "TRITON_PREFETCH": 1},
+                   "triton-256-ahead2-running": {"TRITON_BLOCK": 256, "TRITON_PREFETCH": 2, "TRITON_SHIFT": "running"},
+                   "triton-512-ahead1": {"TRITON_PREFETCH": 1}}
 BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
                         for name in TRITON_VARIANTS]
 

@@ -268,10 +268,11 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
 
 # -- on the logits' device ----------------------------------------------------------------------------------------
 DEVICE_ROWS_ELEMENTS = 1 << 24   # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
-# Defaults from benchmarks/metric_kernel_roofline.py on an H200 (8,192 x 129,280): the metric step with top-5 in
-# 5.3-5.5 ms (36-37 % of copy bandwidth) with lists of 2 per lane, 256 lanes, the next block prefetched, against
-# 7.6-7.7 ms for the lists of 5 of 2026-12-02 measured in the same call (2026-12-04); RESULTS.md
-TRITON_BLOCK = 256               # logits per side per step of one Triton program (lanes: 2 per thread at 4 warps)
+# Defaults from benchmarks/metric_kernel_roofline.py on an H200 (8,192 x 129,280, 2026-12-04): the metric step with
+# top-5 in 5.2 ms (38 % of copy bandwidth) at 512 lanes, lists of 2 per lane, two blocks loaded ahead, against 5.3-5.7
+# ms with one block ahead, 5.5-6.1 ms at 256 lanes, and 7.6-7.7 ms for the former kernel (256 lanes, lists of 5, one
+# block ahead) measured in the same call; RESULTS.md
+TRITON_BLOCK = 512               # logits per side per step of one Triton program (lanes: 4 per thread at 4 warps)
 TRITON_WARPS = 4
 # topk_match on the Triton path: "fused-top2" (lists of 2 per lane in the metric kernel's pass; the rows they cannot
 # answer, where one lane holds three of a row's five, go through top5_kernel: the same numbers), "fused" (lists of 5
@@ -284,7 +285,7 @@ TRITON_TOPK_BLOCK = 1024
 # are measured again with "running")
 TRITON_SHIFT = "fixed"
 TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
-TRITON_PREFETCH = 1             # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
+TRITON_PREFETCH = 2             # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
 EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
 
 
