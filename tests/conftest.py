@@ -9,6 +9,14 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Without CUDA, Triton's kernels run in its interpreter (tests/test_metrics_device.py, tests/test_decode_device.py).
+# triton.jit chooses at decoration time, and the first import of triton (transformers -> torch._dynamo imports it while
+# a test module is collected) builds its standard library (tl.max, tl.sum) for the compiler unless the variable is
+# already set: then every interpreted kernel calling them failed ("Cannot call @triton.jit'd outside of the scope of a
+# kernel") whenever test_decode_device.py was collected before test_metrics_device.py. So it is set here, first.
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 
 

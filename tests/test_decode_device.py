@@ -39,8 +39,6 @@ from test_packs_fp8 import expand_grid, random_fp8, reference
 
 HAS_CUDA = torch.cuda.is_available()
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-if HAVE_TRITON and not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # before fidelity.packs.exl3.decode_triton is imported
 CUDA = pytest.param("cuda", marks=[pytest.mark.device, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")])
 DEVICES = ["cpu", CUDA]
 STAGING = LoadChain(prefetch=partial(Prefetcher, stage=True))   # prefetch, stored bytes staged ahead on the CPU too

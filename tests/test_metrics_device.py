@@ -6,7 +6,6 @@ Triton's interpreter where Triton is installed, and compiled on CUDA (tests mark
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 
 import numpy as np
@@ -17,8 +16,6 @@ from test_metrics import _assert_matches_scipy, _scipy_reference
 
 CUDA = torch.cuda.is_available()
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-if HAVE_TRITON and not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # before fidelity.measuring.metrics_triton is imported: CPU interpreter
 
 from fidelity.measuring.metrics import (TRITON_BLOCK, device_metrics_columns, finish_columns, position_metrics,  # noqa: E402
                               topk_logprobs)
