@@ -21,7 +21,6 @@ Format facts (checked bit for bit against exllamav3 1.6.5's CUDA kernels, see te
 from __future__ import annotations
 
 from dataclasses import dataclass
-import importlib.util
 import os
 from functools import lru_cache
 
@@ -354,16 +353,12 @@ def _digits(bound: int) -> int:
 def _decode_weights_triton(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, rate: Bitrate,
                            out: int, inp: int) -> torch.Tensor:
     """trellis [E, kt, nt, words], suh [E, k_p], svh [E, n_p] -> float32 [E, out, inp], one kernel launch."""
-    # both refusals before the first import: importing triton.language outside the interpreter builds its standard
-    # library (tl.max, tl.sum) for the compiler, and every later interpreted kernel in the process would fail
-    if not _TRITON and importlib.util.find_spec("triton") is None:
+    kernel = _triton_decode()
+    if kernel is None:
         raise RuntimeError("EXL3 Hadamard sums 'int8' run in a Triton kernel, but triton is not installed")
     if trellis.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"EXL3 Hadamard sums 'int8' run on a CUDA device (or in Triton's interpreter, "
                          f"TRITON_INTERPRET=1), not on {trellis.device}")
-    kernel = _triton_decode()
-    if kernel is None:
-        raise RuntimeError("EXL3 Hadamard sums 'int8' run in a Triton kernel, but triton is not installed")
     E, kt, nt, words = trellis.shape
     table, hi, lo, shift, h, inv_scale, left, right = _triton_tables(codebook, rate, str(trellis.device))
     w_t = torch.empty(E, out, inp, dtype=torch.float32, device=trellis.device)
