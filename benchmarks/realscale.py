@@ -372,12 +372,15 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
         oracle.activation_budget = None if gib is None else int(gib * 2**30)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        # two passes: the first allocates the offloaded batches' pinned host buffers (once per batch in a whole-model
-        # pass, whose later layers reuse them), the second finds them in torch's pinned-memory cache
+        # two passes: the first allocates the offloaded batches' pinned host buffers, the second may find them in
+        # torch's pinned-memory cache. A whole-model pass allocates them once (layer 0) and its later layers reuse
+        # them, so the store's allocation seconds (last_forward) are counted once per forward, not once per layer.
         first_s, h = timed(lambda: oracle.hidden_states(more, progress=False), device)
+        first_activations = dict(oracle.last_forward or {})
         del h
         s, h = timed(lambda: oracle.hidden_states(more, progress=False), device)
         activations = dict(oracle.last_forward or {})
+        alloc_s = activations.get("host_alloc_seconds", 0.0)
         finite_more = all(bool(torch.isfinite(x).all()) for x in h)
         h_bytes = sum(x.numel() * x.element_size() for x in h)
         h_device = h[0].device.type if h else None
@@ -390,8 +393,10 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
                        "finite": finite_more,
                        "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                        "host_peak_rss_GiB": host_peak_rss_gib(), "activations": activations,
+                       "first_pass_activations": first_activations, "host_alloc_s": alloc_s,
                        "output_GiB": h_bytes / 2**30, "output_on": h_device,
-                       "panel_40_layers_compute_min": LAYERS * s * PANEL_TOKENS / n_tok / 60})
+                       "panel_40_layers_compute_min": (LAYERS * (s - alloc_s) + alloc_s) * PANEL_TOKENS / n_tok / 60,
+                       "panel_40_layers_compute_min_allocs_every_layer": LAYERS * s * PANEL_TOKENS / n_tok / 60})
     oracle.activation_budget = budget
     return {"arch": arch, **info, "shapes": shapes, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
             "engram_rows_s": engram_s, "experts_pass": expert_decodes, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
@@ -914,6 +919,17 @@ def expert_line(e: dict | None, what: str) -> str:
             f"{e['kept_bytes'] / gib:.3g} GiB, peak {e['peak_bytes'] / gib:.3g} GiB")
 
 
+def host_alloc_line(a: dict) -> str:
+    """A pass's host-buffer allocations (ActivationStore's own, and what torch's pinned pool could not serve)."""
+    if not a.get("host_allocs"):
+        return ""
+    pool = a.get("pinned_pool")
+    grew = "" if not pool else (f"; pinned pool grew by {pool['new_blocks']} blocks in {pool['new_block_seconds']:.2f} s,"
+                                f" holds {pool['reserved_bytes'] / 2**30:.1f} GiB more")
+    return (f" ({a['host_allocs']} host buffers, {a['host_alloc_bytes'] / 2**30:.1f} GiB, allocated in "
+            f"{a['host_alloc_seconds']:.2f} s{grew})")
+
+
 def activation_line(a: dict) -> str:
     if not a:
         return ""
@@ -943,10 +959,13 @@ def table(results: dict) -> str:
                          f"{r['engram_rows_s']:.3f} s of the {r['compute_s']:.2f} s compute")
         for x in r.get("shapes", []):
             budget = "" if x.get("activation_gib") is None else f", activation budget {x['activation_gib']:g} GiB"
-            lines.append(f"  {r['arch']} at {x['rows']} x {x['length']}{budget}: first pass {x['first_pass_s']:.2f} s, "
-                         f"then compute {x['compute_s']:.2f} s, "
+            lines.append(f"  {r['arch']} at {x['rows']} x {x['length']}{budget}: first pass {x['first_pass_s']:.2f} s"
+                         + host_alloc_line(x.get("first_pass_activations") or {}) + f", then compute {x['compute_s']:.2f} s"
+                         + host_alloc_line(x.get("activations") or {}) + ", "
                          f"{x['tokens_per_s']:.0f} tokens/s, {x['tflops']:.1f} TFLOP/s, {x['compute_x_matmul_floor']:.1f}x "
                          f"the matmul floor, 40 layers' compute at 317k tokens {x['panel_40_layers_compute_min']:.1f} min"
+                         + (f" (host allocations once per forward; {x['panel_40_layers_compute_min_allocs_every_layer']:.1f}"
+                            f" min if every layer paid them)" if x.get("host_alloc_s") else "")
                          + (f", GPU peak {x['gpu_peak_GiB']:.1f} GiB" if x["gpu_peak_GiB"] is not None else "")
                          + f", host peak RSS (process) {x['host_peak_rss_GiB']:.1f} GiB"
                          + (f" (GPU + host {x['gpu_peak_GiB'] + x['host_peak_rss_GiB']:.1f} GiB: one pool on a "

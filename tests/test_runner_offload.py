@@ -56,6 +56,9 @@ def test_small_device_budget_gives_the_same_bits_and_bounded_device_activations(
         kept[-1] = s if kept[-1] else 0
     assert r["offloaded_batches"] == sum(k == 0 for k in kept) and r["host_activation_bytes"] == sum(sizes) - sum(kept)
     assert r["offloaded_batches"] >= (1 if budget < sum(sizes) else 0)
+    # one host buffer per waiting batch, allocated once and reused by every later layer and by its final output
+    assert r["host_allocs"] == r["offloaded_batches"] and r["host_alloc_bytes"] == r["host_activation_bytes"]
+    assert r["host_alloc_seconds"] >= 0
     tokens = torch.tensor([rows[0], rows[1], rows[2], rows[6]])
     assert torch.equal(Oracle(pack, activation_budget=budget).logits(tokens), Oracle(pack).logits(tokens))
 
@@ -97,8 +100,12 @@ def test_deepseek_v4_streams_and_v41_state_survive_offloading(rng_seed, name, tm
     want = Oracle(pack).hidden_states(rows, progress=False)
     oracle = Oracle(pack, activation_budget=0)
     got = oracle.hidden_states(rows, progress=False)
-    assert oracle.last_forward["offloaded_batches"] == 2
+    r = oracle.last_forward
+    assert r["offloaded_batches"] == 2
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+    # V4's final output is [B, T, hidden], its streams [B, T, hc, hidden]: a buffer of its own per batch
+    hc = pack.config["hc_mult"]
+    assert r["host_allocs"] == 4 and r["host_alloc_bytes"] == r["host_activation_bytes"] * (1 + 1 / hc)
 
 
 @pytest.mark.device
@@ -112,4 +119,9 @@ def test_cuda_offloaded_batches_equal_resident_ones(rng_seed, monkeypatch):
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(want, got))
     r = oracle.last_forward
     assert r["offloaded_batches"] == len(_batch_bytes(rows, 80)) and r["cuda_peak_allocated_bytes"] > 0
-    assert all(h.device.type == "cpu" for h in got)
+    assert all(h.device.type == "cpu" and h.is_pinned() for h in got)
+    assert r["host_allocs"] == r["offloaded_batches"] and r["host_alloc_bytes"] == r["host_activation_bytes"]
+    if "pinned_pool" in r:     # torch's pinned pool: blocks its cache could not serve (weight staging counted too)
+        assert r["pinned_pool"]["new_blocks"] >= 0 and r["pinned_pool"]["new_block_seconds"] >= 0
+    again = Oracle(pack, device="cuda", activation_budget=0)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(want, again.hidden_states(rows, progress=False)))

@@ -6,6 +6,7 @@ import math
 import numbers
 import os
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -280,7 +281,7 @@ class Oracle:
             # the final norm straight after the last layer: a batch waiting in host memory comes back once
             y = rms_norm(fam.final_hook(x, self.fetch, states[b]), norm, fam.rms_norm_eps)
             states[b] = None
-            out[b] = y if store.is_resident(b) else store.to_host(y)
+            out[b] = y if store.is_resident(b) else store.to_host(y, store.host.get(b))   # x's buffer, when y fits it
             store.left(x)
 
         for layer_index in range(fam.n_layers):
@@ -453,8 +454,11 @@ class ActivationStore:
     """Row batches' activations between layers: on the device while they fit in `budget` bytes (first come, first
     kept), the rest in host memory (pinned when the device is a GPU), travelling to the device one batch at a time
     for each layer. Results do not depend on where a batch waited (copies are exact). Reports the bytes it held on
-    the device at most (`peak_device_bytes`: resident batches plus the one in flight) and, on CUDA, the allocator's
-    peak."""
+    the device at most (`peak_device_bytes`: resident batches plus the one in flight), the host buffers it allocated
+    and the seconds that took (a batch's buffer is allocated once per forward and reused by every later layer; page-
+    locking is the costly part on a GPU, ~0.1 s per 0.5 GiB on an H200 host) and, on CUDA, the allocator's peak and
+    what torch's pinned-memory pool had to grow by during the forward (`pinned_pool`: blocks it could not serve from
+    its cache, all pinned allocations of the forward counted, weight staging included)."""
 
     def __init__(self, device: torch.device, budget: int | None):
         self.device, self.budget = device, budget
@@ -466,6 +470,10 @@ class ActivationStore:
         self.offloaded: set[int] = set()
         self.seen: set[int] = set()
         self.moved_bytes = 0
+        self.host_allocs = 0
+        self.host_alloc_bytes = 0
+        self.host_alloc_seconds = 0.0
+        self.pinned_pool_at_start = pinned_pool_stats() if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -507,10 +515,15 @@ class ActivationStore:
         return x
 
     def to_host(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-        """x in host memory: into the batch's own buffer when it has one of that shape (reused layer after layer),
-        else a new one (pinned for a GPU, a copy on the CPU so that nothing aliases the caller's tensor)."""
+        """x in host memory: into the batch's own buffer when it has one of that shape (reused layer after layer, and
+        by the final output, whose input is done with), else a new one (pinned for a GPU, a copy on the CPU so that
+        nothing aliases the caller's tensor)."""
         if into is None or into.shape != x.shape or into.dtype != x.dtype:
+            started = time.perf_counter()
             into = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.device.type == "cuda")
+            self.host_alloc_seconds += time.perf_counter() - started
+            self.host_allocs += 1
+            self.host_alloc_bytes += x.numel() * x.element_size()
         return into.copy_(x, non_blocking=self.device.type == "cuda")
 
     def _note(self) -> None:
@@ -520,10 +533,14 @@ class ActivationStore:
         out = {"budget_bytes": self.budget, "resident_batches": len(self.seen - self.offloaded),
                "offloaded_batches": len(self.offloaded), "peak_device_activation_bytes": self.peak_device_bytes,
                "host_activation_bytes": sum(x.numel() * x.element_size() for x in self.host.values()),
-               "moved_bytes": self.moved_bytes}
+               "moved_bytes": self.moved_bytes, "host_allocs": self.host_allocs,
+               "host_alloc_bytes": self.host_alloc_bytes, "host_alloc_seconds": self.host_alloc_seconds}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            now = pinned_pool_stats()
+            if now is not None and self.pinned_pool_at_start is not None:
+                out["pinned_pool"] = {k: now[k] - self.pinned_pool_at_start[k] for k in now}
         return out
 
     def describe(self) -> str:
@@ -534,7 +551,21 @@ class ActivationStore:
                 f"{r['peak_device_activation_bytes'] / gib:.2f} GiB of a {self.budget / gib:.2f} GiB budget")
         if "cuda_peak_allocated_bytes" in r:
             text += f", device memory at {r['cuda_peak_allocated_bytes'] / gib:.2f} GiB"
+        if r["host_allocs"]:
+            text += (f"; {r['host_allocs']} host buffers ({r['host_alloc_bytes'] / gib:.2f} GiB) allocated in "
+                     f"{r['host_alloc_seconds']:.2f} s")
         return text
+
+
+def pinned_pool_stats() -> dict | None:
+    """Blocks torch's pinned-memory pool has created so far and the seconds that took (None where this torch does not
+    report them): a forward's difference says how many pinned allocations its cache could not serve."""
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    if "num_host_alloc" not in stats:
+        return None
+    return {"new_blocks": int(stats["num_host_alloc"]),
+            "new_block_seconds": float(stats.get("host_alloc_time.total", 0)) / 1e6,
+            "reserved_bytes": int(stats.get("allocated_bytes.current", 0))}
 
 
 def _slice_rope(rope, length: int):
