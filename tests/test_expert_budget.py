@@ -221,13 +221,25 @@ def test_activation_budget_counts_routed_experts_within_the_expert_budget(tmp_pa
     bounded = [total if budget is None else total - routed + min(routed, budget + max(one, min(budget, moe.READ_AHEAD_BYTES)))
                for total, routed in zip(layer_bytes, routed_bytes)]
     assert [oracle._resident_layer_bytes(i) for i in range(len(bounded))] == bounded
-    free, T = 10 * 2**30, 37
+    free, cached, T = 10 * 2**30, 3 * 2**30 + 4096, 37
     monkeypatch.delenv(runner.ACTIVATIONS_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    # torch's allocator holds `cached` bytes reserved and unused (a previous pass's freed blocks): free for it too
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"reserved_bytes.all.current": 5 * 2**30,
+                                                                         "allocated_bytes.all.current": 5 * 2**30 - cached})
     oracle.device = torch.device("cuda")                     # what _activation_budget reads on a GPU; nothing runs
     got = oracle._activation_budget([[0]], [torch.zeros(T, dtype=torch.long)])
-    want = int(0.9 * (free - 2 * max(bounded) - runner.WORK_FACTOR * T * cfg["hidden_size"] * 4))
+    working = runner.WORK_FACTOR * T * cfg["hidden_size"] * 4
+    want = int(0.9 * (free + cached - 2 * max(bounded) - working))
     assert got == want
+    # keep_weights: the layers not yet kept still come (all of them, kept as they load); the kept ones are in use
+    kept = Oracle(pack, expert_budget_bytes=budget, keep_weights=True)
+    kept.device = torch.device("cuda")
+    assert kept._activation_budget([[0]], [torch.zeros(T, dtype=torch.long)]) == \
+        max(0, int(0.9 * (free + cached - sum(bounded) - working)))
+    kept._layers = {0: object()}
+    assert kept._activation_budget([[0]], [torch.zeros(T, dtype=torch.long)]) == \
+        max(0, int(0.9 * (free + cached - sum(bounded[1:]) - working)))
     if budget_experts == 1000:                               # a budget above every layer's experts changes nothing
         assert bounded == layer_bytes
     if budget_experts == 0:

@@ -320,8 +320,10 @@ class Oracle:
 
     def _activation_budget(self, batches: list[list[int]], rows: list[torch.Tensor]) -> int | None:
         """Bytes of activations that stay on the device between layers: the caller's, the environment's, or on a
-        GPU what its free memory leaves after two layers' weights (routed experts within the expert budget, when set:
-        `_resident_layer_bytes`) and one batch's working memory; None keeps all."""
+        GPU what its free memory (torch's cached blocks included: `device_free_bytes`) leaves after the weights still
+        to come and one batch's working memory; None keeps all. The weights still to come: two layers (routed
+        experts within the expert budget, when set: `_resident_layer_bytes`), or under keep_weights every layer not
+        yet kept (the kept ones are in use already)."""
         if self.activation_budget is not None:
             return int(self.activation_budget)
         env = os.environ.get(ACTIVATIONS_ENV)
@@ -332,11 +334,14 @@ class Oracle:
                 raise FidelityError(f"{ACTIVATIONS_ENV}={env!r}: expected a number of GiB") from None
         if self.device.type != "cuda" or not batches:
             return None
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = device_free_bytes(self.device)
         streams = getattr(getattr(self.family, "args", None), "hc_mult", 1)   # V4: hyper-connection streams
         per_token = self.family.hidden_size * streams * self.dtype.itemsize
         biggest = max(len(idx) * len(rows[idx[0]]) for idx in batches) * per_token
-        weights = 2 * max((self._resident_layer_bytes(i) for i in range(self.family.n_layers)), default=0)
+        if self.keep_weights:
+            weights = sum(self._resident_layer_bytes(i) for i in range(self.family.n_layers) if i not in self._layers)
+        else:
+            weights = 2 * max((self._resident_layer_bytes(i) for i in range(self.family.n_layers)), default=0)
         return max(0, int(0.9 * (free - weights - WORK_FACTOR * biggest)))
 
     # -- head ----------------------------------------------------------------------------------------------
@@ -438,6 +443,16 @@ class Oracle:
             where = "the embeddings" if layer is None else f"layer {layer}"
             raise NonFiniteActivations(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})",
                                        kind=kind, layer=layer, row=rows[j], position=pos)
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Memory a CUDA device can still give this process: the driver's free memory plus the blocks torch's caching
+    allocator holds unused (reserved, not allocated), which it hands out again first. Without the latter a budget
+    read after a pass came out smaller than the same budget read before it (that pass's freed blocks stay reserved),
+    so a second identical forward kept fewer batches on the device."""
+    free, _ = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    return int(free + stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0))
 
 
 def checked_expert_budget(value) -> int | None:
