@@ -22,30 +22,24 @@ def _balanced_digit(x):
 
 
 @triton.jit
-def _hadamard_left(h, x, DIGITS: tl.constexpr):
-    """h [128, 128] int8 +-1, x [128, 128] int32 with |x| < 2^(8 DIGITS - 1): h @ x, exact, int32."""
-    d, rest = _balanced_digit(x)
-    acc = tl.dot(h, d.to(tl.int8), out_dtype=tl.int32)
-    for i in tl.static_range(1, DIGITS):
-        if i == DIGITS - 1:
-            d = rest
-        else:
-            d, rest = _balanced_digit(rest)
-        acc += tl.dot(h, d.to(tl.int8), out_dtype=tl.int32) << (8 * i)
-    return acc
+def _digit_product(h, d, LEFT: tl.constexpr):
+    if LEFT:
+        return tl.dot(h, d.to(tl.int8), out_dtype=tl.int32)
+    return tl.dot(d.to(tl.int8), h, out_dtype=tl.int32)
 
 
 @triton.jit
-def _hadamard_right(x, h, DIGITS: tl.constexpr):
-    """x [128, 128] int32 with |x| < 2^(8 DIGITS - 1), h [128, 128] int8 +-1: x @ h, exact, int64."""
+def _hadamard(h, x, LEFT: tl.constexpr, DIGITS: tl.constexpr, ACC: tl.constexpr):
+    """h [128, 128] int8 +-1, x [128, 128] int32 with |x| < 2^(8 DIGITS - 1): h @ x (LEFT) or x @ h, exact, summed
+    in ACC (int32 holds h @ x of the trellis values; the second product needs int64), one int8 dot per digit."""
     d, rest = _balanced_digit(x)
-    acc = tl.dot(d.to(tl.int8), h, out_dtype=tl.int32).to(tl.int64)
+    acc = _digit_product(h, d, LEFT).to(ACC)
     for i in tl.static_range(1, DIGITS):
         if i == DIGITS - 1:
             d = rest
         else:
             d, rest = _balanced_digit(rest)
-        acc += tl.dot(d.to(tl.int8), h, out_dtype=tl.int32).to(tl.int64) << (8 * i)
+        acc += _digit_product(h, d, LEFT).to(ACC) << (8 * i)
     return acc
 
 
@@ -77,7 +71,7 @@ def decode_kernel(trellis_ptr, int_table_ptr, hi_ptr, lo_ptr, shift_ptr, hadamar
     state = (((lo << 16) | hi) >> tl.load(shift_ptr + pos)) & 0xFFFF
     x = tl.load(int_table_ptr + state)
     h = tl.load(hadamard_ptr + n[:, None] * 128 + k[None, :])
-    sums = _hadamard_right(_hadamard_left(h, x, LEFT_DIGITS), h, RIGHT_DIGITS)
+    sums = _hadamard(h, _hadamard(h, x, True, LEFT_DIGITS, tl.int32), False, RIGHT_DIGITS, tl.int64)
     rows = nb * 128 + n
     cols = kb * 128 + k
     w = sums.to(tl.float64) * tl.load(inv_scale_ptr)
