@@ -142,6 +142,9 @@ def test_cuda_free_memory_budget_is_the_same_in_a_repeated_forward(rng_seed, mon
     budget = oracle.last_forward["budget_bytes"]
     del first
     again = oracle.hidden_states(big, progress=False)
-    assert budget is not None and oracle.last_forward["budget_bytes"] == budget
+    repeat = oracle.last_forward["budget_bytes"]
+    # kernels first used by the big pass load outside torch's allocator (lazy module loading): some MiB, not the
+    # pass's reserve (1.4 GiB here with the driver's free memory alone: 134,388,934,963 then 132,890,310,144 bytes)
+    assert budget is not None and abs(repeat - budget) <= 64 * 2**20, (budget, repeat)
     assert runner.device_free_bytes(oracle.device) >= torch.cuda.mem_get_info(oracle.device)[0]
     del again
