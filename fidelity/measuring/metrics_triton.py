@@ -203,11 +203,10 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     k_b = tl.zeros([BLOCK], tl.float64)
     ninf = tl.full([BLOCK], float("-inf"), tl.float32)
     none = tl.full([BLOCK], V, tl.int32)      # int32 indices: fewer registers (vocabularies are far below 2^31)
-    if LISTS == 5:
-        a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = ninf, ninf, ninf, ninf, ninf, none, none, none, none, none
-        b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = ninf, ninf, ninf, ninf, ninf, none, none, none, none, none
-    else:
-        a0, a1, ai0, ai1, b0, b1, bi0, bi1 = ninf, ninf, none, none, ninf, ninf, none, none
+    # per side LISTS values then LISTS indices, side a first
+    lists = (ninf, ) * LISTS + (none, ) * LISTS + (ninf, ) * LISTS + (none, ) * LISTS
+    sums = (s_a, s_b, z_a, z_b, k_a, k_b)
+    consts = (inv_step, step_hi, step_lo, c2, c3, c4, c5, magic)
     # PREFETCH (1 or 2): the next block's (and the one after's) loads are issued before this block's arithmetic, so
     # memory and float64 math overlap (same values, same order of operations: the results do not change)
     next_a, next_b, far_a, far_b = ninf, ninf, ninf, ninf
@@ -217,44 +216,24 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     if PREFETCH > 1:
         far_a = tl.load(a_row + BLOCK + lanes, mask=BLOCK + lanes < V, other=float("-inf"))
         far_b = tl.load(b_row + BLOCK + lanes, mask=BLOCK + lanes < V, other=float("-inf"))
+    ahead = (next_a, next_b, far_a, far_b)
     # the full blocks (no lane past the vocabulary: no masked selects), then the partial one, if any
     FULL: tl.constexpr = V // BLOCK * BLOCK
     for lo in range(0, FULL, BLOCK):
-        offs = lo + lanes
-        xa, xb, next_a, next_b, far_a, far_b = load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V,
-                                                               BLOCK, PREFETCH, False)
-        if LISTS == 5:
-            a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4,
-                                                                      ai0, ai1, ai2, ai3, ai4)
-            b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_insert(xb, offs, b0, b1, b2, b3, b4,
-                                                                      bi0, bi1, bi2, bi3, bi4)
-        else:
-            a0, a1, ai0, ai1 = top2_insert(xa, offs, a0, a1, ai0, ai1)
-            b0, b1, bi0, bi1 = top2_insert(xb, offs, b0, b1, bi0, bi1)
-        s_a, s_b, z_a, z_b, k_a, k_b = shift_and_sum(xa, xb, offs < V, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr,
-                                                     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                                                     FIXED_SHIFT, MAGIC, False)
+        ahead, lists, sums = block_step(a_row, b_row, lo + lanes, ahead, lists, sums, table_ptr, consts, V, BLOCK,
+                                        PREFETCH, LISTS, FIXED_SHIFT, MAGIC, False)
     if FULL < V:
-        offs = FULL + lanes
-        xa, xb, next_a, next_b, far_a, far_b = load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V,
-                                                               BLOCK, PREFETCH, True)
-        if LISTS == 5:
-            a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4,
-                                                                      ai0, ai1, ai2, ai3, ai4)
-            b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_insert(xb, offs, b0, b1, b2, b3, b4,
-                                                                      bi0, bi1, bi2, bi3, bi4)
-        else:
-            a0, a1, ai0, ai1 = top2_insert(xa, offs, a0, a1, ai0, ai1)
-            b0, b1, bi0, bi1 = top2_insert(xb, offs, b0, b1, bi0, bi1)
-        s_a, s_b, z_a, z_b, k_a, k_b = shift_and_sum(xa, xb, offs < V, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr,
-                                                     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                                                     FIXED_SHIFT, MAGIC, True)
+        ahead, lists, sums = block_step(a_row, b_row, FULL + lanes, ahead, lists, sums, table_ptr, consts, V, BLOCK,
+                                        PREFETCH, LISTS, FIXED_SHIFT, MAGIC, True)
+    s_a, s_b, z_a, z_b, k_a, k_b = sums
     sum_za, sum_zb, sum_ka, sum_kb = tl.sum(z_a, 0), tl.sum(z_b, 0), tl.sum(k_a, 0), tl.sum(k_b, 0)
     if LISTS == 5:
+        a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = lists
         match, best_a, runner_up, first_a, first_b, reliable = top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4,
                                                                           b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4,
                                                                           V)
     else:
+        a0, a1, ai0, ai1, b0, b1, bi0, bi1 = lists
         match, best_a, runner_up, first_a, first_b, reliable = top2_match(a0, a1, ai0, ai1, b0, b1, bi0, bi1, V, MATCH)
     flags = 0
     if FIXED_SHIFT:
@@ -280,6 +259,28 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     tl.store(top_ptr + row * 2 + 1, tl.maximum(first_b, 0).to(tl.int64))
     if MATCH:
         tl.store(match_ptr + row, match)
+
+
+@triton.jit
+def block_step(a_row, b_row, offs, ahead, lists, sums, table_ptr, consts, V, BLOCK: tl.constexpr,
+               PREFETCH: tl.constexpr, LISTS: tl.constexpr, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr,
+               MASKED: tl.constexpr):
+    # one block of both rows: its logits (and the loads ahead: next_a, next_b, far_a, far_b), each lane's lists of
+    # its best LISTS per side (values then indices, side a first), the sums (s_a, s_b, z_a, z_b, k_a, k_b)
+    xa, xb, next_a, next_b, far_a, far_b = load_block(a_row, b_row, offs, ahead[0], ahead[1], ahead[2], ahead[3], V,
+                                                      BLOCK, PREFETCH, MASKED)
+    if LISTS == 5:
+        a = top5_insert(xa, offs, lists[0], lists[1], lists[2], lists[3], lists[4],
+                        lists[5], lists[6], lists[7], lists[8], lists[9])
+        b = top5_insert(xb, offs, lists[10], lists[11], lists[12], lists[13], lists[14],
+                        lists[15], lists[16], lists[17], lists[18], lists[19])
+    else:
+        a = top2_insert(xa, offs, lists[0], lists[1], lists[2], lists[3])
+        b = top2_insert(xb, offs, lists[4], lists[5], lists[6], lists[7])
+    sums = shift_and_sum(xa, xb, offs < V, sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], table_ptr,
+                         consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6], consts[7],
+                         FIXED_SHIFT, MAGIC, MASKED)
+    return (next_a, next_b, far_a, far_b), a + b, sums
 
 
 @triton.jit
