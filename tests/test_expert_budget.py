@@ -5,6 +5,7 @@ after it. The numbers are the same bits with any budget; the decode counts and p
 from __future__ import annotations
 
 import math
+import types
 import weakref
 from pathlib import Path
 
@@ -227,6 +228,9 @@ def test_activation_budget_counts_routed_experts_within_the_expert_budget(tmp_pa
     # torch's allocator holds `cached` bytes reserved and unused (a previous pass's freed blocks): free for it too
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"reserved_bytes.all.current": 5 * 2**30,
                                                                          "allocated_bytes.all.current": 5 * 2**30 - cached})
+    integrated = [False]
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(is_integrated=integrated[0]))
     oracle.device = torch.device("cuda")                     # what _activation_budget reads on a GPU; nothing runs
     got = oracle._activation_budget([[0]], [torch.zeros(T, dtype=torch.long)])
     working = runner.WORK_FACTOR * T * cfg["hidden_size"] * 4
@@ -240,6 +244,9 @@ def test_activation_budget_counts_routed_experts_within_the_expert_budget(tmp_pa
     kept._layers = {0: object()}
     assert kept._activation_budget([[0]], [torch.zeros(T, dtype=torch.long)]) == \
         max(0, int(0.9 * (free + cached - sum(bounded[1:]) - working)))
+    # unified memory (an integrated GPU, e.g. GB10): host memory is the same memory, so every batch stays
+    integrated[0] = True
+    assert oracle._activation_budget([[0]], [torch.zeros(T, dtype=torch.long)]) is None
     if budget_experts == 1000:                               # a budget above every layer's experts changes nothing
         assert bounded == layer_bytes
     if budget_experts == 0:

@@ -323,7 +323,7 @@ class Oracle:
         GPU what its free memory (torch's cached blocks included: `device_free_bytes`) leaves after the weights still
         to come and one batch's working memory; None keeps all. The weights still to come: two layers (routed
         experts within the expert budget, when set: `_resident_layer_bytes`), or under keep_weights every layer not
-        yet kept (the kept ones are in use already)."""
+        yet kept (the kept ones are in use already). On an integrated GPU (unified memory: GB10) everything stays."""
         if self.activation_budget is not None:
             return int(self.activation_budget)
         env = os.environ.get(ACTIVATIONS_ENV)
@@ -334,6 +334,8 @@ class Oracle:
                 raise FidelityError(f"{ACTIVATIONS_ENV}={env!r}: expected a number of GiB") from None
         if self.device.type != "cuda" or not batches:
             return None
+        if getattr(torch.cuda.get_device_properties(self.device), "is_integrated", False):
+            return None   # one memory for GPU and host (GB10): a batch moved to "host memory" would free nothing
         free = device_free_bytes(self.device)
         streams = getattr(getattr(self.family, "args", None), "hc_mult", 1)   # V4: hyper-connection streams
         per_token = self.family.hidden_size * streams * self.dtype.itemsize
