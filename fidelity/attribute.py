@@ -233,9 +233,10 @@ def stream_divergence(ref_h: list[torch.Tensor], pack_h: list[torch.Tensor]) -> 
 
 # -- routing -------------------------------------------------------------------------------------------------
 class RoutingRecorder:
-    """Set as `fetch.expert_parallel` (the hook `RoutedExperts` hands its call to): records every call's expert choices
-    and weights and each expert's routed-output energy for the layer `current_layer`, then computes the call the normal
-    way. Every family whose MoE is `fidelity.oracle.moe.RoutedExperts` (Qwen3Moe, Mixtral, DeepSeek) is seen."""
+    """Set as `fetch.expert_outputs` (the sink `RoutedExperts` tells each call's routing and each expert's weighted
+    outputs): records every call's expert choices and weights and each expert's routed-output energy for the layer
+    `current_layer`, from the outputs the call computes anyway. Every family whose MoE is
+    `fidelity.oracle.moe.RoutedExperts` (Qwen3Moe, Mixtral, DeepSeek) is seen."""
 
     def __init__(self):
         self.current_layer = -1
@@ -243,27 +244,19 @@ class RoutingRecorder:
         from .routing import RoutingCounts
         self.counts = RoutingCounts()
 
-    def combine(self, experts, x, indices, weights):
-        fetch = experts.fetch
-        fetch.expert_parallel = None
-        try:
-            out = experts(x, indices, weights)
-            energy = torch.zeros(experts.n_experts, dtype=torch.float64)
-            flat, w = indices.reshape(-1), weights.reshape(-1)
-            tokens = torch.arange(indices.shape[0], device=indices.device).repeat_interleave(indices.shape[1])
-            for e in torch.unique(flat).tolist():
-                pick = flat == e
-                y = experts.expert(e)(x[tokens[pick]]) * w[pick, None]
-                energy[e] = float(y.double().pow(2).sum())
-        finally:
-            fetch.expert_parallel = self
+    def routed(self, experts, indices, weights):
         self.counts.add(experts, indices)
-        entry = self.layers.setdefault(self.current_layer, {"n_experts": experts.n_experts, "indices": [],
-                                                            "weights": [], "energy": torch.zeros_like(energy)})
+        entry = self.layers.get(self.current_layer)
+        if entry is None:
+            entry = self.layers[self.current_layer] = {
+                "n_experts": experts.n_experts, "indices": [], "weights": [],
+                "energy": torch.zeros(experts.n_experts, dtype=torch.float64, device=indices.device)}
         entry["indices"].append(indices.cpu())
         entry["weights"].append(weights.detach().double().cpu())
-        entry["energy"] += energy
-        return out
+
+    def expert_output(self, e: int, y: torch.Tensor):
+        """y: expert e's outputs times the tokens' routing weights, as the call adds them; on the device, no sync."""
+        self.layers[self.current_layer]["energy"][e] += y.double().pow(2).sum()
 
 
 def routing_tables(ref: RoutingRecorder, pack: RoutingRecorder, threshold: float) -> tuple[list[dict], list[dict]]:
@@ -278,7 +271,7 @@ def routing_tables(ref: RoutingRecorder, pack: RoutingRecorder, threshold: float
             idx, w = torch.cat(entry["indices"]), torch.cat(entry["weights"])
             counts = torch.bincount(idx.reshape(-1), minlength=n).numpy()
             mass = torch.zeros(n, dtype=torch.float64).index_add_(0, idx.reshape(-1), w.reshape(-1)).numpy()
-            energy = entry["energy"].numpy()
+            energy = entry["energy"].cpu().numpy()
             sides[side] = {"idx": idx, "counts": counts, "weight_share": mass / mass.sum(),
                            "energy_share": energy / energy.sum() if energy.sum() else energy}
         ri, pi = sides["ref"]["idx"], sides["pack"]["idx"]
@@ -348,7 +341,7 @@ class Trunk:
     def fetch(self, read, recorder=None):
         f = self.Fetch(read, lambda n: tuple(self.ref.storage(n).shape), self.oracle.device, self.oracle.dtype)
         if recorder is not None:
-            f.expert_parallel = recorder
+            f.expert_outputs = recorder
         return f
 
     def ref_layer(self, i: int):
@@ -413,12 +406,12 @@ class Trunk:
     def _with_recorder(self, layer, xs, recorder, states):
         experts = _routed_experts(layer)
         if recorder is not None and experts is not None:
-            experts.fetch.expert_parallel = recorder
+            experts.fetch.expert_outputs = recorder
         try:
             return [self.call(layer, x, b, state) for b, (x, state) in enumerate(zip(xs, states))]
         finally:
             if recorder is not None and experts is not None:
-                experts.fetch.expert_parallel = None
+                experts.fetch.expert_outputs = None
 
     def run(self, start: int, build: Callable[[int], object | None] | None = None, read_head=None,
             recorder=None, each_output: Callable[[int, list], None] | None = None,

@@ -216,6 +216,9 @@ class RoutedExperts:
         counts = getattr(self.fetch, "routing_counts", None)  # optional sink (fidelity.routing): tokens per expert
         if counts is not None:
             counts.add(self, indices)
+        outputs = getattr(self.fetch, "expert_outputs", None)   # optional sink (fidelity.attribute): what each expert adds
+        if outputs is not None:
+            outputs.routed(self, indices, weights)
         parallel = getattr(self.fetch, "expert_parallel", None)  # set by fidelity.oracle.parallel (experts across ranks)
         if parallel is not None:
             return parallel.combine(self, x, indices, weights)
@@ -243,7 +246,10 @@ class RoutedExperts:
                 self.loaded.note(held)
             mlp = ahead.pop(e, None)
             held -= 0 if mlp is None else DecodedExperts.nbytes(mlp)
-            out.index_add_(0, rows, self.expert(e, mlp, held)(x[rows]) * pair_weights[start:start + n, None])
+            y = self.expert(e, mlp, held)(x[rows]) * pair_weights[start:start + n, None]
+            if outputs is not None:
+                outputs.expert_output(e, y)
+            out.index_add_(0, rows, y)
             start += n
         return out
 
