@@ -1,9 +1,11 @@
-"""Compiles the metric kernel (`rows_kernel`) ahead of time for a GPU target on any machine, no GPU needed (Triton's
-bundled ptxas and cuobjdump), and prints per variant its registers, spills and a fingerprint of its SASS. A refactor
-of the kernel's source that prints the same fingerprints compiles to the same machine code for that Triton.
+"""Compiles our Triton kernels ahead of time for a GPU target on any machine, no GPU needed (Triton's bundled ptxas and
+cuobjdump), and prints per variant its registers, spills and a fingerprint of its SASS: the metric kernel
+(`metrics_triton.rows_kernel`) or the EXL3 decode (`--kernel exl3`: `packs/exl3/decode_triton.decode_kernel`). A
+refactor of a kernel's source that prints the same fingerprints compiles to the same machine code for that Triton.
 
-    python benchmarks/kernel_sass.py                                   # this tree's kernel, sm_90 (H200)
+    python benchmarks/kernel_sass.py                                   # this tree's metric kernel, sm_90 (H200)
     python benchmarks/kernel_sass.py --source OLD.py --arch 121        # another copy of metrics_triton.py, GB10
+    python benchmarks/kernel_sass.py --kernel exl3 [--source OLD_decode_triton.py]
 """
 from __future__ import annotations
 
@@ -43,8 +45,15 @@ def load(source: Path):
     return module
 
 
-def fingerprint(kernel, constexprs: dict, arch: int, warps: int) -> str:
-    signature = {**SIGNATURE, **{k: "constexpr" for k in constexprs}}
+# codec._decode_weights_triton's launch: int16 trellis, int32 tables, int8 +-1 Hadamard, fp16 scales, fp32 out
+EXL3_SIGNATURE = {"trellis_ptr": "*i16", "int_table_ptr": "*i32", "hi_ptr": "*i32", "lo_ptr": "*i32", "shift_ptr": "*i32",
+                  "hadamard_ptr": "*i8", "svh_ptr": "*fp16", "suh_ptr": "*fp16", "out_ptr": "*fp32", "n_tiles_n": "i32",
+                  "out_rows": "i32", "out_cols": "i32", "inv_scale_ptr": "*fp64", "trellis_stride": "i32",
+                  "svh_stride": "i32", "suh_stride": "i32", "out_stride": "i32"}
+
+
+def fingerprint(kernel, constexprs: dict, arch: int, warps: int, signature: dict = SIGNATURE) -> str:
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -64,12 +73,16 @@ def fingerprint(kernel, constexprs: dict, arch: int, warps: int) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--source", type=Path, default=ROOT / "fidelity" / "measuring" / "metrics_triton.py")
+    p.add_argument("--kernel", choices=("metrics", "exl3"), default="metrics")
+    p.add_argument("--source", type=Path, help="the kernel's file (default: this tree's)")
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200, 121: GB10)")
     p.add_argument("--vocab", type=int, default=129_280)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--default-only", action="store_true", help="only the variant a device pass runs by default")
     args = p.parse_args(argv)
+    if args.kernel == "exl3":
+        return exl3_table(args)
+    args.source = args.source or ROOT / "fidelity" / "measuring" / "metrics_triton.py"
     kernel = load(args.source).rows_kernel
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.warps} warps, vocabulary {args.vocab}, {args.source}")
     print("| BLOCK | LISTS | MATCH | FIXED_SHIFT | PREFETCH | resources, SASS |")
@@ -84,6 +97,25 @@ def main(argv=None) -> int:
                           PREFETCH=prefetch)
         print(f"| {block} | {lists} | {match} | {fixed} | {prefetch} | "
               f"{fingerprint(kernel, constexprs, args.arch, args.warps)} |", flush=True)
+    return 0
+
+
+def exl3_table(args) -> int:
+    sys.path.insert(0, str(ROOT))
+    from fidelity.packs.exl3 import codec
+    source = args.source or ROOT / "fidelity" / "packs" / "exl3" / "decode_triton.py"
+    kernel = load(source).decode_kernel
+    warps = codec.TRITON_WARPS
+    print(f"Triton {triton.__version__}, sm_{args.arch}, {warps} warps, {source}")
+    print("| codebook | K (words per tile) | digits left / right | resources, SASS |")
+    print("| --- | --- | --- | --- |")
+    for codebook in ("3inst", "mcg", "mul1"):
+        biggest = codec._int_codebook(codebook)[1]
+        left, right = codec._digits(biggest), codec._digits(codec.HAD * biggest)
+        for k in (2, 3, 4, 5):
+            constexprs = dict(WORDS=16 * k, LEFT_DIGITS=left, RIGHT_DIGITS=right)
+            print(f"| {codebook} | {k} ({16 * k}) | {left} / {right} | "
+                  f"{fingerprint(kernel, constexprs, args.arch, warps, EXL3_SIGNATURE)} |", flush=True)
     return 0
 
 
