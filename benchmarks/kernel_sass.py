@@ -1,7 +1,8 @@
 """Compiles our Triton kernels ahead of time for a GPU target on any machine, no GPU needed (Triton's bundled ptxas and
 cuobjdump), and prints per variant its registers, spills and a fingerprint of its SASS: the metric kernel
 (`metrics_triton.rows_kernel`) or the EXL3 decode (`--kernel exl3`: `packs/exl3/decode_triton.decode_kernel`). A
-refactor of a kernel's source that prints the same fingerprints compiles to the same machine code for that Triton.
+refactor of a kernel's source that prints the same `sass` fingerprints compiles to the same machine code for that
+Triton; the same `ops` alone: the same instructions, scheduled or allocated differently.
 
     python benchmarks/kernel_sass.py                                   # this tree's metric kernel, sm_90 (H200)
     python benchmarks/kernel_sass.py --source OLD.py --arch 121        # another copy of metrics_triton.py, GB10
@@ -17,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -66,9 +68,13 @@ def fingerprint(kernel, constexprs: dict, arch: int, warps: int, signature: dict
     resources = next(line for line in usage.splitlines() if "REG:" in line).split()
     regs = next(r for r in resources if r.startswith("REG:"))
     local = next(r for r in resources if r.startswith("LOCAL:"))
-    # the instructions alone (addresses and encodings dropped)
+    # the instructions alone (addresses and encodings dropped); `ops`: their opcodes as a multiset, which a change of
+    # instruction order or register names alone keeps
     body = [line.split(";")[0].split("*/")[-1].strip() for line in sass.splitlines() if "/*" in line and ";" in line]
-    return f"{regs} {local} instructions {len(body)} sass {hashlib.sha1(chr(10).join(body).encode()).hexdigest()[:12]}"
+    opcodes = sorted(Counter(words[1] if words[0].startswith("@") else words[0]
+                             for words in (line.split() for line in body) if words).items())
+    return (f"{regs} {local} instructions {len(body)} sass {hashlib.sha1(chr(10).join(body).encode()).hexdigest()[:12]}"
+            f" ops {hashlib.sha1(repr(opcodes).encode()).hexdigest()[:12]}")
 
 
 def main(argv=None) -> int:
