@@ -27,13 +27,14 @@ class Fetch:
 
     Slots the oracle's load chain fills (`fidelity.oracle.runner.LoadChain`): `ready` holds tensors already placed on
     the device for the layer being built (sharded loads: received from the rank that read them), each handed out once
-    instead of being read; `RoutedExperts` hands its calls to `expert_parallel`, its expert choices to
-    `routing_counts` and each call's routing and experts' weighted outputs to `expert_outputs` when set. `expert_budget_bytes` (the Oracle's `expert_budget_bytes=`): None keeps every decoded
-    routed expert for the layer's lifetime; an int keeps at most that many bytes of them per layer (first fit in the
-    order they are first used; the others are decoded for each call, together within min(budget, READ_AHEAD_BYTES), and freed after it: `moe.DecodedExperts`), read by
+    instead of being read; `RoutedExperts` hands its calls to `expert_parallel`, its expert choices to `routing_counts`
+    and each call's routing and experts' weighted outputs to `expert_outputs` when set. `expert_budget_bytes` (the
+    Oracle's `expert_budget_bytes=`): None keeps every decoded routed expert for the layer's lifetime; an int keeps at
+    most that many bytes of them per layer (first fit in the order they are first used; the others are decoded for each
+    call, together within min(budget, READ_AHEAD_BYTES), and freed after it: `moe.DecodedExperts`), read by
     `RoutedExperts` when a layer is built; `expert_decodes` (the oracle's, one per forward) tallies their decodes."""
 
-    expert_parallel = None      # an ExpertParallel (fidelity.oracle.parallel.experts) or attribute's recorder
+    expert_parallel = None      # an ExpertParallel (fidelity.oracle.parallel.experts)
     routing_counts = None       # a fidelity.routing.RoutingCounts sink
     expert_outputs = None       # a sink with routed(experts, indices, weights) and expert_output(e, y): attribute's recorder
     expert_budget_bytes = None  # bytes of decoded routed experts a layer keeps (None: all)

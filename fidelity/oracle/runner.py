@@ -468,14 +468,14 @@ def checked_expert_budget(value) -> int | None:
 
 
 class ActivationStore:
-    """Row batches' activations between layers: on the device while they fit in `budget` bytes (first come, first
-    kept), the rest in host memory (pinned when the device is a GPU), travelling to the device one batch at a time
-    for each layer. Results do not depend on where a batch waited (copies are exact). Reports the bytes it held on
-    the device at most (`peak_device_bytes`: resident batches plus the one in flight), the host buffers it allocated
-    and the seconds that took (a batch's buffer is allocated once per forward and reused by every later layer; page-
-    locking is the costly part on a GPU, ~0.1 s per 0.5 GiB on an H200 host) and, on CUDA, the allocator's peak and
-    what torch's pinned-memory pool had to grow by during the forward (`pinned_pool`: blocks it could not serve from
-    its cache, all pinned allocations of the forward counted, weight staging included)."""
+    """Row batches' activations between layers: on the device while they fit in `budget` bytes (first come, first kept),
+    the rest in host memory (pinned when the device is a GPU), travelling to the device one batch at a time for each
+    layer. Results do not depend on where a batch waited (copies are exact). Reports the bytes it held on the device at
+    most (`peak_device_bytes`: resident batches plus the one in flight), the host buffers it allocated and the seconds
+    that took (a batch's buffer is allocated once per forward and reused by every later layer; page-locking is the
+    costly part on a GPU: 0.23-0.5 s per GiB on the H200 hosts of benchmarks/RESULTS.md) and, on CUDA, the allocator's
+    peak and what torch's pinned-memory pool had to grow by during the forward (`pinned_pool`: blocks it could not serve
+    from its cache, all pinned allocations of the forward counted, weight staging included)."""
 
     def __init__(self, device: torch.device, budget: int | None):
         self.device, self.budget = device, budget
@@ -576,7 +576,8 @@ class ActivationStore:
 
 def pinned_pool_stats() -> dict | None:
     """Blocks torch's pinned-memory pool has created so far and the seconds that took (None where this torch does not
-    report them): a forward's difference says how many pinned allocations its cache could not serve."""
+    report them): a forward's difference says how many pinned allocations its cache could not serve.
+    `reserved_bytes`: bytes of pinned blocks the pool owns, in use or cached (torch's `allocated_bytes`)."""
     stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     if "num_host_alloc" not in stats:
         return None
