@@ -31,9 +31,20 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# metrics.triton_rows' launch: the exp table is int64 (metrics._exp_constants)
 SIGNATURE = {"a_ptr": "*fp32", "b_ptr": "*fp32", "t_ptr": "*i64", "out_ptr": "*fp64", "top_ptr": "*i64",
-             "match_ptr": "*i64", "retry_ptr": "*i8", "const_ptr": "*fp64", "table_ptr": "*fp64", "stride_a": "i64",
+             "match_ptr": "*i64", "retry_ptr": "*i8", "const_ptr": "*fp64", "table_ptr": "*i64", "stride_a": "i64",
              "stride_b": "i64"}
+
+
+def launch_attrs(kernel, signature: dict, vocab: int) -> dict:
+    """What Triton's launcher specializes at a device pass (runtime/jit.py: a pointer 16-byte aligned, an integer a
+    multiple of 16 -> tt.divisibility 16): torch's allocations are aligned, and contiguous rows' strides are the
+    vocabulary. Without it the compiled variant is not the one that runs (scalar instead of 16-byte loads)."""
+    names = kernel.arg_names
+    divisible = [k for k, kind in signature.items()
+                 if kind.startswith("*") or (k.startswith("stride") and vocab % 16 == 0)]
+    return {(names.index(k), ): [["tt.divisibility", 16]] for k in divisible}
 
 
 # metrics.TRITON_BLOCK, lists of 2 ("fused-top2"), the top-5 match, TRITON_SHIFT "fixed", TRITON_PREFETCH
@@ -54,9 +65,10 @@ EXL3_SIGNATURE = {"trellis_ptr": "*i16", "int_table_ptr": "*i32", "hi_ptr": "*i3
                   "svh_stride": "i32", "suh_stride": "i32", "out_stride": "i32"}
 
 
-def fingerprint(kernel, constexprs: dict, arch: int, warps: int, signature: dict = SIGNATURE) -> str:
+def fingerprint(kernel, constexprs: dict, arch: int, warps: int, signature: dict = SIGNATURE,
+                attrs: dict | None = None) -> str:
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -90,6 +102,7 @@ def main(argv=None) -> int:
         return exl3_table(args)
     args.source = args.source or ROOT / "fidelity" / "measuring" / "metrics_triton.py"
     kernel = load(args.source).rows_kernel
+    attrs = launch_attrs(kernel, SIGNATURE, args.vocab)
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.warps} warps, vocabulary {args.vocab}, {args.source}")
     print("| BLOCK | LISTS | MATCH | FIXED_SHIFT | PREFETCH | resources, SASS |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -102,7 +115,7 @@ def main(argv=None) -> int:
         constexprs = dict(V=args.vocab, BLOCK=block, LISTS=lists, MATCH=match, FIXED_SHIFT=fixed, MAGIC=True,
                           PREFETCH=prefetch)
         print(f"| {block} | {lists} | {match} | {fixed} | {prefetch} | "
-              f"{fingerprint(kernel, constexprs, args.arch, args.warps)} |", flush=True)
+              f"{fingerprint(kernel, constexprs, args.arch, args.warps, attrs=attrs)} |", flush=True)
     return 0
 
 
