@@ -410,7 +410,8 @@ _EXP_CONSTANTS: dict = {}
 
 
 def _exp_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 constants, int64 bits of 2^(j/64)) for the Triton kernel's exp, on `device`. Constants travel as a
+    """(float64 constants, int64 table) for the Triton kernel's exp, on `device`: entry j is the bits of 2^(j/64)
+    minus j * 2^46, so that adding n * 2^46 (n = 64 k + j) to it puts k into the exponent. Constants travel as a
     tensor: Triton would type a Python float argument or literal as float32."""
     key = str(device)
     if key not in _EXP_CONSTANTS:
@@ -420,7 +421,8 @@ def _exp_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         hi = float(bits.view(np.float64)[0])       # ln2/64 to 33 bits: n * hi is exact for |n| < 2^20
         lo = step - hi
         consts = [size / math.log(2), hi, lo, 1 / 2, 1 / 6, 1 / 24, 1 / 120, 1.5 * 2.0**52]
-        table = np.array([2.0 ** (j / size) for j in range(size)], np.float64).view(np.int64)
+        table = (np.array([2.0 ** (j / size) for j in range(size)], np.float64).view(np.int64)
+                 - (np.arange(size, dtype=np.int64) << (52 - EXP_TABLE_BITS)))
         _EXP_CONSTANTS[key] = (torch.tensor(consts, dtype=torch.float64, device=device),
                                torch.from_numpy(table.copy()).to(device))
     return _EXP_CONSTANTS[key]

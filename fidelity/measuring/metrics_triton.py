@@ -18,11 +18,10 @@ import triton.language as tl
 
 @triton.jit
 def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC: tl.constexpr):
-    # as the CPU kernel's _exp_nonpositive, with a 64-entry table: x = (64 k + j) ln2/64 + r. Good for x < 700 too
-    # (the fixed-shift kernel's terms above its shift). MAGIC rounds x / step by adding 1.5 * 2^52 (the integer then
-    # sits in the low mantissa bits): no float->int conversion and no floor, which run on the GPU's slow units.
-    # tl.maximum is the clamp where(x > -700, x, -700) in one instruction, NaN included (max returns the other operand)
-    x = tl.maximum(x, -700.0)
+    # as the CPU kernel's _exp_nonpositive, with a 64-entry table: x = (64 k + j) ln2/64 + r, for x >= -700.001 (the
+    # caller clamps) and x < 700 (the fixed-shift kernel's terms above its shift). MAGIC rounds x / step by adding
+    # 1.5 * 2^52 (the integer then sits in the low mantissa bits): no float->int conversion and no floor, which run on
+    # the GPU's slow units
     if MAGIC:
         shifted = x * inv_step + magic
         n = shifted - magic
@@ -33,7 +32,9 @@ def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, ma
         ni = n.to(tl.int32)      # |n| <= 700 * 64 / ln2 < 2^16: int32 index arithmetic, one int64 add
     r = (x - n * step_hi) - n * step_lo
     p = 1.0 + r * (1.0 + r * (c2 + r * (c3 + r * (c4 + r * c5))))
-    scale = tl.load(table_ptr + (ni & 63)) + ((ni >> 6).to(tl.int64) << 52)      # 2^(j/64), k added to its exponent
+    # 2^(j/64) with k added to its exponent: the table holds bits(2^(j/64)) - j * 2^46 (metrics._exp_constants), so
+    # adding n * 2^46 = k * 2^52 + j * 2^46 needs no k = n >> 6 (exact integer arithmetic either way)
+    scale = tl.load(table_ptr + (ni & 63)) + (ni.to(tl.int64) << 46)
     return p * scale.to(tl.float64, bitcast=True)
 
 
@@ -45,12 +46,15 @@ def exp_constants(const_ptr):
 
 
 @triton.jit
-def add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                   MAGIC: tl.constexpr, MASKED: tl.constexpr):
-    # one block's terms of the four sums, x and y the shifted logits of both sides: Z = sum exp, K = sum exp * (x - y).
-    # A full block (MASKED off) has no lanes past the vocabulary: no selects
-    e_a = exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC)
-    e_b = exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC)
+def add_pair_terms(x, y, live_a, live_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4,
+                   c5, magic, MAGIC: tl.constexpr, MASKED: tl.constexpr):
+    # one block's terms of the four sums, x and y the shifted logits of both sides: Z = sum exp, K = sum exp * (x - y)
+    # with d = x - y unclamped, as the CPU kernel's; an exp's argument is -700 where live_* is false (x below that, or
+    # NaN). A full block (MASKED off) has no lanes past the vocabulary: no selects
+    e_a = exp_nonpositive(tl.where(live_a, x, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
+                          MAGIC)
+    e_b = exp_nonpositive(tl.where(live_b, y, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
+                          MAGIC)
     d = x - y
     if MASKED:
         e_a = tl.where(mask, e_a, 0.0)
@@ -330,6 +334,12 @@ def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_ste
             s_a, s_b = new_a, new_b
     x = xa.to(tl.float64) - s_a
     y = xb.to(tl.float64) - s_b
-    z_a, z_b, k_a, k_b = add_pair_terms(x, y, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo,
-                                        c2, c3, c4, c5, magic, MAGIC, MASKED)
+    # the exp's clamp (x > -700, NaN false) compared on the float32 logits: a float32 compare and two selects, where a
+    # float64 maximum or compare-and-select is seven instructions on sm_90 (and 40 more registers in this kernel). The
+    # float32 bound is s - 700 rounded (off by < 4e-5): a term near it is ~1e-304 either way, which the row's sums
+    # (>= 1: the shift's own term is 1 or more) cannot hold
+    live_a = xa > (s_a - 700.0).to(tl.float32)
+    live_b = xb > (s_b - 700.0).to(tl.float32)
+    z_a, z_b, k_a, k_b = add_pair_terms(x, y, live_a, live_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
+                                        step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED)
     return s_a, s_b, z_a, z_b, k_a, k_b
