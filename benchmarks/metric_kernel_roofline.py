@@ -66,11 +66,8 @@ def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.c
         mask = offs < V
         xa = -(offs & 4095).to(tl.float32) * 0.01        # float32 "logits", as loaded
         xb = xa - (offs & 7).to(tl.float32) * 0.001
-        x = xa.to(tl.float64) - s_a
-        y = xb.to(tl.float64) - s_b
-        live_a, live_b = xa > (s_a - 700.0).to(tl.float32), xb > (s_b - 700.0).to(tl.float32)
-        z_a, z_b, k_a, k_b = add_pair_terms(x, y, live_a, live_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step,
-                                            step_hi, step_lo, c2, c3, c4, c5, magic, True, False)
+        z_a, z_b, k_a, k_b = add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
+                                            step_lo, c2, c3, c4, c5, magic, True, False)
     tl.store(out_ptr + row, tl.sum(z_a, 0) + tl.sum(z_b, 0) + tl.sum(k_a, 0) + tl.sum(k_b, 0))
 
 

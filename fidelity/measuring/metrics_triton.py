@@ -46,11 +46,19 @@ def exp_constants(const_ptr):
 
 
 @triton.jit
-def add_pair_terms(x, y, live_a, live_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4,
-                   c5, magic, MAGIC: tl.constexpr, MASKED: tl.constexpr):
-    # one block's terms of the four sums, x and y the shifted logits of both sides: Z = sum exp, K = sum exp * (x - y)
-    # with d = x - y unclamped, as the CPU kernel's; an exp's argument is -700 where live_* is false (x below that, or
-    # NaN). A full block (MASKED off) has no lanes past the vocabulary: no selects
+def add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
+                   magic, MAGIC: tl.constexpr, MASKED: tl.constexpr):
+    # one block's terms of the four sums, xa and xb the float32 logits of both sides, x and y their float64 values
+    # shifted by s_a and s_b: Z = sum exp, K = sum exp * (x - y), d = x - y unclamped as in the CPU kernel. A full
+    # block (MASKED off) has no lanes past the vocabulary: no selects
+    x = xa.to(tl.float64) - s_a
+    y = xb.to(tl.float64) - s_b
+    # the exp's clamp (x > -700, NaN false) compared on the float32 logits: a float32 compare and two selects, where a
+    # float64 maximum or compare-and-select is seven instructions on sm_90 (and ~40 more registers in this kernel). The
+    # float32 bound is s - 700 rounded (off by < 4e-5): a term near it is ~1e-304 either way, which the row's sums
+    # (>= 1: the shift's own term is 1 or more) cannot hold
+    live_a = xa > (s_a - 700.0).to(tl.float32)
+    live_b = xb > (s_b - 700.0).to(tl.float32)
     e_a = exp_nonpositive(tl.where(live_a, x, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
                           MAGIC)
     e_b = exp_nonpositive(tl.where(live_b, y, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
@@ -332,14 +340,6 @@ def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_ste
             z_a = z_a * scale_a
             z_b = z_b * scale_b
             s_a, s_b = new_a, new_b
-    x = xa.to(tl.float64) - s_a
-    y = xb.to(tl.float64) - s_b
-    # the exp's clamp (x > -700, NaN false) compared on the float32 logits: a float32 compare and two selects, where a
-    # float64 maximum or compare-and-select is seven instructions on sm_90 (and 40 more registers in this kernel). The
-    # float32 bound is s - 700 rounded (off by < 4e-5): a term near it is ~1e-304 either way, which the row's sums
-    # (>= 1: the shift's own term is 1 or more) cannot hold
-    live_a = xa > (s_a - 700.0).to(tl.float32)
-    live_b = xb > (s_b - 700.0).to(tl.float32)
-    z_a, z_b, k_a, k_b = add_pair_terms(x, y, live_a, live_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
+    z_a, z_b, k_a, k_b = add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
                                         step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED)
     return s_a, s_b, z_a, z_b, k_a, k_b
