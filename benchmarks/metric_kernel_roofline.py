@@ -50,7 +50,7 @@ def read_only_kernel(a_ptr, b_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
+def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr, CONVERT: tl.constexpr = False):
     # the metric kernel's per-pair float64 work (fixed shift, magic rounding) on values derived from the lane index
     row = tl.program_id(0).to(tl.int64)
     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
@@ -67,7 +67,7 @@ def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.c
         xa = -(offs & 4095).to(tl.float32) * 0.01        # float32 "logits", as loaded
         xb = xa - (offs & 7).to(tl.float32) * 0.001
         z_a, z_b, k_a, k_b = add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
-                                            step_lo, c2, c3, c4, c5, magic, True, False)
+                                            step_lo, c2, c3, c4, c5, magic, True, False, CONVERT)
     tl.store(out_ptr + row, tl.sum(z_a, 0) + tl.sum(z_b, 0) + tl.sum(k_a, 0) + tl.sum(k_b, 0))
 
 
@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sweep", default=None,
+                    help="instead of --configs' table: kernel variants BLOCKxWARPS[rREGS]:top2|top1v|top5:pf0|pf1|pf2:"
+                         "f2f|bits, comma-separated (the first is the baseline every other must equal bit for bit)")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device(args.device)
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
     consts, table = metrics._exp_constants(device)
     sink64 = torch.empty(n, device=device, dtype=torch.float64)
     want = metrics.device_metrics_columns(a, b, targets, backend="torch")
+    if args.sweep:
+        return sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes)
     defaults = (metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK)
     default_prefetch = metrics.TRITON_PREFETCH
     for config in args.configs.split(","):
@@ -178,6 +183,84 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "metric_kernel_roofline.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+SWEPT = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_MAXNREG", "TRITON_TOPK", "TRITON_PREFETCH", "TRITON_CONVERT")
+LISTS = {"top2": "fused-top2", "top1v": "fused-top1v", "top5": "fused"}
+
+
+def parse_variant(spec: str) -> dict:
+    shape, lists, ahead, convert = spec.split(":")
+    block, rest = shape.split("x")
+    warps, _, regs = rest.partition("r")
+    return {"TRITON_BLOCK": int(block), "TRITON_WARPS": int(warps), "TRITON_MAXNREG": int(regs) if regs else None,
+            "TRITON_TOPK": LISTS[lists], "TRITON_PREFETCH": int(ahead.removeprefix("pf")),
+            "TRITON_CONVERT": {"f2f": False, "bits": True}[convert]}
+
+
+def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
+    """Times the metric step (KL both ways, NLLs, top-1, top-5 match, retries included) per kernel variant, checks each
+    against the float64 torch path and, bit for bit, against the first variant."""
+    n, v = a.shape
+    bw = res["copy_GBps"] * 1e9
+    saved = {k: getattr(metrics, k) for k in SWEPT}
+    rows_out, first = [], None
+    shapes = []
+    for spec in args.sweep.split(","):
+        settings = parse_variant(spec)
+        row = {"variant": spec}
+        try:
+            for k, value in settings.items():
+                setattr(metrics, k, value)
+            run = lambda: metrics.device_metrics_columns(a, b, targets, backend="triton")  # noqa: E731
+            got = run()
+            row["max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
+            row["top_equal_torch"] = bool(torch.equal(got[1], want[1]))
+            if first is None:
+                first = got
+            row["bit_identical_to_first"] = bool(torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]))
+            row["ms"] = timed(run, args.repeat) * 1e3
+        except Exception as e:          # a variant that does not build is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            for k, value in saved.items():
+                setattr(metrics, k, value)
+        shape = (settings["TRITON_BLOCK"], settings["TRITON_WARPS"])
+        if shape not in shapes:
+            shapes.append(shape)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    floors = []
+    for block, warps in shapes:
+        f = {"shape": f"{block}x{warps}"}
+        for convert in (False, True):
+            f[f"fp64_math_{'bits' if convert else 'f2f'}_ms"] = timed(
+                lambda: fp64_math_kernel[(n,)](sink64, consts, table, V=v, BLOCK=block, CONVERT=convert, num_warps=warps),
+                args.repeat) * 1e3
+        floors.append(f)
+        print(json.dumps(f), flush=True)
+    res["sweep"], res["floors"] = rows_out, floors
+
+    def cell(ms):
+        return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
+    print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
+          f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
+    print("| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion) | metric step with top-5 | max KL diff vs torch "
+          "| top-1 / topk_match equal torch | bit-identical to the first |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows_out:
+        if "error" in r:
+            print(f"| {r['variant']} | {r['error']} | | | |")
+        else:
+            print(f"| {r['variant']} | {cell(r['ms'])} | {r['max_kl_diff_vs_torch']:.1e} | {r['top_equal_torch']} "
+                  f"| {r['bit_identical_to_first']} |")
+    for f in floors:
+        print(f"float64 math alone {f['shape']}: with F2F {cell(f['fp64_math_f2f_ms'])}, with bits "
+              f"{cell(f['fp64_math_bits_ms'])}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "metric_kernel_sweep.json").write_text(json.dumps(res, indent=1))
     return 0
 
 

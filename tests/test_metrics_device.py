@@ -29,8 +29,9 @@ KL_ATOL, KL_RTOL = 2e-13, 1e-11
 # that rounding, "triton-512-plain" the former default (512 lanes, no prefetch), "triton-running-prefetch" the running
 # shift with the block prefetch, "triton-top5" the top-5 lists as lists of 5 per lane, "triton-top2-running" the
 # default lists of 2 under the running shift, "triton-256-ahead1" (the default of 2026-12-04's first change),
-# "triton-256-ahead2-running", "triton-512-ahead1": other lanes and blocks ahead
-# (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH)
+# "triton-256-ahead2-running", "triton-512-ahead1": other lanes and blocks ahead; "triton-top1v" lists of a lane's
+# best and its runner-up's value, "triton-convert" float32 -> float64 by moving bits, and both at 256 lanes
+# (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH / TRITON_CONVERT)
 TRITON_VARIANTS = {"triton": {},
                    "triton-top5": {"TRITON_TOPK": "fused"},
                    "triton-top2-running": {"TRITON_TOPK": "fused-top2", "TRITON_SHIFT": "running"},
@@ -41,7 +42,11 @@ TRITON_VARIANTS = {"triton": {},
                    "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True},
                    "triton-256-ahead1": {"TRITON_BLOCK": 256, "TRITON_PREFETCH": 1},
                    "triton-256-ahead2-running": {"TRITON_BLOCK": 256, "TRITON_PREFETCH": 2, "TRITON_SHIFT": "running"},
-                   "triton-512-ahead1": {"TRITON_PREFETCH": 1}}
+                   "triton-512-ahead1": {"TRITON_PREFETCH": 1},
+                   "triton-top1v": {"TRITON_TOPK": "fused-top1v"},
+                   "triton-convert": {"TRITON_CONVERT": True},
+                   "triton-top1v-convert-256": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
+                                                "TRITON_BLOCK": 256}}
 BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
                         for name in TRITON_VARIANTS]
 
@@ -317,7 +322,7 @@ def test_cuda_device_row_metrics_and_store_rederivation(rng_seed, tmp_path):
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
-@pytest.mark.parametrize("mode", ["fused", "fused-top2", "separate"])
+@pytest.mark.parametrize("mode", ["fused", "fused-top2", "fused-top1v", "separate"])
 def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, device, monkeypatch):
     """topk_match from the Triton pass (fused into the metric kernel, or its own pass) equals the CPU kernel's, on
     rows built to break a top-5 list: a tie straddling the 5th place, equal values in one lane (index j and
@@ -400,3 +405,125 @@ def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
     assert torch.equal(got[:, 0].cpu(), cpu.ref_top1) and torch.equal(got[:, 1].cpu(), cpu.pack_top1)
     assert {0, 2} <= set(sent) and not {1, 3} & set(sent), sent
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
+                                    pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("shift", ["fixed", "running"])
+def test_lists_of_one_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_seed, device, shift, monkeypatch):
+    """TRITON_TOPK "fused-top1v": a lane keeps its best with its index and only the value of its runner-up, so a lane
+    holding two of a row's top-5 leaves the place after its first one without an index; the row goes to top5_kernel
+    when its prefix reaches that place (rows 0, 2), not when the lists part before it (row 1) or the lane's second
+    entry lies past the 5th place (row 3). Ids, margins and topk_match equal the CPU kernel's."""
+    from fidelity.measuring import metrics
+    monkeypatch.setattr(metrics, "TRITON_TOPK", "fused-top1v")
+    monkeypatch.setattr(metrics, "TRITON_SHIFT", shift)
+    sent = []
+    exact_pass = metrics._top5
+
+    def spy(a, b, match, rows):
+        sent.extend([] if rows is None else rows.tolist())
+        exact_pass(a, b, match, rows)
+    monkeypatch.setattr(metrics, "_top5", spy)
+    g = torch.Generator().manual_seed(rng_seed)
+    B = TRITON_BLOCK
+    v = 3 * B + 19
+    a = torch.randn(5, v, generator=g)
+    top = float(a.max()) + 1
+    lane = [5, 5 + 2 * B]                        # one lane (index mod BLOCK), two places
+    others = [17, 40, 77, 301]                   # four other lanes
+    a[0, lane + others[:3]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # the lane holds places 1-2
+    a[1] = a[0]
+    a[2, others[:3] + lane] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 4-5
+    a[3, others + lane] = top + torch.tensor([6.0, 5, 4, 3, 2, 1])       # places 5-6: the 6th is not asked for
+    a[3, 5] = top + 2                                                    # (the lane's best is the 5th)
+    b = a.clone()
+    b[1, 100] = top + 10                          # row 1: the pack's list starts elsewhere
+    b[4] = a[4] + 1e-3 * torch.randn(v, generator=g)
+    t = torch.randint(0, v, (5,), generator=g)
+    out, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend="triton")
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert cpu.topk_match[:4].tolist() == [5, 0, 5, 5]
+    assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
+    assert torch.equal(got[:, 0].cpu(), cpu.ref_top1) and torch.equal(got[:, 1].cpu(), cpu.pack_top1)
+    assert torch.equal(out[:, 2].cpu(), cpu.ref_margin)       # the runner-up's value without its index
+    assert {0, 2} <= set(sent) and not {1, 3} & set(sent), sent
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from fidelity.measuring.metrics_triton import f64_bits_of_f32
+
+    @triton.jit
+    def _bits_kernel(x_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, f64_bits_of_f32(tl.load(x_ptr + offs)))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
+                                    pytest.param("cuda", marks=cuda_only)])
+def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng_seed, device):
+    """f64_bits_of_f32 (TRITON_CONVERT) against torch's float32 -> float64 conversion, bit for bit: random bit patterns
+    of every normal exponent and both signs, and the ends of the normal range."""
+    g = torch.Generator().manual_seed(rng_seed)
+    n = 4096
+    sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.int64) << 31
+    exponent = torch.randint(1, 255, (n,), generator=g, dtype=torch.int64) << 23
+    mantissa = torch.randint(0, 1 << 23, (n,), generator=g, dtype=torch.int64)
+    bits = (sign | exponent | mantissa)
+    bits[:4] = torch.tensor([0x00800000, 0x80800000, 0x7F7FFFFF, 0xFF7FFFFF])   # +-2^-126, +-float32 max
+    x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    out = torch.empty(n, dtype=torch.float64, device=device)
+    _bits_kernel[(1,)](x.to(device), out, N=n)
+    assert torch.equal(out.cpu().view(torch.int64), x.double().view(torch.int64))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
+                                    pytest.param("cuda", marks=cuda_only)])
+def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, device, monkeypatch):
+    """TRITON_CONVERT: zeros and subnormals come out of the bit conversion as +-2^-127-ish, which cannot move x - s
+    while |s| >= 2^-60, so rows of zeros (a padded vocabulary) and subnormals stay in the fast pass; a row whose shift
+    lies nearer zero, or with an inf or NaN, is measured again without the conversion. Every row equals the CPU
+    kernel. (The conversion runs under the fixed shift only: the running one is the fallback.)"""
+    from fidelity.measuring import metrics
+    monkeypatch.setattr(metrics, "TRITON_CONVERT", True)
+    monkeypatch.setattr(metrics, "TRITON_SHIFT", "fixed")
+    real = metrics._triton_kernel()
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid[0], kwargs["CONVERT"]))
+                return real[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(metrics, "_TRITON", [Spy()])
+    g = torch.Generator().manual_seed(rng_seed)
+    B = TRITON_BLOCK
+    v = 2 * B + 300
+    a = torch.randn(8, v, generator=g) * 3
+    b = a + 0.2 * torch.randn(8, v, generator=g)
+    a[0, -200:], b[0, -200:] = 0.0, 0.0                 # a padded vocabulary's zero logits, on both sides
+    b[1, 50:60] = -0.0
+    a[2, 7:20] = torch.tensor(1e-40).expand(13)         # subnormals
+    b[2, 30] = -1e-42
+    a[3, -5:] = -3e38                                   # masked entries, finite
+    a[4, :B] = -torch.rand(B, generator=g)              # the first block's maximum is exactly 0: shift 0
+    a[4, 3] = 0.0
+    b[5, :B] = -torch.rand(B, generator=g) - 1e-30      # and ~1e-30 below zero on the pack's side
+    b[5, 11] = -1e-30
+    a[6, 99] = float("nan")
+    b[7, B + 1] = float("inf")
+    t = torch.randint(0, v, (8,), generator=g)
+    out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend="triton")
+    pm = finish_columns(out.cpu(), top.cpu(), True)
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert (~cpu.finite).nonzero()[:, 0].tolist() == [6, 7]
+    assert_matches_cpu_kernel(pm, cpu)
+    again = [rows for rows, convert in launches if not convert]
+    assert launches[0] == (8, True) and again == [4], launches      # rows 4 to 7, once, without the conversion

@@ -286,6 +286,9 @@ TRITON_TOPK_BLOCK = 1024
 TRITON_SHIFT = "fixed"
 TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
 TRITON_PREFETCH = 2             # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
+TRITON_CONVERT = False          # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
+                                # shift; rows it may not cover measured again without it
+TRITON_MAXNREG = None           # registers per thread the compiler may use (None: its choice; fewer: more programs per SM)
 EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
 
 
@@ -447,10 +450,14 @@ def check_triton_settings() -> None:
     fails to build, which falls back to torch with a warning)."""
     if TRITON_SHIFT not in ("running", "fixed"):
         raise ValueError(f"metrics.TRITON_SHIFT={TRITON_SHIFT!r}: expected 'running' or 'fixed'")
-    if TRITON_TOPK not in ("fused", "fused-top2", "separate", "torch"):
-        raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected 'fused', 'fused-top2', 'separate' or 'torch'")
+    if TRITON_TOPK not in LIST_LENGTHS:
+        raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected one of {', '.join(map(repr, LIST_LENGTHS))}")
     if not isinstance(TRITON_PREFETCH, int) or TRITON_PREFETCH not in (0, 1, 2):
         raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected 0, 1 or 2 (blocks loaded ahead)")
+
+
+# TRITON_TOPK -> lane lists of the fused kernel (1: best + runner-up's value; None: topk_match outside the kernel)
+LIST_LENGTHS = {"fused": 5, "fused-top2": 2, "fused-top1v": 1, "separate": None, "torch": None}
 
 
 def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor,
@@ -463,33 +470,36 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
         raise RuntimeError("FIDELITY_METRICS_KERNEL=triton, but triton is not installed")
     check_triton_settings()
     consts, table = _exp_constants(a.device)
-    in_pass = match is not None and TRITON_TOPK in ("fused", "fused-top2")
-    lists = 5 if match is not None and TRITON_TOPK == "fused" else 2
+    in_pass = match is not None and LIST_LENGTHS[TRITON_TOPK] is not None
+    lists = LIST_LENGTHS[TRITON_TOPK] if in_pass else 2
     fixed = TRITON_SHIFT == "fixed"
-    flagged = fixed or (in_pass and lists == 2)
+    convert = bool(TRITON_CONVERT) and fixed       # the running shift is the fallback; its shifts are not checked
+    flagged = fixed or (in_pass and lists != 5) or convert
 
-    def run(x, y, targets, out_, top_, match_, retry_, fixed_):
+    def run(x, y, targets, out_, top_, match_, retry_, fixed_, convert_):
         kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
                               y.stride(0), V=x.shape[1], BLOCK=TRITON_BLOCK, LISTS=lists, MATCH=in_pass,
                               FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=int(TRITON_PREFETCH),
-                              num_warps=TRITON_WARPS)
+                              CONVERT=convert_, num_warps=TRITON_WARPS,
+                              **({"maxnreg": TRITON_MAXNREG} if TRITON_MAXNREG else {}))
 
-    # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel
+    # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel, bit 2 the
+    # bit conversion may not hold for it: those of bits 0 and 2 are measured again with the running shift, converted
     retry = torch.zeros(a.shape[0] if flagged else 1, dtype=torch.int8, device=a.device)
-    run(a, b, t, out, top, match, retry, fixed)
+    run(a, b, t, out, top, match, retry, fixed, convert)
     if flagged and bool(retry.any()):
-        far = (retry & 1).nonzero()[:, 0]
+        far = (retry & 5).nonzero()[:, 0]
         if len(far):
             sub_a, sub_b, sub_t = a[far].contiguous(), b[far].contiguous(), t[far].contiguous()
             sub_out, sub_top = out[far], top[far]
             sub_match = match[far] if in_pass else sub_top
             sub_retry = torch.zeros(len(far), dtype=torch.int8, device=a.device)
-            run(sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, sub_retry, False)
+            run(sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, sub_retry, False, False)
             out[far], top[far] = sub_out, sub_top
             if in_pass:
                 match[far] = sub_match
             retry[far] = sub_retry
-        if in_pass and lists == 2:
+        if in_pass and lists != 5:
             exact = (retry & 2).nonzero()[:, 0]
             if len(exact):
                 _top5(a, b, match, exact)

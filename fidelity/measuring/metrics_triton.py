@@ -46,13 +46,33 @@ def exp_constants(const_ptr):
 
 
 @triton.jit
+def f64_bits_of_f32(x):
+    # float32 -> float64 by moving bits, where sm_90's conversion (F2F.F64.F32) runs at a quarter of the float64 rate:
+    # sign, exponent + (1023 - 127), mantissa. Exact for normal numbers; a zero or subnormal comes out as
+    # +-2^-127 (1 + m 2^-23), an inf or NaN as a finite number: the caller flags what that could change
+    # (an arithmetic shift copies the sign into bits 28-31: the mask keeps bit 31's; e + 896 < 2^11 cannot carry)
+    i = x.to(tl.int32, bitcast=True)
+    hi = ((i >> 3) & -1879048193) + 0x38000000           # -1879048193: 0x8FFFFFFF as an int32
+    lo = (i << 29).to(tl.uint32, bitcast=True)
+    return ((hi.to(tl.int64) << 32) | lo.to(tl.int64)).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def to_f64(x, CONVERT: tl.constexpr):
+    if CONVERT:
+        return f64_bits_of_f32(x)
+    return x.to(tl.float64)
+
+
+@triton.jit
 def add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
-                   magic, MAGIC: tl.constexpr, MASKED: tl.constexpr):
+                   magic, MAGIC: tl.constexpr, MASKED: tl.constexpr, CONVERT: tl.constexpr = False):
     # one block's terms of the four sums, xa and xb the float32 logits of both sides, x and y their float64 values
     # shifted by s_a and s_b: Z = sum exp, K = sum exp * (x - y), d = x - y unclamped as in the CPU kernel. A full
-    # block (MASKED off) has no lanes past the vocabulary: no selects
-    x = xa.to(tl.float64) - s_a
-    y = xb.to(tl.float64) - s_b
+    # block (MASKED off) has no lanes past the vocabulary: no selects. CONVERT: x and y from the logits' bits
+    # (f64_bits_of_f32: the same values where the row's checks hold, rows_kernel)
+    x = to_f64(xa, CONVERT) - s_a
+    y = to_f64(xb, CONVERT) - s_b
     # the exp's clamp (x > -700, NaN false) compared on the float32 logits: a float32 compare and two selects, where a
     # float64 maximum or compare-and-select is seven instructions on sm_90 (and ~40 more registers in this kernel). The
     # float32 bound is s - 700 rounded (off by < 4e-5): a term near it is ~1e-304 either way, which the row's sums
@@ -114,6 +134,56 @@ def top2_pop(v0, v1, i0, i1, V):
     v0, v1 = tl.where(hit, v1, v0), tl.where(hit, float("-inf"), v1)
     i0, i1 = tl.where(hit, i1, i0), tl.where(hit, V, i1)
     return best, tl.where(best > float("-inf"), pick, -1), hit.to(tl.int32), v0, v1, i0, i1
+
+
+@triton.jit
+def top1v_insert(x, offs, v0, i0, v1):
+    # a lane's best with its index and its runner-up's value alone (LISTS 1): five instructions per logit against
+    # top2_insert's eight. Strictly greater for the index, as top2_insert; an equal later value becomes the runner-up
+    c0 = x > v0
+    return tl.maximum(v0, x), tl.where(c0, offs, i0), tl.maximum(v1, tl.minimum(v0, x))
+
+
+@triton.jit
+def top1v_pop(h, hi, known, V):
+    # the next entry of the row's list from lane heads h (index hi where known, else only the value): the best head,
+    # lowest index among equal ones. `unsure`: a head whose index is not known is among the best, so this entry (and
+    # all after it) may be wrong
+    best = tl.max(h, 0)
+    cand = (h == best) & (h > float("-inf"))
+    unsure = tl.max((cand & (known == 0)).to(tl.int32), 0)
+    pick = tl.min(tl.where(cand & (known != 0), hi, V), 0)
+    hit = (hi == pick) & (known != 0)
+    return best, tl.where(best > float("-inf"), pick, -1), hit, unsure
+
+
+@triton.jit
+def top1v_match(a0, ai0, a1, b0, bi0, b1, V, MATCH: tl.constexpr):
+    # top2_match from top1v lists: a lane once taken from shows its runner-up's value with no index; `reliable` is
+    # the last entry before one such head is among the best (5: none), as in top2_match
+    known_a = tl.full(ai0.shape, 1, tl.int32)
+    known_b = tl.full(bi0.shape, 1, tl.int32)
+    best_a, pa, hit_a, _ = top1v_pop(a0, ai0, known_a, V)
+    _, pb, hit_b, _ = top1v_pop(b0, bi0, known_b, V)
+    a0, known_a = tl.where(hit_a, a1, a0), tl.where(hit_a, 0, known_a)
+    b0, known_b = tl.where(hit_b, b1, b0), tl.where(hit_b, 0, known_b)
+    first_a, first_b = pa, pb
+    runner_up = tl.max(a0, 0)
+    same = (pa >= 0) & (pa == pb)
+    match = same.to(tl.int64)
+    reliable = 5
+    if MATCH:
+        for m in tl.static_range(2, 6):
+            _, pa, hit_a, unsure_a = top1v_pop(a0, ai0, known_a, V)
+            _, pb, hit_b, unsure_b = top1v_pop(b0, bi0, known_b, V)
+            same = same & (pa >= 0) & (pa == pb)
+            match += same.to(tl.int64)
+            reliable = tl.where(((unsure_a + unsure_b) > 0) & (reliable == 5), m - 1, reliable)
+            a0, known_a = tl.where(hit_a, a1, a0), tl.where(hit_a, 0, known_a)
+            b0, known_b = tl.where(hit_b, b1, b0), tl.where(hit_b, 0, known_b)
+            a1 = tl.where(hit_a, float("-inf"), a1)
+            b1 = tl.where(hit_b, float("-inf"), b1)
+    return match, best_a, runner_up, first_a, first_b, reliable
 
 
 @triton.jit
@@ -191,11 +261,15 @@ def top2_match(a0, a1, ai0, ai1, b0, b1, bi0, bi1, V, MATCH: tl.constexpr):
 @triton.jit
 def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, const_ptr, table_ptr, stride_a, stride_b,
                 V: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, MATCH: tl.constexpr,
-                FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, PREFETCH: tl.constexpr):
-    """One position per program. Each lane keeps its LISTS (2 or 5) best logits per side with their indices, from
-    which the row's best, runner-up and (MATCH) top-5 prefix come at the end. retry_ptr bit 0: the row lies too far
-    above its fixed shift (measure it again with the running shift); bit 1 (LISTS 2): its top-5 prefix needs the
-    exact lists of top5_kernel."""
+                FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, PREFETCH: tl.constexpr, CONVERT: tl.constexpr = False):
+    """One position per program. Each lane keeps its LISTS (2 or 5) best logits per side with their indices (LISTS 1:
+    its best with its index and its runner-up's value alone), from which the row's best, runner-up and (MATCH) top-5
+    prefix come at the end. retry_ptr bit 0: the row lies too far above its fixed shift (measure it again with the
+    running shift); bit 1 (LISTS 1, 2): its top-5 prefix needs the exact lists of top5_kernel; bit 2 (CONVERT): a
+    logit is not finite, or a shift lies within 2^-60 of zero, where f64_bits_of_f32 may differ from the conversion
+    (measure it again without CONVERT)."""
+    # CONVERT's check holds for one shift per row and side (the running shift passes through others)
+    tl.static_assert(FIXED_SHIFT or not CONVERT)
     row = tl.program_id(0).to(tl.int64)
     a_row, b_row = a_ptr + row * stride_a, b_ptr + row * stride_b
     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
@@ -216,8 +290,13 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     ninf = tl.full([BLOCK], float("-inf"), tl.float32)
     none = tl.full([BLOCK], V, tl.int32)      # int32 indices: fewer registers (vocabularies are far below 2^31)
     # per side LISTS values then LISTS indices, side a first
-    lists = (ninf, ) * LISTS + (none, ) * LISTS + (ninf, ) * LISTS + (none, ) * LISTS
+    if LISTS == 1:
+        lists = (ninf, none, ninf, ninf, none, ninf)       # per side: best, its index, runner-up
+    else:
+        lists = (ninf, ) * LISTS + (none, ) * LISTS + (ninf, ) * LISTS + (none, ) * LISTS
     sums = (s_a, s_b, z_a, z_b, k_a, k_b)
+    # CONVERT: (a - b) * 0 summed per lane is NaN where either side holds an inf or NaN (or a - b overflows)
+    check = tl.zeros([BLOCK], tl.float32)
     consts = (inv_step, step_hi, step_lo, c2, c3, c4, c5, magic)
     # PREFETCH (1 or 2): the next block's (and the one after's) loads are issued before this block's arithmetic, so
     # memory and float64 math overlap (same values, same order of operations: the results do not change)
@@ -232,14 +311,17 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     # the full blocks (no lane past the vocabulary: no masked selects), then the partial one, if any
     FULL: tl.constexpr = V // BLOCK * BLOCK
     for lo in range(0, FULL, BLOCK):
-        ahead, lists, sums = block_step(a_row, b_row, lo + lanes, ahead, lists, sums, table_ptr, consts, V, BLOCK,
-                                        PREFETCH, LISTS, FIXED_SHIFT, MAGIC, False)
+        ahead, lists, sums, check = block_step(a_row, b_row, lo + lanes, ahead, lists, sums, check, table_ptr, consts,
+                                               V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, False, CONVERT)
     if FULL < V:
-        ahead, lists, sums = block_step(a_row, b_row, FULL + lanes, ahead, lists, sums, table_ptr, consts, V, BLOCK,
-                                        PREFETCH, LISTS, FIXED_SHIFT, MAGIC, True)
+        ahead, lists, sums, check = block_step(a_row, b_row, FULL + lanes, ahead, lists, sums, check, table_ptr,
+                                               consts, V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, True, CONVERT)
     s_a, s_b, z_a, z_b, k_a, k_b = sums
     sum_za, sum_zb, sum_ka, sum_kb = tl.sum(z_a, 0), tl.sum(z_b, 0), tl.sum(k_a, 0), tl.sum(k_b, 0)
-    if LISTS == 5:
+    if LISTS == 1:
+        a0, ai0, a1, b0, bi0, b1 = lists
+        match, best_a, runner_up, first_a, first_b, reliable = top1v_match(a0, ai0, a1, b0, bi0, b1, V, MATCH)
+    elif LISTS == 5:
         a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = lists
         match, best_a, runner_up, first_a, first_b, reliable = top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4,
                                                                           b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4,
@@ -252,9 +334,13 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
         best_b = tl.max(b0, 0)
         far = (best_a.to(tl.float64) - s_a > 600.0) | (best_b.to(tl.float64) - s_b > 600.0)
         flags = far.to(tl.int32)
-    if MATCH and LISTS == 2:
+    if MATCH and LISTS != 5:
         flags = flags | (((reliable < 5) & (match >= reliable)).to(tl.int32) << 1)
-    if FIXED_SHIFT or (MATCH and LISTS == 2):
+    if CONVERT:
+        bad = tl.sum(check, 0)
+        tiny = (tl.abs(s_a) < 8.673617379884035e-19) | (tl.abs(s_b) < 8.673617379884035e-19)    # 2^-60
+        flags = flags | (((bad != bad) | tiny).to(tl.int32) << 2)
+    if FIXED_SHIFT or (MATCH and LISTS != 5) or CONVERT:
         tl.store(retry_ptr + row, flags.to(tl.int8))
     c = tl.log(sum_za / sum_zb)
     lse_a, lse_b = s_a + tl.log(sum_za), s_b + tl.log(sum_zb)
@@ -274,14 +360,23 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
 
 
 @triton.jit
-def block_step(a_row, b_row, offs, ahead, lists, sums, table_ptr, consts, V, BLOCK: tl.constexpr,
+def block_step(a_row, b_row, offs, ahead, lists, sums, check, table_ptr, consts, V, BLOCK: tl.constexpr,
                PREFETCH: tl.constexpr, LISTS: tl.constexpr, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, CONVERT: tl.constexpr):
     # one block of both rows: its logits (and the loads ahead: next_a, next_b, far_a, far_b), each lane's lists of
-    # its best LISTS per side (values then indices, side a first), the sums (s_a, s_b, z_a, z_b, k_a, k_b)
+    # its best LISTS per side (values then indices, side a first), the sums (s_a, s_b, z_a, z_b, k_a, k_b), the
+    # CONVERT check
     xa, xb, next_a, next_b, far_a, far_b = load_block(a_row, b_row, offs, ahead[0], ahead[1], ahead[2], ahead[3], V,
                                                       BLOCK, PREFETCH, MASKED)
-    if LISTS == 5:
+    if CONVERT:
+        if MASKED:
+            check += tl.where(offs < V, xa - xb, 0.0) * 0.0
+        else:
+            check += (xa - xb) * 0.0
+    if LISTS == 1:
+        a = top1v_insert(xa, offs, lists[0], lists[1], lists[2])
+        b = top1v_insert(xb, offs, lists[3], lists[4], lists[5])
+    elif LISTS == 5:
         a = top5_insert(xa, offs, lists[0], lists[1], lists[2], lists[3], lists[4],
                         lists[5], lists[6], lists[7], lists[8], lists[9])
         b = top5_insert(xb, offs, lists[10], lists[11], lists[12], lists[13], lists[14],
@@ -291,8 +386,8 @@ def block_step(a_row, b_row, offs, ahead, lists, sums, table_ptr, consts, V, BLO
         b = top2_insert(xb, offs, lists[4], lists[5], lists[6], lists[7])
     sums = shift_and_sum(xa, xb, offs < V, sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], table_ptr,
                          consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6], consts[7],
-                         FIXED_SHIFT, MAGIC, MASKED)
-    return (next_a, next_b, far_a, far_b), a + b, sums
+                         FIXED_SHIFT, MAGIC, MASKED, CONVERT)
+    return (next_a, next_b, far_a, far_b), a + b, sums, check
 
 
 @triton.jit
@@ -326,7 +421,8 @@ def load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V, BLOCK: tl.co
 
 @triton.jit
 def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
-                  magic, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, MASKED: tl.constexpr):
+                  magic, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, MASKED: tl.constexpr,
+                  CONVERT: tl.constexpr = False):
     # the running shift's update for a block that raises a maximum (the fixed shift has none), then the block's terms
     if not FIXED_SHIFT:
         m_a, m_b = tl.max(xa, 0).to(tl.float64), tl.max(xb, 0).to(tl.float64)
@@ -341,5 +437,5 @@ def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_ste
             z_b = z_b * scale_b
             s_a, s_b = new_a, new_b
     z_a, z_b, k_a, k_b = add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
-                                        step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED)
+                                        step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED, CONVERT)
     return s_a, s_b, z_a, z_b, k_a, k_b
