@@ -9,7 +9,7 @@ that raises a maximum rescales the sums before it). With a = reference, b = pack
 it accumulates in float64
     z_a = sum exp(a - s_a),  z_b = sum exp(b - s_b),  k_a = sum exp(a - s_a) d,  k_b = sum exp(b - s_b) d
 and with c = log(z_a / z_b) = lse(a) - lse(b) - (s_a - s_b): KL(P||Q) = k_a / z_a - c, KL(Q||P) = c - k_b / z_b.
-Everything after the float32 inputs is float64, exp included (a polynomial good to ~1e-14), so the KL is right to ~1e-14
+Everything after the float32 inputs is float64, exp included (a polynomial good to ~2e-16), so the KL is right to ~1e-14
 nats (float32 arithmetic leaves 1e-8 with care, 1e-6 the textbook way), and the shifts keep it so for logits in the
 thousands or two sides hundreds of nats apart. Rows run in parallel on torch's thread count.
 
@@ -96,13 +96,14 @@ def _f64_from_bits(typingctx, bits):
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693147180369123816490     # ln 2 split so that k * _LN2_HI is exact for |k| < 2^11
 _LN2_LO = 1.90821492927058770002e-10
-_EXP_TAYLOR = tuple(1 / math.factorial(k) for k in range(10, -1, -1))     # 1/10!, ..., 1/1!, 1/0!
+_EXP_TAYLOR = tuple(1 / math.factorial(k) for k in range(13, -1, -1))     # 1/13!, ..., 1/1!, 1/0!
 
 
 @numba.njit(inline="always", fastmath=_FAST)
 def _exp_nonpositive(x):
     """exp(x) in float64 for x <= 0, vectorisable (numba calls libm's scalar exp otherwise). x = k ln2 + r, |r| <= ln2/2,
-    exp(r) by its Taylor series to r^10 (relative error < 1e-14), times 2^k built in the exponent bits. x is clamped at
+    exp(r) by its Taylor series to r^13 (truncation < 4.2e-18 relative: to r^10 it was 2.2e-13 at |r| = ln2/2, up to
+    3e-13 measured against libm), times 2^k built in the exponent bits. x is clamped at
     -700 (NaN included), so k stays a small integer and exp > 0: a -inf or NaN logit reaches the sums through
     exp(..) * d as inf or NaN instead of vanishing."""
     x = x if x > -700.0 else -700.0
