@@ -366,6 +366,18 @@ def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, dev
             assert cpu.topk_match[3] == 2           # two finite logits: the lists end there
 
 
+def _rows_sent_to_the_exact_pass(metrics, monkeypatch) -> list:
+    """The rows metrics.triton_rows hands top5_kernel, appended to the returned list as it does."""
+    sent = []
+    exact_pass = metrics._top5
+
+    def spy(a, b, match, rows):
+        sent.extend([] if rows is None else rows.tolist())
+        exact_pass(a, b, match, rows)
+    monkeypatch.setattr(metrics, "_top5", spy)
+    return sent
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
@@ -377,13 +389,7 @@ def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     from fidelity.measuring import metrics
     monkeypatch.setattr(metrics, "TRITON_TOPK", "fused-top2")
     monkeypatch.setattr(metrics, "TRITON_SHIFT", shift)
-    sent = []
-    exact_pass = metrics._top5
-
-    def spy(a, b, match, rows):
-        sent.extend([] if rows is None else rows.tolist())
-        exact_pass(a, b, match, rows)
-    monkeypatch.setattr(metrics, "_top5", spy)
+    sent = _rows_sent_to_the_exact_pass(metrics, monkeypatch)
     g = torch.Generator().manual_seed(rng_seed)
     B = TRITON_BLOCK
     v = 3 * B + 19
@@ -419,13 +425,7 @@ def test_lists_of_one_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     from fidelity.measuring import metrics
     monkeypatch.setattr(metrics, "TRITON_TOPK", "fused-top1v")
     monkeypatch.setattr(metrics, "TRITON_SHIFT", shift)
-    sent = []
-    exact_pass = metrics._top5
-
-    def spy(a, b, match, rows):
-        sent.extend([] if rows is None else rows.tolist())
-        exact_pass(a, b, match, rows)
-    monkeypatch.setattr(metrics, "_top5", spy)
+    sent = _rows_sent_to_the_exact_pass(metrics, monkeypatch)
     g = torch.Generator().manual_seed(rng_seed)
     B = TRITON_BLOCK
     v = 3 * B + 19

@@ -475,7 +475,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
     lists = LIST_LENGTHS[TRITON_TOPK] if in_pass else 2
     fixed = TRITON_SHIFT == "fixed"
     convert = bool(TRITON_CONVERT) and fixed       # the running shift is the fallback; its shifts are not checked
-    flagged = fixed or (in_pass and lists != 5) or convert
+    flagged = fixed or (in_pass and lists != 5)      # (convert implies fixed)
 
     def run(x, y, targets, out_, top_, match_, retry_, fixed_, convert_):
         kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
@@ -485,7 +485,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
                               **({"maxnreg": TRITON_MAXNREG} if TRITON_MAXNREG else {}))
 
     # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel, bit 2 the
-    # bit conversion may not hold for it: those of bits 0 and 2 are measured again with the running shift, converted
+    # bit conversion may not hold for it: those of bits 0 and 2 are measured again with the running shift, without it
     retry = torch.zeros(a.shape[0] if flagged else 1, dtype=torch.int8, device=a.device)
     run(a, b, t, out, top, match, retry, fixed, convert)
     if flagged and bool(retry.any()):

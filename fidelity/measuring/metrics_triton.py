@@ -340,7 +340,7 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
         bad = tl.sum(check, 0)
         tiny = (tl.abs(s_a) < 8.673617379884035e-19) | (tl.abs(s_b) < 8.673617379884035e-19)    # 2^-60
         flags = flags | (((bad != bad) | tiny).to(tl.int32) << 2)
-    if FIXED_SHIFT or (MATCH and LISTS != 5) or CONVERT:
+    if FIXED_SHIFT or (MATCH and LISTS != 5):          # (CONVERT implies FIXED_SHIFT)
         tl.store(retry_ptr + row, flags.to(tl.int8))
     c = tl.log(sum_za / sum_zb)
     lse_a, lse_b = s_a + tl.log(sum_za), s_b + tl.log(sum_zb)
