@@ -50,7 +50,8 @@ def read_only_kernel(a_ptr, b_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr, CONVERT: tl.constexpr = False):
+def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.constexpr, CONVERT: tl.constexpr = False,
+                     EXP_BITS: tl.constexpr = 6):
     # the metric kernel's per-pair float64 work (fixed shift, magic rounding) on values derived from the lane index
     row = tl.program_id(0).to(tl.int64)
     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
@@ -67,7 +68,7 @@ def fp64_math_kernel(out_ptr, const_ptr, table_ptr, V: tl.constexpr, BLOCK: tl.c
         xa = -(offs & 4095).to(tl.float32) * 0.01        # float32 "logits", as loaded
         xb = xa - (offs & 7).to(tl.float32) * 0.001
         z_a, z_b, k_a, k_b = add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
-                                            step_lo, c2, c3, c4, c5, magic, True, False, CONVERT)
+                                            step_lo, c2, c3, c4, c5, magic, True, False, CONVERT, EXP_BITS)
     tl.store(out_ptr + row, tl.sum(z_a, 0) + tl.sum(z_b, 0) + tl.sum(k_a, 0) + tl.sum(k_b, 0))
 
 
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sweep", default=None,
                     help="instead of --configs' table: kernel variants BLOCKxWARPS[rREGS]:top2|top1v|top5:pf0|pf1|pf2:"
-                         "f2f|bits, comma-separated (the first is the baseline every other must equal bit for bit)")
+                         "f2f|bits[:e6|e8], comma-separated (the first is the baseline; variants of its exp table "
+                         "must equal it bit for bit, e8 (256 entries, Taylor to r^4) to float64 rounding)")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device(args.device)
@@ -186,17 +188,19 @@ def main(argv=None) -> int:
     return 0
 
 
-SWEPT = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_MAXNREG", "TRITON_TOPK", "TRITON_PREFETCH", "TRITON_CONVERT")
+SWEPT = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_MAXNREG", "TRITON_TOPK", "TRITON_PREFETCH", "TRITON_CONVERT",
+         "EXP_TABLE_BITS")
 LISTS = {"top2": "fused-top2", "top1v": "fused-top1v", "top5": "fused"}
 
 
 def parse_variant(spec: str) -> dict:
-    shape, lists, ahead, convert = spec.split(":")
+    shape, lists, ahead, convert, *table = spec.split(":")
     block, rest = shape.split("x")
     warps, _, regs = rest.partition("r")
     return {"TRITON_BLOCK": int(block), "TRITON_WARPS": int(warps), "TRITON_MAXNREG": int(regs) if regs else None,
             "TRITON_TOPK": LISTS[lists], "TRITON_PREFETCH": int(ahead.removeprefix("pf")),
-            "TRITON_CONVERT": {"f2f": False, "bits": True}[convert]}
+            "TRITON_CONVERT": {"f2f": False, "bits": True}[convert],
+            "EXP_TABLE_BITS": {"e6": 6, "e8": 8}[table[0] if table else "e6"]}
 
 
 def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
@@ -220,6 +224,7 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
             if first is None:
                 first = got
             row["bit_identical_to_first"] = bool(torch.equal(got[0], first[0]) and torch.equal(got[1], first[1]))
+            row["max_rel_diff_vs_first"] = float(((got[0] - first[0]).abs() / first[0].abs().clamp_min(1e-300)).max())
             row["ms"] = timed(run, args.repeat) * 1e3
         except Exception as e:          # a variant that does not build is reported, not fatal
             row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -234,9 +239,11 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
     floors = []
     for block, warps in shapes:
         f = {"shape": f"{block}x{warps}"}
-        for convert in (False, True):
-            f[f"fp64_math_{'bits' if convert else 'f2f'}_ms"] = timed(
-                lambda: fp64_math_kernel[(n,)](sink64, consts, table, V=v, BLOCK=block, CONVERT=convert, num_warps=warps),
+        for convert, bits in ((False, 6), (True, 6), (True, 8)):
+            consts_, table_ = metrics._exp_constants(a.device, bits)
+            f[f"fp64_math_{'bits' if convert else 'f2f'}_e{bits}_ms"] = timed(
+                lambda: fp64_math_kernel[(n,)](sink64, consts_, table_, V=v, BLOCK=block, CONVERT=convert,
+                                               EXP_BITS=bits, num_warps=warps),
                 args.repeat) * 1e3
         floors.append(f)
         print(json.dumps(f), flush=True)
@@ -246,18 +253,18 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
         return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
     print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
           f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
-    print("| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion) | metric step with top-5 | max KL diff vs torch "
-          "| top-1 / topk_match equal torch | bit-identical to the first |")
+    print("| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion[:exp table e6|e8]) | metric step with top-5 | max KL diff vs torch "
+          "| top-1 / topk_match equal torch | bit-identical to the first (max relative difference) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows_out:
         if "error" in r:
             print(f"| {r['variant']} | {r['error']} | | | |")
         else:
             print(f"| {r['variant']} | {cell(r['ms'])} | {r['max_kl_diff_vs_torch']:.1e} | {r['top_equal_torch']} "
-                  f"| {r['bit_identical_to_first']} |")
+                  f"| {r['bit_identical_to_first']} ({r['max_rel_diff_vs_first']:.1e}) |")
     for f in floors:
-        print(f"float64 math alone {f['shape']}: with F2F {cell(f['fp64_math_f2f_ms'])}, with bits "
-              f"{cell(f['fp64_math_bits_ms'])}")
+        print(f"float64 math alone {f['shape']}: with F2F {cell(f['fp64_math_f2f_e6_ms'])}, with bits "
+              f"{cell(f['fp64_math_bits_e6_ms'])}, with bits and the 256-entry exp table {cell(f['fp64_math_bits_e8_ms'])}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "metric_kernel_sweep.json").write_text(json.dumps(res, indent=1))

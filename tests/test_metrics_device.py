@@ -30,8 +30,9 @@ KL_ATOL, KL_RTOL = 2e-13, 1e-11
 # shift with the block prefetch, "triton-top5" the top-5 lists as lists of 5 per lane, "triton-top2-running" the
 # default lists of 2 under the running shift, "triton-256-ahead1" (the default of 2026-12-04's first change),
 # "triton-256-ahead2-running", "triton-512-ahead1": other lanes and blocks ahead; "triton-top1v" lists of a lane's
-# best and its runner-up's value, "triton-convert" float32 -> float64 by moving bits, and both at 256 lanes
-# (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH / TRITON_CONVERT)
+# best and its runner-up's value, "triton-convert" float32 -> float64 by moving bits, and both at 256 lanes; "triton-e8"
+# the exp's 256-entry table (Taylor to r^4), alone and with the other two (metrics.TRITON_SHIFT / TRITON_MAGIC /
+# TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH / TRITON_CONVERT / EXP_TABLE_BITS)
 TRITON_VARIANTS = {"triton": {},
                    "triton-top5": {"TRITON_TOPK": "fused"},
                    "triton-top2-running": {"TRITON_TOPK": "fused-top2", "TRITON_SHIFT": "running"},
@@ -46,7 +47,10 @@ TRITON_VARIANTS = {"triton": {},
                    "triton-top1v": {"TRITON_TOPK": "fused-top1v"},
                    "triton-convert": {"TRITON_CONVERT": True},
                    "triton-top1v-convert-256": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
-                                                "TRITON_BLOCK": 256}}
+                                                "TRITON_BLOCK": 256},
+                   "triton-e8": {"EXP_TABLE_BITS": 8},
+                   "triton-top1v-convert-e8": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
+                                               "EXP_TABLE_BITS": 8}}
 BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
                         for name in TRITON_VARIANTS]
 
@@ -204,7 +208,7 @@ def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypat
 
 
 @pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse"), ("TRITON_PREFETCH", "yes"),
-                                           ("TRITON_PREFETCH", 3)])
+                                           ("TRITON_PREFETCH", 3), ("EXP_TABLE_BITS", 7)])
 def test_a_misspelt_kernel_switch_is_an_error_not_a_fallback(switch, value, monkeypatch):
     from fidelity.measuring import metrics
     ran = []
@@ -455,12 +459,41 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from fidelity.measuring.metrics_triton import f64_bits_of_f32
+    from fidelity.measuring.metrics_triton import exp_constants, exp_nonpositive, f64_bits_of_f32
 
     @triton.jit
     def _bits_kernel(x_ptr, out_ptr, N: tl.constexpr):
         offs = tl.arange(0, N)
         tl.store(out_ptr + offs, f64_bits_of_f32(tl.load(x_ptr + offs)))
+
+    @triton.jit
+    def _exp_kernel(x_ptr, out_ptr, const_ptr, table_ptr, N: tl.constexpr, EXP_BITS: tl.constexpr):
+        offs = tl.arange(0, N)
+        inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
+        tl.store(out_ptr + offs, exp_nonpositive(tl.load(x_ptr + offs), table_ptr, inv_step, step_hi, step_lo, c2, c3,
+                                                 c4, c5, magic, True, EXP_BITS))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
+                                    pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("table_bits", [6, 8])
+def test_the_kernels_exp_is_within_an_ulp_or_two_of_numpy(rng_seed, device, table_bits):
+    """exp_nonpositive with its 64-entry table (Taylor to r^5) and its 256-entry one (EXP_TABLE_BITS 8, Taylor to r^4)
+    against numpy's float64 exp, over the range the kernel feeds it ([-700, 0] and, under the fixed shift, up to 600
+    above it), with the points where the table index and the exponent change (multiples of ln2 / 2^bits)."""
+    from fidelity.measuring import metrics
+    g = np.random.default_rng(rng_seed)
+    n = 8192
+    step = np.log(2) / (1 << table_bits)
+    x = np.concatenate([g.uniform(-700.0, 0.0, n // 4), g.uniform(-40.0, 0.0, n // 4), g.uniform(0.0, 600.0, n // 8),
+                        (np.round(g.uniform(-700.0, 0.0, n // 8) / step) + g.uniform(-0.5, 0.5, n // 8)) * step,
+                        g.uniform(-1e-3, 1e-3, n // 4 - 2), [0.0, -700.0]])
+    consts, table = metrics._exp_constants(torch.device(device), table_bits)
+    out = torch.empty(n, dtype=torch.float64, device=device)
+    _exp_kernel[(1,)](torch.from_numpy(x).to(device), out, consts, table, N=n, EXP_BITS=table_bits)
+    rel = np.abs(out.cpu().numpy() / np.exp(x) - 1)
+    assert rel.max() < 4.5e-16, (table_bits, rel.max(), x[rel.argmax()])
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")

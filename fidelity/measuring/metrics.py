@@ -290,7 +290,8 @@ TRITON_PREFETCH = 2             # blocks loaded ahead of the arithmetic (memory 
 TRITON_CONVERT = False          # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
                                 # shift; rows it may not cover measured again without it
 TRITON_MAXNREG = None           # registers per thread the compiler may use (None: its choice; fewer: more programs per SM)
-EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17
+EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17;
+                                 # 8: 256 entries, |r| <= ln2/512, Taylor to r^4 (4e-17, one float64 FMA less per exp)
 
 
 def device_backend(device: torch.device | str) -> str:
@@ -413,20 +414,21 @@ def torch_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Ten
 _EXP_CONSTANTS: dict = {}
 
 
-def _exp_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _exp_constants(device: torch.device, table_bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 constants, int64 table) for the Triton kernel's exp, on `device`: entry j is the bits of 2^(j/64)
-    minus j * 2^46, so that adding n * 2^46 (n = 64 k + j) to it puts k into the exponent. Constants travel as a
-    tensor: Triton would type a Python float argument or literal as float32."""
-    key = str(device)
+    minus j * 2^46, so that adding n * 2^46 (n = 64 k + j) to it puts k into the exponent (table_bits 8: 2^(j/256),
+    2^44). Constants travel as a tensor: Triton would type a Python float argument or literal as float32."""
+    table_bits = EXP_TABLE_BITS if table_bits is None else table_bits
+    key = (str(device), table_bits)
     if key not in _EXP_CONSTANTS:
-        size = 1 << EXP_TABLE_BITS
-        step = math.log(2) / size
-        bits = np.array([step]).view(np.uint64) & np.uint64(2**64 - 2**20)
-        hi = float(bits.view(np.float64)[0])       # ln2/64 to 33 bits: n * hi is exact for |n| < 2^20
-        lo = step - hi
+        size = 1 << table_bits
+        # ln2/size as the CPU kernel's two-part ln2 over size (exact scalings): n * hi is exact for |n| < 2^21, and hi +
+        # lo holds ln2 to ~2^-86, where float64(ln2)/size - hi left the step's own rounding in, n * 1e-17 (a relative
+        # error of |x| * 3e-17 at the exp's input, 2e-14 near -700)
+        hi, lo = _LN2_HI / size, _LN2_LO / size
         consts = [size / math.log(2), hi, lo, 1 / 2, 1 / 6, 1 / 24, 1 / 120, 1.5 * 2.0**52]
         table = (np.array([2.0 ** (j / size) for j in range(size)], np.float64).view(np.int64)
-                 - (np.arange(size, dtype=np.int64) << (52 - EXP_TABLE_BITS)))
+                 - (np.arange(size, dtype=np.int64) << (52 - table_bits)))
         _EXP_CONSTANTS[key] = (torch.tensor(consts, dtype=torch.float64, device=device),
                                torch.from_numpy(table.copy()).to(device))
     return _EXP_CONSTANTS[key]
@@ -455,6 +457,8 @@ def check_triton_settings() -> None:
         raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected one of {', '.join(map(repr, LIST_LENGTHS))}")
     if not isinstance(TRITON_PREFETCH, int) or TRITON_PREFETCH not in (0, 1, 2):
         raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected 0, 1 or 2 (blocks loaded ahead)")
+    if EXP_TABLE_BITS not in (6, 8):
+        raise ValueError(f"metrics.EXP_TABLE_BITS={EXP_TABLE_BITS!r}: expected 6 or 8 (a table of 64 or 256 entries)")
 
 
 # TRITON_TOPK -> lane lists of the fused kernel (1: best + runner-up's value; None: topk_match outside the kernel)
@@ -481,7 +485,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
         kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
                               y.stride(0), V=x.shape[1], BLOCK=TRITON_BLOCK, LISTS=lists, MATCH=in_pass,
                               FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=int(TRITON_PREFETCH),
-                              CONVERT=convert_, num_warps=TRITON_WARPS,
+                              CONVERT=convert_, EXP_BITS=EXP_TABLE_BITS, num_warps=TRITON_WARPS,
                               **({"maxnreg": TRITON_MAXNREG} if TRITON_MAXNREG else {}))
 
     # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel, bit 2 the

@@ -17,24 +17,30 @@ import triton.language as tl
 
 
 @triton.jit
-def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC: tl.constexpr):
-    # as the CPU kernel's _exp_nonpositive, with a 64-entry table: x = (64 k + j) ln2/64 + r, for x >= -700.001 (the
-    # caller clamps) and x < 700 (the fixed-shift kernel's terms above its shift). MAGIC rounds x / step by adding
-    # 1.5 * 2^52 (the integer then sits in the low mantissa bits): no float->int conversion and no floor, which run on
-    # the GPU's slow units
+def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC: tl.constexpr,
+                    EXP_BITS: tl.constexpr = 6):
+    # as the CPU kernel's _exp_nonpositive, with a table of 2^EXP_BITS entries (64 or 256): x = (64 k + j) ln2/64 + r
+    # (256: (256 k + j) ln2/256 + r), for x >= -700.001 (the caller clamps) and x < 700 (the fixed-shift kernel's terms
+    # above its shift). MAGIC rounds x / step by adding 1.5 * 2^52 (the integer then sits in the low mantissa bits): no
+    # float->int conversion and no floor, which run on the GPU's slow units
+    tl.static_assert((EXP_BITS == 6) or (EXP_BITS == 8))
     if MAGIC:
         shifted = x * inv_step + magic
         n = shifted - magic
-        # the magic number's low 32 bits are zero, so the low word of the sum's bits is n (|n| < 2^16) as an int32
+        # the magic number's low 32 bits are zero, so the low word of the sum's bits is n (|n| < 2^18) as an int32
         ni = shifted.to(tl.int64, bitcast=True).to(tl.int32)
     else:
         n = tl.floor(x * inv_step + 0.5)
-        ni = n.to(tl.int32)      # |n| <= 700 * 64 / ln2 < 2^16: int32 index arithmetic, one int64 add
+        ni = n.to(tl.int32)      # |n| <= 700 * 256 / ln2 < 2^18: int32 index arithmetic, one int64 add
     r = (x - n * step_hi) - n * step_lo
-    p = 1.0 + r * (1.0 + r * (c2 + r * (c3 + r * (c4 + r * c5))))
+    if EXP_BITS == 6:
+        p = 1.0 + r * (1.0 + r * (c2 + r * (c3 + r * (c4 + r * c5))))     # |r| <= ln2/128: to r^5, 4e-17
+    else:
+        p = 1.0 + r * (1.0 + r * (c2 + r * (c3 + r * c4)))                # |r| <= ln2/512: to r^4, 4e-17
     # 2^(j/64) with k added to its exponent: the table holds bits(2^(j/64)) - j * 2^46 (metrics._exp_constants), so
-    # adding n * 2^46 = k * 2^52 + j * 2^46 needs no k = n >> 6 (exact integer arithmetic either way)
-    scale = tl.load(table_ptr + (ni & 63)) + (ni.to(tl.int64) << 46)
+    # adding n * 2^46 = k * 2^52 + j * 2^46 needs no k = n >> 6 (exact integer arithmetic either way; 256 entries:
+    # 2^44)
+    scale = tl.load(table_ptr + (ni & ((1 << EXP_BITS) - 1))) + (ni.to(tl.int64) << (52 - EXP_BITS))
     return p * scale.to(tl.float64, bitcast=True)
 
 
@@ -66,7 +72,8 @@ def to_f64(x, CONVERT: tl.constexpr):
 
 @triton.jit
 def add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
-                   magic, MAGIC: tl.constexpr, MASKED: tl.constexpr, CONVERT: tl.constexpr = False):
+                   magic, MAGIC: tl.constexpr, MASKED: tl.constexpr, CONVERT: tl.constexpr = False,
+                   EXP_BITS: tl.constexpr = 6):
     # one block's terms of the four sums, xa and xb the float32 logits of both sides, x and y their float64 values
     # shifted by s_a and s_b: Z = sum exp, K = sum exp * (x - y), d = x - y unclamped as in the CPU kernel. A full
     # block (MASKED off) has no lanes past the vocabulary: no selects. CONVERT: x and y from the logits' bits
@@ -80,9 +87,9 @@ def add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_st
     live_a = xa > (s_a - 700.0).to(tl.float32)
     live_b = xb > (s_b - 700.0).to(tl.float32)
     e_a = exp_nonpositive(tl.where(live_a, x, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                          MAGIC)
+                          MAGIC, EXP_BITS)
     e_b = exp_nonpositive(tl.where(live_b, y, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                          MAGIC)
+                          MAGIC, EXP_BITS)
     d = x - y
     if MASKED:
         e_a = tl.where(mask, e_a, 0.0)
@@ -261,7 +268,8 @@ def top2_match(a0, a1, ai0, ai1, b0, b1, bi0, bi1, V, MATCH: tl.constexpr):
 @triton.jit
 def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, const_ptr, table_ptr, stride_a, stride_b,
                 V: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, MATCH: tl.constexpr,
-                FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, PREFETCH: tl.constexpr, CONVERT: tl.constexpr = False):
+                FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, PREFETCH: tl.constexpr, CONVERT: tl.constexpr = False,
+                EXP_BITS: tl.constexpr = 6):
     """One position per program. Each lane keeps its LISTS (2 or 5) best logits per side with their indices (LISTS 1:
     its best with its index and its runner-up's value alone), from which the row's best, runner-up and (MATCH) top-5
     prefix come at the end. retry_ptr bit 0: the row lies too far above its fixed shift (measure it again with the
@@ -312,10 +320,12 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     FULL: tl.constexpr = V // BLOCK * BLOCK
     for lo in range(0, FULL, BLOCK):
         ahead, lists, sums, check = block_step(a_row, b_row, lo + lanes, ahead, lists, sums, check, table_ptr, consts,
-                                               V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, False, CONVERT)
+                                               V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, False, CONVERT,
+                                               EXP_BITS)
     if FULL < V:
         ahead, lists, sums, check = block_step(a_row, b_row, FULL + lanes, ahead, lists, sums, check, table_ptr,
-                                               consts, V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, True, CONVERT)
+                                               consts, V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, True, CONVERT,
+                                               EXP_BITS)
     s_a, s_b, z_a, z_b, k_a, k_b = sums
     sum_za, sum_zb, sum_ka, sum_kb = tl.sum(z_a, 0), tl.sum(z_b, 0), tl.sum(k_a, 0), tl.sum(k_b, 0)
     if LISTS == 1:
@@ -362,7 +372,7 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
 @triton.jit
 def block_step(a_row, b_row, offs, ahead, lists, sums, check, table_ptr, consts, V, BLOCK: tl.constexpr,
                PREFETCH: tl.constexpr, LISTS: tl.constexpr, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr,
-               MASKED: tl.constexpr, CONVERT: tl.constexpr):
+               MASKED: tl.constexpr, CONVERT: tl.constexpr, EXP_BITS: tl.constexpr = 6):
     # one block of both rows: its logits (and the loads ahead: next_a, next_b, far_a, far_b), each lane's lists of
     # its best LISTS per side (values then indices, side a first), the sums (s_a, s_b, z_a, z_b, k_a, k_b), the
     # CONVERT check
@@ -386,7 +396,7 @@ def block_step(a_row, b_row, offs, ahead, lists, sums, check, table_ptr, consts,
         b = top2_insert(xb, offs, lists[4], lists[5], lists[6], lists[7])
     sums = shift_and_sum(xa, xb, offs < V, sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], table_ptr,
                          consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6], consts[7],
-                         FIXED_SHIFT, MAGIC, MASKED, CONVERT)
+                         FIXED_SHIFT, MAGIC, MASKED, CONVERT, EXP_BITS)
     return (next_a, next_b, far_a, far_b), a + b, sums, check
 
 
@@ -422,7 +432,7 @@ def load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V, BLOCK: tl.co
 @triton.jit
 def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
                   magic, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, MASKED: tl.constexpr,
-                  CONVERT: tl.constexpr = False):
+                  CONVERT: tl.constexpr = False, EXP_BITS: tl.constexpr = 6):
     # the running shift's update for a block that raises a maximum (the fixed shift has none), then the block's terms
     if not FIXED_SHIFT:
         m_a, m_b = tl.max(xa, 0).to(tl.float64), tl.max(xb, 0).to(tl.float64)
@@ -437,5 +447,5 @@ def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_ste
             z_b = z_b * scale_b
             s_a, s_b = new_a, new_b
     z_a, z_b, k_a, k_b = add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
-                                        step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED, CONVERT)
+                                        step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED, CONVERT, EXP_BITS)
     return s_a, s_b, z_a, z_b, k_a, k_b
