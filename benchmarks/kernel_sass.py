@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         constexprs = dict(V=args.vocab, BLOCK=block, LISTS=lists, MATCH=match, FIXED_SHIFT=fixed, MAGIC=True,
                           PREFETCH=prefetch)
         # switches a later source added, at the values that compile what an older one did
-        constexprs.update({k: v for k, v in (("CONVERT", False), ("EXP_BITS", 6)) if k in kernel.arg_names})
+        constexprs.update({k: v for k, v in (("CONVERT", False), ("EXP_BITS", 6), ("LEAN", False), ("UNROLL", 1))
+                           if k in kernel.arg_names})
         print(f"| {block} | {lists} | {match} | {fixed} | {prefetch} | "
               f"{fingerprint(kernel, constexprs, args.arch, args.warps, attrs=attrs)} |", flush=True)
     return 0

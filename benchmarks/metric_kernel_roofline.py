@@ -99,8 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sweep", default=None,
                     help="instead of --configs' table: kernel variants BLOCKxWARPS[rREGS]:top2|top1v|top5:pf0|pf1|pf2:"
-                         "f2f|bits[:e6|e8], comma-separated (the first is the baseline; variants of its exp table "
-                         "must equal it bit for bit, e8 (256 entries, Taylor to r^4) to float64 rounding)")
+                         "f2f|bits[:e6|e8][:lean][:u1|u2], comma-separated (the first is the baseline; variants of its "
+                         "exp table must equal it bit for bit, e8 (256 entries, Taylor to r^4) to float64 rounding; "
+                         "lean: no clamp (with bits), u2: two blocks per loop iteration)")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device(args.device)
@@ -189,18 +190,22 @@ def main(argv=None) -> int:
 
 
 SWEPT = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_MAXNREG", "TRITON_TOPK", "TRITON_PREFETCH", "TRITON_CONVERT",
-         "EXP_TABLE_BITS")
+         "EXP_TABLE_BITS", "TRITON_LEAN", "TRITON_UNROLL")
 LISTS = {"top2": "fused-top2", "top1v": "fused-top1v", "top5": "fused"}
 
 
 def parse_variant(spec: str) -> dict:
-    shape, lists, ahead, convert, *table = spec.split(":")
+    shape, lists, ahead, convert, *extras = spec.split(":")
     block, rest = shape.split("x")
     warps, _, regs = rest.partition("r")
+    unknown = set(extras) - {"e6", "e8", "lean", "u1", "u2"}
+    if unknown:
+        raise SystemExit(f"--sweep {spec!r}: unknown {sorted(unknown)} (after the conversion: e6|e8, lean, u1|u2)")
     return {"TRITON_BLOCK": int(block), "TRITON_WARPS": int(warps), "TRITON_MAXNREG": int(regs) if regs else None,
             "TRITON_TOPK": LISTS[lists], "TRITON_PREFETCH": int(ahead.removeprefix("pf")),
             "TRITON_CONVERT": {"f2f": False, "bits": True}[convert],
-            "EXP_TABLE_BITS": {"e6": 6, "e8": 8}[table[0] if table else "e6"]}
+            "EXP_TABLE_BITS": 8 if "e8" in extras else 6, "TRITON_LEAN": "lean" in extras,
+            "TRITON_UNROLL": 2 if "u2" in extras else 1}
 
 
 def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
@@ -253,7 +258,7 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
         return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
     print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
           f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
-    print("| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion[:exp table e6|e8]) | metric step with top-5 | max KL diff vs torch "
+    print("| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion[:e6|e8][:lean][:u1|u2]) | metric step with top-5 | max KL diff vs torch "
           "| top-1 / topk_match equal torch | bit-identical to the first (max relative difference) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows_out:

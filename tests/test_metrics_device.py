@@ -31,8 +31,10 @@ KL_ATOL, KL_RTOL = 2e-13, 1e-11
 # default lists of 2 under the running shift, "triton-256-ahead1" (the default of 2026-12-04's first change),
 # "triton-256-ahead2-running", "triton-512-ahead1": other lanes and blocks ahead; "triton-top1v" lists of a lane's
 # best and its runner-up's value, "triton-convert" float32 -> float64 by moving bits, and both at 256 lanes; "triton-e8"
-# the exp's 256-entry table (Taylor to r^4), alone and with the other two (metrics.TRITON_SHIFT / TRITON_MAGIC /
-# TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH / TRITON_CONVERT / EXP_TABLE_BITS)
+# the exp's 256-entry table (Taylor to r^4), alone and with the other two; "triton-unroll2" two blocks per loop
+# iteration, "triton-lean-*" no clamp before the exp (with the conversion), alone at 256 lanes and with all the above
+# (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH / TRITON_CONVERT /
+# EXP_TABLE_BITS / TRITON_LEAN / TRITON_UNROLL)
 TRITON_VARIANTS = {"triton": {},
                    "triton-top5": {"TRITON_TOPK": "fused"},
                    "triton-top2-running": {"TRITON_TOPK": "fused-top2", "TRITON_SHIFT": "running"},
@@ -50,7 +52,11 @@ TRITON_VARIANTS = {"triton": {},
                                                 "TRITON_BLOCK": 256},
                    "triton-e8": {"EXP_TABLE_BITS": 8},
                    "triton-top1v-convert-e8": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
-                                               "EXP_TABLE_BITS": 8}}
+                                               "EXP_TABLE_BITS": 8},
+                   "triton-unroll2": {"TRITON_UNROLL": 2},
+                   "triton-lean-top1v-e8-unroll2": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
+                                                    "EXP_TABLE_BITS": 8, "TRITON_LEAN": True, "TRITON_UNROLL": 2},
+                   "triton-lean-256": {"TRITON_CONVERT": True, "TRITON_LEAN": True, "TRITON_BLOCK": 256}}
 BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
                         for name in TRITON_VARIANTS]
 
@@ -155,6 +161,27 @@ def test_rows_far_above_their_first_block_match_the_cpu_kernel(rng_seed, backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_of_huge_logits_match_the_cpu_kernel(rng_seed, backend):
+    """Logits of 1e8 to 1e30 (a broken pack's, or a reference's in a test), where s - 700 rounds to s in float32: the
+    kernel's float32 clamp would take the row's own maximum for a term below -700 (it did, and gave KL 1e22 where
+    the CPU kernel gives 1e-279); rows with a shift of 2^24 or more are measured by the running shift's float64
+    clamp. Rows of ordinary logits next to them."""
+    v = 2 * TRITON_BLOCK + 11
+    a = torch.randn(6, v) * 3
+    b = a + 0.2 * torch.randn(6, v)
+    for row, scale in ((1, 1e8), (2, 1e12), (3, 1e30)):
+        a[row] *= scale
+        b[row] = a[row] + 1e-3 * scale * torch.randn(v)
+    a[4] += 3e7                                     # an offset, not a spread: the terms stay within 700 of the shift
+    b[4] += 3e7
+    t = torch.randint(0, v, (6,))
+    pm = device_pm(a, b, t, backend)
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert bool(cpu.finite.all()) and float(cpu.kld[3]) < 1e-200
+    assert_matches_cpu_kernel(pm, cpu)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_positions_are_flagged_like_the_cpu_kernel(rng_seed, backend):
     v = TRITON_BLOCK + 300
     a = torch.randn(7, v)
@@ -208,7 +235,7 @@ def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypat
 
 
 @pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse"), ("TRITON_PREFETCH", "yes"),
-                                           ("TRITON_PREFETCH", 3), ("EXP_TABLE_BITS", 7)])
+                                           ("TRITON_PREFETCH", 3), ("EXP_TABLE_BITS", 7), ("TRITON_UNROLL", 4)])
 def test_a_misspelt_kernel_switch_is_an_error_not_a_fallback(switch, value, monkeypatch):
     from fidelity.measuring import metrics
     ran = []
@@ -518,13 +545,17 @@ def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
-def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, device, monkeypatch):
+@pytest.mark.parametrize("lean", [False, True])
+def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, device, lean, monkeypatch):
     """TRITON_CONVERT: zeros and subnormals come out of the bit conversion as +-2^-127-ish, which cannot move x - s
     while |s| >= 2^-60, so rows of zeros (a padded vocabulary) and subnormals stay in the fast pass; a row whose shift
-    lies nearer zero, or with an inf or NaN, is measured again without the conversion. Every row equals the CPU
-    kernel. (The conversion runs under the fixed shift only: the running one is the fallback.)"""
+    lies nearer zero, or with an inf or NaN, is measured again without the conversion, as is a row whose shift is 2^24
+    or more (row 8: the fixed shift's float32 clamp cannot hold it). TRITON_LEAN (no clamp before the exp) also sends
+    the rows with a logit more than 700 below its shift (row 3). Every row equals the CPU kernel. (The conversion runs under the fixed shift only: the running one is the
+    fallback.)"""
     from fidelity.measuring import metrics
     monkeypatch.setattr(metrics, "TRITON_CONVERT", True)
+    monkeypatch.setattr(metrics, "TRITON_LEAN", lean)
     monkeypatch.setattr(metrics, "TRITON_SHIFT", "fixed")
     real = metrics._triton_kernel()
     launches = []
@@ -532,15 +563,15 @@ def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, devic
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((grid[0], kwargs["CONVERT"]))
+                launches.append((grid[0], kwargs["CONVERT"], kwargs["LEAN"]))
                 return real[grid](*args, **kwargs)
             return launch
     monkeypatch.setattr(metrics, "_TRITON", [Spy()])
     g = torch.Generator().manual_seed(rng_seed)
     B = TRITON_BLOCK
     v = 2 * B + 300
-    a = torch.randn(8, v, generator=g) * 3
-    b = a + 0.2 * torch.randn(8, v, generator=g)
+    a = torch.randn(9, v, generator=g) * 3
+    b = a + 0.2 * torch.randn(9, v, generator=g)
     a[0, -200:], b[0, -200:] = 0.0, 0.0                 # a padded vocabulary's zero logits, on both sides
     b[1, 50:60] = -0.0
     a[2, 7:20] = torch.tensor(1e-40).expand(13)         # subnormals
@@ -552,11 +583,14 @@ def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, devic
     b[5, 11] = -1e-30
     a[6, 99] = float("nan")
     b[7, B + 1] = float("inf")
-    t = torch.randint(0, v, (8,), generator=g)
+    a[8] *= 1e30
+    b[8] = a[8] + 1e24 * torch.randn(v, generator=g)
+    t = torch.randint(0, v, (9,), generator=g)
     out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend="triton")
     pm = finish_columns(out.cpu(), top.cpu(), True)
     cpu = position_metrics(a, b, t, reverse=True)
     assert (~cpu.finite).nonzero()[:, 0].tolist() == [6, 7]
     assert_matches_cpu_kernel(pm, cpu)
-    again = [rows for rows, convert in launches if not convert]
-    assert launches[0] == (8, True) and again == [4], launches      # rows 4 to 7, once, without the conversion
+    again = [rows for rows, convert, _ in launches if not convert]
+    assert launches[0] == (9, True, lean), launches
+    assert again == ([6] if lean else [5]), launches        # rows 4 to 8 (lean: 3 to 8), once, without the conversion

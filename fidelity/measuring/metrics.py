@@ -289,6 +289,9 @@ TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instea
 TRITON_PREFETCH = 2             # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
 TRITON_CONVERT = False          # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
                                 # shift; rows it may not cover measured again without it
+TRITON_LEAN = False             # with TRITON_CONVERT: no clamp before the exp (rows with a logit 700 below their shift,
+                                # an inf or NaN measured again without it) and the exp's scale added on its high word
+TRITON_UNROLL = 1               # blocks per loop iteration (2: no register moves for the blocks loaded ahead)
 TRITON_MAXNREG = None           # registers per thread the compiler may use (None: its choice; fewer: more programs per SM)
 EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17;
                                  # 8: 256 entries, |r| <= ln2/512, Taylor to r^4 (4e-17, one float64 FMA less per exp)
@@ -457,6 +460,8 @@ def check_triton_settings() -> None:
         raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected one of {', '.join(map(repr, LIST_LENGTHS))}")
     if not isinstance(TRITON_PREFETCH, int) or TRITON_PREFETCH not in (0, 1, 2):
         raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected 0, 1 or 2 (blocks loaded ahead)")
+    if TRITON_UNROLL not in (1, 2):
+        raise ValueError(f"metrics.TRITON_UNROLL={TRITON_UNROLL!r}: expected 1 or 2 (blocks per loop iteration)")
     if EXP_TABLE_BITS not in (6, 8):
         raise ValueError(f"metrics.EXP_TABLE_BITS={EXP_TABLE_BITS!r}: expected 6 or 8 (a table of 64 or 256 entries)")
 
@@ -485,7 +490,8 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
         kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
                               y.stride(0), V=x.shape[1], BLOCK=TRITON_BLOCK, LISTS=lists, MATCH=in_pass,
                               FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=int(TRITON_PREFETCH),
-                              CONVERT=convert_, EXP_BITS=EXP_TABLE_BITS, num_warps=TRITON_WARPS,
+                              CONVERT=convert_, EXP_BITS=EXP_TABLE_BITS, LEAN=convert_ and bool(TRITON_LEAN),
+                              UNROLL=TRITON_UNROLL, num_warps=TRITON_WARPS,
                               **({"maxnreg": TRITON_MAXNREG} if TRITON_MAXNREG else {}))
 
     # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel, bit 2 the

@@ -18,7 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC: tl.constexpr,
-                    EXP_BITS: tl.constexpr = 6):
+                    EXP_BITS: tl.constexpr = 6, HI_WORD: tl.constexpr = False):
     # as the CPU kernel's _exp_nonpositive, with a table of 2^EXP_BITS entries (64 or 256): x = (64 k + j) ln2/64 + r
     # (256: (256 k + j) ln2/256 + r), for x >= -700.001 (the caller clamps) and x < 700 (the fixed-shift kernel's terms
     # above its shift). MAGIC rounds x / step by adding 1.5 * 2^52 (the integer then sits in the low mantissa bits): no
@@ -40,7 +40,14 @@ def exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, ma
     # 2^(j/64) with k added to its exponent: the table holds bits(2^(j/64)) - j * 2^46 (metrics._exp_constants), so
     # adding n * 2^46 = k * 2^52 + j * 2^46 needs no k = n >> 6 (exact integer arithmetic either way; 256 entries:
     # 2^44)
-    scale = tl.load(table_ptr + (ni & ((1 << EXP_BITS) - 1))) + (ni.to(tl.int64) << (52 - EXP_BITS))
+    entry = tl.load(table_ptr + (ni & ((1 << EXP_BITS) - 1)))
+    if HI_WORD:
+        # the same sum on the high word alone (n * 2^(52 - EXP_BITS) has a zero low word): one integer add, where
+        # the 64-bit add is two on sm_90
+        high = (entry >> 32).to(tl.int32) + (ni << (20 - EXP_BITS))
+        scale = (high.to(tl.int64) << 32) | (entry & 0xFFFFFFFF)
+    else:
+        scale = entry + (ni.to(tl.int64) << (52 - EXP_BITS))
     return p * scale.to(tl.float64, bitcast=True)
 
 
@@ -73,7 +80,7 @@ def to_f64(x, CONVERT: tl.constexpr):
 @triton.jit
 def add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
                    magic, MAGIC: tl.constexpr, MASKED: tl.constexpr, CONVERT: tl.constexpr = False,
-                   EXP_BITS: tl.constexpr = 6):
+                   EXP_BITS: tl.constexpr = 6, LEAN: tl.constexpr = False, EXACT_CLAMP: tl.constexpr = False):
     # one block's terms of the four sums, xa and xb the float32 logits of both sides, x and y their float64 values
     # shifted by s_a and s_b: Z = sum exp, K = sum exp * (x - y), d = x - y unclamped as in the CPU kernel. A full
     # block (MASKED off) has no lanes past the vocabulary: no selects. CONVERT: x and y from the logits' bits
@@ -83,13 +90,23 @@ def add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_st
     # the exp's clamp (x > -700, NaN false) compared on the float32 logits: a float32 compare and two selects, where a
     # float64 maximum or compare-and-select is seven instructions on sm_90 (and ~40 more registers in this kernel). The
     # float32 bound is s - 700 rounded (off by < 4e-5): a term near it is ~1e-304 either way, which the row's sums
-    # (>= 1: the shift's own term is 1 or more) cannot hold
-    live_a = xa > (s_a - 700.0).to(tl.float32)
-    live_b = xb > (s_b - 700.0).to(tl.float32)
-    e_a = exp_nonpositive(tl.where(live_a, x, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                          MAGIC, EXP_BITS)
-    e_b = exp_nonpositive(tl.where(live_b, y, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic,
-                          MAGIC, EXP_BITS)
+    # (>= 1: the shift's own term is 1 or more) cannot hold, while |s| < 2^24 (the fixed-shift kernel sends rows with
+    # a larger shift to the running one, whose EXACT_CLAMP compares x itself: above that s - 700 may round to s, and
+    # the row's own maximum would be clamped). LEAN: no clamp (rows_kernel measures a row again where
+    # a logit lies more than 700 below its shift) and the exp's scale added on its high word
+    if LEAN:
+        e_a = exp_nonpositive(x, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC, EXP_BITS, True)
+        e_b = exp_nonpositive(y, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5, magic, MAGIC, EXP_BITS, True)
+    else:
+        if EXACT_CLAMP:
+            live_a, live_b = x > -700.0, y > -700.0
+        else:
+            live_a = xa > (s_a - 700.0).to(tl.float32)
+            live_b = xb > (s_b - 700.0).to(tl.float32)
+        e_a = exp_nonpositive(tl.where(live_a, x, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
+                              magic, MAGIC, EXP_BITS)
+        e_b = exp_nonpositive(tl.where(live_b, y, -700.0), table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
+                              magic, MAGIC, EXP_BITS)
     d = x - y
     if MASKED:
         e_a = tl.where(mask, e_a, 0.0)
@@ -269,15 +286,17 @@ def top2_match(a0, a1, ai0, ai1, b0, b1, bi0, bi1, V, MATCH: tl.constexpr):
 def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, const_ptr, table_ptr, stride_a, stride_b,
                 V: tl.constexpr, BLOCK: tl.constexpr, LISTS: tl.constexpr, MATCH: tl.constexpr,
                 FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, PREFETCH: tl.constexpr, CONVERT: tl.constexpr = False,
-                EXP_BITS: tl.constexpr = 6):
+                EXP_BITS: tl.constexpr = 6, LEAN: tl.constexpr = False, UNROLL: tl.constexpr = 1):
     """One position per program. Each lane keeps its LISTS (2 or 5) best logits per side with their indices (LISTS 1:
     its best with its index and its runner-up's value alone), from which the row's best, runner-up and (MATCH) top-5
     prefix come at the end. retry_ptr bit 0: the row lies too far above its fixed shift (measure it again with the
     running shift); bit 1 (LISTS 1, 2): its top-5 prefix needs the exact lists of top5_kernel; bit 2 (CONVERT): a
     logit is not finite, or a shift lies within 2^-60 of zero, where f64_bits_of_f32 may differ from the conversion
-    (measure it again without CONVERT)."""
+    (measure it again without CONVERT); LEAN (with CONVERT): also a logit more than 700 below its side's shift, which
+    the unclamped exp cannot take, or a shift of 2^100 or more."""
     # CONVERT's check holds for one shift per row and side (the running shift passes through others)
     tl.static_assert(FIXED_SHIFT or not CONVERT)
+    tl.static_assert(CONVERT or not LEAN)
     row = tl.program_id(0).to(tl.int64)
     a_row, b_row = a_ptr + row * stride_a, b_ptr + row * stride_b
     inv_step, step_hi, step_lo, c2, c3, c4, c5, magic = exp_constants(const_ptr)
@@ -303,8 +322,12 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     else:
         lists = (ninf, ) * LISTS + (none, ) * LISTS + (ninf, ) * LISTS + (none, ) * LISTS
     sums = (s_a, s_b, z_a, z_b, k_a, k_b)
-    # CONVERT: (a - b) * 0 summed per lane is NaN where either side holds an inf or NaN (or a - b overflows)
-    check = tl.zeros([BLOCK], tl.float32)
+    # CONVERT: (a - b) * 0 summed per lane is NaN where either side holds an inf or NaN (or a - b overflows); LEAN:
+    # each side's lane minimum instead (NaN if a NaN passed), against the shift at the end
+    if LEAN:
+        check = (tl.full([BLOCK], float("inf"), tl.float32), tl.full([BLOCK], float("inf"), tl.float32))
+    else:
+        check = (tl.zeros([BLOCK], tl.float32), )
     consts = (inv_step, step_hi, step_lo, c2, c3, c4, c5, magic)
     # PREFETCH (1 or 2): the next block's (and the one after's) loads are issued before this block's arithmetic, so
     # memory and float64 math overlap (same values, same order of operations: the results do not change)
@@ -318,14 +341,14 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     ahead = (next_a, next_b, far_a, far_b)
     # the full blocks (no lane past the vocabulary: no masked selects), then the partial one, if any
     FULL: tl.constexpr = V // BLOCK * BLOCK
-    for lo in range(0, FULL, BLOCK):
+    for lo in tl.range(0, FULL, BLOCK, loop_unroll_factor=UNROLL):
         ahead, lists, sums, check = block_step(a_row, b_row, lo + lanes, ahead, lists, sums, check, table_ptr, consts,
                                                V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, False, CONVERT,
-                                               EXP_BITS)
+                                               EXP_BITS, LEAN)
     if FULL < V:
         ahead, lists, sums, check = block_step(a_row, b_row, FULL + lanes, ahead, lists, sums, check, table_ptr,
                                                consts, V, BLOCK, PREFETCH, LISTS, FIXED_SHIFT, MAGIC, True, CONVERT,
-                                               EXP_BITS)
+                                               EXP_BITS, LEAN)
     s_a, s_b, z_a, z_b, k_a, k_b = sums
     sum_za, sum_zb, sum_ka, sum_kb = tl.sum(z_a, 0), tl.sum(z_b, 0), tl.sum(k_a, 0), tl.sum(k_b, 0)
     if LISTS == 1:
@@ -343,13 +366,23 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     if FIXED_SHIFT:
         best_b = tl.max(b0, 0)
         far = (best_a.to(tl.float64) - s_a > 600.0) | (best_b.to(tl.float64) - s_b > 600.0)
+        # (and a shift of 2^24 or more, or not a number: add_pair_terms' float32 clamp needs |s| < 2^24)
+        far = far | ~((tl.abs(s_a) < 16777216.0) & (tl.abs(s_b) < 16777216.0))
         flags = far.to(tl.int32)
     if MATCH and LISTS != 5:
         flags = flags | (((reliable < 5) & (match >= reliable)).to(tl.int32) << 1)
     if CONVERT:
-        bad = tl.sum(check, 0)
         tiny = (tl.abs(s_a) < 8.673617379884035e-19) | (tl.abs(s_b) < 8.673617379884035e-19)    # 2^-60
-        flags = flags | (((bad != bad) | tiny).to(tl.int32) << 2)
+        if LEAN:
+            low_a, low_b = check
+            unsure = tl.sum(((low_a != low_a) | (low_b != low_b)).to(tl.int32), 0) > 0
+            # (a NaN shift fails both comparisons: measured again too)
+            deep = ~((tl.min(low_a, 0).to(tl.float64) - s_a >= -700.0) & (tl.min(low_b, 0).to(tl.float64) - s_b >= -700.0))
+            huge = ~((tl.abs(s_a) < 1.2676506002282294e30) & (tl.abs(s_b) < 1.2676506002282294e30))    # 2^100
+            flags = flags | ((unsure | deep | huge | tiny).to(tl.int32) << 2)
+        else:
+            bad = tl.sum(check[0], 0)
+            flags = flags | (((bad != bad) | tiny).to(tl.int32) << 2)
     if FIXED_SHIFT or (MATCH and LISTS != 5):          # (CONVERT implies FIXED_SHIFT)
         tl.store(retry_ptr + row, flags.to(tl.int8))
     c = tl.log(sum_za / sum_zb)
@@ -372,17 +405,25 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
 @triton.jit
 def block_step(a_row, b_row, offs, ahead, lists, sums, check, table_ptr, consts, V, BLOCK: tl.constexpr,
                PREFETCH: tl.constexpr, LISTS: tl.constexpr, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr,
-               MASKED: tl.constexpr, CONVERT: tl.constexpr, EXP_BITS: tl.constexpr = 6):
+               MASKED: tl.constexpr, CONVERT: tl.constexpr, EXP_BITS: tl.constexpr = 6, LEAN: tl.constexpr = False):
     # one block of both rows: its logits (and the loads ahead: next_a, next_b, far_a, far_b), each lane's lists of
     # its best LISTS per side (values then indices, side a first), the sums (s_a, s_b, z_a, z_b, k_a, k_b), the
     # CONVERT check
     xa, xb, next_a, next_b, far_a, far_b = load_block(a_row, b_row, offs, ahead[0], ahead[1], ahead[2], ahead[3], V,
                                                       BLOCK, PREFETCH, MASKED)
-    if CONVERT:
+    if LEAN:
+        low_a, low_b = check
         if MASKED:
-            check += tl.where(offs < V, xa - xb, 0.0) * 0.0
+            xa_, xb_ = tl.where(offs < V, xa, float("inf")), tl.where(offs < V, xb, float("inf"))
         else:
-            check += (xa - xb) * 0.0
+            xa_, xb_ = xa, xb
+        check = (tl.minimum(low_a, xa_, propagate_nan=tl.PropagateNan.ALL),
+                 tl.minimum(low_b, xb_, propagate_nan=tl.PropagateNan.ALL))
+    elif CONVERT:
+        if MASKED:
+            check = (check[0] + tl.where(offs < V, xa - xb, 0.0) * 0.0, )
+        else:
+            check = (check[0] + (xa - xb) * 0.0, )
     if LISTS == 1:
         a = top1v_insert(xa, offs, lists[0], lists[1], lists[2])
         b = top1v_insert(xb, offs, lists[3], lists[4], lists[5])
@@ -396,7 +437,7 @@ def block_step(a_row, b_row, offs, ahead, lists, sums, check, table_ptr, consts,
         b = top2_insert(xb, offs, lists[4], lists[5], lists[6], lists[7])
     sums = shift_and_sum(xa, xb, offs < V, sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], table_ptr,
                          consts[0], consts[1], consts[2], consts[3], consts[4], consts[5], consts[6], consts[7],
-                         FIXED_SHIFT, MAGIC, MASKED, CONVERT, EXP_BITS)
+                         FIXED_SHIFT, MAGIC, MASKED, CONVERT, EXP_BITS, LEAN)
     return (next_a, next_b, far_a, far_b), a + b, sums, check
 
 
@@ -432,7 +473,7 @@ def load_block(a_row, b_row, offs, next_a, next_b, far_a, far_b, V, BLOCK: tl.co
 @triton.jit
 def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi, step_lo, c2, c3, c4, c5,
                   magic, FIXED_SHIFT: tl.constexpr, MAGIC: tl.constexpr, MASKED: tl.constexpr,
-                  CONVERT: tl.constexpr = False, EXP_BITS: tl.constexpr = 6):
+                  CONVERT: tl.constexpr = False, EXP_BITS: tl.constexpr = 6, LEAN: tl.constexpr = False):
     # the running shift's update for a block that raises a maximum (the fixed shift has none), then the block's terms
     if not FIXED_SHIFT:
         m_a, m_b = tl.max(xa, 0).to(tl.float64), tl.max(xb, 0).to(tl.float64)
@@ -447,5 +488,6 @@ def shift_and_sum(xa, xb, mask, s_a, s_b, z_a, z_b, k_a, k_b, table_ptr, inv_ste
             z_b = z_b * scale_b
             s_a, s_b = new_a, new_b
     z_a, z_b, k_a, k_b = add_pair_terms(xa, xb, s_a, s_b, mask, z_a, z_b, k_a, k_b, table_ptr, inv_step, step_hi,
-                                        step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED, CONVERT, EXP_BITS)
+                                        step_lo, c2, c3, c4, c5, magic, MAGIC, MASKED, CONVERT, EXP_BITS, LEAN,
+                                        not FIXED_SHIFT)
     return s_a, s_b, z_a, z_b, k_a, k_b
