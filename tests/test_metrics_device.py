@@ -353,7 +353,7 @@ def test_cuda_device_row_metrics_and_store_rederivation(rng_seed, tmp_path):
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
-@pytest.mark.parametrize("mode", ["fused", "fused-top2", "fused-top1v", "separate"])
+@pytest.mark.parametrize("mode", ["fused", "fused-top2", "fused-top1v", "separate", "torch"])
 def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, device, monkeypatch):
     """topk_match from the Triton pass (fused into the metric kernel, or its own pass) equals the CPU kernel's, on
     rows built to break a top-5 list: a tie straddling the 5th place, equal values in one lane (index j and

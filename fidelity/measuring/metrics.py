@@ -348,20 +348,30 @@ def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, 
 
 
 def top_lists_torch(x: torch.Tensor) -> torch.Tensor:
-    """[N, TOPK] token ids of each row's TOPK largest logits, by value then index (torch.topk, re-sorted stably: the
-    CPU kernel's first-index order, except for a tie that straddles the TOPK-th place, which topk may resolve to a
-    later index)."""
-    vals, ids = x.topk(min(TOPK, x.shape[1]), dim=1)
-    order = ids.argsort(dim=1, stable=True)
-    vals, ids = vals.gather(1, order), ids.gather(1, order)
-    return ids.gather(1, vals.argsort(dim=1, descending=True, stable=True))
+    """[N, TOPK] token ids of each row's TOPK largest logits, by value then first index (the CPU kernel's order, ties
+    straddling the TOPK-th place included): one torch.topk over int64 keys, the float32 value's order-preserving bits
+    above the complement of the index (-0.0 taken as +0.0: the CPU kernel compares values). As in the CPU kernel's
+    lists, a -inf or NaN logit is no entry: -1 (a row with fewer than TOPK others)."""
+    x = x.float()
+    x = torch.where(torch.isnan(x), float("-inf"), x) + 0.0     # + 0.0: -0.0 becomes +0.0
+    bits = x.view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)               # negative floats: the magnitude bits flipped
+    index = torch.arange(x.shape[1], dtype=torch.int64, device=x.device)
+    keys = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - index)
+    top = keys.topk(min(TOPK, x.shape[1]), dim=1).values
+    ids = 0xFFFFFFFF - (top & 0xFFFFFFFF)
+    return torch.where(x.gather(1, ids) == float("-inf"), -1, ids)
 
 
-def topk_match_torch(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 12) -> torch.Tensor:
-    """PositionMetrics.topk_match on the logits' device: the common prefix length of both top-TOPK lists."""
+def topk_match_torch(a: torch.Tensor, b: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """PositionMetrics.topk_match on the logits' device: the common prefix length of both top-TOPK lists (entries
+    only: two lists that both end early agree no further). Rows at a time: top_lists_torch's keys are 8 bytes per
+    logit, 2^25 logits per step."""
+    rows = rows or max(1, (1 << 25) // max(1, a.shape[1]))
     out = torch.empty(a.shape[0], dtype=torch.int64, device=a.device)
     for s in range(0, a.shape[0], rows):
-        same = top_lists_torch(a[s:s + rows]) == top_lists_torch(b[s:s + rows])
+        ids = top_lists_torch(a[s:s + rows])
+        same = (ids == top_lists_torch(b[s:s + rows])) & (ids >= 0)
         out[s:s + rows] = same.long().cumprod(1).sum(1)
     return out
 

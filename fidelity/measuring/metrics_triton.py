@@ -289,11 +289,11 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
                 EXP_BITS: tl.constexpr = 6, LEAN: tl.constexpr = False, UNROLL: tl.constexpr = 1):
     """One position per program. Each lane keeps its LISTS (2 or 5) best logits per side with their indices (LISTS 1:
     its best with its index and its runner-up's value alone), from which the row's best, runner-up and (MATCH) top-5
-    prefix come at the end. retry_ptr bit 0: the row lies too far above its fixed shift (measure it again with the
-    running shift); bit 1 (LISTS 1, 2): its top-5 prefix needs the exact lists of top5_kernel; bit 2 (CONVERT): a
+    prefix come at the end. retry_ptr bit 0: the row lies too far above its fixed shift, or the shift is 2^24 or more
+    (measure it again with the running shift); bit 1 (LISTS 1, 2): its top-5 prefix needs the exact lists of top5_kernel; bit 2 (CONVERT): a
     logit is not finite, or a shift lies within 2^-60 of zero, where f64_bits_of_f32 may differ from the conversion
     (measure it again without CONVERT); LEAN (with CONVERT): also a logit more than 700 below its side's shift, which
-    the unclamped exp cannot take, or a shift of 2^100 or more."""
+    the unclamped exp cannot take."""
     # CONVERT's check holds for one shift per row and side (the running shift passes through others)
     tl.static_assert(FIXED_SHIFT or not CONVERT)
     tl.static_assert(CONVERT or not LEAN)
@@ -378,8 +378,7 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
             unsure = tl.sum(((low_a != low_a) | (low_b != low_b)).to(tl.int32), 0) > 0
             # (a NaN shift fails both comparisons: measured again too)
             deep = ~((tl.min(low_a, 0).to(tl.float64) - s_a >= -700.0) & (tl.min(low_b, 0).to(tl.float64) - s_b >= -700.0))
-            huge = ~((tl.abs(s_a) < 1.2676506002282294e30) & (tl.abs(s_b) < 1.2676506002282294e30))    # 2^100
-            flags = flags | ((unsure | deep | huge | tiny).to(tl.int32) << 2)
+            flags = flags | ((unsure | deep | tiny).to(tl.int32) << 2)
         else:
             bad = tl.sum(check[0], 0)
             flags = flags | (((bad != bad) | tiny).to(tl.int32) << 2)
