@@ -114,9 +114,14 @@ def main(argv=None) -> int:
             continue
         constexprs = dict(V=args.vocab, BLOCK=block, LISTS=lists, MATCH=match, FIXED_SHIFT=fixed, MAGIC=True,
                           PREFETCH=prefetch)
-        # switches a later source added, at the values that compile what an older one did
-        constexprs.update({k: v for k, v in (("CONVERT", False), ("EXP_BITS", 6), ("LEAN", False), ("UNROLL", 1))
-                           if k in kernel.arg_names})
+        # switches a later source added, where the source has them, as metrics.triton_rows launches them (the bit
+        # conversion and the clampless exp only under the fixed shift)
+        sys.path.insert(0, str(ROOT))
+        from fidelity.measuring import metrics
+        convert = bool(metrics.TRITON_CONVERT) and fixed
+        launched = (("CONVERT", convert), ("EXP_BITS", metrics.EXP_TABLE_BITS),
+                    ("LEAN", convert and bool(metrics.TRITON_LEAN)), ("UNROLL", metrics.TRITON_UNROLL))
+        constexprs.update({k: v for k, v in launched if k in kernel.arg_names})
         print(f"| {block} | {lists} | {match} | {fixed} | {prefetch} | "
               f"{fingerprint(kernel, constexprs, args.arch, args.warps, attrs=attrs)} |", flush=True)
     return 0

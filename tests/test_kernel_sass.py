@@ -33,7 +33,7 @@ def _fingerprint(source: Path) -> str:
 def test_default_metric_kernel_compiles_for_sm90_without_spills(tmp_path):
     from fidelity.measuring import metrics
     assert (metrics.TRITON_BLOCK, metrics.TRITON_TOPK, metrics.TRITON_SHIFT, metrics.TRITON_PREFETCH) == \
-        (512, "fused-top2", "fixed", 2)                 # the variant the script calls default
+        (512, "fused-top2", "fixed", 2)                 # the variant the script calls default (with metrics' switches)
     source = ROOT / "fidelity" / "measuring" / "metrics_triton.py"
     got = _fingerprint(source)
     assert " LOCAL:0 " in got, got

@@ -269,10 +269,11 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
 
 # -- on the logits' device ----------------------------------------------------------------------------------------
 DEVICE_ROWS_ELEMENTS = 1 << 24   # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
-# Defaults from benchmarks/metric_kernel_roofline.py on an H200 (8,192 x 129,280, 2026-12-04): the metric step with
+# Defaults from benchmarks/metric_kernel_roofline.py (8,192 x 129,280): on an H200 (2026-12-04) the metric step with
 # top-5 in 5.2 ms (38 % of copy bandwidth) at 512 lanes, lists of 2 per lane, two blocks loaded ahead, against 5.3-5.7
-# ms with one block ahead, 5.5-6.1 ms at 256 lanes, and 7.6-7.7 ms for the former kernel (256 lanes, lists of 5, one
-# block ahead) measured in the same call; RESULTS.md
+# ms with one block ahead, 5.5-6.1 ms at 256 lanes; on an H100 (2026-12-05) the bit conversion, the 256-entry exp
+# table, no clamp and two blocks per iteration on top of that: 3.95-4.00 ms (70 % of its copy rate) against 4.60-5.02
+# ms (56-61 %) in the same calls; RESULTS.md
 TRITON_BLOCK = 512               # logits per side per step of one Triton program (lanes: 4 per thread at 4 warps)
 TRITON_WARPS = 4
 # topk_match on the Triton path: "fused-top2" (lists of 2 per lane in the metric kernel's pass; the rows they cannot
@@ -287,13 +288,13 @@ TRITON_TOPK_BLOCK = 1024
 TRITON_SHIFT = "fixed"
 TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
 TRITON_PREFETCH = 2             # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
-TRITON_CONVERT = False          # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
+TRITON_CONVERT = True           # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
                                 # shift; rows it may not cover measured again without it
-TRITON_LEAN = False             # with TRITON_CONVERT: no clamp before the exp (rows with a logit 700 below their shift,
+TRITON_LEAN = True              # with TRITON_CONVERT: no clamp before the exp (rows with a logit 700 below their shift,
                                 # an inf or NaN measured again without it) and the exp's scale added on its high word
-TRITON_UNROLL = 1               # blocks per loop iteration (2: no register moves for the blocks loaded ahead)
+TRITON_UNROLL = 2               # blocks per loop iteration (2: no register moves for the blocks loaded ahead)
 TRITON_MAXNREG = None           # registers per thread the compiler may use (None: its choice; fewer: more programs per SM)
-EXP_TABLE_BITS = 6               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17;
+EXP_TABLE_BITS = 8               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17;
                                  # 8: 256 entries, |r| <= ln2/512, Taylor to r^4 (4e-17, one float64 FMA less per exp)
 
 
