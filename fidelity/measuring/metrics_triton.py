@@ -3,9 +3,12 @@ position walks both rows of logits once, as the CPU kernel does (see fidelity/me
 sums under one shift per row and side, combined at the end. The shift is the CPU kernel's running maximum (FIXED_SHIFT
 off: a cross-lane maximum and a possible rescale per block) or the first block's maximum kept for the whole row
 (FIXED_SHIFT: 1.5x faster on an H200; rows far above it are flagged for a running-shift pass). Its exp is the CPU
-kernel's with a 64-entry table: x = (64 k + j) ln2/64 + r, |r| <= ln2/128, exp(r) by Taylor to r^5 (4e-17), times
-2^(j/64) from the table with k added to its exponent bits. Constants come in as a float64 tensor: Triton would type a
-Python float as float32.
+kernel's with a table: x = (64 k + j) ln2/64 + r, |r| <= ln2/128, exp(r) by Taylor to r^5 (4e-17), times 2^(j/64)
+from the table with k added to its exponent bits (EXP_BITS 8, the default: 256 entries, |r| <= ln2/512, Taylor to r^4);
+<= 1.5 ulp of numpy's exp. Constants come in as a float64 tensor: Triton would type a Python float as float32. By
+default (metrics.TRITON_CONVERT, TRITON_LEAN) the logits become float64 by moving bits and the exp takes x unclamped:
+the rows where either could differ from the CPU kernel (an inf or NaN, a shift within 2^-60 of zero or 2^24 from it,
+a logit more than 700 below its shift) are flagged and measured again by the running-shift kernel without them.
 
 Each lane keeps its best LISTS (value, index) pairs per side, strictly-greater inserts so an equal later value goes
 after the earlier one; at the end the program pops the best over the lanes (largest value, then lowest index): the
