@@ -835,8 +835,9 @@ def parallel_main(args) -> int:
             for mode in modes:
                 pack = open_pack(pack_dir)
                 read = set()
-                tensor = pack.tensor
+                tensor, tensors = pack.tensor, pack.tensors        # one by one, and decoded together (read ahead)
                 pack.tensor = lambda name, tensor=tensor, **where: (read.add(name), tensor(name, **where))[1]
+                pack.tensors = lambda names, tensors=tensors, **where: (read.update(names), tensors(names, **where))[1]
                 oracle = parallel.make_oracle(pack, device, parallel=mode, keep_weights=True,
                                               expert_budget_bytes=expert_budget(args))
                 seconds, got = timed_pass(oracle, g is not None)

@@ -146,3 +146,69 @@ def test_adjacent_rows_joins_only_parts_that_lie_in_order_in_one_storage():
     assert adjacent_rows([w[2], w[1]]) is None and adjacent_rows([w[0], w[2]]) is None
     assert adjacent_rows([w[0], torch.randn(4, 3)]) is None and adjacent_rows([w[0], w[1].double()]) is None
     assert adjacent_rows([w[0].t(), w[1].t()]) is None
+
+
+class ThreadRanks:
+    """`world` ranks as threads of this process, for ExpertParallel: all_reduce_sum adds the ranks' tensors in rank
+    order and hands every rank the sum (what gloo or NCCL does, without processes)."""
+
+    def __init__(self, world: int):
+        import threading
+        self.world, self.barrier, self.posted = world, threading.Barrier(world, timeout=120), [None] * world
+
+    def group(self, rank: int):
+        from types import SimpleNamespace
+        return SimpleNamespace(rank=rank, world_size=self.world, checkpoint=lambda what: None,
+                               all_reduce_sum=lambda t: self.all_reduce_sum(rank, t))
+
+    def all_reduce_sum(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self.posted[rank] = tensor
+        self.barrier.wait()
+        total = self.posted[0].clone()
+        for other in self.posted[1:]:
+            total += other
+        self.barrier.wait()                     # every rank has its sum before any overwrites its own tensor
+        return tensor.copy_(total)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_parallel_ranks_read_their_experts_ahead_in_batches(v4_packs, device, rng_seed):
+    """Under expert parallelism each rank's routed experts go through the one-process grouping: decoded together
+    (Pack.tensors, several experts per call; none one by one), only its own, and the hidden states are one process's
+    bit for bit (two ranks as threads)."""
+    import threading
+    from fidelity.oracle.parallel import ExpertParallel
+    from fidelity.oracle.runner import LoadChain
+    from fidelity.packs.exl3.layouts import routed_expert
+    path = v4_packs["deepseek_v41_exl3"]
+    rows = rows_for(open_pack(path), rng_seed)
+    want = Oracle(open_pack(path), device=device).hidden_states(rows, progress=False)
+    world, ranks = 2, ThreadRanks(2)
+    got, batches, alone, errors = [None] * world, [[] for _ in range(world)], [[] for _ in range(world)], []
+
+    def run(rank: int):
+        try:
+            pack = open_pack(path)
+            tensor, tensors = pack.tensor, pack.tensors
+            pack.tensor = lambda name, **where: (alone[rank].append(name), tensor(name, **where))[1]
+            pack.tensors = lambda names, **where: (batches[rank].append(list(names)), tensors(names, **where))[1]
+            split = ExpertParallel(ranks.group(rank))
+            oracle = Oracle(pack, device=device, chain=LoadChain(experts=split))
+            got[rank] = oracle.hidden_states(rows, progress=False)
+        except BaseException as error:          # pragma: no cover - reported below
+            errors.append((rank, error))
+            ranks.barrier.abort()
+    threads = [threading.Thread(target=run, args=(r, )) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    n_experts = open_pack(path).config["n_routed_experts"]
+    for rank in range(world):
+        assert all(torch.equal(a, b) for a, b in zip(want, got[rank])), f"rank {rank} differs from one process"
+        experts_in = [{routed_expert(n)[2] for n in names if routed_expert(n) is not None} for names in batches[rank]]
+        experts_in = [e for e in experts_in if e]
+        assert experts_in and max(len(e) for e in experts_in) > 1, (rank, experts_in)
+        assert all(e * world // n_experts == rank for batch in experts_in for e in batch), (rank, experts_in)
+        assert not [n for n in alone[rank] if routed_expert(n) is not None], (rank, alone[rank])

@@ -222,22 +222,34 @@ class RoutedExperts:
         parallel = getattr(self.fetch, "expert_parallel", None)  # set by fidelity.oracle.parallel (experts across ranks)
         if parallel is not None:
             return parallel.combine(self, x, indices, weights)
-        # one stable sort groups the token-expert pairs by expert (tokens ascending within each), one host sync reads the
-        # group sizes; each token's output sums its experts in ascending order, on every device. An expert over the
-        # budget lives only in this expression: freed once its output is computed, before the next one decodes
+        out = torch.zeros_like(x)
+        for e, rows, y in self.routed_outputs(x, indices, weights):
+            if outputs is not None:
+                outputs.expert_output(e, y)
+            out.index_add_(0, rows, y)
+        return out
+
+    def routed_outputs(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                       mine: Callable[[int], bool] | None = None):
+        """Yields (e, rows, y) in ascending expert order for every routed expert (`mine`: only those it accepts, e.g.
+        a rank's share): rows ascending, y = weights * expert_e(x[rows]). One stable sort groups the token-expert pairs
+        by expert, one host sync reads the group sizes; the new experts are decoded together (`read_ahead`,
+        `read_transients`). An expert over the budget lives only while its output is computed, before the next one
+        decodes."""
         N, k = indices.shape
         flat = indices.flatten()
         order = torch.sort(flat, stable=True).indices
         sizes = torch.bincount(flat, minlength=self.n_experts).tolist()
+        starts = [0] * len(sizes)
+        for e in range(1, len(sizes)):
+            starts[e] = starts[e - 1] + sizes[e - 1]
         tokens, pair_weights = order // k, weights.flatten()[order]
-        routed = [e for e, n in enumerate(sizes) if n]
+        routed = [e for e, n in enumerate(sizes) if n and (mine is None or mine(e))]
         ahead = self.read_ahead(routed)                 # the new experts the table keeps, decoded together
         held = sum(DecodedExperts.nbytes(m) for m in ahead.values())
         self.loaded.note(held)
-        out = torch.zeros_like(x)
-        start = 0
         for i, e in enumerate(routed):
-            n = sizes[e]
+            start, n = starts[e], sizes[e]
             rows = tokens[start:start + n]
             if e not in ahead and e not in self.loaded:  # over the budget: this one and the next ones like it together
                 chunk = self.read_transients([f for f in routed[i:] if f not in ahead and f not in self.loaded])
@@ -246,12 +258,7 @@ class RoutedExperts:
                 self.loaded.note(held)
             mlp = ahead.pop(e, None)
             held -= 0 if mlp is None else DecodedExperts.nbytes(mlp)
-            y = self.expert(e, mlp, held)(x[rows]) * pair_weights[start:start + n, None]
-            if outputs is not None:
-                outputs.expert_output(e, y)
-            out.index_add_(0, rows, y)
-            start += n
-        return out
+            yield e, rows, self.expert(e, mlp, held)(x[rows]) * pair_weights[start:start + n, None]
 
 
 def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

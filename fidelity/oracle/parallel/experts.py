@@ -22,13 +22,10 @@ class ExpertParallel:
         g = self.group
         N, k = indices.shape
         slots = x.new_zeros(N, k, x.shape[-1])
-        for e in torch.unique(indices).tolist():
-            if self.owner(e, experts.n_experts) != g.rank:
-                continue
-            token, slot = torch.where(indices == e)
-            y = experts.expert(e)(x[token]) * weights[token, slot, None]
-            order = (indices[token] < e).sum(dim=1)  # e's position among the token's experts, ascending
-            slots[token, order] = y
+        mine = lambda e: self.owner(e, experts.n_experts) == g.rank
+        # this rank's experts through the one-process grouping (one sort, batched decodes, the budget)
+        for e, rows, y in experts.routed_outputs(x, indices, weights, mine):
+            slots[rows, (indices[rows] < e).sum(dim=1)] = y     # e's position among each token's experts, ascending
         g.checkpoint("an expert exchange")
         g.all_reduce_sum(slots)
         out = torch.zeros_like(x)
