@@ -32,27 +32,57 @@ def request_key(path: str, body: dict, tag: str = "") -> str:
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
 
-class Journal:
-    """Append-only JSONL of `{"key", "path", "tag", "response"}` records."""
+class AppendOnlyJsonl:
+    """An append-only JSONL file of finished work, one fsync'ed line per unit: on open every earlier line is handed to
+    `_take(lineno, obj)` (a line cut short by a kill is dropped first; one that is not JSON goes to `_bad_line`), and
+    `_append(obj)` adds a line, safe across threads."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._entries: dict[str, dict] = {}
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            self._load()
+            for lineno, line in read_journal_lines(self.path):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    self._bad_line(lineno, f"is not valid JSON ({e})")
+                self._take(lineno, obj)
         self._file = open(self.path, "a", encoding="utf-8")
 
-    def _load(self):
-        for lineno, line in read_journal_lines(self.path):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise FidelityError(f"journal {self.path}: line {lineno} is not valid JSON (the file is corrupt; delete it to start over)")
-            if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
-                raise FidelityError(f"journal {self.path}: line {lineno} is not a journal record")
-            self._entries[rec["key"]] = rec["response"]
+    def _take(self, lineno: int, obj) -> None:
+        raise NotImplementedError
+
+    def _bad_line(self, lineno: int, why: str) -> None:
+        raise FidelityError(f"{self.path}: line {lineno} {why} (the file is corrupt; delete it to start over)")
+
+    def _append(self, obj) -> None:
+        line = json.dumps(obj, ensure_ascii=False)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self):
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+
+class Journal(AppendOnlyJsonl):
+    """Append-only JSONL of `{"key", "path", "tag", "response"}` records."""
+
+    def __init__(self, path: str | os.PathLike):
+        self._entries: dict[str, dict] = {}
+        super().__init__(path)
+
+    def _take(self, lineno: int, rec) -> None:
+        if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
+            self._bad_line(lineno, "is not a journal record")
+        self._entries[rec["key"]] = rec["response"]
+
+    def _bad_line(self, lineno: int, why: str) -> None:
+        raise FidelityError(f"journal {self.path}: line {lineno} {why} (the file is corrupt; delete it to start over)")
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,14 +94,5 @@ class Journal:
         return self._entries.get(key)
 
     def put(self, key: str, response: dict, *, path: str = "", tag: str = ""):
-        line = json.dumps({"key": key, "path": path, "tag": tag, "response": response}, ensure_ascii=False)
-        with self._lock:
-            self._entries[key] = response
-            self._file.write(line + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-
-    def close(self):
-        with self._lock:
-            if not self._file.closed:
-                self._file.close()
+        self._entries[key] = response
+        self._append({"key": key, "path": path, "tag": tag, "response": response})

@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..engine.journal import read_journal_lines
+from ..engine.journal import AppendOnlyJsonl
 from ..errors import FidelityError
 
 MANIFEST, JOURNAL, REQUESTS, RECORDS = "manifest.json", "records.jsonl", "requests.jsonl", "records.parquet"
@@ -68,37 +67,27 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-class ItemJournal:
+class ItemJournal(AppendOnlyJsonl):
     """Append-only JSONL of finished `Record`s. The last line, if a kill cut it short, is dropped on open. A later line for
     the same item (an engine error retried on resume) replaces the earlier one."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
         self.records: dict[str, Record] = {}
-        self._lock = threading.Lock()
-        if self.path.exists():
-            self._load()
-        self._file = open(self.path, "a", encoding="utf-8")
+        super().__init__(path)
 
-    def _load(self):
-        for lineno, line in read_journal_lines(self.path):
-            try:
-                rec = Record(**json.loads(line))
-            except (json.JSONDecodeError, TypeError) as e:
-                raise RunError(f"line {lineno} is not an item record ({e}); delete the file to start over", file=self.path)
-            self.records[rec.item_id] = rec
+    def _take(self, lineno: int, obj) -> None:
+        try:
+            rec = Record(**obj)
+        except TypeError as e:
+            self._bad_line(lineno, f"is not an item record ({e})")
+        self.records[rec.item_id] = rec
+
+    def _bad_line(self, lineno: int, why: str) -> None:
+        raise RunError(f"line {lineno} {why}; delete the file to start over", file=self.path)
 
     def append(self, rec: Record):
-        line = json.dumps(asdict(rec), ensure_ascii=False)
-        with self._lock:
-            self.records[rec.item_id] = rec
-            self._file.write(line + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-
-    def close(self):
-        with self._lock:
-            self._file.close()
+        self.records[rec.item_id] = rec
+        self._append(asdict(rec))
 
 
 def write_records(path: str | os.PathLike, records: list[Record]):
