@@ -102,6 +102,8 @@ def main(argv=None) -> int:
         return exl3_table(args)
     args.source = args.source or ROOT / "fidelity" / "measuring" / "metrics_triton.py"
     kernel = load(args.source).rows_kernel
+    sys.path.insert(0, str(ROOT))
+    from fidelity.measuring import metrics
     attrs = launch_attrs(kernel, SIGNATURE, args.vocab)
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.warps} warps, vocabulary {args.vocab}, {args.source}")
     print("| BLOCK | LISTS | MATCH | FIXED_SHIFT | PREFETCH | resources, SASS |")
@@ -114,14 +116,8 @@ def main(argv=None) -> int:
             continue
         constexprs = dict(V=args.vocab, BLOCK=block, LISTS=lists, MATCH=match, FIXED_SHIFT=fixed, MAGIC=True,
                           PREFETCH=prefetch)
-        # switches a later source added, where the source has them, as metrics.triton_rows launches them (the bit
-        # conversion and the clampless exp only under the fixed shift)
-        sys.path.insert(0, str(ROOT))
-        from fidelity.measuring import metrics
-        convert = bool(metrics.TRITON_CONVERT) and fixed
-        launched = (("CONVERT", convert), ("EXP_BITS", metrics.EXP_TABLE_BITS),
-                    ("LEAN", convert and bool(metrics.TRITON_LEAN)), ("UNROLL", metrics.TRITON_UNROLL))
-        constexprs.update({k: v for k, v in launched if k in kernel.arg_names})
+        # switches a later source added, where the source has them, as metrics.triton_rows launches them
+        constexprs.update({k: v for k, v in metrics.triton_switches(fixed).items() if k in kernel.arg_names})
         print(f"| {block} | {lists} | {match} | {fixed} | {prefetch} | "
               f"{fingerprint(kernel, constexprs, args.arch, args.warps, attrs=attrs)} |", flush=True)
     return 0

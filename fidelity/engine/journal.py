@@ -54,7 +54,7 @@ class AppendOnlyJsonl:
         raise NotImplementedError
 
     def _bad_line(self, lineno: int, why: str) -> None:
-        raise FidelityError(f"{self.path}: line {lineno} {why} (the file is corrupt; delete it to start over)")
+        raise FidelityError(f"journal {self.path}: line {lineno} {why} (the file is corrupt; delete it to start over)")
 
     def _append(self, obj) -> None:
         line = json.dumps(obj, ensure_ascii=False)
@@ -80,9 +80,6 @@ class Journal(AppendOnlyJsonl):
         if not isinstance(rec, dict) or "key" not in rec or "response" not in rec:
             self._bad_line(lineno, "is not a journal record")
         self._entries[rec["key"]] = rec["response"]
-
-    def _bad_line(self, lineno: int, why: str) -> None:
-        raise FidelityError(f"journal {self.path}: line {lineno} {why} (the file is corrupt; delete it to start over)")
 
     def __len__(self) -> int:
         return len(self._entries)

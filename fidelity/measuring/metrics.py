@@ -481,6 +481,14 @@ def check_triton_settings() -> None:
 LIST_LENGTHS = {"fused": 5, "fused-top2": 2, "fused-top1v": 1, "separate": None, "torch": None}
 
 
+def triton_switches(fixed: bool) -> dict:
+    """rows_kernel's switches as this module's settings launch it, under the fixed shift or the running one: the bit
+    conversion and the clampless exp only under the fixed shift (the running shift is the fallback; its shifts are not
+    checked). benchmarks/kernel_sass.py compiles the same."""
+    convert = bool(TRITON_CONVERT) and fixed
+    return dict(CONVERT=convert, EXP_BITS=EXP_TABLE_BITS, LEAN=convert and bool(TRITON_LEAN), UNROLL=TRITON_UNROLL)
+
+
 def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor,
                 match: torch.Tensor | None = None) -> None:
     """The fused kernel: one program per position reads both rows once (contiguous float32 [N, V]); with `match`
@@ -494,21 +502,19 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
     in_pass = match is not None and LIST_LENGTHS[TRITON_TOPK] is not None
     lists = LIST_LENGTHS[TRITON_TOPK] if in_pass else 2
     fixed = TRITON_SHIFT == "fixed"
-    convert = bool(TRITON_CONVERT) and fixed       # the running shift is the fallback; its shifts are not checked
-    flagged = fixed or (in_pass and lists != 5)      # (convert implies fixed)
+    flagged = fixed or (in_pass and lists != 5)      # (the bit conversion implies the fixed shift)
 
-    def run(x, y, targets, out_, top_, match_, retry_, fixed_, convert_):
+    def run(x, y, targets, out_, top_, match_, retry_, fixed_):
         kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
                               y.stride(0), V=x.shape[1], BLOCK=TRITON_BLOCK, LISTS=lists, MATCH=in_pass,
                               FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=int(TRITON_PREFETCH),
-                              CONVERT=convert_, EXP_BITS=EXP_TABLE_BITS, LEAN=convert_ and bool(TRITON_LEAN),
-                              UNROLL=TRITON_UNROLL, num_warps=TRITON_WARPS,
+                              **triton_switches(fixed_), num_warps=TRITON_WARPS,
                               **({"maxnreg": TRITON_MAXNREG} if TRITON_MAXNREG else {}))
 
     # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel, bit 2 the
     # bit conversion may not hold for it: those of bits 0 and 2 are measured again with the running shift, without it
     retry = torch.zeros(a.shape[0] if flagged else 1, dtype=torch.int8, device=a.device)
-    run(a, b, t, out, top, match, retry, fixed, convert)
+    run(a, b, t, out, top, match, retry, fixed)
     if flagged and bool(retry.any()):
         far = (retry & 5).nonzero()[:, 0]
         if len(far):
@@ -516,7 +522,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
             sub_out, sub_top = out[far], top[far]
             sub_match = match[far] if in_pass else sub_top
             sub_retry = torch.zeros(len(far), dtype=torch.int8, device=a.device)
-            run(sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, sub_retry, False, False)
+            run(sub_a, sub_b, sub_t, sub_out, sub_top, sub_match, sub_retry, False)
             out[far], top[far] = sub_out, sub_top
             if in_pass:
                 match[far] = sub_match

@@ -3,6 +3,7 @@ always renormalised). Attention is the Llama family's. Experts are read from the
 and kept within the oracle's expert budget (`Oracle(expert_budget_bytes=)`, DecodedExperts)."""
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Mapping
@@ -240,9 +241,7 @@ class RoutedExperts:
         flat = indices.flatten()
         order = torch.sort(flat, stable=True).indices
         sizes = torch.bincount(flat, minlength=self.n_experts).tolist()
-        starts = [0] * len(sizes)
-        for e in range(1, len(sizes)):
-            starts[e] = starts[e - 1] + sizes[e - 1]
+        starts = list(itertools.accumulate(sizes, initial=0))     # expert e's pairs: order[starts[e]:starts[e + 1]]
         tokens, pair_weights = order // k, weights.flatten()[order]
         routed = [e for e, n in enumerate(sizes) if n and (mine is None or mine(e))]
         ahead = self.read_ahead(routed)                 # the new experts the table keeps, decoded together
