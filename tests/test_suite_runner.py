@@ -101,6 +101,19 @@ def test_resume_refuses_other_settings_and_a_corrupt_journal(toy, tmp_path):
         ItemJournal(tmp_path / "r" / "records.jsonl")
 
 
+def test_item_journal_names_the_file_and_line_that_is_not_json(tmp_path):
+    j = ItemJournal(tmp_path / "records.jsonl")
+    j.append(Record("a", True, None, "h", "{}", "r", "x", "ok", "", 0.1))
+    j.close()
+    good = (tmp_path / "records.jsonl").read_text()
+    (tmp_path / "records.jsonl").write_text(good + "not json\n" + good)
+    with pytest.raises(RunError, match=r"line 2 is not valid JSON.*delete the file.*records\.jsonl"):
+        ItemJournal(tmp_path / "records.jsonl")
+    (tmp_path / "records.jsonl").write_text(good + "[1, 2]\n")
+    with pytest.raises(RunError, match=r"line 2 is not an item record.*records\.jsonl"):
+        ItemJournal(tmp_path / "records.jsonl")
+
+
 def test_journal_drops_a_line_cut_by_a_kill(tmp_path):
     j = ItemJournal(tmp_path / "records.jsonl")
     j.append(Record("a", True, None, "h", "{}", "r", "x", "ok", "", 0.1))
