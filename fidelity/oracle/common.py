@@ -249,6 +249,16 @@ class Family:
         (`layer_call_args`) and to final_hook."""
         return None
 
+    numerics = "exact"
+
+    def set_numerics(self, numerics: str, pack) -> None:
+        """The oracle's numerics (`Oracle(numerics=)`): "exact" (fp32/fp64 as transformers computes) everywhere;
+        "deepseek" (DeepSeek's reference rounding, deepseek/quant.py) where the family defines it. Called once, after
+        the pack's names are resolved; `pack` tells how each weight is stored."""
+        if numerics != "exact":
+            raise ConfigError(f"numerics {numerics!r} is not defined for {type(self).__name__} (its reference code "
+                              f"rounds nothing the oracle would emulate): use 'exact'")
+
     def bind_pack(self, pack) -> None:
         """Called once with the pack before its names are resolved (families that read more than whole tensors
         through fetch, e.g. DeepSeek-V4.1's Engram tables, row by row)."""

@@ -257,7 +257,11 @@ class RoutedExperts:
                 self.loaded.note(held)
             mlp = ahead.pop(e, None)
             held -= 0 if mlp is None else DecodedExperts.nbytes(mlp)
-            yield e, rows, self.expert(e, mlp, held)(x[rows]) * pair_weights[start:start + n, None]
+            yield e, rows, self.weighted(self.expert(e, mlp, held), x[rows], pair_weights[start:start + n, None])
+
+    def weighted(self, mlp: GatedMLP, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """weights [n, 1] * expert(x) [n, hidden] (a family whose reference weighs inside the expert overrides it)."""
+        return mlp(x) * weights
 
 
 def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

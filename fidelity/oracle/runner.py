@@ -19,6 +19,7 @@ from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
 from .families import family_for
 from .common import Family, Fetch, layer_call_args, rms_norm
+from .numerics import check_numerics
 from . import moe
 from .moe import ExpertDecodes
 
@@ -114,11 +115,13 @@ class Oracle:
     are first used), the others are decoded for each call (together, within min(budget, moe.READ_AHEAD_BYTES)) and freed after it. Same numbers either way; a budget trades
     memory for repeated decodes (`last_forward["experts"]` counts them). Settable later (`oracle.expert_budget_bytes =
     n`): layers built from then on use it (a layer kept by keep_weights keeps what it kept; `release()` drops it).
+    `numerics`: "exact" (default: fp32/fp64 math, what transformers computes) or "deepseek" (DeepSeek-V4/V4.1 only: the
+    rounding DeepSeek's own inference/model.py applies, fidelity/oracle/deepseek/quant.py); fixed for the oracle's life.
     """
 
     def __init__(self, pack, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  keep_weights: bool = False, activation_budget: int | None = None, chain: LoadChain | None = None,
-                 expert_budget_bytes: int | None = None):
+                 expert_budget_bytes: int | None = None, numerics: str = "exact"):
         if dtype not in (torch.float32, torch.float64):
             raise FidelityError(f"the oracle computes in float32 or float64, not {dtype}")
         expert_budget_bytes = checked_expert_budget(expert_budget_bytes)
@@ -131,6 +134,8 @@ class Oracle:
         self.family.bind_pack(pack)
         self.family.resolve_names(self.pack.names())
         self._check_names()
+        self.family.set_numerics(check_numerics(numerics), pack)
+        self.numerics = numerics
         self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype,
                            read_many=(lambda names, **where: self.pack.tensors(names, **where))
                            if hasattr(self.pack, "tensors") else None)

@@ -306,9 +306,9 @@ class DSparkDrafter:
             raise FidelityError(f"draft starts must be context lengths 1..{T - 1} (the seed is the token at the "
                                 f"start), got {bad or starts}")
         oracle, fam, a = self.oracle, self.family, self.args
-        if fam.emulation is not None:
-            raise ConfigError(f"the DSpark drafter computes exactly; the oracle emulates the reference's fake "
-                              f"quantisation ({fam.numerics}): switch it off (emulate_reference_quant(oracle, None))")
+        if fam.rounding is not None:
+            raise ConfigError(f"the DSpark drafter computes exactly; this oracle runs numerics {fam.numerics!r} "
+                              f"({fam.numerics_label}): use an Oracle(numerics='exact')")
         device, dtype = oracle.device, oracle.dtype
         taps, finals = self.taps(tokens.tolist())
         main_logits = oracle.apply_head(torch.stack(finals))

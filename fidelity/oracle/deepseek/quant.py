@@ -1,23 +1,32 @@
-"""Optional emulation of the activation fake-quantisation DeepSeek's V4 reference code performs, for comparing against
-numbers that code produced. Off by default: the oracle is pure fp32 (or fp64), which is what transformers computes.
+"""DeepSeek's reference rounding: what DeepSeek's own `inference/model.py` rounds, for the oracle's `numerics="deepseek"`.
 
-    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
-    label = emulate_reference_quant(oracle, QuantEmulation())   # e.g. "reference fake-quant: act fp8-e4m3/128 ..."
+The oracle's default numerics, "exact", is pure fp32 (or fp64), which is what transformers computes. DeepSeek's reference
+code (the one every seed card measures against) also rounds some activations to FP8/FP4 and back, where its trained
+model expects them rounded (quantisation-aware training). Under "deepseek" the oracle does what model.py does, no more
+and no less (quantise then dequantise, in the oracle's dtype):
 
-Where it rounds (quantise then dequantise, in the oracle's dtype):
-- `activations`: the input of every linear whose weight the release stores in FP8/FP4 (attention wq_a, wq_b, wkv,
-  wo_a, wo_b; routed and shared experts' w1/w3 and w2) goes to FP8 e4m3 in blocks of `act_block` along the last dim,
-  scale amax / 448 (amax floored at 1e-4), rounded up to a power of two when `pow2_scales` (ue8m0);
-- `kv`: the non-rotary dims of the window KV and of the compressed entries, after their norm: `"fp8"` (e4m3, blocks
-  of `kv_block`, power-of-two scales) or `"fp4"` (e2m1, blocks of `kv_fp4_block`, e4m3-rounded scales amax / 6 with
-  amax floored at 6 * 2^-9), or None.
-Not emulated: the lightning indexer's Hadamard rotation + FP4 scoring, bf16 storage of intermediate activations.
-These points follow descriptions of the reference (its kernel semantics: round-to-nearest-even onto the e4m3/e2m1
-grids, power-of-two scales = 2^ceil(log2(amax / max))); they are not checked against DeepSeek's code here.
+| where | V4 (V4-Flash) | V4.1 |
+| --- | --- | --- |
+| window KV | FP8 e4m3, its non-rotary dims, blocks of 64 | FP8 e4m3, the whole post-RoPE vector, blocks of 32 |
+| compressed KV | as the window KV (non-rotary dims, 64) | FP4 e2m1, the whole post-RoPE latent, blocks of 16, e4m3 scales |
+| indexer queries and keys | Hadamard rotation, then FP4 e2m1, blocks of 32 | FP4 e2m1, blocks of 32 (no rotation) |
+| a linear's input | FP8 e4m3 in blocks of 128 where that linear's stored weight is FP8 or FP4 | the same, blocks of 32 |
+
+FP8 scales and the indexer's FP4 scales are powers of two (ue8m0: 2^ceil(log2(amax * (1 / max))), amax floored at
+1e-4 for FP8 and 6 * 2^-126 for FP4); the compressed KV's FP4 scales are amax / 6 rounded to e4m3 (amax floored at
+6 * 2^-9). Values round to the nearest grid point, ties to the even code (the kernels' `fp4_act_quant` / `act_quant`,
+checked against DeepSeek's own dump: tests/test_deepseek_v41_upstream.py).
+
+A linear's input is rounded only where the weight the pack stores is FP8 or FP4 (`ROUNDED_WEIGHT_FORMATS`), decided
+per tensor from the pack's storage, as model.py's `linear()` decides by the weight's dtype: an EXL3, GGUF or bf16
+weight's input is not rounded, a native FP8/MXFP4 one's is. Never rounded (model.py computes them in fp32 or through
+einsum): the router, the head, the hyper-connections, `wo_a`. In the experts the routing weight multiplies the
+SwiGLU output before `w2` (model.py's `Expert.forward`), so before its input is rounded.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,11 +34,16 @@ from ...errors import ConfigError
 
 FP8_MAX, FP4_MAX = 448.0, 6.0
 FP8_AMAX_FLOOR = 1e-4
+FP4_POW2_AMAX_FLOOR = 6 * 2.0 ** -126
 FP4_E4M3_AMAX_FLOOR = 6 * 2.0 ** -9
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 POW2_BITS = {torch.float32: (23, 127, torch.int32), torch.float64: (52, 1023, torch.int64)}  # mantissa bits, bias
+ROUNDED_WEIGHT_FORMATS = frozenset({"fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4"})
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# rounding primitives
+# ---------------------------------------------------------------------------------------------------------------------
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Nearest float8 e4m3fn value (ties to even); |x| must be <= 448."""
     return x.to(torch.float8_e4m3fn).to(x.dtype)
@@ -55,99 +69,141 @@ def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     return ((k + bias) << bits).to(int_dtype).view(s.dtype)  # 2^k built from its exponent field (normal range)
 
 
+def _blocked(x: torch.Tensor, block: int, rounding: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Applies `rounding` to blocks of `block` along the last dim; a last dim that is not a multiple of the block ends in
+    a shorter block (zero padding, which changes no block's maximum)."""
+    if block <= 0:
+        raise ConfigError(f"rounding block size must be positive, got {block}")
+    n = x.shape[-1]
+    pad = -n % block
+    padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    out = rounding(padded.unflatten(-1, (-1, block))).flatten(-2)
+    return out[..., :n] if pad else out
+
+
 def fake_fp8(x: torch.Tensor, block: int, pow2_scales: bool = True) -> torch.Tensor:
-    """Block-wise FP8 quantise-dequantise along the last dim (length a multiple of `block`)."""
-    blocks = _blocks(x, block)
-    scale = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) / FP8_MAX
-    if pow2_scales:
-        scale = pow2_ceil(scale)
-    return (round_e4m3((blocks / scale).clamp(-FP8_MAX, FP8_MAX)) * scale).flatten(-2)
+    """Block-wise FP8 e4m3 quantise-dequantise along the last dim (model.py's `act_quant(..., inplace=True)`): scale
+    amax * (1 / 448), amax floored at 1e-4, rounded up to a power of two when `pow2_scales` (ue8m0)."""
+    def rounding(blocks):
+        scale = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR) * (1.0 / FP8_MAX)
+        if pow2_scales:
+            scale = pow2_ceil(scale)
+        return round_e4m3((blocks / scale).clamp(-FP8_MAX, FP8_MAX)) * scale
+    return _blocked(x, block, rounding)
+
+
+def fake_fp4_pow2_scales(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Block-wise FP4 e2m1 quantise-dequantise with power-of-two (e8m0) scales: the indexer's `fp4_act_quant`."""
+    def rounding(blocks):
+        amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_POW2_AMAX_FLOOR)
+        scale = pow2_ceil(amax * (1.0 / FP4_MAX))
+        return round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)) * scale
+    return _blocked(x, block, rounding)
 
 
 def fake_fp4_e4m3_scales(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Block-wise FP4 (e2m1) quantise-dequantise with e4m3-rounded scales."""
-    blocks = _blocks(x, block)
-    scale = round_e4m3(blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_E4M3_AMAX_FLOOR) / FP4_MAX)
-    return (round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)) * scale).flatten(-2)
+    """Block-wise FP4 e2m1 quantise-dequantise with e4m3-rounded scales: the compressed KV's `fp4_act_quant`."""
+    def rounding(blocks):
+        scale = round_e4m3(blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP4_E4M3_AMAX_FLOOR) / FP4_MAX)
+        return round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)) * scale
+    return _blocked(x, block, rounding)
 
 
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    if x.shape[-1] % block:
-        raise ConfigError(f"fake quantisation: last dim {x.shape[-1]} is not a multiple of the block size {block}")
-    return x.unflatten(-1, (-1, block))
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x H / sqrt(d) along the last dim (d a power of two; H the Sylvester Hadamard matrix): model.py's
+    `rotate_activation`, as a butterfly (exact adds and subtracts, one scale at the end)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ConfigError(f"the Hadamard rotation needs a power-of-two width, got {d}")
+    y, h = x, 1
+    while h < d:
+        y = y.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return y * d ** -0.5
 
 
-@dataclass
-class QuantEmulation:
-    activations: bool = True
-    act_block: int = 128
-    pow2_scales: bool = True
-    kv: str | None = "fp8"
-    kv_block: int = 64
-    kv_fp4_block: int = 16
-    compressed_kv: str | None = "same"   # DeepSeek-V4.1 only: the compressed entries' format when it differs from kv
-    kv_rope_too: bool = False            # DeepSeek-V4.1 only: round whole vectors after RoPE, rotary dims included
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
-    def __post_init__(self):
-        for name, value in (("kv", self.kv), ("compressed_kv", self.compressed_kv)):
-            if value not in (None, "fp8", "fp4") and not (name == "compressed_kv" and value == "same"):
-                raise ConfigError(f"{name} fake quantisation {value!r} is not one of None, 'fp8', 'fp4'")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# what one version of the reference rounds
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeepSeekRounding:
+    """The roundings of one version of DeepSeek's inference/model.py (`v4()`, `v41()`), bound to a pack's storage:
+    `rounds_input(official weight name)` says whether that linear's input is rounded (its stored weight is FP8/FP4)."""
+
+    version: str
+    act_block: int                        # FP8 blocks of a rounded linear input
+    window_kv_block: int                  # FP8 blocks of the window KV
+    whole_vectors: bool                   # V4.1: window and compressed KV rounded whole, after RoPE
+    compressed_fp4_block: int | None      # V4.1: compressed KV to FP4 (e4m3 scales); V4: None (FP8 as the window)
+    index_block: int = 32                 # indexer queries and keys: FP4, power-of-two scales
+    index_hadamard: bool = False          # V4 rotates them first
+    rounds_input: Callable[[str], bool] = lambda name: False
 
     @classmethod
-    def deepseek_v41(cls) -> "QuantEmulation":
-        """What DeepSeek-V4.1's reference (inference/model.py) rounds: fp8_block_size 32 with ue8m0 scales for
-        activations and the window KV (whole post-RoPE vector), compressed KV as fp4 e2m1 in groups of 16 with e4m3
-        scales (whole post-RoPE latent)."""
-        return cls(act_block=32, kv="fp8", kv_block=32, compressed_kv="fp4", kv_fp4_block=16, kv_rope_too=True)
+    def v4(cls, rounds_input: Callable[[str], bool]) -> "DeepSeekRounding":
+        return cls("V4", act_block=128, window_kv_block=64, whole_vectors=False, compressed_fp4_block=None,
+                   index_hadamard=True, rounds_input=rounds_input)
+
+    @classmethod
+    def v41(cls, rounds_input: Callable[[str], bool]) -> "DeepSeekRounding":
+        return cls("V4.1", act_block=32, window_kv_block=32, whole_vectors=True, compressed_fp4_block=16,
+                   index_hadamard=False, rounds_input=rounds_input)
 
     @property
     def label(self) -> str:
-        scales = "ue8m0" if self.pow2_scales else "fp32"
-        act = f"act fp8-e4m3/{self.act_block} {scales} scales" if self.activations else "act fp32"
+        kv = "whole post-RoPE vector" if self.whole_vectors else "non-rotary dims"
+        compressed = (f"compressed KV fp4-e2m1/{self.compressed_fp4_block} e4m3 scales" if self.compressed_fp4_block
+                      else f"compressed KV fp8-e4m3/{self.window_kv_block}")
+        index = ("hadamard + " if self.index_hadamard else "") + f"fp4-e2m1/{self.index_block}"
+        return (f"deepseek ({self.version} inference/model.py): window KV fp8-e4m3/{self.window_kv_block} ({kv}), "
+                f"{compressed}, indexer q/k {index}, linear inputs fp8-e4m3/{self.act_block} where the stored weight is "
+                f"FP8/FP4; ue8m0 scales")
 
-        def kv_text(fmt, what):
-            return {None: f"{what} fp32", "fp8": f"{what} fp8-e4m3/{self.kv_block} {scales} scales",
-                    "fp4": f"{what} fp4-e2m1/{self.kv_fp4_block} e4m3 scales"}[fmt]
+    def linear_input(self, official_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The rounding of the input of the linear whose weight is `official_name` (identity where none)."""
+        if not self.rounds_input(official_name):
+            return identity
+        return lambda x: fake_fp8(x, self.act_block)
 
-        kv = kv_text(self.kv, "kv")
-        if self.compressed_kv != "same":
-            kv = f"{kv_text(self.kv, 'window kv')}, {kv_text(self.compressed_kv, 'compressed kv')}"
-        if self.kv_rope_too:
-            kv += " (rotary dims too)"
-        return f"reference fake-quant: {act}, {kv} (indexer unquantised)"
+    def window_kv(self, kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        """The window KV [..., D] after RoPE, as model.py stores it."""
+        if self.whole_vectors:
+            return fake_fp8(kv, self.window_kv_block)
+        return self._nope_fp8(kv, rope_dim)
 
-    def act(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_fp8(x, self.act_block, self.pow2_scales) if self.activations else x
+    def compressed_kv(self, kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        """The compressed entries [..., D] after RoPE, as model.py stores them."""
+        if self.compressed_fp4_block:
+            return fake_fp4_e4m3_scales(kv, self.compressed_fp4_block)
+        return self._nope_fp8(kv, rope_dim)
 
-    def round_kv(self, kv: torch.Tensor, rope_dim: int, compressed: bool = False) -> torch.Tensor:
-        """kv [..., D] after RoPE, as the window (or, with compressed, the compressed entries) is stored: the
-        non-rotary dims, or with kv_rope_too the whole vector."""
-        fmt = self.compressed_kv if compressed and self.compressed_kv != "same" else self.kv
-        if fmt is None:
-            return kv
-        rounded = (lambda v: fake_fp8(v, self.kv_block, self.pow2_scales)) if fmt == "fp8" else \
-            (lambda v: fake_fp4_e4m3_scales(v, self.kv_fp4_block))
-        if self.kv_rope_too:
-            return rounded(kv)
+    def index_qk(self, x: torch.Tensor) -> torch.Tensor:
+        """The indexer's queries [..., d] or keys [..., d] after RoPE, as model.py scores them."""
+        if self.index_hadamard:
+            x = hadamard_rotate(x)
+        return fake_fp4_pow2_scales(x, self.index_block)
+
+    def _nope_fp8(self, kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
         nope = kv.shape[-1] - rope_dim
-        return torch.cat((rounded(kv[..., :nope]), kv[..., nope:]), dim=-1)
-
-    def kv_nope(self, kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
-        """Rounds the leading (non-rotary) dims of kv [..., D]."""
-        if self.kv is None:
-            return kv
-        nope = kv[..., :kv.shape[-1] - rope_dim]
-        nope = fake_fp8(nope, self.kv_block, self.pow2_scales) if self.kv == "fp8" else \
-            fake_fp4_e4m3_scales(nope, self.kv_fp4_block)
-        return torch.cat((nope, kv[..., kv.shape[-1] - rope_dim:]), dim=-1)
+        return torch.cat((fake_fp8(kv[..., :nope], self.window_kv_block), kv[..., nope:]), dim=-1)
 
 
-def emulate_reference_quant(oracle, emulation: QuantEmulation | None) -> str:
-    """Switches a DeepSeek-V4 oracle to (or, with None, back from) the emulation; returns the label to record with
-    its results ("fp32" when off). Cached layers are dropped so the next forward uses the new setting."""
-    family = oracle.family
-    if not hasattr(family, "emulation"):
-        raise ConfigError(f"fake quantisation emulation is not available for {type(family).__name__}")
-    family.emulation = emulation
-    oracle.release()
-    return family.numerics
+def rounds_stored_input(pack, stored_name: Callable[[str], str]) -> Callable[[str], bool]:
+    """official weight name -> True where the pack stores that weight as FP8 or FP4 (cached per name)."""
+    cache: dict[str, bool] = {}
+    have: set[str] = set()
+
+    def rounds(official: str) -> bool:
+        if official not in cache:
+            if not have:
+                have.update(pack.names())
+            name = stored_name(official)
+            cache[official] = name in have and pack.storage(name).format in ROUNDED_WEIGHT_FORMATS
+        return cache[official]
+    return rounds

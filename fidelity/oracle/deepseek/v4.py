@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from ..common import ATTENTION_CHUNK_BYTES, Family, Fetch, GatedMLP, fetch_tenso
 from ..moe import RoutedExperts
 from ..rope import RopeArgs, inverse_frequencies
 from ..selection import mask_indices, top_k_indices, top_k_mask
+from .quant import DeepSeekRounding, identity as no_rounding, rounds_stored_input
 
 ARCH = "DeepseekV4ForCausalLM"
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -289,48 +291,65 @@ def sinkhorn(m: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 class ClampedGatedMLP(GatedMLP):
     """SwiGLU with the gate clamped from above and the up projection to [-limit, limit] (no clamp when limit is 0
-    or None)."""
+    or None). `round_in` / `round_down`: the reference rounding of the gate/up and the down projection's inputs
+    (quant.py), or identity. Given `weights` (a routed expert's routing weights), they scale the SwiGLU output before
+    the down projection, as DeepSeek's `Expert.forward` does."""
 
     limit: float | None = None
-    act_quant = staticmethod(lambda x: x)  # fake quantisation of the GEMM inputs (quant.py), or none
+    round_in = staticmethod(no_rounding)
+    round_down = staticmethod(no_rounding)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self.act_quant(x), self.gate_up, self.gate_up_bias).split(self.inner, dim=-1)
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = F.linear(self.round_in(x), self.gate_up, self.gate_up_bias).split(self.inner, dim=-1)
         if self.limit:
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return F.linear(self.act_quant(self.act(gate) * up), self.down, self.down_bias)
+        h = self.act(gate) * up
+        if weights is not None:
+            h = h * weights
+        return F.linear(self.round_down(h), self.down, self.down_bias)
+
+    def round_like(self, rounding, gate: str, up: str, down: str) -> "ClampedGatedMLP":
+        """Sets the rounding of its inputs from the official weight names (gate/up/down with `.weight`)."""
+        if rounding is not None:
+            if rounding.rounds_input(gate) != rounding.rounds_input(up):
+                raise ConfigError(f"{gate} and {up} are stored in different formats (one FP8/FP4, one not): the "
+                                  f"reference rounding of their shared input is not defined")
+            self.round_in, self.round_down = rounding.linear_input(gate), rounding.linear_input(down)
+        return self
 
 
 class ClampedExperts(RoutedExperts):
-    def __init__(self, n_experts, names, fetch, act, limit, act_quant):
+    """Routed clamped-SwiGLU experts; under the reference rounding each expert is weighted inside (before `w2`)."""
+
+    def __init__(self, n_experts, names, fetch, act, limit, rounding=None, official=None):
         super().__init__(n_experts, names, fetch, act)
-        self.limit, self.act_quant = limit, act_quant
+        self.limit, self.rounding, self.official = limit, rounding, official
 
     def decode(self, e: int) -> GatedMLP:
         mlp = ClampedGatedMLP.from_names(self.fetch, *self.names(e), self.act)
-        mlp.limit, mlp.act_quant = self.limit, self.act_quant
-        return mlp
+        mlp.limit = self.limit
+        return mlp.round_like(self.rounding, *(f"{m}.weight" for m in self.official(e))) if self.rounding else mlp
 
-
-def no_quant(x: torch.Tensor) -> torch.Tensor:
-    return x
+    def weighted(self, mlp: GatedMLP, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return super().weighted(mlp, x, weights) if self.rounding is None else mlp(x, weights)
 
 
 class MoE:
     """Routed experts (sqrt-softplus scores, selection bias or token hash) plus one shared expert."""
 
-    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, rounding=None):
+        """rounding: DeepSeek's reference rounding (quant.DeepSeekRounding), or None (exact)."""
         self.a, self.hashed = a, a.hash_layers[layer]
-        act_quant = emulation.act if emulation is not None else no_quant
         fetch_tensors(self, self.tensors(a, layer), fetch, n)
         if self.hashed:
             self.tid2eid = self.tid2eid.round().long()
         self.experts = ClampedExperts(a.n_routed_experts, lambda e: expert_names(n, layer, e), fetch, a.hidden_act,
-                                      a.swiglu_limit, act_quant)
-        self.shared = ClampedGatedMLP.from_names(fetch, *(n(f"{x}.weight")[:-len(".weight")]
-                                                          for x in expert_modules(layer, "shared_experts")),
+                                      a.swiglu_limit, rounding, lambda e: expert_modules(layer, f"experts.{e}"))
+        shared = expert_modules(layer, "shared_experts")
+        self.shared = ClampedGatedMLP.from_names(fetch, *(n(f"{x}.weight")[:-len(".weight")] for x in shared),
                                                  a.hidden_act)
-        self.shared.limit, self.shared.act_quant = a.swiglu_limit, act_quant
+        self.shared.limit = a.swiglu_limit
+        self.shared.round_like(rounding, *(f"{x}.weight" for x in shared))
 
     @staticmethod
     def tensors(a: DeepseekV4Args, layer: int) -> dict[str, str]:
@@ -375,10 +394,13 @@ class Compressor:
     rows)."""
 
     def __init__(self, prefix: str, n, fetch: Fetch, width: int, ratio: int, overlap: bool, eps: float,
-                 rope: RopeArgs, round_kv=None):
+                 rope: RopeArgs, round_kv=None, rounding=None):
+        """round_kv: the reference rounding of the roped entries (or None); rounding: the reference rounding, whose
+        linear-input rule applies to wkv and wgate."""
         fetch_tensors(self, self.tensors(prefix), fetch, n)
         self.width, self.ratio, self.overlap, self.eps, self.rope = width, ratio, overlap, eps, rope
-        self.round_kv = round_kv or no_quant
+        self.round_kv = round_kv or no_rounding
+        self.round_wkv, self.round_wgate = input_rounding(rounding, f"{prefix}.wkv.weight", f"{prefix}.wgate.weight")
 
     @staticmethod
     def tensors(prefix: str) -> dict[str, str]:
@@ -396,17 +418,17 @@ class Compressor:
         n_win = T // m
         if n_win == 0:
             return x.new_zeros(B, 0, d)
-        kv = F.linear(x[:, :n_win * m], self.wkv).view(B, n_win, m, -1)
-        gate = F.linear(x[:, :n_win * m], self.wgate).view(B, n_win, m, -1) + self.ape
+        kv = F.linear(self.round_wkv(x[:, :n_win * m]), self.wkv).view(B, n_win, m, -1)
+        gate = F.linear(self.round_wgate(x[:, :n_win * m]), self.wgate).view(B, n_win, m, -1) + self.ape
         if self.overlap:
             pooled_kv = kv.new_zeros(B, n_win, 2 * m, d)
             pooled_gate = gate.new_full((B, n_win, 2 * m, d), float("-inf"))
             pooled_kv[:, :, m:], pooled_gate[:, :, m:] = kv[..., d:], gate[..., d:]
             pooled_kv[:, 1:, :m], pooled_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
             kv, gate = pooled_kv, pooled_gate
-        entries = self.round_kv(rms_norm((kv * gate.softmax(dim=2)).sum(dim=2), self.norm, self.eps))
+        entries = rms_norm((kv * gate.softmax(dim=2)).sum(dim=2), self.norm, self.eps)
         cos, sin = rope_table(self.rope, torch.arange(n_win) * m, x.dtype, x.device)
-        return rope_tail(entries, cos, sin)
+        return self.round_kv(rope_tail(entries, cos, sin))
 
 
 def finished_entries(T: int, ratio: int, device) -> torch.Tensor:
@@ -422,11 +444,14 @@ class Indexer:
     at the compress theta), score[t, w] = sum_h weight_h(x_t) * relu(q_h(t) . k_w) / sqrt(d); each query keeps the
     index_topk best of its finished entries (equal scores: the earlier entries, on every device)."""
 
-    def __init__(self, a: DeepseekV4Args, prefix: str, n, fetch: Fetch, ratio: int):
+    def __init__(self, a: DeepseekV4Args, prefix: str, n, fetch: Fetch, ratio: int, rounding=None):
         self.a = a
+        self.round_qk = rounding.index_qk if rounding is not None else no_rounding
         self.compressor = Compressor(f"{prefix}.compressor", n, fetch, a.index_head_dim, ratio, True, a.rms_norm_eps,
-                                     a.compress_rope)
+                                     a.compress_rope, self.round_qk, rounding)
         fetch_tensors(self, self.tensors(prefix), fetch, n)
+        self.round_wq_b, self.round_weights = input_rounding(rounding, f"{prefix}.wq_b.weight",
+                                                             f"{prefix}.weights_proj.weight")
 
     @staticmethod
     def tensors(prefix: str) -> dict[str, str]:
@@ -443,9 +468,9 @@ class Indexer:
         B, T, _ = x.shape
         keys = self.compressor(x)                                     # [B, W, d]
         n_entries, ratio = keys.shape[1], self.compressor.ratio
-        q = F.linear(q_latent, self.wq_b).view(B, T, a.index_n_heads, a.index_head_dim)
-        q = rope_tail(q, *compress_rope)
-        head_weights = F.linear(x, self.weights_proj) * a.index_n_heads ** -0.5
+        q = F.linear(self.round_wq_b(q_latent), self.wq_b).view(B, T, a.index_n_heads, a.index_head_dim)
+        q = self.round_qk(rope_tail(q, *compress_rope))
+        head_weights = F.linear(self.round_weights(x), self.weights_proj) * a.index_n_heads ** -0.5
         finished = finished_entries(T, ratio, x.device)
         keep = torch.zeros(B, T, n_entries, dtype=torch.bool, device=x.device)
         chunk = max(1, min(T, ATTENTION_CHUNK_BYTES // max(B * a.index_n_heads * n_entries * 4, 1)))
@@ -461,6 +486,32 @@ class Indexer:
         return keep
 
 
+@dataclass(frozen=True)
+class AttentionRounding:
+    """An attention layer's reference roundings (quant.py; identity each under exact numerics): its projections'
+    inputs by the linear-input rule, the window KV and the compressed entries."""
+    wq_a: Callable = no_rounding
+    wq_b: Callable = no_rounding
+    wkv: Callable = no_rounding
+    wo_b: Callable = no_rounding
+    window_kv: Callable = no_rounding
+    compressed_kv: Callable = no_rounding
+
+    @classmethod
+    def of(cls, rounding, p: str, rope_dim: int) -> "AttentionRounding":
+        """p: the layer's official attention prefix (layers.L.attn)."""
+        if rounding is None:
+            return cls()
+        return cls(*input_rounding(rounding, *(f"{p}.{w}.weight" for w in ("wq_a", "wq_b", "wkv", "wo_b"))),
+                   window_kv=lambda kv: rounding.window_kv(kv, rope_dim),
+                   compressed_kv=lambda kv: rounding.compressed_kv(kv, rope_dim))
+
+
+def input_rounding(rounding, *weights: str) -> tuple[Callable, ...]:
+    """The input rounding of each linear (official weight names) under `rounding`, identity under exact numerics."""
+    return tuple(no_rounding if rounding is None else rounding.linear_input(w) for w in weights)
+
+
 def attention_tensors(p: str) -> dict[str, str]:
     """The projections, norms and sinks every V4-style attention layer stores under `p` (= layers.L.attn)."""
     return {"wq_a": f"{p}.wq_a.weight", "q_norm": f"{p}.q_norm.weight", "wq_b": f"{p}.wq_b.weight",
@@ -469,18 +520,17 @@ def attention_tensors(p: str) -> dict[str, str]:
 
 
 class Attention:
-    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, rounding=None):
         p = f"layers.{layer}.attn"
         self.a, self.kind, self.ratio = a, a.layer_types[layer], a.ratios[layer]
-        self.act_quant = emulation.act if emulation is not None else no_quant
-        self.round_kv = (lambda kv: emulation.kv_nope(kv, a.rope_dim)) if emulation is not None else no_quant
+        self.round = AttentionRounding.of(rounding, p, a.rope_dim)
         fetch_tensors(self, attention_tensors(p), fetch, n)
         self.compressor = self.indexer = None
         if self.kind != SLIDING:
             self.compressor = Compressor(f"{p}.compressor", n, fetch, a.head_dim, self.ratio, self.kind == CSA,
-                                         a.rms_norm_eps, a.compress_rope, self.round_kv)
+                                         a.rms_norm_eps, a.compress_rope, self.round.compressed_kv, rounding)
         if self.kind == CSA:
-            self.indexer = Indexer(a, f"{p}.indexer", n, fetch, self.ratio)
+            self.indexer = Indexer(a, f"{p}.indexer", n, fetch, self.ratio, rounding)
 
     @staticmethod
     def names(a: DeepseekV4Args, layer: int) -> list[str]:
@@ -497,12 +547,12 @@ class Attention:
         B, T, _ = x.shape
         main_rope, compress_rope = rope[:2], rope[2:]
         cos, sin = main_rope if self.kind == SLIDING else compress_rope
-        fq = self.act_quant
-        q_latent = rms_norm(F.linear(fq(x), self.wq_a), self.q_norm, a.rms_norm_eps)
-        q = F.linear(fq(q_latent), self.wq_b).view(B, T, a.n_heads, a.head_dim)
+        r = self.round
+        q_latent = rms_norm(F.linear(r.wq_a(x), self.wq_a), self.q_norm, a.rms_norm_eps)
+        q = F.linear(r.wq_b(q_latent), self.wq_b).view(B, T, a.n_heads, a.head_dim)
         q = rope_tail(unweighted_rms_norm(q, a.rms_norm_eps), cos, sin)
-        kv = self.round_kv(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, a.rms_norm_eps))
-        kv = rope_tail(kv, cos, sin)   # [B, T, D]
+        kv = rms_norm(F.linear(r.wkv(x), self.wkv), self.kv_norm, a.rms_norm_eps)
+        kv = r.window_kv(rope_tail(kv, cos, sin))   # [B, T, D]
         entries = visible = gather = None
         if self.compressor is not None:
             entries = self.compressor(x)
@@ -514,8 +564,9 @@ class Attention:
                              gather)
         out = rope_tail(out, cos, -sin)  # undo the rotation the values carried, at the query's position
         groups = out.reshape(B, T, a.o_groups, -1)
-        low_rank = torch.einsum("btgi,gri->btgr", fq(groups), self.wo_a.view(a.o_groups, a.o_lora_rank, -1))
-        return F.linear(fq(low_rank.flatten(2)), self.wo_b)
+        # wo_a goes through an einsum in DeepSeek's reference, which never rounds its input
+        low_rank = torch.einsum("btgi,gri->btgr", groups, self.wo_a.view(a.o_groups, a.o_lora_rank, -1))
+        return F.linear(r.wo_b(low_rank.flatten(2)), self.wo_b)
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None, visible: torch.Tensor | None,
@@ -571,11 +622,11 @@ class DecoderLayer:
     """Both blocks read and write the hc streams through their own hyper-connection."""
     SUB_BLOCKS = {"attention": "attn", "mlp": "ffn"}   # role -> attribute (the noise floor perturbs by role)
 
-    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, emulation=None):
+    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, rounding=None):
         self.a = a
         fetch_block_inputs(self, a, layer, n, fetch)
-        self.attn = Attention(a, layer, n, fetch, emulation)
-        self.ffn = MoE(a, layer, n, fetch, emulation)
+        self.attn = Attention(a, layer, n, fetch, rounding)
+        self.ffn = MoE(a, layer, n, fetch, rounding)
 
     def __call__(self, streams: torch.Tensor, rope, tokens: torch.Tensor) -> torch.Tensor:
         eps = self.a.rms_norm_eps
@@ -627,11 +678,22 @@ class DeepseekV4Family(Family):
         self.rms_norm_eps, self.tie_word_embeddings = a.rms_norm_eps, a.tie_word_embeddings
         self.stored: dict[str, str] = {}
         self.embed_name, self.norm_name = "embed.weight", "norm.weight"
-        self.emulation = None  # a quant.QuantEmulation: the reference's fake quantisation, else exact
+        self.numerics = "exact"
+        self.rounding: DeepSeekRounding | None = None   # under numerics "deepseek": what the reference rounds
+
+    def set_numerics(self, numerics: str, pack) -> None:
+        """"deepseek": DeepSeek's reference rounding of this version, the linear-input rule bound to how `pack`
+        stores each weight (quant.py). Layers built before keep theirs: set it before the first forward."""
+        self.numerics = numerics
+        self.rounding = self.reference_rounding(rounds_stored_input(pack, self.n)) if numerics == "deepseek" else None
+
+    @staticmethod
+    def reference_rounding(rounds_input) -> DeepSeekRounding:
+        return DeepSeekRounding.v4(rounds_input)
 
     @property
-    def numerics(self) -> str:
-        return "exact (no fake quantisation)" if self.emulation is None else self.emulation.label
+    def numerics_label(self) -> str:
+        return "exact (fp32 math, no reference rounding)" if self.rounding is None else self.rounding.label
 
     @classmethod
     def arch(cls) -> str:
@@ -680,7 +742,7 @@ class DeepseekV4Family(Family):
 
     # -- compute ----------------------------------------------------------------------------------------------
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
-        return DecoderLayer(self.args, i, self.n, fetch, self.emulation)
+        return DecoderLayer(self.args, i, self.n, fetch, self.rounding)
 
     def rope_tables(self, length: int, dtype: torch.dtype, device):
         positions = torch.arange(length)

@@ -21,9 +21,10 @@ grouped low-rank output, clamped SwiGLU MoE) with
 - no hash-routed MoE layers unless the config says `num_hash_layers`.
 
 The compressor has no position bias in the reference (exllamav3 uses none where a pool has index keys); a pack that
-stores `compressor.ape` gets it added to the gate as in V4. `QuantEmulation.deepseek_v41()` (quant.py)
-emulates the reference's rounding: activations fp8 in blocks of 32, window KV fp8 and compressed KV fp4 (groups of 16,
-e4m3 scales) over whole post-RoPE vectors; `wo_a`, a bf16 weight there, takes its input unrounded.
+stores `compressor.ape` gets it added to the gate as in V4. Under `numerics="deepseek"` (quant.py,
+`DeepSeekRounding.v41`) the oracle rounds as the reference does: window KV fp8 (blocks of 32) and compressed KV fp4
+(groups of 16, e4m3 scales) over whole post-RoPE vectors, the indexer's queries and keys fp4 (blocks of 32,
+power-of-two scales), and the inputs of FP8/FP4-stored linears fp8 in blocks of 32.
 
 The config may nest the model under `text_config` (the released one does, next to a vision tower). Tensor names are
 the official ones (`layers.L.attn.compressor.wkv.weight`, `layers.L.attn.indexer.wk.weight`,
@@ -45,9 +46,10 @@ from ...errors import ConfigError, FidelityError, PackError
 from ...registry import ARCHITECTURES
 from ..common import ATTENTION_CHUNK_BYTES, Fetch, fetch_tensors, rms_norm
 from ..selection import top_k_mask
-from .v4 import (HCA, SLIDING, DeepseekV4Args, DeepseekV4Family, HyperConnection, MoE, attention_tensors, collapse,
-                 fetch_block_inputs, finished_entries, no_quant, rope_table, rope_tail, sink_attention,
-                 unweighted_rms_norm)
+from .quant import DeepSeekRounding, identity as no_rounding
+from .v4 import (HCA, SLIDING, AttentionRounding, DeepseekV4Args, DeepseekV4Family, HyperConnection, MoE,
+                 attention_tensors, collapse, fetch_block_inputs, finished_entries, input_rounding, rope_table,
+                 rope_tail, sink_attention, unweighted_rms_norm)
 from .v4 import layer_names as v4_layer_names
 from .engram import EngramArgs, EngramLayer, RowTable, compressed_token_map
 
@@ -201,12 +203,15 @@ class PoolCompressor:
     wkv rows (ratio 1: no gate, the row itself), then RMSNorm; `latent` is that, `entries` adds RoPE at the window's
     first position. A pack without `ape` gets no position bias (exllamav3 uses none where the pool has index keys)."""
 
-    def __init__(self, prefix: str, n, fetch: Fetch, has, width: int, ratio: int, eps: float, rope, round_kv):
-        """round_kv: the emulated storage rounding of the roped entries, or identity."""
+    def __init__(self, prefix: str, n, fetch: Fetch, has, width: int, ratio: int, eps: float, rope, round_kv,
+                 rounding=None):
+        """round_kv: the reference rounding of the roped entries, or identity; rounding: the reference rounding, whose
+        linear-input rule applies to wkv and wgate."""
         self.wgate = None
         fetch_tensors(self, self.tensors(prefix, ratio), fetch, n)
         self.ape = fetch(n(f"{prefix}.ape")) if ratio > 1 and has(f"{prefix}.ape") else None
         self.width, self.ratio, self.eps, self.rope, self.round_kv = width, ratio, eps, rope, round_kv
+        self.round_wkv, self.round_wgate = input_rounding(rounding, f"{prefix}.wkv.weight", f"{prefix}.wgate.weight")
 
     @staticmethod
     def tensors(prefix: str, ratio: int) -> dict[str, str]:
@@ -223,9 +228,9 @@ class PoolCompressor:
         B, T, _ = x.shape
         m = self.ratio
         n_win = T // m
-        kv = F.linear(x[:, :n_win * m], self.wkv).view(B, n_win, m, -1)
+        kv = F.linear(self.round_wkv(x[:, :n_win * m]), self.wkv).view(B, n_win, m, -1)
         if self.wgate is not None:
-            gate = F.linear(x[:, :n_win * m], self.wgate).view(B, n_win, m, -1)
+            gate = F.linear(self.round_wgate(x[:, :n_win * m]), self.wgate).view(B, n_win, m, -1)
             if self.ape is not None:
                 gate = gate + self.ape
             kv = kv * gate.softmax(dim=2)
@@ -271,23 +276,22 @@ def expand_blocks(drop: torch.Tensor, block: int, W: int) -> torch.Tensor:
 # attention
 # ---------------------------------------------------------------------------------------------------------------------
 class Attention:
-    def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, emulation=None):
+    def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, rounding=None):
         b = a.base
         p = f"layers.{layer}.attn"
         self.a, self.layer, self.ratio = a, layer, b.ratios[layer]
         self.owner = a.kv_source[layer]
         self.index_source = a.index_source[layer]
         self.candidate_mode = a.candidate_mode(layer)
-        self.act_quant = emulation.act if emulation is not None else no_quant
-        self.round_kv, self.round_entries = no_quant, no_quant
-        if emulation is not None:
-            self.round_kv = lambda kv: emulation.round_kv(kv, b.rope_dim)
-            self.round_entries = lambda kv: emulation.round_kv(kv, b.rope_dim, compressed=True)
+        self.round = AttentionRounding.of(rounding, p, b.rope_dim)
+        self.round_qk = rounding.index_qk if rounding is not None else no_rounding
+        self.round_index_wk, self.round_index_wq_b, self.round_index_weights = input_rounding(
+            rounding, *(f"{p}.indexer.{w}.weight" for w in ("wk", "wq_b", "weights_proj")))
         fetch_tensors(self, attention_tensors(p), fetch, n)
         self.compressor = self.index_wk = None
         if self.owner == layer:
             self.compressor = PoolCompressor(f"{p}.compressor", n, fetch, has, b.head_dim, self.ratio, b.rms_norm_eps,
-                                             b.compress_rope, self.round_entries)
+                                             b.compress_rope, self.round.compressed_kv, rounding)
         fetch_tensors(self, self.index_tensors(a, layer), fetch, n)
 
     @staticmethod
@@ -314,10 +318,11 @@ class Attention:
         latent = self.compressor.latent(x)
         keys = None
         if self.index_wk is not None:
-            keys = rms_norm(F.linear(latent, self.index_wk), self.index_k_norm, self.a.base.rms_norm_eps)
+            keys = rms_norm(F.linear(self.round_index_wk(latent), self.index_wk), self.index_k_norm,
+                            self.a.base.rms_norm_eps)
             cos, sin = rope_table(self.a.base.compress_rope, self.compressor.positions(latent.shape[1]), x.dtype,
                                   x.device)
-            keys = rope_tail(keys, cos, sin)
+            keys = self.round_qk(rope_tail(keys, cos, sin))
         return Pool(self.compressor.entries(latent), keys)
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, compress_rope,
@@ -327,9 +332,9 @@ class Attention:
         b = self.a.base
         B, T, _ = x.shape
         W = keys.shape[1]
-        q = F.linear(self.act_quant(q_latent), self.index_wq_b).view(B, T, b.index_n_heads, b.index_head_dim)
-        q = rope_tail(q, *compress_rope)
-        head_weights = F.linear(x, self.index_weights) * b.index_n_heads ** -0.5
+        q = F.linear(self.round_index_wq_b(q_latent), self.index_wq_b).view(B, T, b.index_n_heads, b.index_head_dim)
+        q = self.round_qk(rope_tail(q, *compress_rope))
+        head_weights = F.linear(self.round_index_weights(x), self.index_weights) * b.index_n_heads ** -0.5
         finished = finished_entries(T, self.ratio, x.device)
         block, n_blocks = self.a.candidate_block_size, self.a.candidate_topk_blocks
         filtering = self.candidate_mode is not None and W > n_blocks * block
@@ -360,13 +365,13 @@ class Attention:
         B, T, _ = x.shape
         main_rope, compress_rope = rope[:2], rope[2:]
         cos, sin = main_rope if self.ratio == 0 else compress_rope
-        fq = self.act_quant
-        q_latent = rms_norm(F.linear(fq(x), self.wq_a), self.q_norm, b.rms_norm_eps)
-        q = F.linear(fq(q_latent), self.wq_b).view(B, T, b.n_heads, b.head_dim)
+        r = self.round
+        q_latent = rms_norm(F.linear(r.wq_a(x), self.wq_a), self.q_norm, b.rms_norm_eps)
+        q = F.linear(r.wq_b(q_latent), self.wq_b).view(B, T, b.n_heads, b.head_dim)
         if a.q_head_norm:
             q = unweighted_rms_norm(q, b.rms_norm_eps)
         q = rope_tail(q, cos, sin)
-        kv = self.round_kv(rope_tail(rms_norm(F.linear(fq(x), self.wkv), self.kv_norm, b.rms_norm_eps), cos, sin))
+        kv = r.window_kv(rope_tail(rms_norm(F.linear(r.wkv(x), self.wkv), self.kv_norm, b.rms_norm_eps), cos, sin))
         entries = visible = gather = None
         if self.ratio:
             if self.compressor is not None:
@@ -385,9 +390,9 @@ class Attention:
                              max(self.ratio, 1), gather)
         out = rope_tail(out, cos, -sin)
         groups = out.reshape(B, T, b.o_groups, -1)
-        # wo_a is a bf16 weight in the V4.1 release: its input is not fake-quantised
+        # wo_a goes through an einsum in DeepSeek's reference, which never rounds its input
         low_rank = torch.einsum("btgi,gri->btgr", groups, self.wo_a.view(b.o_groups, b.o_lora_rank, -1))
-        return F.linear(fq(low_rank.flatten(2)), self.wo_b)
+        return F.linear(r.wo_b(low_rank.flatten(2)), self.wo_b)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -396,12 +401,12 @@ class Attention:
 class DecoderLayer:
     SUB_BLOCKS = {"attention": "attn", "mlp": "ffn"}   # role -> attribute (the noise floor perturbs by role)
     def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, engram=None, token_map=None,
-                 emulation=None):
+                 rounding=None):
         b = a.base
         self.a, self.layer, self.engram, self.token_map = a, layer, engram, token_map
         fetch_block_inputs(self, b, layer, n, fetch)
-        self.attn = Attention(a, layer, n, fetch, has, emulation)
-        self.ffn = MoE(b, layer, n, fetch, emulation)
+        self.attn = Attention(a, layer, n, fetch, has, rounding)
+        self.ffn = MoE(b, layer, n, fetch, rounding)
 
     def mix(self, hc: HyperConnection, streams: torch.Tensor, state: CrossLayerState):
         pre, post, comb = hc.weights(streams)
@@ -510,10 +515,14 @@ class DeepseekV41Family(DeepseekV4Family):
     # -- compute ----------------------------------------------------------------------------------------------------
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
         engram = self.engram(i, fetch) if i in self.v41.engram_layers else None
-        if engram is not None and self.emulation is not None:
-            engram.act_quant = self.emulation.act
+        if engram is not None and self.rounding is not None:
+            engram.act_quant = self.rounding.linear_input(EngramLayer.names(i)[0])   # wkv's input
         return DecoderLayer(self.v41, i, self.n, fetch, self.has, engram,
-                            self._token_map if engram is not None else None, self.emulation)
+                            self._token_map if engram is not None else None, self.rounding)
+
+    @staticmethod
+    def reference_rounding(rounds_input) -> DeepSeekRounding:
+        return DeepSeekRounding.v41(rounds_input)
 
     def new_pass_state(self) -> CrossLayerState:
         return CrossLayerState()
