@@ -102,21 +102,21 @@ def test_v32_cuda_equals_cpu(tmp_path, case, dtype, rng_seed):
     assert cuda_vs_cpu(pack, long_rows(BASE["vocab_size"], T, rng_seed), dtype, f"V3.2 {case}") <= LIMIT[dtype]
 
 
+@pytest.mark.parametrize("layout", ["native", "fp8-mxfp4", "deepseek_v41_exl3"])
 @pytest.mark.parametrize("arch", ["V4", "V4.1"])
-def test_reference_quant_emulation_cuda_equals_cpu(v4_packs, v41_packs, arch, rng_seed):
-    """The fake quantisation (FP8/FP4 rounding, power-of-two scales from exponent bits) rounds alike on both devices,
-    in float64. In float32 it cannot be held to 1e-5: rounding onto the FP4/FP8 grids is discontinuous, so a GEMM's
-    last-bit difference between the devices now and then moves a value across a rounding boundary (H200, 2026-12-01:
-    V4.1 float32 3.5e-7 on one seed, 2.9e-2 on another; float64 5e-16 on both)."""
+def test_deepseek_numerics_cuda_equals_cpu(v4_packs, v41_packs, arch, layout, rng_seed):
+    """numerics "deepseek" (FP8/FP4 rounding, power-of-two scales from exponent bits; on the fp8-mxfp4 layout also the
+    FP8-stored linears' inputs) rounds alike on both devices, in float64. In float32 it cannot be held to 1e-5: rounding
+    onto the FP4/FP8 grids is discontinuous, so a GEMM's last-bit difference between the devices now and then moves a
+    value across a rounding boundary (H200, 2026-12-01: V4.1 float32 3.5e-7 on one seed, 2.9e-2 on another; float64
+    5e-16 on both)."""
     dtype = torch.float64
-    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
-    pack = open_pack((v4_packs if arch == "V4" else v41_packs)["native"])
-    emulation = QuantEmulation(act_block=16, kv_block=8) if arch == "V4" else QuantEmulation.deepseek_v41()
+    pack = open_pack((v4_packs if arch == "V4" else v41_packs)[layout])
     tokens = long_rows(pack.config["vocab_size"], 103, rng_seed)
-    cpu, gpu = Oracle(pack, dtype=dtype), Oracle(pack, device="cuda", dtype=dtype)
-    emulate_reference_quant(cpu, emulation)
-    emulate_reference_quant(gpu, emulation)
+    cpu, gpu = Oracle(pack, dtype=dtype, numerics="deepseek"), Oracle(pack, device="cuda", dtype=dtype, numerics="deepseek")
     want, got = cpu.logits(tokens), gpu.logits(tokens)
+    exact = Oracle(pack, dtype=dtype).logits(tokens)
     gap = ((got - want).abs().max() / want.abs().max()).item()
-    print(f"{arch} {emulation.label} {str(dtype)[6:]}: CUDA vs CPU {gap:.3g}")
-    assert gap <= LIMIT[dtype]
+    effect = ((want - exact).abs().max() / exact.abs().max()).item()
+    print(f"{arch} {layout} {cpu.family.numerics_label} {str(dtype)[6:]}: CUDA vs CPU {gap:.3g}, rounding moves {effect:.3g}")
+    assert gap <= LIMIT[dtype] and effect > 1e-4

@@ -326,15 +326,11 @@ def test_model_prefixed_drafter_names(built, tmp_path, rng_seed):
     assert torch.equal(a.logits, b.logits)
 
 
-def test_refuses_fake_quant_emulation(built):
-    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
+def test_refuses_deepseek_numerics(built):
     _, _, _, folder = built
-    oracle = Oracle(open_pack(folder))
-    drafter = DSparkDrafter(oracle)
-    emulate_reference_quant(oracle, QuantEmulation())
-    with pytest.raises(ConfigError, match="fake quantisation"):
-        drafter.draft(torch.tensor([[1, 2, 3]]), [1])
-    emulate_reference_quant(oracle, None)
+    with pytest.raises(ConfigError, match="numerics 'deepseek'"):
+        DSparkDrafter(Oracle(open_pack(folder), numerics="deepseek")).draft(torch.tensor([[1, 2, 3]]), [1])
+    drafter = DSparkDrafter(Oracle(open_pack(folder)))
     assert drafter.draft(torch.tensor([[1, 2, 3]]), [1]).logits.shape == (1, 1, BLOCK, TRUNK["vocab_size"])
 
 

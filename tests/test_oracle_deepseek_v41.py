@@ -351,47 +351,6 @@ def test_self_owned_pools_reduce_to_v4(tmp_path, rng_seed):
     assert (own - want).abs().max() > 1e-2
 
 
-def test_fp4_kv_emulation_rounds_pool_entries(tmp_path, rng_seed, monkeypatch):
-    """The reference's FP4 KV (e2m1 in blocks of 16, e4m3 scales) in the optional emulation: every 16-value block of a
-    pool entry's non-rotary part is an e4m3 scale times e2m1 values, the rotary part is not rounded, the label says
-    so."""
-    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
-    cfg = base_config(engram_layer_ids=[], head_dim=36)
-    oracle = Oracle(open_pack(write_pack(tmp_path / "p", cfg, rng_seed)))
-    calls = capture_attention(monkeypatch)
-    tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 20)
-    exact = oracle.logits(tokens)
-    exact_pool = calls[1][3].pools[1].entries[0]
-    label = emulate_reference_quant(oracle, QuantEmulation(activations=False, kv="fp4"))
-    assert "kv fp4-e2m1/16 e4m3 scales" in label and oracle.family.numerics == label
-    calls.clear()
-    from fidelity.oracle.deepseek import quant as deepseek_v4_quant
-    roundings = []                                               # (input, output) of every fp4 rounding in the forward
-    real_fp4 = deepseek_v4_quant.fake_fp4_e4m3_scales
-    monkeypatch.setattr(deepseek_v4_quant, "fake_fp4_e4m3_scales",
-                        lambda x, block: roundings.append((x, real_fp4(x, block))) or roundings[-1][1])
-    rounded = oracle.logits(tokens)
-    pool = calls[1][3].pools[1].entries[0]
-    grid = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
-    nope = pool[:, :36 - RD].reshape(-1, 16)
-    for block in nope:
-        s = block.abs().max().item() / 6.0
-        assert s == torch.tensor(s).to(torch.float8_e4m3fn).float().item()       # an e4m3 value
-        assert {abs(v) / s for v in block.tolist()} <= grid
-    rope_part = pool[:, 36 - RD:].reshape(-1, RD)                # not rounded: off any 4-value fp4 block's grid
-    assert not all({abs(v) / (b.abs().max().item() / 6.0) for v in b.tolist()} <= grid for b in rope_part)
-    # each rounding moves a value by at most its block's scale (half the widest e2m1 step, 4 -> 6, times the scale;
-    # an e4m3 scale rounded down clamps by less); pool and exact_pool also differ by what rounding upstream propagated
-    assert roundings
-    for x, y in roundings:
-        xb, yb = x.reshape(-1, 16), y.reshape(-1, 16)
-        assert ((yb - xb).abs().amax(1) <= yb.abs().amax(1) / 6.0).all()
-    outputs = {tuple(r) for x, y in roundings if y.shape[-1] == 36 - RD for r in y.reshape(-1, 36 - RD).tolist()}
-    assert all(tuple(r) in outputs for r in pool[:, :36 - RD].tolist())     # the pool holds these roundings' outputs
-    assert (pool - exact_pool).abs().max() > 0
-    assert (rounded - exact).abs().max() > 1e-4
-
-
 def test_rows_batched_together_equal_rows_alone(tmp_path, rng_seed):
     """Rows of two lengths (two batches, each with its own pools, selections and carried pre) give the same final
     hidden states as each row alone."""
@@ -463,23 +422,22 @@ def fp8_block_ok(block: torch.Tensor) -> bool:
     return torch.equal((block / s).to(torch.float8_e4m3fn).float() * s, block)
 
 
-def test_v41_reference_emulation_rounds_where_the_reference_does(tmp_path, rng_seed, monkeypatch):
-    """QuantEmulation.deepseek_v41(): window KV whole-vector fp8 in blocks of 32 with power-of-two scales, pool entries
-    whole-vector fp4 (blocks of 16, e4m3 scales), rotary dims included; activations in blocks of 32 (not wo_a's)."""
-    from fidelity.oracle.deepseek.quant import QuantEmulation, emulate_reference_quant
+def test_v41_deepseek_numerics_round_where_the_reference_does(tmp_path, rng_seed, monkeypatch):
+    """numerics "deepseek" on V4.1: window KV whole-vector fp8 in blocks of 32 with power-of-two scales, pool entries
+    whole-vector fp4 (blocks of 16, e4m3 scales), rotary dims included, indexer q/k fp4 (blocks of 32, power-of-two
+    scales); a bf16 pack's linears take their inputs unrounded (the reference's linear() rounds only FP8/FP4 weights)."""
+    from fidelity.oracle.deepseek import quant
     cfg = base_config(head_dim=64, q_lora_rank=32, o_lora_rank=16)
-    oracle = Oracle(open_pack(write_pack(tmp_path / "p", cfg, rng_seed)))
+    pack = open_pack(write_pack(tmp_path / "p", cfg, rng_seed))
     tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 1, 20)
-    exact = oracle.logits(tokens)
-    label = emulate_reference_quant(oracle, QuantEmulation.deepseek_v41())
-    assert label == ("reference fake-quant: act fp8-e4m3/32 ue8m0 scales, window kv fp8-e4m3/32 ue8m0 scales, "
-                     "compressed kv fp4-e2m1/16 e4m3 scales (rotary dims too) (indexer unquantised)")
-    windows, acts = [], []
-    original_round = QuantEmulation.round_kv
-    monkeypatch.setattr(QuantEmulation, "round_kv", lambda self, kv, rd, compressed=False: (
-        windows.append((compressed, out := original_round(self, kv, rd, compressed))), out)[1])
-    original_act = QuantEmulation.act
-    monkeypatch.setattr(QuantEmulation, "act", lambda self, x: (acts.append(out := original_act(self, x)), out)[1])
+    exact = Oracle(pack).logits(tokens)
+    seen = {"fp8": [], "fp4_e4m3": [], "fp4_pow2": []}
+    for key, fn in (("fp8", "fake_fp8"), ("fp4_e4m3", "fake_fp4_e4m3_scales"), ("fp4_pow2", "fake_fp4_pow2_scales")):
+        real = getattr(quant, fn)
+        monkeypatch.setattr(quant, fn, (lambda key, real: lambda x, block, *a: (
+            seen[key].append((block, out := real(x, block, *a))), out)[1])(key, real))
+    oracle = Oracle(pack, numerics="deepseek")
+    assert "V4.1" in oracle.family.numerics_label and "fp8-e4m3/32 (whole post-RoPE vector)" in oracle.family.numerics_label
     calls = capture_attention(monkeypatch)
     rounded = oracle.logits(tokens)
     assert (rounded - exact).abs().max() > 1e-4
@@ -489,15 +447,17 @@ def test_v41_reference_emulation_rounds_where_the_reference_does(tmp_path, rng_s
         s = block.abs().max().item() / 6.0
         assert s == torch.tensor(s).to(torch.float8_e4m3fn).float().item()
         assert {abs(v) / s for v in block.tolist()} <= grid
-    window = [kv for compressed, kv in windows if not compressed]
-    assert len(window) == 5 and all(fp8_block_ok(b) for kv in window for b in kv.reshape(-1, 32))
-    assert all(fp8_block_ok(b) for x in acts for b in x.reshape(-1, 32))
-    # per layer: wq_a, wkv, wq_b, wo_b, shared w1/w3 + w2, per routed expert w1/w3 + w2 (+ indexer wq_b where it
-    # runs, + engram wkv in layer 0); wo_a's input ([.., heads x head_dim / o_groups] = 64 wide, a bf16 weight) is not
-    assert acts and all(x.shape[-1] == 32 for x in acts)
-    assert len(acts) >= 5 * (4 + 2) + 3 + 1
-
-
+    # fp8 only for the window KV ([.., 64] wide, 5 layers): no linear input of this bf16 pack is rounded
+    assert len(seen["fp8"]) == 5 and all(block == 32 and x.shape[-1] == 64 for block, x in seen["fp8"])
+    assert all(fp8_block_ok(b) for _, kv in seen["fp8"] for b in kv.reshape(-1, 32))
+    assert seen["fp4_e4m3"] and all(block == 16 for block, _ in seen["fp4_e4m3"])
+    assert seen["fp4_pow2"] and all(block == 32 for block, _ in seen["fp4_pow2"])
+    for _, x in seen["fp4_pow2"]:        # e2m1 values times a power of two per 32 values (or the shorter last block)
+        for block in (b for row in x.reshape(-1, x.shape[-1]) for b in row.split(32)):
+            amax = block.abs().max().item()
+            if amax:
+                s = 2.0 ** math.ceil(math.log2(amax / 6.0))
+                assert {abs(v) / s for v in block.tolist()} <= grid
 def test_a_pool_reader_run_before_its_source_is_named(tmp_path, rng_seed):
     from fidelity.errors import FidelityError
     oracle = Oracle(open_pack(write_pack(tmp_path / "p", base_config(engram_layer_ids=[]), rng_seed)))
