@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--resume", help="folder keeping every finished pass (reference, noise floor, each pack); a rerun with "
                                     "the same folder recomputes only unfinished ones (default: OUT/passes with --out)")
     p.add_argument("--no-noise-floor", action="store_true", help="skip the perturbed reference run")
+    add_numerics_argument(p)
+    p.add_argument("--no-numerics-floor", action="store_true",
+                   help="skip the numerics floor (DeepSeek V4/V4.1: the reference under the other numerics)")
     p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context instead of failing")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -159,6 +162,26 @@ def _rich_table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
     return t
 
 
+def add_numerics_argument(p: argparse.ArgumentParser) -> None:
+    from ..oracle.numerics import DEFAULT_NUMERICS, NUMERICS
+    p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="the oracle's numerics: exact (fp32 math, the weights' error alone; default) or deepseek "
+                        "(DeepSeek-V4/V4.1: what DeepSeek's inference/model.py rounds, as the seed cards measure)")
+
+
+def numerics_floor_lines(floor: dict | None) -> list[str]:
+    """The numerics floor, overall and per domain with its 95% CIs: what the choice of numerics alone does."""
+    if not floor:
+        return []
+    o = floor["overall"]
+    out = [f"numerics floor ({floor['direction']}): KLD {fmt(o['kld_mean'], '.3e')} "
+           f"{fmt_ci(o.get('kld_mean_ci95'), '.2e')}  top-1 {pct(o['top1'])}% {pct_ci(o.get('top1_ci95'))}"]
+    for name, d in (floor.get("domains") or {}).items():
+        out.append(f"  {name}: KLD {fmt(d['kld_mean'], '.3e')} {fmt_ci(d.get('kld_mean_ci95'), '.2e')}  "
+                   f"top-1 {pct(d['top1'])}% {pct_ci(d.get('top1_ci95'))}")
+    return out
+
+
 def print_report(result: dict, console: Console | None = None, full: bool = False):
     con = console or Console()
     if not con.is_terminal:
@@ -168,11 +191,14 @@ def print_report(result: dict, console: Console | None = None, full: bool = Fals
               f"{p['sha256'][:12]})  reference [cyan]{result['reference']['path']}[/cyan]  {result['direction']}")
     if result.get("resumed"):
         con.print(f"resumed: {', '.join(result['resumed'])} read back from the resume folder, not recomputed")
+    con.print(f"numerics [bold]{result.get('numerics', 'exact')}[/bold]: {result.get('numerics_label', 'exact')}")
     nf = result.get("noise_floor")
     if nf:
         top1 = fmt(100 * nf["top1"], ".2f") if nf.get("top1") is not None else "-"
         con.print(f"noise floor (reference with ~1 bf16 rounding step of noise on every module output): "
                   f"KLD {fmt(nf['kld_mean'], '.2e')}  top-1 {top1}%")
+    for line in numerics_floor_lines(result.get("numerics_floor")):
+        con.print(line)
     con.print(_rich_table("per domain (ΔNLL = NLL pack - NLL ref; rows worse: rows whose mean NLL rose, sign test p)",
                           HEADERS, table_rows(result)))
     con.print(_rich_table("summary", SUMMARY_HEADERS, summary_rows(result)))
@@ -219,7 +245,11 @@ def markdown(result: dict) -> str:
     strip = lambda s: s.replace("[b]", "**").replace("[/b]", "**")
     lines = [f"Panel `{result['panel']['name']}` (sha256 `{result['panel']['sha256'][:12]}`), "
              f"{result['panel']['scored_positions']} scored tokens; {result['direction']}. Definitions: fidelity's "
-             f"README, \"What compare reports\".", ""]
+             f"README, \"What compare reports\".", "",
+             f"Numerics: `{result.get('numerics', 'exact')}` ({result.get('numerics_label', 'exact')}).", ""]
+    floor = numerics_floor_lines(result.get("numerics_floor"))
+    if floor:
+        lines += [f"- {line.strip()}" for line in floor] + [""]
     for headers, rows in ((SUMMARY_HEADERS, summary_rows(result)), (HEADERS, table_rows(result))):
         lines += ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
         lines += ["| " + " | ".join(strip(c) for c in r) + " |" for r in rows]
@@ -327,7 +357,8 @@ def run(args) -> int:
             res = compare(args.reference, args.packs, panel=args.panel, reference_store=args.reference_store,
                           device=args.device, labels=args.label, noise_floor=not args.no_noise_floor,
                           n_boot=args.bootstrap, seed=args.seed, truncate=args.truncate,
-                          progress=parallel.is_main(), resume=resume)
+                          progress=parallel.is_main(), resume=resume, numerics=args.numerics,
+                          numerics_floor=not args.no_numerics_floor)
         except BaseException as e:
             parallel.finish(e)
             if parallel.is_main() and isinstance(e, FidelityError):

@@ -15,6 +15,7 @@ from ..measuring.panels import PanelError, PanelRow, load_panel, write_panel
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    from .compare import add_numerics_argument
     sub = p.add_subparsers(dest="panel_command", metavar="ACTION", required=True)
     b = sub.add_parser("build", help="answer prompts through a served model (--engine) or the reference oracle (--pack)")
     b.add_argument("--prompts", required=True, help='jsonl: {"id", "domain", "prompt"} or {"id", "domain", "messages", '
@@ -36,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser):
     b.add_argument("--timeout", type=float, default=600.0, help="with --engine: seconds per request")
     b.add_argument("--no-score-reasoning", action="store_true", help="rows score content and tool calls, not reasoning")
     b.add_argument("--license", default="CC0-1.0", help="license of the prompts (answers are model outputs)")
+    add_numerics_argument(b)
     m = sub.add_parser("manifest", help="recompute a panel folder's manifest (sha256, row counts) after editing panel.jsonl")
     m.add_argument("folder")
     t = sub.add_parser("from-text", help="fixed-length token rows cut from text sources (one domain per source)")
@@ -75,7 +77,7 @@ class GreedyAnswerer:
     drafted token, and at the first one that is not the oracle's argmax (a near tie where the two differ in the last
     bits) the oracle's token replaces it and drafting resumes from there."""
 
-    def __init__(self, pack, device: str = "cpu", max_new_tokens: int = 64):
+    def __init__(self, pack, device: str = "cpu", max_new_tokens: int = 64, numerics: str = "exact"):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -83,7 +85,7 @@ class GreedyAnswerer:
         from ..packs.tokenizer import load_tokenizer
 
         self.tok = load_tokenizer(pack)
-        self.oracle = Oracle(pack, device=device, keep_weights=True)
+        self.oracle = Oracle(pack, device=device, keep_weights=True, numerics=numerics)
         src = pack.tokenizer_source()
         if not pack.path.is_dir():
             raise PanelError(f"panel build drafts with transformers and needs a native pack folder, not {pack.path}")
@@ -130,7 +132,7 @@ class GreedyAnswerer:
 
 def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, name: str | None = None,
                 description: str = "", max_new_tokens: int = 64, license: str = "CC0-1.0", progress: bool = True,
-                score_reasoning: bool = True):
+                score_reasoning: bool = True, numerics: str = "exact"):
     from tqdm.auto import tqdm
 
     from ..packs import open_pack
@@ -138,7 +140,7 @@ def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, 
 
     pack = open_pack(pack_path)
     items = read_prompts(prompts)
-    answerer = GreedyAnswerer(pack, max_new_tokens=max_new_tokens)
+    answerer = GreedyAnswerer(pack, max_new_tokens=max_new_tokens, numerics=numerics)
     rows, corrected = [], 0
     for p in tqdm(items, desc="answering", disable=not progress, unit="prompt"):
         shaped = template_messages(PanelRow(p.id, p.domain, messages=p.messages), answerer.tok.chat_template or "")
@@ -152,11 +154,11 @@ def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, 
                              score_reasoning=score_reasoning))
     sources = [{"part": "prompts", "source": str(Path(prompts).name), "license": license},
                {"part": "answers", "source": f"greedy answers of the reference pack (fingerprint {pack.fingerprint()}, "
-                                             f"max {max_new_tokens} new tokens) through the fidelity oracle",
+                                             f"max {max_new_tokens} new tokens) through the fidelity oracle (numerics {numerics})",
                 "license": "model output"}]
     return write_panel(out, rows, name=name or Path(out).name, description=description, sources=sources,
                        extra={"answers": {"pack_fingerprint": pack.fingerprint(), "max_new_tokens": max_new_tokens,
-                                          "oracle_corrections": corrected}})
+                                          "oracle_corrections": corrected, "numerics": numerics}})
 
 
 def run(args) -> int:
@@ -172,7 +174,7 @@ def run(args) -> int:
                                       timeout_s=args.timeout)
             panel = build_panel_from_engine(args.prompts, args.engine, args.model, args.out, settings, name=args.name,
                                             description=args.description, license=args.license,
-                                            score_reasoning=not args.no_score_reasoning)
+                                            score_reasoning=not args.no_score_reasoning, numerics=args.numerics)
             a = json.loads((panel.path / "manifest.json").read_text())["answers"]
             con.print(f"{a['requests']['sent']} requests sent, {a['requests']['from_journal']} answered from the "
                       f"journal; finish reasons {a['finish_reasons']}, {a['truncated_rows']} rows truncated")
@@ -182,7 +184,7 @@ def run(args) -> int:
                     raise PanelError(f"--{flag} is for --engine builds; --pack answers greedily through the oracle")
             panel = build_panel(args.prompts, args.pack, args.out, name=args.name, description=args.description,
                                 max_new_tokens=args.max_new_tokens or 64, license=args.license,
-                                score_reasoning=not args.no_score_reasoning)
+                                score_reasoning=not args.no_score_reasoning, numerics=args.numerics)
     elif args.panel_command == "from-text":
         from ..measuring.panel_text import panel_from_text
 

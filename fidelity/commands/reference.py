@@ -7,22 +7,26 @@ from rich.console import Console
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    from .compare import add_numerics_argument
+
     p.add_argument("pack", help="reference pack")
     p.add_argument("--panel", help="panel folder, .jsonl/.parquet file or hf:NAME[:SPLIT] (default: panels/default)")
     p.add_argument("-o", "--out", required=True, help="folder to write the store into")
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--device", default="cpu")
     p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context")
+    add_numerics_argument(p)
     p.add_argument("--parallel", choices=("rows", "experts"), default="rows",
                    help="under torchrun: split panel rows (default) or MoE experts across ranks")
 
 
-def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", truncate: bool = False, progress: bool = True):
+def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", truncate: bool = False, progress: bool = True,
+                numerics: str = "exact"):
     from ..measuring.compare import _oracle, prepare
     from ..measuring.store import run_reference, write_store
 
     ref_pack, panel, rows, tok_fp = prepare(pack, panel, truncate=truncate)
-    oracle = _oracle(ref_pack, device)
+    oracle = _oracle(ref_pack, device, numerics)
     ref = run_reference(oracle, rows, progress=progress)
     from ..oracle import parallel
     if not parallel.is_main():  # under torchrun rank 0 writes the store
@@ -37,7 +41,7 @@ def run(args) -> int:
     parallel.configure(parallel=getattr(args, "parallel", "rows"))
     try:
         m = build_store(args.pack, args.panel, args.out, top_k=args.top_k, device=args.device, truncate=args.truncate,
-                        progress=parallel.is_main())
+                        progress=parallel.is_main(), numerics=args.numerics)
     except BaseException as e:
         parallel.finish(e)
         raise

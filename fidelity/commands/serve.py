@@ -5,11 +5,13 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    from .compare import add_numerics_argument
     p.add_argument("pack", help="pack folder, .safetensors or .gguf file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the model id the server reports and accepts (default: the pack's file name)")
     p.add_argument("--device", default="cpu")
+    add_numerics_argument(p)
 
 
 def run(args) -> int:
@@ -21,5 +23,6 @@ def run(args) -> int:
     def ready(httpd, engine):
         print(f"fidelity serve: {engine.model_name} ({pack.format}) on http://{args.host}:{httpd.server_address[1]}", flush=True)
 
-    serve(pack, host=args.host, port=args.port, model_name=args.model_name, device=args.device, ready=ready)
+    serve(pack, host=args.host, port=args.port, model_name=args.model_name, device=args.device, ready=ready,
+          numerics=args.numerics)
     return 0

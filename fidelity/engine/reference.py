@@ -48,7 +48,7 @@ def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per
 
     from ..measuring.compare import _oracle, prepare
     from ..packs.tokenizer import load_tokenizer
-    from ..measuring.store import check_topk, load_store, stored_sources
+    from ..measuring.store import check_topk, load_store, read_manifest, stored_sources
 
     stored_pack, stored_panel = stored_sources(store_dir)
     if reference_pack is None:
@@ -65,7 +65,7 @@ def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per
                                 f"more: pass the panel's new place with --panel")
         panel = stored_panel
     ref_pack, panel, rows, tok_fp = prepare(reference_pack, panel)
-    oracle = _oracle(ref_pack, device)
+    oracle = _oracle(ref_pack, device, read_manifest(store_dir).get("oracle_numerics", "exact"))   # the store's own
     run = load_store(store_dir, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp, oracle=oracle)
     keep, seen = [], {}
     for i, r in enumerate(run.rows):

@@ -54,12 +54,12 @@ class Step:
 
 
 class OracleEngine:
-    def __init__(self, pack, model_name: str | None = None, device: str = "cpu"):
+    def __init__(self, pack, model_name: str | None = None, device: str = "cpu", numerics: str = "exact"):
         from ..oracle import Oracle
         from ..packs.tokenizer import load_tokenizer
 
         self.pack = pack
-        self.oracle = Oracle(CachedPack(pack), device=device, dtype=torch.float32, keep_weights=True)
+        self.oracle = Oracle(CachedPack(pack), device=device, dtype=torch.float32, keep_weights=True, numerics=numerics)
         self.tokenizer = load_tokenizer(pack)
         self.model_name = model_name or getattr(pack, "path", "oracle").name
         self.vocab = self.oracle.family.vocab_size
@@ -272,8 +272,9 @@ def make_handler(engine: OracleEngine):
     return Handler
 
 
-def serve(pack, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, device: str = "cpu", ready=None):
-    engine = OracleEngine(pack, model_name=model_name, device=device)
+def serve(pack, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, device: str = "cpu", ready=None,
+          numerics: str = "exact"):
+    engine = OracleEngine(pack, model_name=model_name, device=device, numerics=numerics)
     httpd = ThreadingHTTPServer((host, port), make_handler(engine))
     if ready:
         ready(httpd, engine)

@@ -22,6 +22,7 @@ from ..errors import ConfigError, PackError
 from .metrics import PositionMetrics, position_metrics
 from ..packs.config_check import check_against_config
 from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
+from ..oracle.numerics import DEFAULT_NUMERICS, check_numerics
 from ..routing import RoutingCounts
 from .stats import RowGroups, paired_difference, summarize
 from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index
@@ -54,18 +55,32 @@ def check_same_vocab(ref, pack) -> None:
                         f"KL needs one vocabulary", file=pack.path)
 
 
-def _oracle(pack, device: str):
+def _oracle(pack, device: str, numerics: str = DEFAULT_NUMERICS):
     from ..oracle import parallel  # prefetch, and row/expert parallel under torchrun, as for every oracle here
-    return parallel.make_oracle(pack, device)
+    return parallel.make_oracle(pack, device, numerics=numerics)
 
 
-def perturbed_oracle(pack, device: str = "cpu", seed: int = 0, rel: float = NOISE_REL):
+def other_numerics(pack, numerics: str) -> str | None:
+    """The numerics the numerics floor sets against `numerics` ("exact" <-> "deepseek"), or None where the pack's
+    family defines only one."""
+    from ..oracle.families import family_for
+    other = "deepseek" if numerics == "exact" else "exact"
+    family = family_for(pack.config)
+    family.resolve_names(pack.names())
+    try:
+        family.set_numerics(other, pack)
+    except ConfigError:
+        return None
+    return other
+
+
+def perturbed_oracle(pack, device: str = "cpu", seed: int = 0, rel: float = NOISE_REL, numerics: str = DEFAULT_NUMERICS):
     """An Oracle whose every layer's attention and MLP outputs are multiplied by (1 + rel * u), u ~ U(-1, 1), from a
     generator seeded per (seed, layer, role): a reproducible stand-in for bf16 rounding of each module output. The
     perturbation is the last stage of the oracle's load chain (`LoadChain.layer`), so prefetch and sharding run below
     it unchanged."""
     from ..oracle import parallel
-    return parallel.make_oracle(pack, device, layer=(Perturbation(seed, rel),))
+    return parallel.make_oracle(pack, device, layer=(Perturbation(seed, rel),), numerics=numerics)
 
 
 @dataclass(frozen=True)
@@ -228,9 +243,13 @@ def prepare(reference, panel: Panel | str | Path | None, *, truncate: bool = Fal
 def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, reference_store: str | Path | None = None,
             device: str = "cpu", labels: list[str] | None = None, noise_floor: bool = True, n_boot: int = 2000,
             seed: int = 0, truncate: bool = False, progress: bool = True,
-            resume: str | Path | None = None) -> CompareResult:
+            resume: str | Path | None = None, numerics: str = DEFAULT_NUMERICS,
+            numerics_floor: bool = True) -> CompareResult:
     """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default).
-    `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest."""
+    `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest.
+    `numerics`: every oracle's ("exact" | "deepseek", fidelity.oracle.numerics). `numerics_floor`: where the reference's
+    family defines both, also KL(reference under `numerics` || reference under the other): what the choice alone
+    does on this panel."""
     from ..packs import open_pack
 
     cand = [p if hasattr(p, "names") else open_pack(p) for p in packs]
@@ -239,12 +258,14 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
     ref_pack, panel, rows, tok_fp = prepare(reference, panel, truncate=truncate)
     for p in cand:
         check_same_vocab(ref_pack, p)
-    ref_oracle = _oracle(ref_pack, device)
+    check_numerics(numerics)
+    ref_oracle = _oracle(ref_pack, device, numerics)
     keep = None
     if resume is not None:
         keep = Resume(resume, {"fidelity_version": __version__, "panel_sha256": panel.sha256, "tokenizer": tok_fp,
                                "truncate": truncate, "reference": ref_pack.fingerprint(),
-                               "device": torch.device(device).type, "dtype": str(ref_oracle.dtype)}, rows)
+                               "device": torch.device(device).type, "dtype": str(ref_oracle.dtype),
+                               "numerics": numerics}, rows)
     store_path = reference_store
     if reference_store is None and keep is not None:
         store_path = keep.reference_store()
@@ -286,9 +307,18 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
 
     noise = None
     if noise_floor:
-        noise_pm = measure("noise-floor", lambda: perturbed_oracle(ref_pack, device=device, seed=seed),
+        noise_pm = measure("noise-floor", lambda: perturbed_oracle(ref_pack, device=device, seed=seed, numerics=numerics),
                            {"noise_seed": seed, "noise_rel": NOISE_REL}, "noise floor", noise=True)
         noise = summarize(noise_pm, groups, n_boot=n_boot, seed=seed)["overall"]
+    floor = None
+    other = other_numerics(ref_pack, numerics) if numerics_floor else None
+    if other is not None:
+        floor_pm = measure(f"numerics-floor-{other}", lambda: _oracle(ref_pack, device, other),
+                           {"other_numerics": other}, f"numerics floor ({numerics} vs {other})", noise=True)
+        s = summarize(floor_pm, groups, n_boot=n_boot, seed=seed)
+        floor = {"reference_numerics": numerics, "other_numerics": other,
+                 "direction": f"KL(reference under {numerics} || reference under {other})",
+                 "overall": s["overall"], "domains": s["domains"]}
 
     from ..oracle import parallel
 
@@ -301,7 +331,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         taken.add(label)
         fingerprint = pack.fingerprint()
         try:
-            pm = measure(f"pack-{fingerprint}", lambda: _oracle(pack, device), {"pack": fingerprint}, label)
+            pm = measure(f"pack-{fingerprint}", lambda: _oracle(pack, device, numerics), {"pack": fingerprint}, label)
         except PackError as e:
             # this pack cannot be measured (non-finite activations, a tensor that does not decode): reported as failed,
             # the others still measured. Not the reference's own failures, and not under torchrun, where only the
@@ -316,6 +346,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         ov = summary["overall"]
         ov["noise_floor_kld"] = noise["kld_mean"] if noise else None
         ov["x_noise_floor"] = (ov["kld_mean"] / noise["kld_mean"]) if noise and noise["kld_mean"] and ov["kld_mean"] is not None else None
+        ov["numerics_floor_kld"] = floor["overall"]["kld_mean"] if floor else None
         counts = routing.get(f"pack-{fingerprint}")
         bits = pack.bits_per_weight(routing=counts.fractions() if counts is not None and counts.layers else None).rows
         results.append({"pack": str(Path(pack.path).resolve()), "label": label, "format": pack.format,
@@ -341,7 +372,10 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
                   "domains": panel.domains},
         "reference": {"path": str(Path(ref_pack.path).resolve()), "fingerprint": ref_pack.fingerprint(), "format": ref_pack.format,
                       "store": str(Path(reference_store).resolve()) if reference_store else None},
+        "numerics": numerics,
+        "numerics_label": getattr(ref_oracle.family, "numerics_label", numerics),
         "noise_floor": noise,
+        "numerics_floor": floor,
         "resumed": keep.reused if keep is not None else [],
         "identity": "fingerprints hash format, config, storage and every byte of every file the tensors are read from "
                     "(BLAKE3; MANIFEST.sha256 verified where present)",

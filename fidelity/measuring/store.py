@@ -208,6 +208,7 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
         "tokenizer_fingerprint": tokenizer_fingerprint, "fidelity_version": __version__, "top_k": k, "hidden_size": int(ref.hidden[0].shape[1]) if ref.hidden else 0,
         "hidden_dtype": "float32", "bytes": nbytes, "bytes_per_scored_position": nbytes / max(scored, 1),
         "numerics": numerics(oracle.device),
+        "oracle_numerics": getattr(oracle, "numerics", "exact"),
     }
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
@@ -340,6 +341,10 @@ def load_store(path: str | Path, panel: Panel, rows: list[TokenizedRow], *, pack
         raise StoreError(f"{path}: this store was built from reference pack {m['pack_fingerprint']} (head "
                          f"{m.get('head_sha256')}), not from {pack_fingerprint} (head {head}): its hidden states only "
                          f"give exact logits through the same head")
+    stored, running = m.get("oracle_numerics", "exact"), getattr(oracle, "numerics", "exact") if oracle else None
+    if running is not None and stored != running:
+        raise StoreError(f"{path}: this store was built under numerics {stored!r}, this run's oracle computes under "
+                         f"{running!r}: build the store again with --numerics {running}, or run with --numerics {stored}")
     table = pq.read_table(path / RECORDS_FILE)
     by_row: dict[str, dict] = {}
     row_ids = table.column("row_id").to_pylist()
