@@ -398,7 +398,12 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
                        "panel_40_layers_compute_min": (LAYERS * (s - alloc_s) + alloc_s) * PANEL_TOKENS / n_tok / 60,
                        "panel_40_layers_compute_min_allocs_every_layer": LAYERS * s * PANEL_TOKENS / n_tok / 60})
     oracle.activation_budget = budget
-    return {"arch": arch, **info, "shapes": shapes, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
+    numerics_cost = None
+    if args.numerics_cost:
+        oracle.release()
+        del oracle
+        numerics_cost = time_numerics(pack, rows, device, budget, args)
+    return {"arch": arch, **info, "shapes": shapes, "numerics_cost": numerics_cost, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
             "engram_rows_s": engram_s, "experts_pass": expert_decodes, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
             "layer_load_at_384_s": panel_load, "compute_s": compute_s, "tokens": tokens,
             "tokens_per_s": tokens / compute_s, "tflops": flops / compute_s / 1e12, "floor_s": floor,
@@ -406,6 +411,27 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
             "device_decode_one_matrix_ms": decode_one * 1e3, "gpu_peak_GiB": peak / 2**30 if peak else None,
             "finite": finite, "profile": profile, "panel_40x384_serial_min": serial / 60, "panel_40x384_overlapped_min": overlapped / 60,
             "panel_floor_min": floor_panel / 60}
+
+
+def time_numerics(pack, rows, device, budget, args) -> dict:
+    """The layer under numerics "deepseek" (DeepSeek's reference rounding) against "exact" on the same rows, each
+    oracle alone on the device, alternating exact / deepseek / exact / deepseek (median of each): seconds, the ratio,
+    and how far the rounding moves the layer's output."""
+    runs: dict[str, list[float]] = {"exact": [], "deepseek": []}
+    outputs = {}
+    for numerics in ("exact", "deepseek") * max(1, args.repeat // 2 + 1):
+        oracle = Oracle(pack, device=device, keep_weights=True, activation_budget=budget,
+                        expert_budget_bytes=expert_budget(args), numerics=numerics)
+        oracle.hidden_states(rows[:1], progress=False)                       # warm-up, layer built and kept
+        s, hidden = timed(lambda: oracle.hidden_states(rows, progress=False), device)
+        runs[numerics].append(s)
+        outputs[numerics] = torch.cat([h.flatten().double().cpu() for h in hidden])
+        oracle.release()
+        del oracle, hidden
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    moved = float((outputs["deepseek"] - outputs["exact"]).abs().max() / outputs["exact"].abs().max())
+    return {"exact_s": med["exact"], "deepseek_s": med["deepseek"], "x": med["deepseek"] / med["exact"],
+            "runs": runs, "output_moved_rel": moved}
 
 
 def bench_pipeline(arch: str, args, device, work: Path) -> dict:
@@ -711,6 +737,8 @@ def main(argv=None) -> int:
                     help="decoded routed experts kept per layer (GiB; Oracle(expert_budget_bytes=)); default: all; "
                          "the others are decoded for each call")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script on any device")
+    ap.add_argument("--numerics-cost", action="store_true",
+                    help="also time each layer under numerics 'deepseek' against 'exact' (same rows, alternating)")
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--work", default=None, help="scratch folder for the packs (default: a temporary one)")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes per measurement, median (--parallel)")
@@ -953,6 +981,11 @@ def table(results: dict) -> str:
                      f"{r['panel_40x384_serial_min']:.1f} / {r['panel_40x384_overlapped_min']:.1f} / "
                      f"{r['panel_floor_min']:.1f} |")
     for r in results["layers"]:
+        c = r.get("numerics_cost")
+        if c:
+            lines.append(f"  {r['arch']}: numerics deepseek {c['deepseek_s']:.3f} s vs exact {c['exact_s']:.3f} s = "
+                         f"{c['x']:.3f}x (medians of {len(c['runs']['exact'])}); the rounding moves the layer's output "
+                         f"by {c['output_moved_rel']:.2e} of its largest magnitude")
         if r.get("experts_pass"):
             lines.append(f"  {r['arch']}" + expert_line(r["experts_pass"], ": routed experts, the timed pass"))
         if r.get("engram_rows_s") is not None:

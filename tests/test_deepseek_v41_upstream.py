@@ -12,6 +12,7 @@ queries against the last *published* index keys, which are layer 3's ratio-1 key
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek import v41
 from fidelity.oracle.deepseek.quant import DeepSeekRounding, identity
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "golden" / "deepseek_v41" / "model_forward.json"
+# ../shared beside the checkout; FIDELITY_SHARED names another copy (the device machine, where ../shared does not travel)
+SHARED = Path(os.environ.get("FIDELITY_SHARED") or Path(__file__).resolve().parents[2] / "shared")
+FIXTURE = SHARED / "golden" / "deepseek_v41" / "model_forward.json"
 BOUND = 1e-5          # relative to the reference's largest magnitude, per compared tensor
 QUIRK_POSITIONS = (12, 14, 16)
 
@@ -75,11 +78,11 @@ def pack(dump, tmp_path_factory):
 def run(oracle: Oracle, ids: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """({layer: streams [T, hc, dim]}, final hidden [T, dim], logits [T, vocab]) of one pass."""
     blocks: dict[int, torch.Tensor] = {}
-    taps = {layer: (lambda layer: lambda x: blocks.__setitem__(layer, x[0]))(layer)
+    taps = {layer: (lambda layer: lambda x: blocks.__setitem__(layer, x[0].cpu()))(layer)
             for layer in range(oracle.family.n_layers)}
     _, acts = oracle._forward([ids], False, taps=taps)
     final = acts[0][0]
-    return blocks, final, oracle.apply_head(final)
+    return blocks, final.cpu(), oracle.apply_head(final).cpu()
 
 
 def errors(dump: dict, blocks: dict, final: torch.Tensor, logits: torch.Tensor) -> list[dict]:
@@ -107,9 +110,14 @@ def ids_of(dump) -> list[int]:
 PREFILL_AND_FIRST_DECODE = (0, 11)
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.device, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_deepseek_numerics_reproduce_upstream_prefill_and_first_decode(dump, pack, dtype):
-    errs = errors(dump, *run(Oracle(pack, dtype=dtype, numerics="deepseek"), ids_of(dump)))
+def test_deepseek_numerics_reproduce_upstream_prefill_and_first_decode(dump, pack, dtype, device):
+    errs = errors(dump, *run(Oracle(pack, dtype=dtype, numerics="deepseek", device=device), ids_of(dump)))
     for e in errs:
         print(e)
     assert worst(errs, PREFILL_AND_FIRST_DECODE) <= BOUND
@@ -173,7 +181,7 @@ def upstream_decode_path(pack, dump, monkeypatch):
     def upstream_select(self, x, q_latent, keys, compress_rope, state):
         keep = select(self, x, q_latent, keys, compress_rope, state)
         if self.layer == 1:
-            stale = select(self, x, q_latent, published[:, :keys.shape[1]], compress_rope, state)
+            stale = select(self, x, q_latent, published[:, :keys.shape[1]].to(keys.device), compress_rope, state)
             keep[:, list(QUIRK_POSITIONS)] = stale[:, list(QUIRK_POSITIONS)]
         return keep
 
@@ -181,8 +189,9 @@ def upstream_decode_path(pack, dump, monkeypatch):
     monkeypatch.setattr(v41.Attention, "select", upstream_select)
 
 
-def test_later_decode_positions_follow_from_upstreams_cache_path(dump, pack, upstream_decode_path):
-    errs = errors(dump, *run(Oracle(pack, numerics="deepseek"), ids_of(dump)))
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_later_decode_positions_follow_from_upstreams_cache_path(dump, pack, upstream_decode_path, device):
+    errs = errors(dump, *run(Oracle(pack, numerics="deepseek", device=device), ids_of(dump)))
     for e in errs:
         print(e)
     assert worst(errs, [s["start"] for s in dump["steps"]]) <= BOUND
