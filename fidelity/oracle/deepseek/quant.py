@@ -36,7 +36,6 @@ FP8_MAX, FP4_MAX = 448.0, 6.0
 FP8_AMAX_FLOOR = 1e-4
 FP4_POW2_AMAX_FLOOR = 6 * 2.0 ** -126
 FP4_E4M3_AMAX_FLOOR = 6 * 2.0 ** -9
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 POW2_BITS = {torch.float32: (23, 127, torch.int32), torch.float64: (52, 1023, torch.int64)}  # mantissa bits, bias
 ROUNDED_WEIGHT_FORMATS = frozenset({"fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4"})
 
@@ -50,14 +49,12 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Nearest fp4 e2m1 value (ties to the even code); |x| must be <= 6."""
-    grid = torch.tensor(E2M1_GRID, dtype=x.dtype, device=x.device)
+    """Nearest fp4 e2m1 value (ties to the even code); |x| must be <= 6. The grid's spacing is 0.5 below 2, 1 below 4
+    and 2 up to 6, and each even code sits on an even multiple of its spacing, so rounding |x| / spacing half to even
+    is the nearest grid point with ties to the even code (exact: the spacings are powers of two)."""
     mag = x.abs()
-    upper = torch.bucketize(mag, grid).clamp(1, len(E2M1_GRID) - 1)   # grid[upper - 1] <= mag <= grid[upper]
-    lo, hi = grid[upper - 1], grid[upper]
-    below, above = mag - lo, hi - mag
-    take_hi = (above < below) | ((above == below) & (upper % 2 == 0))
-    return torch.where(take_hi, hi, lo).copysign(x)
+    spacing = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0)).to(x.dtype)
+    return (torch.round(mag / spacing) * spacing).copysign(x)
 
 
 def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
