@@ -347,12 +347,17 @@ class EngramLayer:
         return [f"layers.{layer}.engram.{w}" for w in ("wkv.weight", "k_weight", "q_weight")]
 
     def __call__(self, streams: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        a = self.a
-        B, T, hc, D = streams.shape
-        rows = ngram_rows(ids, a)     # hashed where the ids are (the oracle's device), the rows decoded onto the streams'
+        rows = ngram_rows(ids, self.a)   # hashed where the ids are (the oracle's device), decoded onto the streams'
         access = getattr(self.fetch, "engram_access", None)  # optional sink (fidelity.engram_access): lookups per row
         if access is not None:
-            access.add(a.layer, self.table.n_rows, rows)
+            access.add(self.a.layer, self.table.n_rows, rows)
+        return self.from_rows(streams, rows)
+
+    def from_rows(self, streams: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on already hashed table rows [B, T, n_heads]; `mask` [B, T] (bool): tokens whose streams get the
+        gated value (DeepSeek's reference takes one; every token where None)."""
+        a = self.a
+        B, T, hc, D = streams.shape
         embed = self.table.rows(rows, streams.device).flatten(2).to(streams)   # [B, T, heads*dim]
         kv = F.linear(self.act_quant(embed), self.wkv)
         key = rms_norm(kv[..., :hc * D].view(B, T, hc, D), self.k_weight, a.eps)
@@ -362,6 +367,8 @@ class EngramLayer:
         # signed square root, |dot| floored at 1e-6 as DeepSeek's V4.1 reference does (a zero dot gates at
         # sigmoid(+1e-3), not 0.5)
         weight = torch.sigmoid(torch.copysign(gate.abs().clamp_min(GATE_FLOOR).sqrt(), gate))
+        if mask is not None:
+            weight = weight * mask.to(device=weight.device, dtype=weight.dtype).unsqueeze(-1)
         return streams + weight.unsqueeze(-1) * value.unsqueeze(-2)
 
 
