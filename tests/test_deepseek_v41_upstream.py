@@ -12,8 +12,6 @@ queries against the last *published* index keys, which are layer 3's ratio-1 key
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +20,9 @@ from fidelity import open_pack
 from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek import v41
 from fidelity.oracle.deepseek.quant import DeepSeekRounding, identity
+from _upstream_v41 import GOLDEN, write_upstream_pack
 
-# ../shared beside the checkout; FIDELITY_SHARED names another copy (the device machine, where ../shared does not travel)
-SHARED = Path(os.environ.get("FIDELITY_SHARED") or Path(__file__).resolve().parents[2] / "shared")
-FIXTURE = SHARED / "golden" / "deepseek_v41" / "model_forward.json"
+FIXTURE = GOLDEN / "model_forward.json"
 BOUND = 1e-5          # relative to the reference's largest magnitude, per compared tensor
 QUIRK_POSITIONS = (12, 14, 16)
 
@@ -37,42 +34,9 @@ def dump() -> dict:
     return json.loads(FIXTURE.read_text())
 
 
-def upstream_config(c: dict) -> dict:
-    """upstream ModelArgs -> our V4.1 config.json, key by key."""
-    partial = c["rope_head_dim"] / c["head_dim"]
-    return dict(
-        architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", vocab_size=c["vocab_size"],
-        hidden_size=c["dim"], num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
-        head_dim=c["head_dim"], qk_rope_head_dim=c["rope_head_dim"], partial_rotary_factor=partial,
-        q_lora_rank=c["q_lora_rank"], o_groups=c["o_groups"], o_lora_rank=c["o_lora_rank"],
-        sliding_window=c["window_size"], index_n_heads=c["index_n_heads"], index_head_dim=c["index_head_dim"],
-        index_topk=c["index_topk"], hc_mult=c["hc_mult"], hc_sinkhorn_iters=c["hc_sinkhorn_iters"], hc_eps=c["hc_eps"],
-        rms_norm_eps=c["norm_eps"], max_position_embeddings=c["max_seq_len"], n_routed_experts=c["n_routed_experts"],
-        num_experts_per_tok=c["n_activated_experts"], moe_intermediate_size=c["moe_inter_dim"], n_shared_experts=1,
-        routed_scaling_factor=c["route_scale"], swiglu_limit=c["swiglu_limit"], scoring_func="sqrtsoftplus",
-        compress_ratios=c["compress_ratios"], kv_source_layer_ids=c["kv_source_layers"],
-        index_source_layer_ids=c["index_source_layers"], candidate_source_layer_id=c["candidate_source_layer"],
-        candidate_topk_blocks=c["candidate_topk_blocks"], candidate_block_size=c["candidate_block_size"],
-        num_hash_layers=0, tie_word_embeddings=False, hidden_act="silu",
-        rope_parameters={
-            "main": {"rope_type": "default", "rope_theta": c["rope_theta"], "partial_rotary_factor": partial},
-            "compress": {"rope_type": "yarn", "rope_theta": c["compress_rope_theta"], "factor": c["rope_factor"],
-                         "original_max_position_embeddings": c["original_seq_len"], "beta_fast": 32, "beta_slow": 1,
-                         "attention_factor": 1.0, "partial_rotary_factor": partial}})
-
-
-def write_pack(dump: dict, out: Path, **config_over) -> Path:
-    from safetensors.torch import save_file
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: torch.tensor(v, dtype=torch.float32).reshape(dump["shapes"][k]) for k, v in dump["params"].items()},
-              str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({**upstream_config(dump["config"]), **config_over}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def pack(dump, tmp_path_factory):
-    return open_pack(write_pack(dump, tmp_path_factory.mktemp("upstream_v41")))
+    return open_pack(write_upstream_pack(dump, tmp_path_factory.mktemp("upstream_v41")))
 
 
 def run(oracle: Oracle, ids: list[int]) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -158,7 +122,7 @@ def test_each_rounding_is_needed(dump, pack, off):
 
 
 def test_a_changed_config_field_departs(dump, tmp_path):
-    changed = open_pack(write_pack(dump, tmp_path / "changed", swiglu_limit=dump["config"]["swiglu_limit"] * 2))
+    changed = open_pack(write_upstream_pack(dump, tmp_path / "changed", swiglu_limit=dump["config"]["swiglu_limit"] * 2))
     errs = errors(dump, *run(Oracle(changed, numerics="deepseek"), ids_of(dump)))
     assert worst(errs, PREFILL_AND_FIRST_DECODE) > 100 * BOUND
 
