@@ -128,3 +128,49 @@ def test_compare_out_measures_a_pack_edited_in_place_instead_of_reusing_its_kept
     assert r2["fingerprint"] != r1["fingerprint"] and r2["fingerprint"] == r3["fingerprint"]
     assert second["resumed"] == ["reference"]                   # the reference's kept store, not the pack's old pass
     assert r2["overall"] == r3["overall"] and r2["overall"]["kld_mean"] > 10 * r1["overall"]["kld_mean"]
+
+
+# -- defect 10: GGUF header counts no file can hold -------------------------------------------------------------------
+@pytest.fixture
+def gguf_bytes(tmp_path, rng_seed):
+    from test_gguf_file import random_gguf
+    path = random_gguf(tmp_path / "r.gguf", np.random.default_rng(rng_seed))
+    return path.read_bytes()
+
+
+def gguf_error(tmp_path, data: bytes) -> str:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data)
+    with pytest.raises(PackError) as e:
+        open_pack(bad)
+    assert e.value.file == str(bad) and str(bad) in str(e.value)
+    assert "a string of" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("count", [2**40, 2**64 - 1])
+def test_a_tensor_count_no_file_can_hold_is_named(tmp_path, gguf_bytes, count):
+    msg = gguf_error(tmp_path, gguf_bytes[:8] + count.to_bytes(8, "little") + gguf_bytes[16:])
+    assert f"tensor count {count} (at byte 8)" in msg
+
+
+def test_a_metadata_count_no_file_can_hold_is_named(tmp_path, gguf_bytes):
+    msg = gguf_error(tmp_path, gguf_bytes[:16] + (2**40).to_bytes(8, "little") + gguf_bytes[24:])
+    assert f"metadata key/value count {2**40} (at byte 16)" in msg
+
+
+@pytest.mark.parametrize("n_dims", [5, 1000, 2**32 - 1])
+def test_a_tensor_of_too_many_dimensions_is_named(tmp_path, gguf_bytes, n_dims):
+    name = b"blk.2.tQ8_0"
+    at = gguf_bytes.rfind(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    assert int.from_bytes(gguf_bytes[at:at + 4], "little") == 2
+    msg = gguf_error(tmp_path, gguf_bytes[:at] + n_dims.to_bytes(4, "little") + gguf_bytes[at + 4:])
+    assert f"tensor 'blk.2.tQ8_0': n_dims {n_dims} (at byte {at})" in msg
+
+
+def test_an_array_length_no_file_can_hold_names_the_key(tmp_path, gguf_bytes):
+    key = b"t.floats"
+    at = gguf_bytes.find(len(key).to_bytes(8, "little") + key) + 8 + len(key) + 4 + 4   # past value type, element type
+    assert int.from_bytes(gguf_bytes[at:at + 8], "little") == 77
+    msg = gguf_error(tmp_path, gguf_bytes[:at] + (2**40).to_bytes(8, "little") + gguf_bytes[at + 8:])
+    assert f"metadata key 't.floats': array length {2**40} (at byte {at})" in msg

@@ -10,6 +10,7 @@ otherwise) that `gguf.quants.dequantize` decodes. tests/test_gguf_file.py checks
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,11 @@ from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
 from gguf.quants import quant_shape_to_byte_shape
 
 SUPPORTED_VERSIONS = (2, 3)
+MAX_DIMS = 4   # GGML_MAX_DIMS: llama.cpp refuses a tensor of more
+# the fewest bytes an entry can take: a metadata key/value (key length, value type, a one-byte value) and a tensor
+# info (name length, n_dims, type, offset); a count whose entries cannot fit in the file is refused before reading them
+MIN_KV_BYTES = 8 + 4 + 1
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 # value type -> struct format character
 SCALARS = {
     GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
@@ -74,20 +80,31 @@ class GGUFFile:
         self.version = version
         n_tensors, n_kv = self._unpack("QQ", 8)
         self._off = 24
+        self._fits("the header's tensor count", n_tensors, MIN_TENSOR_INFO_BYTES, 8)
+        self._fits("the header's metadata key/value count", n_kv, MIN_KV_BYTES, 16)
         self.fields: dict[str, Field] = {}
-        for _ in range(n_kv):
+        for i in range(n_kv):
             at = self._off
-            key = self._string()
+            key = self._string(f"metadata key {i}")
             if key in self.fields:
                 raise ValueError(f"duplicate metadata key {key!r} at byte {at}")
-            types, value = self._value(GGUFValueType(self._take("I")))
+            types, value = self._value(self._value_type(f"metadata key {key!r}"), key)
             self.fields[key] = Field(key, types, value)
         infos = []
-        for _ in range(n_tensors):
-            name = self._string()
+        for i in range(n_tensors):
+            name = self._string(f"the name of tensor {i}")
+            at = self._off
             n_dims = self._take("I")
+            if n_dims > MAX_DIMS:
+                raise ValueError(f"tensor {name!r}: n_dims {n_dims} (at byte {at}) is more than GGUF's {MAX_DIMS}")
             dims = np.array(self._unpack("Q" * n_dims, self._advance(8 * n_dims)), dtype=np.uint64)
-            infos.append((name, dims, GGMLQuantizationType(self._take("I")), self._take("Q")))
+            at = self._off
+            code = self._take("I")
+            try:
+                kind = GGMLQuantizationType(code)
+            except ValueError:
+                raise ValueError(f"tensor {name!r}: type {code} (at byte {at}) is no GGML type gguf-py knows") from None
+            infos.append((name, dims, kind, self._take("Q")))
         align = self.fields.get("general.alignment")
         self.alignment = GGUF_DEFAULT_ALIGNMENT
         if align is not None:
@@ -119,38 +136,62 @@ class GGUFFile:
     def _take(self, fmt: str):
         return self._unpack(fmt, self._advance(struct.calcsize(fmt)))[0]
 
-    def _string(self) -> str:
-        n = self._take("Q")
-        at = self._advance(n)
-        if self._off > len(self._buf):
-            raise ValueError(f"a string of {n} bytes at byte {at} runs past the end of the file")
-        return str(self._buf[at:self._off], "utf-8")
+    def _fits(self, what: str, count: int, min_bytes: int, at: int) -> None:
+        """A count read at byte `at` whose entries (each at least `min_bytes`) cannot fit in the rest of the file."""
+        left = len(self._buf) - self._off
+        if count * min_bytes > left:
+            raise ValueError(f"{what} {count} (at byte {at}) runs past the end of the file: that many entries take at "
+                             f"least {count * min_bytes} bytes, and {left} of its {len(self._buf)} bytes are left (a "
+                             f"wrong count or a truncated file)")
 
-    def _value(self, kind: GGUFValueType) -> tuple[list[GGUFValueType], Any]:
+    def _string(self, what: str) -> str:
+        """A length-prefixed UTF-8 string; `what` names it in errors."""
+        at = self._off
+        n = self._take("Q")
+        start = self._advance(n)
+        if self._off > len(self._buf):
+            raise ValueError(f"{what}: string length {n} (at byte {at}) runs past the end of the file "
+                             f"({len(self._buf)} bytes)")
+        try:
+            return str(self._buf[start:self._off], "utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{what}: the string at byte {start} is not UTF-8 ({e.reason} at its byte {e.start})") from None
+
+    def _value_type(self, what: str) -> GGUFValueType:
+        at = self._off
+        code = self._take("I")
+        try:
+            return GGUFValueType(code)
+        except ValueError:
+            raise ValueError(f"{what}: value type {code} (at byte {at}) is no GGUF value type") from None
+
+    def _value(self, kind: GGUFValueType, key: str) -> tuple[list[GGUFValueType], Any]:
         if kind == GGUFValueType.STRING:
-            return [kind], self._string()
+            return [kind], self._string(f"metadata key {key!r}")
         if kind in SCALARS:
             return [kind], self._take(SCALARS[kind])
         if kind != GGUFValueType.ARRAY:
-            raise ValueError(f"unknown metadata value type {kind}")
-        sub = GGUFValueType(self._take("I"))
+            raise ValueError(f"metadata key {key!r}: unknown value type {kind}")
+        sub = self._value_type(f"metadata key {key!r}'s array")
+        at = self._off
         n = self._take("Q")
         if n == 0:
             return [kind], []
+        self._fits(f"metadata key {key!r}: array length", n, struct.calcsize(SCALARS[sub]) if sub in SCALARS else 8, at)
         if sub == GGUFValueType.STRING:
-            return [kind, sub], [self._string() for _ in range(n)]
+            return [kind, sub], [self._string(f"metadata key {key!r}[{j}]") for j in range(n)]
         if sub in SCALARS:
             fmt = SCALARS[sub]
             return [kind, sub], list(self._unpack(f"{n}{fmt}", self._advance(n * struct.calcsize(fmt))))
         values, types = [], None
         for _ in range(n):   # arrays of arrays: element types from the first, values flattened (gguf-py's reading)
-            t, v = self._value(sub)
+            t, v = self._value(sub, key)
             types = types or t
             values += v if isinstance(v, list) else [v]
         return [kind] + types, values
 
     def _tensor(self, name: str, dims: np.ndarray, kind: GGMLQuantizationType, offset: int) -> TensorInfo:
-        n_elements = int(np.prod(dims))
+        n_elements = math.prod(int(d) for d in dims)   # Python ints: dims whose product passes 2^64 do not wrap
         block, type_size = GGML_QUANT_SIZES[kind]
         n_bytes = n_elements * type_size // block
         start = self.data_offset + offset
