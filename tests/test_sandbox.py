@@ -11,6 +11,8 @@ import re
 import socket
 import subprocess
 import sys
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -192,10 +194,18 @@ def test_unsafe_no_sandbox_is_explicit_and_recorded(tmp_path, working_sandbox):
 
 
 def random_value(rng: random.Random, depth=0):
-    kinds = ["int", "float", "str", "bool", "none", "bytes", "complex"] + (["list", "tuple", "set", "dict", "frozenset"] if depth < 4 else [])
+    kinds = ["int", "big-int", "fraction", "decimal", "float", "str", "bool", "none", "bytes", "complex"] + (
+        ["list", "tuple", "set", "dict", "frozenset"] if depth < 4 else [])
     k = rng.choice(kinds)
     if k == "int":
         return rng.randint(-10**30, 10**30)
+    if k == "big-int":  # past Python's 4300-digit int/str limit, and around the codec's hex threshold
+        return rng.choice([-1, 1]) * rng.choice([rng.getrandbits(rng.randint(13_000, 70_000)), (1 << 2000) - rng.randint(0, 1)])
+    if k == "fraction":
+        return Fraction(rng.randint(-10**rng.randint(1, 5000), 10**5), rng.randint(1, 10**rng.randint(1, 5000)))
+    if k == "decimal":
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6000)))
+        return rng.choice([Decimal(f"{rng.choice('+-')}{digits}E{rng.randint(-10**6, 10**6)}"), Decimal("-0"), Decimal("-Infinity")])
     if k == "float":
         return rng.choice([rng.uniform(-1e9, 1e9), math.inf, -math.inf, -0.0])
     if k == "str":
@@ -233,6 +243,10 @@ def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
         v = random_value(rng)
         back = decode(json.loads(json.dumps(encode(v))))
         assert back == v and type(back) is type(v)
+    decimals = [random_value(rng) for _ in range(200)]
+    decimals = [d for d in decimals if type(d) is Decimal] + [Decimal("-0"), Decimal("1.000"), Decimal("sNaN123")]
+    back = decode(json.loads(json.dumps(encode(decimals))))
+    assert [d.as_tuple() for d in back] == [d.as_tuple() for d in decimals]  # every digit, the exponent, -0, NaN payloads
     nan = decode(json.loads(json.dumps(encode([math.nan]))))
     assert math.isnan(nan[0])
     arr = np.arange(6, dtype=np.int32).reshape(2, 3)
@@ -248,7 +262,8 @@ def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
             encode(bad)
     big = [[rng.randint(-9, 9), [rng.random(), str(i)]] for i in range(20_000)]
     assert decode(json.loads(json.dumps(encode(big)))) == big and encode(big) == {"J": big}  # the plain-JSON path
-    for forged in ({"x": 1}, {"l": [1], "t": [2]}, {"a": ["object", [1], [1]]}, [1, 2], {"J": [{"l": [1]}]}, {"T": [[1]]}):
+    for forged in ({"x": 1}, {"l": [1], "t": [2]}, {"a": ["object", [1], [1]]}, [1, 2], {"J": [{"l": [1]}]}, {"T": [[1]]},
+                   {"q": [1, 0]}, {"q": [1.5, 2]}, {"q": [True, 2]}, {"D": "1.2.3"}, {"D": 5}, {"i": "xyz"}, {"i": 12}):
         with pytest.raises(ValueError):
             decode(forged)
 

