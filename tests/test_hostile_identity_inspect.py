@@ -174,3 +174,108 @@ def test_an_array_length_no_file_can_hold_names_the_key(tmp_path, gguf_bytes):
     assert int.from_bytes(gguf_bytes[at:at + 8], "little") == 77
     msg = gguf_error(tmp_path, gguf_bytes[:at] + (2**40).to_bytes(8, "little") + gguf_bytes[at + 8:])
     assert f"metadata key 't.floats': array length {2**40} (at byte {at})" in msg
+
+
+# -- defect 9: inspect checks the tensors the architecture needs ------------------------------------------------------
+def inspect_json(folder: Path) -> tuple[int, dict]:
+    from fidelity.cli import main
+    rc = main(["inspect", str(folder), "--json", str(folder.parent / f"{folder.name}.json")])
+    return rc, json.loads((folder.parent / f"{folder.name}.json").read_text())
+
+
+def test_inspect_names_a_missing_k_proj_and_compare_fails_on_the_same_tensor(tmp_path):
+    from fidelity.oracle import Oracle
+    tensors = llama_tensors()
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    (tmp_path / "config.json").write_text(json.dumps(CFG))
+    rc, rep = inspect_json(tmp_path)
+    assert rc == 1 and rep["problems"] == ["model.layers.1.self_attn.k_proj.weight: absent, and the LlamaForCausalLM "
+                                           "oracle loads it"]
+    assert rep["required_tensors"] == {"checked": len(llama_tensors()), "missing": 1, "not_checked": None}
+    with pytest.raises(PackError) as e:
+        Oracle(open_pack(tmp_path))
+    assert e.value.tensor == "model.layers.1.self_attn.k_proj.weight"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_inspect_names_the_absent_head_of_untied_embeddings(tmp_path, tied):
+    tensors = llama_tensors()
+    del tensors["lm_head.weight"]
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    (tmp_path / "config.json").write_text(json.dumps({**CFG, "tie_word_embeddings": tied}))
+    rc, rep = inspect_json(tmp_path)
+    if tied:   # the head is the embedding: nothing is missing
+        assert rc == 0 and rep["problems"] == [] and rep["required_tensors"]["missing"] == 0
+    else:
+        assert rc == 1 and rep["problems"] == ["lm_head.weight: absent, and the LlamaForCausalLM oracle loads it"]
+
+
+def test_inspect_of_an_architecture_without_an_oracle_family_says_it_did_not_check(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {"x.weight": torch.randn(4, 4)})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    rc, rep = inspect_json(tmp_path)
+    assert rc == 0 and rep["required_tensors"]["checked"] is None
+    assert "GPTNeoXForCausalLM" in rep["required_tensors"]["not_checked"]
+
+
+HF_FAMILIES = {  # test_oracle's tiny configurations of each family: (dense or MoE table, case)
+    "llama": ("DENSE", "llama-llama3-untied-bias"), "qwen3": ("DENSE", "qwen3-qknorm-default"),
+    "qwen3moe": ("MOE", "qwen3moe-renorm-sparse-step"), "mixtral": ("MOE", "mixtral"),
+    "deepseek-v3": ("MOE", "deepseek-v3-qlora-yarn"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_inspect_finds_any_one_tensor_removed_from_a_transformers_checkpoint(tmp_path, rng_seed, family):
+    """A tiny random model saved by transformers (its own list of what the architecture stores), one tensor chosen at
+    random removed: inspect names exactly that one; the full checkpoint has no problem."""
+    import test_oracle
+    from safetensors.torch import load_file, save_file
+
+    table, case = HF_FAMILIES[family]
+    make = test_oracle.make if table == "DENSE" else test_oracle.make_moe
+    make(tmp_path, case, rng_seed)
+    folder = tmp_path / case
+    rc, rep = inspect_json(folder)
+    assert rc == 0 and rep["problems"] == [] and rep["required_tensors"]["missing"] == 0
+    tensors = load_file(folder / "model.safetensors")
+    assert rep["required_tensors"]["checked"] == len(tensors)
+    victim = sorted(tensors)[torch.randint(0, len(tensors), (1,)).item()]
+    del tensors[victim]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    rc, rep = inspect_json(folder)
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    assert rc == 1 and rep["problems"] == [f"{victim}: absent, and the {arch} oracle loads it"]
+
+
+def test_inspect_finds_any_one_tensor_removed_from_the_deepseek_v4_fixture(tmp_path, rng_seed):
+    """DeepSeek-V4 in its official names (tests/fixtures/v4/tiny_v4, written by transformers then renamed): one tensor
+    chosen at random removed, inspect names it."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "tiny_v4"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "v4" / "tiny_v4", folder)
+    tensors = load_file(folder / "model.safetensors")
+    victim = sorted(tensors)[torch.randint(0, len(tensors), (1,)).item()]
+    del tensors[victim]
+    save_file(tensors, folder / "model.safetensors")
+    rc, rep = inspect_json(folder)
+    assert rc == 1 and rep["problems"] == [f"{victim}: absent, and the DeepseekV4ForCausalLM oracle loads it"]
+    assert rep["required_tensors"]["checked"] == len(tensors) + 1
+
+
+# -- defect 10: a missing config.json ---------------------------------------------------------------------------------
+def test_a_folder_without_config_json_is_named_as_missing_it(tmp_path):
+    from fidelity.errors import ConfigError
+    from fidelity.oracle import Oracle
+    write_safetensors(tmp_path / "model.safetensors", llama_tensors())
+    with pytest.raises(ConfigError, match=rf"the folder {tmp_path} has no config\.json") as e:
+        Oracle(open_pack(tmp_path))
+    assert "names no architecture" not in str(e.value)
+    rc, rep = inspect_json(tmp_path)
+    assert f"the folder {tmp_path} has no config.json" in rep["required_tensors"]["not_checked"]
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50}))   # present, but naming no architecture
+    with pytest.raises(ConfigError, match=r"config\.json names no architecture"):
+        Oracle(open_pack(tmp_path))

@@ -1,4 +1,5 @@
-"""Show a pack's format, tensors per storage type, bits-per-weight table and problems found."""
+"""Show a pack's format, tensors per storage type, bits-per-weight table and problems found (tensors that do not
+decode, shapes config.json contradicts, tensors the architecture's oracle family loads that the pack lacks)."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,8 @@ def inspect_pack(path: str, decode: bool = False) -> dict:
     from ..packs.config_check import config_problems
 
     problems.extend(str(e) for e in config_problems(pack))
+    required = required_tensors(pack)
+    problems.extend(required.pop("problems"))
     sources = {k: len(v) for k, v in pack.sources().items()} if hasattr(pack, "sources") else None
     return {
         "path": str(pack.path),
@@ -53,9 +56,34 @@ def inspect_pack(path: str, decode: bool = False) -> dict:
         "storage": [{"format": f, "dtype": d, "count": c} for (f, d), c in sorted(kinds.items())],
         "bits_per_weight": pack.bits_per_weight().table(),
         "fingerprint": pack.fingerprint(),
+        "required_tensors": required,
         "problems": problems,
         **({"sources": sources} if sources is not None else {}),
     }
+
+
+MISSING_LISTED = 20   # missing tensors listed one by one; the rest are counted
+
+
+def required_tensors(pack) -> dict:
+    """The tensors the oracle family of the pack's architecture loads (`Family.required_names`, what the oracle checks
+    before it runs), checked against the pack's names: {"checked": count or None, "missing": count, "not_checked": why
+    or None, "problems": one line per missing tensor}. An architecture without an oracle family is not checked (not a
+    problem of the pack: compare says so)."""
+    from ..errors import ConfigError
+    from ..oracle.families import family_for_pack, missing_tensors
+
+    try:
+        family = family_for_pack(pack)
+        required = list(dict.fromkeys(family.required_names()))
+    except ConfigError as e:
+        return {"checked": None, "missing": 0, "not_checked": str(e), "problems": []}
+    missing = missing_tensors(family, pack.names())
+    arch = pack.config["architectures"][0]
+    problems = [f"{name}: absent, and the {arch} oracle loads it" for name in missing[:MISSING_LISTED]]
+    if len(missing) > MISSING_LISTED:
+        problems.append(f"... and {len(missing) - MISSING_LISTED} more tensors the {arch} oracle loads are absent")
+    return {"checked": len(required), "missing": len(missing), "not_checked": None, "problems": problems}
 
 
 def run(args) -> int:
@@ -77,6 +105,12 @@ def run(args) -> int:
     for r in rep["bits_per_weight"]:
         b.add_row(r["category"], f"{r['params']:,.0f}", f"{r['bytes'] / 1e9:.3f}", f"{r['bpw']:.3f}")
     con.print(b)
+    req = rep["required_tensors"]
+    if req["not_checked"]:
+        con.print(f"[yellow]required tensors not checked: {escape(req['not_checked'])}[/yellow]")
+    else:
+        con.print(f"required tensors: {req['checked']} the {escape(rep['architecture'])} oracle loads, "
+                  f"{req['missing']} absent")
     if rep["problems"]:
         con.print(f"[red]{len(rep['problems'])} problem(s):[/red]")
         for pr in rep["problems"]:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
-from .families import family_for
+from .families import family_for_pack, missing_tensors
 from .common import Family, Fetch, layer_call_args, rms_norm
 from .numerics import check_numerics
 from . import moe
@@ -129,10 +129,8 @@ class Oracle:
         self.device = torch.device(device)
         self.dtype = dtype
         self.keep_weights = keep_weights
-        self.family: Family = family_for(pack.config)
+        self.family: Family = family_for_pack(pack)
         exact_math(self.device)
-        self.family.bind_pack(pack)
-        self.family.resolve_names(self.pack.names())
         self._check_names()
         self.family.set_numerics(check_numerics(numerics), pack)
         self.numerics = numerics
@@ -166,8 +164,7 @@ class Oracle:
 
     # -- weights -------------------------------------------------------------------------------------------
     def _check_names(self) -> None:
-        have = set(self.pack.names())
-        missing = [n for n in self.family.required_names() if n not in have]
+        missing = missing_tensors(self.family, self.pack.names())
         if missing:
             raise PackError(f"pack lacks {len(missing)} tensor(s) the {self.pack.config['architectures'][0]} oracle "
                             f"needs, first {missing[0]!r}" + (f" (also {missing[1:4]})" if len(missing) > 1 else ""),

@@ -102,6 +102,7 @@ class Pack:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.config: dict = {}
+        self.config_file: Path | None = None   # the config.json the config is read from (or was looked for); None: none
         self._entries: dict[str, LogicalTensor] = {}
 
     # -- the seam -----------------------------------------------------------------------------------------

@@ -121,6 +121,7 @@ class SafetensorsPack(Pack):
                         weight_map[n] = f.name
         self.root = root
         cfg_path = root / "config.json"
+        self.config_file = cfg_path
         self.config = read_json(cfg_path) if cfg_path.exists() else {}
         self.quant_config = self._quant_config()
         claimers = list(CLAIMERS.values())  # imports every format module: each adds its quant_method to KNOWN_QUANT_METHODS
