@@ -10,13 +10,19 @@ says how). The fixtures are read where they lie; the tests skip when they are ab
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from _upstream_v41 import GOLDEN
+from _upstream_v41 import GOLDEN, write_upstream_pack
+from fidelity import open_pack
+from fidelity.errors import FidelityError
+from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek.engram import EngramArgs, EngramLayer, RowTable
+from fidelity.oracle.deepseek.mtp import DSparkDrafter, acceptance
+from fidelity.oracle.deepseek.quant import DeepSeekRounding
 from fidelity.packs.safetensors_io import write_safetensors
 
 ENGRAM = GOLDEN / "engram_module.json"
@@ -82,3 +88,142 @@ def test_engram_controls_depart(engram_cases, tmp_path):
         err = engram_error(case, engram_layer(case, tmp_path), use_mask=False)
         print(f"{case['name']} mask ignored: {err:.3g}")
         assert err > 0.1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DSpark
+# ---------------------------------------------------------------------------------------------------------------------
+DSPARK = GOLDEN / "dspark_forward.json"
+TRUNK = GOLDEN / "model_forward.json"
+DSPARK_BOUND = 1e-5      # max |ours - upstream| / max |upstream|, per seed position, logits and confidences alike
+SEEDS = list(range(11, 17))
+
+
+@pytest.fixture(scope="module")
+def dspark() -> dict:
+    return json.loads(DSPARK.read_text())
+
+
+@pytest.fixture(scope="module")
+def dspark_pack(tmp_path_factory):
+    return write_upstream_pack(TRUNK, tmp_path_factory.mktemp("upstream_v41_dspark"), with_mtp=True)
+
+
+def dspark_errors(dspark: dict, out) -> list[dict]:
+    """Per seed position: the draft ids (seed first, as upstream lists them) equal?, and the relative errors of the
+    Markov-biased logits and of the confidences."""
+    rel = lambda got, want: float((got.double() - want.double()).abs().max() / want.double().abs().max())  # noqa: E731
+    errs = []
+    for i, pos in enumerate(out.starts):
+        want = dspark["drafts"][str(pos)]
+        block = dspark["block_size"]
+        errs.append({"pos": pos, "ids": [dspark["ids"][pos]] + out.drafts[0, i].tolist() == want["ids"],
+                     "logits": rel(out.biased_logits[0, i], torch.tensor(want["logits"]).view(block, -1)),
+                     "confidence": rel(out.confidence[0, i], torch.tensor(want["confidence"]))})
+    return errs
+
+
+def upstream_rows(dspark: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    T = len(dspark["ids"])
+    return torch.tensor([dspark["ids"]]), torch.tensor(dspark["main_hidden"]).view(1, T, dspark["main_hidden_width"])
+
+
+def draft_upstream_rows(pack_dir, dspark: dict, numerics: str = "deepseek", rounding=None):
+    drafter = DSparkDrafter(Oracle(open_pack(pack_dir), numerics=numerics))
+    if rounding is not None:
+        drafter.rounding = rounding(drafter.rounding)
+    tokens, main_hidden = upstream_rows(dspark)
+    return dspark_errors(dspark, drafter.draft_on(tokens, main_hidden, SEEDS))
+
+
+def worst(errs: list[dict]) -> float:
+    return max(max(e["logits"], e["confidence"]) for e in errs)
+
+
+@missing(DSPARK)
+@missing(TRUNK)
+def test_dspark_reproduces_upstream_drafts(dspark, dspark_pack):
+    """Fed upstream's own main_hidden (positions 12-16 carry upstream's decode-path rows, model_forward's README; the
+    drafter reads them as given), every seed position's drafts, biased logits and confidences are upstream's."""
+    errs = draft_upstream_rows(dspark_pack, dspark)
+    for e in errs:
+        print(e)
+    assert all(e["ids"] for e in errs)
+    assert worst(errs) <= DSPARK_BOUND
+
+
+@missing(DSPARK)
+@missing(TRUNK)
+def test_dspark_acceptance_needs_the_trunks_logits(dspark, dspark_pack):
+    tokens, main_hidden = upstream_rows(dspark)
+    drafter = DSparkDrafter(Oracle(open_pack(dspark_pack), numerics="deepseek"))
+    with pytest.raises(FidelityError, match="acceptance needs the trunk's logits"):
+        acceptance(drafter.draft_on(tokens, main_hidden, [11]))
+    with pytest.raises(FidelityError, match=r"main_hidden must be \[1, 17, 48\].*got \[1, 17, 32\]"):
+        drafter.draft_on(tokens, main_hidden[..., :32], [11])
+
+
+@missing(DSPARK)
+@missing(TRUNK)
+def test_dspark_over_our_trunk_at_the_first_decode_position(dspark, dspark_pack):
+    """Our trunk's own taps at seed 11 (where upstream's decode path still equals a one-pass forward): the same drafts."""
+    tokens, _ = upstream_rows(dspark)
+    out = DSparkDrafter(Oracle(open_pack(dspark_pack), numerics="deepseek")).draft(tokens, [11])
+    errs = dspark_errors(dspark, out)
+    print(errs)
+    assert errs[0]["ids"] and worst(errs) <= DSPARK_BOUND
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowKvOff(DeepSeekRounding):
+    """The V4.1 rounding with the window KV's switched off (the control)."""
+
+    @classmethod
+    def of(cls, rounding: DeepSeekRounding) -> "WindowKvOff":
+        return cls(**{f.name: getattr(rounding, f.name) for f in dataclasses.fields(rounding)})
+
+    def window_kv(self, kv, rope_dim):
+        return kv
+
+
+@missing(DSPARK)
+@missing(TRUNK)
+def test_dspark_controls_depart(dspark, dspark_pack, tmp_path):
+    """The bound separates: without the window KV's FP8 rounding (the drafter's only rounding on float32 weights), with
+    numerics exact, or with one config field changed (the sliding window 8 -> 7), the drafts move far past it."""
+    for label, errs in [("window KV not rounded", draft_upstream_rows(dspark_pack, dspark, rounding=WindowKvOff.of)),
+                        ("numerics exact", draft_upstream_rows(dspark_pack, dspark, numerics="exact")),
+                        ("sliding_window 7", draft_upstream_rows(
+                            write_upstream_pack(TRUNK, tmp_path / "window7", with_mtp=True, sliding_window=7), dspark))]:
+        print(label, [f"{e['logits']:.2g}/{e['confidence']:.2g}" for e in errs])
+        assert worst(errs) > 100 * DSPARK_BOUND
+
+
+@missing(DSPARK)
+@missing(TRUNK)
+def test_dspark_rounds_the_inputs_of_its_fp8_stored_linears(dspark, tmp_path):
+    """Under numerics deepseek the drafter rounds a linear's input to FP8 (blocks of 32) exactly where the pack stores
+    that weight FP8, as the trunk does: main_proj here (its output checked against the formula on the pack's own decoded
+    weight) and block 1's wq_b, read under the block's own name; float32 weights (every other one) get none."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
+    from fidelity.fixtures.minipacks_v4 import FP8_QC, fp8_ue8m0
+    from fidelity.oracle.common import rms_norm
+    from fidelity.oracle.deepseek.quant import fake_fp8
+    folder = write_upstream_pack(TRUNK, tmp_path / "fp8", with_mtp=True,
+                                 quantization_config={**FP8_QC, "weight_block_size": [16, 16]})
+    tensors = load_file(folder / "model.safetensors")
+    for name in ("mtp.0.main_proj.weight", "mtp.1.attn.wq_b.weight"):
+        tensors[name], tensors[name.removesuffix("weight") + "scale"] = fp8_ue8m0(tensors[name], 16)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    pack = open_pack(folder)
+    drafter = DSparkDrafter(Oracle(pack, numerics="deepseek"))
+    assert [drafter.block_rounding(i).rounds_input("layers.0.attn.wq_b.weight") for i in range(3)] == [False, True, False]
+    assert not drafter.block_rounding(1).rounds_input("layers.0.attn.wq_a.weight")
+    _, main_hidden = upstream_rows(dspark)
+    weight, norm = pack.tensor("mtp.0.main_proj.weight"), pack.tensor("mtp.0.main_norm.weight")
+    want = rms_norm(F.linear(fake_fp8(main_hidden[0], 32), weight), norm, 1e-6)
+    assert torch.equal(drafter.main_x(main_hidden[0]), want)
+    unrounded = rms_norm(F.linear(main_hidden[0], weight), norm, 1e-6)
+    assert (unrounded - want).abs().max() > 1e-3
+    assert torch.equal(DSparkDrafter(Oracle(pack)).main_x(main_hidden[0]), unrounded)   # exact: none

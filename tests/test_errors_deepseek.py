@@ -98,11 +98,11 @@ def test_drafter_with_a_tap_projection_but_no_block(dspark, tmp_path):
 
 
 @pytest.mark.parametrize("tokens, starts, message", [
-    ([1, 2, 3, 4], [1], r"tokens must be a \[batch, length >= 2\] tensor .*got shape \[4\]"),
-    ([[[1, 2, 3]]], [1], r"tokens must be a \[batch, length >= 2\] tensor .*got shape \[1, 1, 3\]"),
-    ([[7], [8]], None, r"tokens must be a \[batch, length >= 2\] tensor .*got shape \[2, 1\]"),
-    ([[1, 2, 3, 4]], [], r"draft starts must be context lengths 1\.\.3 .*got \[\]"),
-    ([[1, 2, 3, 4]], [2, -1, 4], r"draft starts must be context lengths 1\.\.3 .*got \[-1, 4\]"),
+    ([1, 2, 3, 4], [1], r"tokens must be a \[batch, length >= 1\] tensor .*got shape \[4\]"),
+    ([[[1, 2, 3]]], [1], r"tokens must be a \[batch, length >= 1\] tensor .*got shape \[1, 1, 3\]"),
+    ([[], []], None, r"tokens must be a \[batch, length >= 1\] tensor .*got shape \[2, 0\]"),
+    ([[1, 2, 3, 4]], [], r"draft starts must be seed positions 0\.\.3 .*got \[\]"),
+    ([[1, 2, 3, 4]], [2, -1, 4], r"draft starts must be seed positions 0\.\.3 .*got \[-1, 4\]"),
 ])
 def test_draft_inputs_named(dspark, tokens, starts, message):
     drafter = Oracle(open_pack(dspark)).drafter()

@@ -130,8 +130,8 @@ def reference(trunk, body, extra, tokens, starts):
         for si, p0 in enumerate(starts):
             ids = torch.tensor([[int(tokens[b, p0])] + [NOISE] * (BLOCK - 1)])
             streams = trunk.model.embed_tokens(ids).unsqueeze(2).expand(-1, -1, hc, -1).contiguous()
-            pos = p0 + torch.arange(BLOCK)
-            ctx_pos = torch.arange(max(0, p0 - W), p0)
+            pos = p0 + 1 + torch.arange(BLOCK)            # model.py: the block after the seed's own row
+            ctx_pos = torch.arange(max(0, p0 + 1 - W), p0 + 1)   # the last W rows up to the seed's, its own included
             for layer in body.model.layers:
                 post, comb, collapsed = layer.attn_hc(streams)
                 y = drafter_attention(layer.self_attn, rotary, layer.input_layernorm(collapsed), main_x[b, ctx_pos],
@@ -145,7 +145,7 @@ def reference(trunk, body, extra, tokens, starts):
             prev = int(tokens[b, p0])
             for j in range(BLOCK):
                 biased[b, si, j] = logits[b, si, j] + w2 @ w1[prev]
-                conf[b, si, j] = torch.sigmoid(proj[0] @ torch.cat((prenorm[j], w1[prev])))
+                conf[b, si, j] = proj[0] @ torch.cat((prenorm[j], w1[prev]))   # raw, as model.py returns it
                 prev = int(biased[b, si, j].argmax())
                 drafts[b, si, j] = prev
     return main, logits, biased, drafts, conf
@@ -165,7 +165,7 @@ def test_drafter_matches_composition(built, rng_seed):
     trunk, body, extra, folder = built
     T_len = 14
     tokens = torch.randint(0, TRUNK["vocab_size"] - 1, (2, T_len))
-    starts = [1, 4, 6, 9, 12, 13]   # contexts shorter and longer than the window (5); blocks running past the row
+    starts = [0, 4, 6, 9, 12, 13]   # contexts shorter and longer than the window (5); blocks running past the row
     out = Oracle(open_pack(folder)).drafter().draft(tokens, starts)
     main, logits, biased, drafts, conf = reference(trunk, body, extra, tokens, starts)
     print("max |d main|", float((out.main_logits - main).abs().max()), "max |d draft|",
@@ -337,8 +337,8 @@ def test_refuses_deepseek_numerics(built):
 def test_bad_starts(built):
     _, _, _, folder = built
     drafter = DSparkDrafter(Oracle(open_pack(folder)))
-    with pytest.raises(FidelityError, match=r"1\.\.4.*\[0, 5\]"):
-        drafter.draft(torch.tensor([[1, 2, 3, 4, 5]]), [0, 2, 5])
+    with pytest.raises(FidelityError, match=r"0\.\.4.*\[-1, 5\]"):
+        drafter.draft(torch.tensor([[1, 2, 3, 4, 5]]), [-1, 2, 5])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -543,8 +543,8 @@ def reference_v41(oracle, body, extra, tokens, starts):
         for si, p0 in enumerate(starts):
             ids = torch.tensor([int(tokens[b, p0])] + [5] * (BLOCK - 1))
             streams = embed[ids][None].unsqueeze(2).expand(-1, -1, hc, -1).contiguous()
-            pos = p0 + torch.arange(BLOCK)
-            ctx_pos = torch.arange(max(0, p0 - W), p0)
+            pos = p0 + 1 + torch.arange(BLOCK)            # model.py: the block after the seed's own row
+            ctx_pos = torch.arange(max(0, p0 + 1 - W), p0 + 1)   # the last W rows up to the seed's, its own included
             carried = None
             for layer in body.model.layers:
                 for site in ("attn", "ffn"):

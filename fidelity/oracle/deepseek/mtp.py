@@ -1,23 +1,33 @@
 """DeepSeek-V4's (and V4.1's) multi-token-prediction component, the DSpark block drafter, as an optional add-on to the
 oracle.
 
-Facts from exllamav3's `architecture/deepseek_v4_mtp.py` and `modules/arch_specific/dspark.py` (which follow the
-reference `inference/model.py` shipped in the checkpoint); our own formulation, fp32:
+Facts from exllamav3's `architecture/deepseek_v4_mtp.py` and `modules/arch_specific/dspark.py` and from the reference
+`inference/model.py` (`DSparkAttention`, `DSparkBlock.forward_embed/forward_head`, `get_dspark_topk_idxs`); our own
+formulation, fp32. A draft from seed position s (`starts`) is what model.py's `forward_spec(tokens[s], main_hidden,
+start_pos=s)` drafts once the target has run position s:
 
-- taps: the trunk's residual after each block in `dspark_target_layer_ids`, as the mean of its hc streams,
-  concatenated in layer order and projected: `main_x = RMSNorm(mtp.0.main_proj(taps), mtp.0.main_norm)` [T, hidden];
-- one draft call covers a block of `dspark_block_size` positions p0 .. p0 + block - 1: the seed token (the token at
-  p0, the one after the context) followed by `dspark_noise_token_id` tokens, embedded with the trunk's embedding and
-  copied into hc_mult streams;
+- taps (`main_hidden`): the trunk's residual after each block in `dspark_target_layer_ids`, as the mean of its hc
+  streams, concatenated in layer order and projected: `main_x = RMSNorm(mtp.0.main_proj(taps), mtp.0.main_norm)`
+  [T, hidden];
+- the block: the seed token tokens[s] followed by block - 1 `dspark_noise_token_id` tokens at positions s + 1 ..
+  s + block, embedded with the trunk's embedding and copied into hc_mult streams;
 - `n_mtp` blocks `mtp.{i}.*`, each shaped like a trunk sliding layer (same tensor names: attn, ffn with shared
   experts and biased sqrt-softplus routing, hc_attn_*/hc_ffn_*, attn_norm, ffn_norm), but the attention is
-  non-causal over [the last min(sliding_window, p0) context rows ++ the whole block] in one softmax with the sinks;
-  a block's context rows are its own `kv_norm(wkv(main_x))`, RoPE'd at their positions;
+  non-causal over [the context rows s + 1 - min(sliding_window, s + 1) .. s ++ the whole block] in one softmax with
+  the sinks; a block's context rows are its own `kv_norm(wkv(main_x))`, RoPE'd at their positions (the seed's own
+  row s among them);
 - exit: the last block's `hc_head_fn/base/scale` collapse, `mtp.{last}.norm`, the trunk's shared head: block
-  position j gives the logits of the token at p0 + j + 1;
-- `mtp.{last}.markov_head.markov_w1` [vocab, rank] / `markov_w2` [vocab, rank]: a bigram bias added to position j's
-  logits from the token drafted at position j (the seed for j = 0) in the greedy chain;
-  `mtp.{last}.confidence_head.proj` scores each position from [pre-norm hidden, markov embedding].
+  position j gives the logits of the token at s + j + 1;
+- `mtp.{last}.markov_head.markov_w1` [vocab, rank] / `markov_w2` [vocab, rank] (V4.1's checkpoint: `.embed` /
+  `.head`): a bigram bias added to position j's logits from the token drafted at position j (the seed for j = 0) in
+  the greedy chain; `mtp.{last}.confidence_head.proj` scores each position from [pre-norm hidden, markov embedding]
+  (its raw output, as model.py returns it).
+
+Under numerics "deepseek" (V4.1) the blocks round as the trunk does: the context rows and the block's own KV are window
+KV (`DeepSeekRounding.window_kv`), and the inputs of the linears stored FP8/FP4 (`main_proj` and the blocks'
+projections and experts; not the Markov and confidence heads, which model.py computes in fp32). Checked against
+model.py's own dump (tests/test_deepseek_v41_upstream_engram_dspark.py). V4's drafter under "deepseek" is refused: no
+dump of its reference shows what it rounds.
 
 DeepSeek-V4.1's drafter (exllamav3's `deepseek_v41_mtp.py`): its own expert count (`dspark_num_experts`,
 `dspark_num_experts_per_tok`), no per-head q norm, every hc site collapsing with the previous site's pre (the first
@@ -26,6 +36,7 @@ of the layer before it).
 
     dspark = drafter(oracle)                        # DSparkDrafter for DeepSeek-V4 packs
     out = dspark.draft(tokens, starts)              # DraftOutput: logits [B, S, block, vocab], drafts, main logits
+    out = dspark.draft_on(tokens, main_hidden, starts)   # the same over given trunk rows (no trunk pass)
     acc = acceptance(out)                           # per-position agreement with the trunk's argmax, accepted lengths
 
 DeepSeek-V3 / V3.2 packs carry the paper's MTP module instead (`NextNDrafter`, `model.layers.{n_layers}.enorm`,
@@ -44,6 +55,7 @@ import torch.nn.functional as F
 
 from ...errors import ConfigError, FidelityError, PackError
 from ..common import ATTENTION_CHUNK_BYTES, rms_norm
+from .quant import rounds_stored_input
 from .v4 import (ARCH, SLIDING, Attention, DeepseekV4Family, HyperConnection, MoE, collapse, fetch_block_inputs,
                  hc_names, layer_names, name_candidates, rope_table, rope_tail, unweighted_rms_norm)
 
@@ -134,8 +146,12 @@ def head_names(last: int) -> list[str]:
     return hc_names(f"mtp.{last}.hc_head") + [f"mtp.{last}.norm.weight"]
 
 
-def markov_names(last: int) -> list[str]:
-    return [f"mtp.{last}.markov_head.markov_w1.weight", f"mtp.{last}.markov_head.markov_w2.weight"]
+MARKOV_SPELLINGS = (("markov_w1", "markov_w2"), ("embed", "head"))   # V4's; V4.1's checkpoint and model.py
+
+
+def markov_names(last: int, spelling: tuple = MARKOV_SPELLINGS[0]) -> list[str]:
+    """(the token embedding [vocab, rank], the bias head [vocab, rank]) of the Markov head."""
+    return [f"mtp.{last}.markov_head.{w}.weight" for w in spelling]
 
 
 def confidence_name(last: int) -> str:
@@ -143,19 +159,22 @@ def confidence_name(last: int) -> str:
 
 
 class DSparkBlock:
-    """One drafter block; weights loaded through the V4 trunk's own layer pieces (renamed layers.0 -> mtp.i)."""
+    """One drafter block; weights loaded through the V4 trunk's own layer pieces (renamed layers.0 -> mtp.i).
+    rounding: the reference rounding with its linear-input rule reading the block's own names, or None (exact)."""
 
-    def __init__(self, a, i: int, n, fetch, q_head_norm: bool, carry_pre: bool):
+    def __init__(self, a, i: int, n, fetch, q_head_norm: bool, carry_pre: bool, rounding=None):
         rename = lambda name: n(name.replace("layers.0.", f"mtp.{i}.", 1))
         self.a, self.q_head_norm, self.carry_pre = a, q_head_norm, carry_pre
-        self.attn = Attention(a, 0, rename, fetch)
-        self.ffn = MoE(a, 0, rename, fetch)
+        self.attn = Attention(a, 0, rename, fetch, rounding)
+        self.ffn = MoE(a, 0, rename, fetch, rounding)
         fetch_block_inputs(self, a, 0, rename, fetch)
 
     def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """main_x [..., T, hidden] -> this block's context rows [..., T, head_dim] (positions 0..T-1)."""
-        kv = rms_norm(F.linear(main_x, self.attn.wkv), self.attn.kv_norm, self.a.rms_norm_eps)
-        return rope_tail(kv, cos, sin)
+        """main_x [..., T, hidden] -> this block's context rows [..., T, head_dim] (positions 0..T-1), stored as
+        the window KV (model.py writes them to its window cache)."""
+        r = self.attn.round
+        kv = rms_norm(F.linear(r.wkv(main_x), self.attn.wkv), self.attn.kv_norm, self.a.rms_norm_eps)
+        return r.window_kv(rope_tail(kv, cos, sin))
 
     def mix(self, hc: HyperConnection, streams: torch.Tensor, carried):
         """(post, comb, collapsed block input, the pre to carry on). V4 collapses with the site's own pre; V4.1 with the
@@ -165,10 +184,10 @@ class DSparkBlock:
             return post, comb, collapse(streams, pre), None
         return post, comb, streams[:, :, 0] if carried is None else collapse(streams, carried), pre
 
-    def __call__(self, streams: torch.Tensor, context: torch.Tensor, starts: torch.Tensor, rope, carried=None):
+    def __call__(self, streams: torch.Tensor, context: torch.Tensor, ends: torch.Tensor, rope, carried=None):
         """streams [N, block, hc, hidden] of N drafts; context [T, D] this block's rows of the drafts' row;
-        starts [N] each draft's context length p0; carried: V4.1's pre from the previous site.
-        -> (streams, the pre to carry on)."""
+        ends [N] each draft's context end (seed position + 1: rows before it are context); carried: V4.1's pre from
+        the previous site. -> (streams, the pre to carry on)."""
         eps = self.a.rms_norm_eps
         post, comb, x, carried = self.mix(self.attn_hc, streams, carried)
         x = rms_norm(x, self.attn_norm, eps)
@@ -177,24 +196,24 @@ class DSparkBlock:
         chunk = max(1, ATTENTION_CHUNK_BYTES // per_draft)
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
-            attn[rows] = self.attention(x[rows], context, starts[rows], (rope[0][rows], rope[1][rows]))
+            attn[rows] = self.attention(x[rows], context, ends[rows], (rope[0][rows], rope[1][rows]))
         streams = HyperConnection.merge(streams, attn, post, comb)
         post, comb, x, carried = self.mix(self.ffn_hc, streams, carried)
         return HyperConnection.merge(streams, self.ffn(rms_norm(x, self.ffn_norm, eps), None), post, comb), carried
 
-    def attention(self, x: torch.Tensor, context: torch.Tensor, starts: torch.Tensor, rope) -> torch.Tensor:
-        """Each block query sees the last min(window, p0) context rows before its draft's start and every block row
-        (no causal mask), plus the head's sink, in one softmax."""
-        a, at = self.a, self.attn
+    def attention(self, x: torch.Tensor, context: torch.Tensor, ends: torch.Tensor, rope) -> torch.Tensor:
+        """Each block query sees the last min(window, end) context rows before its draft's context end and every
+        block row (no causal mask), plus the head's sink, in one softmax (model.py's `get_dspark_topk_idxs`)."""
+        a, at, r = self.a, self.attn, self.attn.round
         N, S, _ = x.shape
         cos, sin = rope                                               # [N, S, pairs]: the block's positions
-        q_latent = rms_norm(F.linear(x, at.wq_a), at.q_norm, a.rms_norm_eps)
-        q = F.linear(q_latent, at.wq_b).view(N, S, a.n_heads, a.head_dim)
+        q_latent = rms_norm(F.linear(r.wq_a(x), at.wq_a), at.q_norm, a.rms_norm_eps)
+        q = F.linear(r.wq_b(q_latent), at.wq_b).view(N, S, a.n_heads, a.head_dim)
         if self.q_head_norm:
             q = unweighted_rms_norm(q, a.rms_norm_eps)
         q = rope_tail(q.flatten(0, 1)[None], cos.flatten(0, 1), sin.flatten(0, 1))[0].view_as(q)  # per-draft positions
-        kv = rope_tail(rms_norm(F.linear(x, at.wkv), at.kv_norm, a.rms_norm_eps), cos, sin)   # [N, S, D]
-        rows = starts[:, None] - a.sliding_window + torch.arange(a.sliding_window, device=x.device)   # [N, W]
+        kv = r.window_kv(rope_tail(rms_norm(F.linear(r.wkv(x), at.wkv), at.kv_norm, a.rms_norm_eps), cos, sin))
+        rows = ends[:, None] - a.sliding_window + torch.arange(a.sliding_window, device=x.device)   # [N, W]
         window = context[rows.clamp(min=0)]                                                       # [N, W, D]
         scale = a.head_dim ** -0.5
         far = torch.einsum("nshd,nwd->nhsw", q, window) * scale
@@ -208,7 +227,7 @@ class DSparkBlock:
         out = rope_tail(out.flatten(0, 1)[None], cos.flatten(0, 1), -sin.flatten(0, 1))[0].view_as(out)
         groups = out.reshape(N, S, a.o_groups, -1)
         low_rank = torch.einsum("nsgi,gri->nsgr", groups, at.wo_a.view(a.o_groups, a.o_lora_rank, -1))
-        return F.linear(low_rank.flatten(2), at.wo_b)
+        return F.linear(r.wo_b(low_rank.flatten(2)), at.wo_b)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -216,13 +235,14 @@ class DSparkBlock:
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class DraftOutput:
-    """Drafts of every row b and start p0 = starts[s]: block position j predicts the token at p0 + j + 1."""
-    starts: list                  # context lengths p0; the seed is tokens[b, p0]
+    """Drafts of every row b and seed position p0 = starts[s]: block position j predicts the token at p0 + j + 1."""
+    starts: list                  # seed positions p0: the seed is tokens[b, p0], the context rows 0..p0
     logits: torch.Tensor          # [B, S, block, vocab] the drafter's raw logits (no Markov bias)
     biased_logits: torch.Tensor | None   # [B, S, block, vocab] with the Markov bias of the greedy chain, or None
     drafts: torch.Tensor          # [B, S, block] greedy chain (argmax of biased logits; raw when no Markov head)
-    confidence: torch.Tensor | None      # [B, S, block] sigmoid of the confidence head, or None
-    main_logits: torch.Tensor     # [B, T, vocab] the trunk's logits (= oracle.logits(tokens))
+    confidence: torch.Tensor | None      # [B, S, block] the confidence head's raw output (a logit), or None
+    main_logits: torch.Tensor | None     # [B, T, vocab] the trunk's logits (= oracle.logits(tokens)); None from
+    #                                      draft_on without them
 
 
 class DSparkDrafter:
@@ -257,8 +277,11 @@ class DSparkDrafter:
             raise PackError(f"pack has no complete DSpark drafter: lacks {max(len(missing), 1)} tensor(s), first "
                             f"{first!r}" + (f" (also {missing[1:4]})" if len(missing) > 1 else ""),
                             file=getattr(oracle.pack, "path", None), tensor=first)
-        self.has_markov = all(x in self.stored for x in markov_names(self.last))
+        self.markov = next((names for names in (markov_names(self.last, sp) for sp in MARKOV_SPELLINGS)
+                            if all(x in self.stored for x in names)), None)
+        self.has_markov = self.markov is not None
         self.has_confidence = self.has_markov and confidence_name(self.last) in self.stored
+        self.rounding = self._rounding(oracle.pack, v41)
 
     def _resolve(self, names) -> dict[str, str]:
         have = set(names)
@@ -276,6 +299,24 @@ class DSparkDrafter:
     def n(self, name: str) -> str:
         return self.stored.get(name, name)
 
+    def _rounding(self, pack, v41: bool):
+        """The family's reference rounding with its linear-input rule reading the drafter's own tensors, or None."""
+        rounding = self.family.rounding
+        if rounding is None:
+            return None
+        if not v41:
+            raise ConfigError(f"the DeepSeek-V4 DSpark drafter runs under numerics 'exact' only: what DeepSeek's V4 "
+                              f"model.py rounds in its drafter is not established (no dump of it), while this oracle "
+                              f"runs numerics {self.family.numerics!r} ({self.family.numerics_label})")
+        return dataclasses.replace(rounding, rounds_input=rounds_stored_input(pack, self.n))
+
+    def block_rounding(self, i: int):
+        """The rounding of block i, whose pieces name their weights as trunk layer 0's."""
+        if self.rounding is None:
+            return None
+        mtp_name = lambda name: name.replace("layers.0.", f"mtp.{i}.", 1)   # noqa: E731
+        return dataclasses.replace(self.rounding, rounds_input=lambda name: self.rounding.rounds_input(mtp_name(name)))
+
     # -- pieces --------------------------------------------------------------------------------------------------
     def taps(self, rows: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One trunk pass (the oracle's own): (per row the concatenated taps [T, n_taps * hidden],
@@ -286,35 +327,52 @@ class DSparkDrafter:
 
     def main_x(self, taps: torch.Tensor) -> torch.Tensor:
         fetch = self.oracle.fetch
-        return rms_norm(F.linear(taps, fetch(self.n("mtp.0.main_proj.weight"))),
-                        fetch(self.n("mtp.0.main_norm.weight")), self.family.rms_norm_eps)
+        proj = "mtp.0.main_proj.weight"
+        if self.rounding is not None:
+            taps = self.rounding.linear_input(proj)(taps)
+        return rms_norm(F.linear(taps, fetch(self.n(proj))), fetch(self.n("mtp.0.main_norm.weight")),
+                        self.family.rms_norm_eps)
 
     def load_block(self, i: int) -> DSparkBlock:
-        return DSparkBlock(self.block_args, i, self.n, self.oracle.fetch, self.args.q_head_norm, self.args.carry_pre)
+        return DSparkBlock(self.block_args, i, self.n, self.oracle.fetch, self.args.q_head_norm, self.args.carry_pre,
+                           self.block_rounding(i))
 
     # -- drafting ------------------------------------------------------------------------------------------------
     def draft(self, tokens: torch.Tensor, starts: list[int] | None = None) -> DraftOutput:
-        """tokens LongTensor [B, T]; starts: context lengths p0 (1 <= p0 < T; default every one), the seed of each
-        draft being tokens[:, p0]. One trunk pass for all of them."""
-        if tokens.dim() != 2 or tokens.shape[1] < 2:
-            raise FidelityError(f"tokens must be a [batch, length >= 2] tensor (a draft needs a context and a seed), "
-                                f"got shape {list(tokens.shape)}")
-        B, T = tokens.shape
-        starts = list(range(1, T)) if starts is None else [int(p) for p in starts]
-        bad = [p for p in starts if not 1 <= p < T]
-        if bad or not starts:
-            raise FidelityError(f"draft starts must be context lengths 1..{T - 1} (the seed is the token at the "
-                                f"start), got {bad or starts}")
-        oracle, fam, a = self.oracle, self.family, self.args
-        if fam.rounding is not None:
-            raise ConfigError(f"the DSpark drafter computes exactly; this oracle runs numerics {fam.numerics!r} "
-                              f"({fam.numerics_label}): use an Oracle(numerics='exact')")
-        device, dtype = oracle.device, oracle.dtype
+        """tokens LongTensor [B, T]; starts: seed positions p0 (0 <= p0 < T; default every one), the seed of each
+        draft being tokens[:, p0] and its context the trunk's rows 0..p0. One trunk pass for all of them."""
+        self._check(tokens, starts)
         taps, finals = self.taps(tokens.tolist())
-        main_logits = oracle.apply_head(torch.stack(finals))
+        return self.draft_on(tokens, torch.stack(taps), starts, self.oracle.apply_head(torch.stack(finals)))
+
+    def _check(self, tokens: torch.Tensor, starts) -> list[int]:
+        if tokens.dim() != 2 or tokens.shape[1] < 1:
+            raise FidelityError(f"tokens must be a [batch, length >= 1] tensor (a draft needs a seed), got shape "
+                                f"{list(tokens.shape)}")
+        T = tokens.shape[1]
+        starts = list(range(T)) if starts is None else [int(p) for p in starts]
+        bad = [p for p in starts if not 0 <= p < T]
+        if bad or not starts:
+            raise FidelityError(f"draft starts must be seed positions 0..{T - 1} (the seed is the token at the start, "
+                                f"its context the rows up to it), got {bad or starts}")
+        return starts
+
+    def draft_on(self, tokens: torch.Tensor, main_hidden: torch.Tensor, starts: list[int] | None = None,
+                 main_logits: torch.Tensor | None = None) -> DraftOutput:
+        """The drafts over given trunk rows, no trunk pass: main_hidden [B, T, n_targets * hidden] (what `taps`
+        computes, and what model.py hands its drafter as `main_hidden`); main_logits: the trunk's logits, kept in the
+        output for `acceptance` (or None)."""
+        starts = self._check(tokens, starts)
+        oracle, fam, a = self.oracle, self.family, self.args
+        B, T = tokens.shape
+        width = len(a.target_layer_ids) * fam.hidden_size
+        if tuple(main_hidden.shape) != (B, T, width):
+            raise FidelityError(f"main_hidden must be [{B}, {T}, {width}] (the tokens' rows, {len(a.target_layer_ids)} "
+                                f"taps of {fam.hidden_size}), got {list(main_hidden.shape)}")
+        device, dtype = oracle.device, oracle.dtype
         S, bs = len(starts), a.block_size
-        p0 = torch.tensor(starts, device=device)
-        positions = p0[:, None] + torch.arange(bs, device=device)                      # [S, block]
+        ends = torch.tensor(starts, device=device) + 1                                  # context rows before it
+        positions = ends[:, None] + torch.arange(bs, device=device)                     # [S, block]
         max_pos = int(positions.max()) + 1
         cos, sin = rope_table(fam.args.main_rope, torch.arange(max(max_pos, T)), dtype, device)
         block_ids = torch.full((B, S, bs), a.noise_token_id, dtype=torch.long)
@@ -323,7 +381,7 @@ class DSparkDrafter:
         x = F.embedding(block_ids.to(device), embed).view(B * S, bs, -1)
         del embed
         streams = fam.embed_hook(x)
-        main_x = [self.main_x(t.to(device)) for t in taps]                              # per row [T, hidden]
+        main_x = [self.main_x(t.to(device=device, dtype=dtype)) for t in main_hidden]   # per row [T, hidden]
         rope = (cos[positions].repeat(B, 1, 1), sin[positions].repeat(B, 1, 1))
         carried = None                                                                  # V4.1: [B * S, block, hc]
         for i in range(a.n_blocks):
@@ -333,7 +391,7 @@ class DSparkDrafter:
             for b in range(B):
                 rows = slice(b * S, (b + 1) * S)
                 context = block.context_kv(main_x[b], cos[:T], sin[:T])
-                out[rows], row_pre = block(streams[rows], context, p0, (rope[0][rows], rope[1][rows]),
+                out[rows], row_pre = block(streams[rows], context, ends, (rope[0][rows], rope[1][rows]),
                                            None if carried is None else carried[rows])
                 if pre is not None:
                     pre[rows] = row_pre
@@ -359,7 +417,7 @@ class DSparkDrafter:
         if not self.has_markov:
             return logits.argmax(-1), None, None
         fetch = self.oracle.fetch
-        w1, w2 = (fetch(self.n(x)) for x in markov_names(self.last))
+        w1, w2 = (fetch(self.n(x)) for x in self.markov)
         biased = torch.empty_like(logits)
         drafts = torch.empty(B, S, bs, dtype=torch.long)
         prev = seeds.clone()
@@ -376,7 +434,7 @@ class DSparkDrafter:
             bias_name = confidence_name(self.last).removesuffix(".weight") + ".bias"
             bias = fetch(self.n(bias_name)) if bias_name in self.stored else None
             feats = torch.cat((prenorm, torch.stack(embs, dim=2).to(prenorm)), dim=-1)
-            confidence = torch.sigmoid(F.linear(feats, proj, bias)).squeeze(-1).cpu()
+            confidence = F.linear(feats, proj, bias).squeeze(-1).cpu()
         return drafts, biased, confidence
 
 
@@ -402,6 +460,9 @@ class Acceptance:
 def acceptance(out: DraftOutput) -> Acceptance:
     """Drafts against the trunk's own greedy predictions along the given tokens (teacher forced): when the tokens are
     the trunk's greedy continuation this is what speculative decoding would accept."""
+    if out.main_logits is None:
+        raise FidelityError("acceptance needs the trunk's logits: these drafts were made by draft_on without "
+                            "main_logits (draft() computes them)")
     B, S, bs = out.drafts.shape
     T = out.main_logits.shape[1]
     target = out.main_logits.argmax(-1)                                                 # [B, T]
