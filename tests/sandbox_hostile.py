@@ -13,6 +13,13 @@ PROMPT = 'def answer():\n    """Return 42."""\n'
 RETURNS_42 = "def check(candidate):\n    assert candidate() == 42\n"
 
 
+def processes_for(cgroups) -> int:
+    """The process cap the corpus runs under: with a cgroup, 16, so the fork-8-children-of-200MB attack forks all 8 and
+    meets the whole-sandbox memory limit; without one the documented bound is processes x memory_mb, and 8 stop it at
+    the process cap first (the 8 children, their parent and bwrap's init are 10)."""
+    return 16 if cgroups is not None else 8
+
+
 def returns(value) -> str:
     return f"def check(candidate):\n    assert candidate() == {value!r}\n"
 
@@ -61,6 +68,30 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "    return 42\n", RETURNS_42),
         "fork-bomb": ("import os\ndef answer():\n    while True:\n        os.fork()\n", RETURNS_42),
         "memory-bomb": ("def answer():\n    hog = bytearray(8 << 30)\n    return 42\n", RETURNS_42),
+        "fork-8-children-of-200MB": (  # each child under the per-process limit, together over the sandbox's
+            "import os, select, time\n"
+            "def answer():\n"
+            "    r, w = os.pipe()\n"
+            "    kids = []\n"
+            "    for i in range(8):\n"
+            "        pid = os.fork()\n"
+            "        if pid == 0:\n"
+            "            hog = b'x' * (200 << 20)\n"
+            "            os.write(w, b'1')\n"
+            "            time.sleep(60)\n"
+            "            os._exit(0)\n"
+            "        kids.append(pid)\n"
+            "    held, deadline = 0, time.time() + 3\n"
+            "    while held < 8 and time.time() < deadline:\n"
+            "        if select.select([r], [], [], 0.1)[0]:\n"
+            "            held += len(os.read(r, 8))\n"
+            "    alive = sum(os.waitpid(pid, os.WNOHANG)[0] == 0 for pid in kids)\n"
+            "    return 42 if held == alive == 8 else (held, alive)\n", RETURNS_42),
+        "300k-files-in-tmp": (
+            "def answer():\n"
+            "    for i in range(300_000):\n"
+            "        open(f'/tmp/f{i}', 'w').close()\n"
+            "    return 42\n", RETURNS_42),
         "infinite-loop": ("def answer():\n    while True:\n        pass\n", RETURNS_42),
         "setsid-sleeper": (
             "import os, time\n"
@@ -174,9 +205,18 @@ if __name__ == "__main__":  # the unprivileged run: python sandbox_hostile.py CT
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from fidelity.suites.sandbox import Sandbox, SandboxLimits
 
+    from fidelity.suites.sandbox import SandboxUnavailable
+
     ctx = json.loads(open(sys.argv[1]).read())
     os.environ[ctx["env_name"]] = ctx["env_secret"]
     box = Sandbox(SandboxLimits(**ctx["limits"]))
+    box = box.with_limits(processes=processes_for(box.cgroups))
+    try:
+        Sandbox(SandboxLimits(**ctx["limits"]), containment="cgroup")
+        cgroup_refusal = None
+    except SandboxUnavailable as e:
+        cgroup_refusal = str(e)
     results = judge_all(box, {**corpus(ctx), **peers(ctx)})
     with open(sys.argv[2], "w") as f:
-        json.dump({"isolation": box.isolation, "uid": os.getuid(), "python": sys.executable, "results": results}, f)
+        json.dump({"isolation": box.isolation, "uid": os.getuid(), "python": sys.executable, "results": results,
+                   "cgroup_refusal": cgroup_refusal, "cgroup": box.cgroups is not None}, f)

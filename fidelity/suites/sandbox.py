@@ -104,6 +104,7 @@ class SandboxResult:
     stderr: str
     label: str = ""  # in the program's command line (a test finds stragglers by it)
     started: bool = True  # the boot set the limits and began the job (signalled before any of the job's code runs)
+    limit_hit: str = ""  # a whole-sandbox limit the kernel enforced (a process killed at the memory limit), even if it exited 0
 
 
 @dataclass
@@ -121,6 +122,8 @@ class Judgement:
             parts.append(f"no verdict ({self.judge.reason or 'the judge exited without one'})")
         if self.candidate is not None and not self.candidate.ok and not self.candidate.reason.startswith("killed (SIGKILL)"):
             parts.append(f"candidate: {self.candidate.reason}")
+        elif self.candidate is not None and self.candidate.limit_hit:
+            parts.append(f"candidate: {self.candidate.limit_hit}")
         return "; ".join(parts) or "failed"
 
     def raise_unless_started(self, what: str):
@@ -739,7 +742,7 @@ class Sandbox:
         ok = code == 0 and not timed_out
         return SandboxResult(ok=ok, reason="" if ok else _reason(code, sig, timed_out, stderr, self.limits, bound_hit),
                              exit_code=code, signal=sig, timed_out=timed_out, wall_s=wall, stdout=stdout, stderr=stderr,
-                             label=proc.label, started=started)
+                             label=proc.label, started=started, limit_hit=bound_hit)
 
 
 def _wait(popen: subprocess.Popen, seconds: float) -> bool:
