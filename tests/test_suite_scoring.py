@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from _golden import ifeval_jsonl
 from fidelity.errors import ConfigError
 from fidelity.suites import make_suite
 from fidelity.suites.humaneval import extract_code
 from fidelity.suites.runner import Settings
 
-SHARED_IFEVAL = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "ifeval" / "input_data.jsonl"
+SHARED_IFEVAL = ifeval_jsonl()       # ../shared/data/ifeval, else the committed subset (tests/_golden.py)
 
 
 # ---- code ---------------------------------------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ def test_evalplus_offline_without_data_names_the_override(monkeypatch, tmp_path)
 @pytest.fixture(scope="module")
 def ifeval_rows():
     if not SHARED_IFEVAL.exists():
-        pytest.skip(f"{SHARED_IFEVAL} is absent")
+        pytest.skip(f"missing data: {SHARED_IFEVAL}")
     suite = make_suite("ifeval", data=str(SHARED_IFEVAL))
     return suite, {it.item_id: it for it in suite.load()}
 
