@@ -109,7 +109,9 @@ class Attribution:
 
 # -- module groups -------------------------------------------------------------------------------------------
 def block_of(name: str) -> str:
-    """The block kind of a layer tensor: attention, router, experts, shared_experts, mlp or other."""
+    """The block kind of a layer tensor: engram, attention, router, experts, shared_experts, mlp or other."""
+    if ".engram." in name:
+        return "engram"
     if ".experts." in name:
         return "experts"
     if "shared_expert" in name:
@@ -123,15 +125,32 @@ def block_of(name: str) -> str:
     return "other"
 
 
+def table_name(layer: int) -> str:
+    """The name a group gives layer `layer`'s Engram table (V4.1): read row by row from the pack its family is bound
+    to, never through fetch, so it is swapped as a whole (`Reader.tables`)."""
+    return f"layers.{layer}.engram.embed"
+
+
+def reads_table(family, layer: int) -> bool:
+    """Whether the family's layer reads an Engram table (its Engram tensors are among the layer's names)."""
+    return hasattr(family, "table") and any(".engram." in n for n in family.layer_names(layer))
+
+
+def table_layer(name: str) -> int | None:
+    m = re.fullmatch(r"layers\.(\d+)\.engram\.embed", name)
+    return int(m.group(1)) if m else None
+
+
 def module_groups(family, modules: str = "block") -> dict[str, list[str]]:
-    """Group name -> the tensor names the oracle reads for it. Layer groups are `layers.{i}.{block}` (block mode),
-    `layers.{i}` (layer mode) or also `layers.{i}.experts.{e}` (expert mode); then `embedding` and `head` (the final
-    norm and the untied head; with tied embeddings the embedding group is the head too)."""
+    """Group name -> the tensor names the oracle reads for it (in the reference's spelling; an Engram table as
+    `table_name(layer)`). Layer groups are `layers.{i}.{block}` (block mode), `layers.{i}` (layer mode) or also
+    `layers.{i}.experts.{e}` (expert mode); then `embedding` and `head` (the final norm and the untied head; with tied
+    embeddings the embedding group is the head too)."""
     if modules not in MODULES:
         raise ConfigError(f"--modules {modules!r}: expected one of {list(MODULES)}")
     groups: dict[str, list[str]] = {}
     for i in range(family.n_layers):
-        for name in family.layer_names(i):
+        for name in family.layer_names(i) + ([table_name(i)] if reads_table(family, i) else []):
             if modules == "layer":
                 key = f"layers.{i}"
             else:
@@ -175,6 +194,51 @@ def error_scale_corr(w: torch.Tensor, d: torch.Tensor, group: int = ERROR_GROUP)
     e, m = e - e.mean(), m - m.mean()
     den = float(e.norm() * m.norm())
     return (float((e * m).sum()) / den if den else None), e.numel()
+
+
+TABLE_CHUNK_ROWS = 1 << 16     # Engram table rows read at once for its weight error
+
+
+def table_error(ref_table, pack_table, chunk_rows: int = TABLE_CHUNK_ROWS, group: int = ERROR_GROUP) -> dict:
+    """weight_error of an Engram table ([rows, dim], `RowTable`s of each pack), read `chunk_rows` rows at a time (a
+    table need not fit in memory at once); err_scale_corr from running sums over the groups."""
+    if (ref_table.n_rows, ref_table.dim) != (pack_table.n_rows, pack_table.dim):
+        raise PackError(f"the pack's Engram table is [{pack_table.n_rows}, {pack_table.dim}], the reference's "
+                        f"[{ref_table.n_rows}, {ref_table.dim}]", file=pack_table.parts[0][0])
+    ref2 = err2 = 0.0
+    sums = np.zeros(5)                      # sum e, sum m, sum e^2, sum m^2, sum e m over the groups
+    grouped = ref_table.dim % group == 0 and ref_table.n_rows * ref_table.dim >= 2 * group
+    for start in range(0, ref_table.n_rows, chunk_rows):
+        index = torch.arange(start, min(start + chunk_rows, ref_table.n_rows))
+        r = ref_table.rows(index).double()
+        d = pack_table.rows(index).double() - r
+        ref2 += float((r * r).sum())
+        err2 += float((d * d).sum())
+        if grouped:
+            e = d.reshape(-1, group).pow(2).mean(1).sqrt()
+            m = r.reshape(-1, group).abs().amax(1)
+            sums += [float(e.sum()), float(m.sum()), float((e * e).sum()), float((m * m).sum()), float((e * m).sum())]
+    n = ref_table.n_rows * ref_table.dim // group if grouped and err2 else 0
+    corr = None
+    if n:
+        se, sm, see, smm, sem = sums
+        den = math.sqrt(max(see - se * se / n, 0.0) * max(smm - sm * sm / n, 0.0))
+        corr = (sem - se * sm / n) / den if den else None
+    return {"ref_norm": math.sqrt(ref2), "err_norm": math.sqrt(err2),
+            "rel_fro": math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf),
+            "sqnr_db": 10 * math.log10(ref2 / err2) if err2 else math.inf,
+            "err_scale_corr": corr, "err_scale_groups": n}
+
+
+class NoisyTable:
+    """An Engram table with a fixed noise tensor [rows, dim] added to the rows it gives (the isotropic control)."""
+
+    def __init__(self, table, noise: torch.Tensor):
+        self.table, self.noise, self.n_rows, self.dim = table, noise, table.n_rows, table.dim
+
+    def rows(self, index: torch.Tensor, device=None) -> torch.Tensor:
+        out = self.table.rows(index, device)
+        return out + self.noise[index.cpu()].to(out.device, out.dtype)
 
 
 def pooled_scale_corr(stats: list[tuple[float | None, int]]) -> tuple[float | None, float | None]:
@@ -295,15 +359,18 @@ def routing_tables(ref: RoutingRecorder, pack: RoutingRecorder, threshold: float
 
 # -- the streamed trunk -----------------------------------------------------------------------------------------
 class Reader:
-    """read(name) for a variant: the pack's tensor for names in `swapped`, the reference's otherwise; `noise` adds a
-    fixed tensor to a reference tensor (the isotropic control)."""
+    """read(name) for a variant, `name` in the reference's spelling: the pack's tensor for names in `swapped` (under
+    the pack's name for it, `names`), the reference's otherwise; `noise` adds a fixed tensor to a reference tensor
+    (the isotropic control). `tables`: layer -> the Engram table that layer reads instead of the reference's."""
 
-    def __init__(self, ref, pack=None, swapped=(), noise: dict[str, torch.Tensor] | None = None):
+    def __init__(self, ref, pack=None, swapped=(), noise: dict[str, torch.Tensor] | None = None,
+                 names: dict[str, str] | None = None, tables: dict | None = None):
         self.ref, self.pack, self.swapped, self.noise = ref, pack, set(swapped), noise or {}
+        self.names, self.tables = names or {}, tables or {}
 
     def __call__(self, name: str, **where) -> torch.Tensor:
         if name in self.swapped:
-            return self.pack.tensor(name, **where)
+            return self.pack.tensor(self.names.get(name, name), **where)
         t = self.ref.tensor(name, **where)
         return t + self.noise[name].to(t.device) if name in self.noise else t
 
@@ -344,10 +411,18 @@ class Trunk:
             f.expert_outputs = recorder
         return f
 
+    def build_layer(self, i: int, read: Reader):
+        """Layer i with its tensors read through `read` and, where `read.tables` has one, that Engram table."""
+        layer = self.fam.load_layer(i, self.fetch(read))
+        table = read.tables.get(i)
+        if table is not None:
+            layer.engram.table = table
+        return layer
+
     def ref_layer(self, i: int):
         layer = self._layers.get(i)
         if layer is None:
-            layer = self.fam.load_layer(i, self.fetch(Reader(self.ref)))
+            layer = self.build_layer(i, Reader(self.ref))
             if self.keep:
                 self._layers[i] = layer
         return layer
@@ -379,13 +454,19 @@ class Trunk:
             out.append(logits.float().cpu())
         return out
 
-    def reference_pass(self, recorder=None, keep_outputs: bool = False, engram_access=None) -> list[list[torch.Tensor]]:
+    def reference_pass(self, recorder=None, keep_outputs: bool = False, engram_access=None, keep_inputs: bool = True,
+                       each_output: Callable[[int, list], None] | None = None) -> list[list[torch.Tensor]]:
+        """The oracle's pass over its own pack (logits in `ref_logits`), keeping each layer's input and pass state for
+        re-runs (`keep_inputs`); `each_output(i, xs)` sees the embeddings (i = -1) and each layer's output."""
         xs = self.embed(Reader(self.ref))
+        if each_output is not None:
+            each_output(-1, xs)
         states = self.new_states()
         outputs = []
         for i in range(self.fam.n_layers):
-            self.inputs.append(xs)
-            self.states_in.append([copy.copy(s) for s in states])   # a re-run from layer i starts from these
+            if keep_inputs:
+                self.inputs.append(xs)
+                self.states_in.append([copy.copy(s) for s in states])   # a re-run from layer i starts from these
             layer = self.ref_layer(i)
             if recorder is not None:
                 recorder.current_layer = i
@@ -399,6 +480,8 @@ class Trunk:
                     engram.fetch.engram_access = None
             if keep_outputs:
                 outputs.append(xs)
+            if each_output is not None:
+                each_output(i, xs)
         self.final, self.final_states = xs, states
         self.ref_logits = self.logits(xs, Reader(self.ref), states)
         return outputs
@@ -513,32 +596,39 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
                 raise ConfigError(f"row {i}: needs at least 2 tokens (a position predicts the next one)")
         scored = [torch.arange(len(r) - 1) for r in rows]
     oracle = Oracle(ref, device=device)
+    pack_oracle = Oracle(pack, device=device)     # the pack read as compare's oracle reads it (names, Engram tables)
     fam = oracle.family
+    names_in_pack = pack_names(fam, pack_oracle.family, pack)
     groups = module_groups(fam, s.modules)
     if s.groups is not None:
         unknown = [g for g in s.groups if g not in groups]
         if unknown:
             raise ConfigError(f"unknown module group(s) {unknown}; the reference has e.g. {list(groups)[:6]}")
         groups = {g: groups[g] for g in s.groups}
-    for names in groups.values():
-        for n in names:
-            if n not in pack:
-                raise PackError(f"the pack has no tensor {n!r} (the reference's oracle reads it)",
-                                file=getattr(pack, "path", None), tensor=n)
+    tables = {i: (fam.table(i), pack_oracle.family.table(i))
+              for i in range(fam.n_layers) if table_name(i) in {n for g in groups.values() for n in g}}
 
-    # per tensor weight error (every tensor the oracle reads)
+    # per tensor weight error (every tensor the oracle reads; Engram tables row by row)
     tensors, diff_norm, scale_corr = [], {}, {}
-    for name in tqdm(fam.required_names(), desc="weights", disable=not progress, leave=False):
-        if name in diff_norm or name not in pack:
+    for name in tqdm(fam.required_names() + [table_name(i) for i in tables], desc="weights", disable=not progress,
+                     leave=False):
+        if name in diff_norm:
             continue
-        w_ref, w_pack = ref.tensor(name), pack.tensor(name)
-        if tuple(w_ref.shape) != tuple(w_pack.shape):
-            raise PackError(f"pack tensor shape {list(w_pack.shape)} differs from the reference's {list(w_ref.shape)}",
-                            file=getattr(pack, "path", None), tensor=name)
-        e = weight_error(w_ref, w_pack)
+        stored = names_in_pack.get(name, name)
+        if table_layer(name) is not None:
+            e = table_error(*tables[table_layer(name)])
+            numel = tables[table_layer(name)][0].n_rows * tables[table_layer(name)][0].dim
+        else:
+            w_ref, w_pack = ref.tensor(name), pack.tensor(stored)
+            if tuple(w_ref.shape) != tuple(w_pack.shape):
+                raise PackError(f"pack tensor shape {list(w_pack.shape)} differs from the reference's "
+                                f"{list(w_ref.shape)} (the reference's {name!r})",
+                                file=getattr(pack, "path", None), tensor=stored)
+            e, numel = weight_error(w_ref, w_pack), w_ref.numel()
         m = LAYER.search(name)
-        tensors.append({"tensor": name, "layer": int(m.group(1)) if m else None, "block": block_of(name) if m else
-                        ("embedding" if "embed" in name else "head"), "numel": w_ref.numel(), **e})
+        tensors.append({"tensor": name, "pack_tensor": stored, "layer": int(m.group(1)) if m else None,
+                        "block": block_of(name) if m else ("embedding" if "embed" in name else "head"),
+                        "numel": numel, **e})
         diff_norm[name] = e["err_norm"]
         scale_corr[name] = (e["err_scale_corr"], e["err_scale_groups"])
 
@@ -549,21 +639,20 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
     access = EngramAccess()
     ref_outputs = trunk.reference_pass(recorder=ref_rec, keep_outputs=True, engram_access=access)
 
-    # the whole pack along one streamed pass, with its layer divergence
-    all_pack = Reader(ref, pack, swapped=[n for n in fam.required_names() if n in pack])
+    # the whole pack: its own oracle's pass (as compare runs it), with its layer divergence
     layers, layer_streams = [], []
 
-    def note(i, ref_xs, xs):
+    def note(i, xs):
+        if not fam.n_layers:
+            return
+        ref_xs = trunk.inputs[0] if i < 0 else ref_outputs[i]
         where = "embeddings" if i < 0 else f"after layer {i}"
         layers.append({"layer": i, "where": where, **hidden_divergence(ref_xs, xs)})
         layer_streams.extend({"layer": i, "where": where, **r} for r in stream_divergence(ref_xs, xs))
-    if fam.n_layers:
-        note(-1, trunk.inputs[0], trunk.embed(all_pack))
-
-    whole_logits = trunk.run(-1, build=lambda i: fam.load_layer(i, trunk.fetch(all_pack)), read_head=all_pack,
-                             recorder=pack_rec, each_output=lambda i, xs: note(i, ref_outputs[i], xs),
-                             embed_read=all_pack)
-    whole = trunk.kld(whole_logits)
+    pack_trunk = Trunk(pack_oracle, rows, scored, keep_layers=False)
+    pack_trunk.reference_pass(recorder=pack_rec, keep_inputs=False, each_output=note)
+    whole = trunk.kld(pack_trunk.ref_logits)
+    del pack_trunk
 
     # swap-one-in, and its noise control
     swaps = []
@@ -580,8 +669,9 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
             continue
         layer_k = one_layer(names) if s.activation_control else None
         var_out = {}
+        swap_tables = {i: tables[i][1] for i in tables if table_name(i) in names}
         row["kld_mean"], real_rows = trunk.kld_rows(_variant(
-            trunk, fam, names, Reader(ref, pack, swapped=names),
+            trunk, fam, names, Reader(ref, pack, swapped=names, names=names_in_pack, tables=swap_tables),
             each_output=None if layer_k is None else lambda i, xs: var_out.update({i: xs}) if i == layer_k else None))
         row["identical"] = False
         if layer_k is not None:
@@ -600,12 +690,15 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
         if s.noise_control:
             controls, control_rows = [], []
             for rep in range(s.noise_repeats):
-                noise = {n: isotropic_noise(tuple(ref.storage(n).shape), diff_norm.get(n, 0.0),
+                noise = {n: isotropic_noise(tensor_shape(ref, tables, n), diff_norm.get(n, 0.0),
                                             (s.seed * 7919 + rep) * 100_003 + k) for k, n in enumerate(names)}
                 if rep == 0:
                     row["noise_err_scale_corr"], row["noise_err_scale_z"] = pooled_scale_corr(
-                        [error_scale_corr(ref.tensor(n), noise[n]) for n in names if diff_norm.get(n, 0.0)])
-                k, by_row = trunk.kld_rows(_variant(trunk, fam, names, Reader(ref, noise=noise)))
+                        [error_scale_corr(ref.tensor(n), noise[n]) for n in names
+                         if diff_norm.get(n, 0.0) and table_layer(n) is None])
+                noisy_tables = {table_layer(n): NoisyTable(tables[table_layer(n)][0], noise.pop(n))
+                                for n in list(noise) if table_layer(n) is not None}
+                k, by_row = trunk.kld_rows(_variant(trunk, fam, names, Reader(ref, noise=noise, tables=noisy_tables)))
                 controls.append(k)
                 control_rows.append(by_row)
             row["noise_kld_mean"] = float(np.mean(controls))
@@ -642,7 +735,7 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
                 def build(k, i=i, eps=eps, j=j):
                     if k != i:
                         return None
-                    layer = fam.load_layer(i, trunk.fetch(Reader(ref)))
+                    layer = trunk.build_layer(i, Reader(ref))
                     attr = sub_blocks(layer)["mlp"]
                     setattr(layer, attr, NoisyOutput(getattr(layer, attr), eps, noise_seed(s.seed, i, j)))
                     return layer
@@ -667,6 +760,27 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
     return Attribution(summary, swaps, layers, layer_streams, tensors, routing, routing_layers, sensitivity, access.summary())
 
 
+def pack_names(ref_family, pack_family, pack) -> dict[str, str]:
+    """The reference's name of each tensor its oracle reads -> the pack's name for it: the two families'
+    `required_names()`, each resolved against its own pack (`resolve_names`, as compare's oracles resolve them), paired
+    in order (a DeepSeek-V4 reference in official names, an EXL3 pack in Hugging Face ones)."""
+    ref_names, names = ref_family.required_names(), pack_family.required_names()
+    if len(ref_names) != len(names):
+        raise PackError(f"the pack's oracle reads {len(names)} tensors, the reference's {len(ref_names)}: attribute "
+                        f"swaps tensors between two packs of one model", file=getattr(pack, "path", None))
+    out: dict[str, str] = {}
+    for r, p in zip(ref_names, names):
+        if out.setdefault(r, p) != p:
+            raise PackError(f"the reference's tensor {r!r} is read as both {out[r]!r} and {p!r} in the pack",
+                            file=getattr(pack, "path", None), tensor=p)
+    return out
+
+
+def tensor_shape(ref, tables: dict, name: str) -> tuple:
+    layer = table_layer(name)
+    return (tables[layer][0].n_rows, tables[layer][0].dim) if layer is not None else tuple(ref.storage(name).shape)
+
+
 def noise_seed(seed: int, layer: int, level: int) -> int:
     return seed * 1_000_003 + 1000 * layer + 10 * level
 
@@ -681,7 +795,7 @@ def _variant(trunk: Trunk, fam, names: list[str], read: Reader, each_output=None
     head = any(not LAYER.search(n) for n in names)
 
     def build(i):
-        return fam.load_layer(i, trunk.fetch(read)) if i in touched else None
+        return trunk.build_layer(i, read) if i in touched else None
     return trunk.run(start, build=build, read_head=read if head else None, embed_read=read, each_output=each_output)
 
 
