@@ -30,22 +30,48 @@ def skip_reason(report) -> str:
     return reason.removeprefix("Skipped: ")
 
 
-def _fail_gap(report) -> None:
+def _gap(report) -> str | None:
     if report.skipped and not hasattr(report, "wasxfail") and in_ci():
         reason = skip_reason(report)
         if is_gap(reason):
-            report.outcome = "failed"
-            report.longrepr = (f"{CI_ENV} is set: CI runs this test, so it may not skip. Skip reason: {reason} "
-                               f"(.ci/install-test-deps installs the tools; tests/fixtures/golden_subset holds the data)")
+            return reason
+    return None
+
+
+def _message(reason: str) -> str:
+    return (f"{CI_ENV} is set: CI runs this test, so it may not skip. Skip reason: {reason} "
+            f"(.ci/install-test-deps installs the tools; tests/fixtures/golden_subset holds the data)")
+
+
+COLLECTION_GAPS: list[str] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    _fail_gap(outcome.get_result())
+    report = outcome.get_result()
+    reason = _gap(report)
+    if reason is not None:
+        report.outcome = "failed"
+        report.longrepr = _message(reason)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
+    """A module that skips at collection stays a skip (an error there would stop the whole run) and fails the session
+    at its end (pytest_sessionfinish)."""
     outcome = yield
-    _fail_gap(outcome.get_result())
+    reason = _gap(outcome.get_result())
+    if reason is not None:
+        COLLECTION_GAPS.append(f"{collector.nodeid}: {_message(reason)}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in COLLECTION_GAPS:
+        terminalreporter.write_line(f"FAILED (skipped at collection) {line}", red=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if COLLECTION_GAPS and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -17,7 +17,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from _ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401 (FIDELITY_CI: skips)
+from _ci_skips import (pytest_make_collect_report, pytest_runtest_makereport,  # noqa: E402,F401 (FIDELITY_CI: skips)
+                       pytest_sessionfinish, pytest_terminal_summary)
 from _golden import SHARED  # noqa: E402,F401 (../shared, or $FIDELITY_SHARED)
 
 

@@ -378,7 +378,7 @@ def test_exl3_integer_sums_equal_float64_sums(rng_seed, device, codebook, K):
             assert torch.equal(got.cpu(), cpu), (sums, (got.cpu() - cpu).abs().max())
 
 
-NEEDS_TRITON = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+NEEDS_TRITON = pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 TRITON_CASES = [pytest.param("cpu", marks=NEEDS_TRITON), pytest.param("cuda", marks=[*CUDA.marks, NEEDS_TRITON])]
 
 

@@ -18,7 +18,7 @@ def _run(*args: str) -> str:
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_sass.py"), *args], capture_output=True,
                          text=True, env=env, timeout=900)
     if run.returncode != 0 and ("backends" in run.stderr or "ptxas" in run.stderr or "cuobjdump" in run.stderr):
-        pytest.skip(f"cannot compile for sm_90 here: {run.stderr[-300:]}")
+        pytest.skip(f"missing tool: cannot compile for sm_90 here (Triton's ptxas, cuobjdump): {run.stderr[-300:]}")
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
 

@@ -57,7 +57,7 @@ TRITON_VARIANTS = {"triton": {},
                    "triton-lean-top1v-e8-unroll2": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
                                                     "EXP_TABLE_BITS": 8, "TRITON_LEAN": True, "TRITON_UNROLL": 2},
                    "triton-lean-256": {"TRITON_CONVERT": True, "TRITON_LEAN": True, "TRITON_BLOCK": 256}}
-BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"))
+BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton"))
                         for name in TRITON_VARIANTS]
 
 
@@ -350,7 +350,7 @@ def test_cuda_device_row_metrics_and_store_rederivation(rng_seed, tmp_path):
         assert_matches_cpu_kernel(got, want)
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("mode", ["fused", "fused-top2", "fused-top1v", "separate", "torch"])
@@ -409,7 +409,7 @@ def _rows_sent_to_the_exact_pass(metrics, monkeypatch) -> list:
     return sent
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("shift", ["fixed", "running"])
@@ -444,7 +444,7 @@ def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     assert {0, 2} <= set(sent) and not {1, 3} & set(sent), sent
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("shift", ["fixed", "running"])
@@ -501,7 +501,7 @@ if HAVE_TRITON:
                                                  c4, c5, magic, True, EXP_BITS))
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("table_bits", [6, 8])
@@ -523,7 +523,7 @@ def test_the_kernels_exp_is_within_an_ulp_or_two_of_numpy(rng_seed, device, tabl
     assert rel.max() < 4.5e-16, (table_bits, rel.max(), x[rel.argmax()])
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng_seed, device):
@@ -542,7 +542,7 @@ def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng
     assert torch.equal(out.cpu().view(torch.int64), x.double().view(torch.int64))
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("lean", [False, True])

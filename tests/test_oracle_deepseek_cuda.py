@@ -95,7 +95,7 @@ def test_v41_cuda_equals_cpu(v41_packs, layout, dtype, rng_seed):
 def test_v32_cuda_equals_cpu(tmp_path, case, dtype, rng_seed):
     T_ = pytest.importorskip("transformers")
     if not hasattr(T_, "DeepseekV32Config"):
-        pytest.skip("this transformers has no DeepSeek-V3.2")
+        pytest.skip("missing tool: this transformers has no DeepSeek-V3.2")
     from test_oracle_deepseek_v32 import BASE, make
     _, pack = make(tmp_path, case, rng_seed)
     T = max(200, 4 * pack.config["index_topk"] + 3)

@@ -352,7 +352,7 @@ def test_exllamav3_forward_agrees_with_oracle(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("exllamav3's forward needs CUDA")
     if importlib.util.find_spec("exllamav3") is None:
-        pytest.skip("exllamav3 is not installed")
+        pytest.skip("missing tool: exllamav3 is not installed")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import exllamav3_forward as bench
     bench.build(tmp_path)

@@ -13,7 +13,7 @@ from fidelity.oracle import Oracle
 from _deepseek_configs import build_v4, reference_ties_to_lower_index  # noqa: F401 (autouse: the indexer's exact-0 ties)
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not hasattr(T, "DeepseekV4Config"), reason="transformers without DeepSeek-V4")]
+              pytest.mark.skipif(not hasattr(T, "DeepseekV4Config"), reason="missing tool: transformers without DeepSeek-V4")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 REAL_GEOMETRY = dict(

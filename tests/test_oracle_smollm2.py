@@ -66,7 +66,7 @@ def test_native_pack_matches_transformers_on_real_text(smollm2):
 
 def test_gguf_pack_equals_native_pack(smollm2, smollm2_gguf):
     if importlib.util.find_spec("fidelity.packs.gguf") is None:
-        pytest.skip("fidelity.packs.gguf is not available yet")
+        pytest.skip("missing tool: fidelity.packs.gguf is not available yet")
     _, tokenizer, native = smollm2
     gguf_pack = open_pack(smollm2_gguf)
     assert gguf_pack.format == "gguf" or type(gguf_pack).__name__ == "GGUFPack"

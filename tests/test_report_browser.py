@@ -26,7 +26,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--dis
          "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions", "--mute-audio",
          "--disable-dev-shm-usage"]
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="missing tool: chromium is not installed (apt-get install chromium)")]
 
 
 @dataclass

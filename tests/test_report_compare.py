@@ -168,7 +168,7 @@ def test_report_numbers_equal_an_independent_computation(real_run, tmp_path):
 def test_real_compare_report_opens_in_chromium(real_run, tmp_path):
     browser = pytest.importorskip("test_report_browser")
     if browser.CHROMIUM is None:
-        pytest.skip("chromium is not installed")
+        pytest.skip("missing tool: chromium is not installed")
     rep = render([real_run.base / "compare.json", real_run.out], tmp_path / "report")
     check = browser.open_page(rep.index_html, tmp_path)
     (tmp_path / "report" / "screenshot.png").write_bytes(check.screenshot)

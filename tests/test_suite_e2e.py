@@ -44,7 +44,7 @@ def suite_case(name, tmp_path):
         return make_suite("mbpp+", data=str(mbpp_file(tmp_path))), Settings(max_tokens=40)
     if name == "ifeval":
         if not SHARED_IFEVAL.exists():
-            pytest.skip(f"{SHARED_IFEVAL} is absent")
+            pytest.skip(f"missing data: {SHARED_IFEVAL}")
         return make_suite("ifeval", data=str(SHARED_IFEVAL)), Settings(limit=2, max_tokens=24)
     if name == "needle":
         return make_suite("needle", lengths=[384], depths=[0.0, 1.0], seeds=1), Settings(max_tokens=12)
@@ -82,7 +82,7 @@ def test_suite_runs_end_to_end(llama, tmp_path, name):
 
 def test_compare_two_real_runs_matches_statsmodels(llama, tmp_path):
     if not SHARED_IFEVAL.exists():
-        pytest.skip(f"{SHARED_IFEVAL} is absent")
+        pytest.skip(f"missing data: {SHARED_IFEVAL}")
     suite = make_suite("ifeval", data=str(SHARED_IFEVAL))
     for run, max_tokens in (("a", 32), ("b", 6)):  # the same prompts; B's answers are cut short
         asyncio.run(run_suite(suite, tmp_path / run, engine=llama.url, model="smollm2",

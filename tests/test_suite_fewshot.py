@@ -60,7 +60,7 @@ def write_jsonl(path: Path, rows) -> Path:
 def lm_eval_folder() -> Path:
     spec = importlib.util.find_spec("lm_eval")
     if spec is None:
-        pytest.skip("lm-eval is not installed")
+        pytest.skip("missing tool: lm-eval is not installed")
     return Path(spec.submodule_search_locations[0])
 
 
@@ -75,7 +75,7 @@ def lm_eval_task(monkeypatch):
         from lm_eval.api import utils
         from lm_eval.api.task import ConfigurableTask
     except ImportError as e:
-        pytest.skip(f"lm-eval's task module does not import here: {e}")
+        pytest.skip(f"missing tool: lm-eval's task module does not import here: {e}")
     return ConfigurableTask, utils
 
 

@@ -33,7 +33,7 @@ def suite_run(url, out, limit=6):
     try:
         suite = make_suite("humaneval")
     except Exception as e:  # no sandbox on this machine
-        pytest.skip(f"humaneval suite unavailable: {e}")
+        pytest.skip(f"missing tool: humaneval suite unavailable: {e}")
     return asyncio.run(run_suite(suite, out, engine=url, model="toy", settings=Settings(mode="completion", limit=limit,
                                                                                          max_tokens=24)))
 

@@ -86,7 +86,7 @@ def test_llama_suite_gates_pass_the_same_q8_server_and_fail_q2k_on_a_significant
     try:
         humaneval = make_suite("humaneval")
     except Exception as e:  # no sandbox on this machine
-        pytest.skip(f"humaneval suite unavailable: {e}")
+        pytest.skip(f"missing tool: humaneval suite unavailable: {e}")
     (tmp_path / "same.toml").write_text('[speed]\nbaseline = "bench.json"\n'
                                         # the same server, but other jobs share the 2 cores: one run saw decode
                                         # -63 % (aggregate +47 %) against the same server, so only a 10x drop fails

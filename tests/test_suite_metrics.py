@@ -171,7 +171,7 @@ def lm_eval_ifeval_utils():
     import importlib.util
 
     if importlib.util.find_spec("lm_eval") is None:
-        pytest.skip("lm-eval is not installed")
+        pytest.skip("missing tool: lm-eval is not installed")
     try:
         return importlib.import_module("lm_eval.tasks.ifeval.utils")
     except ImportError:
@@ -187,7 +187,7 @@ def test_ifeval_four_numbers_equal_lm_eval_aggregation(rng_seed):
     from fidelity.suites.runner import metric_counts, pooled_metrics
 
     if not SHARED_IFEVAL.exists():
-        pytest.skip(f"{SHARED_IFEVAL} is absent")
+        pytest.skip(f"missing data: {SHARED_IFEVAL}")
     utils = lm_eval_ifeval_utils()
     suite = make_suite("ifeval", data=str(SHARED_IFEVAL))
     items = {it.item_id: it for it in suite.load()}
@@ -225,7 +225,7 @@ def test_cli_sample_seed_and_console_summary(tmp_path):
     from fidelity.fixtures.faults import spawn_fault_server
 
     if not SHARED_IFEVAL.exists():
-        pytest.skip(f"{SHARED_IFEVAL} is absent")
+        pytest.skip(f"missing data: {SHARED_IFEVAL}")
     from fidelity.suites import make_suite
 
     with spawn_fault_server() as srv:
