@@ -93,6 +93,7 @@ def test_a_file_changed_within_the_racy_window_is_not_cached(tmp_path, cache, rn
     assert not cache.exists() or not list(cache.glob("*.json"))
 
 
+@pytest.mark.slow
 def test_compare_out_measures_a_pack_edited_in_place_instead_of_reusing_its_kept_pass(tmp_path_factory, smollm2_gguf,
                                                                                     tmp_path, cache, monkeypatch):
     """`compare --out` twice into one folder, one byte of the pack's model.norm.weight changed in between with size and
@@ -279,3 +280,43 @@ def test_a_folder_without_config_json_is_named_as_missing_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50}))   # present, but naming no architecture
     with pytest.raises(ConfigError, match=r"config\.json names no architecture"):
         Oracle(open_pack(tmp_path))
+
+
+# -- defect 10: compare --truncate leaves its mark --------------------------------------------------------------------
+@pytest.mark.slow
+def test_compare_truncate_is_recorded_in_the_json_markdown_and_kept_passes(tmp_path_factory, smollm2_gguf, tmp_path):
+    """Rows longer than max_position_embeddings (8 here) cut by --truncate: the JSON's panel block says so, with the rows
+    and tokens cut counted from the tokenizer's own lengths; the kept passes' identity carries the same record."""
+    from fidelity.cli import main
+    from fidelity.measuring.panels import PanelRow, write_panel
+    from test_compare import noisy_packs, tiny_setting
+
+    root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "truncate")
+    _, _, packs = noisy_packs(root, tok, gen, {"small": 0.01})
+    context = 8
+    for name in ("ref", "small"):
+        cfg = json.loads((packs[name] / "config.json").read_text())
+        (packs[name] / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": context}))
+    texts = {"long1": "The river flows through the old town towards the sea, past the mill and the bridge.",
+             "short": "Red and blue.", "long2": "def square(x):\n    return x * x\n\nprint(square(12))\n"}
+    panel = write_panel(root / "panel", [PanelRow(i, "text", text=t) for i, t in texts.items()], name="trunc").path
+    lengths = {i: len(tok(t, add_special_tokens=True)["input_ids"]) for i, t in texts.items()}
+    long = [i for i in texts if lengths[i] > context]
+    assert long == ["long1", "long2"] and lengths["short"] <= context
+
+    args = ["compare", str(packs["ref"]), str(packs["small"]), "--panel", str(panel), "--no-noise-floor",
+            "--bootstrap", "50", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "r.json"),
+            "--markdown", str(tmp_path / "r.md")]
+    assert main(args) == 2                                      # without --truncate: refused, nothing measured
+    assert "'long1' (text) is" in json.loads((tmp_path / "r.json").read_text())["error"]
+    assert main(args + ["--truncate"]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    cut = sum(lengths[i] - context for i in long)
+    want = {"enabled": True, "max_len": context, "rows_cut": 2, "tokens_cut": cut, "scored_tokens_cut": cut,
+            "row_ids": long}
+    assert report["panel"]["truncation"] == want
+    assert report["panel"]["scored_positions"] == 2 * (context - 1) + lengths["short"] - 1
+    assert f"--truncate cut 2 row(s) to {context} tokens: {cut} tokens ({cut} scored) not measured" in \
+        (tmp_path / "r.md").read_text()
+    done = [json.loads(p.read_text()) for p in (tmp_path / "out" / "passes").glob("*.done.json")]
+    assert len(done) == 2 and all(d["truncation"] == want for d in done)

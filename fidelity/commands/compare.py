@@ -182,6 +182,15 @@ def numerics_floor_lines(floor: dict | None) -> list[str]:
     return out
 
 
+def truncation_line(panel: dict) -> str | None:
+    """What --truncate cut from the panel, where it cut anything."""
+    t = panel.get("truncation") or {}
+    if not t.get("rows_cut"):
+        return None
+    return (f"--truncate cut {t['rows_cut']} row(s) to {t['max_len']} tokens: {t['tokens_cut']} tokens "
+            f"({t['scored_tokens_cut']} scored) not measured")
+
+
 def print_report(result: dict, console: Console | None = None, full: bool = False):
     con = console or Console()
     if not con.is_terminal:
@@ -189,6 +198,8 @@ def print_report(result: dict, console: Console | None = None, full: bool = Fals
     p = result["panel"]
     con.print(f"panel [bold]{p['name']}[/bold] ({p['rows']} rows, {p['scored_positions']} scored tokens, sha256 "
               f"{p['sha256'][:12]})  reference [cyan]{result['reference']['path']}[/cyan]  {result['direction']}")
+    if truncation_line(p):
+        con.print(f"[yellow]{truncation_line(p)}[/yellow]")
     if result.get("resumed"):
         con.print(f"resumed: {', '.join(result['resumed'])} read back from the resume folder, not recomputed")
     con.print(f"numerics [bold]{result.get('numerics', 'exact')}[/bold]: {result.get('numerics_label', 'exact')}")
@@ -247,6 +258,8 @@ def markdown(result: dict) -> str:
              f"{result['panel']['scored_positions']} scored tokens; {result['direction']}. Definitions: fidelity's "
              f"README, \"What compare reports\".", "",
              f"Numerics: `{result.get('numerics', 'exact')}` ({result.get('numerics_label', 'exact')}).", ""]
+    if truncation_line(result["panel"]):
+        lines += [truncation_line(result["panel"]) + ".", ""]
     floor = numerics_floor_lines(result.get("numerics_floor"))
     if floor:
         lines += [f"- {line.strip()}" for line in floor] + [""]

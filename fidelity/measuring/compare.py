@@ -235,9 +235,22 @@ def prepare(reference, panel: Panel | str | Path | None, *, truncate: bool = Fal
     check_against_config(ref_pack)
     panel = panel if isinstance(panel, Panel) else load_panel(panel)
     tok = load_tokenizer(ref_pack)
-    max_len = ref_pack.config.get("max_position_embeddings")
-    rows = tokenize_panel(panel, tok, max_len=max_len, truncate=truncate)
+    rows = tokenize_panel(panel, tok, max_len=context_length(ref_pack), truncate=truncate)
     return ref_pack, panel, rows, tokenizer_fingerprint(tok)
+
+
+def context_length(pack) -> int | None:
+    """The longest row the reference pack's model takes (config.json's max_position_embeddings), None if unstated."""
+    return pack.config.get("max_position_embeddings")
+
+
+def truncation_record(rows: list[TokenizedRow], truncate: bool, context: int | None) -> dict:
+    """What `truncate` did to the tokenized panel: the setting, the length rows were cut to, and the rows and tokens it
+    cut. Part of the panel's identity wherever measured positions are kept (the compare JSON, kept passes)."""
+    cut = [r for r in rows if r.truncated]
+    return {"enabled": truncate, "max_len": context if truncate else None, "rows_cut": len(cut),
+            "tokens_cut": sum(r.tokens_cut for r in cut), "scored_tokens_cut": sum(r.scored_cut for r in cut),
+            "row_ids": [r.id for r in cut]}
 
 
 def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, reference_store: str | Path | None = None,
@@ -260,10 +273,11 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         check_same_vocab(ref_pack, p)
     check_numerics(numerics)
     ref_oracle = _oracle(ref_pack, device, numerics)
+    truncation = truncation_record(rows, truncate, context_length(ref_pack))
     keep = None
     if resume is not None:
         keep = Resume(resume, {"fidelity_version": __version__, "panel_sha256": panel.sha256, "tokenizer": tok_fp,
-                               "truncate": truncate, "reference": ref_pack.fingerprint(),
+                               "truncation": truncation, "reference": ref_pack.fingerprint(),
                                "device": torch.device(device).type, "dtype": str(ref_oracle.dtype),
                                "numerics": numerics}, rows)
     store_path = reference_store
@@ -369,7 +383,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         "fidelity_version": __version__,
         "direction": "KL(P_reference || Q_pack), nats per scored token",
         "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(rows), "scored_positions": ref.scored_positions,
-                  "domains": panel.domains},
+                  "domains": panel.domains, "truncation": truncation},
         "reference": {"path": str(Path(ref_pack.path).resolve()), "fingerprint": ref_pack.fingerprint(), "format": ref_pack.format,
                       "store": str(Path(reference_store).resolve()) if reference_store else None},
         "numerics": numerics,

@@ -97,6 +97,8 @@ class TokenizedRow:
     tokens: list[int]
     scored: list[bool]
     truncated: bool = False
+    tokens_cut: int = 0         # tokens truncation removed from the row's end
+    scored_cut: int = 0         # of them, tokens that would have been scored
 
     @property
     def n_scored(self) -> int:
@@ -424,13 +426,14 @@ def tokenize_row(row: PanelRow, tokenizer, *, max_len: int | None = None, trunca
     else:
         tokens, scored = render_chat(row, tokenizer, score_reasoning=row.score_reasoning if score_reasoning is None
                                      else score_reasoning)
-    truncated = False
+    truncated, tokens_cut, scored_cut = False, 0, 0
     if max_len is not None and len(tokens) > max_len:
         if not truncate:
             raise PanelError(f"row {row.id!r} ({row.domain}) is {len(tokens)} tokens, longer than the model's context "
                              f"of {max_len}; shorten it or pass truncate=True (--truncate) to score its first {max_len}")
+        tokens_cut, scored_cut = len(tokens) - max_len, sum(scored[max_len:])
         tokens, scored, truncated = tokens[:max_len], scored[:max_len], True
-    out = TokenizedRow(row.id, row.domain, tokens, scored, truncated)
+    out = TokenizedRow(row.id, row.domain, tokens, scored, truncated, tokens_cut, scored_cut)
     if out.n_scored == 0:
         what = ("no assistant tokens" if row.messages is not None else
                 "no scored flag set" if row.tokens is not None else "a single token")
