@@ -34,8 +34,9 @@ ru_maxrss from os.wait4):
   --reference-store STORE --device D --out O --json O/compare.json --markdown O/compare.md` (defaults: noise floor
   and numerics floor on, as a user gets them) -> `fidelity report O/compare.json -o R` (skipped, and said, without
   matplotlib) -> transformers (this script, --child transformers: skipped, and said, where transformers has no
-  DeepseekV4ForCausalLM). The CLI children get an empty FIDELITY_CACHE (a first run's hashing). results.json is
-  rewritten after every stage, so a run cut short keeps what finished.
+  DeepseekV4ForCausalLM). The CLI children get an empty FIDELITY_CACHE (a first run's hashing); the packs were just
+  written, so their bytes come from the page cache (a pack on a cold disk adds its read time). results.json is
+  rewritten after every stage, with the table, so a run cut short keeps what finished.
 
 realscale's extrapolation for the same shape (from the baseline stage, or `--baseline-json realscale.json`): one
 layer's compute c at the panel's tokens, its load l (read + decode + copy at the same routed experts), per pass

@@ -100,3 +100,34 @@ def test_flagship_smoke_chain_numbers_and_kld(tmp_path):
     assert kld > 1e-4                                                    # the packs differ
     assert abs(kld - want) <= 1e-6, (kld, want)
     assert r["compare"]["kld_mean"] == kld
+
+
+def test_transformers_without_deepseek_v4_is_said_and_skipped(monkeypatch, tmp_path):
+    """transformers 5.17 (the device machine's) has no DeepSeek-V4: the comparison says so, names the version, and
+    the table carries the reason instead of a crash."""
+    import types
+
+    fs = flagship()
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="5.17.0"))
+    got = fs.transformers_child(fs.parse(["--smoke", "--out", str(tmp_path)]), torch.device("cpu"), tmp_path)
+    assert got == {"available": False, "reason": "transformers 5.17.0 has no DeepseekV4ForCausalLM"}
+    assert fs.transformers_line(got) == ("transformers comparison: not available (transformers 5.17.0 has no "
+                                         "DeepseekV4ForCausalLM)")
+
+
+def test_predictions_from_a_realscale_json(tmp_path):
+    """--baseline-json: realscale.py's own results scaled to this run's layers, experts and tokens."""
+    fs = flagship()
+    path = tmp_path / "realscale.json"
+    path.write_text(json.dumps({"layers": [
+        {"arch": "v4", "experts": 48, "tokens": 1, "compute_s": 9.0, "load_s": 9.0, "expert_matrix_load_ms": 9.0},
+        {"arch": "v41", "experts": 48, "tokens": 32768, "compute_s": 1.2, "load_s": 0.5, "expert_matrix_load_ms": 2.0}],
+        "head": {"positions": 8192, "vocab": 129280, "head_blocks_s": 0.4, "head_metrics_s": 0.5}}))
+    p = fs.predictions(fs.baseline_from_realscale_json(path), layers=40, experts=16, tokens=16384, scored=16376,
+                       compare_passes=3, python_start_s=None)
+    compute, load = 1.2 / 2, 0.5 - 0.002 * 3 * 32             # half the tokens; 32 experts fewer at 2 ms a matrix
+    assert p["layer_compute_s"] == pytest.approx(compute) and p["layer_load_s"] == pytest.approx(load)
+    assert p["pass_s"] == pytest.approx(40 * compute) and p["pass_serial_s"] == pytest.approx(40 * (compute + load))
+    assert p["reference_s"] == pytest.approx(40 * compute + 0.2 * 16376 / 8192)
+    assert p["compare_s"] == pytest.approx(3 * (40 * compute + 0.5 * 16376 / 8192))
+    assert p["head_included"]
