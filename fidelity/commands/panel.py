@@ -75,7 +75,8 @@ class GreedyAnswerer:
     Decoding token by token through the oracle costs a full forward per token (it has no KV cache), so a draft comes
     from transformers' cached greedy generate on the same fp32 weights; one teacher-forced oracle pass then checks every
     drafted token, and at the first one that is not the oracle's argmax (a near tie where the two differ in the last
-    bits) the oracle's token replaces it and drafting resumes from there."""
+    bits) the oracle's token replaces it and drafting resumes from there. An architecture transformers does not have
+    (DeepSeek-V4.1) gets no draft: the oracle decides each token in its own forward."""
 
     def __init__(self, pack, device: str = "cpu", max_new_tokens: int = 64, numerics: str = "exact"):
         import torch
@@ -89,11 +90,14 @@ class GreedyAnswerer:
         src = pack.tokenizer_source()
         if not pack.path.is_dir():
             raise PanelError(f"panel build drafts with transformers and needs a native pack folder, not {pack.path}")
-        self.draft = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+        self.draft = (AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+                      if transformers_has(pack.config) else None)
         self.max_new = max_new_tokens
         self.stop = {t for t in (self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")) if t is not None and t >= 0}
 
     def _draft(self, ids: list[int], n: int) -> list[int]:
+        if self.draft is None:
+            return []
         import torch
 
         with torch.no_grad():
@@ -128,6 +132,12 @@ class GreedyAnswerer:
         if finished:
             new = new[:-1]
         return self.tok.decode(new, skip_special_tokens=True).strip(), corrected, not finished
+
+
+def transformers_has(config: dict) -> bool:
+    """Whether transformers knows the config's model_type (a model it can draft with)."""
+    from transformers import CONFIG_MAPPING
+    return config.get("model_type") in CONFIG_MAPPING
 
 
 def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, name: str | None = None,
