@@ -5,7 +5,9 @@ tensors taken from the pack, or with noise injected at one layer) re-runs only f
 Reported (definitions once, here):
 
 - swap-one-in (exllamav3 `model_diff_attrib`'s): for each module group, the reference with only that group's tensors
-  read from the pack; `kld_mean` = mean over scored positions of KL(P_ref || Q_variant) (nats, `fidelity.measuring.metrics`),
+  read from the pack (groups name tensors as the reference's oracle reads them, `tensors[].pack_tensor` as the pack's
+  does: each family resolves its own pack's names, paired in order; a V4.1 Engram table, `layers.L.engram.embed`,
+  belongs to its layer's `engram` group); the whole pack is the pack's own oracle, as compare runs it; `kld_mean` = mean over scored positions of KL(P_ref || Q_variant) (nats, `fidelity.measuring.metrics`),
   `share` = its KL / the sum over groups, `additivity` = sum of the groups' KL / the whole pack's KL. The noise control
   replaces each of the group's tensors W by W + N with N isotropic Gaussian scaled to exactly ||W_pack - W_ref||_F
   (`noise_kld_each` per draw, `noise_kld_mean` their mean, `x_noise` = kld_mean / noise_kld_mean).

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser):
                         "default), or each routed expert alone")
     p.add_argument("--groups", help="comma-separated group names to measure (default: all)")
     p.add_argument("--no-noise-control", action="store_true", help="skip the isotropic-noise control")
-    p.add_argument("--noise-repeats", type=int, default=1, help="isotropic-noise draws per group (default 3; >= 2 gives x_noise's bootstrap interval)")
+    p.add_argument("--noise-repeats", type=int, default=1, help="isotropic-noise draws per group (default 1; >= 2 gives x_noise's bootstrap interval)")
     p.add_argument("--activation-control", action="store_true",
                    help="also exllamav3's control: noise of the real error's per-position norm at the group's layer "
                         "output (one-layer groups)")
