@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
-from fidelity.attribute import Reader, Settings, Trunk, _variant, attribute, module_groups
+from fidelity.attribute import Reader, Settings, Trunk, _variant, attribute, module_groups, table_error
 from fidelity.errors import PackError
 from fidelity.fixtures import minipacks
 from fidelity.fixtures.minipacks_v4 import LAYOUTS, V4MiniSpec, write_all
@@ -146,6 +146,13 @@ def test_v41_exl3_attribute_reads_the_packs_names_and_engram_table(packs, rng_se
     table_rows = RowTable.from_pack(open_pack(by_layout["exllamav3"]), "layers.0.engram.embed")
     pack_t = table_rows.rows(torch.arange(table_rows.n_rows)).double()
     assert table["err_norm"] == pytest.approx(float((pack_t - ref_t).norm()), rel=1e-12) and table["err_norm"] > 0
+    err_rms = ((pack_t - ref_t).reshape(-1, 16) ** 2).mean(1).sqrt().numpy()
+    w_max = ref_t.reshape(-1, 16).abs().amax(1).numpy()
+    assert table["err_scale_corr"] == pytest.approx(np.corrcoef(err_rms, w_max)[0, 1], rel=1e-9)
+    assert table["err_scale_groups"] == len(err_rms)
+    in_chunks = table_error(RowTable.from_pack(open_pack(native), "layers.0.engram.embed"), table_rows, chunk_rows=7)
+    assert in_chunks["err_norm"] == pytest.approx(table["err_norm"], rel=1e-12)
+    assert in_chunks["err_scale_corr"] == pytest.approx(table["err_scale_corr"], rel=1e-9)
     layer0 = {r["group"]: r for r in res.swaps}["layers.0"]
     assert layer0["noise_kld_mean"] > 0 and len(layer0["noise_kld_each"]) == 2
 
