@@ -678,7 +678,7 @@ def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_
     domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1 agreement
     (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's, ΔNLL
     (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
-    from ..measuring.stats import RatioBootstrap, RowGroups, ratio_scopes, sign_test
+    from ..measuring.stats import NONNEGATIVE, SHARE, SIGNED, UNIT, RatioBootstrap, RowGroups, ratio_scopes, sign_test
 
     groups = RowGroups.build(np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row])
     pos = [p for _, per in by_row for p in per]
@@ -695,9 +695,11 @@ def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_
     table["row_worse"] = (scored & (table["dnll"] > 0)).astype(float)
     table["row_better"] = (scored & (table["dnll"] < 0)).astype(float)
     boot = RatioBootstrap.run(table, groups, n_boot, seed)
-    S = lambda num, den="n", f=None: ratio_scopes(boot, num, den, groups, f)
-    kl, top1, tail = S("kl"), S("top1", "n_top1"), S("tail")
-    eng_nll, r_nll, dnll, worse = S("engine_nll", "n_nll"), S("ref_nll", "n_nll"), S("dnll", "n_nll"), S("row_worse", "row_scored")
+    S = lambda num, den, bounds: ratio_scopes(boot, num, den, groups, bounds=bounds)
+    kl, top1, tail = S("kl", "n", NONNEGATIVE), S("top1", "n_top1", SHARE), S("tail", "n", UNIT)
+    # an engine's logprob may exceed 0 by rounding (the client accepts up to 1e-3): its NLL is not bounded at 0
+    eng_nll, r_nll = S("engine_nll", "n_nll", SIGNED), S("ref_nll", "n_nll", NONNEGATIVE)
+    dnll, worse = S("dnll", "n_nll", SIGNED), S("row_worse", "row_scored", SHARE)
     exp = lambda v: float(np.exp(v)) if v is not None else None
     exp_ci = lambda ci: [exp(c) for c in ci] if ci is not None else None
 

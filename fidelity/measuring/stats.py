@@ -8,9 +8,13 @@ counts with a [rows, quantities] table and thousands of replicates cost millisec
 Small samples are honest: a 95% interval or p-value over fewer than MIN_ROWS rows (a domain's own, or the panel's), or
 over a domain of one row (its variance is unknown), is reported as not available (null, with the reason) rather than as
 a zero-width interval. The expanded percentile tail the bootstrap reads must hold at least MIN_TAIL_REPLICATES
-replicates; with fewer degrees of freedom than that resolves (2,000 replicates: below about 9) the interval is the
-analytic t interval on the rows' linearized ratio (the same stratified variance the bootstrap estimates). Either way
-the p-value is the inversion of the interval: 0 lies outside the 95% interval exactly when p < 0.05.
+replicates; with fewer degrees of freedom than that resolves (2,000 replicates: below about 9) the interval is an
+analytic one on the rows' linearized ratio (the same stratified variance the bootstrap estimates), built on a scale
+that keeps it inside the quantity's range (`Range`): a t interval for a signed mean, on the log scale (delta method) for
+a non-negative one (KL, NLL), on the logit scale for one bounded on both sides (tail mass, delta p), and Wilson's
+interval with the rows' design effect for a share of counted positions or rows (top-1, rows worse), also where the
+share is 0 or 1 and the replicates cannot vary. Either way the p-value is the inversion of the interval: 0 lies
+outside the 95% interval exactly when p < 0.05 (for a quantity whose range ends at 0, p is 0 unless the estimate is 0).
 
 All KL figures are KL(P_ref || Q_pack) unless the key says `reverse`.
 """
@@ -217,10 +221,38 @@ def not_available(groups: RowGroups, domain: int | None = None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Range:
+    """Where a statistic's values lie: [lo, hi] (None: unbounded on that side). `counts`: a share of counted positions
+    or rows (each 0 or 1), whose analytic interval is Wilson's with the design effect."""
+
+    lo: float | None = None
+    hi: float | None = None
+    counts: bool = False
+
+    def __post_init__(self):
+        if self.lo is None and self.hi is not None:
+            raise ValueError("a range bounded above only is not supported")
+        if self.counts and (self.lo, self.hi) != (0.0, 1.0):
+            raise ValueError("a share of counts lies in [0, 1]")
+
+    def holds(self, x: float) -> bool:
+        return (self.lo is None or x >= self.lo) and (self.hi is None or x <= self.hi)
+
+
+SIGNED = Range()                            # delta NLL, paired differences
+NONNEGATIVE = Range(0.0)                    # KL, NLL
+UNIT = Range(0.0, 1.0)                      # a mean of values in [0, 1] (tail mass)
+SHARE = Range(0.0, 1.0, counts=True)        # top-1 / top-K agreement, rows worse, a bucket's share of positions
+DELTA_P = Range(-1.0, 1.0)                  # a mean difference of two probabilities
+
+
 @dataclass
 class Interval:
     """A 95% interval with the p-value of "the statistic is 0" read off the same construction, or the reason neither is
-    available. `method`: "bootstrap" (expanded percentile, order statistics) or "t" (linearized, t with `dof`)."""
+    available. `method`: "bootstrap" (expanded percentile, order statistics), "t" (linearized, t with `dof`), "t-log" /
+    "t-logit" (the same on the log / logit scale of the distance to the range's ends) or "wilson" (Wilson's score
+    interval at the effective sample size: design effect from the linearized SE, degrees of freedom as Korn & Graubard)."""
 
     ci: list[float] | None
     p_value: float | None
@@ -229,12 +261,14 @@ class Interval:
 
 
 def interval(est: float | None, reps: np.ndarray, se: Callable[[], float], dof: int, reason: str | None = None,
-             level: float = 0.95) -> Interval:
+             level: float = 0.95, bounds: Range = SIGNED, count: float | None = None) -> Interval:
     """`est` (None when there is nothing to estimate), its bootstrap replicates and (called only when needed) its
-    linearized standard error. The bootstrap is used when the expanded tail holds at least MIN_TAIL_REPLICATES
-    replicates: then the interval is the order statistics k = ceil(tail * B) from each end and p = 2 t_dof.sf(z) with
-    z = norm.isf(max(c, 1) / B), c the replicates on the far side of 0, so p < 0.05 exactly when 0 is outside.
-    Otherwise est +- t_dof * se and p = 2 t_dof.sf(|est| / se)."""
+    linearized standard error; `bounds` the statistic's range, `count` (for a share) the positions or rows it counts.
+    The bootstrap is used when the expanded tail holds at least MIN_TAIL_REPLICATES replicates: then the interval is the
+    order statistics k = ceil(tail * B) from each end (inside the range, as every replicate is) and p = 2 t_dof.sf(z)
+    with z = norm.isf(max(c, 1) / B), c the replicates on the far side of 0, so p < 0.05 exactly when 0 is outside.
+    Otherwise the analytic interval of `bounds` (`analytic_interval`). A share at 0 or 1 always takes Wilson's: its
+    replicates cannot vary there, and a zero-width interval would claim certainty from a handful of rows."""
     from scipy.stats import norm, t
 
     if reason is not None:
@@ -243,11 +277,14 @@ def interval(est: float | None, reps: np.ndarray, se: Callable[[], float], dof: 
         return Interval(None, None, None, "no finite position to estimate it from")
     if dof < 1:
         return Interval(None, None, None, f"{dof} degrees of freedom")
+    if not bounds.holds(est):
+        return Interval(None, None, None, f"the estimate {est:.6g} lies outside its range [{bounds.lo}, {bounds.hi}]")
     tail = _expanded_tail(dof, level)
     reps = np.asarray(reps, dtype=np.float64)
     reps = np.sort(reps[np.isfinite(reps)])
     b = len(reps)
-    if b * tail >= MIN_TAIL_REPLICATES:
+    at_end = bounds.counts and est in (0.0, 1.0)
+    if b * tail >= MIN_TAIL_REPLICATES and not at_end:
         k = int(np.ceil(tail * b))
         lo, hi = float(reps[k - 1]), float(reps[b - k])
         c = min(int(np.sum(reps <= 0)), int(np.sum(reps >= 0)))
@@ -262,10 +299,66 @@ def interval(est: float | None, reps: np.ndarray, se: Callable[[], float], dof: 
     s = se()
     if s is None or not np.isfinite(s):
         return Interval(None, None, None, "no finite position to estimate it from")
+    return analytic_interval(float(est), float(s), dof, bounds, count, level)
+
+
+def analytic_interval(est: float, se: float, dof: int, bounds: Range = SIGNED, count: float | None = None,
+                      level: float = 0.95) -> Interval:
+    """The interval from the linearized SE on a scale where `bounds` cannot be crossed, and the p-value of 0 by
+    inverting it. Signed: est +- t_dof se. Bounded below only: t on log(est - lo) with SE se / (est - lo) (delta
+    method). Bounded on both sides: t on logit((est - lo) / (hi - lo)) with SE se (hi - lo) / ((est - lo)(hi - est)).
+    A share: `wilson_interval`. With se 0 (every row alike) or the estimate on an end of its range the interval is
+    the point. A null of 0 on an end of the range (KL = 0) has p 0 unless the estimate is 0 (any position above 0
+    rules it out), then 1; a null inside the range is tested on the same scale as the interval."""
+    from scipy.stats import t
+
+    if bounds.counts:
+        return wilson_interval(est, se, dof, count, level)
     q = float(t.isf((1 - level) / 2, dof))
-    if s == 0:
-        return Interval([float(est), float(est)], 1.0 if est == 0 else 0.0, "t")
-    return Interval([float(est - q * s), float(est + q * s)], min(1.0, 2 * float(t.sf(abs(est) / s, dof))), "t")
+    lo, hi = bounds.lo, bounds.hi
+    if lo is None:
+        if se == 0:
+            return Interval([est, est], 1.0 if est == 0 else 0.0, "t")
+        return Interval([est - q * se, est + q * se], min(1.0, 2 * float(t.sf(abs(est) / se, dof))), "t")
+    if hi is None:
+        method, scale, unscale = "t-log", (lambda x: np.log(x - lo)), (lambda y: lo + np.exp(y))
+        slope = 1.0 / (est - lo) if est > lo else np.inf
+    else:
+        method, scale = "t-logit", (lambda x: np.log(x - lo) - np.log(hi - x))
+        unscale = lambda y: lo + (hi - lo) / (1.0 + np.exp(-y))
+        slope = (hi - lo) / ((est - lo) * (hi - est)) if lo < est < hi else np.inf
+    null_on_end = lo >= 0 or (hi is not None and hi <= 0)
+    if se == 0 or not np.isfinite(slope):
+        return Interval([est, est], 1.0 if est == 0 else 0.0, method)
+    g, s_g = float(scale(est)), se * slope
+    ci = [float(unscale(g - q * s_g)), float(unscale(g + q * s_g))]
+    p = (0.0 if null_on_end else min(1.0, 2 * float(t.sf(abs(g - float(scale(0.0))) / s_g, dof))))
+    return Interval(ci, p, method)
+
+
+def wilson_interval(est: float, se: float, dof: int, count: float | None, level: float = 0.95) -> Interval:
+    """A share of `count` positions or rows (each 0 or 1): Wilson's score interval (z) at the effective size
+    n = est (1 - est) / se^2 (count / the rows' design effect; `count` itself where the share is 0 or 1 or the rows show
+    no variance) times (z / t_dof)^2, Korn & Graubard's (1998) degrees-of-freedom adjustment, so that inside the range
+    its width is the t interval's. Their truncation of the design effect at 1 is left out: with 3-10 rows it covered
+    0.96-0.999 where this covers 0.946-0.98 (tests/test_stats.py). Never outside [0, 1], and not zero-width at 0 or 1.
+    p of "the share is 0": 1 at 0, else 0 (one counted position rules it out)."""
+    from scipy.stats import norm, t
+
+    if count is None or not count > 0:
+        return Interval(None, None, None, "a share needs the number of positions or rows it counts")
+    z, q = float(norm.isf((1 - level) / 2)), float(t.isf((1 - level) / 2, dof))
+    var_binomial = est * (1 - est) / count
+    # rows of one share (12 of 13 and 24 of 26) leave a variance of rounding only: as if none (design effect 1)
+    n_eff = est * (1 - est) / (se * se) if var_binomial > 0 and se * se > 1e-9 * var_binomial else count
+    n = n_eff * (z / q) ** 2
+    if est in (0.0, 1.0):   # the general form, exact here (the general one rounds 1 to 1 - 2^-53)
+        ci = [0.0, z * z / (n + z * z)] if est == 0 else [n / (n + z * z), 1.0]
+    else:
+        centre = (est + z * z / (2 * n)) / (1 + z * z / n)
+        half = z / (1 + z * z / n) * np.sqrt(est * (1 - est) / n + z * z / (4 * n * n))
+        ci = [float(centre - half), float(centre + half)]
+    return Interval(ci, 1.0 if est == 0 else 0.0, "wilson")
 
 
 def _finite(x: float) -> float | None:
@@ -286,19 +379,22 @@ def bootstrap_se(reps: np.ndarray) -> float | None:
 @dataclass
 class Estimate:
     """A point estimate with its row-bootstrap replicates. `reason`: why no interval or p-value is available (too
-    few rows); `lin_se`: its linearized standard error, for the t interval where the bootstrap cannot resolve its
-    tails (None: no analytic interval, so none then). See `interval`."""
+    few rows); `lin_se`: its linearized standard error, for the analytic interval where the bootstrap cannot resolve
+    its tails (None: no analytic interval, so none then); `bounds`: the statistic's range, `count` (a share) the
+    positions or rows it counts. See `interval`."""
 
     value: float | None
     reps: np.ndarray
     dof: int | None
     reason: str | None = None
     lin_se: Callable[[], float] | None = None
+    bounds: Range = SIGNED
+    count: float | None = None
 
     def interval(self) -> Interval:
         if getattr(self, "_interval", None) is None:
             self._interval = interval(self.value, self.reps, self.lin_se, self.dof if self.dof is not None else 0,
-                                      self.reason)
+                                      self.reason, bounds=self.bounds, count=self.count)
         return self._interval
 
     def ci(self) -> list | None:
@@ -308,7 +404,7 @@ class Estimate:
         iv = self.interval()
         if iv.ci is None:
             return None
-        return float(self.lin_se()) if iv.method == "t" else bootstrap_se(self.reps)
+        return bootstrap_se(self.reps) if iv.method == "bootstrap" else float(self.lin_se())
 
     def p_value(self) -> float | None:
         return self.interval().p_value
@@ -323,22 +419,27 @@ class Scopes:
     equal: Estimate
 
 
-def ratio_scopes(boot: RatioBootstrap, num: str, den: str, groups: RowGroups, transform=None) -> Scopes:
+def ratio_scopes(boot: RatioBootstrap, num: str, den: str, groups: RowGroups, transform=None, *,
+                 bounds: Range) -> Scopes:
     """sum(num) / sum(den) pooled, per domain and domains-equal (the mean of the domains' ratios), each with its
     replicates; `transform` (e.g. np.sqrt, np.exp) is applied to the point and to every replicate (a transformed
-    statistic has no linearized SE: its interval needs enough degrees of freedom for the bootstrap)."""
+    statistic has no linearized SE: its interval needs enough degrees of freedom for the bootstrap). `bounds`: the
+    statistic's range (SIGNED, NONNEGATIVE, UNIT, SHARE: `den` then counts what `num` counts, DELTA_P), which its
+    analytic interval keeps to."""
     f = transform or (lambda x: x)
     why = not_available(groups)
     se = (lambda g: None) if transform is not None else (lambda g: g)
+    dens = boot.point[..., boot.names.index(den)]       # [domains]: what each domain's share counts
+    E = lambda value, reps, dof, reason, lin_se, count: Estimate(_finite(f(value)), f(reps), dof, reason, se(lin_se),
+                                                                 bounds, float(count))
     with np.errstate(invalid="ignore", divide="ignore"):
         est, reps = boot.pooled(num, den)
         d_est, d_reps = boot.per_domain(num, den)
         e_est, e_reps = boot.domains_equal(num, den)
-        return Scopes(Estimate(_finite(f(est)), f(reps), groups.dof(), why, se(lambda: boot.pooled_se(num, den))),
-                      [Estimate(_finite(f(d_est[i])), f(d_reps[:, i]), groups.dof(i), not_available(groups, i),
-                                se(lambda i=i: boot.domain_se(num, den, i))) for i in range(len(groups.domains))],
-                      Estimate(_finite(f(e_est)), f(e_reps), groups.dof(), why,
-                               se(lambda: boot.domains_equal_se(num, den))))
+        return Scopes(E(est, reps, groups.dof(), why, lambda: boot.pooled_se(num, den), dens.sum()),
+                      [E(d_est[i], d_reps[:, i], groups.dof(i), not_available(groups, i),
+                         lambda i=i: boot.domain_se(num, den, i), dens[i]) for i in range(len(groups.domains))],
+                      E(e_est, e_reps, groups.dof(), why, lambda: boot.domains_equal_se(num, den), dens.sum()))
 
 
 def weighted_quantile(sorted_values: np.ndarray, weights: np.ndarray, qs: Sequence[float]) -> np.ndarray:
@@ -449,14 +550,15 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
     boot = RatioBootstrap.run(table, groups, n_boot, seed)
     counts = bootstrap_counts(groups.row_domain, n_boot, np.random.default_rng(seed))   # the same replicates
     dof = groups.dof()
-    S = lambda num, den="n", transform=None: ratio_scopes(boot, num, den, groups, transform)
+    S = lambda num, den="n", transform=None, bounds=NONNEGATIVE: ratio_scopes(boot, num, den, groups, transform,
+                                                                              bounds=bounds)
 
-    kld, kldr, top1 = S("kld"), S("kld_reverse"), S("agree")
-    dnll, ref_nll, pack_nll = S("dnll"), S("ref_nll"), S("pack_nll")
-    dp, rms = S("dp"), S("dp2", transform=np.sqrt)
-    worse_share = S("row_worse", "row_scored")
-    topks = [S(f"agree_top{k}") for k in range(1, TOPK + 1)] if topk is not None else []
-    conf = [(S(f"conf{b}_kld", f"conf{b}_n"), S(f"conf{b}_n"),
+    kld, kldr, top1 = S("kld"), S("kld_reverse"), S("agree", bounds=SHARE)
+    dnll, ref_nll, pack_nll = S("dnll", bounds=SIGNED), S("ref_nll"), S("pack_nll")
+    dp, rms = S("dp", bounds=DELTA_P), S("dp2", transform=np.sqrt, bounds=UNIT)
+    worse_share = S("row_worse", "row_scored", bounds=SHARE)
+    topks = [S(f"agree_top{k}", bounds=SHARE) for k in range(1, TOPK + 1)] if topk is not None else []
+    conf = [(S(f"conf{b}_kld", f"conf{b}_n"), S(f"conf{b}_n", bounds=SHARE),
              S(f"conf{b}_kld_reverse", f"conf{b}_n")) for b in range(len(edges) - 1)]
     pos_domain = groups.row_domain[row]
     quant = _kld_quantiles(m["kld"], ok, row, pos_domain, groups, counts)
@@ -547,7 +649,8 @@ def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain:
     def block(values, point, reps, dof, reason=None):
         value = lambda j: float(point[j]) if np.isfinite(point[j]) else None
         return {**{k: value(j) for j, k in enumerate(keys)},
-                **{f"{k}_ci95": Estimate(value(j), reps[:, j], dof, reason).ci() for j, k in enumerate(keys)}}
+                **{f"{k}_ci95": Estimate(value(j), reps[:, j], dof, reason, bounds=NONNEGATIVE).ci()
+                   for j, k in enumerate(keys)}}
 
     out = {}
     v, r, d = kld[ok], row[ok], pos_domain[ok]
@@ -605,12 +708,14 @@ def paired_difference(pm_a: PositionMetrics, pm_b: PositionMetrics, groups: RowG
 def _paired_block(boot: RatioBootstrap, groups: RowGroups) -> dict:
     from statsmodels.stats.multitest import multipletests
 
-    diff, a, b = (ratio_scopes(boot, k, "n", groups) for k in ("diff", "a", "b"))
+    diff, a, b = (ratio_scopes(boot, k, "n", groups, bounds=bounds)
+                  for k, bounds in (("diff", SIGNED), ("a", NONNEGATIVE), ("b", NONNEGATIVE)))
 
     def rel(d: Estimate, base: Estimate) -> Estimate:
         with np.errstate(invalid="ignore", divide="ignore"):
             value = 100 * d.value / base.value if d.value is not None and base.value else None
-            return Estimate(_finite(value) if value is not None else None, 100 * d.reps / base.reps, d.dof, d.reason)
+            return Estimate(_finite(value) if value is not None else None, 100 * d.reps / base.reps, d.dof, d.reason,
+                            bounds=Range(-100.0))     # A's KL >= 0: at most 100 % below B
 
     def block(d: Estimate, ea: Estimate, eb: Estimate) -> dict:
         r, iv = rel(d, eb), d.interval()
