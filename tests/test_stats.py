@@ -466,3 +466,38 @@ def test_hostile_three_row_domain_keeps_every_interval_in_range(rng_seed):
         np.testing.assert_allclose(scope["ppl_ci95"], np.exp([nll * np.exp(-q * nll_se / nll),
                                                               nll * np.exp(q * nll_se / nll)]), rtol=1e-9)
         assert scope["ppl_ci95"][0] >= 1
+
+
+def test_logit_scale_interval_for_two_sided_bounds_and_its_p_value(rng_seed):
+    """A mean bounded on both sides (delta p in [-1, 1], tail mass in [0, 1]) on few rows: t on the logit scale of
+    where the estimate sits in its range, SE by the delta method, written out here with scipy's expit/logit; the p-value
+    of 0 (inside [-1, 1]) is that scale's t test, so p < 0.05 exactly when 0 lies outside the interval."""
+    from scipy.special import expit, logit
+    from scipy.stats import t
+
+    from fidelity.measuring.stats import DELTA_P, UNIT, analytic_interval
+
+    rng = np.random.default_rng(rng_seed)
+    seen_outside = seen_inside = 0
+    for _ in range(200):
+        dof = int(rng.integers(2, 8))
+        q = t.isf(0.025, dof)
+        for bounds, lo, hi in ((DELTA_P, -1.0, 1.0), (UNIT, 0.0, 1.0)):
+            est = float(rng.uniform(lo, hi))
+            se = float(rng.uniform(0.001, 0.5))
+            iv = analytic_interval(est, se, dof, bounds)
+            u, w = (est - lo) / (hi - lo), hi - lo
+            s_logit = se / (w * u * (1 - u))
+            want = [lo + w * expit(logit(u) - q * s_logit), lo + w * expit(logit(u) + q * s_logit)]
+            np.testing.assert_allclose(iv.ci, want, rtol=1e-9)
+            assert iv.method == "t-logit" and lo <= iv.ci[0] <= est <= iv.ci[1] <= hi
+            if bounds is DELTA_P:
+                p = 2 * t.sf(abs(logit(u) - logit(0.5)) / s_logit, dof)
+                assert iv.p_value == pytest.approx(p, rel=1e-9, abs=1e-300)
+                outside = not iv.ci[0] <= 0 <= iv.ci[1]
+                assert outside == (iv.p_value < 0.05)
+                seen_outside += outside
+                seen_inside += not outside
+            else:
+                assert iv.p_value == 0.0          # tail mass 0 is ruled out by any estimate above it
+    assert seen_outside and seen_inside
