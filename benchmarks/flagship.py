@@ -27,9 +27,10 @@ Stages, each a child process (wall time; GPU peak = the most `nvidia-smi --query
 polled every 0.1 s, minus what was in use when it started: the device's view, CUDA context and torch's cached
 blocks included, because torch.cuda.max_memory_allocated cannot see another process; host peak = the child's own
 ru_maxrss from os.wait4):
-  build (this script, --child build) -> baseline (this script: realscale.bench_layer for one V4.1 layer of the same
-  geometry and experts over the panel's rows x length, the head + metric step at the vocabulary, and the overheads a
-  CLI process pays before its layers: pack fingerprints with an empty hash cache, the Engram token map, python start)
+  build (this script, --child build)
+  -> baseline (this script: realscale.bench_layer for one V4.1 layer of the same geometry and experts over the
+  panel's rows x length, the head + metric step at the vocabulary, and the overheads a CLI process pays before its
+  layers: pack fingerprints with an empty hash cache, the Engram token map, embedding + head loads, python start)
   -> `fidelity reference REF --panel P -o STORE --device D` -> `fidelity compare REF PACK --panel P
   --reference-store STORE --device D --out O --json O/compare.json --markdown O/compare.md` (defaults: noise floor
   and numerics floor on, as a user gets them) -> `fidelity report O/compare.json -o R` (skipped, and said, without
@@ -42,7 +43,8 @@ realscale's extrapolation for the same shape (from the baseline stage, or `--bas
 layer's compute c at the panel's tokens, its load l (read + decode + copy at the same routed experts), per pass
 L x max(c, l) (loads behind compute; L x (c + l) serial is printed too); reference = one pass + the reference head and
 top-K over the scored positions; compare = (1 + noise floor + numerics floor) passes + as many head + metric steps;
-"+ overheads" adds what the baseline measured outside the layers (python start, fingerprints, token map per oracle).
+"+ overheads" adds what the baseline measured outside the layers: python start, fingerprints, and per oracle the
+Engram token map and the embedding + head loaded on the device (EXL3 / FP8 decodes of a 129,280 x 4096 head).
 
 Estimated at full size on one H100, 40 layers x 16 experts, 16 x 2048 tokens (from benchmarks/RESULTS.md, "Real-geometry
 benchmark" and the sections after it: a V4.1-Flash layer computes 32k tokens in 0.93-1.17 s fp32 on the H200; the head
@@ -416,7 +418,7 @@ def baseline_child(args, device, work: Path) -> dict:
     ns = argparse.Namespace(smoke=args.smoke, experts=args.experts, activation_gib=None, expert_gib=None,
                             rows=args.rows, length=args.length, shapes=[], shape_budgets="", profile=0,
                             numerics_cost=False, repeat=1)
-    ns.matmul_rate = rs.matmul_rate(device, 512 if args.smoke else 8192)
+    ns.matmul_rate = rs.matmul_rate(device, 512 if args.smoke else 8192 if device.type == "cuda" else 2048)
     scratch = work / "baseline"
     shutil.rmtree(scratch, ignore_errors=True)
     try:
@@ -430,9 +432,12 @@ def baseline_child(args, device, work: Path) -> dict:
     os.environ["FIDELITY_CACHE"] = str(cache)
     overheads = {}
     for which in ("ref", "pack"):
+        pack = open_pack(work / which)
         t = time.perf_counter()
-        open_pack(work / which).fingerprint()
+        pack.fingerprint()
         overheads[f"fingerprint_{which}_s"] = time.perf_counter() - t
+        ends = [in_pack(pack, "embed.weight"), in_pack(pack, "head.weight")]
+        overheads[f"embed_head_{which}_s"], _ = rs.timed(lambda: [pack.tensor(n, device=device) for n in ends], device)
     shutil.rmtree(cache, ignore_errors=True)
     t = time.perf_counter()
     compressed_token_map(work / "ref" / "tokenizer.json")
@@ -470,11 +475,14 @@ def predictions(base: dict, layers: int, experts: int, tokens: int, scored: int,
     compare = compare_passes * (per_pass + step)
     return {"layer_compute_s": compute, "layer_load_s": load, "pass_s": per_pass, "pass_serial_s": per_pass_serial,
             "reference_s": reference, "reference_serial_s": per_pass_serial + ref_head,
-            "reference_with_overheads_s": reference + start + over.get("fingerprint_ref_s", 0.0) + token_map,
+            "reference_with_overheads_s": reference + start + over.get("fingerprint_ref_s", 0.0) + token_map
+                                          + over.get("embed_head_ref_s", 0.0),
             "compare_s": compare, "compare_serial_s": compare_passes * (per_pass_serial + step),
-            # the reference's hash is cached by then; every oracle of the pass builds its own token map
+            # the reference's hash is cached by then; every oracle builds its own token map and loads its own
+            # embedding and head (the floors' oracles run on REF)
             "compare_with_overheads_s": compare + start + over.get("fingerprint_pack_s", 0.0)
-                                        + (1 + compare_passes) * token_map,
+                                        + (1 + compare_passes) * token_map + over.get("embed_head_pack_s", 0.0)
+                                        + compare_passes * over.get("embed_head_ref_s", 0.0),
             "head_included": head is not None}
 
 
@@ -757,7 +765,7 @@ def transformers_line(t: dict) -> str:
     impl = t["implementation"]
     return (f"transformers {t['transformers']} DeepseekV4ForCausalLM (fp32, attention {impl['attention']}, experts "
             f"{impl['experts']}) vs the oracle on the same dequantized weights in memory (REF's; the V4 compressors "
-            f"where V4.1 has its own), {t['layers']} layers, {t['rows']} x {t['length']} tokens, medians of "
+            f"where V4.1 has its own), {t['layers']} layer(s), {t['rows']} x {t['length']} tokens, medians of "
             f"{t['repeat']} passes: per layer transformers {per} s, oracle {ours} s (layer 0's spans include the "
             f"embedding, masks and rope tables): **oracle / transformers = {t['ours_x_hf']:.2f}** over layers "
             f"{'1+' if t['layers'] > 1 else '0'}; final hidden states differ by {t['max_rel_diff']:.2e} of their "
@@ -785,13 +793,13 @@ def table(r: dict) -> str:
             ("baseline", "realscale one V4.1 layer + head step + overheads (--child baseline)", None, None, ""),
             ("reference", "fidelity reference", p.get("reference_s"), p.get("reference_with_overheads_s"),
              f"store {gb(sizes.get('store_bytes'))}"),
-            ("compare", f"fidelity compare ({passes} passes: pack"
+            ("compare", f"fidelity compare ({passes} pass{'es' if passes > 1 else ''}: pack"
                         + (" + noise floor" if s["noise_floor"] else "") + (" + numerics floor" if s["numerics_floor"]
                                                                            else "") + ")",
              p.get("compare_s"), p.get("compare_with_overheads_s"),
              f"records {gb(sizes.get('records_bytes'))} (folder {gb(sizes.get('compare_out_bytes'))})"),
             ("report", "fidelity report", None, None, f"report {gb(sizes.get('report_bytes'))}"),
-            ("transformers", f"transformers V4 vs oracle, {min(s['hf_layers'], s['layers'])} layers "
+            ("transformers", f"transformers V4 vs oracle, layers 0-{min(s['hf_layers'], s['layers']) - 1} "
                              f"(--child transformers)", None, None,
              "")]
     for key, label, pred, pred_over, writes in rows:
@@ -812,7 +820,8 @@ def table(r: dict) -> str:
             st = (stages.get("python_start") or {}).get("wall_s")
             lines.append(f"overheads measured apart: python + torch + fidelity start {_f(st)} s, REF fingerprint "
                          f"(empty hash cache) {over['fingerprint_ref_s']:.1f} s, PACK {over['fingerprint_pack_s']:.1f} "
-                         f"s, Engram token map {over['token_map_s']:.2f} s per oracle")
+                         f"s, Engram token map {over['token_map_s']:.2f} s per oracle, embedding + head loaded on the "
+                         f"device REF {over['embed_head_ref_s']:.2f} s, PACK {over['embed_head_pack_s']:.2f} s")
     c = r.get("compare")
     if c:
         ci = c.get("kld_mean_ci95") or [None, None]
