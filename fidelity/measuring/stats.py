@@ -569,6 +569,7 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
         out = {
             **_ci_dict(pick(kldr), "kld_reverse_mean"),
             **_ci_dict(pick(dnll), "delta_nll_mean", se=True),
+            **_ci_dict(pick(pack_nll), "nll_mean"), **_ci_dict(pick(ref_nll), "nll_ref_mean"),
             "rows_worse": {"rows": scored, "worse": worse, "better": better, "share": pick(worse_share).value,
                            "share_ci95": pick(worse_share).ci(), "sign_test_p": sign_test(worse, better)},
             "topk_agreement": [{"k": k + 1, "value": pick(s).value, "ci95": pick(s).ci()} for k, s in enumerate(topks)],
@@ -601,8 +602,10 @@ def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, s
         **scope(None, np.ones(groups.n_rows, bool)),
         "kld_max": float(finite_kld.max()) if finite_kld.size else None,
         "ci_unavailable": not_available(groups),
+        "bootstrap_replicates": n_boot,
     }
     eq = {"kld_reverse_mean": kldr.equal, "delta_nll_mean": dnll.equal, "delta_p_mean": dp.equal, "rms_delta_p": rms.equal,
+          "nll_mean": pack_nll.equal, "nll_ref_mean": ref_nll.equal,
           "rows_worse_share": worse_share.equal}
     domains_equal = {k: v.value for k, v in eq.items()}
     domains_equal.update({f"{k}_ci95": v.ci() for k, v in eq.items()})
@@ -648,9 +651,9 @@ def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain:
 
     def block(values, point, reps, dof, reason=None):
         value = lambda j: float(point[j]) if np.isfinite(point[j]) else None
-        return {**{k: value(j) for j, k in enumerate(keys)},
-                **{f"{k}_ci95": Estimate(value(j), reps[:, j], dof, reason, bounds=NONNEGATIVE).ci()
-                   for j, k in enumerate(keys)}}
+        ivs = [Estimate(value(j), reps[:, j], dof, reason, bounds=NONNEGATIVE).interval() for j in range(len(keys))]
+        return {**{k: value(j) for j, k in enumerate(keys)}, **{f"{k}_ci95": iv.ci for k, iv in zip(keys, ivs)},
+                **{f"{k}_ci95_unavailable": iv.reason for k, iv in zip(keys, ivs)}}
 
     out = {}
     v, r, d = kld[ok], row[ok], pos_domain[ok]
@@ -688,7 +691,7 @@ def paired_difference(pm_a: PositionMetrics, pm_b: PositionMetrics, groups: RowG
     (statsmodels' multipletests). On too few rows, or with no position finite in both, intervals and p-values are
     null and `unavailable` says why. The top-level keys are the pooled KL(P_ref || pack) figures."""
     ok = pm_a.finite.numpy() & pm_b.finite.numpy()
-    out = {"positions": int(ok.sum())}
+    out = {"positions": int(ok.sum()), "bootstrap_replicates": n_boot}
     for metric in PAIRED_METRICS:
         a, b = getattr(pm_a, metric).numpy(), getattr(pm_b, metric).numpy()
         if not (np.isfinite(a[ok]).any() and np.isfinite(b[ok]).any()):
@@ -711,20 +714,26 @@ def _paired_block(boot: RatioBootstrap, groups: RowGroups) -> dict:
     diff, a, b = (ratio_scopes(boot, k, "n", groups, bounds=bounds)
                   for k, bounds in (("diff", SIGNED), ("a", NONNEGATIVE), ("b", NONNEGATIVE)))
 
-    def rel(d: Estimate, base: Estimate) -> Estimate:
+    def rel(d: Estimate, base: Estimate, ratio_se: Callable[[], float]) -> Estimate:
+        # 100 (A - B) / B = 100 (A / B - 1); `ratio_se`: the linearized SE of A / B, for the analytic interval where
+        # the bootstrap cannot resolve the tails (a domain of a few rows)
         with np.errstate(invalid="ignore", divide="ignore"):
             value = 100 * d.value / base.value if d.value is not None and base.value else None
             return Estimate(_finite(value) if value is not None else None, 100 * d.reps / base.reps, d.dof, d.reason,
+                            lin_se=lambda: 100 * ratio_se(),
                             bounds=Range(-100.0))     # A's KL >= 0: at most 100 % below B
 
-    def block(d: Estimate, ea: Estimate, eb: Estimate) -> dict:
-        r, iv = rel(d, eb), d.interval()
+    def block(d: Estimate, ea: Estimate, eb: Estimate, ratio_se: Callable[[], float]) -> dict:
+        r, iv = rel(d, eb, ratio_se), d.interval()
+        floor = bootstrap_p_floor(int(np.isfinite(d.reps).sum()), d.dof) if iv.method == "bootstrap" else None
         return {"a": ea.value, "b": eb.value, "diff": d.value, "diff_ci95": iv.ci, "diff_se": d.se(),
                 "relative_change_pct": r.value, "relative_change_pct_ci95": r.ci(),
-                "p_value": iv.p_value, "method": iv.method, "unavailable": iv.reason}
+                "relative_change_pct_unavailable": r.interval().reason,
+                "p_value": iv.p_value, "p_value_floor": floor, "method": iv.method, "unavailable": iv.reason}
 
-    out = block(diff.overall, a.overall, b.overall)
-    per = {name: block(diff.domains[i], a.domains[i], b.domains[i]) for i, name in enumerate(groups.domains)}
+    out = block(diff.overall, a.overall, b.overall, lambda: boot.pooled_se("a", "b"))
+    per = {name: block(diff.domains[i], a.domains[i], b.domains[i], lambda i=i: boot.domain_se("a", "b", i))
+           for i, name in enumerate(groups.domains)}
     tested = {name: v for name, v in per.items() if v["p_value"] is not None}
     for v in per.values():
         v["p_holm"] = None
@@ -733,8 +742,37 @@ def _paired_block(boot: RatioBootstrap, groups: RowGroups) -> dict:
         for v, p in zip(tested.values(), holm):
             v["p_holm"] = float(p)
     out["domains"] = per
-    out["domains_equal"] = block(diff.equal, a.equal, b.equal)
+    out["domains_equal"] = block(diff.equal, a.equal, b.equal, lambda: domains_equal_ratio_se(boot, "a", "b"))
     return out
+
+
+def domains_equal_ratio_se(boot: RatioBootstrap, num: str, den: str, n: str = "n") -> float:
+    """Linearized SE of mean_d(num_d / n_d) / mean_d(den_d / n_d), the ratio of two domains-equal means (domains
+    with no position left out, as `RatioBootstrap.domains_equal` leaves them out): row i of domain d (of D, N_d
+    positions) contributes ((num_i - A_d n_i) - R (den_i - B_d n_i)) / (D N_d B), R = A / B, strata = domains."""
+    y, x, w, dom = boot._col(num), boot._col(den), boot._col(n), boot.row_domain
+    live = [d for d in np.unique(dom) if w[dom == d].sum() > 0]
+    if not live:
+        return float("nan")
+    A = {d: y[dom == d].sum() / w[dom == d].sum() for d in live}
+    B = {d: x[dom == d].sum() / w[dom == d].sum() for d in live}
+    a_eq, b_eq = float(np.mean(list(A.values()))), float(np.mean(list(B.values())))
+    if not b_eq > 0:
+        return float("nan")
+    r = a_eq / b_eq
+    e = np.zeros(len(y))
+    for d in live:
+        s = dom == d
+        e[s] = ((y[s] - A[d] * w[s]) - r * (x[s] - B[d] * w[s])) / (len(live) * w[s].sum() * b_eq)
+    return float(np.sqrt(_stratified_var(e, dom)))
+
+
+def bootstrap_p_floor(n_reps: int, dof: int) -> float:
+    """The smallest p-value `interval` gives from `n_reps` bootstrap replicates at `dof` degrees of freedom (no
+    replicate, or one, on the far side of 0): 2 t_dof.sf(norm.isf(1 / n_reps)). A p-value there is "< floor"."""
+    from scipy.stats import norm, t
+
+    return min(1.0, 2 * float(t.sf(norm.isf(1 / n_reps), dof)))
 
 
 def bootstrap_p_value(reps: np.ndarray, dof: int | None = None) -> float:
