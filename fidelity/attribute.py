@@ -84,6 +84,8 @@ class Settings:
     super_expert_share: float = SUPER_EXPERT_SHARE
     seed: int = 0
     keep_layers: bool | None = None              # None: when the reference's layers fit in KEEP_LAYERS_BYTES
+    numerics: str = "exact"                      # the oracles' (fidelity.oracle.numerics); under "deepseek" a swapped
+                                                 # tensor's input rounds as the pack stores it (variant_rounding)
 
 
 @dataclass
@@ -377,6 +379,18 @@ class Reader:
         return t + self.noise[name].to(t.device) if name in self.noise else t
 
 
+def variant_rounding(rounding, fam, read: Reader):
+    """`rounding` (the reference's, quant.DeepSeekRounding) with its linear-input rule bound to a variant's storage: a
+    swapped tensor's input is rounded where the pack stores it FP8/FP4, every other where the reference does (what
+    DeepSeek's model.py does with the hybrid's weights)."""
+    import dataclasses
+
+    from .oracle.deepseek.quant import rounds_stored_input
+    pack_rounds = rounds_stored_input(read.pack, lambda official: read.names.get(fam.n(official), fam.n(official)))
+    return dataclasses.replace(rounding, rounds_input=lambda official: pack_rounds(official)
+                               if fam.n(official) in read.swapped else rounding.rounds_input(official))
+
+
 class Trunk:
     """The reference's layers streamed over row batches, each layer's input kept; `run(start, ...)` re-runs from a
     layer on with any layer built from another reader or wrapped."""
@@ -414,8 +428,16 @@ class Trunk:
         return f
 
     def build_layer(self, i: int, read: Reader):
-        """Layer i with its tensors read through `read` and, where `read.tables` has one, that Engram table."""
-        layer = self.fam.load_layer(i, self.fetch(read))
+        """Layer i with its tensors read through `read` and, where `read.tables` has one, that Engram table. Under a
+        reference rounding (numerics "deepseek"), the layer is built with it bound to the variant's storage."""
+        rounding = getattr(self.fam, "rounding", None)
+        if rounding is not None and read.swapped:
+            self.fam.rounding = variant_rounding(rounding, self.fam, read)
+        try:
+            layer = self.fam.load_layer(i, self.fetch(read))
+        finally:
+            if rounding is not None:
+                self.fam.rounding = rounding
         table = read.tables.get(i)
         if table is not None:
             layer.engram.table = table
@@ -597,8 +619,9 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
             if len(r) < 2:
                 raise ConfigError(f"row {i}: needs at least 2 tokens (a position predicts the next one)")
         scored = [torch.arange(len(r) - 1) for r in rows]
-    oracle = Oracle(ref, device=device)
-    pack_oracle = Oracle(pack, device=device)     # the pack read as compare's oracle reads it (names, Engram tables)
+    oracle = Oracle(ref, device=device, numerics=s.numerics)
+    # the pack read as compare's oracle reads it (names, Engram tables, numerics)
+    pack_oracle = Oracle(pack, device=device, numerics=s.numerics)
     fam = oracle.family
     names_in_pack = pack_names(fam, pack_oracle.family, pack)
     groups = module_groups(fam, s.modules)
@@ -753,7 +776,8 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
 
     parts = sum(r["kld_mean"] for r in swaps)
     summary = {"reference": str(getattr(ref, "path", "")), "pack": str(getattr(pack, "path", "")),
-               "modules": s.modules, "rows": len(rows), "scored_positions": int(sum(len(p) for p in scored)),
+               "modules": s.modules, "numerics": s.numerics,
+               "rows": len(rows), "scored_positions": int(sum(len(p) for p in scored)),
                "pack_kld_mean": whole, "sum_of_parts_kld": parts,
                "additivity": parts / whole if whole else None,
                "noise_levels": list(map(float, s.noise_levels)), "seed": s.seed,

@@ -96,3 +96,34 @@ def test_a_store_under_other_numerics_is_refused_by_name(minis, tmp_path, rng_se
     assert main(["compare", str(native), str(fp8), "--panel", str(panel), "--reference-store", str(store),
                  "--numerics", "deepseek", "--no-noise-floor", "--no-numerics-floor", "--bootstrap", "50"]) == 0
 
+
+
+@pytest.mark.slow
+def test_attribute_under_deepseek_numerics(minis, rng_seed):
+    """attribute --numerics deepseek: its whole-pack KL is the KL between the two oracles under deepseek (computed
+    directly), a swap of an unchanged module changes nothing, and a swapped tensor's input rounds as the pack stores it
+    (the bf16 reference's wq_a input is not rounded, the FP8 pack's is)."""
+    from fidelity.attribute import Reader, Settings, attribute, pack_names, variant_rounding
+    native, fp8 = minis
+    ref, pack = open_pack(native), open_pack(fp8)
+    g = torch.Generator().manual_seed(rng_seed)
+    rows = torch.randint(0, ref.config["vocab_size"], (2, 24), generator=g).tolist()
+    res = attribute(ref, pack, rows=rows, device="cpu", progress=False,
+                    settings=Settings(numerics="deepseek", noise_control=False, sensitivity=False, modules="layer"))
+    assert res.summary["numerics"] == "deepseek"
+    p_logits = Oracle(ref, numerics="deepseek").logits(torch.tensor(rows))
+    q_logits = Oracle(pack, numerics="deepseek").logits(torch.tensor(rows))
+    want = np.mean([kl_per_position(p_logits[i, :-1], q_logits[i, :-1]) for i in range(len(rows))])
+    assert res.summary["pack_kld_mean"] == pytest.approx(want, rel=1e-9)
+    exact = attribute(ref, pack, rows=rows, device="cpu", progress=False,
+                      settings=Settings(noise_control=False, sensitivity=False, modules="layer"))
+    assert abs(exact.summary["pack_kld_mean"] - res.summary["pack_kld_mean"]) > 1e-6
+
+    ref_oracle, pack_oracle = Oracle(ref, numerics="deepseek"), Oracle(pack, numerics="deepseek")
+    fam = ref_oracle.family
+    wq_a = "layers.0.attn.wq_a.weight"
+    assert not fam.rounding.rounds_input(wq_a) and pack_oracle.family.rounding.rounds_input(wq_a)
+    names = pack_names(fam, pack_oracle.family, pack)
+    read = Reader(ref, pack, swapped={fam.n(wq_a)}, names=names)
+    bound = variant_rounding(fam.rounding, fam, read)
+    assert bound.rounds_input(wq_a) and not bound.rounds_input("layers.0.attn.wkv.weight")

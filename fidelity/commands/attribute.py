@@ -18,6 +18,7 @@ from .. import json_out
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    from .compare import add_numerics_argument
     p.add_argument("reference", help="reference pack")
     p.add_argument("pack", help="pack to attribute")
     src = p.add_mutually_exclusive_group()
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--super-expert-share", type=float, default=None, help="routed-energy share of a super expert (0.2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    add_numerics_argument(p)
     p.add_argument("--json", dest="json_out", help="write the whole result as JSON")
     p.add_argument("--out", help="folder for one parquet file per table (Engram ledger: engram_access.parquet)")
     p.add_argument("--top", type=int, default=15, help="groups shown in the console table (largest share first)")
@@ -60,7 +62,7 @@ def run(args) -> int:
         noise_levels=tuple(float(x) for x in args.noise_levels.split(",")) if args.noise_levels else NOISE_LEVELS,
         sensitivity_layers=[int(x) for x in args.sensitivity_layers.split(",")] if args.sensitivity_layers else None,
         super_expert_share=SUPER_EXPERT_SHARE if args.super_expert_share is None else args.super_expert_share,
-        seed=args.seed)
+        seed=args.seed, numerics=args.numerics)
     res = attribute(args.reference, args.pack, panel=args.panel, rows=rows, settings=settings, device=args.device,
                     progress=True)
     print_tables(res, Console(), top=args.top)
