@@ -18,7 +18,8 @@ import exllamav3_forward_v41 as bench  # noqa: E402
 def test_exllamav3_v41_port_agrees_with_oracle(tmp_path, rng_seed):
     src = bench.default_source()
     if src is None:
-        pytest.skip("missing data: exllamav3's DeepSeek-V4.1 sources are not here (set FIDELITY_EXLLAMAV3_V41_SRC)")
+        pytest.skip("outside source: exllamav3's DeepSeek-V4.1 port (no release has it) is not here "
+                    "(set FIDELITY_EXLLAMAV3_V41_SRC)")
     r = bench.run(src, tmp_path, seed=rng_seed, candidate_src=bench.default_candidate_source(),
                   trtllm_src=bench.default_trtllm_source())
     topo = r["topology"]
