@@ -40,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    # exit 2 is "could not run" for every command (`gate`: 1 is "a gate failed", so nothing that stopped the run may
+    # exit 1): bad input is a FidelityError naming its file; a file the system would not read or write (a full disk,
+    # a vanished folder) an OSError, named by its message where the system gave the file
     try:
         return int(args._run(args) or 0)
-    except FidelityError as e:
+    except (FidelityError, OSError) as e:
         print(f"fidelity {args.command}: error: {e}", file=sys.stderr)
         return 2
 

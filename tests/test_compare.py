@@ -245,13 +245,15 @@ def test_resume_folder_refuses_a_damaged_pass_and_ignores_a_stale_one(tiny, tmp_
                                         r"delete it to recompute it.*pack-.*\.parquet"):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
                 resume=keep)
-    done.write_text(json.dumps({**key, "checksum": tree_digest(data)}))  # ...even with a checksum that matches it
+    routing = data.with_name(data.name.replace(".parquet", ".routing.json"))   # the pass's other file, checksummed too
+    # ...even with a checksum that matches it
+    done.write_text(json.dumps({**key, "checksum": {**tree_digest(data), **tree_digest(routing)}}))
     with pytest.raises(PackError, match=r"finished pass 'pack-.*holds other positions than this panel's; delete it to "
                                         r"recompute it.*pack-.*\.parquet"):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
                 resume=keep)
     data.write_bytes(data.read_bytes()[:100])                            # damaged after it was finished
-    done.write_text(json.dumps({**key, "checksum": tree_digest(data)}))
+    done.write_text(json.dumps({**key, "checksum": {**tree_digest(data), **tree_digest(routing)}}))
     with pytest.raises(PackError, match=r"cannot read the finished pass 'pack-.*delete it to recompute.*pack-.*\.parquet"):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
                 resume=keep)

@@ -184,7 +184,7 @@ def run(args) -> int:
                                       timeout_s=args.timeout)
             panel = build_panel_from_engine(args.prompts, args.engine, args.model, args.out, settings, name=args.name,
                                             description=args.description, license=args.license,
-                                            score_reasoning=not args.no_score_reasoning, numerics=args.numerics)
+                                            score_reasoning=not args.no_score_reasoning)
             a = json.loads((panel.path / "manifest.json").read_text())["answers"]
             con.print(f"{a['requests']['sent']} requests sent, {a['requests']['from_journal']} answered from the "
                       f"journal; finish reasons {a['finish_reasons']}, {a['truncated_rows']} rows truncated")

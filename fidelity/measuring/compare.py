@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..content_hash import tree_digest
-from ..errors import ConfigError, PackError
+from ..errors import ConfigError, FidelityError, PackError
 from .metrics import PositionMetrics, position_metrics
 from ..packs.config_check import check_against_config
 from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
@@ -161,6 +161,11 @@ class ReferenceLogitsError(PackError):
 
 class ResumeError(PackError):
     """A pass kept for resuming cannot be trusted (unreadable, other positions, bytes changed): the run stops."""
+
+
+class WriteError(FidelityError):
+    """A file compare keeps (a pass for resuming, the records of `--out`) could not be written (a full disk...): the
+    run stops, naming the file; the passes kept before it are resumed by a rerun."""
 
 
 def _check_reference_logits(ref: ReferenceRun, i: int, logits: torch.Tensor, oracle) -> None:
@@ -312,9 +317,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
             if not noise:
                 oracle.release()
             if keep is not None:
-                if counts is not None:
-                    keep.save_routing(name, counts)
-                keep.save(name, pm, **key)
+                keep.save(name, pm, routing=counts, **key)
         elif keep is not None and not noise:
             routing[name] = keep.load_routing(name)
         return pm
@@ -431,8 +434,12 @@ def _write_metrics(path: Path, positions: dict[str, list], pm: PositionMetrics) 
 
     cols = {**positions, **pm.to_numpy()}
     tmp = path.with_name(path.name + ".partial")
-    pq.write_table(pa.table(cols), tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(pa.table(cols), tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(f"cannot write {path}: {e}") from None
     return path
 
 
@@ -471,10 +478,12 @@ def write_records(result: CompareResult, out_dir: str | Path) -> list[Path]:
 class Resume:
     """compare's finished passes kept in a folder, so a rerun after a kill recomputes only what was unfinished.
 
-    Per pass (each pack, the noise floor): `<name>.parquet` (its per-position records, as `write_records` writes them)
-    and `<name>.done.json`, written after it, holding what the numbers depend on (panel, tokenization, reference and
-    pack fingerprints, device, noise seed, library version) and a BLAKE3 checksum of the pass's bytes; a pass is reused
-    only when that identity matches exactly, and one whose bytes no longer match its checksum is refused.
+    Per pass (each pack, the noise floor): `<name>.parquet` (its per-position records, as `write_records` writes them),
+    for a pack `<name>.routing.json` (its measured expert routing), and `<name>.done.json`, written after them, holding
+    what the numbers depend on (panel, tokenization, reference and pack fingerprints, device, noise seed, library
+    version) and a BLAKE3 checksum of every file of the pass; a pass is reused only when that identity matches exactly,
+    and one whose files no longer match their checksum (or with a file the checksum does not list) is refused, naming
+    the file. A file that cannot be written (a full disk) stops the run with a `WriteError` naming it.
     The reference run is kept as a reference store (`reference-store/`), which is re-verified when read back: its
     top-K must be reproduced bit for bit from its hidden states on this machine. Under torchrun rank 0 writes and
     decides; every rank must see the folder."""
@@ -490,6 +499,21 @@ class Resume:
 
     def _done(self, name: str) -> Path:
         return self.folder / f"{name}.done.json"
+
+    def _routing(self, name: str) -> Path:
+        return self.folder / f"{name}.routing.json"
+
+    def _pass_files(self, name: str) -> list[Path]:
+        return [self.folder / f"{name}.parquet", self._routing(name)]
+
+    @staticmethod
+    def _digest(files: list[Path]) -> dict[str, str]:
+        """{file name (a folder's files: their paths inside it): BLAKE3} of those of `files` that exist."""
+        out = {}
+        for f in files:
+            if f.exists():
+                out.update(tree_digest(f))
+        return out
 
     def _key(self, name: str, extra: dict) -> dict:
         return {**self.identity, "pass": name, **extra}
@@ -514,30 +538,36 @@ class Resume:
         g.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def _write(self, name: str, extra: dict, write: Callable[[], None], data: Path) -> None:
-        """Rank 0 only: the identity file goes, `write()` runs, the identity file comes back (so a kill in between
-        leaves a pass that is recomputed, never one that is trusted half-written)."""
+    def _write(self, name: str, extra: dict, write: Callable[[], None], files: list[Path]) -> None:
+        """Rank 0 only: the identity file goes, `write()` runs, the identity file comes back with the checksum of
+        `files` (so a kill in between leaves a pass that is recomputed, never one that is trusted half-written)."""
         import json
 
         from ..oracle import parallel
 
         if not parallel.is_main():
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._done(name).unlink(missing_ok=True)
-        write()
-        done = {**self._key(name, extra), "checksum": tree_digest(data)}
-        self._done(name).write_text(json.dumps(done, indent=1) + "\n")
+        done = self._done(name)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            done.unlink(missing_ok=True)
+            write()
+            done.write_text(json.dumps({**self._key(name, extra), "checksum": self._digest(files)}, indent=1) + "\n")
+        except OSError as e:
+            done.unlink(missing_ok=True)
+            where = "" if e.filename else f" ({files[0]})"
+            raise WriteError(f"cannot keep the finished pass {name!r} for resuming: {e}{where}") from None
 
-    def _verify(self, name: str, data: Path) -> None:
-        """A finished pass whose bytes differ from the checksum written with it is refused, naming the file."""
+    def _verify(self, name: str, files: list[Path]) -> None:
+        """A finished pass whose files differ from the checksum written with them (one changed, went missing, or is
+        not listed) is refused, naming the file."""
         import json
 
         want = json.loads(self._done(name).read_text())["checksum"]
-        got = tree_digest(data)
+        got = self._digest(files)
         if got != want:
             bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-            where = data / bad[0] if data.is_dir() else data
+            where = files[0] / bad[0] if files[0].is_dir() else self.folder / bad[0]
             raise ResumeError(f"the finished pass {name!r} kept for resuming changed after it was written (its BLAKE3 "
                             f"checksum differs: {', '.join(bad)}); delete it to recompute it", file=where)
 
@@ -549,7 +579,7 @@ class Resume:
         data = self.folder / f"{name}.parquet"
         if not self._finished(name, data, extra):
             return None
-        self._verify(name, data)
+        self._verify(name, self._pass_files(name))
         try:
             table = pq.read_table(data)
         except Exception as e:
@@ -564,33 +594,38 @@ class Resume:
         return PositionMetrics(**{f.name: torch.from_numpy(table.column(f.name).to_numpy().copy())
                                   for f in fields(PositionMetrics)})
 
-    def save(self, name: str, pm: PositionMetrics, **extra) -> None:
-        data = self.folder / f"{name}.parquet"
-        self._write(name, extra, lambda: _write_metrics(data, self.positions, pm), data)
-
-    def save_routing(self, name: str, counts: RoutingCounts) -> None:
-        """The pass's measured expert routing, written before the pass is marked finished (rank 0 only)."""
+    def save(self, name: str, pm: PositionMetrics, routing: RoutingCounts | None = None, **extra) -> None:
+        """The pass's records and, where measured, its expert routing, under one checksum (rank 0 only)."""
         import json
 
-        from ..oracle import parallel
+        data, routing_file = self._pass_files(name)
 
-        if parallel.is_main():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            (self.folder / f"{name}.routing.json").write_text(json.dumps(counts.to_json()) + "\n")
+        def write():
+            routing_file.unlink(missing_ok=True)
+            _write_metrics(data, self.positions, pm)
+            if routing is not None:
+                routing_file.write_text(json.dumps(routing.to_json()) + "\n")
+
+        self._write(name, extra, write, [data, routing_file])
 
     def load_routing(self, name: str) -> RoutingCounts | None:
+        """The routing of a pass `load` has verified (its checksum covers the file); None for a pass without one."""
         import json
 
-        try:
-            return RoutingCounts.from_json(json.loads((self.folder / f"{name}.routing.json").read_text()))
-        except (OSError, ValueError, KeyError):
+        path = self._routing(name)
+        if not path.exists():
             return None
+        try:
+            return RoutingCounts.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ResumeError(f"cannot read the routing of the finished pass {name!r} kept for resuming ({e}); delete "
+                              f"the pass to recompute it", file=path) from None
 
     def reference_store(self) -> Path | None:
         """The kept reference store when it is finished for this identity (and counted as reused), else None."""
         if not self._finished("reference-store", self.store / "manifest.json", {}):
             return None
-        self._verify("reference-store", self.store)
+        self._verify("reference-store", [self.store])
         self.reused.append("reference")
         return self.store
 
@@ -608,4 +643,4 @@ class Resume:
             shutil.rmtree(self.store, ignore_errors=True)
             os.replace(tmp, self.store)
 
-        self._write("reference-store", {}, write, self.store)
+        self._write("reference-store", {}, write, [self.store])

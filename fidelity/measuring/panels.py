@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import FidelityError
+from ..lone_surrogates import first_lone_surrogate, json_bytes
 
 PANEL_FILE = "panel.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -107,7 +108,15 @@ class TokenizedRow:
 
 # -- reading -------------------------------------------------------------------------------------------------------
 def panel_jsonl_bytes(rows: Iterable[PanelRow]) -> bytes:
-    return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rows).encode()
+    """The rows as panel.jsonl holds them (and the bytes a panel's sha256 is taken over): one JSON line per row, its
+    non-ASCII text as itself; a row whose text holds a lone surrogate (`fidelity.lone_surrogates`) in \\uXXXX escapes,
+    which read back to the same row."""
+    return b"".join(json_bytes(r.to_json())[0] + b"\n" for r in rows)
+
+
+def lone_surrogate_rows(rows: Iterable[PanelRow]) -> list[str]:
+    """Ids of the rows whose text holds a lone surrogate (written escaped; no tokenizer can encode them)."""
+    return [r.id for r in rows if json_bytes(r.to_json())[1]]
 
 
 def rows_sha256(rows: Iterable[PanelRow]) -> str:
@@ -297,7 +306,7 @@ def iter_jsonl(path: Path):
         line = data.count(b"\n", 0, e.start) + 1
         raise PanelError(f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
                          f"a panel is UTF-8 JSON Lines") from None
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 or U+0085 inside a string ends no line
         if not line.strip():
             continue
         try:
@@ -398,19 +407,25 @@ def write_panel(out_dir: str | Path, rows: list[PanelRow], *, name: str, descrip
     domains: dict[str, int] = {}
     for r in rows:
         domains[r.domain] = domains.get(r.domain, 0) + 1
+    escaped = lone_surrogate_rows(rows)
     manifest = {"name": name, "description": description, "sources": sources or [], "rows": len(rows),
-                "domains": domains, "sha256": digest, **(extra or {})}
+                "domains": domains, "sha256": digest, **({"lone_surrogate_rows": escaped} if escaped else {}),
+                **(extra or {})}
     # the manifest (with the rows' sha256) goes in first: a write cut short leaves a folder that fails to load (rows
     # missing, or old rows against the new sha256), never rows that load as a panel without their manifest
-    _replace(out / MANIFEST_FILE, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
+    _replace(out / MANIFEST_FILE, json_bytes(manifest, indent=2)[0] + b"\n")
     _replace(out / PANEL_FILE, data)
     return Panel(name, list(rows), digest, description, sources or [], out)
 
 
 def _replace(path: Path, data: bytes):
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PanelError(f"{path}: cannot write the panel: {e}") from None
 
 
 # -- tokenizing ----------------------------------------------------------------------------------------------------
@@ -421,9 +436,11 @@ def tokenize_row(row: PanelRow, tokenizer, *, max_len: int | None = None, trunca
         tokens, scored = list(row.tokens), list(row.scored)
         check_vocabulary(row, tokenizer)
     elif row.text is not None:
+        check_encodable(row)
         tokens = list(tokenizer(row.text, add_special_tokens=True)["input_ids"])
         scored = [False] + [True] * (len(tokens) - 1)
     else:
+        check_encodable(row)
         tokens, scored = render_chat(row, tokenizer, score_reasoning=row.score_reasoning if score_reasoning is None
                                      else score_reasoning)
     truncated, tokens_cut, scored_cut = False, 0, 0
@@ -440,6 +457,19 @@ def tokenize_row(row: PanelRow, tokenizer, *, max_len: int | None = None, trunca
         raise PanelError(f"row {row.id!r} ({row.domain}) has no scored tokens ({what}"
                          f"{', after truncation' if truncated else ''})")
     return out
+
+
+def check_encodable(row: PanelRow):
+    """A text or chat row must be Unicode text: a lone surrogate (kept in the panel, escaped) is no character, and no
+    tokenizer can encode it."""
+    parts = [("its text", row.text)] if row.text is not None else \
+        [(f"message {i}", json.dumps(m, ensure_ascii=False)) for i, m in enumerate(row.messages)] + \
+        [("its tools", json.dumps(row.tools, ensure_ascii=False))]
+    for what, text in parts:
+        at = first_lone_surrogate(text)
+        if at is not None:
+            raise PanelError(f"row {row.id!r} ({row.domain}): {what} holds a lone surrogate ({text[at]!r}: half of a "
+                             f"UTF-16 pair, not a character), which no tokenizer can encode; fix or drop the row")
 
 
 def check_vocabulary(row: PanelRow, tokenizer):

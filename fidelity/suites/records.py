@@ -1,6 +1,9 @@
 """A suite run's folder: `manifest.json` (what was run against what), `records.jsonl` (the item journal: one line per finished
 item, fsync'ed, so a killed run resumes without losing or repeating an item), `requests.jsonl` (the engine client's request
-journal) and `records.parquet` (the final per-item table, written from the journal in dataset order)."""
+journal) and `records.parquet` (the final per-item table, written from the journal in dataset order). Both journals
+checksum every line (`fidelity.engine.journal`). Text holding a lone surrogate (an engine's "\\ud800") round-trips: the
+journal line is written in \\uXXXX escapes, and in records.parquet, whose strings must be UTF-8, the row is marked
+`lone_surrogates` and its string columns hold JSON string escapes, which `read_records` decodes."""
 from __future__ import annotations
 
 import hashlib
@@ -14,6 +17,7 @@ import pyarrow.parquet as pq
 
 from ..engine.journal import AppendOnlyJsonl
 from ..errors import FidelityError
+from ..lone_surrogates import first_lone_surrogate, hash_bytes
 
 MANIFEST, JOURNAL, REQUESTS, RECORDS = "manifest.json", "records.jsonl", "requests.jsonl", "records.parquet"
 
@@ -44,19 +48,23 @@ class Record:
     metrics: str = "{}"  # JSON {name: [followed, of]} of the suite's named metrics (see `Outcome.metrics`)
 
 
-NEW_COLUMNS = {"finish_reason": "", "metrics": "{}"}  # columns later than the first runs; older records read with these
+# columns later than the first runs; older records read with these. `lone_surrogates`: the row's text held a lone
+# surrogate, so its string columns are stored as JSON string escapes (see the module docstring)
+NEW_COLUMNS = {"finish_reason": "", "metrics": "{}", "lone_surrogates": False}
 
 
 SCHEMA = pa.schema([("item_id", pa.string()), ("passed", pa.bool_()), ("score", pa.float64()), ("prompt_hash", pa.string()),
                     ("request", pa.string()), ("response", pa.string()), ("extracted", pa.string()), ("verdict", pa.string()),
                     ("error", pa.string()), ("latency_s", pa.float64()), ("details", pa.string()),
                     ("finish_reason", pa.string()), ("metrics", pa.string())])
+TEXT_COLUMNS = [f.name for f in SCHEMA if f.type == pa.string()]
+PARQUET_SCHEMA = SCHEMA.append(pa.field("lone_surrogates", pa.bool_()))  # the records' columns and the escape mark
 
 
 def prompt_hash(request: dict) -> str:
     """sha256 of what decides the answer: messages or prompt, and tools."""
     key = {k: request.get(k) for k in ("messages", "prompt", "tools")}
-    return hashlib.sha256(json.dumps(key, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+    return hashlib.sha256(hash_bytes(json.dumps(key, sort_keys=True, ensure_ascii=False))).hexdigest()[:16]
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -75,11 +83,13 @@ class ItemJournal(AppendOnlyJsonl):
         self.records: dict[str, Record] = {}
         super().__init__(path)
 
-    def _take(self, lineno: int, obj) -> None:
+    def _record(self, lineno: int, obj) -> Record:
         try:
-            rec = Record(**obj)
+            return Record(**obj)
         except TypeError as e:
             self._bad_line(lineno, f"is not an item record ({e})")
+
+    def _keep(self, rec: Record) -> None:
         self.records[rec.item_id] = rec
 
     def _bad_line(self, lineno: int, why: str) -> None:
@@ -90,11 +100,29 @@ class ItemJournal(AppendOnlyJsonl):
         self._append(asdict(rec))
 
 
+def _escaped(text: str) -> str:
+    return json.dumps(text)[1:-1]  # a JSON string's body: ASCII, read back by json.loads('"' + text + '"')
+
+
+def _parquet_row(rec: Record) -> dict:
+    row = asdict(rec)
+    row["lone_surrogates"] = any(first_lone_surrogate(row[c]) is not None for c in TEXT_COLUMNS)
+    if row["lone_surrogates"]:
+        row.update({c: _escaped(row[c]) for c in TEXT_COLUMNS})
+    return row
+
+
 def write_records(path: str | os.PathLike, records: list[Record]):
-    cols = {name: [getattr(r, name) for r in records] for name in SCHEMA.names}
+    rows = [_parquet_row(r) for r in records]
+    cols = {name: [row[name] for row in rows] for name in PARQUET_SCHEMA.names}
     tmp = Path(str(path) + ".tmp")
-    pq.write_table(pa.table(cols, schema=SCHEMA), tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(pa.table(cols, schema=PARQUET_SCHEMA), tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write the records: {e}; the item journal keeps every finished item, and a rerun "
+                       f"writes them again", file=path) from None
 
 
 def read_records(run_dir: str | os.PathLike):
@@ -113,6 +141,11 @@ def read_records(run_dir: str | os.PathLike):
     for name, default in NEW_COLUMNS.items():
         if name not in df:
             df[name] = default
+    escaped = df["lone_surrogates"].astype(bool)
+    if escaped.any():  # as Python objects: pandas' arrow-backed strings cannot hold a lone surrogate either
+        for c in TEXT_COLUMNS:
+            df[c] = df[c].astype(object)
+            df.loc[escaped, c] = [json.loads(f'"{v}"') for v in df.loc[escaped, c]]
     dup = df["item_id"][df["item_id"].duplicated()]
     if len(dup):
         raise RunError(f"duplicate item ids in records: {sorted(set(dup))[:5]}", file=path)
@@ -124,13 +157,17 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
     if not path.exists():
         raise RunError("no manifest.json: not a suite run folder", file=path)
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunError(f"manifest is not JSON: {e}", file=path)
 
 
 def write_manifest(run_dir: str | os.PathLike, manifest: dict):
     path = Path(run_dir) / MANIFEST
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write the manifest: {e}", file=path) from None
