@@ -104,11 +104,11 @@ def test_4xx_is_not_retried(faults):
 def test_slow_malformed_and_dropped_replies(faults, plan, expect):
     url, log = faults(plan)
     if expect is None:
-        comp, stats = run(one_completion(url, retries=2, timeout_s=0.5))
+        comp, stats = run(one_completion(url, retries=2, stall_s=0.5))
         assert comp.text.startswith("the cat") and stats.retries == 1
     else:
         with pytest.raises(EngineError, match=expect):
-            run(one_completion(url, retries=2, timeout_s=0.5))
+            run(one_completion(url, retries=2, stall_s=0.5))
         assert len(completion_attempts(log)) == 3
 
 

@@ -23,6 +23,8 @@ CHATS = [
     ("What do bees make?", "Bees make honey."),
     ("Which planet is largest?", "Jupiter is the largest planet."),
 ]
+# these panels have 2 rows and 10-19 scored positions, below oracle-kl's default evidence minimums (3 rows, 20 positions)
+TWO_ROWS = {"min_rows": 2, "min_positions": 4}
 SERVER_FLAGS = ["--n_ctx", "1024", "--n_threads", "1", "--logits_all", "true", "--verbose", "false", "--type_k", "0", "--type_v", "0"]
 
 
@@ -113,9 +115,9 @@ def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path
     ref = reference_from_store(store, smol["pack"], panel.path)
     s = G.GateSettings(top_k=20)
     with llama_server(smol["F32"], tmp_path) as srv:
-        f32 = gate(srv.url, G.oracle_kl, ref, s)
+        f32 = gate(srv.url, G.oracle_kl, ref, s, TWO_ROWS)
     with llama_server(smol["Q2_K"], tmp_path) as srv:
-        q2k = gate(srv.url, G.oracle_kl, ref, s)
+        q2k = gate(srv.url, G.oracle_kl, ref, s, TWO_ROWS)
     print("F32", f32.measured, "\nQ2_K", q2k.measured)
     assert f32.status == "pass", f32
     assert q2k.status == "fail" and q2k.measured["kl_mean"] > 100 * f32.measured["kl_mean"]
@@ -178,7 +180,7 @@ def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_
     ref = reference_from_store(tmp_path / "store")  # the pack and panel the store records
     assert all(r.tokens[0] not in ref.special_ids for r in ref.rows)
     with llama_server(smol["F32"], tmp_path) as srv:
-        res = gate(srv.url, G.oracle_kl, ref, G.GateSettings(top_k=20))
+        res = gate(srv.url, G.oracle_kl, ref, G.GateSettings(top_k=20), TWO_ROWS)
     print(res.measured, res.notes)
     assert res.status == "fail" and res.measured["kl_mean"] > 0.5 and res.measured["echo_shift"] == 1
     assert "shifted by +1 position" in res.notes[0] and "Confirmed by the engine itself" in res.notes[0]

@@ -84,7 +84,8 @@ def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, 
     build_store(pack, panel.path, store, progress=False)
     cfg = tmp_path / "gate.toml"
     cfg.write_text('[settings]\nprompts = ["The capital of France is", "Bees make"]\nprompt_prefix = "<|im_start|>"\n'
-                   'max_tokens = 3\ntop_k = 20\nbatch_sizes = [2]\nlong_prompt_repeats = 2\n')
+                   'max_tokens = 3\ntop_k = 20\nbatch_sizes = [2]\nlong_prompt_repeats = 2\n'
+                   '[oracle-kl]\nmin_rows = 2\nmin_positions = 7\n')   # this panel: 2 rows, 7 scored positions
     js, xml = tmp_path / "gate.json", tmp_path / "gate.xml"
     r = subprocess.run([sys.executable, "-m", "fidelity", "gate", "--engine", served.url, "--model", "smol", "--reference-store",
                         str(store), "--reference-pack", str(smollm2_gguf), "--panel", str(panel.path), "--config", str(cfg),

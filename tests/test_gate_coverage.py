@@ -75,7 +75,7 @@ def _gate_cli(tmp_path, monkeypatch, url, texts, journal=None):
 @pytest.mark.parametrize("bad", ["999999999", "abc", "-1"])
 def test_malformed_token_ids_are_protocol_errors_with_json_and_junit(server, tmp_path, monkeypatch, rng_seed, bad):
     import xml.etree.ElementTree as ET
-    texts = _texts(rng_seed, 2)
+    texts = _texts(rng_seed, 3)   # the fewest rows oracle-kl decides on (DEFAULT_MINIMUMS)
     journal = tmp_path / "journal.jsonl"
     set_plan(server.url, {"bad_prompt_id": bad})
     rc, js, xml = _gate_cli(tmp_path, monkeypatch, server.url, texts, journal)
@@ -98,7 +98,7 @@ def test_malformed_token_ids_are_protocol_errors_with_json_and_junit(server, tmp
 def test_a_bad_reply_left_in_an_old_journal_is_asked_again(server, tmp_path, monkeypatch, rng_seed):
     """Journals written before replies were validated may hold one: it is not replayed."""
     from fidelity.engine.journal import Journal, request_key
-    texts = _texts(rng_seed, 1)
+    texts = _texts(rng_seed, 3)
     journal = tmp_path / "journal.jsonl"
     set_plan(server.url)
     rc, _, _ = _gate_cli(tmp_path, monkeypatch, server.url, texts, journal)

@@ -125,7 +125,7 @@ def exact_kl(ref_lp: np.ndarray, eng_lp: np.ndarray) -> float:
 def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vllm):
     delta = 0.4
     set_plan(server.url, {"perturb_prefill": delta})
-    texts = random_texts(rng_seed, n=2, length=15)
+    texts = random_texts(rng_seed, n=3, length=15)      # 3 rows: the fewest oracle-kl decides on
     ref = toy_reference(texts)
     res = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="ids")
     assert res.status == "fail"

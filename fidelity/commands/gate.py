@@ -9,9 +9,11 @@ Default thresholds (nats for KL, logprob units for deltas), overridable per gate
 
 gate.toml:
   [settings]            # prompts, prompt_prefix, max_tokens, top_k, batch_sizes, long_prompt_repeats, prompt_as,
-                        # prompt_logprobs (vLLM), concurrency, timeout_s, retries, journal
-  [oracle-kl]           # any threshold above
-  kl_mean_max = 0.02
+                        # prompt_logprobs (vLLM), concurrency, timeout_s (one request's deadline, retries
+                        # included; --timeout), retries, journal
+  [oracle-kl]           # any threshold above, and the evidence a verdict needs (fewer: could not run, exit 2):
+  kl_mean_max = 0.02    # min_rows / min_positions, default 3 panel rows / 20 scored positions for oracle-kl,
+  min_rows = 10         # 2 (prompt, batch size) pairs / prompts / cases and 4 positions for the other three
 
 Speed and suites (run only when their section is present, or named in --only):
   [speed]               # baseline = "bench.json" (fidelity bench --json, ideally --aa), drop_max_pct = 5,
@@ -58,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--junit", help="write JUnit XML here")
     p.add_argument("--json", dest="json_out", help="write the results as JSON here")
     p.add_argument("--journal", help="request journal (JSONL): a rerun after an interruption resumes without re-sending")
-    p.add_argument("--timeout", type=float, help="seconds per request (default 120)")
+    p.add_argument("--timeout", type=float, help="seconds one request may take in all: every attempt, read and backoff "
+                                                  "(default 120; an engine that trickles bytes cannot hold a gate longer)")
     p.add_argument("--retries", type=int, help="extra attempts on 5xx / connection errors / timeouts (default 3)")
     p.add_argument("--concurrency", type=int, help="requests in flight at most (default: the largest batch size)")
 

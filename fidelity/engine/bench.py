@@ -26,9 +26,10 @@ Every request is streamed (`"stream": true`) and each content chunk's arrival ti
 - one warm-up request (not measured) precedes the measurements; `aa=True` runs the whole bench twice and reports per metric
   the relative difference between the two runs (`aa.spread_pct`, at least the within-run spread).
 
-Faults: a request whose connection fails, times out (no byte for `stall_s` or more than `timeout_s` in all), answers 5xx/429, or
-whose stream ends before `[DONE]` is retried at most `retries` times with backoff and then recorded in `errors`; metrics come
-from the requests that finished, and a metric with none is null. Nothing waits without a bound.
+Faults: a request whose connection fails, stalls (no byte for `stall_s`), answers 5xx/429, or whose stream ends before
+`[DONE]` is retried at most `retries` times with backoff and then recorded in `errors`; `timeout_s` bounds the request in
+all, its retries and backoff included. Metrics come from the requests that finished, and a metric with none is null.
+Nothing waits without a bound.
 
 Why our client and not guidellm (checked 2026-12-01): guidellm 0.8.1 resolves from PyPI here but pulls transformers 5.24,
 datasets 5.x, sanic and uvloop into the environment (transformers and datasets are pinned for the rest of fidelity); and its
@@ -90,7 +91,7 @@ class BenchConfig:
     suppress_ids: list[int] = field(default_factory=list)  # token ids pushed down by logit_bias -100 (EOS, where ignore_eos is not honoured)
     warmup: int = 1
     aa: bool = False
-    timeout_s: float = 600.0  # a whole request
+    timeout_s: float = 600.0  # a whole request: every attempt and backoff
     stall_s: float = 60.0  # no byte for this long: the request is abandoned (and retried)
     retries: int = 2
     backoff_s: float = 0.5
@@ -178,18 +179,25 @@ class Streamer:
         await self.http.aclose()
 
     async def request(self, path: str, body: dict, tag: str) -> Sample:
+        """The request with its retries, all within `timeout_s` of the first send: a stream that never stalls for
+        `stall_s` but never ends (a byte every few seconds) is cut there, and no retry starts after it."""
         s = Sample(tag)
+        deadline = time.monotonic() + self.cfg.timeout_s
         for attempt in range(self.cfg.retries + 1):
             if attempt:
+                delay = self.cfg.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random() / 2)
+                if time.monotonic() + delay >= deadline:
+                    break
                 self.retried += 1
-                await asyncio.sleep(self.cfg.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random() / 2))
+                await asyncio.sleep(delay)
             s = Sample(tag, attempts=attempt + 1)
             self.sent += 1
             try:
-                await asyncio.wait_for(self._stream(path, body, s), self.cfg.timeout_s)
+                await asyncio.wait_for(self._stream(path, body, s), deadline - time.monotonic())
                 return s
             except asyncio.TimeoutError:
-                s.error = f"no complete answer within {self.cfg.timeout_s:g} s"
+                s.error = (f"no complete answer within {self.cfg.timeout_s:g} s (the request's deadline, retries "
+                           f"included)")
             except httpx.TimeoutException as e:
                 s.error = f"stalled: no byte for {self.cfg.stall_s:g} s ({type(e).__name__})"
             except httpx.TransportError as e:
@@ -363,7 +371,8 @@ class Bench:
         cfg = self.cfg
         t0 = time.time()
         st = Streamer(cfg, max(cfg.streams or [1]))
-        client = EngineClient(ClientConfig(cfg.url, model=cfg.model, concurrency=2, timeout_s=cfg.stall_s, retries=cfg.retries))
+        client = EngineClient(ClientConfig(cfg.url, model=cfg.model, concurrency=2, timeout_s=cfg.timeout_s,
+                                           stall_s=cfg.stall_s, retries=cfg.retries))
         try:
             warm_prompt = next((p for ps in self.prompts.values() for p in ps), self.filler[:400])
             warmups = [await self.chat(st, warm_prompt, "warmup") for _ in range(cfg.warmup)]

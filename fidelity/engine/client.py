@@ -10,6 +10,10 @@ Every call goes through one bounded-concurrency, bounded-retry path: connection 
 body is not JSON are retried with exponential backoff; other 4xx are not. After the last attempt an `EngineError` is raised (the gate
 reports it as "could not run", never as a pass or a fail). A well-formed reply that breaks the protocol (lists of different lengths,
 missing fields) raises `EngineProtocolError` without retry. With a journal, finished requests are answered from it without sending.
+
+`ClientConfig.timeout_s` is each request's deadline, all of it: from the moment the request gets its concurrency slot
+to its parsed reply, every attempt, read and backoff included. A socket timeout (`stall_s`) bounds one read only, so an
+engine that sends a byte every few seconds would otherwise hold a request (and a gate) for as long as it likes.
 """
 from __future__ import annotations
 
@@ -53,8 +57,9 @@ class ClientConfig:
     url: str  # base URL, with or without a trailing /v1
     model: str
     concurrency: int = 4
-    timeout_s: float = 120.0
-    retries: int = 3  # extra attempts after the first
+    timeout_s: float = 120.0  # one request's deadline: every attempt, read and backoff (the wait for a slot not counted)
+    retries: int = 3  # extra attempts after the first, while the deadline allows
+    stall_s: float | None = None  # an attempt with no byte for this long is given up (and retried); None: the deadline
     backoff_s: float = 0.5  # first retry delay; doubles each attempt, with jitter
     backoff_max_s: float = 8.0
     api_key: str | None = None
@@ -117,6 +122,29 @@ class ClientStats:
     errors: int = 0
 
 
+@dataclass
+class _Attempts:
+    """What a request's attempts came to so far (read when its deadline ends them)."""
+    count: int = 0
+    last: str = "no attempt made"
+
+
+class _Slot:
+    """One request's hold on the client's concurrency semaphore: taken per attempt, given back at most once."""
+
+    def __init__(self, sem: asyncio.Semaphore):
+        self.sem, self.held = sem, False
+
+    async def take(self):
+        await self.sem.acquire()
+        self.held = True  # no await between: a cancellation cannot leave the semaphore taken and this False
+
+    def give(self):
+        if self.held:
+            self.held = False
+            self.sem.release()
+
+
 class EngineClient:
     def __init__(self, config: ClientConfig):
         self.config = config
@@ -125,8 +153,9 @@ class EngineClient:
         self._sem = asyncio.Semaphore(max(1, config.concurrency))
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         limits = httpx.Limits(max_connections=max(1, config.concurrency) + 2)
+        stall = min(config.stall_s or config.timeout_s, config.timeout_s)
         self._http = httpx.AsyncClient(base_url=config.base, headers=headers, limits=limits,
-                                       timeout=httpx.Timeout(config.timeout_s, connect=min(10.0, config.timeout_s)))
+                                       timeout=httpx.Timeout(stall, connect=min(10.0, stall)))
         self._tokenize_route: str | None = None
 
     async def __aenter__(self):
@@ -186,25 +215,44 @@ class EngineClient:
         return out
 
     async def _send(self, method: str, path: str, body: dict | None, tag: str) -> dict:
+        """The request with its retries, within `timeout_s` of first getting a concurrency slot (the slot is held
+        only while an attempt is on the wire, so a request backing off lets another one go)."""
         url = self.config.base + path
-        last = "no attempt made"
+        tried, slot = _Attempts(), _Slot(self._sem)
+        await slot.take()
+        try:
+            return await asyncio.wait_for(self._attempts(method, path, body, tag, url, tried, slot), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            self.stats.errors += 1
+            raise EngineError(f"timed out: no complete answer within the request's deadline of {self.config.timeout_s:g} s "
+                              f"(retries included; --timeout / timeout_s) after {tried.count} attempt(s); "
+                              f"last: {tried.last}", url=url, tag=tag) from None
+        finally:
+            slot.give()
+
+    async def _attempts(self, method: str, path: str, body: dict | None, tag: str, url: str, tried: "_Attempts",
+                        slot: "_Slot") -> dict:
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.stats.retries += 1
                 delay = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            async with self._sem:
-                self.stats.sent += 1
-                try:
-                    r = await self._http.request(method, path, json=body)
-                except httpx.TimeoutException as e:
-                    last = f"timed out after {self.config.timeout_s:g} s ({type(e).__name__})"
-                    continue
-                except httpx.TransportError as e:
-                    last = f"connection error: {type(e).__name__}: {e}"
-                    continue
+                await slot.take()
+            self.stats.sent += 1
+            tried.count += 1
+            tried.last = "still waiting for the reply"
+            try:
+                r = await self._http.request(method, path, json=body)
+            except httpx.TimeoutException as e:
+                tried.last = f"timed out: no byte for {self._http.timeout.read:g} s ({type(e).__name__})"
+                continue
+            except httpx.TransportError as e:
+                tried.last = f"connection error: {type(e).__name__}: {e}"
+                continue
+            finally:
+                slot.give()
             if r.status_code >= 500 or r.status_code == 429:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                tried.last = f"HTTP {r.status_code}: {r.text[:200]}"
                 continue
             if r.status_code >= 400:
                 self.stats.errors += 1
@@ -212,10 +260,10 @@ class EngineClient:
             try:
                 return r.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                last = f"reply is not JSON ({e}): {r.text[:120]!r}"
+                tried.last = f"reply is not JSON ({e}): {r.text[:120]!r}"
                 continue
         self.stats.errors += 1
-        raise EngineError(f"gave up after {self.config.retries + 1} attempts; last: {last}", url=url, tag=tag)
+        raise EngineError(f"gave up after {self.config.retries + 1} attempts; last: {tried.last}", url=url, tag=tag)
 
     async def get(self, path: str, *, tag: str = "") -> dict:
         return await self._send("GET", path, None, tag)

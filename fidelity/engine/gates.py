@@ -39,6 +39,20 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     "prefix-cache": {"identical_min": 1.0, "max_abs_dlogprob_max": 1e-5},
 }
 
+# A verdict needs evidence: with fewer scored positions or rows than these a gate could not run (status "error",
+# exit 2), never passes; set per gate in gate.toml ([oracle-kl] min_rows = 10). oracle-kl: 3 panel rows (fewer have
+# no interval, stats.MIN_ROWS) and 20 positions (1 / (1 - top1_min): fewer cannot hold one top-1 disagreement and
+# still pass, so the check cannot tell 95 % from 100 %); the self-consistency gates: 2 of their units (one prompt is
+# an anecdote) and 4 compared positions.
+DEFAULT_MINIMUMS: dict[str, dict[str, int]] = {
+    "oracle-kl": {"min_rows": 3, "min_positions": 20},
+    "batch-invariance": {"min_rows": 2, "min_positions": 4},
+    "decode-vs-prefill": {"min_rows": 2, "min_positions": 4},
+    "prefix-cache": {"min_rows": 2, "min_positions": 4},
+}
+ROWS_ARE = {"oracle-kl": "panel rows", "batch-invariance": "(prompt, batch size) pairs", "decode-vs-prefill": "prompts",
+            "prefix-cache": "cases"}
+
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -100,8 +114,21 @@ def _verdict(name: str, checks: list[Check], **kw) -> GateResult:
 
 def _thresholds(name: str, overrides: dict | None) -> dict[str, float]:
     th = dict(DEFAULT_THRESHOLDS[name])
-    th.update(overrides or {})
+    th.update({k: v for k, v in (overrides or {}).items() if k not in DEFAULT_MINIMUMS[name]})
     return th
+
+
+def too_little_evidence(gate: str, rows: int, positions: int, overrides: dict | None, what: str) -> GateResult | None:
+    """An error result (could not run) when the gate compared fewer `what` (positions) or rows than its minimums
+    (`DEFAULT_MINIMUMS`, overridden from its gate.toml section); None when there is enough to decide on."""
+    need = {k: int((overrides or {}).get(k, v)) for k, v in DEFAULT_MINIMUMS[gate].items()}
+    if rows >= need["min_rows"] and positions >= need["min_positions"]:
+        return None
+    unit = ROWS_ARE[gate]
+    return GateResult(gate, "error", measured={"rows": rows, "positions": positions, **need},
+                      error=f"could not run: {positions} {what} in {rows} {unit} were compared; a verdict needs at "
+                            f"least {need['min_positions']} positions and {need['min_rows']} {unit} (gate.toml "
+                            f"[{gate}] min_positions / min_rows)")
 
 
 def _checks(th: dict[str, float], measured: dict) -> list[Check]:
@@ -164,13 +191,16 @@ def gate_kind(section: str, *, check: Callable[[str, str, object], None], names:
 
 
 def check_thresholds(path: str, section: str, table) -> None:
-    bad = set(table) - set(DEFAULT_THRESHOLDS[section])
+    known = set(DEFAULT_THRESHOLDS[section]) | set(DEFAULT_MINIMUMS[section])
+    bad = set(table) - known
     if bad:
         raise ConfigError(f"gate config {path}: unknown threshold(s) {sorted(bad)} in [{section}] "
-                          f"(known: {sorted(DEFAULT_THRESHOLDS[section])})")
+                          f"(known: {sorted(known)})")
     for k, v in table.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"gate config {path}: [{section}] {k} must be a number, got {v!r}")
+        if k in DEFAULT_MINIMUMS[section] and (not float(v).is_integer() or v < 1):
+            raise ConfigError(f"gate config {path}: [{section}] {k} must be a whole number >= 1, got {v!r}")
 
 
 @gate_kind("oracle-kl", check=check_thresholds)
@@ -302,6 +332,10 @@ async def batch_invariance(client: EngineClient, s: GateSettings, thresholds: di
                                                  r["expected"]) for r in rows], s, "generated positions")
     if short:
         return short
+    few = too_little_evidence("batch-invariance", sum(r["compared"] > 0 for r in rows),
+                              sum(r["compared"] for r in rows), thresholds, "generated positions")
+    if few:
+        return few
     measured = {"identical": float(np.mean([r["identical"] for r in rows])),
                 "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "pairs": len(rows),
                 "coverage": sum(r["compared"] for r in rows) / sum(r["expected"] for r in rows)}
@@ -352,6 +386,11 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
     n = sum(r["positions"] for r in rows)
     if n == 0:
         return GateResult("decode-vs-prefill", "error", error="no generated position could be aligned with its prefill", notes=notes)
+    few = too_little_evidence("decode-vs-prefill", sum(r["positions"] > 0 for r in rows), n, thresholds,
+                              "aligned generated positions")
+    if few:
+        few.notes = notes
+        return few
     measured = {"max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows),
                 "kl_mean": float(sum(r["kl_mean"] * r["positions"] for r in rows) / n), "positions": n}
     scored = [r for r in rows if r["positions"]]
@@ -425,6 +464,10 @@ async def prefix_cache(client: EngineClient, s: GateSettings, thresholds: dict |
                            "echoed and generated positions")
     if short:
         return short
+    few = too_little_evidence("prefix-cache", sum(r["compared"] > 0 for r in rows), sum(r["compared"] for r in rows),
+                              thresholds, "echoed and generated positions")
+    if few:
+        return few
     measured = {"identical": float(np.mean([r["identical"] for r in rows])),
                 "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "cases": len(rows),
                 "long_prompt_tokens": int(cold.usage.get("prompt_tokens", 0))}
@@ -653,6 +696,9 @@ async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thres
     short = coverage_error("oracle-kl", covered, s, "scored positions")
     if short:
         return short
+    few = too_little_evidence("oracle-kl", len(rows), len(all_pos), thresholds, "scored positions")
+    if few:
+        return few
     kl = np.array([p.kl for p in all_pos])
     tail = np.array([p.tail_mass for p in all_pos])
     told = [p.top1_agree for p in all_pos if p.top1_agree is not None]
