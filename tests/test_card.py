@@ -147,3 +147,168 @@ def test_a_quantile_without_an_interval_says_why(rng_seed):
     o = out["overall"]
     assert o["kld_p99_ci95"] is None
     assert "bootstrap replicates cannot resolve the 95% tails at 4 degrees of freedom" in o["kld_p99_ci95_unavailable"]
+
+
+# ---- the card: golden Markdown, and every number against the field it names ----------------------------------------------
+
+INPUTS = ["compare.json", "suite-humaneval+.json", "suite-ifeval.json", "suite-gsm8k.json", "bench-native.json",
+          "bench-q4-mix.json", "bench-q3.json"]
+COMMENT = re.compile(r"<!-- (.*?) -->")
+
+
+def _card() -> str:
+    from fidelity.report.card import card_markdown
+
+    text, this, _ = card_markdown([FIXTURES / n for n in INPUTS], build="q4-mix")
+    assert this == "q4-mix"
+    return text
+
+
+def test_card_equals_the_golden_markdown():
+    """The committed card (tests/fixtures/card/expected_card.md, reviewed by hand) from the committed results; any change
+    to a table, a number's format or a source comment shows here. To change it on purpose: the command in
+    tests/fixtures/card/make_fixtures.py, then review the diff."""
+    got, want = _card(), (FIXTURES / "expected_card.md").read_text(encoding="utf-8")
+    if got != want:
+        import difflib
+
+        diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), "expected_card.md", "rendered"))
+        pytest.fail(f"the card differs from tests/fixtures/card/expected_card.md:\n{diff[:6000]}")
+
+
+def _resolve(file: str, ptr: str):
+    from urllib.parse import unquote
+
+    doc = json.loads((FIXTURES / unquote(file)).read_text())
+    for part in unquote(ptr).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    return doc
+
+
+NUMBER = re.compile(r"(< )?([−+]?\d[\d,]*(?:\.\d+)?)(%?)$")
+
+
+def test_every_number_equals_the_json_field_its_comment_names():
+    """Each `value<!-- file#/json/pointer -->` of the card: the pointer resolved here (RFC 6901, percent-decoded) in the
+    fixture file, and the printed value equal to it within half a unit of its last printed digit (a percentage or a pass
+    rate may print 100x; "< x" is a bound the value must be under)."""
+    text = _card()
+    checked = 0
+    pos = 0
+    for m in COMMENT.finditer(text):
+        before, pos = text[pos:m.start()], m.end()
+        body = m[1]
+        if " " in body:         # a formula over fields (a count, a % change), checked below
+            continue
+        file, ptr = body.split("#", 1)
+        value = _resolve(file, ptr)
+        if isinstance(value, str):
+            assert before.rstrip("`").endswith(value.replace("|", "\\|")), (body, before[-60:], value)
+            checked += 1
+            continue
+        num = NUMBER.search(before)
+        assert num, (body, before[-40:])
+        printed = float(num[2].replace("−", "-").replace(",", ""))
+        if num[1]:
+            assert value < printed * (1 + 1e-12), (body, printed, value)
+        else:
+            digits = len(num[2].split(".")[1]) if "." in num[2] else 0
+            tol = 0.5 * 10 ** -digits + 1e-12
+            assert abs(printed - value) <= tol or abs(printed - 100 * value) <= tol, (body, printed, value)
+        checked += 1
+    assert checked > 150
+
+
+def test_derived_numbers_against_the_results():
+    """"closer on N of M domains", the change in KL where the card's build is compare's B (its inverse), and the speed
+    deltas: computed here from the fixture files."""
+    text = re.sub(COMMENT, "", _card())
+    data = json.loads((FIXTURES / "compare.json").read_text())
+    for pr in data["paired"]:
+        if "q4-mix" not in (pr["a"], pr["b"]):
+            continue
+        other = pr["b"] if pr["a"] == "q4-mix" else pr["a"]
+        doms = pr["kld"]["domains"]
+        mine = sum((v["diff"] < 0) == (pr["a"] == "q4-mix") for v in doms.values())
+        assert f"Against **{other}**: q4-mix is closer to native on {mine} of the {len(doms)} domains" in text
+        for name, v in doms.items():
+            this_kl, other_kl = (v["a"], v["b"]) if pr["a"] == "q4-mix" else (v["b"], v["a"])
+            change = 100 * (this_kl / other_kl - 1)
+            row = next(line for line in text.splitlines() if line.startswith(f"| {name} (") and f"{other}" not in line
+                       and line in text.split(f"Against **{other}**")[1].split("Against **")[0])
+            printed = float(row.split(" | ")[3].split("%")[0].replace("−", "-"))
+            assert printed == pytest.approx(change, abs=0.05 + 1e-9), (other, name)
+    base = json.loads((FIXTURES / "bench-native.json").read_text())["metrics"]
+    new = json.loads((FIXTURES / "bench-q4-mix.json").read_text())["metrics"]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.split("### Speed")[1].splitlines() if line.startswith("| ")}
+    for key, label in (("decode.code", "decode tok/s, code"), ("ttft_mean.4", "mean TTFT s, 4 streams")):
+        change = 100 * (new[key]["median"] / base[key]["median"] - 1)
+        if key.startswith("ttft"):      # lower is better: the change is that of its inverse
+            change = 100 * (base[key]["median"] / new[key]["median"] - 1)
+        printed = float(rows[label].split(" | ")[2].split("(")[1].split("%")[0].replace("−", "-"))
+        assert printed == pytest.approx(change, abs=0.05 + 1e-9)
+
+
+def test_card_renders_as_tables_with_the_comments_hidden():
+    """A CommonMark renderer with GFM tables and HTML on (markdown-it-py, what the Hub's renderer is built like): every
+    table keeps its columns in every row, and no comment leaks into the text."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": True}).enable("table")
+    text = _card()
+    html = md.render(text)
+    tables = re.findall(r"<table>.*?</table>", html, flags=re.S)
+    assert len(tables) == text.count("\n|---")
+    for t in tables:
+        widths = {len(re.findall(r"<t[hd][ >]", row)) for row in re.findall(r"<tr>.*?</tr>", t, flags=re.S)}
+        assert len(widths) == 1, widths
+    visible = re.sub(r"<!--.*?-->", "", html, flags=re.S)
+    assert "<!--" not in visible and "-->" not in visible and "&lt;!--" not in visible
+
+
+def test_cli_writes_the_card_and_refuses_an_unknown_build(tmp_path, capsys):
+    from fidelity.cli import main as cli_main
+
+    args = ["card", *(str(FIXTURES / n) for n in INPUTS), "-o", str(tmp_path / "card")]
+    assert cli_main(args + ["--build", "q4-mix"]) == 0
+    written = (tmp_path / "card" / "card.md").read_text(encoding="utf-8")
+    assert written.split("written by `fidelity card`")[0] == _card().split("written by `fidelity card`")[0]
+    assert "failed in that run" in capsys.readouterr().err        # the failed pack is named, not silently dropped
+    assert cli_main(args + ["--build", "q9"]) != 0
+    err = capsys.readouterr().err
+    assert "q9" in err and "q3, q4-mix, q5" in err
+
+
+# ---- fidelity report: the numbers compare carries, compare's buckets, the floor, the reasons ------------------------------
+
+def test_report_carries_nll_delta_nll_rows_worse_change_and_the_floor(tmp_path):
+    from fidelity.report import render
+    from test_report import md_tables
+
+    rep = render([FIXTURES / "compare.json"], tmp_path / "report", tokenizer=None)
+    md = rep.summary_md.read_text()
+    t = md_tables(md)
+    data = json.loads((FIXTURES / "compare.json").read_text())
+    measured = {r["label"]: r for r in data["results"] if r["status"] == "measured"}
+    lik = {r["pack"]: r for r in t["Likelihood: NLL, ΔNLL, rows worse"]}
+    for label, r in measured.items():
+        o = r["overall"]
+        assert lik[label]["NLL reference"].startswith(f"{o['nll_ref_mean']:.4g} [")
+        assert lik[label]["NLL pack"].startswith(f"{o['nll_mean']:.4g} [")
+        assert lik[label]["ΔNLL [95% CI]"].startswith(f"{o['delta_nll_mean']:.4g} [")
+        assert lik[label]["rows worse"] == f"{o['rows_worse']['worse']} / {o['rows_worse']['rows']}"
+    paired = t["Paired, pack A vs pack B (per-row KL difference)"]
+    for pr, row in zip(data["paired"], paired):
+        k = pr["kld"]
+        floor = 2 * stats.t.sf(stats.norm.isf(1 / pr["bootstrap_replicates"]), data["panel"]["rows"] - 4)
+        assert k["p_value"] == pytest.approx(floor, rel=1e-9)          # every pair of the fixture sits at the floor
+        assert row["p-value"] == f"< {np.ceil(floor * 1e4) / 1e4:.2g}"
+        lo, hi = k["relative_change_pct_ci95"]
+        assert row["change % [95% CI]"] == f"{k['relative_change_pct']:.3g} [{lo:.3g}, {hi:.3g}]"
+    per = t["Paired per domain (Holm across domains)"]
+    agentic = [r for r in per if r["domain"] == "agentic"]
+    assert agentic and all(r["p-value"].startswith("—") and r["p-value"][-1] in "¹²³" for r in agentic)
+    assert "no interval: domain 'agentic' has 2 rows" in md
+    conf = t["Mean KL by reference confidence (reference probability of its top token)"]
+    assert [r["bucket"] for r in conf] == ["[0, 0.25)", "[0.25, 0.5)", "[0.5, 0.75)", "[0.75, 0.95)", "[0.95, 1]"]

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from ..measuring.stats import CONFIDENCE_EDGES   # compare's buckets (exllamav3 model_diff's): one definition
 from .inputs import CompareRun
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
-CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 
 
 def scored_kl(run: CompareRun, label: str) -> pd.DataFrame | None:

@@ -30,6 +30,7 @@ class PackResult:
     format: str | None = None
     original_label: str = ""          # the label in its compare JSON (paired entries refer to it)
     records: str | None = None        # its per-position records' file name in the `--out` folder
+    index: int | None = None          # its place in the JSON's `results` (failed packs are skipped here, not there)
 
     def __post_init__(self):
         self.original_label = self.original_label or self.label
@@ -206,7 +207,7 @@ def _compare_run(data: dict, source: str) -> CompareRun:
             raise ReportInputError(f"{source}: results[{i}] ({label}).bpw is not a number or a bits table: {bpw!r}") from None
         results.append(PackResult(label=label, pack=str(r.get("pack", label)), bpw=bpw, overall=overall,
                                   domains=domains, fingerprint=r.get("fingerprint"), source=source,
-                                  format=r.get("format"), records=r.get("records")))
+                                  format=r.get("format"), records=r.get("records"), index=i))
     paired = data.get("paired") or []
     if not isinstance(paired, list):
         raise ReportInputError(f"{source}: paired is not a list (got {type(paired).__name__})")

@@ -49,9 +49,11 @@ def summary(title: str, warnings: list[str], groups: list, suites: Table | None,
             out += [f"> **Warning:** {escape(g.warning)}", ""]
         out.append(table(g.overall))
         out.append(table(g.tails))
+        out.append(table(g.likelihood))
         out += [f"![{f.caption}]({f.name})\n" for f in g.figures_top]
         out += [table(t) for t in g.domain_tables]
         out.append(table(g.paired))
+        out.append(table(g.paired_domains))
         out += [f"![{f.caption}]({f.name})\n" for f in g.figures_records]
         out.append(table(g.quantiles))
         out.append(table(g.confidence))

@@ -49,6 +49,8 @@ class GroupView:
     tails: tables.Table
     domain_tables: list[tables.Table]
     paired: tables.Table | None
+    likelihood: tables.Table | None = None
+    paired_domains: tables.Table | None = None
     figures_top: list[FigureFile] = field(default_factory=list)
     figures_records: list[FigureFile] = field(default_factory=list)
     quantiles: tables.Table | None = None
@@ -183,7 +185,8 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
     packs = g.packs
     colors = {p.label: i for i, p in enumerate(packs)}
     view = GroupView(heading=heading, warning=g.warning, overall=tables.overall_table(g), tails=tables.tails_table(g),
-                     domain_tables=tables.per_domain_tables(g), paired=tables.paired_table(g))
+                     domain_tables=tables.per_domain_tables(g), paired=tables.paired_table(g),
+                     likelihood=tables.likelihood_table(g), paired_domains=tables.paired_domains_table(g))
     view.figures_top = [f for f in (
         _figure(out, f"per_domain_kld{suffix}.png", f"KLD per domain, pooled and domains weighted equally, 95% CI ({panel})",
                 lambda p: figures.per_domain_kld(packs, p, f"KLD per domain — panel {panel}")),

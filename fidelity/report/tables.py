@@ -45,9 +45,56 @@ def ci(block: dict, key: str) -> str:
     return ""
 
 
-def with_ci(block: dict, mean_key: str, ci_key: str) -> str:
+SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+
+
+class Reasons:
+    """Why intervals or p-values are absent, numbered once per table: a cell gets the reason's mark, the table's note
+    the reasons."""
+
+    def __init__(self):
+        self.reasons: list[str] = []
+
+    def mark(self, reason: str | None) -> str:
+        reason = reason or "the result does not say why (written by an older fidelity)"
+        if reason not in self.reasons:
+            self.reasons.append(reason)
+        i = self.reasons.index(reason) + 1
+        return "".join(SUPERSCRIPTS[int(c) - 1] if c != "0" else "⁰" for c in str(i))
+
+    def note(self) -> str:
+        return " ".join(f"{self.mark(r)} no interval: {r}." for r in self.reasons)
+
+
+def interval_reason(block: dict, ci_key: str) -> str | None:
+    """Why `block[ci_key]` is null, as compare recorded it: the field's own reason, else the scope's."""
+    return block.get(f"{ci_key}_unavailable") or block.get("unavailable") or block.get("ci_unavailable")
+
+
+def with_ci(block: dict, mean_key: str, ci_key: str, reasons: Reasons | None = None) -> str:
     c = ci(block, ci_key)
+    if not c and reasons is not None and block.get(mean_key) is not None:
+        c = reasons.mark(interval_reason(block, ci_key))
+        return f"{num(block.get(mean_key))}{c}"
     return f"{num(block.get(mean_key))} {c}".strip()
+
+
+def ceil_significant(x: float, digits: int = 2) -> float:
+    """`x` rounded up to `digits` significant digits (a bound printed short stays a bound)."""
+    if x <= 0:
+        return x
+    step = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return math.ceil(x / step * (1 - 1e-12)) * step
+
+
+def p_text(p, floor=None, digits: int = 3) -> str:
+    """A p-value; one at the bootstrap's floor (no replicate, or one, beyond 0: compare's `p_value_floor`, computed
+    from the replicate count) is "< floor": the replicates bound it, they do not measure it."""
+    if p is None:
+        return "—"
+    if floor is not None and p <= floor * (1 + 1e-9):
+        return f"< {ceil_significant(floor):.2g}"
+    return num(p, digits)
 
 
 def times_floor(o: dict) -> str:
@@ -64,11 +111,11 @@ def overall_table(g: Group) -> Table:
     flips = any("top1_flips_clear" in p.overall for p in g.packs)
     if flips:
         headers.insert(6, "top-1 flips clear / near-tie")
-    rows = []
+    rows, reasons = [], Reasons()
     for p in g.packs:
         o = p.overall
-        row = [p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95"),
-               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95"), times_floor(o), pct(o.get("top1")),
+        row = [p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95", reasons),
+               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95", reasons), times_floor(o), pct(o.get("top1")),
                num(o.get("nonfinite"))]
         if flips:
             row.insert(6, f"{num(o.get('top1_flips_clear'))} / {num(o.get('top1_flips_near_tie'))}")
@@ -80,7 +127,38 @@ def overall_table(g: Group) -> Table:
         note += f" A near-tie flip is a top-1 change where the reference's top-2 margin is below {num(tie)} nats."
     if floor:
         note += f" Noise floor (reference re-run with a tiny seeded perturbation): {num(floor)}."
-    return Table("Overall", headers, rows, note)
+    return Table("Overall", headers, rows, f"{note} {reasons.note()}".strip())
+
+
+def _rows_worse(o: dict) -> tuple[str, str, str]:
+    rw = o.get("rows_worse")
+    if not isinstance(rw, dict):
+        return "—", "—", "—"
+    share = f"{pct(rw.get('share'))} {ci_pct(rw.get('share_ci95'))}".strip()
+    return f"{num(rw.get('worse'))} / {num(rw.get('rows'))}", share, num(rw.get("sign_test_p"), 3)
+
+
+def ci_pct(v) -> str:
+    return f"[{pct(v[0])}, {pct(v[1])}]" if isinstance(v, (list, tuple)) and len(v) == 2 else ""
+
+
+def likelihood_table(g: Group) -> Table:
+    """compare's likelihood numbers: absolute NLL on both sides, ΔNLL with its CI and SE, rows worse with its sign test,
+    and KL the other way, KL(pack ‖ reference)."""
+    rows, reasons = [], Reasons()
+    for p in g.packs:
+        o = p.overall
+        worse, share, sign_p = _rows_worse(o)
+        rows.append([p.label, with_ci(o, "nll_ref_mean", "nll_ref_mean_ci95", reasons),
+                     with_ci(o, "nll_mean", "nll_mean_ci95", reasons),
+                     with_ci(o, "delta_nll_mean", "delta_nll_mean_ci95", reasons), num(o.get("delta_nll_mean_se")),
+                     worse, share, sign_p, with_ci(o, "kld_reverse_mean", "kld_reverse_mean_ci95", reasons)])
+    note = ("NLL: mean −log p of the true next token, nats per scored position (reference / pack); ΔNLL = pack − reference, "
+            "SE its row-bootstrap standard error; rows worse: rows whose mean NLL rose, of the rows scored, with the "
+            "two-sided sign test of worse against better rows.")
+    return Table("Likelihood: NLL, ΔNLL, rows worse",
+                 ["pack", "NLL reference", "NLL pack", "ΔNLL [95% CI]", "ΔNLL SE", "rows worse", "share worse [95% CI]",
+                  "sign test p", "KLD(pack‖ref) [95% CI]"], rows, f"{note} {reasons.note()}".strip())
 
 
 def tails_table(g: Group) -> Table:
@@ -90,34 +168,82 @@ def tails_table(g: Group) -> Table:
     return Table("Perplexity and KL tail", ["pack", "PPL", "PPL ref", "KL median", "KL p99", "KL p99.9", "KL max"], rows)
 
 
-def domain_table(g: Group, key: str, title: str, fmt) -> Table:
+def domain_table(g: Group, key: str, title: str, fmt, reasons: Reasons | None = None) -> Table:
     packs = g.packs
     rows = []
     for d in domain_rows(packs):
         cells = [fmt(p.domains[d], key) if d in p.domains else "—" for p in packs]
         n = next((p.domains[d].get("positions") for p in packs if d in p.domains), None)
         rows.append([d, num(n)] + cells)
-    return Table(title, ["domain", "positions"] + [p.label for p in packs], rows)
+    return Table(title, ["domain", "positions"] + [p.label for p in packs], rows, reasons.note() if reasons else "")
 
 
 def per_domain_tables(g: Group) -> list[Table]:
-    return [domain_table(g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, k + "_ci95")),
+    reasons = Reasons()
+    return [domain_table(g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, k + "_ci95", reasons),
+                         reasons),
             domain_table(g, "top1", "Top-1 agreement per domain", lambda b, k: pct(b.get(k))),
             domain_table(g, "ppl", "Perplexity per domain", lambda b, k: num(b.get(k)))]
 
 
-def paired_table(g: Group) -> Table | None:
-    rows = []
+def _paired_cells(v: dict, reasons: Reasons) -> list[str]:
+    """A − B [CI], change % [CI], p (at the bootstrap floor: "< floor") of one scope of a paired block."""
+    diff = with_ci(v, "diff", "diff_ci95", reasons)
+    change = num(v.get("relative_change_pct"), 3)
+    c = v.get("relative_change_pct_ci95")
+    if isinstance(c, (list, tuple)) and len(c) == 2:
+        change += f" [{num(c[0], 3)}, {num(c[1], 3)}]"
+    elif v.get("relative_change_pct") is not None:
+        change += reasons.mark(v.get("relative_change_pct_unavailable") or v.get("unavailable"))
+    p = p_text(v.get("p_value"), v.get("p_value_floor"))
+    if v.get("p_value") is None and v.get("diff") is not None:
+        p += reasons.mark(v.get("unavailable"))
+    return [diff, change, p]
+
+
+def _shown_pairs(g: Group):
     for run in g.runs:
         shown = {r.original_label: r.label for r in run.results}
         for pr in run.paired:
-            a, b = (shown.get(str(pr.get(k)), str(pr.get(k))) for k in ("a", "b"))
-            rows.append([a, b, num(pr.get("kld_mean_diff")),
-                         ci(pr, "ci95"), num(pr.get("p_value"), 3)])
+            yield tuple(shown.get(str(pr.get(k)), str(pr.get(k))) for k in ("a", "b")), pr
+
+
+def paired_table(g: Group) -> Table | None:
+    rows, reasons = [], Reasons()
+    for (a, b), pr in _shown_pairs(g):
+        k = pr.get("kld") if isinstance(pr.get("kld"), dict) else None
+        if k is None:    # a result without the per-metric block: its top-level numbers
+            k = {"diff": pr.get("kld_mean_diff"), "diff_ci95": pr.get("ci95"), "p_value": pr.get("p_value"),
+                 "unavailable": pr.get("unavailable")}
+        rows.append([a, b, *_paired_cells(k, reasons)])
     if not rows:
         return None
-    return Table("Paired, pack A vs pack B (per-row KL difference)", ["A", "B", "KLD mean A − B", "95% CI", "p-value"], rows,
-                 "Negative: A is closer to the reference than B.")
+    return Table("Paired, pack A vs pack B (per-row KL difference)",
+                 ["A", "B", "KLD mean A − B [95% CI]", "change % [95% CI]", "p-value"], rows,
+                 "Negative: A is closer to the reference than B. Change % = 100 (A − B) / B. A p-value at the bootstrap's "
+                 "floor (no replicate beyond 0) prints as \"< floor\". " + reasons.note())
+
+
+def paired_domains_table(g: Group) -> Table | None:
+    """Per domain and domains-equal, with the Holm-corrected p across domains, as compare writes them."""
+    rows, reasons = [], Reasons()
+    for (a, b), pr in _shown_pairs(g):
+        k = pr.get("kld")
+        if not isinstance(k, dict) or not isinstance(k.get("domains"), dict):
+            continue
+        for name, v in k["domains"].items():
+            holm = v.get("p_holm")
+            at_floor = v.get("p_value_floor") is not None and v.get("p_value") is not None and \
+                v["p_value"] <= v["p_value_floor"] * (1 + 1e-9)
+            holm_text = "—" if holm is None else (f"< {ceil_significant(holm):.2g}" if at_floor else num(holm, 3))
+            rows.append([a, b, name, *_paired_cells(v, reasons), holm_text])
+        if isinstance(k.get("domains_equal"), dict):
+            rows.append([a, b, "domains equal", *_paired_cells(k["domains_equal"], reasons), ""])
+    if not rows:
+        return None
+    return Table("Paired per domain (Holm across domains)",
+                 ["A", "B", "domain", "KLD mean A − B [95% CI]", "change % [95% CI]", "p-value", "p Holm"], rows,
+                 "A Holm p whose own p is at the bootstrap floor is an upper bound: \"< bound\". " + reasons.note())
 
 
 def quantile_table(g: Group, quantiles: dict[str, dict]) -> Table:

@@ -52,9 +52,11 @@ Confidence intervals are 95% bootstrap intervals over panel rows.</p>
 {% if g.warning %}<div class="warning"><strong>Warning:</strong> {{ g.warning }}</div>{% endif %}
 {{ table(g.overall) }}
 {{ table(g.tails) }}
+{{ table(g.likelihood) }}
 {% for f in g.figures_top %}{{ figure(f) }}{% endfor %}
 {% for t in g.domain_tables %}{{ table(t) }}{% endfor %}
 {{ table(g.paired) }}
+{{ table(g.paired_domains) }}
 {% for f in g.figures_records %}{{ figure(f) }}{% endfor %}
 {{ table(g.quantiles) }}
 {{ table(g.confidence) }}
