@@ -127,3 +127,39 @@ def test_attribute_under_deepseek_numerics(minis, rng_seed):
     read = Reader(ref, pack, swapped={fam.n(wq_a)}, names=names)
     bound = variant_rounding(fam.rounding, fam, read)
     assert bound.rounds_input(wq_a) and not bound.rounds_input("layers.0.attn.wkv.weight")
+
+
+@pytest.mark.slow
+def test_gate_a_deepseek_served_engine_against_stores_of_both_numerics(minis, tmp_path, rng_seed):
+    """`fidelity serve --numerics deepseek` is an engine that rounds as DeepSeek's reference does: gated against a
+    store built under deepseek it is exact (KL 0), against a store under exact it is not, and the gate's JSON and
+    console say which numerics the store holds."""
+    import subprocess
+    import sys
+
+    from fidelity.fixtures.faults import Spawned, free_port
+    native, _ = minis
+    panel = write_word_panel(tmp_path / "panel.jsonl", WORDS, rows=4, words_per_row=8, seed=rng_seed)
+    stores = {}
+    for numerics in ("deepseek", "exact"):
+        stores[numerics] = tmp_path / f"store-{numerics}"
+        assert main(["reference", str(native), "--panel", str(panel), "-o", str(stores[numerics]),
+                     "--numerics", numerics]) == 0
+    port = free_port()
+    cmd = [sys.executable, "-m", "fidelity", "serve", str(native), "--port", str(port), "--model-name", "mini",
+           "--numerics", "deepseek"]
+    cfg = tmp_path / "gate.toml"
+    cfg.write_text("[oracle-kl]\nmin_rows = 2\nmin_positions = 8\n")
+    measured = {}
+    with Spawned(cmd, port, timeout_s=300, log=str(tmp_path / "serve.log")) as srv:
+        for numerics, store in stores.items():
+            js = tmp_path / f"gate-{numerics}.json"
+            r = subprocess.run([sys.executable, "-m", "fidelity", "gate", "--engine", srv.url, "--model", "mini",
+                                "--reference-store", str(store), "--panel", str(panel), "--only", "oracle-kl",
+                                "--config", str(cfg), "--json", str(js)], capture_output=True, text=True, timeout=600)
+            print(r.stdout[-2000:], r.stderr[-2000:])
+            rep = json.loads(js.read_text())
+            assert rep["reference_numerics"] == numerics and f"numerics {numerics}" in r.stdout
+            measured[numerics] = rep["gates"][0]["measured"]
+    assert measured["deepseek"]["kl_mean"] == 0.0 and measured["deepseek"]["top1"] == 1.0
+    assert measured["exact"]["kl_mean"] > 1e-4

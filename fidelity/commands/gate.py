@@ -90,7 +90,9 @@ def print_summary(report: dict):
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"fidelity gate: {report['engine']} ({report['model']})")
+    numerics = report.get("reference_numerics")
+    t = Table(title=f"fidelity gate: {report['engine']} ({report['model']})"
+                    + (f"; reference store under numerics {numerics}" if numerics else ""))
     for c in ("gate", "status", "check", "measured", "threshold"):
         t.add_column(c)
     color = {"pass": "green", "fail": "red", "error": "yellow"}

@@ -95,9 +95,19 @@ async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, sto
             section = cfg.get(kind)
             results.append(await GATES[kind].run(call, name, section[sub] if sub else section))
         stats = client.stats
-    return {"engine": engine, "model": model, "reference_store": store, "gates": [r.to_dict() for r in results],
+    return {"engine": engine, "model": model, "reference_store": store,
+            "reference_numerics": store_numerics(store), "gates": [r.to_dict() for r in results],
             "client": {"sent": stats.sent, "retries": stats.retries, "journal_hits": stats.journal_hits, "errors": stats.errors},
             "exit_code": exit_code(results), "status": {0: "pass", 1: "fail", 2: "error"}[exit_code(results)]}
+
+
+def store_numerics(store: str | None) -> str | None:
+    """The numerics the reference store was built under (its manifest's `oracle_numerics`; "exact" for stores from
+    before the choice existed), None without a store."""
+    if store is None:
+        return None
+    from ..measuring.store import read_manifest
+    return read_manifest(store).get("oracle_numerics", "exact")
 
 
 def exit_code(results: list[GateResult]) -> int:
