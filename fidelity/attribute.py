@@ -84,7 +84,7 @@ class Settings:
     super_expert_share: float = SUPER_EXPERT_SHARE
     seed: int = 0
     keep_layers: bool | None = None              # None: when the reference's layers fit in KEEP_LAYERS_BYTES
-    numerics: str = "exact"                      # the oracles' (fidelity.oracle.numerics); under "deepseek" a swapped
+    numerics: str = "exact"                      # the oracles' (fidelity.numerics); under "deepseek" a swapped
                                                  # tensor's input rounds as the pack stores it (variant_rounding)
 
 

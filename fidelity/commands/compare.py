@@ -163,7 +163,7 @@ def _rich_table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
 
 
 def add_numerics_argument(p: argparse.ArgumentParser) -> None:
-    from ..oracle.numerics import DEFAULT_NUMERICS, NUMERICS
+    from ..numerics import DEFAULT_NUMERICS, NUMERICS
     p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                    help="the oracle's numerics: exact (fp32 math, the weights' error alone; default) or deepseek "
                         "(DeepSeek-V4/V4.1: what DeepSeek's inference/model.py rounds, as the seed cards measure)")

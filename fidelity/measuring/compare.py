@@ -22,7 +22,7 @@ from ..errors import ConfigError, FidelityError, PackError
 from .metrics import PositionMetrics, position_metrics
 from ..packs.config_check import check_against_config
 from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
-from ..oracle.numerics import DEFAULT_NUMERICS, check_numerics
+from ..numerics import DEFAULT_NUMERICS, check_numerics
 from ..routing import RoutingCounts
 from .stats import RowGroups, paired_difference, summarize
 from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index
@@ -265,7 +265,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
             numerics_floor: bool = True) -> CompareResult:
     """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default).
     `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest.
-    `numerics`: every oracle's ("exact" | "deepseek", fidelity.oracle.numerics). `numerics_floor`: where the reference's
+    `numerics`: every oracle's ("exact" | "deepseek", fidelity.numerics). `numerics_floor`: where the reference's
     family defines both, also KL(reference under `numerics` || reference under the other): what the choice alone
     does on this panel."""
     from ..packs import open_pack

@@ -19,7 +19,7 @@ from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
 from .families import family_for_pack, missing_tensors
 from .common import Family, Fetch, layer_call_args, rms_norm
-from .numerics import check_numerics
+from ..numerics import check_numerics
 from . import moe
 from .moe import ExpertDecodes
 

@@ -1,4 +1,5 @@
-"""The oracle's named choice of numerics (`Oracle(pack, numerics=...)`, CLI `--numerics`):
+"""The oracle's named choice of numerics (`Oracle(pack, numerics=...)`, CLI `--numerics`; torch-free, so the CLI can
+offer it without importing the oracle):
 
 - "exact": fp32 (or fp64) math everywhere, what transformers computes: the weights' own error, nothing else;
 - "deepseek": DeepSeek's reference rounding, what DeepSeek's own `inference/model.py` rounds (FP8 window KV, FP4
@@ -7,7 +8,7 @@
 """
 from __future__ import annotations
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 NUMERICS = ("exact", "deepseek")
 DEFAULT_NUMERICS = "exact"
