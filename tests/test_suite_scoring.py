@@ -278,7 +278,7 @@ def test_request_body_modes_and_thinking():
     suite = make_suite("humaneval")
     item = Item("HumanEval/0", "hello")
     chat = request_body(suite, item, Settings(thinking=False, max_tokens=9), "m")
-    assert chat["messages"] == [{"role": "user", "content": "hello"}] and chat["chat_template_kwargs"] == {"enable_thinking": False}
+    assert chat["messages"] == [{"role": "user", "content": "hello"}] and chat["chat_template_kwargs"] == {"enable_thinking": False, "thinking": False}
     assert chat["max_tokens"] == 9 and chat["temperature"] == 0.0 and "stop" not in chat
     comp = request_body(suite, item, Settings(mode="completion"), "m")
     assert comp["prompt"] == "hello" and comp["max_tokens"] == suite.default_max_tokens and "chat_template_kwargs" not in comp
@@ -335,10 +335,12 @@ def toolcall():
 
 def test_toolcall_ground_truth_passes_bfcl_checker(toolcall, rng_seed):
     items = toolcall.load()
-    assert len(items) == 1240 and {it.data["category"] for it in items} == {"simple", "multiple", "parallel",
-                                                                              "parallel_multiple", "irrelevance"}
+    assert len(items) == 3641 and {it.data["category"] for it in items} == {  # BFCL v3's single-turn categories
+        "simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple", "irrelevance",
+        "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance"}
     rng = random.Random(rng_seed)
-    plain = [it for it in items if it.data["category"] != "irrelevance" and plain_answer(toolcall._rows[it.item_id])]
+    plain = [it for it in items if it.data["category"] in ("simple_python", "multiple", "parallel", "parallel_multiple")
+             and plain_answer(toolcall._rows[it.item_id])]
     assert len(plain) > 600
     for it in rng.sample(plain, 40):
         out = toolcall.score(it, "", call_from_answer(toolcall._rows[it.item_id]["answer"]))
@@ -354,7 +356,7 @@ def test_toolcall_integrity_and_checker_failures(toolcall):
     cases = {
         "arguments are not valid JSON": {"name": "calculate_triangle_area", "arguments": "{base: 10"},
         "unknown function (offered: calculate_triangle_area)": {"name": "area", "arguments": "{}"},
-        "Missing required parameter: 'height'. (schema: call 0 (calculate_triangle_area): arguments break the schema: "
+        "Missing required parameter: 'height'. (integrity: call 0 (calculate_triangle_area): arguments break the schema: "
         "'height' is a required property)": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": 10})},
         "Expected one of [5]": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": 10, "height": 6})},
     }
@@ -376,5 +378,5 @@ def test_toolcall_integrity_and_checker_failures(toolcall):
 
 
 def test_toolcall_bad_categories():
-    with pytest.raises(ConfigError, match=r"unknown categories \['live'\]"):
+    with pytest.raises(ConfigError, match=r"categories \['live'\] are not covered"):
         make_suite("toolcall", categories=["simple", "live"])

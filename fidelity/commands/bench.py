@@ -1,10 +1,12 @@
 """Measure an engine's serving speed: decode tok/s per prompt set, aggregate tok/s per concurrency, TTFT, cold prefill tok/s.
 
-  fidelity bench --engine URL --model NAME [--sets code,prose,structured] [--streams 1,2,4,8] [--prefill 3k,12k]
-                 [--repeats N] [--max-tokens 384] [--json F] [--aa]
+  fidelity bench --engine URL --model NAME [--label NAME] [--sets code,prose,structured] [--streams 1,2,4,8]
+                 [--prefill 3k,12k] [--repeats N] [--max-tokens 384] [--json F] [--aa]
 
 Medians over --repeats with their spread (± half the range, %); --aa runs everything twice and reports the run-to-run
-spread per metric, which `fidelity gate`'s [speed] section and `fidelity ladder` decide against. Definitions: the
+spread per metric, which `fidelity gate`'s [speed] section and `fidelity ladder` decide against. `--label` names the
+build in the JSON (`label`) and in `fidelity card` / `report`, which set several benches side by side; the JSON's
+`requests.failed` is the number of entries in `errors` (both runs' with --aa), as the console says. Definitions: the
 docstring of fidelity/engine/bench.py. Exit 0 when every request finished, 2 when some failed (reported, never hidden).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser):
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--engine", required=True, help="base URL of the OpenAI-compatible engine")
     p.add_argument("--model", required=True, help="model name to send")
+    p.add_argument("--label", help="the build's name, recorded in the JSON (`label`) and shown by card / report")
     p.add_argument("--sets", default=",".join(SETS), help="prompt sets for single-stream decode (empty: none)")
     p.add_argument("--streams", default="1,2,4,8", help="concurrency levels for aggregate tok/s (empty: none)")
     p.add_argument("--prefill", default="3k,12k", help="cold prefill lengths in tokens (empty: none)")
@@ -59,7 +62,8 @@ def bench_table(doc: dict, title: str | None = None):
 
     f = lambda x, spec=".1f": "-" if x is None else format(x, spec)
     aa = (doc.get("aa") or {}).get("spread_pct") or {}
-    t = Table(title=title or f"fidelity bench: {doc['engine']} ({doc['model']})")
+    name = f"{doc['label']}: " if doc.get("label") else ""
+    t = Table(title=title or f"fidelity bench: {name}{doc['engine']} ({doc['model']})")
     for c in ("metric", "median", "min", "max", "± %", "A/A %", "unit"):
         t.add_column(c, justify="left" if c == "metric" else "right")
     for name, m in doc["metrics"].items():
@@ -89,7 +93,8 @@ def print_report(doc: dict):
     for note in doc["usage_check"]["notes"]:
         con.print(f"[dim]usage: {note}[/dim]")
     rq = doc["requests"]
-    con.print(f"requests sent {rq['sent']}, retries {rq['retries']}, failed {rq['failed']}")
+    runs = " (both A/A runs)" if doc.get("aa") else ""
+    con.print(f"requests sent {rq['sent']}, retries {rq['retries']}, failed {rq['failed']}{runs}")
     for e in doc["errors"][:10]:
         con.print(f"[red]error: {e['error']}[/red]")
 
@@ -100,6 +105,8 @@ def run(args) -> int:
     cfg = config_from_args(args)
     cfg.progress = lambda text: print(f"bench: {text}", file=sys.stderr, flush=True)
     doc = asyncio.run(run_bench(cfg))
+    if args.label:
+        doc = {"label": args.label, **doc}
     print_report(doc)
     if args.json_out:
         Path(args.json_out).write_text(json_out.dumps(doc, indent=2))

@@ -501,8 +501,11 @@ async def run_bench(cfg: BenchConfig) -> dict:
     doc = await Bench(cfg).run_once()
     if cfg.aa:
         second = await Bench(cfg).run_once()
-        doc["aa"] = {"spread_pct": aa_spread(doc, second), "second": {"metrics": second["metrics"], "errors": second["errors"]}}
+        doc["aa"] = {"spread_pct": aa_spread(doc, second), "second": {"metrics": second["metrics"], "errors": second["errors"],
+                                                                      "requests": second["requests"]}}
+        # the document's errors are both runs' failed requests, so its request counts are both runs' too
         doc["errors"] += second["errors"]
+        doc["requests"] = {k: doc["requests"][k] + second["requests"][k] for k in ("sent", "retries", "failed")}
     return doc
 
 

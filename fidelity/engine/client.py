@@ -40,6 +40,9 @@ class EngineError(FidelityError):
         super().__init__(f"{message} [{', '.join(where)}]" if where else message)
 
 
+ROUTE_ABSENT = (404, 405, 422)  # the answers of a server without the route asked for (a route probe's "no")
+
+
 class EngineHTTPError(EngineError):
     """The engine answered with an HTTP error status (after retries, for retryable ones)."""
 
@@ -171,13 +174,16 @@ class EngineClient:
 
     # ---- the one path every request takes -------------------------------------------------------------------------------
 
-    async def post(self, path: str, body: dict, *, tag: str = "", journal: bool = True, check=None) -> dict:
+    async def post(self, path: str, body: dict, *, tag: str = "", journal: bool = True, check=None,
+                   route_probe: bool = False) -> dict:
         """POST `body` (JSON) to `path`; returns the parsed JSON reply, from the journal when it already holds it.
         `check(reply)` raises EngineProtocolError for a reply that breaks the protocol: such a reply is never journaled
-        (and one found in an older journal is asked for again)."""
-        return (await self._post(path, body, tag, journal, check))[0]
+        (and one found in an older journal is asked for again). `route_probe`: the request asks whether the route exists,
+        so a 404 / 405 / 422 answer (raised as EngineHTTPError) is an answer, not counted in `stats.errors`."""
+        return (await self._post(path, body, tag, journal, check, route_probe))[0]
 
-    async def _post(self, path: str, body: dict, tag: str, journal: bool = True, check=None) -> tuple[dict, bool]:
+    async def _post(self, path: str, body: dict, tag: str, journal: bool = True, check=None,
+                    route_probe: bool = False) -> tuple[dict, bool]:
         """(reply, whether the journal answered this request)."""
         key = request_key(path, body, tag)
         if journal and self.journal is not None:
@@ -190,7 +196,7 @@ class EngineClient:
                     return hit, True
                 except EngineProtocolError:
                     pass  # journaled before replies were validated: ask the engine again
-        reply = await self._send("POST", path, body, tag)
+        reply = await self._send("POST", path, body, tag, route_probe)
         if check is not None:
             check(reply)
         if journal and self.journal is not None:
@@ -214,7 +220,7 @@ class EngineClient:
         out.from_journal = hit
         return out
 
-    async def _send(self, method: str, path: str, body: dict | None, tag: str) -> dict:
+    async def _send(self, method: str, path: str, body: dict | None, tag: str, route_probe: bool = False) -> dict:
         """The request with its retries, within `timeout_s` of first getting a concurrency slot (the slot is held
         only while an attempt is on the wire, so a request backing off lets another one go)."""
         url = self.config.base + path
@@ -227,6 +233,10 @@ class EngineClient:
             raise EngineError(f"timed out: no complete answer within the request's deadline of {self.config.timeout_s:g} s "
                               f"(retries included; --timeout / timeout_s) after {tried.count} attempt(s); "
                               f"last: {tried.last}", url=url, tag=tag) from None
+        except EngineHTTPError as e:
+            if not (route_probe and e.status in ROUTE_ABSENT):
+                self.stats.errors += 1
+            raise
         finally:
             slot.give()
 
@@ -254,8 +264,7 @@ class EngineClient:
             if r.status_code >= 500 or r.status_code == 429:
                 tried.last = f"HTTP {r.status_code}: {r.text[:200]}"
                 continue
-            if r.status_code >= 400:
-                self.stats.errors += 1
+            if r.status_code >= 400:  # counted in stats.errors by _send, unless a route probe's "no such route"
                 raise EngineHTTPError(f"engine answered HTTP {r.status_code}: {r.text[:300]}", status=r.status_code, url=url, tag=tag)
             try:
                 return r.json()
@@ -299,6 +308,8 @@ class EngineClient:
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int] | None:
         """Token ids from the server's tokenizer, or None when it offers no tokenize endpoint. Tries vLLM/SGLang `/tokenize`,
         llama.cpp's `/tokenize` and llama-cpp-python's `/extras/tokenize`."""
+        if self._tokenize_route == "":
+            return None  # probed before: the server has none
         routes = [self._tokenize_route] if self._tokenize_route else ["/tokenize", "/extras/tokenize"]
         for route in routes:
             if route == "/extras/tokenize":
@@ -314,14 +325,15 @@ class EngineClient:
                                               f"{str(reply)[:200]}", url=self.config.base + route, tag="tokenize")
 
             try:
-                reply = await self.post(route, body, tag="tokenize", check=check)
+                reply = await self.post(route, body, tag="tokenize", check=check, route_probe=self._tokenize_route is None)
             except EngineHTTPError as e:
-                if e.status in (404, 405, 422):
+                if e.status in ROUTE_ABSENT:
                     continue
                 raise
             tokens = reply["tokens"]
             self._tokenize_route = route
             return tokens
+        self._tokenize_route = ""
         return None
 
 

@@ -66,14 +66,14 @@ class EngineSettings:
     retries: int = 3
 
     def template_kwargs(self) -> dict | None:
-        """`chat_template_kwargs` for the request: `enable_thinking` (Qwen3, vLLM/SGLang convention) and `thinking`
-        (DeepSeek V3.1+ templates) both set, so either kind of template sees the switch."""
+        """`chat_template_kwargs` for the request (`chat_options.thinking_template_kwargs`: both thinking keys)."""
+        from .chat_options import thinking_template_kwargs
+
         if self.thinking is None:
             return None
         if self.thinking not in ("on", "off"):
             raise PanelError(f"--thinking is 'on' or 'off', not {self.thinking!r}")
-        on = self.thinking == "on"
-        return {"enable_thinking": on, "thinking": on}
+        return thinking_template_kwargs(self.thinking == "on")
 
 
 def request_messages(messages: list[dict]) -> list[dict]:

@@ -5,7 +5,9 @@ Run A is the reference (native), run B the candidate. The verdict rule: B fails 
 `threshold_points` percentage points *and* the paired test says p < `alpha`. Items are paired by `item_id` and only where both
 runs sent the same prompt (same prompt hash); anything else is reported, never silently dropped. Items with an engine error on
 either side are excluded from the test and counted. Each named metric of the records (evalplus base / plus, IFEval's four)
-gets its own paired test (`paired_metric`); the verdict is the suite's primary metric's.
+gets its own paired test (`paired_metric`); the verdict is the suite's primary metric's. Suites that group their items
+(the manifest's `group_by`: toolcall's BFCL category, needle's length x depth cell) get a McNemar test per group
+(`groups`), and chat runs whose records carry a reasoning length get its paired change (`reasoning`, B - A).
 """
 from __future__ import annotations
 
@@ -164,6 +166,73 @@ def _metric_columns(usable) -> dict[str, tuple]:
             for k in names}
 
 
+def paired_groups(usable, key: str, *, exact_max: int = EXACT_MAX_DISCORDANT) -> dict:
+    """Pass rates and McNemar per group of items, the group read from each record's details[`key`] (the same on both
+    sides: the same prompts). No verdict per group: the suite's verdict rule is for the whole suite."""
+    if not len(usable) or not (usable["passed_a"].notna().all() and usable["passed_b"].notna().all()):
+        return {}
+    ga = [json.loads(d or "{}").get(key) for d in usable["details_a"]]
+    gb = [json.loads(d or "{}").get(key) for d in usable["details_b"]]
+    pa_, pb_ = usable["passed_a"].astype(bool).to_numpy(), usable["passed_b"].astype(bool).to_numpy()
+    out = {}
+    for g in dict.fromkeys(x for x in ga if x is not None):
+        sel = np.array([x == g and y == g for x, y in zip(ga, gb)])
+        n = int(sel.sum())
+        b, c = int((pa_[sel] & ~pb_[sel]).sum()), int((~pa_[sel] & pb_[sel]).sum())
+        mc = mcnemar(b, c, exact_max)
+        out[str(g)] = {"items": n, "passed_a": int(pa_[sel].sum()), "passed_b": int(pb_[sel].sum()),
+                       "pass_rate_a": float(pa_[sel].mean()), "pass_rate_b": float(pb_[sel].mean()),
+                       "drop": 100.0 * (b - c) / n, "flips_a_to_b": b, "flips_b_to_a": c, "test": mc.method,
+                       "p_value": mc.p_value}
+    return out
+
+
+def ratio_of_means_ci(a: np.ndarray, b: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """Interval of 100 (mean(b) / mean(a) - 1) for paired samples: t interval (n - 1 dof) on log(mean b) - log(mean a)
+    with the delta-method variance var(b)/(n mb^2) + var(a)/(n ma^2) - 2 cov(a, b)/(n ma mb), exponentiated."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    n = a.size
+    ma, mb = a.mean(), b.mean()
+    if n < 2 or ma <= 0 or mb <= 0:
+        return (math.nan, math.nan)
+    cov = np.cov(a, b, ddof=1)
+    var = cov[1, 1] / (n * mb * mb) + cov[0, 0] / (n * ma * ma) - 2 * cov[0, 1] / (n * ma * mb)
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * math.sqrt(max(var, 0.0)))
+    centre = math.log(mb / ma)
+    return 100.0 * (math.exp(centre - half) - 1), 100.0 * (math.exp(centre + half) - 1)
+
+
+def paired_reasoning(usable) -> dict | None:
+    """Reasoning length of the paired items, B against A (tokens where both sides have a count, else characters):
+    means, the mean change with its t interval, the paired t and Wilcoxon p, the relative change of the means with its
+    interval (`ratio_of_means_ci`), and how many items reasoned longer / shorter."""
+    def side(col):
+        return [(json.loads(d or "{}").get("reasoning") or None) for d in usable[col]]
+
+    ra, rb = side("details_a"), side("details_b")
+    both = [(x, y) for x, y in zip(ra, rb) if x is not None and y is not None]
+    if not both:
+        return None
+    if all(x.get("tokens") is not None and y.get("tokens") is not None for x, y in both):
+        unit, key = "tokens", "tokens"
+    else:
+        unit, key = "characters", "chars"
+    a = np.array([x[key] for x, _ in both], dtype=np.float64)
+    b = np.array([y[key] for _, y in both], dtype=np.float64)
+    out = {"unit": unit, "items": len(both), "with_reasoning_a": int((a > 0).sum()), "with_reasoning_b": int((b > 0).sum()),
+           "mean_a": float(a.mean()), "mean_b": float(b.mean())}
+    if not (a > 0).any() and not (b > 0).any():
+        return {**out, "note": "no reply on either side carried separated reasoning (thinking off, or the engine has no "
+                               "reasoning parser and left it in the content)"}
+    d = b - a
+    t, w = paired_t(d), wilcoxon(d)
+    pct = 100.0 * (out["mean_b"] / out["mean_a"] - 1) if out["mean_a"] > 0 else None
+    return {**out, "change_mean": float(d.mean()), "change_ci95": list(mean_ci(d)), "change_pct": pct,
+            "change_pct_ci95": list(ratio_of_means_ci(a, b)) if pct is not None else None,
+            "items_longer": int((d > 0).sum()), "items_shorter": int((d < 0).sum()), "test": "paired-t",
+            "p_value": t.p_value, "wilcoxon": {"n": w.n, "w_plus": w.w_plus, "p_value": w.p_value, "method": w.method}}
+
+
 def _verdict(drop_points: float, p: float, threshold: float, alpha: float, aa: bool, flips: int, n: int) -> str:
     if aa:
         return f"A/A noise floor: {flips} of {n} items flip ({100 * flips / n if n else 0:.2f}%)"
@@ -219,6 +288,13 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, threshold_points: floa
         out["metrics"] = metrics
     out["cut_by_limit"] = {"a": int((usable["finish_reason_a"] == "length").sum()),
                            "b": int((usable["finish_reason_b"] == "length").sum())}
+    group_by = ma.get("group_by")
+    if group_by and group_by == mb.get("group_by"):
+        out["group_by"] = group_by
+        out["groups"] = paired_groups(usable, group_by, exact_max=exact_max)
+    reasoning = paired_reasoning(usable) if n else None
+    if reasoning:
+        out["reasoning"] = reasoning
     primary = out.get(metric) or out.get("passed") or out.get("score")
     if primary:
         for k in ("drop", "flips_a_to_b", "flips_b_to_a", "test", "p_value", "verdict"):

@@ -4,11 +4,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..engine.chat_options import reply_reasoning, thinking_template_kwargs, usage_reasoning_tokens
 from ..engine.client import ClientConfig, EngineClient, EngineError
 from .records import (JOURNAL, MANIFEST, RECORDS, REQUESTS, ItemJournal, Record, RunError, prompt_hash, read_manifest,
                       write_manifest, write_records)
@@ -54,7 +56,7 @@ class Settings:
     mode: str = "chat"  # "chat" or "completion"
     max_tokens: int | None = None  # None: the suite's default
     temperature: float = 0.0
-    thinking: bool | None = None  # None: leave the template's default
+    thinking: bool | None = None  # both template keys (`chat_options.thinking_template_kwargs`); None: the template's default
     limit: int | None = None  # the first N items
     seed: int = 0  # the engine's sampling seed (sent with every request)
     sample: int | None = None  # a random subset of N items, drawn with `sample_seed`, kept in dataset order
@@ -77,6 +79,7 @@ class Suite:
     metric = "passed"
     default_max_tokens = 512
     modes = ("chat", "completion")
+    group_by: str | None = None  # a details key grouping the items (`suite compare` tests each group too)
 
     def load(self) -> list[Item]:
         raise NotImplementedError
@@ -99,6 +102,10 @@ class Suite:
     def score(self, item: Item, text: str, tool_calls: list) -> Outcome:
         raise NotImplementedError
 
+    def summarize(self, records: list) -> dict:
+        """Suite-specific figures over the run's records (the manifest's `summary.suite`; printed by `suite run`)."""
+        return {}
+
 
 def request_body(suite: Suite, item: Item, settings: Settings, model: str) -> dict:
     """The exact body sent (also stored in the record)."""
@@ -113,27 +120,55 @@ def request_body(suite: Suite, item: Item, settings: Settings, model: str) -> di
     body["messages"] = item.messages or [{"role": "user", "content": item.prompt}]
     if item.tools:
         body["tools"] = item.tools
-    if settings.thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": settings.thinking}
+    template_kwargs = thinking_template_kwargs(settings.thinking)
+    if template_kwargs:
+        body["chat_template_kwargs"] = template_kwargs
     return body
 
 
+async def reasoning_length(client, reply) -> dict:
+    """A chat reply's reasoning length: `chars` of its reasoning text (`reasoning_content` / `reasoning`; 0 when the
+    reply has none), `tokens` from the engine's usage (`completion_tokens_details.reasoning_tokens`), else the engine's
+    own tokenizer on the text, else None, and `tokens_from` saying which. An engine without a reasoning parser leaves the
+    reasoning inside the content: `field` is then None and the length 0 says "none separated", not "no thinking"."""
+    raw = getattr(reply, "raw", None) or {}
+    text = reply_reasoning(raw)
+    msg = ((raw.get("choices") or [{}])[0].get("message") or {}) if isinstance(raw, dict) else {}
+    field = next((k for k in ("reasoning_content", "reasoning") if isinstance(msg.get(k), str) and msg.get(k)), None)
+    out = {"field": field, "chars": len(text or ""), "tokens": None, "tokens_from": None}
+    n = usage_reasoning_tokens(getattr(reply, "usage", None) or {})
+    if n is not None:
+        out.update(tokens=n, tokens_from="usage")
+    elif not text:
+        out.update(tokens=0, tokens_from="no reasoning")
+    elif hasattr(client, "tokenize"):
+        try:
+            ids = await client.tokenize(text, add_special=False)
+        except EngineError:
+            ids = None
+        if ids is not None:
+            out.update(tokens=len(ids), tokens_from="tokenize")
+    return out
+
+
 async def _ask(client, body: dict, tag: str):
-    """Sends `body` through the client; returns (text, tool_calls as dicts, finish_reason or "")."""
+    """Sends `body` through the client; returns (text, tool_calls as dicts, finish_reason or "", the chat reply or None
+    in completion mode)."""
     common = {k: body[k] for k in ("max_tokens", "temperature", "stop", "seed") if k in body}
     if "prompt" in body:
         comp = await client.completion(body["prompt"], tag=tag, **common)
-        return comp.text, [], getattr(comp, "finish_reason", None) or ""
+        return comp.text, [], getattr(comp, "finish_reason", None) or "", None
     extra = {"chat_template_kwargs": body["chat_template_kwargs"]} if "chat_template_kwargs" in body else None
     chat = await client.chat(body["messages"], tools=body.get("tools"), extra=extra, tag=tag, **common)
     calls = [{"name": c.name, "arguments": c.arguments} for c in chat.tool_calls]
-    return chat.content or "", calls, getattr(chat, "finish_reason", None) or ""
+    return chat.content or "", calls, getattr(chat, "finish_reason", None) or "", chat
 
 
 def manifest_for(suite: Suite, settings: Settings, engine: str, model: str, items: list[Item], isolation: str | None) -> dict:
     return {"suite": suite.name, "metric": suite.metric, "data": suite.source(), "suite_config": suite.config(),
             "engine": engine, "model": model, "settings": asdict(settings), "items": [it.item_id for it in items],
-            "sandbox": isolation, "unsafe_no_sandbox": bool(isolation and isolation.startswith("UNSAFE"))}
+            "sandbox": isolation, "unsafe_no_sandbox": bool(isolation and isolation.startswith("UNSAFE")),
+            "group_by": suite.group_by}
 
 
 _RESUME_KEYS = ("suite", "data", "suite_config", "engine", "model", "settings", "items", "unsafe_no_sandbox")
@@ -161,6 +196,8 @@ class RunSummary:
     metrics: dict = field(default_factory=dict)  # name -> {"followed", "of", "rate"} pooled over the items without error
     finish_reasons: dict = field(default_factory=dict)  # finish_reason -> items ("" where the engine gave none)
     cut_by_limit: int = 0  # items whose reply ended at the token limit (finish_reason "length")
+    reasoning: dict | None = None  # `reasoning_summary` (None in completion mode)
+    suite: dict = field(default_factory=dict)  # `Suite.summarize`: needle's length x depth grid, toolcall's integrity, ...
 
 
 def pooled_metrics(records: list[Record]) -> dict:
@@ -176,11 +213,37 @@ def pooled_metrics(records: list[Record]) -> dict:
     return {name: {"followed": k, "of": n, "rate": k / n if n else None} for name, (k, n) in sums.items()}
 
 
-def run_summary(records: list[Record]) -> dict:
-    """What the manifest's "summary" and the console report: pooled metrics, finish reasons, replies cut by the limit."""
+def record_reasoning(rec: Record) -> dict | None:
+    """The reasoning length `run_suite` put in a record's details (None: completion mode, an error, or an older run)."""
+    if rec.error:
+        return None
+    r = json.loads(rec.details or "{}").get("reasoning")
+    return r if isinstance(r, dict) else None
+
+
+def reasoning_summary(records: list[Record]) -> dict | None:
+    """Reasoning length over the records that carry one: items, items with reasoning, mean / median / total tokens
+    (over the items whose token count is known) and mean characters."""
+    rs = [r for r in map(record_reasoning, records) if r is not None]
+    if not rs:
+        return None
+    tokens = [r["tokens"] for r in rs if r.get("tokens") is not None]
+    return {"items": len(rs), "with_reasoning": sum(r["chars"] > 0 for r in rs), "chars_mean": sum(r["chars"] for r in rs) / len(rs),
+            "tokens_items": len(tokens), "tokens_total": sum(tokens), "tokens_mean": sum(tokens) / len(tokens) if tokens else None,
+            "tokens_median": float(statistics.median(tokens)) if tokens else None,
+            "tokens_from": dict(Counter(r.get("tokens_from") for r in rs))}
+
+
+def run_summary(records: list[Record], suite: Suite | None = None) -> dict:
+    """What the manifest's "summary" and the console report: pooled metrics, finish reasons, replies cut by the limit,
+    reasoning length, and the suite's own figures (`Suite.summarize`)."""
     reasons = Counter(r.finish_reason for r in records if not r.error)
-    return {"metrics": pooled_metrics(records), "finish_reasons": dict(sorted(reasons.items())),
-            "cut_by_limit": reasons.get("length", 0)}
+    out = {"metrics": pooled_metrics(records), "finish_reasons": dict(sorted(reasons.items())),
+           "cut_by_limit": reasons.get("length", 0), "reasoning": reasoning_summary(records)}
+    extra = suite.summarize(records) if suite is not None else {}
+    if extra:
+        out["suite"] = extra
+    return out
 
 
 async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: str, settings: Settings | None = None,
@@ -225,12 +288,13 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
             body = request_body(suite, item, settings, model)
             t0 = time.monotonic()
             try:
-                text, calls, finish = await _ask(client, body, tag=f"{suite.name}:{item.item_id}")
+                text, calls, finish, chat = await _ask(client, body, tag=f"{suite.name}:{item.item_id}")
             except EngineError as e:
                 rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), "", "", "engine error", str(e),
                              time.monotonic() - t0)
             else:
                 latency = time.monotonic() - t0
+                reasoning = await reasoning_length(client, chat) if chat is not None else None
                 response = text if not calls else json.dumps({"content": text, "tool_calls": calls})
                 try:
                     out = await asyncio.to_thread(suite.score, item, text, calls)
@@ -238,8 +302,9 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
                     rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), response, "", "scorer error",
                                  f"scorer error: {type(e).__name__}: {e}", latency, finish_reason=finish)
                 else:
+                    details = {**out.details, "reasoning": reasoning} if reasoning is not None else out.details
                     rec = Record(item.item_id, out.passed, out.score, prompt_hash(body), json.dumps(body), response,
-                                 out.extracted, out.verdict, "", latency, json.dumps(out.details, default=str),
+                                 out.extracted, out.verdict, "", latency, json.dumps(details, default=str),
                                  finish_reason=finish, metrics=json.dumps(metric_counts(out.metrics)))
             journal.append(rec)
             if progress:
@@ -249,7 +314,7 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
         journal.close()
         records = [journal.records[i] for i in ids]
         write_records(run_dir / RECORDS, records)
-        summary = run_summary(records)
+        summary = run_summary(records, suite)
         manifest = {**read_manifest(run_dir), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "errors": sum(bool(r.error) for r in records), "summary": summary}
         write_manifest(run_dir, manifest)
