@@ -38,7 +38,9 @@ Reported (definitions once, here):
   threshold; the pack's routing-weighted bits per weight (`Pack.bits_per_weight(routing=...)`).
 - sensitivity: per layer, Gaussian noise of RMS eps * RMS(out) added to the layer's MLP / routed-experts output (the
   sub-block its class declares in SUB_BLOCKS as "mlp"), at two or three eps: KL per level, `dkl_deps2` = the
-  least-squares slope of KL on eps^2 through the origin (KL is quadratic in a small perturbation) and `loglog_slope`.
+  least-squares slope of KL on eps^2 through the origin (KL is quadratic in a small perturbation) and `loglog_slope`;
+  `kld_row_sums` [level][row]: each row's sum of KL over its scored positions (`summary.scored_per_row`), so a row
+  bootstrap can refit the slope (`fidelity.plan`).
 - engram_access (V4.1): per Engram table, on the reference's pass (rows hash token ids only, the pack's are the same):
   `lookups` (tokens x n-gram lengths x heads), `distinct_rows`, and the coverage curve: the top N most-read rows'
   share of the lookups at N = 1, 10, 100, ..., 1 % and 10 % of the distinct rows, and all of them (1).
@@ -755,7 +757,7 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
         if bad:
             raise ConfigError(f"sensitivity layers {bad} are outside the model's {fam.n_layers} layers")
         for i in tqdm(chosen, desc="sensitivity", disable=not progress, leave=False):
-            kls = []
+            kls, row_sums = [], []
             for j, eps in enumerate(s.noise_levels):
                 def build(k, i=i, eps=eps, j=j):
                     if k != i:
@@ -764,7 +766,9 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
                     attr = sub_blocks(layer)["mlp"]
                     setattr(layer, attr, NoisyOutput(getattr(layer, attr), eps, noise_seed(s.seed, i, j)))
                     return layer
-                kls.append(trunk.kld(trunk.run(i, build=build)))
+                k, by_row = trunk.kld_rows(trunk.run(i, build=build))
+                kls.append(k)
+                row_sums.append(by_row.tolist())
             e2 = np.asarray(s.noise_levels, dtype=np.float64) ** 2
             k = np.asarray(kls)
             slope = float((e2 * k).sum() / (e2 * e2).sum())
@@ -772,12 +776,13 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
             loglog = float(np.polyfit(np.log(np.sqrt(e2[positive])), np.log(k[positive]), 1)[0]) \
                 if positive.sum() >= 2 else None
             sensitivity.append({"layer": i, "levels": list(map(float, s.noise_levels)), "kld_mean": kls,
-                                "dkl_deps2": slope, "loglog_slope": loglog})
+                                "dkl_deps2": slope, "loglog_slope": loglog, "kld_row_sums": row_sums})
 
     parts = sum(r["kld_mean"] for r in swaps)
     summary = {"reference": str(getattr(ref, "path", "")), "pack": str(getattr(pack, "path", "")),
                "modules": s.modules, "numerics": s.numerics,
                "rows": len(rows), "scored_positions": int(sum(len(p) for p in scored)),
+               "scored_per_row": [len(p) for p in scored],
                "pack_kld_mean": whole, "sum_of_parts_kld": parts,
                "additivity": parts / whole if whole else None,
                "noise_levels": list(map(float, s.noise_levels)), "seed": s.seed,

@@ -26,6 +26,7 @@ LAYER_OF = {  # first matching prefix wins; a module matches `p` if it is `p` or
     "fidelity.__main__": "cli",
     "fidelity.measuring": "measuring",  # compare, store, panels, metrics, stats
     "fidelity.attribute": "measuring",
+    "fidelity.plan": "measuring",
     "fidelity": "base",  # the package root, errors, blas, vector_math, content_hash, routing, numerics
 }
 

@@ -1,0 +1,504 @@
+"""plan(): per routed expert (or expert tensor) an EXL3 K, from measured sensitivity x routing share x per-K error,
+under a byte budget. Pure: the inputs are an `attribute` result (as `Attribution.to_json()`), the reference's expert
+tensors and a table of per-K errors; nothing here runs a model or an encoder (the command measures errors with the
+EXL3 reference encoder of fidelity/fixtures).
+
+Model (definitions once, here). A unit u is one routed expert of layer L (its three matrices at one K: what the
+`exl3_moe_plan.json` layout can state) or, per tensor, one matrix of it. Its predicted KL at K is
+
+    kl_u(K) = S_L * a_Le * sum_{t in u} e_t(K)
+
+- S_L: attribute's `dkl_deps2`, KL per eps^2 where eps = RMS of Gaussian noise added to layer L's MLP / routed output
+  relative to that output's RMS (KL is quadratic in a small perturbation);
+- a_Le: expert e's `energy_share_ref`, its share of the layer's routed-output energy sum ||w_te E_e(x_t)||^2 on the
+  reference's pass;
+- e_t(K) = ||W_K - W||_F^2 / ||W||_F^2 of tensor t encoded at K by the EXL3 encoder ("measured"), or, where no encode
+  was affordable, the rate model log e = a + b K (+ the tensor's own offset where it has measured points), fitted by
+  least squares to the measured points ("rate_model"; fit and residual SD reported).
+  It equates an expert's relative output error^2 with the sum of its matrices' relative weight errors^2 and the layer's
+  routed energy with its MLP output energy (shared experts, cross terms between experts neglected).
+- The plan's predicted KL is the sum over units (additivity: attribute's `summary.additivity` = sum of the groups'
+  swap-one-in KL / the whole pack's KL says how well sums hold on the pack it measured).
+
+Cost: the bytes EXL3 stores for t at K (trellis int16 [in_p/16, out_p/16, 16K] + fp16 suh [in_p] + svh [out_p] + the
+codebook's 4-byte marker; padded to 128), as `Pack.bits_per_weight` counts them: budget in memory = 8 * sum bytes /
+sum params of the routed experts (its `routed_experts` row); per decoded token each tensor counts with its expert's
+measured share of the layer's tokens (`routed_experts_per_decoded_token_measured` with the attribution's reference
+routing counts).
+
+Solver: a multiple-choice knapsack. Each unit's (cost, kl) points are reduced to their lower convex hull; starting
+from every unit at its lowest allowed K, the hull steps are taken in order of KL saved per byte (a step that no longer
+fits is skipped, the unit stays there, later smaller steps of other units still fill the budget). On convex hulls
+this is the LP relaxation's greedy (Sinha-Zoltners): its value with the first step that did not fit taken
+fractionally is a lower bound on any integer plan, reported as `kl_lower_bound`; the plan is within
+`optimality_gap` = predicted - lower bound of the best integer plan under the same model.
+
+Uncertainty: where the attribution keeps each row's KL at each noise level (`sensitivity[].kld_row_sums`,
+`summary.scored_per_row`), S_L is refitted on row-bootstrap draws (rows resampled once for every layer: the same
+panel rows), the plan held fixed: `predicted_kl_ci95` (percentile). Not included: routing shares' sampling error, the
+rate model's residual, and the model's own error (linearity at quantization-size errors, additivity), which the
+predicted-vs-measured comparison of an encode shows.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+import numpy as np
+
+from .errors import ConfigError
+from .packs.base import tensor_role
+from .packs.exl3.codec import HAD, Bitrate
+from .packs.exl3.layouts import routed_expert
+
+CANDIDATES = tuple(range(1, 9))
+ROLES = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+BOOTSTRAP = 2000
+MARKER_BYTES = {"mul1": 4, "mcg": 4, "3inst": 0}
+
+
+def exl3_nbytes(shape: tuple[int, int], K: int, codebook: str = "mul1") -> int:
+    """Bytes EXL3 stores for a [out, in] linear at K (without bias): trellis + suh + svh + the codebook marker."""
+    out_f, in_f = shape
+    in_p, out_p = -(-in_f // HAD) * HAD, -(-out_f // HAD) * HAD
+    words = Bitrate.of(K).words
+    return (in_p // 16) * (out_p // 16) * words * 2 + 2 * in_p + 2 * out_p + MARKER_BYTES[codebook]
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    name: str                 # the reference's name
+    layer: int
+    expert: int
+    role: str                 # gate / up / down
+    shape: tuple[int, int]
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def expert_tensors(pack) -> list[ExpertTensor]:
+    """The routed-expert matrices of the trunk (`layers.*`; a drafter's `mtp.*` experts are not planned), by layer,
+    expert and role."""
+    out = []
+    for name in pack.names():
+        shape = tuple(pack.storage(name).shape)
+        where = routed_expert(name)
+        if where is None or where[0] != "layers" or tensor_role(name, shape) != "routed_expert" or len(shape) != 2:
+            continue
+        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if module not in ROLES:
+            raise ConfigError(f"routed-expert tensor {name!r}: unknown matrix {module!r} "
+                              f"(expected one of {sorted(ROLES)})")
+        out.append(ExpertTensor(name, where[1], where[2], ROLES[module], shape))
+    order = {"gate": 0, "up": 1, "down": 2}
+    return sorted(out, key=lambda t: (t.layer, t.expert, order[t.role]))
+
+
+# -- what attribute measured ----------------------------------------------------------------------------------------
+@dataclass
+class Evidence:
+    """The attribution's numbers the plan uses, keyed by layer and (layer, expert)."""
+    sensitivity: dict[int, float]
+    energy_share: dict[tuple[int, int], float]
+    token_share: dict[tuple[int, int], float]
+    super_experts: dict[int, list[int]]
+    additivity: float | None = None
+    levels: list[float] | None = None                      # noise levels (eps)
+    row_sums: dict[int, np.ndarray] | None = None          # layer -> [levels, rows] sum of KL per row
+    scored_per_row: np.ndarray | None = None
+
+    @classmethod
+    def from_attribution(cls, data) -> "Evidence":
+        data = data.to_json() if hasattr(data, "to_json") else data
+        routing, layers = data.get("routing") or [], data.get("routing_layers") or []
+        if not routing:
+            raise ConfigError("the attribution has no routing table: it was measured on a model without routed experts "
+                              "(or an older attribute): a plan needs per-expert routing")
+        if not data.get("sensitivity"):
+            raise ConfigError("the attribution has no sensitivity table (attribute was run with --no-sensitivity): a "
+                              "plan needs each MoE layer's dKL/d(eps^2)")
+        tokens = {r["layer"]: r["tokens"] for r in layers}
+        sens = {r["layer"]: float(r["dkl_deps2"]) for r in data["sensitivity"]}
+        bad = {k: v for k, v in sens.items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ConfigError(f"sensitivity dkl_deps2 must be finite and >= 0; layer(s) {bad}")
+        ev = cls(sens, {(r["layer"], r["expert"]): float(r["energy_share_ref"]) for r in routing},
+                 {(r["layer"], r["expert"]): r["counts_ref"] / tokens[r["layer"]] for r in routing},
+                 {r["layer"]: list(r["super_experts_ref"]) for r in layers},
+                 (data.get("summary") or {}).get("additivity"))
+        per_row = (data.get("summary") or {}).get("scored_per_row")
+        if per_row is not None and all("kld_row_sums" in r for r in data["sensitivity"]):
+            ev.levels = list(data["sensitivity"][0]["levels"])
+            ev.row_sums = {r["layer"]: np.asarray(r["kld_row_sums"], dtype=np.float64) for r in data["sensitivity"]}
+            ev.scored_per_row = np.asarray(per_row, dtype=np.float64)
+        return ev
+
+
+# -- per-K errors ---------------------------------------------------------------------------------------------------
+def relative_error(ref, approx) -> float:
+    """||approx - ref||_F^2 / ||ref||_F^2 in float64."""
+    r = ref.double()
+    d = approx.double() - r
+    den = float((r * r).sum())
+    if den == 0:
+        raise ConfigError("a weight of all zeros has no relative error")
+    return float((d * d).sum()) / den
+
+
+@dataclass
+class RateModel:
+    """log e = a + b K (+ offset[tensor]) fitted to measured points."""
+    a: float
+    b: float
+    offsets: dict[str, float]
+    residual_sd: float | None
+    points: int
+
+    @classmethod
+    def fit(cls, measured: dict[tuple[str, int], float]) -> "RateModel":
+        pts = [(name, K, math.log(e)) for (name, K), e in measured.items() if e > 0]
+        if len({K for _, K, _ in pts}) < 2:
+            raise ConfigError(f"the rate model needs measured errors at >= 2 values of K; have {len(pts)} point(s) at "
+                              f"K {sorted({K for _, K, _ in pts})} (measure more: --measure)")
+        K = np.array([p[1] for p in pts], dtype=np.float64)
+        y = np.array([p[2] for p in pts])
+        b, a = np.polyfit(K, y, 1)
+        res = y - (a + b * K)
+        offsets: dict[str, list[float]] = {}
+        for (name, _, _), r in zip(pts, res):
+            offsets.setdefault(name, []).append(float(r))
+        within = res - np.array([np.mean(offsets[p[0]]) for p in pts])
+        dof = len(pts) - 2 - len(offsets)
+        sd = float(np.sqrt((res ** 2).sum() / (len(pts) - 2))) if len(pts) > 2 else None
+        return cls(float(a), float(b), {n: float(np.mean(v)) for n, v in offsets.items()},
+                   float(np.sqrt((within ** 2).sum() / dof)) if dof > 0 else sd, len(pts))
+
+    def __call__(self, name: str, K: int) -> float:
+        return math.exp(self.a + self.b * K + self.offsets.get(name, 0.0))
+
+    def to_json(self) -> dict:
+        return {"form": "log e = a + b K + offset[tensor]", "a": self.a, "b": self.b, "points": self.points,
+                "residual_sd_log": self.residual_sd, "tensors_with_offset": len(self.offsets)}
+
+
+class ErrorTable:
+    """e_t(K): measured where measured, else the rate model fitted to the measured points."""
+
+    def __init__(self, measured: dict[tuple[str, int], float]):
+        bad = {k: v for k, v in measured.items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ConfigError(f"measured errors must be finite and >= 0: {dict(list(bad.items())[:3])}")
+        self.measured = dict(measured)
+        self.model: RateModel | None = None
+
+    def __call__(self, name: str, K: int) -> tuple[float, str]:
+        if (name, K) in self.measured:
+            return self.measured[(name, K)], "measured"
+        if self.model is None:
+            self.model = RateModel.fit(self.measured)
+        return self.model(name, K), "rate_model"
+
+
+# -- settings -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    bpw: float
+    per_decoded_token: bool = False
+
+    @property
+    def label(self) -> str:
+        return "per decoded token" if self.per_decoded_token else "in memory"
+
+
+@dataclass(frozen=True)
+class Constraints:
+    candidates: tuple[int, ...] = CANDIDATES
+    keep_super_experts: int | None = None      # super experts fixed at this K
+    min_k: dict[int, int] = field(default_factory=dict)   # layer -> lowest K allowed
+    per_tensor: bool = False                   # one K per matrix (else per expert, the plan file's layout)
+    codebook: str = "mul1"
+
+
+def parse_min_k(specs: list[str]) -> dict[int, int]:
+    """["37-39:3", "0,2:4"] -> {37: 3, 38: 3, 39: 3, 0: 4, 2: 4} (a layer named twice keeps the larger K)."""
+    out: dict[int, int] = {}
+    for spec in specs:
+        layers, sep, k = spec.partition(":")
+        try:
+            K = int(k)
+            chosen = []
+            for part in layers.split(","):
+                lo, dash, hi = part.partition("-")
+                chosen += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+        except ValueError:
+            raise ConfigError(f"--min-k {spec!r}: expected LAYERS:K, e.g. 37-39:3 or 0,2:4") from None
+        if not sep or not chosen:
+            raise ConfigError(f"--min-k {spec!r}: expected LAYERS:K, e.g. 37-39:3 or 0,2:4")
+        for L in chosen:
+            out[L] = max(out.get(L, K), K)
+    return out
+
+
+# -- the plan -------------------------------------------------------------------------------------------------------
+@dataclass
+class Unit:
+    key: str
+    layer: int
+    expert: int
+    tensors: list[ExpertTensor]
+    weight: float                  # S_L * a_Le
+    cost_scale: float              # 1 in memory, the expert's token share per decoded token
+    allowed: list[int]
+    why: str                       # why `allowed` is what it is
+
+    def cost(self, K: int, codebook: str) -> float:
+        return self.cost_scale * sum(exl3_nbytes(t.shape, K, codebook) for t in self.tensors)
+
+    def error(self, K: int, errors: ErrorTable) -> float:
+        return sum(errors(t.name, K)[0] for t in self.tensors)
+
+
+@dataclass
+class Plan:
+    k: dict[str, int]                  # tensor name -> K
+    units: list[Unit]
+    tensors: list[ExpertTensor]
+    summary: dict
+    recipe: list[dict]
+
+    def moe_plan(self) -> dict | None:
+        """`exl3_moe_plan.json` (the deepseek_v41_exl3 layout: per layer one digit per expert, a drafter section),
+        or None when an expert's matrices differ in K (that layout states one K per expert)."""
+        per: dict[int, dict[int, set[int]]] = {}
+        for t in self.tensors:
+            per.setdefault(t.layer, {}).setdefault(t.expert, set()).add(self.k[t.name])
+        if any(len(ks) > 1 for experts in per.values() for ks in experts.values()):
+            return None
+        layers = {}
+        for L, experts in sorted(per.items()):
+            n = max(experts) + 1
+            if sorted(experts) != list(range(n)):
+                raise ConfigError(f"layer {L}: routed experts {sorted(experts)} are not numbered 0..{n - 1}")
+            layers[str(L)] = "".join(str(next(iter(experts[e]))) for e in range(n))
+        return {"layers": layers, "drafter": {"layers": {}}}
+
+
+def _units(tensors, evidence: Evidence, budget: Budget, c: Constraints) -> list[Unit]:
+    groups: dict[tuple, list[ExpertTensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.layer, t.expert) + ((t.role,) if c.per_tensor else ()), []).append(t)
+    layers = sorted({t.layer for t in tensors})
+    missing = [L for L in layers if L not in evidence.sensitivity]
+    if missing:
+        raise ConfigError(f"the attribution has no sensitivity for MoE layer(s) {missing} (attribute "
+                          f"--sensitivity-layers left them out); measured: {sorted(evidence.sensitivity)}")
+    unrouted = sorted({(t.layer, t.expert) for t in tensors} - set(evidence.energy_share))
+    if unrouted:
+        raise ConfigError(f"the attribution has no routing for expert(s) (layer, expert) {unrouted[:5]}: it was "
+                          f"measured on another model")
+    out_of_range = sorted(set(c.min_k) - set(layers))
+    if out_of_range:
+        raise ConfigError(f"--min-k names layer(s) {out_of_range} that have no routed experts; MoE layers: {layers}")
+    for L, K in c.min_k.items():
+        if K > max(c.candidates):
+            raise ConfigError(f"--min-k {L}:{K} is above the largest candidate K {max(c.candidates)}")
+    keep = c.keep_super_experts
+    if keep is not None and keep not in c.candidates:
+        raise ConfigError(f"--keep-super-experts {keep} is not among the candidate K {list(c.candidates)}")
+    units = []
+    for key, ts in groups.items():
+        L, e = key[0], key[1]
+        floor = c.min_k.get(L, min(c.candidates))
+        allowed, why = [K for K in c.candidates if K >= floor], (f"min K {floor} for layer {L}" if L in c.min_k else "")
+        if keep is not None and e in evidence.super_experts.get(L, []):
+            if keep < floor:
+                raise ConfigError(f"conflicting constraints: layer {L} expert {e} is a super expert kept at K{keep}, "
+                                  f"but --min-k asks K >= {floor} for layer {L}")
+            allowed, why = [keep], f"super expert (energy share {evidence.energy_share[(L, e)]:.3g}) kept at K{keep}"
+        scale = evidence.token_share[(L, e)] if budget.per_decoded_token else 1.0
+        name = f"layers.{L}.experts.{e}" + (f".{key[2]}" if c.per_tensor else "")
+        units.append(Unit(name, L, e, ts, evidence.sensitivity[L] * evidence.energy_share[(L, e)], scale, allowed, why))
+    return units
+
+
+def _hull(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """Lower convex hull of (K, cost, kl) sorted by cost, keeping only steps that lower kl."""
+    pts = sorted(points, key=lambda p: (p[1], p[2]))
+    hull: list[tuple[int, float, float]] = []
+    for p in pts:
+        if hull and p[2] >= hull[-1][2]:
+            continue                              # costs more, saves nothing
+        while len(hull) >= 2:
+            (_, c1, k1), (_, c2, k2) = hull[-2], hull[-1]
+            # drop hull[-1] if it lies on or above the segment hull[-2] -> p
+            if (k2 - k1) * (p[1] - c1) >= (p[2] - k1) * (c2 - c1):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return hull
+
+
+def make_plan(tensors: list[ExpertTensor], evidence: Evidence, errors: ErrorTable, budget: Budget,
+              constraints: Constraints = Constraints(), *, seed: int = 0) -> Plan:
+    """The plan minimising predicted KL under `budget` (see the module docstring)."""
+    c = constraints
+    if not tensors:
+        raise ConfigError("the reference has no routed-expert tensors to plan")
+    bad = [K for K in c.candidates if K not in CANDIDATES]
+    if bad or not c.candidates:
+        raise ConfigError(f"candidate K {list(c.candidates)}: EXL3 K per expert is an integer 1..8 (one digit in "
+                          f"exl3_moe_plan.json); {bad} are not")
+    units = _units(tensors, evidence, budget, c)
+    params = sum((u.cost_scale * t.numel) for u in units for t in u.tensors)
+    allowed_bytes = budget.bpw * params / 8
+    tol = 1e-12 * max(allowed_bytes, 1.0)
+
+    table = {}
+    for i, u in enumerate(units):
+        table[i] = _hull([(K, u.cost(K, c.codebook), u.weight * u.error(K, errors)) for K in u.allowed])
+    low = sum(min(u.cost(K, c.codebook) for K in u.allowed) for u in units)
+    high = sum(max(u.cost(K, c.codebook) for K in u.allowed) for u in units)
+    bpw = lambda b: 8 * b / params if params else float("nan")     # noqa: E731
+    per_token = " per token" if budget.per_decoded_token else ""
+    if allowed_bytes < low - tol:
+        raise ConfigError(f"budget {budget.bpw:g} bpw ({budget.label}) is below the smallest plan the constraints "
+                          f"allow: {bpw(low):.6g} bpw ({low:.0f} bytes{per_token}"
+                          f", every unit at its lowest allowed K)")
+    if allowed_bytes > high + tol:
+        raise ConfigError(f"budget {budget.bpw:g} bpw ({budget.label}) is above the largest plan the candidate K "
+                          f"{list(c.candidates)} allow: {bpw(high):.6g} bpw ({high:.0f} bytes, every unit at its "
+                          f"highest allowed K)")
+
+    # greedy on the hulls: every unit at its cheapest hull point (its lowest allowed K: kl falls with K)
+    at = {i: 0 for i in table}
+    spent = sum(table[i][0][1] for i in table)
+    kl = sum(table[i][0][2] for i in table)
+    heap = [(-(h[0][2] - h[1][2]) / max(h[1][1] - h[0][1], 1e-300), i) for i, h in table.items() if len(h) > 1]
+    heapq.heapify(heap)
+    lower_bound = None
+    while heap:
+        _, i = heapq.heappop(heap)
+        h, j = table[i], at[i]
+        step_cost, step_gain = h[j + 1][1] - h[j][1], h[j][2] - h[j + 1][2]
+        if spent + step_cost > allowed_bytes + tol:
+            if lower_bound is None:       # the LP relaxation takes this step's fitting fraction and stops
+                lower_bound = kl - step_gain * max(allowed_bytes - spent, 0.0) / step_cost
+            continue
+        spent, kl, at[i] = spent + step_cost, kl - step_gain, j + 1
+        if j + 2 < len(h):
+            heapq.heappush(heap, (-(h[j + 1][2] - h[j + 2][2]) / max(h[j + 2][1] - h[j + 1][1], 1e-300), i))
+    if lower_bound is None:
+        lower_bound = kl                  # every useful step fitted: the plan is the unconstrained optimum
+
+    k = {t.name: table[i][at[i]][0] for i, u in enumerate(units) for t in u.tensors}
+    return _finish(k, units, tensors, evidence, errors, budget, c, allowed_bytes, params, spent, kl, lower_bound,
+                   low, high, seed)
+
+
+def predicted_kl(k: dict[str, int], units: list[Unit], errors: ErrorTable) -> float:
+    return sum(u.weight * sum(errors(t.name, k[t.name])[0] for t in u.tensors) for u in units)
+
+
+def layer_loads(k: dict[str, int], units: list[Unit], evidence: Evidence, errors: ErrorTable) -> dict[int, float]:
+    """Per layer sum over its units of a_Le * e(K): predicted KL = sum_L S_L * load_L."""
+    out: dict[int, float] = {}
+    for u in units:
+        share = evidence.energy_share[(u.layer, u.expert)]
+        out[u.layer] = out.get(u.layer, 0.0) + share * sum(errors(t.name, k[t.name])[0] for t in u.tensors)
+    return out
+
+
+def sensitivity_draws(evidence: Evidence, n: int = BOOTSTRAP,
+                      seed: int = 0) -> tuple[dict[int, np.ndarray] | None, str]:
+    """Row-bootstrap draws of S_L (the same resampled rows for every layer), or (None, why not)."""
+    if evidence.row_sums is None:
+        return None, ("the attribution keeps no per-row sensitivity KL (sensitivity[].kld_row_sums, "
+                      "summary.scored_per_row): rerun attribute")
+    rows = evidence.scored_per_row
+    if len(rows) < 2:
+        return None, f"{len(rows)} row(s): a row bootstrap needs >= 2"
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(rows), (n, len(rows)))
+    e2 = np.asarray(evidence.levels, dtype=np.float64) ** 2
+    positions = rows[idx].sum(1)                                     # [n]
+    out = {}
+    for L, sums in evidence.row_sums.items():
+        means = sums[:, idx].sum(2) / positions                      # [levels, n]
+        out[L] = (e2[:, None] * means).sum(0) / (e2 * e2).sum()
+    return out, ""
+
+
+def _finish(k, units, tensors, evidence, errors, budget, c, allowed_bytes, params, spent, kl, lower_bound, low, high,
+            seed) -> Plan:
+    bpw = lambda b: 8 * b / params          # noqa: E731
+    draws, why = sensitivity_draws(evidence, seed=seed)
+
+    def ci(assignment):
+        if draws is None:
+            return None
+        loads = layer_loads(assignment, units, evidence, errors)
+        total = sum(draws[L] * load for L, load in loads.items())
+        return [float(np.quantile(total, 0.025)), float(np.quantile(total, 0.975))]
+
+    # uniform K over every unit (constraints ignored), for the same budget
+    uniform = []
+    for K in c.candidates:
+        assign = {t.name: K for t in tensors}
+        cost = sum(u.cost(K, c.codebook) for u in units)
+        uniform.append({"K": K, "bpw": bpw(cost), "bytes": cost, "predicted_kl": predicted_kl(assign, units, errors),
+                        "predicted_kl_ci95": ci(assign), "fits_budget": cost <= allowed_bytes * (1 + 1e-12)})
+    sources = {}
+    recipe = []
+    unit_of = {t.name: u for u in units for t in u.tensors}
+    for t in tensors:
+        u, K = unit_of[t.name], k[t.name]
+        e, src = errors(t.name, K)
+        sources[src] = sources.get(src, 0) + 1
+        recipe.append({"tensor": t.name, "layer": t.layer, "expert": t.expert, "role": t.role, "K": K,
+                       "shape": list(t.shape), "bytes": exl3_nbytes(t.shape, K, c.codebook),
+                       "token_share": evidence.token_share[(t.layer, t.expert)],
+                       "sensitivity": evidence.sensitivity[t.layer],
+                       "energy_share": evidence.energy_share[(t.layer, t.expert)],
+                       "error": e, "error_source": src, "predicted_kl": u.weight * e,
+                       "constraint": u.why or None})
+    model = errors.model
+    counts: dict[int, int] = {}
+    for u in units:
+        K = k[u.tensors[0].name]
+        counts[K] = counts.get(K, 0) + 1
+    summary = {
+        "method": "multiple-choice knapsack: greedy by predicted KL saved per byte on each unit's lower convex hull "
+                  "(exact for the LP relaxation; kl_lower_bound bounds every integer plan)",
+        "granularity": "tensor" if c.per_tensor else "expert",
+        "budget": {"bpw": budget.bpw, "basis": budget.label, "params": params, "allowed_bytes": allowed_bytes,
+                   "planned_bytes": spent, "planned_bpw": bpw(spent), "unused_bytes": allowed_bytes - spent,
+                   "smallest_plan_bpw": bpw(low), "largest_plan_bpw": bpw(high),
+                   "bytes_per_tensor": "trellis int16 [in_p/16, out_p/16, 16K] + suh fp16 [in_p] + svh fp16 [out_p] + "
+                                       f"{MARKER_BYTES[c.codebook]}-byte {c.codebook} marker, in_p/out_p padded to 128",
+                   "params_are": "logical out x in of each routed-expert matrix" + (
+                       ", times its expert's token share" if budget.per_decoded_token else "")},
+        "constraints": {"candidates": list(c.candidates), "keep_super_experts": c.keep_super_experts,
+                        "min_k": {str(L): K for L, K in sorted(c.min_k.items())},
+                        "super_experts": {str(L): v for L, v in sorted(evidence.super_experts.items()) if v}},
+        "units_per_K": {str(K): n for K, n in sorted(counts.items())},
+        "predicted_kl": kl,
+        "predicted_kl_check": predicted_kl(k, units, errors),
+        "predicted_kl_ci95": ci(k),
+        "predicted_kl_ci95_unavailable": why or None,
+        "uncertainty_included": None if draws is None else
+        "row bootstrap of each layer's sensitivity (plan held fixed)",
+        "uncertainty_not_included": "routing shares' sampling error; the rate model's residual; the model's own error "
+                                    "(quadratic KL at quantization-size errors, additivity across units)",
+        "kl_lower_bound": lower_bound,
+        "optimality_gap": kl - lower_bound,
+        "uniform": uniform,
+        "errors": {"sources": sources, "rate_model": model.to_json() if model is not None else None,
+                   "measured_points": len(errors.measured)},
+        "additivity": evidence.additivity,
+        "assumptions": "kl_u(K) = S_L * energy_share * sum of the unit's relative weight errors^2; units add "
+                       "(attribute's additivity measures it on its pack); routed energy = MLP output energy",
+    }
+    return Plan(k, units, tensors, summary, recipe)
