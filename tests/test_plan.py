@@ -399,3 +399,47 @@ def test_plan_beats_uniform_k_on_a_held_out_panel(tmp_path, rng_seed, capsys):
     assert by["plan"]["kld_mean"] < by["uniform"]["kld_mean"]
     assert paired["ci95"][1] < 0, paired
     assert swaps["plan"] < swaps["uniform"]
+
+
+@pytest.mark.slow
+def test_cli_on_a_qwen3_moe_with_the_rate_model(tmp_path, rng_seed):
+    """Hugging Face names (gate_proj / up_proj / down_proj), a dense layer between MoE layers, one tensor encoded at
+    each candidate K and every other error from the rate model fitted to those points; budget per decoded token;
+    super experts kept."""
+    from fidelity.cli import main as cli
+    from test_oracle import make_moe
+
+    _, pack = make_moe(tmp_path, "qwen3moe-renorm-sparse-step", rng_seed)        # 7 experts, top 3, layer 1 dense
+    rng = np.random.default_rng(rng_seed)
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([rng.integers(0, 97, 30).tolist() for _ in range(6)]))
+    out = tmp_path / "plan"
+    t0 = time.perf_counter()
+    # K2 everywhere is 8 * (128 * 128 * 2 / 8 + 4 * 128 + 4) / (20 * 48) bits per weight of a [20, 48] or [48, 20] matrix
+    k2 = 8 * (128 * 128 * 2 / 8 + 4 * 128 + 4) / (20 * 48)
+    assert cli(["plan", str(pack.path), "--rows", str(rows), "--budget", repr(k2), "--per-decoded-token",
+                "--candidates", "1-3", "--keep-super-experts", "3", "--measure", "1", "-o", str(out)]) == 0
+    doc = json.loads((out / "plan.json").read_text())
+    s, recipe = doc["summary"], doc["tensors"]
+    print(f"{time.perf_counter() - t0:.0f} s", s["errors"], s["units_per_K"], s["predicted_kl"], s["predicted_kl_ci95"])
+    assert {(r["layer"], r["role"]) for r in recipe} == {(L, role) for L in (0, 2) for role in ("gate", "up", "down")}
+    assert len(recipe) == 2 * 7 * 3
+    model = s["errors"]["rate_model"]
+    assert model["points"] == 3 and model["b"] < -0.9           # ~4x less squared error per bit
+    measured = [r for r in recipe if r["error_source"] == "measured"]
+    assert len(measured) == 1 and measured[0]["tensor"] == recipe[0]["tensor"]
+    assert s["errors"]["sources"] == {"measured": 1, "rate_model": 41}
+    # per decoded token: bytes and params weighed by each expert's token share, written out
+    share = {(r["layer"], r["expert"]): r["token_share"] for r in recipe}
+    for L in (0, 2):
+        assert sum(v for (layer, _), v in share.items() if layer == L) == pytest.approx(3.0, rel=1e-12)
+    planned = sum(r["token_share"] * (128 * 128 * r["K"] / 8 + 4 * 128 + 4) for r in recipe)
+    params = sum(r["token_share"] * 20 * 48 for r in recipe)
+    assert s["budget"]["planned_bytes"] == pytest.approx(planned, rel=1e-12)
+    assert s["budget"]["planned_bpw"] == pytest.approx(8 * planned / params, rel=1e-12) and s["budget"]["planned_bpw"] <= k2
+    supers = {(int(L), e) for L, es in s["constraints"]["super_experts"].items() for e in es}
+    assert all(r["K"] == 3 for r in recipe if (r["layer"], r["expert"]) in supers)
+    moe = json.loads((out / "exl3_moe_plan.json").read_text())
+    assert sorted(moe["layers"]) == ["0", "2"] and all(len(d) == 7 for d in moe["layers"].values())
+    assert moe["layers"]["0"] == "".join(str(next(r["K"] for r in recipe if (r["layer"], r["expert"]) == (0, e)))
+                                         for e in range(7))
