@@ -136,8 +136,9 @@ def test_constraints_are_kept_and_the_plan_file_layout(rng_seed):
     tensors, ev, errs = instance(rng, 3, 4, candidates=(2, 3, 4, 5))
     ev.super_experts = {0: [1], 1: [], 2: [0, 3]}
     hi = cost_bpw({t.name: 5 for t in tensors}, tensors, ev, False)
-    lo = cost_bpw({t.name: 2 for t in tensors}, tensors, ev, False)
-    plan = make_plan(tensors, ev, errs, Budget((lo + hi) / 2),
+    floor = cost_bpw({t.name: 5 if t.expert in ev.super_experts[t.layer] else 4 if t.layer == 1 else 2
+                      for t in tensors}, tensors, ev, False)
+    plan = make_plan(tensors, ev, errs, Budget((floor + hi) / 2),
                      Constraints((2, 3, 4, 5), keep_super_experts=5, min_k={1: 4}))
     for t in tensors:
         K = plan.k[t.name]
