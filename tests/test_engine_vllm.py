@@ -10,6 +10,7 @@ import json
 import os
 import re
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -98,35 +99,46 @@ def test_oracle_kl_passes_on_prompt_logprobs_that_equal_the_oracles(served, gate
     assert g["measured"]["kl_mean"] < 1e-6 and g["measured"]["top1"] >= 0.95
 
 
-def ask_alone_and_in_a_batch(url: str, prompt: str, others: list[str]) -> tuple[dict, dict]:
-    body = {"max_tokens": 16, "logprobs": 5}
+def alone_and_joined(url: str, prompt: str, others: list[str], tries: int = 3) -> tuple[dict, dict, float]:
+    """`prompt` alone, then again with the other prompts sent 0.1 s apart while it decodes (so vLLM's steps mix their
+    prefills with its decode); up to `tries` times until a logprob differs. (alone, last joined, max |dlogprob|)."""
+    body = {"max_tokens": 32, "logprobs": 5}
     alone = completion(url, prompt=prompt, **body)["choices"][0]
-    with ThreadPoolExecutor(len(others) + 1) as pool:
-        batched = list(pool.map(lambda p: completion(url, prompt=p, **body)["choices"][0], [prompt, *others]))[0]
-    return alone, batched
+    worst = 0.0
+    for _ in range(tries):
+        with ThreadPoolExecutor(len(others) + 1) as pool:
+            mine = pool.submit(completion, url, prompt=prompt, **body)
+            for p in others:
+                time.sleep(0.1)
+                pool.submit(completion, url, prompt=p, **body)
+            joined = mine.result()["choices"][0]
+        worst = max(worst, max(abs(x - y) for x, y in zip(alone["logprobs"]["token_logprobs"],
+                                                           joined["logprobs"]["token_logprobs"])))
+        if worst > 0:
+            break
+    return alone, joined, worst
 
 
 def test_batch_invariance_reports_vllm_cpus_batch_variance(served, gates):
     """vLLM's CPU build is not batch invariant: a token's logprobs depend on which requests share its forward pass
     (the GEMMs over the batch's tokens round differently from a lone request's; vLLM's VLLM_BATCH_INVARIANT mode
-    exists for CUDA, ROCm and XPU only). Measured here with plain requests; the gate must report what is there: the
-    same text, logprob differences above 0, and a fail exactly when they exceed its 1e-5 bound (1.3e-5 measured,
-    2026-12-06)."""
+    exists for CUDA, ROCm and XPU only). Four requests that arrive together can still come out bit for bit as one
+    alone; requests that join a running one (mixed prefill and decode steps) do not. Measured here with plain
+    requests; the gate must report what it sees: the same text, and a fail exactly when its logprob differences
+    exceed its 1e-5 bound (1.3e-5 in every run here, 2026-12-06: a real engine property, so the gate fails)."""
     rng = np.random.default_rng(served.seed)
     order = rng.permutation(len(DEFAULT_PROMPTS))
     prompt, others = DEFAULT_PROMPTS[order[0]], [DEFAULT_PROMPTS[i] for i in order[1:4]]
-    alone, batched = ask_alone_and_in_a_batch(served.url, prompt, others)
-    a, b = alone["logprobs"], batched["logprobs"]
-    direct = max(abs(x - y) for x, y in zip(a["token_logprobs"], b["token_logprobs"]))
-    print(f"direct: {prompt!r} alone vs with 3 others: same text {alone['text'] == batched['text']}, "
+    alone, joined, direct = alone_and_joined(served.url, prompt, others)
+    print(f"direct: {prompt!r} alone vs joined by 3 others: same text {alone['text'] == joined['text']}, "
           f"max |dlogprob| {direct:.3e}")
-    assert direct > 0.0, "vLLM CPU answered a batched request bit for bit as the lone one: batch invariant now?"
+    assert direct > 0.0, "vLLM CPU answered a joined request bit for bit as the lone one 3 times: batch invariant now?"
 
     g = gates[0]["batch-invariance"]
     m = g["measured"]
     print("gate batch-invariance", g["status"], m)
     assert m["identical"] == 1.0 and m["coverage"] == 1.0
-    assert 0.0 < m["max_abs_dlogprob"] < 1e-3
+    assert 0.0 <= m["max_abs_dlogprob"] < 1e-3  # whether its batches mixed steps depends on timing
     assert g["status"] == ("fail" if m["max_abs_dlogprob"] > 1e-5 else "pass")
 
 
