@@ -12,7 +12,9 @@ def free_port() -> int:
 
 
 class Spawned:
-    """A server subprocess on a loopback port, waited for until it answers and killed on exit (tests and benchmarks)."""
+    """A server subprocess on a loopback port, waited for until it answers and killed on exit (tests and benchmarks).
+    It runs in a session of its own and exits with its whole process group: engines that fork workers (vLLM's
+    EngineCore and Worker processes outlive a kill of its API server) leave nothing behind."""
 
     def __init__(self, cmd: list[str], port: int, *, ready_path: str = "/v1/models", timeout_s: float = 120.0, log: str | None = None):
         import subprocess
@@ -22,7 +24,8 @@ class Spawned:
 
         self.port, self.url = port, f"http://127.0.0.1:{port}"
         self.log = open(log, "w") if log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -39,9 +42,14 @@ class Spawned:
             time.sleep(0.2)
 
     def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        import os
+        import signal
+
+        try:   # the group outlives its leader while any worker lives
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(timeout=30)
         if hasattr(self.log, "close"):
             self.log.close()
 
