@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--stall", type=float, default=60.0, help="seconds without a byte before a request is abandoned")
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--seed", type=int, help="nonces and prompt order (default: fresh)")
+    p.add_argument("--pid", type=int, help="the local engine's process: its process group's memory (PSS) goes into "
+                                          "the JSON's `serving` block")
     p.add_argument("--json", dest="json_out", help="write the bench document here")
 
 
@@ -54,7 +56,7 @@ def config_from_args(args) -> BenchConfig:
         streams=_ints(args.streams, "--streams"), prefill=[parse_length(x) for x in args.prefill.split(",") if x.strip()],
         repeats=args.repeats, max_tokens=args.max_tokens, prompts_per_set=args.prompts_per_set,
         suppress_ids=_ints(args.suppress_ids, "--suppress-ids"), aa=args.aa, timeout_s=args.timeout, stall_s=args.stall,
-        retries=args.retries, seed=args.seed)
+        retries=args.retries, seed=args.seed, server_pid=args.pid)
 
 
 def bench_table(doc: dict, title: str | None = None):
@@ -97,6 +99,35 @@ def print_report(doc: dict):
     con.print(f"requests sent {rq['sent']}, retries {rq['retries']}, failed {rq['failed']}{runs}")
     for e in doc["errors"][:10]:
         con.print(f"[red]error: {e['error']}[/red]")
+    for line in serving_lines(doc.get("serving")):
+        con.print(line)
+
+
+def serving_lines(sv: dict | None) -> list[str]:
+    """The `serving` block in words: each fact, or why it is missing."""
+    if not sv:
+        return []
+    why = sv.get("null_reasons") or {}
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    fact = lambda key, text: text if sv.get(key) is not None else f"- ({why.get(key, 'not stated')})"
+    out = [f"serving ({sv.get('engine') or 'engine unknown'}): KV capacity "
+           + fact("kv_cache_tokens", f"{sv['kv_cache_tokens']} tokens" + (f" ({gib(sv['kv_cache_bytes'])})"
+                                                                            if sv.get("kv_cache_bytes") else ""))]
+    if sv.get("llama_cpp"):
+        out.append(f"  llama.cpp: {sv['llama_cpp']['slots']} slot(s) of {sv['llama_cpp']['n_ctx_per_slot']} tokens context")
+    sd = sv.get("spec_decode")
+    if sd:
+        per = ", ".join("-" if a is None else f"{a:.3f}" for a in sd["acceptance_per_position"] or [])
+        g = lambda x: "-" if x is None else f"{x:.3f}"
+        out.append(f"  speculative decoding: mean accepted length {g(sd['mean_accepted_length'])}, first-draft acceptance "
+                   f"{g(sd['first_draft_acceptance'])}, per position [{per}] over {sd['drafts']:.0f} drafts")
+    else:
+        out.append(f"  speculative decoding: - ({why.get('spec_decode', 'not stated')})")
+    mem = fact("memory_pss_bytes", f"{gib(sv['memory_pss_bytes'])} PSS over {sv.get('memory_processes')} process(es)"
+               if sv.get("memory_pss_bytes") is not None else "")
+    out.append(f"  memory after the runs: {mem}; host MemAvailable "
+               + fact("mem_available_bytes", gib(sv["mem_available_bytes"]) if sv.get("mem_available_bytes") else ""))
+    return out
 
 
 def run(args) -> int:

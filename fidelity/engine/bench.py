@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import secrets
 import time
@@ -96,6 +97,7 @@ class BenchConfig:
     retries: int = 2
     backoff_s: float = 0.5
     seed: int | None = None  # nonces and prompt order; None: fresh
+    server_pid: int | None = None  # a local engine's process: its process group's memory goes into `serving`; not a setting
     progress: object = None  # callable(str) told each phase as it starts (the CLI prints to stderr); not a setting
 
     def check(self):
@@ -112,7 +114,7 @@ class BenchConfig:
     def settings(self) -> dict:
         """What a speed baseline must match to be compared (the gate re-runs with these)."""
         d = asdict(self)
-        for k in ("url", "model", "aa", "seed", "timeout_s", "stall_s", "retries", "backoff_s", "progress"):
+        for k in ("url", "model", "aa", "seed", "timeout_s", "stall_s", "retries", "backoff_s", "progress", "server_pid"):
             d.pop(k)
         return d
 
@@ -498,6 +500,7 @@ def aa_spread(a: dict, b: dict) -> dict:
 
 
 async def run_bench(cfg: BenchConfig) -> dict:
+    before = await asyncio.to_thread(engine_facts, cfg.url, cfg.stall_s)
     doc = await Bench(cfg).run_once()
     if cfg.aa:
         second = await Bench(cfg).run_once()
@@ -506,7 +509,110 @@ async def run_bench(cfg: BenchConfig) -> dict:
         # the document's errors are both runs' failed requests, so its request counts are both runs' too
         doc["errors"] += second["errors"]
         doc["requests"] = {k: doc["requests"][k] + second["requests"][k] for k in ("sent", "retries", "failed")}
+    after = await asyncio.to_thread(engine_facts, cfg.url, cfg.stall_s)
+    doc["serving"] = serving_block(cfg, before, after)
     return doc
+
+
+# ---- what the engine states about itself (after the timed runs) --------------------------------------------------------
+
+def is_loopback(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def engine_facts(url: str, timeout_s: float) -> dict:
+    """What the engine exposes about itself: vLLM's /metrics (a text with `vllm:` samples) as `ServingFacts`, else
+    llama.cpp's /props and /slots; `{"engine": None, "reasons": [...]}` says what was tried and why nothing came."""
+    from ..errors import FidelityError
+    from .vllm import facts_from_metrics, parse_prometheus
+
+    base = url.rstrip("/").removesuffix("/v1")
+    reasons = []
+    try:
+        r = httpx.get(base + "/metrics", timeout=timeout_s)
+        if r.status_code == 200:
+            samples = parse_prometheus(r.text)
+            if any(x.name.startswith("vllm:") for x in samples):
+                return {"engine": "vllm", "facts": facts_from_metrics(samples)}
+            reasons.append("GET /metrics has no vllm: samples")
+        else:
+            reasons.append(f"GET /metrics answered {r.status_code}")
+    except (httpx.HTTPError, FidelityError) as e:
+        reasons.append(f"GET /metrics: {e}")
+    try:
+        props = httpx.get(base + "/props", timeout=timeout_s)
+        slots = httpx.get(base + "/slots", timeout=timeout_s)
+        if props.status_code == 200 or slots.status_code == 200:
+            pj = props.json() if props.status_code == 200 else None
+            sj = slots.json() if slots.status_code == 200 else None
+            return {"engine": "llama.cpp", "props": pj if isinstance(pj, dict) else None,
+                    "slots": sj if isinstance(sj, list) else None}
+        reasons.append(f"GET /props answered {props.status_code}, /slots {slots.status_code}")
+    except (httpx.HTTPError, ValueError) as e:
+        reasons.append(f"GET /props or /slots: {e}")
+    return {"engine": None, "reasons": reasons}
+
+
+def serving_block(cfg: BenchConfig, before: dict, after: dict) -> dict:
+    """The bench JSON's `serving`: KV capacity, speculative-decoding acceptance over the bench's own requests (warm-ups and
+    A/A runs included: the counters after minus before), a local engine's memory and the host's MemAvailable, read after
+    the timed runs. A fact the engine does not state is null, its reason in `null_reasons`."""
+    out = {"engine": after["engine"], "kv_cache_tokens": None, "kv_cache_bytes": None, "kv_block_size": None,
+           "spec_decode": None, "memory_pss_bytes": None, "memory_processes": None, "mem_available_bytes": None}
+    why = {}
+    none_said = "; ".join(after.get("reasons", []))
+    if after["engine"] == "vllm":
+        f = after["facts"]
+        out.update(kv_cache_tokens=f.kv_cache_tokens, kv_cache_bytes=f.kv_cache_bytes, kv_block_size=f.block_size)
+        if f.kv_cache_tokens is None:
+            why["kv_cache_tokens"] = "vLLM's /metrics has no cache_config_info kv_cache_size_tokens"
+        if f.spec_decode is None:
+            why["spec_decode"] = "vLLM exports no spec_decode counters (no speculative decoding)"
+        elif before.get("engine") != "vllm" or before["facts"].spec_decode is None:
+            why["spec_decode"] = "the spec_decode counters could not be read before the runs"
+        else:
+            out["spec_decode"] = f.spec_decode.minus(before["facts"].spec_decode).summary()
+    elif after["engine"] == "llama.cpp":
+        slots, props = after.get("slots"), after.get("props") or {}
+        n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+        if isinstance(slots, list) and slots and all(isinstance(x, dict) and "n_ctx" in x for x in slots):
+            n_ctx = {x["n_ctx"] for x in slots}.pop() if len({x["n_ctx"] for x in slots}) == 1 else None
+        out["llama_cpp"] = {"n_ctx_per_slot": n_ctx, "slots": len(slots) if isinstance(slots, list) else props.get("total_slots")}
+        why["kv_cache_tokens"] = ("llama.cpp states each slot's context (llama_cpp.n_ctx_per_slot), not the KV cache's "
+                                  "size (slots may share one unified cache)")
+        why["spec_decode"] = "llama.cpp states no speculative-decoding counters on /props or /slots"
+    else:
+        why["kv_cache_tokens"] = why["spec_decode"] = f"the engine states no serving facts ({none_said})"
+    if not is_loopback(cfg.url):
+        why["memory_pss_bytes"] = why["mem_available_bytes"] = f"the engine is not on this host ({cfg.url} is not loopback)"
+        return {**out, "null_reasons": why}
+    from .vllm import group_members, mem_available_bytes, processes_pss_bytes
+
+    out["mem_available_bytes"] = mem_available_bytes()
+    if cfg.server_pid is None:
+        why["memory_pss_bytes"] = "no server process given (bench --pid)"
+        return {**out, "null_reasons": why}
+    try:
+        group = os.getpgid(cfg.server_pid)
+    except ProcessLookupError:
+        why["memory_pss_bytes"] = f"process {cfg.server_pid} does not exist"
+        return {**out, "null_reasons": why}
+    if group == os.getpgrp():
+        why["memory_pss_bytes"] = (f"process {cfg.server_pid} is in fidelity's own process group {group}: its memory would "
+                                   f"count fidelity's (start the server in a session of its own, e.g. setsid)")
+        return {**out, "null_reasons": why}
+    members = group_members(group)
+    out.update(memory_pss_bytes=processes_pss_bytes(members), memory_processes=len(members), memory_process_group=group)
+    return {**out, "null_reasons": why}
 
 
 def spread_of(doc: dict, metric: str) -> float:
