@@ -99,3 +99,35 @@ def test_memory_only_for_a_local_engine_outside_our_process_group():
     assert "not loopback" in far["null_reasons"]["memory_pss_bytes"]
     own = serving_block(BenchConfig("http://127.0.0.1:8000", "m", server_pid=os.getpid()), nothing, nothing)
     assert own["memory_pss_bytes"] is None and "fidelity's own process group" in own["null_reasons"]["memory_pss_bytes"]
+
+
+def test_ladder_rows_carry_each_rungs_serving_facts(tmp_path, rng_seed):
+    import json
+    import subprocess
+    import sys
+
+    kv = int(np.random.default_rng(rng_seed).integers(1, 1000)) * 128
+
+    def rung(name, plan):
+        cmd = [sys.executable, "-m", "fidelity.fixtures.faults", "--port", "{port}", "--plan", json.dumps(plan)]
+        return f'[[rung]]\nname = "{name}"\ncommand = {json.dumps(cmd)}\n'
+
+    (tmp_path / "ladder.toml").write_text(
+        '[ladder]\nmodel = "toy"\naa = false\n[bench]\nsets = ["code"]\nprompts_per_set = 1\nstreams = [2]\nprefill = []\n'
+        'repeats = 1\nmax_tokens = 8\n' + rung("vllm-like", {"engine_facts": "vllm", "kv_cache_tokens": kv})
+        + rung("plain", {}))
+    r = subprocess.run([sys.executable, "-m", "fidelity", "ladder", str(tmp_path / "ladder.toml"), "--json",
+                        str(tmp_path / "l.json"), "--markdown", str(tmp_path / "l.md"), "--logs", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=300)
+    assert (tmp_path / "l.json").exists(), r.stdout + r.stderr
+    by = {x["rung"]: x for x in json.loads((tmp_path / "l.json").read_text())["rungs"]}
+    assert by["vllm-like"]["serving"]["kv_cache_tokens"] == kv and by["plain"]["serving"]["kv_cache_tokens"] is None
+    for row in by.values():  # each started server measured: one process (the toy server), some memory
+        assert row["serving"]["memory_processes"] == 1 and row["serving"]["memory_pss_bytes"] > 1e6
+    lines = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+             for ln in (tmp_path / "l.md").read_text().splitlines() if ln.startswith("| ")}
+    head = lines["rung"]
+    assert "KV tokens" in head and "memory GiB" in head
+    assert lines["vllm-like"][head.index("KV tokens")] == str(kv) and lines["plain"][head.index("KV tokens")] == "-"
+    assert float(lines["plain"][head.index("memory GiB")]) == pytest.approx(
+        by["plain"]["serving"]["memory_pss_bytes"] / 2**30, abs=0.006)

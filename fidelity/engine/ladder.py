@@ -24,7 +24,9 @@ LADDER.toml:
 
 The first rung is the base (accepted as such). Each later rung is compared with the best accepted rung before it; an
 accepted rung becomes the new best. `{port}` in a command is replaced by a free loopback port; the server is stopped after
-its rung. A gate that fails or cannot run rejects the rung whatever its speed.
+its rung. A gate that fails or cannot run rejects the rung whatever its speed. Each row carries its bench's `serving` facts
+(KV capacity, speculative-decoding acceptance; for a started rung its process group's memory), and the Markdown table
+a KV-capacity and a memory column where any rung has them.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def load_ladder(path) -> Ladder:
     head = cfg.get("ladder", {})
     if set(head) - LADDER_KEYS or "model" not in head:
         raise ConfigError(f"ladder {p}: [ladder] needs 'model' and knows {sorted(LADDER_KEYS)}; got {sorted(head)}")
-    bench_keys = set(BenchConfig.__dataclass_fields__) - {"url", "model", "progress"}
+    bench_keys = set(BenchConfig.__dataclass_fields__) - {"url", "model", "progress", "server_pid"}
     if set(cfg.get("bench", {})) - bench_keys:
         raise ConfigError(f"ladder {p}: unknown [bench] key(s) {sorted(set(cfg['bench']) - bench_keys)} "
                           f"(known: {sorted(bench_keys)})")
@@ -113,16 +115,23 @@ class _Engine:
     def __init__(self, rung: Rung, ladder: Ladder, log_dir: Path):
         self.rung, self.ladder, self.log_dir, self.proc = rung, ladder, log_dir, None
 
-    def __enter__(self) -> str:
+    @property
+    def pid(self) -> int | None:
+        """The started server's process (its process group's memory goes into the rung's serving facts)."""
+        return self.proc.proc.pid if self.proc else None
+
+    def __enter__(self) -> "_Engine":
         if self.rung.url:
-            return self.rung.url
+            self.url = self.rung.url
+            return self
         from .spawn import Spawned, free_port
 
         port = free_port()
         cmd = [a.replace("{port}", str(port)) for a in self.rung.command]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.proc = Spawned(cmd, port, timeout_s=self.ladder.start_timeout_s, log=str(self.log_dir / f"{self.rung.name}.log"))
-        return self.proc.url
+        self.url = self.proc.url
+        return self
 
     def __exit__(self, *exc):
         if self.proc:
@@ -192,8 +201,9 @@ async def run_ladder(ladder: Ladder, log_dir: Path, progress=None) -> dict:
     rows, docs, best = [], {}, None
     aa: dict = {}
     for i, rung in enumerate(ladder.rungs):
-        with _Engine(rung, ladder, log_dir) as url:
-            cfg = BenchConfig(url, ladder.model, **{**ladder.bench, "aa": ladder.aa and i == 0})
+        with _Engine(rung, ladder, log_dir) as engine:
+            url = engine.url
+            cfg = BenchConfig(url, ladder.model, **{**ladder.bench, "aa": ladder.aa and i == 0}, server_pid=engine.pid)
             doc = await run_bench(cfg)
             gates = await _gates(url, ladder, rung)
         docs[rung.name] = doc
@@ -212,7 +222,7 @@ async def run_ladder(ladder: Ladder, log_dir: Path, progress=None) -> dict:
         row = {"rung": rung.name, "engine": rung.url or shlex.join(rung.command), **v,
                "metrics": {k: m["median"] for k, m in doc["metrics"].items()},
                "spread_pct": {k: m["spread_pct"] for k, m in doc["metrics"].items()},
-               "errors": doc["errors"], "gate_results": gates}
+               "serving": doc.get("serving"), "errors": doc["errors"], "gate_results": gates}
         rows.append(row)
         if progress:
             progress(row)
@@ -235,10 +245,16 @@ def markdown(doc: dict) -> str:
     f = lambda x: "-" if x is None else f"{x:.4g}"
     d = lambda r, m: "" if m not in r["deltas"] or r["deltas"][m]["change_pct"] is None else \
         f" ({r['deltas'][m]['change_pct']:+.1f} % ± {r['deltas'][m]['spread_pct']:.1f})"
-    out = [f"| rung | rank | {' | '.join(c + ' tok/s' for c in cols)} | gates | verdict | reason |",
-           "|" + " --- |" * (len(cols) + 5)]
+    # serving facts where any rung has them: KV capacity (tokens) and the started server's memory (PSS, GiB)
+    facts = [(k, title) for k, title in (("kv_cache_tokens", "KV tokens"), ("memory_pss_bytes", "memory GiB"))
+             if any((r.get("serving") or {}).get(k) is not None for r in doc["rungs"])]
+    fact = lambda r, k: "-" if (r.get("serving") or {}).get(k) is None else \
+        (f"{r['serving'][k] / 2**30:.2f}" if k == "memory_pss_bytes" else str(r["serving"][k]))
+    heads = [c + " tok/s" for c in cols] + [title for _, title in facts]
+    out = [f"| rung | rank | {' | '.join(heads)} | gates | verdict | reason |",
+           "|" + " --- |" * (len(heads) + 5)]
     for r in doc["rungs"]:
-        cells = [f"{f(r['metrics'].get(c))}{d(r, c)}" for c in cols]
+        cells = [f"{f(r['metrics'].get(c))}{d(r, c)}" for c in cols] + [fact(r, k) for k, _ in facts]
         out.append(f"| {r['rung']} | {r.get('rank', '-')} | {' | '.join(cells)} | {r['gates']} | {r['verdict']} | "
                    f"{r['reason'].replace('|', '/')} |")
     return "\n".join(out) + f"\n\nbest: {doc['best']}\n"
