@@ -106,8 +106,11 @@ def store_numerics(store: str | None) -> str | None:
     before the choice existed), None without a store."""
     if store is None:
         return None
-    from ..measuring.store import read_manifest
-    return read_manifest(store).get("oracle_numerics", "exact")
+    from ..measuring.store import StoreError, read_manifest
+    try:
+        return read_manifest(store).get("oracle_numerics", "exact")
+    except (StoreError, OSError, ValueError):
+        return None      # not a store: the gates that read it say so, each as its own could-not-run
 
 
 def exit_code(results: list[GateResult]) -> int:
