@@ -437,7 +437,9 @@ def test_cli_on_a_qwen3_moe_with_the_rate_model(tmp_path, rng_seed):
     planned = sum(r["token_share"] * (128 * 128 * r["K"] / 8 + 4 * 128 + 4) for r in recipe)
     params = sum(r["token_share"] * 20 * 48 for r in recipe)
     assert s["budget"]["planned_bytes"] == pytest.approx(planned, rel=1e-12)
-    assert s["budget"]["planned_bpw"] == pytest.approx(8 * planned / params, rel=1e-12) and s["budget"]["planned_bpw"] <= k2
+    # within the budget up to float rounding: all-K2's bytes over params, summed in another order, can be 1 ulp above k2
+    assert s["budget"]["planned_bpw"] == pytest.approx(8 * planned / params, rel=1e-12)
+    assert s["budget"]["planned_bpw"] <= k2 * (1 + 1e-12)
     supers = {(int(L), e) for L, es in s["constraints"]["super_experts"].items() for e in es}
     assert all(r["K"] == 3 for r in recipe if (r["layer"], r["expert"]) in supers)
     moe = json.loads((out / "exl3_moe_plan.json").read_text())
