@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import json_out
 from ..errors import ConfigError
-from ..engine.bench import SETS, BenchConfig, parse_length, run_bench
+from ..engine.bench import SETS, BenchConfig, parse_length, read_prompt_sets, run_bench
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -35,7 +35,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--engine", required=True, help="base URL of the OpenAI-compatible engine")
     p.add_argument("--model", required=True, help="model name to send")
     p.add_argument("--label", help="the build's name, recorded in the JSON (`label`) and shown by card / report")
-    p.add_argument("--sets", default=",".join(SETS), help="prompt sets for single-stream decode (empty: none)")
+    p.add_argument("--sets", default=None, help=f"built-in prompt sets for single-stream decode (default {','.join(SETS)}; "
+                                               f"with --prompts: none unless named; empty: none)")
+    p.add_argument("--prompts", help='your own prompt sets, measured like the built-in ones: JSON lines {"set": name, '
+                                     '"prompt": text}; each set gets its decode tok/s (decode.NAME)')
     p.add_argument("--streams", default="1,2,4,8", help="concurrency levels for aggregate tok/s (empty: none)")
     p.add_argument("--prefill", default="3k,12k", help="cold prefill lengths in tokens (empty: none)")
     p.add_argument("--repeats", type=int, default=3)
@@ -54,8 +57,10 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def config_from_args(args) -> BenchConfig:
+    custom = read_prompt_sets(args.prompts) if args.prompts else {}
+    sets = args.sets if args.sets is not None else ("" if custom else ",".join(SETS))
     return BenchConfig(
-        args.engine, args.model, sets=[s.strip() for s in args.sets.split(",") if s.strip()],
+        args.engine, args.model, sets=[s.strip() for s in sets.split(",") if s.strip()], custom_sets=custom,
         streams=_ints(args.streams, "--streams"), prefill=[parse_length(x) for x in args.prefill.split(",") if x.strip()],
         repeats=args.repeats, max_tokens=args.max_tokens, prompts_per_set=args.prompts_per_set,
         suppress_ids=_ints(args.suppress_ids, "--suppress-ids"), aa=args.aa, timeout_s=args.timeout, stall_s=args.stall,

@@ -41,6 +41,7 @@ timestamps, which httpx gives in a few lines.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -66,6 +67,35 @@ def load_prompts() -> dict:
     return json.loads(resources.files("fidelity.engine").joinpath("data/bench_prompts.json").read_text("utf-8"))
 
 
+def read_prompt_sets(path) -> dict[str, list[str]]:
+    """A user's prompt sets (`bench --prompts FILE`): JSON lines {"set": name, "prompt": text}, one prompt each, in
+    order. A line that is not such an object is refused, naming the file and the line."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the prompt sets ({e})") from None
+    sets: dict[str, list[str]] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{path} line {n}: not JSON ({e})") from None
+        if not (isinstance(item, dict) and isinstance(item.get("set"), str) and item["set"].strip()
+                and isinstance(item.get("prompt"), str) and item["prompt"].strip()):
+            raise ConfigError(f'{path} line {n}: expected {{"set": name, "prompt": text}} with both non-empty')
+        if item["set"] in SETS:
+            raise ConfigError(f"{path} line {n}: set {item['set']!r} is a built-in set's name; name yours otherwise")
+        sets.setdefault(item["set"], []).append(item["prompt"])
+    if not sets:
+        raise ConfigError(f"{path}: no prompts")
+    return sets
+
+
 def parse_length(text: str) -> int:
     """'3k' -> 3000, '12K' -> 12000, '512' -> 512 (prompt tokens)."""
     t = text.strip().lower()
@@ -83,6 +113,7 @@ class BenchConfig:
     url: str
     model: str
     sets: list[str] = field(default_factory=lambda: list(SETS))
+    custom_sets: dict = field(default_factory=dict)   # name -> prompts (`--prompts FILE`), measured beside `sets`
     streams: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     prefill: list[int] = field(default_factory=lambda: [3000, 12000])
     repeats: int = 3
@@ -104,7 +135,7 @@ class BenchConfig:
         bad = [s for s in self.sets if s not in SETS]
         if bad:
             raise ConfigError(f"unknown prompt set(s) {bad} (known: {', '.join(SETS)})")
-        if not self.sets and not self.streams and not self.prefill:
+        if not self.sets and not self.custom_sets and not self.streams and not self.prefill:
             raise ConfigError("nothing to measure: no sets, streams or prefill lengths")
         if any(n < 1 for n in self.streams):
             raise ConfigError(f"--streams must be positive, got {self.streams}")
@@ -116,6 +147,9 @@ class BenchConfig:
         d = asdict(self)
         for k in ("url", "model", "aa", "seed", "timeout_s", "stall_s", "retries", "backoff_s", "progress", "server_pid"):
             d.pop(k)
+        # a user's sets by content: a baseline measured on other prompts under the same names does not match
+        d["custom_sets"] = {name: hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+                            for name, prompts in self.custom_sets.items()}
         return d
 
 
@@ -303,6 +337,7 @@ class Bench:
         self.rng = random.Random(cfg.seed if cfg.seed is not None else secrets.randbits(64))
         data = load_prompts()
         self.prompts = {k: data["sets"][k][: cfg.prompts_per_set or None] for k in cfg.sets}
+        self.prompts.update({k: list(v)[: cfg.prompts_per_set or None] for k, v in cfg.custom_sets.items()})
         self.filler = data["filler"]
         self.samples: list[Sample] = []
         self.counter = 0
