@@ -576,6 +576,7 @@ def _speed_section(speed: list[tuple[str, dict]], names: dict[str, str]) -> list
                                                src.at("requests", "failed") if get(d, "requests", "failed") is not None
                                                else src.at("errors")))
                                        for src, d in benches])
+    rows += _serving_rows(benches)
     settings = "; ".join(f"{lab}: {get(d, 'settings', 'repeats')} repeats, {get(d, 'settings', 'max_tokens')} tokens per "
                          f"reply{', A/A measured' if d.get('aa') else ''}" for lab, (_, d) in zip(labels, benches))
     out = ["### Speed", ""] + _table(["metric"] + labels, rows)
@@ -583,6 +584,26 @@ def _speed_section(speed: list[tuple[str, dict]], names: dict[str, str]) -> list
                 "faster; TTFT counted as its inverse) ± the run-to-run spread a change must exceed (the A/A spread where "
                 f"measured, else the repeats'). {settings}.", ""]
     return out
+
+
+SERVING_ROWS = (   # (row name, path in the bench JSON's `serving` block, format, scale)
+    ("KV cache capacity, tokens", ("kv_cache_tokens",), "{:,.0f}", 1),
+    ("memory after the runs, GiB (PSS of the server's processes)", ("memory_pss_bytes",), "{:.2f}", 2 ** -30),
+    ("spec-decode mean accepted length", ("spec_decode", "mean_accepted_length"), "{:.2f}", 1),
+    ("spec-decode first-draft acceptance", ("spec_decode", "first_draft_acceptance"), "{:.1%}", 1),
+)
+
+
+def _serving_rows(benches) -> list[list[str]]:
+    """The engine's serving facts (bench's `serving` block) where any bench has them; '—' where one lacks them."""
+    rows = []
+    for name, path, fmt, scale in SERVING_ROWS:
+        values = [get(d, "serving", *path) for _, d in benches]
+        if all(v is None for v in values):
+            continue
+        rows.append([name] + ["—" if v is None else str(Num(fmt.format(v * scale), src.at("serving", *path)))
+                              for (src, _), v in zip(benches, values)])
+    return rows
 
 
 # ---- methods --------------------------------------------------------------------------------------------------------------
