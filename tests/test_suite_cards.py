@@ -181,7 +181,8 @@ def test_needle_grid_with_several_keys_up_to_the_engines_context(fake, tmp_path,
     fake.context = 700
     out = tmp_path / "needle"
     rc = cli(["suite", "run", "needle", "--engine", fake.url, "--model", "fake", "-o", str(out), "--lengths", "300,max",
-              "--depths", "0,0.5,1", "--seeds", "2", "--keys", "2", "--max-tokens", "20", "--concurrency", "2"])
+              "--depths", "0,0.5,1", "--seeds", "2", "--keys", "2", "--max-tokens", "20", "--concurrency", "2",
+              "--haystack", "generated"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     m = read_manifest(out)

@@ -52,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser):
     r.add_argument("--depths", help="needle: needle depths in [0, 1], comma-separated (default 0,0.5,1)")
     r.add_argument("--seeds", type=int, help="needle: seeds per (length, depth) cell (default 2)")
     r.add_argument("--keys", type=int, help="needle: needles per prompt, all asked for (default 1)")
-    r.add_argument("--haystack", choices=["generated", "stdlib"], help="needle: filler text, seeded generated prose "
-                                                                       "(default) or Python docstrings; --data a folder")
+    r.add_argument("--haystack", choices=["generated", "stdlib"], help="needle: filler text, Python docstrings "
+                                                                       "(default) or seeded generated prose (any length); --data a folder")
     r.add_argument("--haystack-seed", type=int, help="needle: seed of the generated haystack (default 0)")
     r.add_argument("--context", type=int, help="needle: the engine's context length, for --lengths max where the engine "
                                                "does not state it")

@@ -245,7 +245,7 @@ class Needle(Suite):
     group_by = "cell"
 
     def __init__(self, data: str | None = None, lengths=(1024, 2048), depths=(0.0, 0.5, 1.0), seeds: int = 2, keys: int = 1,
-                 haystack: str = "generated", haystack_seed: int = 0, context: int | None = None,
+                 haystack: str = "stdlib", haystack_seed: int = 0, context: int | None = None,
                  tokenizer: str | None = None):
         self.data, self.kind, self.haystack_seed = data, haystack, int(haystack_seed)
         self.lengths = [x if x == "max" else int(x) for x in (parse_lengths(lengths) if isinstance(lengths, str) else lengths)]
