@@ -161,5 +161,7 @@ def test_gate_a_deepseek_served_engine_against_stores_of_both_numerics(minis, tm
             rep = json.loads(js.read_text())
             assert rep["reference_numerics"] == numerics and f"numerics {numerics}" in r.stdout
             measured[numerics] = rep["gates"][0]["measured"]
-    assert measured["deepseek"]["kl_mean"] == 0.0 and measured["deepseek"]["top1"] == 1.0
+    # equal up to float rounding: the store batched its rows by length, serve runs each alone (layers are not batch
+    # invariant); 4e-16 seen, against 9.8e-4 for the store under the other numerics
+    assert measured["deepseek"]["kl_mean"] <= 1e-12 and measured["deepseek"]["top1"] == 1.0
     assert measured["exact"]["kl_mean"] > 1e-4
