@@ -45,16 +45,20 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--top", type=int, default=15, help="groups shown in the console table (largest share first)")
 
 
+def read_rows(path: str) -> list:
+    """`--rows FILE`: a JSON list of token-id rows (attribute, plan)."""
+    from ..errors import ConfigError
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--rows {path}: not a readable JSON list of token-id rows ({e})") from None
+
+
 def run(args) -> int:
     from ..attribute import NOISE_LEVELS, SUPER_EXPERT_SHARE, Settings, attribute
     from ..errors import ConfigError
 
-    rows = None
-    if args.rows:
-        try:
-            rows = json.loads(Path(args.rows).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--rows {args.rows}: not a readable JSON list of token-id rows ({e})") from None
+    rows = read_rows(args.rows) if args.rows else None
     settings = Settings(
         modules=args.modules, groups=args.groups.split(",") if args.groups else None,
         noise_control=not args.no_noise_control, noise_repeats=args.noise_repeats,

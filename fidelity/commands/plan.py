@@ -114,12 +114,8 @@ def run(args) -> int:
             raise ConfigError(f"--from {args.attribution}: not a readable attribute JSON ({e})") from None
         source = str(Path(args.attribution).resolve())
     else:
-        rows = None
-        if args.rows:
-            try:
-                rows = json.loads(Path(args.rows).read_text())
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"--rows {args.rows}: not a readable JSON list of token-id rows ({e})") from None
+        from .attribute import read_rows
+        rows = read_rows(args.rows) if args.rows else None
         data = attribute(ref, ref, panel=args.panel, rows=rows, device=args.device, progress=True,
                          settings=Settings(modules="layer", noise_control=False)).to_json()
         source = "attribute run on the reference itself"
