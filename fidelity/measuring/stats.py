@@ -507,138 +507,211 @@ def sign_test(worse: int, better: int) -> float | None:
     return float(binomtest(int(worse), int(worse + better), 0.5).pvalue)
 
 
+# ---- scopes and rows worse: the one builder compare's summary and the gates share ---------------------------------------
+
+@dataclass(frozen=True)
+class RowScope:
+    """Which rows a reported block covers: all of them (`overall`), one domain's (`domain` its index), or the domains
+    weighted equally (`rows` None: a mean of the domains' statistics, not a set of rows)."""
+
+    name: str
+    domain: int | None
+    rows: np.ndarray | None     # [rows] bool
+
+    def pick(self, scopes: Scopes) -> Estimate:
+        """This scope's estimate of a statistic computed in every scope."""
+        if self.domain is not None:
+            return scopes.domains[self.domain]
+        return scopes.overall if self.rows is not None else scopes.equal
+
+    def total(self, table: dict[str, np.ndarray], column: str) -> int:
+        """The sum of a per-row count column over this scope's rows."""
+        return int(table[column][self.rows].sum())
+
+
+def row_scopes(groups: RowGroups) -> tuple[RowScope, list[RowScope], RowScope]:
+    """The overall scope, one per domain (in `groups.domains` order) and the domains-equal one."""
+    return (RowScope("overall", None, np.ones(groups.n_rows, bool)),
+            [RowScope(name, i, groups.row_domain == i) for i, name in enumerate(groups.domains)],
+            RowScope("domains_equal", None, None))
+
+
+def add_rows_worse(table: dict[str, np.ndarray], n: str, dnll: str) -> None:
+    """Per-row columns of rows worse, added to a table of per-row sums: `row_scored` (the row has a position counted in
+    `n`), `row_worse` / `row_better` (its summed NLL change `dnll` rose / fell; a scored row with no change is neither)."""
+    scored = table[n] > 0
+    table["row_scored"] = scored.astype(float)
+    table["row_worse"] = (scored & (table[dnll] > 0)).astype(float)
+    table["row_better"] = (scored & (table[dnll] < 0)).astype(float)
+
+
+def rows_worse_share(boot: RatioBootstrap, groups: RowGroups) -> Scopes:
+    """The share of scored rows that got worse (`add_rows_worse`'s columns in `boot`), in every scope."""
+    return ratio_scopes(boot, "row_worse", "row_scored", groups, bounds=SHARE)
+
+
+def rows_worse(table: dict[str, np.ndarray], scope: RowScope, share: Scopes) -> dict:
+    """Rows worse over a scope of rows: the counts, the share with its 95% interval, and the sign test of worse
+    against better."""
+    worse, better = scope.total(table, "row_worse"), scope.total(table, "row_better")
+    e = scope.pick(share)
+    return {"rows": scope.total(table, "row_scored"), "worse": worse, "better": better, "share": e.value,
+            "share_ci95": e.ci(), "sign_test_p": sign_test(worse, better)}
+
+
+# ---- summarize ----------------------------------------------------------------------------------------------------------
+
 def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, seed: int = 0,
               tie_margin: float = TIE_MARGIN, confidence_edges=CONFIDENCE_EDGES) -> dict:
     """Overall (pooled and domains-equal) and per-domain statistics of one pack against the reference, with 95% CIs
     (the definitions are in README.md, "What compare reports"). Non-finite positions are counted (`nonfinite`) and left
     out of every average."""
     m = pm.to_numpy()
+    edges = list(confidence_edges)
+    columns = _position_columns(m, tie_margin, edges)
+    table = {k: groups.row_sums(v) for k, v in columns.items()}
+    add_rows_worse(table, "n", "dnll")   # a row whose mean NLL rose (rows without a finite position count neither way)
+    boot = RatioBootstrap.run(table, groups, n_boot, seed)
+    counts = bootstrap_counts(groups.row_domain, n_boot, np.random.default_rng(seed))   # the same replicates
     ok = m["finite"]
-    row = groups.row
-    w = ok.astype(np.float64)
+    has_reverse = bool(np.isfinite(m["kld_reverse"][ok]).any()) if ok.any() else False
+    s = _Summary(boot, groups, table, edges, has_reverse, m.get("topk_match") is not None,
+                 _kld_quantiles(m["kld"], ok, groups.row, groups.row_domain[groups.row], groups, counts))
+    overall_scope, domain_scopes, equal_scope = row_scopes(groups)
+    overall = s.overall(overall_scope, m, columns, tie_margin, n_boot)
+    overall["domains_equal"] = s.domains_equal(equal_scope)
+    return {"overall": overall, "domains": {scope.name: s.domain(scope, m) for scope in domain_scopes}}
+
+
+def _position_columns(m: dict[str, np.ndarray], tie_margin: float, edges: list[float]) -> dict[str, np.ndarray]:
+    """Per-position quantities summarize sums per row (non-finite positions 0 in every one): the finite count `n`, the
+    KLs, top-1 / top-K agreement, NLLs and their change, Δp, near-tie flips, and per reference-confidence bucket."""
+    ok = m["finite"]
     z = lambda x: np.where(ok, x, 0.0)
     ref_p, pack_p = np.exp(-z(m["ref_nll"])), np.exp(-z(m["pack_nll"]))
     agree = (m["ref_top1"] == m["pack_top1"]) & ok
     tie = ok & (z(m["ref_margin"]) < tie_margin)
-    has_reverse = bool(np.isfinite(m["kld_reverse"][ok]).any()) if ok.any() else False
-    topk = m.get("topk_match")
     columns = {
-        "n": w, "kld": z(m["kld"]), "kld_reverse": z(np.nan_to_num(m["kld_reverse"])), "agree": agree.astype(float),
+        "n": ok.astype(np.float64), "kld": z(m["kld"]), "kld_reverse": z(np.nan_to_num(m["kld_reverse"])),
+        "agree": agree.astype(float),
         "ref_nll": z(m["ref_nll"]), "pack_nll": z(m["pack_nll"]), "dnll": z(m["pack_nll"] - m["ref_nll"]),
         "dp": z(pack_p - ref_p), "dp2": z((pack_p - ref_p) ** 2),
         "n_tie": tie.astype(float), "flip_tie": (tie & ~agree).astype(float),
         "n_clear": (ok & ~tie).astype(float), "flip_clear": (ok & ~tie & ~agree).astype(float),
         "nonfinite": (~ok).astype(float),
     }
+    topk = m.get("topk_match")
     if topk is not None:
         for k in range(1, TOPK + 1):
             columns[f"agree_top{k}"] = (ok & (topk >= k)).astype(float)
-    pmax = z(m["ref_pmax"])
-    edges = list(confidence_edges)
-    bucket = np.clip(np.searchsorted(edges, pmax, side="right") - 1, 0, len(edges) - 2)
+    bucket = np.clip(np.searchsorted(edges, z(m["ref_pmax"]), side="right") - 1, 0, len(edges) - 2)
     for b in range(len(edges) - 1):
         inb = ok & (bucket == b)
         columns[f"conf{b}_n"] = inb.astype(float)
         columns[f"conf{b}_kld"] = np.where(inb, columns["kld"], 0.0)
         columns[f"conf{b}_kld_reverse"] = np.where(inb, columns["kld_reverse"], 0.0)
-    table = {k: groups.row_sums(v) for k, v in columns.items()}
-    # rows worse: a row whose mean NLL rose (rows without a finite position count neither way)
-    row_n, row_dnll = table["n"], table["dnll"]
-    table["row_scored"] = (row_n > 0).astype(float)
-    table["row_worse"] = ((row_n > 0) & (row_dnll > 0)).astype(float)
-    table["row_better"] = ((row_n > 0) & (row_dnll < 0)).astype(float)
-    boot = RatioBootstrap.run(table, groups, n_boot, seed)
-    counts = bootstrap_counts(groups.row_domain, n_boot, np.random.default_rng(seed))   # the same replicates
-    dof = groups.dof()
-    S = lambda num, den="n", transform=None, bounds=NONNEGATIVE: ratio_scopes(boot, num, den, groups, transform,
-                                                                              bounds=bounds)
+    return columns
 
-    kld, kldr, top1 = S("kld"), S("kld_reverse"), S("agree", bounds=SHARE)
-    dnll, ref_nll, pack_nll = S("dnll", bounds=SIGNED), S("ref_nll"), S("pack_nll")
-    dp, rms = S("dp", bounds=DELTA_P), S("dp2", transform=np.sqrt, bounds=UNIT)
-    worse_share = S("row_worse", "row_scored", bounds=SHARE)
-    topks = [S(f"agree_top{k}", bounds=SHARE) for k in range(1, TOPK + 1)] if topk is not None else []
-    conf = [(S(f"conf{b}_kld", f"conf{b}_n"), S(f"conf{b}_n", bounds=SHARE),
-             S(f"conf{b}_kld_reverse", f"conf{b}_n")) for b in range(len(edges) - 1)]
-    pos_domain = groups.row_domain[row]
-    quant = _kld_quantiles(m["kld"], ok, row, pos_domain, groups, counts)
 
-    def scope(i: int | None, sel_rows: np.ndarray) -> dict:
-        pick = (lambda s: s.overall) if i is None else (lambda s: s.domains[i])
-        worse, better, scored = (int(table[k][sel_rows].sum()) for k in ("row_worse", "row_better", "row_scored"))
+class _Summary:
+    """Every statistic of summarize in its three scopes, and the blocks that report them: the scope block the overall
+    and the domain blocks share, the overall block, a domain's block and the domains-equal block."""
+
+    def __init__(self, boot: RatioBootstrap, groups: RowGroups, table: dict[str, np.ndarray], edges: list[float],
+                 has_reverse: bool, has_topk: bool, quantiles: dict):
+        S = lambda num, den="n", transform=None, bounds=NONNEGATIVE: ratio_scopes(boot, num, den, groups, transform,
+                                                                                  bounds=bounds)
+        self.groups, self.table, self.edges, self.has_reverse, self.quantiles = groups, table, edges, has_reverse, quantiles
+        self.kld, self.kld_reverse, self.top1 = S("kld"), S("kld_reverse"), S("agree", bounds=SHARE)
+        self.dnll, self.ref_nll, self.pack_nll = S("dnll", bounds=SIGNED), S("ref_nll"), S("pack_nll")
+        self.dp, self.rms_dp = S("dp", bounds=DELTA_P), S("dp2", transform=np.sqrt, bounds=UNIT)
+        self.worse_share = rows_worse_share(boot, groups)
+        self.topk = [S(f"agree_top{k}", bounds=SHARE) for k in range(1, TOPK + 1)] if has_topk else []
+        self.confidence = [(S(f"conf{b}_kld", f"conf{b}_n"), S(f"conf{b}_n", bounds=SHARE),
+                            S(f"conf{b}_kld_reverse", f"conf{b}_n")) for b in range(len(edges) - 1)]
+
+    def scope(self, scope: RowScope) -> dict:
+        """The statistics the overall block and every domain's block report alike."""
+        pick, edges = scope.pick, self.edges
         out = {
-            **_ci_dict(pick(kldr), "kld_reverse_mean"),
-            **_ci_dict(pick(dnll), "delta_nll_mean", se=True),
-            **_ci_dict(pick(pack_nll), "nll_mean"), **_ci_dict(pick(ref_nll), "nll_ref_mean"),
-            "rows_worse": {"rows": scored, "worse": worse, "better": better, "share": pick(worse_share).value,
-                           "share_ci95": pick(worse_share).ci(), "sign_test_p": sign_test(worse, better)},
-            "topk_agreement": [{"k": k + 1, "value": pick(s).value, "ci95": pick(s).ci()} for k, s in enumerate(topks)],
-            **_ci_dict(pick(dp), "delta_p_mean"), **_ci_dict(pick(rms), "rms_delta_p"),
+            **_ci_dict(pick(self.kld_reverse), "kld_reverse_mean"),
+            **_ci_dict(pick(self.dnll), "delta_nll_mean", se=True),
+            **_ci_dict(pick(self.pack_nll), "nll_mean"), **_ci_dict(pick(self.ref_nll), "nll_ref_mean"),
+            "rows_worse": rows_worse(self.table, scope, self.worse_share),
+            "topk_agreement": [{"k": k + 1, "value": pick(s).value, "ci95": pick(s).ci()} for k, s in enumerate(self.topk)],
+            **_ci_dict(pick(self.dp), "delta_p_mean"), **_ci_dict(pick(self.rms_dp), "rms_delta_p"),
             "kld_by_ref_confidence": [
-                {"ref_confidence": [edges[b], edges[b + 1]], "positions": int(table[f"conf{b}_n"][sel_rows].sum()),
+                {"ref_confidence": [edges[b], edges[b + 1]], "positions": scope.total(self.table, f"conf{b}_n"),
                  "share": pick(share).value, "kld_mean": pick(k_).value, "kld_mean_ci95": pick(k_).ci(),
-                 "kld_reverse_mean": pick(r_).value if has_reverse else None}
-                for b, (k_, share, r_) in enumerate(conf)],
-            **quant[i if i is not None else "overall"],
+                 "kld_reverse_mean": pick(r_).value if self.has_reverse else None}
+                for b, (k_, share, r_) in enumerate(self.confidence)],
+            **self.quantiles["overall" if scope.domain is None else scope.domain],
         }
-        if not has_reverse:
+        if not self.has_reverse:
             out["kld_reverse_mean"], out["kld_reverse_mean_ci95"] = None, None
         return out
 
-    finite_kld = m["kld"][ok]
-    overall = {
-        "positions": int(ok.sum()), "nonfinite": int((~ok).sum()),
-        "kld_mean": kld.overall.value, "kld_mean_ci95": kld.overall.ci(),
-        "kld_domains_equal": kld.equal.value, "kld_domains_equal_ci95": kld.equal.ci(),
-        "top1": top1.overall.value, "top1_ci95": top1.overall.ci(),
-        "top1_domains_equal": top1.equal.value, "top1_domains_equal_ci95": top1.equal.ci(),
-        "tie_margin": tie_margin,
-        "top1_flips_clear": int(columns["flip_clear"].sum()), "clear_positions": int(columns["n_clear"].sum()),
-        "top1_flips_near_tie": int(columns["flip_tie"].sum()), "near_tie_positions": int(columns["n_tie"].sum()),
-        "ppl": _finite(np.exp(pack_nll.overall.value)) if pack_nll.overall.value is not None else None,
-        "ppl_ci95": _exp_ci(pack_nll.overall.ci()),
-        "ppl_ref": _finite(np.exp(ref_nll.overall.value)) if ref_nll.overall.value is not None else None,
-        "ln_ppl_ratio": dnll.overall.value, "ln_ppl_ratio_ci95": dnll.overall.ci(),
-        **scope(None, np.ones(groups.n_rows, bool)),
-        "kld_max": float(finite_kld.max()) if finite_kld.size else None,
-        "ci_unavailable": not_available(groups),
-        "bootstrap_replicates": n_boot,
-    }
-    eq = {"kld_reverse_mean": kldr.equal, "delta_nll_mean": dnll.equal, "delta_p_mean": dp.equal, "rms_delta_p": rms.equal,
-          "nll_mean": pack_nll.equal, "nll_ref_mean": ref_nll.equal,
-          "rows_worse_share": worse_share.equal}
-    domains_equal = {k: v.value for k, v in eq.items()}
-    domains_equal.update({f"{k}_ci95": v.ci() for k, v in eq.items()})
-    domains_equal["delta_nll_mean_se"] = dnll.equal.se()
-    if not has_reverse:
-        domains_equal["kld_reverse_mean"], domains_equal["kld_reverse_mean_ci95"] = None, None
-    domains_equal.update({"kld_mean": kld.equal.value, "kld_mean_ci95": kld.equal.ci(),
-                          "top1": top1.equal.value, "top1_ci95": top1.equal.ci(),
-                          "topk_agreement": [{"k": k + 1, "value": s.equal.value, "ci95": s.equal.ci()}
-                                             for k, s in enumerate(topks)],
-                          "kld_by_ref_confidence": [
-                              {"ref_confidence": [edges[b], edges[b + 1]], "kld_mean": k_.equal.value,
-                               "kld_mean_ci95": k_.equal.ci()} for b, (k_, _, _) in enumerate(conf)],
-                          **quant["equal"]})
-    overall["domains_equal"] = domains_equal
-
-    domains = {}
-    for i, name in enumerate(groups.domains):
-        sel = ok & (pos_domain == i)
-        in_domain = groups.row_domain == i
-        domains[name] = {
-            "rows": int(in_domain.sum()), "positions": int(sel.sum()),
-            "nonfinite": int((~ok & (pos_domain == i)).sum()),
-            "kld_mean": kld.domains[i].value, "kld_mean_ci95": kld.domains[i].ci(),
-            "top1": top1.domains[i].value, "top1_ci95": top1.domains[i].ci(),
-            "ppl": _finite(np.exp(pack_nll.domains[i].value)) if pack_nll.domains[i].value is not None else None,
-            "ppl_ci95": _exp_ci(pack_nll.domains[i].ci()),
-            "ppl_ref": _finite(np.exp(ref_nll.domains[i].value)) if ref_nll.domains[i].value is not None else None,
-            **scope(i, in_domain),
-            "kld_max": float(m["kld"][sel].max()) if sel.any() else None,
-            "ci_unavailable": not_available(groups, i),
+    def overall(self, scope: RowScope, m: dict, columns: dict, tie_margin: float, n_boot: int) -> dict:
+        ok = m["finite"]
+        kld, top1, dnll = self.kld, self.top1, self.dnll
+        finite_kld = m["kld"][ok]
+        return {
+            "positions": int(ok.sum()), "nonfinite": int((~ok).sum()),
+            "kld_mean": kld.overall.value, "kld_mean_ci95": kld.overall.ci(),
+            "kld_domains_equal": kld.equal.value, "kld_domains_equal_ci95": kld.equal.ci(),
+            "top1": top1.overall.value, "top1_ci95": top1.overall.ci(),
+            "top1_domains_equal": top1.equal.value, "top1_domains_equal_ci95": top1.equal.ci(),
+            "tie_margin": tie_margin,
+            "top1_flips_clear": int(columns["flip_clear"].sum()), "clear_positions": int(columns["n_clear"].sum()),
+            "top1_flips_near_tie": int(columns["flip_tie"].sum()), "near_tie_positions": int(columns["n_tie"].sum()),
+            **_perplexities(self.pack_nll.overall, self.ref_nll.overall),
+            "ln_ppl_ratio": dnll.overall.value, "ln_ppl_ratio_ci95": dnll.overall.ci(),
+            **self.scope(scope),
+            "kld_max": float(finite_kld.max()) if finite_kld.size else None,
+            "ci_unavailable": not_available(self.groups),
+            "bootstrap_replicates": n_boot,
         }
-    return {"overall": overall, "domains": domains}
+
+    def domain(self, scope: RowScope, m: dict) -> dict:
+        i, ok, pos_domain = scope.domain, m["finite"], self.groups.row_domain[self.groups.row]
+        sel = ok & (pos_domain == i)
+        return {
+            "rows": int(scope.rows.sum()), "positions": int(sel.sum()),
+            "nonfinite": int((~ok & (pos_domain == i)).sum()),
+            "kld_mean": self.kld.domains[i].value, "kld_mean_ci95": self.kld.domains[i].ci(),
+            "top1": self.top1.domains[i].value, "top1_ci95": self.top1.domains[i].ci(),
+            **_perplexities(self.pack_nll.domains[i], self.ref_nll.domains[i]),
+            **self.scope(scope),
+            "kld_max": float(m["kld"][sel].max()) if sel.any() else None,
+            "ci_unavailable": not_available(self.groups, i),
+        }
+
+    def domains_equal(self, scope: RowScope) -> dict:
+        eq = {"kld_reverse_mean": self.kld_reverse, "delta_nll_mean": self.dnll, "delta_p_mean": self.dp,
+              "rms_delta_p": self.rms_dp, "nll_mean": self.pack_nll, "nll_ref_mean": self.ref_nll,
+              "rows_worse_share": self.worse_share}
+        out = {k: scope.pick(v).value for k, v in eq.items()}
+        out.update({f"{k}_ci95": scope.pick(v).ci() for k, v in eq.items()})
+        out["delta_nll_mean_se"] = scope.pick(self.dnll).se()
+        if not self.has_reverse:
+            out["kld_reverse_mean"], out["kld_reverse_mean_ci95"] = None, None
+        edges = self.edges
+        out.update({"kld_mean": self.kld.equal.value, "kld_mean_ci95": self.kld.equal.ci(),
+                    "top1": self.top1.equal.value, "top1_ci95": self.top1.equal.ci(),
+                    "topk_agreement": [{"k": k + 1, "value": s.equal.value, "ci95": s.equal.ci()}
+                                       for k, s in enumerate(self.topk)],
+                    "kld_by_ref_confidence": [
+                        {"ref_confidence": [edges[b], edges[b + 1]], "kld_mean": k_.equal.value,
+                         "kld_mean_ci95": k_.equal.ci()} for b, (k_, _, _) in enumerate(self.confidence)],
+                    **self.quantiles["equal"]})
+        return out
+
+
+def _perplexities(pack_nll: Estimate, ref_nll: Estimate) -> dict:
+    """ppl (with its 95% interval) and ppl_ref: exp of the mean NLLs."""
+    return {"ppl": _finite(np.exp(pack_nll.value)) if pack_nll.value is not None else None,
+            "ppl_ci95": _exp_ci(pack_nll.ci()),
+            "ppl_ref": _finite(np.exp(ref_nll.value)) if ref_nll.value is not None else None}
 
 
 def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain: np.ndarray, groups: RowGroups,
