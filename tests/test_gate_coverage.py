@@ -60,7 +60,7 @@ def test_other_gates_on_replies_without_logprobs_are_errors(server, rng_seed, ga
 
 
 def _gate_cli(tmp_path, monkeypatch, url, texts, journal=None):
-    import fidelity.engine.gate_config as GC
+    import fidelity.engine.gates.config as GC
     from fidelity.cli import main
     monkeypatch.setattr(GC, "load_reference", lambda *a, **k: toy_reference(texts))
     cfg = tmp_path / "gate.toml"

@@ -161,7 +161,7 @@ def test_prefix_cache_minimums_from_its_section(server, rng_seed):
 def test_gate_toml_sets_the_minimums_and_refuses_bad_ones(server, tmp_path, monkeypatch, capsys, rng_seed):
     """Through the CLI: exit 2 with the counts (JSON and JUnit written) below a minimum set in gate.toml; a minimum
     that is not a whole number >= 1 is refused naming the file."""
-    import fidelity.engine.gate_config as GC
+    import fidelity.engine.gates.config as GC
     from fidelity.cli import main
 
     set_plan(server.url)

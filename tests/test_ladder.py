@@ -95,7 +95,7 @@ def test_ladder_file_errors_are_named(tmp_path):
 
 
 def test_gate_config_file_errors_are_named(tmp_path):
-    from fidelity.engine.gate_config import load_config
+    from fidelity.engine.gates.config import load_config
     p = tmp_path / "gates.toml"
     p.write_text("[speed\n")
     with pytest.raises(ConfigError, match=f"gate config {p} is not valid TOML"):

@@ -55,7 +55,7 @@ def test_a_new_module_registers_itself_and_duplicates_are_refused(tmp_path, monk
 
 
 def test_gates_are_the_kinds_that_run_them_in_the_gate_commands_order():
-    from fidelity.engine.gate_config import configured_gates, select_gates
+    from fidelity.engine.gates.config import configured_gates, select_gates
     from fidelity.registry import GATES
 
     # written out here: the gate command's table before the registry replaced it, in the order `fidelity gate` runs them

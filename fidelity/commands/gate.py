@@ -43,7 +43,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from .. import json_out
 # the config reader and runner live in the engine layer (the tuning ladder uses them too); re-exported for callers
-from ..engine.gate_config import always_run_gates, exit_code, load_config, run_gates, select_gates  # noqa: F401
+from ..engine.gates.config import always_run_gates, exit_code, load_config, run_gates, select_gates  # noqa: F401
 
 
 def add_arguments(p: argparse.ArgumentParser):

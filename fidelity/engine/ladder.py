@@ -73,7 +73,7 @@ class Ladder:
 
 
 def load_ladder(path) -> Ladder:
-    from .gate_config import read_toml
+    from .gates.config import read_toml
 
     p = Path(path)
     cfg = read_toml(p, "ladder")
@@ -139,7 +139,7 @@ class _Engine:
 
 
 async def _gates(url: str, ladder: Ladder, rung: Rung) -> dict | None:
-    from .gate_config import load_config, run_gates, select_gates
+    from .gates.config import load_config, run_gates, select_gates
 
     config = rung.gates or ladder.gates
     only = rung.only if rung.only is not None else ladder.only

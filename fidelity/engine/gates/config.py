@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..registry import GATES
-from .client import ClientConfig, EngineClient
-from .gates import GateCall, GateResult, GateSettings
+from ...errors import ConfigError
+from ...registry import GATES
+from ..client import ClientConfig, EngineClient
+from . import GateCall, GateResult, GateSettings
 
 CLIENT_KEYS = {"concurrency", "timeout_s", "retries", "journal", "backoff_s"}
 SETTINGS_KEYS = {f.name for f in fields(GateSettings)} | {"prompt_as"}
@@ -70,7 +70,7 @@ def select_gates(only: str | None, cfg: dict | None = None) -> list[str]:
 
 
 def load_reference(store: str, pack: str | None, panel: str | None, rows_per_domain: int | None):
-    from .reference import reference_from_store
+    from ..reference import reference_from_store
 
     return reference_from_store(store, pack, panel, rows_per_domain=rows_per_domain)
 
@@ -106,7 +106,7 @@ def store_numerics(store: str | None) -> str | None:
     before the choice existed), None without a store."""
     if store is None:
         return None
-    from ..measuring.store import StoreError, read_manifest
+    from ...measuring.store import StoreError, read_manifest
     try:
         return read_manifest(store).get("oracle_numerics", "exact")
     except (StoreError, OSError, ValueError):

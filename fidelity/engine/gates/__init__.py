@@ -24,9 +24,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..registry import GATES
-from .client import Completion, EngineClient, EngineError, EngineProtocolError, TokenLogprob
+from ...errors import ConfigError
+from ...registry import GATES
+from ..client import Completion, EngineClient, EngineError, EngineProtocolError, TokenLogprob
 
 DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     # mean KL(reference || engine) in nats over scored positions (top-k estimator, see oracle_kl), and top-1 agreement
@@ -156,7 +156,7 @@ async def run_gate(name: str, fn: Callable, *args, **kw) -> GateResult:
 
 @dataclass
 class GateCall:
-    """What `engine.gate_config.run_gates` hands every gate kind's runner."""
+    """What `engine.gates.config.run_gates` hands every gate kind's runner."""
     engine: str
     model: str
     client: EngineClient
@@ -724,7 +724,7 @@ def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_
     domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1 agreement
     (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's, ΔNLL
     (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
-    from ..measuring.stats import NONNEGATIVE, SHARE, SIGNED, UNIT, RatioBootstrap, RowGroups, ratio_scopes, sign_test
+    from ...measuring.stats import NONNEGATIVE, SHARE, SIGNED, UNIT, RatioBootstrap, RowGroups, ratio_scopes, sign_test
 
     groups = RowGroups.build(np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row])
     pos = [p for _, per in by_row for p in per]
