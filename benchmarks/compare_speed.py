@@ -74,7 +74,7 @@ def end_to_end(rows_per_domain: int) -> dict:
     from fidelity.commands.demo import build_demo_packs
     from fidelity.commands.reference import build_store
     from fidelity.measuring.compare import compare
-    from fidelity.measuring.panels import load_panel
+    from fidelity.panels.panel import load_panel
 
     packs = build_demo_packs()
     panel = load_panel().subset(rows_per_domain)

@@ -270,7 +270,7 @@ def build_child(args, device, work: Path) -> dict:
 
 def write_token_panel(out: Path, rows: int, length: int, vocab: int, seed: int = 42):
     """Token-exact rows of uniformly random ids, every token after the first scored, two domains."""
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, length), generator=g).tolist()
@@ -377,7 +377,7 @@ def head_seconds(positions: int, vocab: int, hidden: int, device) -> dict:
     """compare's per-pass device step (both heads in HEAD_ROWS blocks + metrics, store.device_row_metrics) and the
     reference's own head with its top-20, on `positions` random positions (realscale.bench_head's first part)."""
     from fidelity.measuring import metrics
-    from fidelity.measuring.panels import TokenizedRow
+    from fidelity.panels.panel import TokenizedRow
     from fidelity.measuring.store import ReferenceRun, device_row_metrics
 
     g = torch.Generator(device=device).manual_seed(5)

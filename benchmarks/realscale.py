@@ -614,7 +614,7 @@ class DeviceHead:
 
 def bench_head(args, device) -> dict:
     from fidelity.measuring import metrics
-    from fidelity.measuring.panels import TokenizedRow
+    from fidelity.panels.panel import TokenizedRow
     from fidelity.measuring.store import ReferenceRun, device_row_metrics
 
     n, vocab, hidden = (256, 1000, 64) if args.smoke else (args.head_positions, VOCAB, FLASH["hidden_size"])

@@ -57,7 +57,7 @@ def panel_and_store(folder: Path, base: Path, seed: int) -> tuple[Path, Path]:
     and that holds at one thread count: DEVELOPERS.md)."""
     import numpy as np
 
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     rng = np.random.default_rng(seed)
     rows = [PanelRow(f"chat{i}", "chat", messages=[{"role": "user", "content": CHATS[i][0]},

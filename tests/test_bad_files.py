@@ -48,7 +48,7 @@ def test_negative_or_reversed_data_offsets_are_refused_like_safetensors_does(tmp
 
 
 def test_a_panel_that_is_not_utf8_names_file_and_line(tmp_path):
-    from fidelity.measuring.panels import PanelError, load_panel
+    from fidelity.panels.panel import PanelError, load_panel
     p = tmp_path / "panel.jsonl"
     p.write_bytes(b'{"id": "a", "domain": "d", "text": "fine"}\n{"id": "b", "domain": "d", "text": "caf\xe9"}\n')
     with pytest.raises(PanelError, match=rf"{p} line 2: not UTF-8 text \(byte 0xe9 at offset \d+\)"):

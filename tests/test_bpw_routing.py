@@ -160,7 +160,7 @@ def test_compare_reports_measured_routing_bpw(tmp_path, smollm2_gguf, rng_seed):
     router on the same tokens gives the same counts."""
     from fidelity.measuring.compare import compare
     from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     tok = load_tokenizer(open_pack(smollm2_gguf))
     model = skewed_moe(tmp_path / "ref", rng_seed, vocab=49152)

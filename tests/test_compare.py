@@ -9,7 +9,7 @@ import torch
 
 from fidelity.measuring.compare import compare
 from fidelity.errors import PackError
-from fidelity.measuring.panels import PanelRow, write_panel
+from fidelity.panels.panel import PanelRow, write_panel
 from fidelity.measuring.store import StoreError
 
 VOCAB = 49152
@@ -108,7 +108,7 @@ def live(tiny):
 
 def test_compare_matches_transformers(tiny, live):
     """KL(ref||pack), top-1 and PPL equal plain-torch numbers on HF transformers' fp32 logits, to 1e-4 relative."""
-    from fidelity.measuring.panels import load_panel, tokenize_panel
+    from fidelity.panels.panel import load_panel, tokenize_panel
     rows = tokenize_panel(load_panel(tiny["panel"]), tiny["tokenizer"])
     for label in ("small", "large"):
         kl, agree, near_tie, nll_ref, nll_pack = [], [], [], [], []
@@ -377,7 +377,7 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
     from fidelity.commands.panel import build_panel
     from fidelity.oracle import Oracle
     from fidelity.packs import open_pack
-    from fidelity.measuring.panels import load_panel
+    from fidelity.panels.panel import load_panel
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p1", "domain": "chat", "prompt": "Say something about rivers."}) + "\n" +
                        json.dumps({"id": "p2", "domain": "math", "messages": [{"role": "user", "content": "2+2?"}]}) + "\n")
@@ -400,7 +400,7 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
         assert row.messages[-1] == (want if stopped else {**want, "truncated": True})
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "b1", "domain": "x", "messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
-    from fidelity.measuring.panels import PanelError
+    from fidelity.panels.panel import PanelError
     with pytest.raises(PanelError, match=r"bad\.jsonl line 1 \(row 'b1'\): needs a string 'prompt' or 'messages' ending"):
         build_panel(bad, tiny["ref"], tmp_path / "nope", progress=False)
 

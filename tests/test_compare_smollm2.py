@@ -4,7 +4,7 @@ import torch
 
 from fidelity.commands.demo import build_demo_packs
 from fidelity.measuring.compare import compare
-from fidelity.measuring.panels import load_panel, tokenize_panel
+from fidelity.panels.panel import load_panel, tokenize_panel
 
 pytestmark = pytest.mark.slow
 

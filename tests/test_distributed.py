@@ -304,7 +304,7 @@ def check_bad_share(results: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def cli_packs(tmp_path_factory, smollm2_gguf):
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
     from test_compare import noisy_packs, tiny_setting
     root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "dist_cli")
     _, _, packs = noisy_packs(root, tok, gen, {"pack": 0.02})
@@ -369,7 +369,7 @@ def test_torchrun_compare_expert_parallel_equals_one_process(tmp_path, smollm2_g
     from safetensors.torch import load_file
     from fidelity.cli import main
     from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
     from test_compare import _save
     from test_oracle import MOE_COMMON
     tok = load_tokenizer(open_pack(smollm2_gguf))

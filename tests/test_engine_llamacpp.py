@@ -104,7 +104,7 @@ def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path
     from fidelity.measuring.compare import compare
     from fidelity.engine.reference import reference_from_store
     from fidelity.packs import open_pack
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     rng = np.random.default_rng(rng_seed)
     chats = [CHATS[i] for i in rng.choice(len(CHATS), size=2, replace=False)]
@@ -171,7 +171,7 @@ def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_
     echo comes one position early, oracle-kl fails and says so, against the reference and the engine's own answer."""
     from fidelity.commands.reference import build_store
     from fidelity.engine.reference import reference_from_store
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     panel = write_panel(tmp_path / "panel", [PanelRow("t0", "text", text="The river flows through the old town towards the sea."),
                                              PanelRow("t1", "text", text="Bees make honey from the nectar of flowers.")],

@@ -73,7 +73,7 @@ def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, 
     import xml.etree.ElementTree as ET
 
     from fidelity.commands.reference import build_store
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     pack, tok = smol
     panel = write_panel(tmp_path / "panel", [

@@ -14,7 +14,7 @@ import torch
 from fidelity.oracle import Oracle
 from fidelity.oracle.runner import HEAD_ROWS
 from fidelity.fixtures.synthetic import SyntheticPack, llama_config
-from fidelity.measuring.panels import TokenizedRow
+from fidelity.panels.panel import TokenizedRow
 from fidelity.measuring.store import ReferenceRun, StoreError, check_topk, numerics
 
 # SmolLM2's head shape: MKL multiplies it with another kernel below 16 rows, so groupings here differ in the last bits

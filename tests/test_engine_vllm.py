@@ -295,7 +295,7 @@ def test_suite_run_answers_are_vllms_greedy_answers(served):
 
 
 def test_panel_build_answers_are_vllms_greedy_answers(served):
-    from fidelity.measuring.panels import load_panel
+    from fidelity.panels.panel import load_panel
 
     rng = np.random.default_rng(served.seed)
     questions = [CHATS[i][0] for i in rng.choice(len(CHATS), size=2, replace=False)]

@@ -100,7 +100,7 @@ def test_compare_out_measures_a_pack_edited_in_place_instead_of_reusing_its_kept
     mtime restored: the second run measures the edited bytes (its numbers are a fresh run's on them), it does not read
     back the first run's pass. No racy window: the pack is cached as one written long ago would be."""
     from fidelity.cli import main
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
     from test_compare import noisy_packs, tiny_setting
 
     monkeypatch.setattr(content_hash, "RACY_NS", 0)
@@ -288,7 +288,7 @@ def test_compare_truncate_is_recorded_in_the_json_markdown_and_kept_passes(tmp_p
     """Rows longer than max_position_embeddings (8 here) cut by --truncate: the JSON's panel block says so, with the rows
     and tokens cut counted from the tokenizer's own lengths; the kept passes' identity carries the same record."""
     from fidelity.cli import main
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
     from test_compare import noisy_packs, tiny_setting
 
     root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "truncate")

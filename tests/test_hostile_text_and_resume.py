@@ -25,7 +25,7 @@ import pytest
 
 from fidelity.engine.journal import Journal, request_key
 from fidelity.errors import FidelityError
-from fidelity.measuring.panels import PanelError, PanelRow, load_panel, rows_sha256, tokenize_row, write_panel
+from fidelity.panels.panel import PanelError, PanelRow, load_panel, rows_sha256, tokenize_row, write_panel
 from fidelity.suites.records import ItemJournal, Record, RunError, prompt_hash, read_records
 from fidelity.suites.runner import Item, Outcome, Settings, Suite, run_suite
 
@@ -138,7 +138,7 @@ def test_a_suite_run_and_its_resume_keep_replies_and_exception_texts_with_lone_s
 
 
 def test_panel_build_from_an_engine_answering_a_lone_surrogate(stub, tmp_path, rng_seed):
-    from fidelity.engine.panel_build import build_panel_from_engine
+    from fidelity.panels.build import build_panel_from_engine
 
     rng = np.random.default_rng(rng_seed)
     answers = [_hostile(rng), "plain answer é"]

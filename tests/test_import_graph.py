@@ -18,13 +18,16 @@ LAYER_OF = {  # first matching prefix wins; a module matches `p` if it is `p` or
     "fidelity.packs": "packs",
     "fidelity.oracle": "oracle",
     "fidelity.fixtures": "fixtures",
+    "fidelity.panels.build": "engine/suites",  # prompts answered through the engine client
+    "fidelity.panels.check": "engine/suites",  # overlap with the suites' texts
+    "fidelity.panels": "measuring",  # rows, text rows, pack encoders: what compare and the store read
     "fidelity.engine": "engine/suites",
     "fidelity.suites": "engine/suites",
     "fidelity.report": "report",
     "fidelity.commands": "commands",
     "fidelity.cli": "cli",
     "fidelity.__main__": "cli",
-    "fidelity.measuring": "measuring",  # compare, store, panels, metrics, stats
+    "fidelity.measuring": "measuring",  # compare, store, metrics, stats
     "fidelity.attribute": "measuring",
     "fidelity.plan": "measuring",
     "fidelity": "base",  # the package root, errors, blas, vector_math, content_hash, routing, numerics

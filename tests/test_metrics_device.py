@@ -269,7 +269,7 @@ def test_blocked_topk_matches_scipy_and_does_not_depend_on_grouping(rng_seed):
 def _head_setup(seed: int, device: str, vocab: int = 3000, hidden_size: int = 64):
     from fidelity.oracle import Oracle
     from fidelity.fixtures.synthetic import SyntheticPack, llama_config
-    from fidelity.measuring.panels import TokenizedRow
+    from fidelity.panels.panel import TokenizedRow
     from fidelity.measuring.store import ReferenceRun
 
     cfg = llama_config(hidden_size=hidden_size, intermediate_size=32, n_layers=1, vocab_size=vocab, n_heads=2,

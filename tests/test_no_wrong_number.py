@@ -14,7 +14,7 @@ import torch
 
 from fidelity.measuring.compare import compare
 from fidelity.errors import FidelityError, PackError
-from fidelity.measuring.panels import PanelRow, write_panel
+from fidelity.panels.panel import PanelRow, write_panel
 from test_compare import _save, noisy_packs, tiny_setting
 
 OLD_SAMPLES, OLD_WINDOW = 64, 64 * 1024   # the sampled fingerprint this replaces: 64 windows of 64 KiB per file

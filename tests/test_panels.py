@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fidelity.measuring.panels import (PanelError, PanelRow, load_hf_panel, load_panel, render_chat, tokenize_row, write_panel)
+from fidelity.panels.panel import (PanelError, PanelRow, load_hf_panel, load_panel, render_chat, tokenize_row, write_panel)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +101,8 @@ def test_parquet_and_hf_datasets_loaders_read_local_files(tmp_path, rng_seed):
 
 
 def test_invalid_json_line_names_file_and_line(tmp_path):
-    from fidelity.commands.panel import read_prompts
-    from fidelity.measuring.panels import PanelError, read_jsonl
+    from fidelity.panels.build import read_prompts
+    from fidelity.panels.panel import PanelError, read_jsonl
 
     bad = tmp_path / "rows.jsonl"
     bad.write_text('\n{"id": "b", "domain": \n{"id": "c", "domain": "math", "text": "1 + 1 = 2"}\n')
@@ -128,7 +128,7 @@ def test_the_default_panel_is_the_repositorys_panels_default():
     # found from the module's own path: moving the module (fidelity/panels.py -> fidelity/measuring/) once broke it
     from pathlib import Path
 
-    from fidelity.measuring.panels import DEFAULT_PANEL
+    from fidelity.panels.panel import DEFAULT_PANEL
 
     assert DEFAULT_PANEL == Path(__file__).resolve().parents[1] / "panels" / "default"
     assert load_panel(None).rows and load_panel(None).path == DEFAULT_PANEL

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from fidelity.measuring.panels import PanelError, PanelRow, load_panel, parse_row, render_chat, tokenize_row, write_panel
+from fidelity.panels.panel import PanelError, PanelRow, load_panel, parse_row, render_chat, tokenize_row, write_panel
 
 # A tool-capable template in the Hermes / Qwen style (tools in the system turn, <think> reasoning, <tool_call> JSON,
 # tool results as <tool_response> in a user turn), written for this test on SmolLM2's <|im_start|>/<|im_end|> tokens.
@@ -273,7 +273,7 @@ def encode_messages(messages, thinking_mode, drop_thinking=True, add_default_bos
 def test_pack_encoder_code_runs_only_when_trusted_and_gives_token_exact_rows(tmp_path, smol_tok, rng_seed):
     import importlib.util
 
-    from fidelity.measuring.panel_encoding import encode_panel
+    from fidelity.panels.encoding import encode_panel
 
     (tmp_path / "pack" / "encoding").mkdir(parents=True)
     (tmp_path / "pack" / "encoding" / "encoding_toy.py").write_text(TOY_ENCODER)
@@ -331,7 +331,7 @@ def test_engine_answers_with_tool_calls_and_reasoning_become_rendered_rows(tmp_p
     """What `panel build --engine` sends (tools, sampling settings, the thinking switch, earlier tool calls as JSON
     text) and how an answer with reasoning and tool calls becomes a row the tool template renders and scores."""
     from fidelity.engine import client as C
-    from fidelity.engine.panel_build import EngineSettings, build_panel_from_engine
+    from fidelity.panels.build import EngineSettings, build_panel_from_engine
 
     obj = agentic_row(rng_seed)
     m = obj["messages"]

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from fidelity.fixtures.faults import Spawned, free_port, set_plan, spawn_fault_server
-from fidelity.engine.panel_build import JOURNAL_FILE, EngineSettings, build_panel_from_engine
-from fidelity.measuring.panels import PanelError, load_panel
+from fidelity.panels.build import JOURNAL_FILE, EngineSettings, build_panel_from_engine
+from fidelity.panels.panel import PanelError, load_panel
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 3?", "Say hello in Spanish.",

@@ -19,7 +19,7 @@ import json, sys, torch
 torch.set_num_threads(1)
 from fidelity.oracle import Oracle
 from fidelity.fixtures.synthetic import SyntheticPack, llama_config
-from fidelity.measuring.panels import PanelRow, tokenize_row
+from fidelity.panels.panel import PanelRow, tokenize_row
 
 cfg = llama_config(hidden_size=HIDDEN, intermediate_size=INNER, n_layers=2, vocab_size=VOCAB, n_heads=HEADS,
                    n_kv_heads=KV)

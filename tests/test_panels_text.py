@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from _golden import ifeval_jsonl
-from fidelity.suites.panel_check import check_panel
-from fidelity.measuring.panel_text import panel_from_text
-from fidelity.measuring.panels import PanelError, PanelRow, load_panel, tokenize_panel, write_panel
+from fidelity.panels.check import check_panel
+from fidelity.panels.text import panel_from_text
+from fidelity.panels.panel import PanelError, PanelRow, load_panel, tokenize_panel, write_panel
 
 REPO = Path(__file__).resolve().parent.parent
 IFEVAL = ifeval_jsonl()        # ../shared/data/ifeval, else the committed subset (tests/_golden.py)

@@ -294,7 +294,7 @@ def planned_spec(moe_plan: dict):
 
 
 def token_panel(path: Path, rows: list[list[int]], name: str):
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     return write_panel(path, [PanelRow(f"r{i}", "random", tokens=r, scored=[False] + [True] * (len(r) - 1))
                               for i, r in enumerate(rows)], name=name)

@@ -62,7 +62,7 @@ def _perturbed(model, cfg, scale: float, seed: int):
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> RealRun:
-    from fidelity.measuring.panels import PanelRow, write_panel
+    from fidelity.panels.panel import PanelRow, write_panel
 
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed {seed}")

@@ -23,7 +23,7 @@ from scipy import stats
 
 from fidelity.cli import main as cli
 from fidelity.engine.client import ClientConfig, EngineClient, EngineHTTPError
-from fidelity.engine.panel_build import EngineSettings
+from fidelity.panels.build import EngineSettings
 from fidelity.suites import make_suite
 from fidelity.suites.paired import compare_runs
 from fidelity.suites.records import read_manifest, read_records

@@ -229,7 +229,7 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
 def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, device="cpu", noise_floor=True,
              progress=True, console: Console | None = None):
     from ..measuring.compare import compare
-    from ..measuring.panels import load_panel
+    from ..panels.panel import load_panel
 
     con = console or Console()
     t0 = time.time()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..engine.panel_build import read_prompts  # noqa: F401 (the prompt reader lives with the engine path)
-from ..measuring.panels import PanelError, PanelRow, load_panel, write_panel
+from ..panels.build import read_prompts
+from ..panels.panel import PanelError, PanelRow, load_panel, write_panel
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -146,7 +146,7 @@ def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, 
     from tqdm.auto import tqdm
 
     from ..packs import open_pack
-    from ..measuring.panels import template_messages
+    from ..panels.panel import template_messages
 
     pack = open_pack(pack_path)
     items = read_prompts(prompts)
@@ -175,7 +175,7 @@ def run(args) -> int:
     con = Console()
     if args.panel_command == "build":
         if args.engine:
-            from ..engine.panel_build import EngineSettings, build_panel_from_engine
+            from ..panels.build import EngineSettings, build_panel_from_engine
 
             if not args.model:
                 raise PanelError("panel build --engine needs --model (the model name the engine serves)")
@@ -196,13 +196,13 @@ def run(args) -> int:
                                 max_new_tokens=args.max_new_tokens or 64, license=args.license,
                                 score_reasoning=not args.no_score_reasoning, numerics=args.numerics)
     elif args.panel_command == "from-text":
-        from ..measuring.panel_text import panel_from_text
+        from ..panels.text import panel_from_text
 
         panel = panel_from_text(args.sources, args.pack, args.out, tokens_per_row=args.tokens_per_row, rows=args.rows,
                                 domains=args.domain, field=args.field, bos=args.bos, name=args.name,
                                 description=args.description, license=args.license)
     elif args.panel_command == "check":
-        from ..suites.panel_check import check_panel, print_findings
+        from ..panels.check import check_panel, print_findings
 
         findings = check_panel(args.panel, args.against, n=args.ngram, fields=args.field, pack=args.pack)
         print_findings(con, findings)
@@ -210,7 +210,7 @@ def run(args) -> int:
             Path(args.json).write_text(json.dumps(findings.to_json(), indent=2, ensure_ascii=False) + "\n")
         return 1 if findings.hits else 0
     elif args.panel_command == "encode":
-        from ..measuring.panel_encoding import encode_panel
+        from ..panels.encoding import encode_panel
 
         try:
             kwargs = json.loads(args.encoder_kwargs)

@@ -21,7 +21,7 @@ from ..content_hash import tree_digest
 from ..errors import ConfigError, FidelityError, PackError
 from .metrics import PositionMetrics, position_metrics
 from ..packs.config_check import check_against_config
-from .panels import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
+from ..panels.panel import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
 from ..numerics import DEFAULT_NUMERICS, check_numerics
 from ..routing import RoutingCounts
 from .stats import RowGroups, paired_difference, summarize

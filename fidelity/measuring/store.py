@@ -23,7 +23,7 @@ import torch
 
 from .. import __version__
 from ..errors import FidelityError
-from .panels import Panel, TokenizedRow
+from ..panels.panel import Panel, TokenizedRow
 
 RECORDS_FILE = "records.parquet"
 MANIFEST_FILE = "manifest.json"

@@ -94,7 +94,7 @@ def _reference_tokenizer(group: Group):
 def _panel_positions(panel_source, group: Group, tokenizer) -> tuple[pd.DataFrame | None, str | None]:
     """Every token of every panel row (row_id, domain, position, token, scored), tokenized as compare did, so the worst
     positions get their prompt text too. The panel must be the one the results were measured on (same sha256)."""
-    from ..measuring.panels import load_panel, tokenize_panel
+    from ..panels.panel import load_panel, tokenize_panel
 
     panel = load_panel(panel_source)
     if panel.sha256 != group.panel.get("sha256"):

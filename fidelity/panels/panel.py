@@ -11,7 +11,7 @@ scored: their content, tool calls and reasoning (`score_reasoning=False` leaves 
 tool tokens. Messages follow OpenAI's chat format: `content` a string or a list of text parts, assistant `tool_calls`
 [{"id", "type": "function", "function": {"name", "arguments"}}] and `reasoning_content`, `role: "tool"` results with the
 `tool_call_id` they answer; the row's `tools` are the JSON-schema tool list the template is given. Token-exact rows are
-for packs whose chat format is code (DeepSeek's `encoding/`, see `fidelity.measuring.panel_encoding`) or rows rendered elsewhere;
+for packs whose chat format is code (DeepSeek's `encoding/`, see `fidelity.panels.encoding`) or rows rendered elsewhere;
 their ids are checked against the pack's vocabulary. Loaders also read a bare .jsonl / .parquet file and Hugging Face
 datasets (`hf:owner/name[:split]`, or any `datasets.load_dataset` source).
 """

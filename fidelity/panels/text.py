@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from .panels import Panel, PanelError, PanelRow, iter_jsonl, tokenizer_fingerprint, write_panel
+from .panel import Panel, PanelError, PanelRow, iter_jsonl, tokenizer_fingerprint, write_panel
 
 SEPARATOR = "\n\n"
 

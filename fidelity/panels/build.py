@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..measuring.panels import (Panel, PanelError, PanelRow, iter_jsonl, parse_messages, parse_row, parse_tools,
+from .panel import (Panel, PanelError, PanelRow, iter_jsonl, parse_messages, parse_row, parse_tools,
                                 write_panel)
 
 JOURNAL_FILE = "requests.jsonl"
@@ -67,7 +67,7 @@ class EngineSettings:
 
     def template_kwargs(self) -> dict | None:
         """`chat_template_kwargs` for the request (`chat_options.thinking_template_kwargs`: both thinking keys)."""
-        from .chat_options import thinking_template_kwargs
+        from ..engine.chat_options import thinking_template_kwargs
 
         if self.thinking is None:
             return None
@@ -113,7 +113,7 @@ async def _answer_all(prompts: list[Prompt], url: str, model: str, settings: Eng
                       progress: bool):
     from tqdm.auto import tqdm
 
-    from .client import ClientConfig, EngineClient, EngineError
+    from ..engine.client import ClientConfig, EngineClient, EngineError
 
     cfg = ClientConfig(url, model=model, concurrency=settings.concurrency, timeout_s=settings.timeout_s,
                        retries=settings.retries, journal=journal)

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from .panels import (Panel, PanelError, PanelRow, load_panel, message_text, scored_rendering, tokenizer_fingerprint,
+from .panel import (Panel, PanelError, PanelRow, load_panel, message_text, scored_rendering, tokenizer_fingerprint,
                      write_panel)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from ..measuring.panels import PanelError, load_panel, message_text
+from .panel import PanelError, load_panel, message_text
 
 WORD = re.compile(r"\w+")
 
@@ -81,7 +81,7 @@ def _record_text(rec, fields: list[str] | None) -> str:
 def against_texts(source: str, fields: list[str] | None = None) -> Iterator[tuple[str, str]]:
     """(item name, text) of every text of a calibration or benchmark source."""
     if source.startswith("suite:"):
-        from . import make_suite
+        from ..suites import make_suite
 
         name, _, data = source[6:].partition("=")
         for item in make_suite(name, **({"data": data} if data else {})).load():
