@@ -24,6 +24,7 @@ from ..packs.config_check import check_against_config
 from ..panels.panel import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
 from ..numerics import DEFAULT_NUMERICS, check_numerics
 from ..routing import RoutingCounts
+from .result_schema import SCHEMA_VERSION
 from .stats import RowGroups, paired_difference, summarize
 from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index
 
@@ -383,6 +384,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
             d = paired_difference(metrics[labels_[a]], metrics[labels_[b]], groups, n_boot=n_boot, seed=seed)
             paired.append({"a": labels_[a], "b": labels_[b], **d})
     report = {
+        "schema_version": SCHEMA_VERSION,   # fidelity.measuring.result_schema reads it
         "fidelity_version": __version__,
         "direction": "KL(P_reference || Q_pack), nats per scored token",
         "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(rows), "scored_positions": ref.scored_positions,
