@@ -560,7 +560,7 @@ def transformers_child(args, device, work: Path) -> dict:
 
     if not hasattr(T, "DeepseekV4ForCausalLM"):
         return {"available": False, "reason": f"transformers {T.__version__} has no DeepseekV4ForCausalLM"}
-    from fidelity.oracle import Oracle
+    from fidelity.oracle import Oracle, OracleTaps
     from fidelity.packs import open_pack
 
     rs.exact_math(device)       # both sides in true fp32 (no TF32)
@@ -602,8 +602,12 @@ def transformers_child(args, device, work: Path) -> dict:
         torch.cuda.empty_cache()
     oracle = Oracle(open_pack(folder), device=device, keep_weights=True)
     oracle.hidden_states([rows[0][:64]], progress=False)                        # warm-up: every layer built and kept
-    taps = {i: mark(i) for i in range(n)}
-    ours_pass, ours_spans, outs = median_spans(lambda: oracle._forward(rows, False, taps=taps)[1], ends,
+    taps = OracleTaps(layer_outputs={i: mark(i) for i in range(n)})
+
+    def tapped_pass():
+        with oracle.tapped(taps):
+            return oracle._forward(rows, False)[1]
+    ours_pass, ours_spans, outs = median_spans(tapped_pass, ends,
                                                args.hf_repeat, device)
     got = torch.cat([o.cpu() for o in outs])
     steady = slice(1 if n > 1 else 0, None)   # layer 0's span also holds the embedding, masks and rope tables

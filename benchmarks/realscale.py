@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fidelity import open_pack  # noqa: E402
-from fidelity.oracle import Oracle  # noqa: E402
+from fidelity.oracle import Oracle, OracleTaps  # noqa: E402
 from fidelity.oracle.runner import exact_math  # noqa: E402
 from fidelity.packs.base import LogicalTensor, Pack, Storage  # noqa: E402
 
@@ -474,7 +474,8 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
             return mark
         sync(device)
         start = time.perf_counter()
-        _, out = oracle._forward(rows, False, taps={i: tap(i) for i in range(n)})
+        with oracle.tapped(OracleTaps(layer_outputs={i: tap(i) for i in range(n)})):
+            _, out = oracle._forward(rows, False)
         sync(device)
         loads = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]} if oracle.prefetcher else None
         return {"warm_up_s": warm_up_s, "pass_s": time.perf_counter() - start, "spans": [ends[i] - (ends[i - 1] if i else start) for i in range(n)],

@@ -303,7 +303,7 @@ def stream_divergence(ref_h: list[torch.Tensor], pack_h: list[torch.Tensor]) -> 
 
 # -- routing -------------------------------------------------------------------------------------------------
 class RoutingRecorder:
-    """Set as `fetch.expert_outputs` (the sink `RoutedExperts` tells each call's routing and each expert's weighted
+    """An `OracleTaps.expert_outputs` (the sink `RoutedExperts` tells each call's routing and each expert's weighted
     outputs): records every call's expert choices and weights and each expert's routed-output energy for the layer
     `current_layer`, from the outputs the call computes anyway. Every family whose MoE is
     `fidelity.oracle.moe.RoutedExperts` (Qwen3Moe, Mixtral, DeepSeek) is seen."""
@@ -398,9 +398,10 @@ class Trunk:
     layer on with any layer built from another reader or wrapped."""
 
     def __init__(self, oracle, rows: list[list[int]], scored: list[torch.Tensor], keep_layers: bool | None):
-        from .oracle.common import Fetch
+        from .oracle.common import Fetch, OracleTaps
         self.oracle, self.fam, self.ref = oracle, oracle.family, oracle.pack
         self.Fetch = Fetch
+        self.taps = OracleTaps()   # the observers of every layer this trunk builds, set for the calls that record
         tokens = [oracle._validate_row(r, i) for i, r in enumerate(rows)]
         self.batches = oracle._batches(tokens)
         self.ids = [torch.stack([tokens[i] for i in idx]).to(oracle.device) for idx in self.batches]
@@ -423,11 +424,9 @@ class Trunk:
         self.final_states: list = []
         self.ref_logits: list[torch.Tensor] = []
 
-    def fetch(self, read, recorder=None):
-        f = self.Fetch(read, lambda n: tuple(self.ref.storage(n).shape), self.oracle.device, self.oracle.dtype)
-        if recorder is not None:
-            f.expert_outputs = recorder
-        return f
+    def fetch(self, read):
+        return self.Fetch(read, lambda n: tuple(self.ref.storage(n).shape), self.oracle.device, self.oracle.dtype,
+                          taps=self.taps)
 
     def build_layer(self, i: int, read: Reader):
         """Layer i with its tensors read through `read` and, where `read.tables` has one, that Engram table. Under a
@@ -496,14 +495,11 @@ class Trunk:
             layer = self.ref_layer(i)
             if recorder is not None:
                 recorder.current_layer = i
-            engram = getattr(layer, "engram", None)     # a V4.1 Engram layer: count its rows on this pass only
-            if engram_access is not None and engram is not None:
-                engram.fetch.engram_access = engram_access
+            self.taps.engram_access = engram_access     # V4.1 Engram layers count their rows on this pass only
             try:
                 xs = self._with_recorder(layer, xs, recorder, states)
             finally:
-                if engram_access is not None and engram is not None:
-                    engram.fetch.engram_access = None
+                self.taps.engram_access = None
             if keep_outputs:
                 outputs.append(xs)
             if each_output is not None:
@@ -513,14 +509,11 @@ class Trunk:
         return outputs
 
     def _with_recorder(self, layer, xs, recorder, states):
-        experts = _routed_experts(layer)
-        if recorder is not None and experts is not None:
-            experts.fetch.expert_outputs = recorder
+        self.taps.expert_outputs = recorder
         try:
             return [self.call(layer, x, b, state) for b, (x, state) in enumerate(zip(xs, states))]
         finally:
-            if recorder is not None and experts is not None:
-                experts.fetch.expert_outputs = None
+            self.taps.expert_outputs = None
 
     def run(self, start: int, build: Callable[[int], object | None] | None = None, read_head=None,
             recorder=None, each_output: Callable[[int, list], None] | None = None,

@@ -1,7 +1,7 @@
 """Measured Engram row access: how many lookups each row of each Engram table served on a panel.
 
 The V4.1 oracle's `EngramLayer` hands every call's table rows (`ngram_rows`: one row per token, n-gram length and
-head) to `fetch.engram_access` when one is set (attribute sets an `EngramAccess` for its reference pass).
+head) to `OracleTaps.engram_access` when one is set (attribute sets an `EngramAccess` for its reference pass).
 `coverage()` gives the curve a row cache is sized from: the top N most-read rows' share of all lookups."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Measured expert routing: how many tokens each routed expert of each MoE layer served on a panel.
 
-The oracle's `RoutedExperts` hands every call's expert choices to `fetch.routing_counts` when one is set (compare sets a
-`RoutingCounts` on each pack's oracle). `fractions()` turns the counts into, per expert tensor, the share of tokens that
-read it: the weights of `Pack.bits_per_weight(routing=...)`'s measured per-decoded-token rows."""
+The oracle's `RoutedExperts` hands every call's expert choices to `OracleTaps.routing_counts` when one is set (compare
+taps each pack's oracle with a `RoutingCounts`). `fractions()` turns the counts into, per expert tensor, the share of
+tokens that read it: the weights of `Pack.bits_per_weight(routing=...)`'s measured per-decoded-token rows."""
 from __future__ import annotations
 
 import numpy as np

@@ -10,7 +10,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
-from fidelity.oracle import Oracle
+from fidelity.oracle import Oracle, OracleTaps
 from fidelity.routing import RoutingCounts
 from test_oracle import COMMON, MOE, MOE_COMMON
 from test_oracle_support import build
@@ -98,8 +98,8 @@ def test_measured_routing_weights_the_experts_as_hf_routes(tmp_path, rng_seed):
     tokens = well_routed_tokens([model], (3, 19), 2, COMMON["vocab_size"])
     counts = RoutingCounts()
     oracle = Oracle(pack)
-    oracle.fetch.routing_counts = counts
-    oracle.logits(tokens)
+    with oracle.tapped(OracleTaps(routing_counts=counts)):
+        oracle.logits(tokens)
     hf = hf_expert_counts(model, tokens, 2)
     ours = list(counts.layers.values())
     assert len(ours) == len(hf) == COMMON["num_hidden_layers"]

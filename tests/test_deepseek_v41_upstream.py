@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fidelity import open_pack
-from fidelity.oracle import Oracle
+from fidelity.oracle import Oracle, OracleTaps
 from fidelity.oracle.deepseek import v41
 from fidelity.oracle.deepseek.quant import DeepSeekRounding, identity
 from _upstream_v41 import GOLDEN, write_upstream_pack
@@ -44,7 +44,8 @@ def run(oracle: Oracle, ids: list[int]) -> tuple[dict, torch.Tensor, torch.Tenso
     blocks: dict[int, torch.Tensor] = {}
     taps = {layer: (lambda layer: lambda x: blocks.__setitem__(layer, x[0].cpu()))(layer)
             for layer in range(oracle.family.n_layers)}
-    _, acts = oracle._forward([ids], False, taps=taps)
+    with oracle.tapped(OracleTaps(layer_outputs=taps)):
+        _, acts = oracle._forward([ids], False)
     final = acts[0][0]
     return blocks, final.cpu(), oracle.apply_head(final).cpu()
 

@@ -23,6 +23,7 @@ from .metrics import PositionMetrics, position_metrics
 from ..packs.config_check import check_against_config
 from ..panels.panel import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
 from ..numerics import DEFAULT_NUMERICS, check_numerics
+from ..oracle import OracleTaps
 from ..routing import RoutingCounts
 from .result_schema import SCHEMA_VERSION
 from .stats import RowGroups, paired_difference, summarize
@@ -306,13 +307,11 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         if pm is None:
             oracle = make_oracle()
             counts = None if noise else RoutingCounts()
-            if counts is not None:
-                oracle.fetch.routing_counts = counts
             # the noise floor perturbs the layers only: its hidden states go through the reference's own head
-            pm = _row_metrics(ref, ref_oracle, _pack_hidden(oracle, rows, progress), ref_oracle if noise else oracle,
-                              store_path=store_path, desc=desc, progress=progress, ref_logits_cache=ref_logits)
+            with oracle.tapped(OracleTaps(routing_counts=counts)):
+                pm = _row_metrics(ref, ref_oracle, _pack_hidden(oracle, rows, progress), ref_oracle if noise else oracle,
+                                  store_path=store_path, desc=desc, progress=progress, ref_logits_cache=ref_logits)
             if counts is not None:
-                oracle.fetch.routing_counts = None
                 _gather_routing(counts)
                 routing[name] = counts
             if not noise:

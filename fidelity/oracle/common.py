@@ -6,6 +6,7 @@ all have length T (no padding), so causal masks never see another row's tokens.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
@@ -14,6 +15,23 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 
+
+
+@dataclass(slots=True)
+class OracleTaps:
+    """What a pass tells its observers, each optional (None: nobody listens). The oracle's passes hand them to a
+    `with oracle.tapped(OracleTaps(...))` block; the layers read them from their `Fetch.taps`.
+
+    `layer_outputs` {layer: fn}: fn(output) of that layer for each batch, in batch order (the DeepSeek drafters' trunk
+    pass). `routing_counts` (a `RoutingCounts`: `add(experts, indices)`): every `RoutedExperts` call's expert choices
+    (compare's measured routing). `expert_outputs` (`routed(experts, indices, weights)` and `expert_output(e, y)`): each
+    call's routing and each expert's weighted outputs (attribute's `RoutingRecorder`). `engram_access` (an
+    `EngramAccess`: `add(layer, n_rows, rows)`): every V4.1 Engram call's table rows."""
+
+    layer_outputs: dict[int, Callable] | None = None
+    routing_counts: object | None = None
+    expert_outputs: object | None = None
+    engram_access: object | None = None
 
 
 class Fetch:
@@ -25,27 +43,30 @@ class Fetch:
     `read_many(names[, device=d])` (optional, `Pack.tensors`) gives several at once, decoded together where the format
     can; `read_ahead(names)` puts them in `ready`, where the next `fetch(name)` of each takes it.
 
-    Slots the oracle's load chain fills (`fidelity.oracle.runner.LoadChain`): `ready` holds tensors already placed on
-    the device for the layer being built (sharded loads: received from the rank that read them), each handed out once
-    instead of being read; `RoutedExperts` hands its calls to `expert_parallel`, its expert choices to `routing_counts`
-    and each call's routing and experts' weighted outputs to `expert_outputs` when set. `expert_budget_bytes` (the
-    Oracle's `expert_budget_bytes=`): None keeps every decoded routed expert for the layer's lifetime; an int keeps at
-    most that many bytes of them per layer (first fit in the order they are first used; the others are decoded for each
-    call, together within min(budget, READ_AHEAD_BYTES), and freed after it: `moe.DecodedExperts`), read by
-    `RoutedExperts` when a layer is built; `expert_decodes` (the oracle's, one per forward) tallies their decodes."""
+    The oracle's load chain (`fidelity.oracle.runner.LoadChain`) fills `ready`: tensors already placed on the device
+    for the layer being built (sharded loads: received from the rank that read them), each handed out once instead of
+    being read. Loading settings, read by `RoutedExperts`: `expert_parallel` (the chain's `experts` slot, which it hands
+    its calls to) and `expert_budget_bytes` (the Oracle's `expert_budget_bytes=`, read when a layer is built): None
+    keeps every decoded routed expert for the layer's lifetime; an int keeps at most that many bytes of them per layer
+    (first fit in the order they are first used; the others are decoded for each call, together within
+    min(budget, READ_AHEAD_BYTES), and freed after it: `moe.DecodedExperts`). `expert_decodes`: the oracle's tally of
+    their decodes (a `moe.ExpertDecodes`, a new one per forward). `taps`: the observers of the pass (`OracleTaps`).
+    Slots: an attribute it does not declare is refused, never silently ignored."""
 
-    expert_parallel = None      # an ExpertParallel (fidelity.oracle.parallel.experts)
-    routing_counts = None       # a fidelity.routing.RoutingCounts sink
-    expert_outputs = None       # a sink with routed(experts, indices, weights) and expert_output(e, y): attribute's recorder
-    expert_budget_bytes = None  # bytes of decoded routed experts a layer keeps (None: all)
-    expert_decodes = None       # a fidelity.oracle.moe.ExpertDecodes tally
+    __slots__ = ("read", "shape_of", "device", "dtype", "read_many", "ready", "expert_budget_bytes", "expert_parallel",
+                 "expert_decodes", "taps")
 
     def __init__(self, read: Callable[..., torch.Tensor], shape_of: Callable[[str], tuple] | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 read_many: Callable[..., dict] | None = None):
+                 read_many: Callable[..., dict] | None = None, expert_budget_bytes: int | None = None,
+                 expert_parallel: object | None = None, taps: OracleTaps | None = None):
         self.read, self.shape_of, self.device, self.dtype = read, shape_of, torch.device(device), dtype
         self.read_many = read_many
         self.ready: dict[str, torch.Tensor] = {}
+        self.expert_budget_bytes = expert_budget_bytes
+        self.expert_parallel = expert_parallel
+        self.expert_decodes = None
+        self.taps = OracleTaps() if taps is None else taps
 
     def _decoded(self, read: Callable, what):
         """read(what) on the CPU, read(what, device=d) elsewhere (the readers' convention above)."""

@@ -124,7 +124,7 @@ class RoutedExperts:
 
     def __init__(self, n_experts: int, names: Callable[[int], tuple[str, str, str]], fetch: Fetch, act: str):
         self.n_experts, self.names, self.fetch, self.act = n_experts, names, fetch, act
-        self.loaded = DecodedExperts(getattr(fetch, "expert_budget_bytes", None))
+        self.loaded = DecodedExperts(fetch.expert_budget_bytes)
 
     def decode(self, e: int) -> GatedMLP:
         return GatedMLP.from_names(self.fetch, *self.names(e), self.act)
@@ -146,7 +146,7 @@ class RoutedExperts:
         has one, e.g. one EXL3 kernel launch per codebook, rate and shape), not yet offered: `expert(e, decoded)`
         offers them in the call's order, so the table keeps what it would keep one by one. Nothing where the fetch has
         no `read_many`."""
-        if getattr(self.fetch, "read_many", None) is None:
+        if self.fetch.read_many is None:
             return {}
         budget, kept = self.loaded.budget, self.loaded.kept_bytes
         batches: list[list[int]] = [[]]
@@ -174,7 +174,7 @@ class RoutedExperts:
         holds at most budget + max(one expert, min(budget, READ_AHEAD_BYTES)). Nothing for fewer than two, or where
         the fetch has no `read_many` (then each decodes alone, `expert(e)`)."""
         budget = self.loaded.budget
-        if budget is None or getattr(self.fetch, "read_many", None) is None:
+        if budget is None or self.fetch.read_many is None:
             return {}
         room, chunk, total = min(budget, READ_AHEAD_BYTES), [], 0
         for e in experts:
@@ -200,7 +200,7 @@ class RoutedExperts:
         mlp = self.loaded.get(e)
         if mlp is None:
             mlp = self.loaded.offer(e, decoded if decoded is not None else self.decode(e), held)
-            tally = getattr(self.fetch, "expert_decodes", None)
+            tally = self.fetch.expert_decodes
             if tally is not None:
                 tally.decoded(tuple(self.names(0)), e)
         return mlp
@@ -208,19 +208,19 @@ class RoutedExperts:
     def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]; indices, weights [N, k] -> sum_k weights * expert_k(x), experts applied in ascending order."""
         out = self._combine(x, indices, weights)
-        tally = getattr(self.fetch, "expert_decodes", None)
+        tally = self.fetch.expert_decodes
         if tally is not None:
             tally.saw(self.loaded)
         return out
 
     def _combine(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        counts = getattr(self.fetch, "routing_counts", None)  # optional sink (fidelity.routing): tokens per expert
-        if counts is not None:
-            counts.add(self, indices)
-        outputs = getattr(self.fetch, "expert_outputs", None)   # optional sink (fidelity.attribute): what each expert adds
+        taps = self.fetch.taps
+        if taps.routing_counts is not None:
+            taps.routing_counts.add(self, indices)
+        outputs = taps.expert_outputs
         if outputs is not None:
             outputs.routed(self, indices, weights)
-        parallel = getattr(self.fetch, "expert_parallel", None)  # set by fidelity.oracle.parallel (experts across ranks)
+        parallel = self.fetch.expert_parallel   # the load chain's experts slot (experts across ranks)
         if parallel is not None:
             return parallel.combine(self, x, indices, weights)
         out = torch.zeros_like(x)

@@ -9,6 +9,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
 from .families import family_for_pack, missing_tensors
-from .common import Family, Fetch, layer_call_args, rms_norm
+from .common import Family, Fetch, OracleTaps, layer_call_args, rms_norm
 from ..numerics import check_numerics
 from . import moe
 from .moe import ExpertDecodes
@@ -94,8 +95,9 @@ class LoadChain:
         layer      ((i, layer) -> layer, ...), applied in order to every built layer (the noise floor's perturbation,
                    `fidelity.measuring.compare.Perturbation`)
 
-    Observing a pass is not loading: `Oracle._forward(rows, taps={i: fn})` hands layer i's outputs to fn (the DeepSeek
-    drafters' trunk pass). No stage replaces an oracle attribute; `Oracle.load_layer` is the chain's one entry."""
+    Observing a pass is not loading: `with oracle.tapped(OracleTaps(...))` hands the passes inside it to observers
+    (`OracleTaps.layer_outputs` {i: fn}: layer i's outputs, the DeepSeek drafters' trunk pass; routing counts, expert
+    outputs, Engram row access). No stage replaces an oracle attribute; `Oracle.load_layer` is the chain's one entry."""
 
     prefetch: Callable | None = None
     shards: Callable | None = None
@@ -134,14 +136,13 @@ class Oracle:
         self._check_names()
         self.family.set_numerics(check_numerics(numerics), pack)
         self.numerics = numerics
-        self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype,
-                           read_many=(lambda names, **where: self.pack.tensors(names, **where))
-                           if hasattr(self.pack, "tensors") else None)
         self.chain = LoadChain() if chain is None else chain
         if not isinstance(self.chain, LoadChain):
             raise FidelityError(f"chain must be a LoadChain, not {type(self.chain).__name__}")
-        self.fetch.expert_parallel = self.chain.experts
-        self.fetch.expert_budget_bytes = expert_budget_bytes
+        self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype,
+                           read_many=(lambda names, **where: self.pack.tensors(names, **where))
+                           if hasattr(self.pack, "tensors") else None,
+                           expert_budget_bytes=expert_budget_bytes, expert_parallel=self.chain.experts)
         self._head: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._layers: dict[int, object] = {}
@@ -232,6 +233,18 @@ class Oracle:
         return drafter(self, **options)
 
     # -- forward -------------------------------------------------------------------------------------------
+    @contextmanager
+    def tapped(self, taps: OracleTaps) -> Iterator[OracleTaps]:
+        """The passes run inside the block tell `taps` (OracleTaps) what they see; the observers before it are back
+        after it (also when it raises)."""
+        if not isinstance(taps, OracleTaps):
+            raise FidelityError(f"taps must be an OracleTaps, not {type(taps).__name__}")
+        before, self.fetch.taps = self.fetch.taps, taps
+        try:
+            yield taps
+        finally:
+            self.fetch.taps = before
+
     def hidden_states(self, rows: list[list[int]], progress: bool = True) -> list[torch.Tensor]:
         """Final hidden state (after the last norm) of every row: list of [T_i, hidden] in the oracle's dtype."""
         batches, acts = self._forward(rows, progress)
@@ -253,10 +266,10 @@ class Oracle:
             self._head_into(x, out[idx[0]:idx[-1] + 1])
         return out
 
-    def _forward(self, rows: list[list[int]], progress: bool, taps: dict[int, Callable] | None = None
-                 ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    def _forward(self, rows: list[list[int]], progress: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
         """All rows through every layer and the final norm: (row-index batches, activations [b, T, hidden] each).
-        `taps` {layer: fn}: fn(output) of that layer for each batch, in batch order."""
+        The observers of `tapped` see it (`layer_outputs` {layer: fn}: fn(output) of that layer for each batch, in
+        batch order)."""
         warm_up_vector_math()
         rows = [self._validate_row(r, i) for i, r in enumerate(rows)]
         batches = self._batches(rows)
@@ -265,6 +278,7 @@ class Oracle:
         ids = [torch.stack([rows[i] for i in idx]).to(self.device) for idx in batches]
         store = ActivationStore(self.device, self._activation_budget(batches, rows))
         self.fetch.expert_decodes = decodes = ExpertDecodes()   # this pass's routed-expert decodes
+        layer_outputs = self.fetch.taps.layer_outputs
         states = [fam.new_pass_state() for _ in batches]   # what each batch's pass carries from layer to layer
         for b, (idx, t) in enumerate(zip(batches, ids)):
             x = store.arrived(fam.embed_hook(F.embedding(t, embed)))
@@ -295,8 +309,8 @@ class Oracle:
                 x = store.take(b)
                 x = layer(x, _slice_rope(rope, x.shape[1]), *layer_call_args(fam, ids[b], states[b]))
                 self._check_finite(x, idx, layer_index)
-                if taps and layer_index in taps:
-                    taps[layer_index](x)
+                if layer_outputs and layer_index in layer_outputs:
+                    layer_outputs[layer_index](x)
                 if last:
                     finish(b, x)
                 else:

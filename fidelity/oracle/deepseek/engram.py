@@ -348,7 +348,7 @@ class EngramLayer:
 
     def __call__(self, streams: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = ngram_rows(ids, self.a)   # hashed where the ids are (the oracle's device), decoded onto the streams'
-        access = getattr(self.fetch, "engram_access", None)  # optional sink (fidelity.engram_access): lookups per row
+        access = None if self.fetch is None else self.fetch.taps.engram_access   # lookups per row (OracleTaps)
         if access is not None:
             access.add(self.a.layer, self.table.n_rows, rows)
         return self.from_rows(streams, rows)

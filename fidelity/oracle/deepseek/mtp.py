@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import ConfigError, FidelityError, PackError
-from ..common import ATTENTION_CHUNK_BYTES, rms_norm
+from ..common import ATTENTION_CHUNK_BYTES, OracleTaps, rms_norm
 from .quant import rounds_stored_input
 from .v4 import (ARCH, SLIDING, Attention, DeepseekV4Family, HyperConnection, MoE, collapse, fetch_block_inputs,
                  hc_names, layer_names, name_candidates, rope_table, rope_tail, unweighted_rms_norm)
@@ -123,8 +123,9 @@ def trunk_pass(oracle, rows: list[list[int]], tap_layers, reduce=lambda x: x):
     """The oracle's own forward, reading `reduce(output)` of the layers in tap_layers on the way:
     (per row {layer: tap [T, ...]}, per row the final hidden state [T, hidden] after the last norm)."""
     recorded: dict[int, list[torch.Tensor]] = {t: [] for t in tap_layers}
-    batches, hidden = oracle._forward(rows, progress=False,
-                                      taps={t: lambda out, t=t: recorded[t].append(reduce(out)) for t in tap_layers})
+    outputs = {t: lambda out, t=t: recorded[t].append(reduce(out)) for t in tap_layers}
+    with oracle.tapped(OracleTaps(layer_outputs=outputs)):
+        batches, hidden = oracle._forward(rows, progress=False)
     taps: list = [None] * len(rows)
     finals: list = [None] * len(rows)
     for b, idx in enumerate(batches):
