@@ -95,7 +95,7 @@ def cases():
 def gguf_cases(root: Path):
     try:
         import gguf
-        from fidelity.fixtures.writers import write_gguf_tensors
+        from testkit.raw_gguf import write_gguf_tensors
     except ImportError:
         print("(gguf-py not installed: GGUF rows skipped)")
         return
@@ -172,7 +172,7 @@ def print_row(r: dict) -> None:
 def layer_table(args, root: Path) -> None:
     from fidelity.oracle import LoadChain, Oracle
     from fidelity.oracle.parallel import Prefetcher
-    from fidelity.fixtures.synthetic import llama_config, llama_shapes
+    from testkit.synthetic import llama_config, llama_shapes
 
     n = 4
     cfg = llama_config(HIDDEN, 11008, n, 1024, 32, 8)

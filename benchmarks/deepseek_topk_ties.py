@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # testkit
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fidelity import open_pack  # noqa: E402
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     fixtures = ROOT / "tests" / "fixtures" / "v4"
     probe("V4 native fixture", open_pack(fixtures / "tiny_v4"), args.length)
     with tempfile.TemporaryDirectory() as tmp:
-        from fidelity.fixtures.minipacks_v41 import build_native_v41
+        from testkit.minipacks_v41 import build_native_v41
         probe("V4.1 native", open_pack(build_native_v41(fixtures / "tiny_v4", Path(tmp) / "v41")), args.length)
         if args.v32:
             from test_oracle_deepseek_v32 import make

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fidelity.fixtures import exl3_encoder
+from fidelity.packs.exl3 import encoder as exl3_encoder
 from fidelity.packs.exl3 import codec
 
 BINDING = """

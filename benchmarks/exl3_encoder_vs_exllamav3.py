@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fidelity.fixtures import exl3_encoder
+from fidelity.packs.exl3 import encoder as exl3_encoder
 
 SHAPES = ["s256x128", "s384x256", "s200x100p"]
 

@@ -85,7 +85,7 @@ def build(out: Path) -> dict:
     import transformers as T
     from safetensors.torch import save_file
 
-    from fidelity.fixtures.minipacks_v4 import build_native
+    from testkit.minipacks_v4 import build_native
 
     out.mkdir(parents=True, exist_ok=True)
     pack = out / "pack"
@@ -98,7 +98,7 @@ def build(out: Path) -> dict:
               out / "oracle_logits.safetensors")
     # the same weights through transformers (fp32, its own config spelling): the oracle reads the official config right
     from safetensors.torch import load_file
-    from fidelity.fixtures.minipacks_v4 import official_name
+    from testkit.minipacks_v4 import official_name
     hf = T.DeepseekV4ForCausalLM(T.DeepseekV4Config(**HF_CONFIG)).float().eval()
     hf.config._attn_implementation = "eager"
     hf.set_experts_implementation("eager")

@@ -215,7 +215,7 @@ def load_exllamav3(src: Path, row_dim: int) -> types.SimpleNamespace:
 # the pack, the two sides, the comparison
 # ---------------------------------------------------------------------------------------------------------------------
 def build_pack(out: Path) -> Path:
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v41 import build_native_v41
     return build_native_v41(TINY_V4, out / "tiny_v41")
 
 

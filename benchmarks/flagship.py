@@ -118,7 +118,7 @@ def mxfp4_on_device(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     CPU the same bytes (tests/test_flagship_smoke.py). On a GPU its log2 may round a group whose amax lies within an
     ulp below a power of two the other way (another exponent, still a valid MXFP4 group: the oracle reads what is
     stored). Returns (int8 codes on w's device, e8m0 scales on the CPU: exact powers of two, converted there)."""
-    from fidelity.fixtures.minipacks_v4 import FP4_GRID, MX_GROUP
+    from testkit.minipacks_v4 import FP4_GRID, MX_GROUP
 
     rows, cols = w.shape
     groups = w.float().reshape(rows, cols // MX_GROUP, MX_GROUP)
@@ -134,7 +134,7 @@ def mxfp4_on_device(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def exl3_stored_names(native, spec) -> list[str]:
     """The non-expert tensors the `deepseek_v41_exl3` layout stores in EXL3 (the head, `wo_a`)."""
-    from fidelity.fixtures.minipacks_v4 import exl3_k, kind_of
+    from testkit.minipacks_v4 import exl3_k, kind_of
     from fidelity.packs.exl3.layouts import routed_expert
 
     out = []
@@ -175,7 +175,7 @@ def write_reference(native_dir: Path, pack_dir: Path, out: Path, spec, device, r
     """REF in the `fp8-mxfp4` layout: the writer on the bf16 V4.1 with PACK's head and `wo_a`, then PACK's routed
     experts decoded on `device` and rounded to MXFP4 there, one shard per layer, added to the index.
     `remove_native`: the bf16 folder is deleted once the writer is done with it (before the experts: less disk)."""
-    from fidelity.fixtures.minipacks_v4 import write_v4_minipack
+    from testkit.minipacks_v4 import write_v4_minipack
     from fidelity.packs import open_pack
     from fidelity.packs.exl3.layouts import hf_to_official, routed_expert
     from fidelity.packs.safetensors_io import write_safetensors
@@ -228,8 +228,8 @@ def packs_built(work: Path, params: dict) -> bool:
 
 
 def build_child(args, device, work: Path) -> dict:
-    from fidelity.fixtures.minipacks_v4 import V4MiniSpec, write_v4_minipack
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v4 import V4MiniSpec, write_v4_minipack
+    from testkit.minipacks_v41 import build_native_v41
     from fidelity.packs import open_pack
     from fidelity.packs.safetensors_io import write_safetensors
 
@@ -503,7 +503,7 @@ def write_v4_folder(ref_dir: Path, v4_only: Path, out: Path, cfg: dict, device) 
     the V4.1 replaced them."""
     from safetensors.torch import load_file
 
-    from fidelity.fixtures.minipacks_v4 import official_name
+    from testkit.minipacks_v4 import official_name
     from fidelity.packs import open_pack
     from fidelity.packs.safetensors_io import write_safetensors
 

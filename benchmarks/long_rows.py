@@ -33,7 +33,7 @@ CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]))
 from fidelity.oracle import Oracle
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 
 def status(field):
     for line in open("/proc/self/status"):

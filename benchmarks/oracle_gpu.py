@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fidelity.oracle import parallel  # noqa: E402
 from fidelity.oracle import LoadChain, Oracle  # noqa: E402
-from fidelity.fixtures.synthetic import llama_config, llama_shapes  # noqa: E402
+from testkit.synthetic import llama_config, llama_shapes  # noqa: E402
 from fidelity.packs.base import LogicalTensor, Pack, Storage  # noqa: E402
 
 WORK = Path("/tmp/oracle_gpu_work")  # large intermediate files (single-GPU hidden states, MoE packs)

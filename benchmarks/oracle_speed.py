@@ -137,7 +137,7 @@ MEMORY_SCRIPT = r"""
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 from fidelity.oracle import Oracle
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):

@@ -16,7 +16,7 @@ torch.equal (see parallel_main).
 Layers (transformers 5.24 DeepseekV4Config defaults: hidden 4096, 64 heads x 512, q/o LoRA 1024 (8 output groups),
 a CSA layer (ratio 4, indexer 64 x 128, top-512, window 128), 256 routed experts x 2048 for V4-Flash and 384 for
 V4.1-Flash, top-6, one shared expert, hc 4; V4.1 adds its shared pool/indexer/candidate blocks and an Engram layer),
-written by fidelity.fixtures.minipacks_v4's writer in the `deepseek_v41_exl3` layout: routed experts EXL3 at mixed K 2-5
+written by testkit.minipacks_v4's writer in the `deepseek_v41_exl3` layout: routed experts EXL3 at mixed K 2-5
 (the seed cards' K mix) as random valid trellises (any bits are a valid trellis; decode costs the same), `wo_a` and the
 head EXL3 too, FP8 e4m3 ue8m0 dense/attention, MXFP4 shared experts, V4.1's Engram table FP8 per row. Per layer:
 read (the layer's stored bytes from the page cache), load (Oracle.load_layer: read + decode + copy to the device, as
@@ -145,7 +145,7 @@ def v4_native_without_experts(cfg: dict, out: Path, device) -> tuple[Path, dict[
     except the routed experts, which are only named (their [out, in] shapes returned): their bytes come as random
     EXL3 trellises later, never as bf16 weights."""
     from fidelity.packs.exl3.layouts import routed_expert
-    from fidelity.fixtures.minipacks_v4 import byte_tokenizer
+    from testkit.minipacks_v4 import byte_tokenizer
     from fidelity.packs.safetensors_io import write_safetensors
 
     tensors, experts = {}, {}
@@ -240,13 +240,13 @@ def v41_layers(v41_extra: dict, layers: int) -> dict:
 
 def build_layer_pack(arch: str, geometry: dict, v41_extra: dict, experts: int, work: Path, device,
                      layers: int = 1) -> tuple[Path, dict]:
-    from fidelity.fixtures.minipacks_v4 import V4MiniSpec, write_v4_minipack
+    from testkit.minipacks_v4 import V4MiniSpec, write_v4_minipack
 
     cfg = v4_config(geometry, experts, layers)
     v4_dir, expert_shapes = v4_native_without_experts(cfg, work / f"{arch}-native-v4", device)
     native_dir = v4_dir
     if arch == "v41":
-        from fidelity.fixtures.minipacks_v41 import build_native_v41
+        from testkit.minipacks_v41 import build_native_v41
         native_dir = build_native_v41(v4_dir, work / f"{arch}-native", index_topk=geometry["index_topk"],
                                       **v41_layers(v41_extra, layers))
     spec = V4MiniSpec(expert_k=expert_k_string(experts), dense_k=4, head_k=4, fp8_block=32 if arch == "v41" else 128)

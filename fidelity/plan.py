@@ -1,7 +1,7 @@
 """plan(): per routed expert (or expert tensor) an EXL3 K, from measured sensitivity x routing share x per-K error,
 under a byte budget. Pure: the inputs are an `attribute` result (as `Attribution.to_json()`), the reference's expert
 tensors and a table of per-K errors; nothing here runs a model or an encoder (the command measures errors with the
-EXL3 reference encoder of fidelity/fixtures).
+EXL3 reference encoder, fidelity/packs/exl3/encoder.py).
 
 Model (definitions once, here). A unit u is one routed expert of layer L (its three matrices at one K: what the
 `exl3_moe_plan.json` layout can state) or, per tensor, one matrix of it. Its predicted KL at K is

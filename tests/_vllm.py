@@ -39,7 +39,7 @@ def vllm_python() -> Path:
 def smol_folders(gguf: Path, base: Path) -> dict[str, Path]:
     """{"f32": the SmolLM2 GGUF's weights as fp32 safetensors, "q2k": the same after a Q2_K round trip, fp32}: built
     once per test session under `base`."""
-    from fidelity.fixtures.writers import write_gguf, write_native
+    from fidelity.packs.writers import write_gguf, write_native
     from fidelity.packs import open_pack
 
     out = {"f32": base / "smol-f32", "q2k": base / "smol-q2k-f32"}

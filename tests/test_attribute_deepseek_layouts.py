@@ -23,9 +23,10 @@ from safetensors.torch import load_file, save_file
 from fidelity import open_pack
 from fidelity.attribute import Reader, Settings, Trunk, _variant, attribute, module_groups, table_error
 from fidelity.errors import PackError
-from fidelity.fixtures import minipacks
-from fidelity.fixtures.minipacks_v4 import LAYOUTS, V4MiniSpec, write_all
-from fidelity.fixtures.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+from fidelity.packs.exl3 import writer as minipacks
+from fidelity.packs.exl3.encoder import EncodingCache
+from testkit.minipacks_v4 import LAYOUTS, V4MiniSpec, write_all
+from testkit.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
 from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek.engram import RowTable
 from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
@@ -39,9 +40,9 @@ V4_NATIVE = FIXTURES / "v4" / "tiny_v4"
 def packs(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
     """generation -> (native, {layout: pack}), from the committed fixtures' encodings (no encoding here)."""
     root = tmp_path_factory.mktemp("deepseek_layouts")
-    v3_cache = minipacks.EncodingCache(FIXTURES / "exl3" / "tiny_deepseek_encodings.safetensors")
+    v3_cache = EncodingCache(FIXTURES / "exl3" / "tiny_deepseek_encodings.safetensors")
     v3 = minipacks.write_all(open_pack(V3_NATIVE), root / "v3", minipacks.MiniPackSpec(), v3_cache)
-    cache = minipacks.EncodingCache(FIXTURES / "v4" / "tiny_v4_encodings.safetensors")
+    cache = EncodingCache(FIXTURES / "v4" / "tiny_v4_encodings.safetensors")
     v4 = write_all(V4_NATIVE, root / "v4", V4MiniSpec(), cache)
     v41_native = build_native_v41(V4_NATIVE, root / "v41native")
     v41 = write_all_v41(v41_native, root / "v41", V41_SPEC, cache)

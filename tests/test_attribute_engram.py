@@ -14,7 +14,7 @@ import torch
 
 from fidelity.attribute import Settings, attribute
 from fidelity.commands.attribute import print_tables
-from fidelity.fixtures.minipacks_v41 import build_native_v41
+from testkit.minipacks_v41 import build_native_v41
 from fidelity.oracle.deepseek.engram import EngramArgs, compressed_token_map
 from test_engram import naive_rows
 

@@ -13,7 +13,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from fidelity.attribute import Settings, attribute
-from fidelity.fixtures.minipacks_v4 import official_name
+from testkit.minipacks_v4 import official_name
 from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
 
 NATIVE = Path(__file__).parent / "fixtures" / "v4" / "tiny_v4"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from fidelity.engine.bench import CACHE_HIT_GAIN_PCT, BenchConfig, load_prompts, parse_length, run_bench
-from fidelity.fixtures.faults import Spawned, free_port, set_plan, spawn_fault_server
+from testkit.faults import Spawned, free_port, set_plan, spawn_fault_server
 from fidelity.errors import ConfigError
 
 

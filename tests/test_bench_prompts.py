@@ -11,7 +11,7 @@ import pytest
 
 from fidelity.engine.bench import BenchConfig, read_prompt_sets
 from fidelity.errors import ConfigError
-from fidelity.fixtures.faults import set_plan, spawn_fault_server
+from testkit.faults import set_plan, spawn_fault_server
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from fidelity.commands.bench import serving_lines
 from fidelity.engine.bench import BenchConfig, is_loopback, run_bench, serving_block
-from fidelity.fixtures.faults import set_plan, spawn_fault_server
+from testkit.faults import set_plan, spawn_fault_server
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_ladder_rows_carry_each_rungs_serving_facts(tmp_path, rng_seed):
     kv = int(np.random.default_rng(rng_seed).integers(1, 1000)) * 128
 
     def rung(name, plan):
-        cmd = [sys.executable, "-m", "fidelity.fixtures.faults", "--port", "{port}", "--plan", json.dumps(plan)]
+        cmd = [sys.executable, "-m", "testkit.faults", "--port", "{port}", "--plan", json.dumps(plan)]
         return f'[[rung]]\nname = "{name}"\ncommand = {json.dumps(cmd)}\n'
 
     (tmp_path / "ladder.toml").write_text(

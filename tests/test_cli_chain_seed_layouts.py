@@ -17,9 +17,9 @@ import torch
 
 from fidelity import open_pack
 from fidelity.cli import main
-from fidelity.fixtures.minipacks import EncodingCache
-from fidelity.fixtures.minipacks_v4 import LAYOUTS, V4MiniSpec, write_all
-from fidelity.fixtures.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+from fidelity.packs.exl3.encoder import EncodingCache
+from testkit.minipacks_v4 import LAYOUTS, V4MiniSpec, write_all
+from testkit.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
 from fidelity.measuring.compare import prepare
 from fidelity.measuring.store import scored_index
 from fidelity.oracle import Oracle

@@ -16,12 +16,12 @@ VOCAB = 49152
 
 
 def _config(vocab=VOCAB):
-    from fidelity.fixtures.synthetic import llama_config
+    from testkit.synthetic import llama_config
     return llama_config(hidden_size=64, intermediate_size=128, n_layers=2, vocab_size=vocab, n_heads=4, n_kv_heads=2)
 
 
 def _weights(cfg, gen):
-    from fidelity.fixtures.synthetic import llama_shapes
+    from testkit.synthetic import llama_shapes
     out = {}
     for name, shape in llama_shapes(cfg).items():
         if name.endswith("norm.weight"):

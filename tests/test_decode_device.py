@@ -30,7 +30,7 @@ from conftest import SHARED
 from fidelity import PackError, open_pack
 from fidelity.oracle import LoadChain, Oracle
 from fidelity.oracle.parallel import Prefetcher
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 from fidelity.packs import staging
 from fidelity.packs.exl3 import codec
 from fidelity.packs.safetensors_io import SafetensorsFile, write_safetensors
@@ -530,9 +530,9 @@ def test_v4_and_v41_miniature_layouts_decode_on_the_device_like_the_cpu(tmp_path
     """The five EXL3 seed layouts and the FP8/MXFP4 pack of tests/test_minipacks_v4 and _v41 (mixed K, wo_a slices,
     FP8 ue8m0 on 128 and 32 blocks, MXFP4 shared experts, FP8 Engram rows, official names): every tensor."""
     from test_minipacks_v4 import ENCODINGS, NATIVE, SPEC
-    from fidelity.fixtures.minipacks import EncodingCache
-    from fidelity.fixtures.minipacks_v4 import write_all
-    from fidelity.fixtures.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+    from fidelity.packs.exl3.encoder import EncodingCache
+    from testkit.minipacks_v4 import write_all
+    from testkit.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
     packs = write_all(open_pack(NATIVE), tmp_path / "v4", SPEC, EncodingCache(ENCODINGS))
     v41 = build_native_v41(NATIVE, tmp_path / "v41native")
     packs |= {f"v4.1 {k}": v for k, v in write_all_v41(v41, tmp_path / "v41", V41_SPEC, EncodingCache(ENCODINGS)).items()}
@@ -567,7 +567,7 @@ def gguf_stored(qtype: str, rows: int, cols: int, g: torch.Generator) -> np.ndar
 
 
 def gguf_pack(tmp_path, qtype: str, g: torch.Generator, arch: str = "qwen3"):
-    from fidelity.fixtures.writers import write_gguf_tensors
+    from testkit.raw_gguf import write_gguf_tensors
     from test_packs_gguf import HPARAMS
     import gguf
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]

@@ -207,7 +207,7 @@ def test_dspark_rounds_the_inputs_of_its_fp8_stored_linears(dspark, tmp_path):
     weight) and block 1's wq_b, read under the block's own name; float32 weights (every other one) get none."""
     import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
-    from fidelity.fixtures.minipacks_v4 import FP8_QC, fp8_ue8m0
+    from testkit.minipacks_v4 import FP8_QC, fp8_ue8m0
     from fidelity.oracle.common import rms_norm
     from fidelity.oracle.deepseek.quant import fake_fp8
     folder = write_upstream_pack(TRUNK, tmp_path / "fp8", with_mtp=True,

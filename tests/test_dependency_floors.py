@@ -13,7 +13,7 @@ from test_packs_writers import tiny_llama
 
 from fidelity.packs import open_pack
 from fidelity.packs.tokenizer import load_tokenizer
-from fidelity.fixtures.writers import write_gguf
+from fidelity.packs.writers import write_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -9,7 +9,7 @@ import pytest
 
 from fidelity.engine.client import (ClientConfig, EngineClient, EngineError, EngineHTTPError, EngineProtocolError,
                                     parse_chat, parse_completion, parse_vllm_prompt_logprobs)
-from fidelity.fixtures.faults import ToyModel, VOCAB, set_plan, spawn_fault_server
+from testkit.faults import ToyModel, VOCAB, set_plan, spawn_fault_server
 from fidelity.engine.journal import Journal, request_key
 from fidelity.errors import FidelityError
 

@@ -9,7 +9,7 @@ import pytest
 
 from fidelity.engine import gates as G
 from fidelity.engine.client import ClientConfig, EngineClient
-from fidelity.fixtures.faults import Spawned, free_port
+from testkit.faults import Spawned, free_port
 
 pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -38,7 +38,7 @@ def llama_server(model_path, tmp_path) -> Spawned:
 def smol(smollm2_gguf, tmp_path_factory):
     from fidelity.packs import open_pack
     from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.fixtures.writers import write_gguf
+    from fidelity.packs.writers import write_gguf
 
     pack = open_pack(smollm2_gguf)
     out = tmp_path_factory.mktemp("gguf")

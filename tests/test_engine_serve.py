@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fidelity.engine.client import ClientConfig, EngineClient, EngineHTTPError
-from fidelity.fixtures.faults import Spawned, free_port
+from testkit.faults import Spawned, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import torch
 
 from fidelity.oracle import Oracle
 from fidelity.oracle.runner import HEAD_ROWS
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 from fidelity.panels.panel import TokenizedRow
 from fidelity.measuring.store import ReferenceRun, StoreError, check_topk, numerics
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import _golden
-from fidelity.fixtures import exl3_encoder
+from fidelity.packs.exl3 import encoder as exl3_encoder
 from fidelity.packs.exl3 import codec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -1,4 +1,4 @@
-"""The five EXL3 seed layouts, written by fidelity.fixtures.minipacks from a tiny random-init DeepSeek-V3-style model
+"""The five EXL3 seed layouts, written by fidelity.packs.exl3.writer from a tiny random-init DeepSeek-V3-style model
 (tests/fixtures/exl3; encodings pre-computed on a GPU by our reference encoder, see the README there). Scope of the
 exactness claim: each layout's reader gives, bit for bit, what the standard exllamav3 layout's reader gives for the same
 stored tensors, which is codec.decode_weight, itself bit-exact against exllamav3 1.6.5 on the golden data
@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fidelity import PackError, open_pack
-from fidelity.fixtures import minipacks
+from fidelity.packs.exl3 import writer as minipacks
+from fidelity.packs.exl3.encoder import EncodingCache
 from fidelity.packs.exl3 import codec
 from fidelity.packs.exl3.layouts import hf_to_official, official_to_hf
 
@@ -29,7 +30,7 @@ def native():
 
 @pytest.fixture(scope="module")
 def packs(native, tmp_path_factory):
-    cache = minipacks.EncodingCache(FIXTURES / "tiny_deepseek_encodings.safetensors")
+    cache = EncodingCache(FIXTURES / "tiny_deepseek_encodings.safetensors")
     paths = minipacks.write_all(native, tmp_path_factory.mktemp("minipacks"), SPEC, cache)
     assert cache.misses == 0, "fixture encodings are stale: rerun tests/fixtures/exl3/make_fixtures.py encodings"
     return paths

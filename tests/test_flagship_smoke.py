@@ -25,7 +25,7 @@ def flagship():
 
 
 def test_device_mxfp4_equals_the_writers_bytes(rng_seed):
-    from fidelity.fixtures.minipacks_v4 import mxfp4
+    from testkit.minipacks_v4 import mxfp4
 
     g = torch.Generator().manual_seed(rng_seed)
     w = torch.randn(48, 256, generator=g) * torch.exp2(torch.randint(-6, 6, (48, 1), generator=g).float())

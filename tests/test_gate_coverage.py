@@ -12,7 +12,7 @@ import pytest
 
 from fidelity.engine import gates as G
 from fidelity.engine.client import ClientConfig, EngineClient
-from fidelity.fixtures.faults import set_plan, spawn_fault_server, toy_reference
+from testkit.faults import set_plan, spawn_fault_server, toy_reference
 
 
 @pytest.fixture(scope="module")

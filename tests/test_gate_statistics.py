@@ -13,7 +13,7 @@ from statsmodels.stats.proportion import proportion_confint
 from statsmodels.stats.descriptivestats import sign_test
 
 from fidelity.engine import gates as G
-from fidelity.fixtures.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
+from testkit.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
 from test_gates_faults import random_texts, run_one
 
 SIGN = np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)   # perturb_prefill: +delta on even ids, -delta on odd

@@ -17,7 +17,7 @@ from scipy.special import log_softmax, rel_entr
 
 from fidelity.engine import gates as G
 from fidelity.engine.client import ClientConfig, EngineClient, TokenLogprob
-from fidelity.fixtures.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
+from testkit.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
 
 THREE = "batch-invariance,decode-vs-prefill,prefix-cache"
 

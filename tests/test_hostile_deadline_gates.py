@@ -16,7 +16,7 @@ import pytest
 from fidelity.engine import gates as G
 from fidelity.engine.bench import BenchConfig, Streamer
 from fidelity.engine.client import ClientConfig, EngineClient, EngineError
-from fidelity.fixtures.faults import set_plan, spawn_fault_server, toy_reference
+from testkit.faults import set_plan, spawn_fault_server, toy_reference
 
 DRIP = {"drip_s": 0.5}   # a completion's JSON is hundreds of bytes: minutes at this pace, and no read waits over 0.5 s
 

@@ -333,14 +333,14 @@ def test_an_edited_routing_json_is_refused_on_resume(packs, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def fault_server():
-    from fidelity.fixtures.faults import spawn_fault_server
+    from testkit.faults import spawn_fault_server
     with spawn_fault_server() as srv:
         yield srv
 
 
 def test_a_flipped_bit_in_a_gate_journal_is_asked_again_not_measured(fault_server, tmp_path, monkeypatch, rng_seed):
     """One flipped bit in a journaled logprob used to change the oracle-kl numbers silently (exit 0)."""
-    from fidelity.fixtures.faults import set_plan
+    from testkit.faults import set_plan
     from test_gate_coverage import _gate_cli, _texts
 
     texts = _texts(rng_seed, 4)   # enough rows for a verdict

@@ -11,13 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Layers, lowest first. A module may import its own layer and the layers before it; `fixtures` (test and demo packs,
-# the fault server) builds on everything below report and is imported only by commands and the cli (and tests).
-ORDER = ["base", "packs", "oracle", "measuring", "engine/suites", "fixtures", "report", "commands", "cli"]
+# Layers, lowest first. A module may import its own layer and the layers before it. Test support (test packs, the
+# fault server) lives outside the package, in testkit/, which no module of fidelity imports.
+ORDER = ["base", "packs", "oracle", "measuring", "engine/suites", "report", "commands", "cli"]
 LAYER_OF = {  # first matching prefix wins; a module matches `p` if it is `p` or lies under `p.`
     "fidelity.packs": "packs",
     "fidelity.oracle": "oracle",
-    "fidelity.fixtures": "fixtures",
     "fidelity.panels.build": "engine/suites",  # prompts answered through the engine client
     "fidelity.panels.check": "engine/suites",  # overlap with the suites' texts
     "fidelity.panels": "measuring",  # rows, text rows, pack encoders: what compare and the store read
@@ -39,10 +38,7 @@ KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
 
 
 def allowed_layers(layer: str) -> set[str]:
-    if layer == "fixtures":
-        return set(ORDER[:ORDER.index("engine/suites") + 1]) | {"fixtures"}
-    below = set(ORDER[:ORDER.index(layer) + 1])
-    return below if ORDER.index(layer) > ORDER.index("report") else below - {"fixtures"}
+    return set(ORDER[:ORDER.index(layer) + 1])
 
 
 def layer_of(module: str) -> str:
@@ -186,6 +182,30 @@ def test_a_planted_cycle_and_an_upward_import_are_caught(tmp_path):
     planted = import_graph(tmp_path)
     assert any({"fidelity.oracle.runner", "fidelity.packs.base"} <= set(c) for c in find_cycles(planted))
     assert ("fidelity.packs.base", "fidelity.oracle.runner") in layer_violations(planted)
+
+
+def imports_of_testkit(root: Path) -> list[str]:
+    """file:line of every import of testkit (the repository's test support, not installed) in root/fidelity."""
+    found = []
+    for path in sorted((root / "fidelity").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            if any(n == "testkit" or n.startswith("testkit.") for n in names):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_the_package_never_imports_the_testkit(tmp_path):
+    assert imports_of_testkit(ROOT) == []
+    shutil.copytree(ROOT / "fidelity", tmp_path / "fidelity", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    demo = tmp_path / "fidelity" / "commands" / "demo.py"
+    demo.write_text(demo.read_text() + "\n\ndef _planted():\n    from testkit.faults import ToyModel  # noqa: F401\n")
+    assert imports_of_testkit(tmp_path) == [f"fidelity/commands/demo.py:{len(demo.read_text().splitlines())}"]
 
 
 @pytest.mark.parametrize("layer", ORDER)

@@ -14,7 +14,7 @@ from fidelity.errors import ConfigError
 
 def toy_rung(name: str, interval: float, extra_plan: dict | None = None, only: str | None = None) -> str:
     plan = json.dumps({"token_interval_s": interval, "latency_s": 0.05, **(extra_plan or {})})
-    cmd = [sys.executable, "-m", "fidelity.fixtures.faults", "--port", "{port}", "--plan", plan]
+    cmd = [sys.executable, "-m", "testkit.faults", "--port", "{port}", "--plan", plan]
     out = f'[[rung]]\nname = "{name}"\ncommand = {json.dumps(cmd)}\n'
     return out + (f'only = ["{only}"]\n' if only else "")
 

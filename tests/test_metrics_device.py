@@ -268,7 +268,7 @@ def test_blocked_topk_matches_scipy_and_does_not_depend_on_grouping(rng_seed):
 # -- compare's device step ------------------------------------------------------------------------------------------
 def _head_setup(seed: int, device: str, vocab: int = 3000, hidden_size: int = 64):
     from fidelity.oracle import Oracle
-    from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+    from testkit.synthetic import SyntheticPack, llama_config
     from fidelity.panels.panel import TokenizedRow
     from fidelity.measuring.store import ReferenceRun
 

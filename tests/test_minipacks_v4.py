@@ -1,4 +1,4 @@
-"""Miniature DeepSeek-V4 packs (fidelity/fixtures/minipacks_v4.py) from the committed tiny V4 in tests/fixtures/v4: the fixture is
+"""Miniature DeepSeek-V4 packs (testkit/minipacks_v4.py) from the committed tiny V4 in tests/fixtures/v4: the fixture is
 transformers' own model; every layout opens, every tensor decodes (FP8 ue8m0 and MXFP4 bit-exact against formulations
 written here, EXL3 error shrinking with K), the V4 oracle runs, `fidelity compare` runs end to end, and a stated K that
 disagrees with a trellis is refused naming the tensor and file."""
@@ -17,8 +17,8 @@ from fidelity import open_pack
 from fidelity.errors import PackError
 from fidelity.oracle import Oracle
 from fidelity.packs.exl3.layouts import PLAN_FILE, official_to_hf, routed_expert
-from fidelity.fixtures.minipacks import EncodingCache
-from fidelity.fixtures.minipacks_v4 import (EXL3_LAYOUTS, LAYOUTS, TINY_V4, V4MiniSpec, kind_of, official_name,
+from fidelity.packs.exl3.encoder import EncodingCache
+from testkit.minipacks_v4 import (EXL3_LAYOUTS, LAYOUTS, TINY_V4, V4MiniSpec, kind_of, official_name,
                                          write_all)
 from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
 from test_exl3_layouts import raw_tensors, standard_decode
@@ -242,14 +242,14 @@ def test_stated_k_disagreeing_with_trellis_is_refused(packs, tmp_path, layout):
 
 def test_unknown_layout_is_named(native, tmp_path):
     from fidelity.errors import ConfigError
-    from fidelity.fixtures.minipacks_v4 import write_v4_minipack
+    from testkit.minipacks_v4 import write_v4_minipack
 
     with pytest.raises(ConfigError, match=r"unknown miniature V4 layout 'exl2'; one of exllamav3, cuda-exl3"):
         write_v4_minipack(native, "exl2", tmp_path / "x")
 
 
 def test_cli_writes_the_requested_layouts_from_the_cache(tmp_path):
-    from fidelity.fixtures.minipacks_v4 import main
+    from testkit.minipacks_v4 import main
 
     shutil.copy(ENCODINGS, tmp_path / "enc.safetensors")
     assert main([str(NATIVE), str(tmp_path / "out"), "--layouts", "cuda-exl3,fp8-mxfp4",

@@ -1,4 +1,4 @@
-"""Miniature DeepSeek-V4.1 packs (fidelity/fixtures/minipacks_v41.py) derived from the committed tiny V4: the V4.1 layout of
+"""Miniature DeepSeek-V4.1 packs (testkit/minipacks_v41.py) derived from the committed tiny V4: the V4.1 layout of
 the native pack (pool owners, index keys, Engram shard, no hc_head), every seed layout opening with its Engram table
 FP8 per row in its own shard (rows read lazily equal a float8 cast x scale computed here), EXL3 experts from the V4
 fixture's encodings, the oracle on each, and `fidelity compare` end to end."""
@@ -15,9 +15,9 @@ from fidelity import open_pack
 from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek.engram import RowTable
 from fidelity.packs.exl3.layouts import official_to_hf, routed_expert
-from fidelity.fixtures.minipacks import EncodingCache
-from fidelity.fixtures.minipacks_v4 import FP8_DECLARED, LAYOUTS
-from fidelity.fixtures.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+from fidelity.packs.exl3.encoder import EncodingCache
+from testkit.minipacks_v4 import FP8_DECLARED, LAYOUTS
+from testkit.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
 from test_oracle_support import compare_cli_kl
 
 V4_FIXTURES = Path(__file__).parent / "fixtures" / "v4"

@@ -19,7 +19,7 @@ V4_NATIVE = Path(__file__).parent / "fixtures" / "v4" / "tiny_v4"
 
 @pytest.fixture(scope="module")
 def v41_native(tmp_path_factory):
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v41 import build_native_v41
     return build_native_v41(V4_NATIVE, tmp_path_factory.mktemp("v41") / "native")
 
 
@@ -118,7 +118,7 @@ def test_deepseek_v4_noise_floor_moves_the_moe_output(which, v41_native, monkeyp
 def _tiny_llama(root: Path, gen: torch.Generator) -> Path:
     from safetensors.torch import save_file
 
-    from fidelity.fixtures.synthetic import llama_config, llama_shapes
+    from testkit.synthetic import llama_config, llama_shapes
     cfg = llama_config(hidden_size=32, intermediate_size=64, n_layers=2, vocab_size=300, n_heads=4, n_kv_heads=2)
     w = {k: (1 + 0.1 * torch.randn(s, generator=gen)) if k.endswith("norm.weight") else torch.randn(s, generator=gen)
          / s[-1] ** 0.5 for k, s in llama_shapes(cfg).items()}

@@ -12,8 +12,8 @@ import torch
 
 from fidelity import open_pack
 from fidelity.cli import main
-from fidelity.fixtures.minipacks import EncodingCache
-from fidelity.fixtures.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+from fidelity.packs.exl3.encoder import EncodingCache
+from testkit.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
 from fidelity.measuring.compare import prepare
 from fidelity.oracle import Oracle
 from test_oracle_support import write_word_panel
@@ -137,7 +137,7 @@ def test_gate_a_deepseek_served_engine_against_stores_of_both_numerics(minis, tm
     import subprocess
     import sys
 
-    from fidelity.fixtures.faults import Spawned, free_port
+    from testkit.faults import Spawned, free_port
     native, _ = minis
     panel = write_word_panel(tmp_path / "panel.jsonl", WORDS, rows=4, words_per_row=8, seed=rng_seed)
     stores = {}

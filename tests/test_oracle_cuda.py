@@ -132,7 +132,7 @@ def test_reference_store_from_a_cuda_oracle_equals_a_live_cuda_run(tmp_path):
 
     from fidelity.commands.reference import build_store
     from fidelity.measuring.compare import compare
-    from fidelity.fixtures.minipacks_v4 import byte_tokenizer
+    from testkit.minipacks_v4 import byte_tokenizer
     from fidelity.panels.panel import PanelRow, write_panel
     from test_compare import noisy_packs
     _, _, packs = noisy_packs(tmp_path, byte_tokenizer(), torch.Generator().manual_seed(11), {"pack": 0.03})

@@ -1,5 +1,5 @@
 """DeepSeek V3.2, V4 and V4.1 on CUDA equal the CPU oracle, float32 (1e-5 of the largest |logit|) and float64 (1e-10),
-for every seed layout of the miniature V4 and V4.1 packs (fidelity/fixtures/minipacks_v4.py, minipacks_v41.py: the
+for every seed layout of the miniature V4 and V4.1 packs (testkit/minipacks_v4.py, minipacks_v41.py: the
 committed tiny V4 in tests/fixtures/v4 and what is derived from it) and the tiny V3.2 models of
 test_oracle_deepseek_v32.py, on rows past every boundary: the sliding window, many compression windows, at least
 4 x index_topk compressed entries (V4, V4.1) or tokens (V3.2), so the indexers' top-k selects among many candidates.
@@ -13,9 +13,9 @@ import torch
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle
-from fidelity.fixtures.minipacks import EncodingCache
-from fidelity.fixtures.minipacks_v4 import LAYOUTS, V4MiniSpec, write_all
-from fidelity.fixtures.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
+from fidelity.packs.exl3.encoder import EncodingCache
+from testkit.minipacks_v4 import LAYOUTS, V4MiniSpec, write_all
+from testkit.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -19,7 +19,7 @@ from fidelity import open_pack
 from fidelity.errors import ConfigError, FidelityError, PackError
 from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek.mtp import DSparkDrafter, acceptance
-from fidelity.fixtures.minipacks_v4 import official_name
+from testkit.minipacks_v4 import official_name
 from _deepseek_configs import random_v4, reference_ties_to_lower_index  # noqa: F401 (autouse: indexer ties by index)
 
 TOL = 1e-4
@@ -488,8 +488,8 @@ V41_TARGETS, V41_EXPERTS, V41_TOP_K = [1, 2], 6, 3
 
 
 def build_v41(root, seed: int, **over):
-    from fidelity.fixtures.minipacks_v4 import TINY_V4, build_native
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v4 import TINY_V4, build_native
+    from testkit.minipacks_v41 import build_native_v41
     v4 = build_native(root / "v4", seed=seed, dtype=torch.float32)
     dspark = dict(dspark_block_size=BLOCK, dspark_noise_token_id=5, dspark_target_layer_ids=V41_TARGETS,
                   dspark_num_experts=V41_EXPERTS, dspark_num_experts_per_tok=V41_TOP_K)

@@ -74,7 +74,7 @@ def logits_with_other_ties(monkeypatch, pack, tokens, dtype=torch.float64):
 
 
 def v41_native(tmp_path) -> Path:
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v41 import build_native_v41
     return build_native_v41(V4_FIXTURES / "tiny_v4", tmp_path / "v41")
 
 

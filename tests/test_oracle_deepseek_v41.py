@@ -41,7 +41,7 @@ def base_config(**over) -> dict:
                engram_head_dim=8, engram_pad_token_id=0, engram_compressed_vocab_size=38)
     cfg.update(over)
     if cfg.get("engram_layer_ids"):
-        from fidelity.fixtures.minipacks_v41 import engram_rows
+        from testkit.minipacks_v41 import engram_rows
         cfg["engram_num_embeddings"] = engram_rows(cfg)
     return cfg
 

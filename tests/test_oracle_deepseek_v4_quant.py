@@ -93,7 +93,7 @@ def store_some_linears_fp8(model, folder) -> list[str]:
     checkpoints store them) and loads their dequantized values into `model`: the same weights on both sides, FP8 on
     disk for the oracle. Returns those modules' names."""
     from safetensors.torch import load_file, save_file
-    from fidelity.fixtures.minipacks_v4 import fp8_ue8m0
+    from testkit.minipacks_v4 import fp8_ue8m0
     import json
     files = sorted(folder.glob("*.safetensors"))
     tensors = {k: v for f in files for k, v in load_file(f).items()}

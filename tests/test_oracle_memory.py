@@ -9,7 +9,7 @@ SCRIPT = f"HIDDEN, INNER, HEADS, ROWS, LENGTH = {HIDDEN}, {INNER}, {HEADS}, {ROW
 import json, sys, torch
 torch.set_num_threads(1)
 from fidelity.oracle import Oracle
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 
 cfg = llama_config(hidden_size=HIDDEN, intermediate_size=INNER, n_layers=6, vocab_size=2048, n_heads=HEADS, n_kv_heads=4)
 pack = SyntheticPack(cfg, seed=int(sys.argv[1]))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from fidelity.fixtures.synthetic import randomize_weights as randomize
+from testkit.synthetic import randomize_weights as randomize
 
 
 def build(config: transformers.PretrainedConfig, model_cls, folder: Path, seed: int):

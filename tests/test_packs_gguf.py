@@ -10,7 +10,8 @@ import gguf
 from fidelity.errors import PackError
 from fidelity.packs import open_pack
 from fidelity.packs.gguf import supported_types
-from fidelity.fixtures.writers import quantize_array, write_gguf_tensors
+from fidelity.packs.writers import quantize_array
+from testkit.raw_gguf import write_gguf_tensors
 
 HPARAMS = {"block_count": 2, "context_length": 4096, "embedding_length": 64, "feed_forward_length": 96,
            "attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-6,
@@ -234,7 +235,7 @@ def test_missing_metadata_names_the_key(tmp_path):
 def test_smollm2_native_fp32_equals_transformers_gguf_loader(smollm2_gguf, tmp_path):
     from transformers import AutoModelForCausalLM
     from fidelity.packs.tokenizer import load_tokenizer
-    from fidelity.fixtures.writers import write_native
+    from fidelity.packs.writers import write_native
 
     pack = open_pack(smollm2_gguf)
     assert pack.format == "gguf" and len(pack.names()) == 272

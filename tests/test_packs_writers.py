@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 import gguf
 from fidelity.errors import PackError
 from fidelity.packs import open_pack
-from fidelity.fixtures.writers import quantize_array, write_gguf, write_gguf_tensors, write_native
+from fidelity.packs.writers import quantize_array, write_gguf, write_native
+from testkit.raw_gguf import write_gguf_tensors
 
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 FILE_TYPES = LEGACY + ["Q6_K", "Q4_K_M", "Q2_K"]

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from fidelity.fixtures.faults import Spawned, free_port, set_plan, spawn_fault_server
+from testkit.faults import Spawned, free_port, set_plan, spawn_fault_server
 from fidelity.panels.build import JOURNAL_FILE, EngineSettings, build_panel_from_engine
 from fidelity.panels.panel import PanelError, load_panel
 

@@ -18,7 +18,7 @@ SCRIPT = f"T, HIDDEN, INNER, HEADS, KV, VOCAB = {T}, {HIDDEN}, {INNER}, {HEADS},
 import json, sys, torch
 torch.set_num_threads(1)
 from fidelity.oracle import Oracle
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 from fidelity.panels.panel import PanelRow, tokenize_row
 
 cfg = llama_config(hidden_size=HIDDEN, intermediate_size=INNER, n_layers=2, vocab_size=VOCAB, n_heads=HEADS,

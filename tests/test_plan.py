@@ -226,7 +226,7 @@ def test_row_bootstrap_of_the_sensitivity(rng_seed):
 
 
 def test_exl3_bytes_equal_the_encoders_stored_tensors():
-    from fidelity.fixtures.minipacks import EncodingCache
+    from fidelity.packs.exl3.encoder import EncodingCache
     from fidelity.packs.exl3.codec import bitrate_from_trellis
 
     cache = EncodingCache(V4 / "tiny_v4_encodings.safetensors")
@@ -245,7 +245,7 @@ def test_attribute_keeps_each_rows_sensitivity_kl(tmp_path, rng_seed):
     """attribute's per-row KL sums (what the plan's bootstrap resamples) give back its mean KL at every level, and
     each row's sum is that row's share: rows of different lengths weigh by their positions."""
     from fidelity.attribute import Settings, attribute
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v41 import build_native_v41
 
     rng = np.random.default_rng(rng_seed)
     native = build_native_v41(V4 / "tiny_v4", tmp_path / "native")
@@ -270,7 +270,7 @@ UNIFORM_K = 2
 
 def proof_cache():
     """The tiny V4's committed encodings plus every routed expert at K 1..3 (fixtures/v4/make_plan_encodings.py)."""
-    from fidelity.fixtures.minipacks import EncodingCache
+    from fidelity.packs.exl3.encoder import EncodingCache
 
     cache = EncodingCache(V4 / "tiny_v4_encodings.safetensors")
     cache.entries.update(EncodingCache(PLAN_ENCODINGS).entries)
@@ -278,9 +278,9 @@ def proof_cache():
 
 
 def planned_spec(moe_plan: dict):
-    from fidelity.fixtures.minipacks_v41 import V41_SPEC
+    from testkit.minipacks_v41 import V41_SPEC
 
-    from fidelity.fixtures.minipacks_v4 import V4MiniSpec
+    from testkit.minipacks_v4 import V4MiniSpec
 
     @dataclass(frozen=True)
     class PlannedSpec(V4MiniSpec):
@@ -304,8 +304,8 @@ def token_panel(path: Path, rows: list[list[int]], name: str):
 def test_plan_beats_uniform_k_on_a_held_out_panel(tmp_path, rng_seed, capsys):
     from fidelity.attribute import Settings, attribute
     from fidelity.cli import main as cli
-    from fidelity.fixtures.minipacks_v4 import write_v4_minipack
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v4 import write_v4_minipack
+    from testkit.minipacks_v41 import build_native_v41
     from fidelity.measuring.compare import compare
     from fidelity.packs import open_pack
     from fidelity.packs.exl3.layouts import routed_expert

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fidelity import open_pack
-from fidelity.fixtures.minipacks import EncodingCache
-from fidelity.fixtures.minipacks_v4 import V4MiniSpec, write_all
+from fidelity.packs.exl3.encoder import EncodingCache
+from testkit.minipacks_v4 import V4MiniSpec, write_all
 from fidelity.oracle import Oracle, moe
 from fidelity.oracle.common import Fetch, adjacent_rows
 from fidelity.packs.exl3 import layouts

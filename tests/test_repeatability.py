@@ -21,7 +21,7 @@ import json, sys
 import torch
 from fidelity.measuring.metrics import topk_logprobs
 from fidelity.oracle import Oracle
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 
 seed, length = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(2)
@@ -64,7 +64,7 @@ def test_forward_on_a_new_thread_equals_the_main_threads(rng_seed):
     """Threads other than the oracle's builder (serve's connection threads) warm up themselves: a forward and head run
     first on a new thread give the main thread's numbers bit for bit."""
     from fidelity.oracle import Oracle
-    from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+    from testkit.synthetic import SyntheticPack, llama_config
 
     pack = SyntheticPack(llama_config(hidden_size=64, intermediate_size=128, n_layers=2, vocab_size=4096, n_heads=2,
                                       n_kv_heads=1), seed=rng_seed)

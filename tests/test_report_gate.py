@@ -10,7 +10,7 @@ import pytest
 from fidelity.report import render
 from test_report import close_to_printed, md_tables
 
-faults = pytest.importorskip("fidelity.fixtures.faults")
+faults = pytest.importorskip("testkit.faults")
 pytest.importorskip("fidelity.commands.gate")
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 
 from fidelity.errors import FidelityError
 from fidelity.oracle import Oracle, runner
-from fidelity.fixtures.synthetic import SyntheticPack, llama_config
+from testkit.synthetic import SyntheticPack, llama_config
 
 HIDDEN = 64
 
@@ -100,7 +100,7 @@ def test_deepseek_v4_streams_and_v41_state_survive_offloading(rng_seed, name, tm
     """V4's [B, T, hc, hidden] streams and V4.1's cross-layer state (keyed by the batch's token tensor) through host
     memory: the same bits as all on the device."""
     from fidelity import open_pack
-    from fidelity.fixtures.minipacks_v41 import build_native_v41
+    from testkit.minipacks_v41 import build_native_v41
     pack = open_pack(TINY_V4 if name == "v4" else build_native_v41(TINY_V4, tmp_path / "v41"))
     g = torch.Generator().manual_seed(rng_seed)
     vocab = pack.config["vocab_size"]

@@ -379,7 +379,7 @@ def test_reasoning_length_recorded_and_its_paired_change(fake, tmp_path):
 
 def test_bench_label_and_failure_counts_agree(tmp_path, capsys):
     """Old code: with --aa the JSON's errors held both runs' failures, requests.failed (the console's) only the first's."""
-    from fidelity.fixtures.faults import spawn_fault_server
+    from testkit.faults import spawn_fault_server
 
     with spawn_fault_server({"stream_drop_after": 2}) as srv:
         out = tmp_path / "bench.json"

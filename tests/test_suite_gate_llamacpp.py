@@ -43,7 +43,7 @@ NEEDLE = {"lengths": [256, 512], "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "seeds":
 
 @pytest.fixture(scope="module")
 def ggufs(smollm2_gguf, tmp_path_factory):
-    from fidelity.fixtures.writers import write_gguf
+    from fidelity.packs.writers import write_gguf
     from fidelity.packs import open_pack
 
     pack, out = open_pack(smollm2_gguf), tmp_path_factory.mktemp("gguf")

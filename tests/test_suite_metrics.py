@@ -222,7 +222,7 @@ def test_cli_sample_seed_and_console_summary(tmp_path):
 
     from test_suite_scoring import SHARED_IFEVAL
 
-    from fidelity.fixtures.faults import spawn_fault_server
+    from testkit.faults import spawn_fault_server
 
     if not SHARED_IFEVAL.exists():
         pytest.skip(f"missing data: {SHARED_IFEVAL}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fidelity.fixtures.faults import set_plan, spawn_fault_server
+from testkit.faults import set_plan, spawn_fault_server
 from fidelity.suites import make_suite
 from fidelity.suites.paired import compare_runs
 from fidelity.suites.records import ItemJournal, Record, RunError, read_manifest, read_records

@@ -169,7 +169,7 @@ def write_exl3(native, out: Path, K: int, device: str) -> Path:
     than exllamav3's calibrated conversion), embeddings and norms in fp16 as exllamav3 stores them."""
     import torch
 
-    from ..fixtures.minipacks import MiniPackSpec, write_minipack
+    from ..packs.exl3.writer import MiniPackSpec, write_minipack
 
     if not (device.startswith("cuda") and torch.cuda.is_available()):
         tiles = sum(-(-s[0] // 128) * 128 * -(-s[1] // 128) * 128 // 256
@@ -184,7 +184,7 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
                      device: str = "cpu") -> dict[str, Path]:
     """{"native": folder, "Q8_0": file, ...}, built on first use and reused afterwards."""
     from ..packs import open_pack
-    from ..fixtures.writers import write_gguf, write_native
+    from ..packs.writers import write_gguf, write_native
 
     con = console or Console()
     cache = Path(cache) if cache else default_cache()

@@ -73,7 +73,7 @@ def sample(tensors: list, n: str) -> list:
 
 def measured_errors(ref, tensors, candidates, args) -> dict:
     """Errors decoded from the cache where present, plus fresh encodes of the --measure sample."""
-    from ..fixtures.minipacks import EncodingCache
+    from ..packs.exl3.encoder import EncodingCache
     from ..packs.exl3.codec import decode_weight
     from ..plan import relative_error
 

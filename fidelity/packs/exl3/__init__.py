@@ -1,2 +1,2 @@
 """EXL3 (exllamav3 trellis) packs: `codec` decodes a stored linear bit for bit, `layouts` recognises the five pack
-layouts and claims their tensors. The reference encoder is a fixture writer: fidelity/fixtures/exl3_encoder.py."""
+layouts and claims their tensors, `encoder` is the reference encoder and `writer` writes packs in those layouts."""

@@ -1,5 +1,5 @@
 """EXL3 (exllamav3 trellis) tensors: an exact pure-PyTorch decoder and the bitstream both ways (the claimer, for all
-five layouts, is in layouts.py; the reference encoder for fixtures and error simulation in fidelity/fixtures/exl3_encoder.py).
+five layouts, is in layouts.py; the reference encoder for test packs and error simulation in encoder.py).
 
 Format facts (checked bit for bit against exllamav3 1.6.5's CUDA kernels, see tests/test_exl3_decode.py):
 
