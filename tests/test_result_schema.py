@@ -74,3 +74,20 @@ def test_a_file_from_before_versions_reads_as_version_0(written):
         assert report.version == 0
         assert report.to_dict() == doc and "schema_version" not in report.to_dict()
     assert CompareReport.read(old, "old.json").results[0].overall.kld_by_ref_confidence is None
+
+
+def test_the_report_refuses_a_newer_compare_result_naming_the_file(written, tmp_path):
+    """`fidelity report` reads compare results through the schema: a newer one is an error naming the file, never
+    read as if it were today's layout (the old reader took any document with 'panel' and 'results')."""
+    from fidelity.report.inputs import ReportInputError, load_inputs
+
+    data = json.loads(written)
+    data["schema_version"] = SCHEMA_VERSION + 1
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps(data))
+    with pytest.raises(ReportInputError, match=rf"newer\.json: compare result of schema_version {SCHEMA_VERSION + 1}"):
+        load_inputs([newer])
+    del data["schema_version"]
+    (tmp_path / "v0.json").write_text(json.dumps(data))
+    (run,) = load_inputs([tmp_path / "v0.json"]).groups[0].runs
+    assert run.report.version == 0 and run.results[0].overall.kld_mean == data["results"][0]["overall"]["kld_mean"]

@@ -69,15 +69,16 @@ def kl_by_confidence(df: pd.DataFrame, edges=CONFIDENCE_EDGES) -> pd.DataFrame |
 
 
 def confidence_from_json(buckets) -> pd.DataFrame | None:
-    """compare's `kld_by_ref_confidence` ([{ref_confidence: [lo, hi], positions, kld_mean}]) in kl_by_confidence's shape."""
+    """compare's `kld_by_ref_confidence` (ConfidenceBucket: ref_confidence [lo, hi], positions, kld_mean) in
+    kl_by_confidence's shape."""
     if not buckets:
         return None
     rows = []
     for i, b in enumerate(buckets):
-        lo, hi = b["ref_confidence"]
+        lo, hi = b.ref_confidence
         last = i == len(buckets) - 1
-        rows.append({"bucket": f"[{lo:g}, {hi:g}{']' if last else ')'}", "lo": lo, "hi": hi, "positions": int(b["positions"]),
-                     "kld_mean": float("nan") if b.get("kld_mean") is None else float(b["kld_mean"])})
+        rows.append({"bucket": f"[{lo:g}, {hi:g}{']' if last else ')'}", "lo": lo, "hi": hi, "positions": int(b.positions),
+                     "kld_mean": float("nan") if b.kld_mean is None else float(b.kld_mean)})
     return pd.DataFrame(rows)
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from .inputs import Group, PackResult, ReportInputError, load_inputs
 from .markdown import escape
-from .tables import Reasons, ceil_significant
+from ..measuring.result_schema import PairedBlock, PairedDifference, Scope
+from .tables import Reasons, ceil_significant, interval_reason, known
 
 MINUS = "−"
 
@@ -133,12 +134,11 @@ def _sources(items) -> dict[str, str]:
     return {k: (str(k) if v in clashes else v) for k, v in names.items()}
 
 
-def _ci(block: dict, key: str, src: str, fmt, reasons: Reasons, reason: str | None = None) -> str:
-    v = block.get(key)
+def _ci(block: Scope, key: str, src: str, fmt, reasons: Reasons, reason: str | None = None) -> str:
+    v = getattr(block, key)
     if isinstance(v, (list, tuple)) and len(v) == 2 and None not in v:
         return f"[{Num(fmt(v[0]), f'{src}/0')}, {Num(fmt(v[1]), f'{src}/1')}]"
-    return "no CI" + reasons.mark(reason or block.get(f"{key}_unavailable") or block.get("ci_unavailable")
-                                   or block.get("unavailable"))
+    return "no CI" + reasons.mark(reason or interval_reason(block, key))
 
 
 def _quality_table(g: Group, located: list[Located], this: str) -> list[str]:
@@ -148,24 +148,24 @@ def _quality_table(g: Group, located: list[Located], this: str) -> list[str]:
         o, p = loc.pack.overall, loc.pack
         label = f"**{escape(p.label)}** (this build)" if p.label == this else escape(p.label)
         at = lambda *k: loc.at("overall", *k)
-        kld = o.get("kld_mean")
+        kld = o.kld_mean
         kld_cell = "—" if kld is None else f"{Num(fixed(kld), at('kld_mean'))}"
-        if kld is not None and o.get("kld_domains_equal") is not None:
-            kld_cell += f" ({Num(fixed(o['kld_domains_equal']), at('kld_domains_equal'))})"
+        if kld is not None and o.kld_domains_equal is not None:
+            kld_cell += f" ({Num(fixed(o.kld_domains_equal), at('kld_domains_equal'))})"
         ci = "—" if kld is None else _ci(o, "kld_mean_ci95", at("kld_mean_ci95"), fixed, reasons)
-        top1 = "—" if o.get("top1") is None else str(Num(f"{100 * o['top1']:.2f}%", at("top1")))
+        top1 = "—" if o.top1 is None else str(Num(f"{100 * o.top1:.2f}%", at("top1")))
         ppl = _arrow(o, "ppl_ref", "ppl", at, lambda x: f"{x:.4f}")
         nll = _arrow(o, "nll_ref_mean", "nll_mean", at, lambda x: f"{x:.4f}")
-        d = o.get("delta_nll_mean")
+        d = o.delta_nll_mean
         dnll = "—"
         if d is not None:
             dnll = str(Num(signed(f"{d:.4f}".replace("-", MINUS), d), at("delta_nll_mean")))
-            se = o.get("delta_nll_mean_se")
+            se = o.delta_nll_mean_se
             dnll += f" ± {Num(f'{se:.4f}', at('delta_nll_mean_se'))}" if se is not None else \
-                " ± no SE" + reasons.mark(o.get("ci_unavailable"))
-        rw = o.get("rows_worse") if isinstance(o.get("rows_worse"), dict) else {}
-        worse = "—" if not rw else f"{Num(str(rw['worse']), at('rows_worse', 'worse'))} / " \
-                                   f"{Num(str(rw['rows']), at('rows_worse', 'rows'))}"
+                " ± no SE" + reasons.mark(o.ci_unavailable)
+        rw = o.rows_worse
+        worse = "—" if rw is None else f"{Num(str(rw.worse), at('rows_worse', 'worse'))} / " \
+                                       f"{Num(str(rw.rows), at('rows_worse', 'rows'))}"
         bpw = "—" if p.bpw is None else str(Num(f"{p.bpw:.2f}", loc.at("bpw")))
         rows.append([label, bpw, kld_cell, ci, top1, ppl, nll, dnll, worse])
     head = ["build", "bpw", "KLD vs native (domains equal)", "KLD 95% CI", "top-1 agreement", "PPL native → build",
@@ -182,7 +182,7 @@ def _quality_table(g: Group, located: list[Located], this: str) -> list[str]:
 
 
 def _scored(g: Group) -> str:
-    n = g.panel.get("scored_positions")
+    n = g.panel.scored_positions
     return f"{n:,}" if isinstance(n, int) else "the"
 
 
@@ -190,10 +190,10 @@ def _reasons_note(reasons: Reasons) -> str:
     return (" " + reasons.note()) if reasons.reasons else ""
 
 
-def _arrow(o: dict, ref_key: str, key: str, at, fmt) -> str:
-    if o.get(ref_key) is None or o.get(key) is None:
+def _arrow(o: Scope, ref_key: str, key: str, at, fmt) -> str:
+    if getattr(o, ref_key) is None or getattr(o, key) is None:
         return "—"
-    return f"{Num(fmt(o[ref_key]), at(ref_key))} → {Num(fmt(o[key]), at(key))}"
+    return f"{Num(fmt(getattr(o, ref_key)), at(ref_key))} → {Num(fmt(getattr(o, key)), at(key))}"
 
 
 def _table(head: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
@@ -207,7 +207,7 @@ class Pair:
 
     this: Located
     other: Located
-    entry: dict
+    entry: PairedDifference
     src: Source
     index: int
     this_is_a: bool
@@ -222,28 +222,28 @@ def _pairs(g: Group, located: list[Located], this: Located) -> list[Pair]:
     for run in g.runs:
         src = next(loc.src for loc in located if loc.pack.source == run.source)
         for j, pr in enumerate(run.paired):
-            a, b = by_label.get((src.name, str(pr.get("a")))), by_label.get((src.name, str(pr.get("b"))))
-            if a is None or b is None or (a is not this and b is not this) or not isinstance(pr.get("kld"), dict):
+            a, b = by_label.get((src.name, str(pr.a))), by_label.get((src.name, str(pr.b)))
+            if a is None or b is None or (a is not this and b is not this) or pr.kld is None:
                 continue
             out.append(Pair(this, b if a is this else a, pr, src, j, a is this))
     return out
 
 
-def _change(pair: Pair, block: dict, path: tuple, reasons: Reasons) -> str:
+def _change(pair: Pair, block: PairedBlock, path: tuple, reasons: Reasons) -> str:
     """Change in KL of this build against the other, %, with its CI: compare's 100 (A − B) / B when this build is A;
     when it is B, 100 (B / A − 1) = −100 r / (100 + r) of compare's r (and the CI's ends swap)."""
-    r = block.get("relative_change_pct")
+    r = block.relative_change_pct
     if r is None:
         return "—"
     at = pair.at(*path, "relative_change_pct")
-    ci = block.get("relative_change_pct_ci95")
+    ci = block.relative_change_pct_ci95
     if pair.this_is_a:
         text = str(Num(signed(f"{r:.1f}".replace("-", MINUS), r) + "%", at))
         if isinstance(ci, list) and None not in ci:
             text += f" [{Num(_pct1(ci[0]), pair.at(*path, 'relative_change_pct_ci95', 0))}, " \
                     f"{Num(_pct1(ci[1]), pair.at(*path, 'relative_change_pct_ci95', 1))}]"
         else:
-            text += reasons.mark(block.get("relative_change_pct_unavailable") or block.get("unavailable"))
+            text += reasons.mark(block.relative_change_pct_unavailable or block.unavailable)
         return text
     inv = lambda x: -100 * x / (100 + x)
     formula = lambda p: f"−100 × {p} ÷ (100 + {p})"
@@ -252,7 +252,7 @@ def _change(pair: Pair, block: dict, path: tuple, reasons: Reasons) -> str:
         lo, hi = (pair.at(*path, "relative_change_pct_ci95", k) for k in (1, 0))
         text += f" [{_pct1(inv(ci[1]))}{note(formula(lo))}, {_pct1(inv(ci[0]))}{note(formula(hi))}]"
     else:
-        text += reasons.mark(block.get("relative_change_pct_unavailable") or block.get("unavailable"))
+        text += reasons.mark(block.relative_change_pct_unavailable or block.unavailable)
     return text
 
 
@@ -264,26 +264,26 @@ def _closer(pair: Pair) -> tuple[list[str], list[str], list[str]]:
     """Domains where this build is closer to native (its KL lower on the positions finite in both), those where the other
     is, and those where this build is closer at Holm p < 0.05."""
     closer, farther, significant = [], [], []
-    for name, v in (pair.entry["kld"].get("domains") or {}).items():
-        d = v.get("diff")
+    for name, v in (pair.entry.kld.domains or {}).items():
+        d = v.diff
         if d is None or d == 0:
             continue
         mine = d < 0 if pair.this_is_a else d > 0
         (closer if mine else farther).append(name)
-        if mine and v.get("p_holm") is not None and v["p_holm"] < 0.05:
+        if mine and v.p_holm is not None and v.p_holm < 0.05:
             significant.append(name)
     return closer, farther, significant
 
 
 def _pair_section(g: Group, pair: Pair) -> list[str]:
-    k = pair.entry["kld"]
-    domains = k.get("domains") or {}
+    k = pair.entry.kld
+    domains = k.domains or {}
     closer, farther, significant = _closer(pair)
     this, other = escape(pair.this.pack.label), escape(pair.other.pack.label)
     sign = "below 0" if pair.this_is_a else "above 0"
     count = note(f"count of {pair.at('domains', '*', 'diff')} {sign}")
-    eq = k.get("domains_equal") or {}
-    eq_d = eq.get("diff")
+    eq = k.domains_equal
+    eq_d = eq.diff if eq is not None else None
     eq_text = ""
     if eq_d is not None:
         eq_closer = (eq_d < 0) == pair.this_is_a
@@ -301,13 +301,13 @@ def _pair_section(g: Group, pair: Pair) -> list[str]:
     rows = []
     for name in domains:
         v = domains[name]
-        rows_n = get(pair.this.pack.domains, name, "rows")
+        rows_n = pair.this.pack.domains[name].rows if name in pair.this.pack.domains else None
         rows.append([f"{escape(name)}" + (f" ({rows_n} rows)" if rows_n is not None else ""),
                      _kl_top1(pair.this, name), _kl_top1(pair.other, name), _change(pair, v, ("domains", name), reasons),
                      _p(pair, v, ("domains", name), holm=True, reasons=reasons)])
     rows.append(["all positions", _kl_top1(pair.this, None), _kl_top1(pair.other, None), _change(pair, k, (), reasons),
                  _p(pair, k, (), holm=False, reasons=reasons)])
-    if eq:
+    if eq is not None:
         rows.append(["domains weighted equally", _kl_eq(pair.this), _kl_eq(pair.other),
                      _change(pair, eq, ("domains_equal",), reasons), _p(pair, eq, ("domains_equal",), False, reasons)])
     out += _table(["domain", f"{this}: KL · top-1", f"{other}: KL · top-1", "change in KL [95% CI]",
@@ -320,9 +320,9 @@ def _pair_section(g: Group, pair: Pair) -> list[str]:
 
 
 def _kl_top1(loc: Located, domain: str | None) -> str:
-    block = loc.pack.overall if domain is None else loc.pack.domains.get(domain, {})
+    block = loc.pack.overall if domain is None else loc.pack.domains.get(domain, Scope())
     path = ("overall",) if domain is None else ("domains", domain)
-    kl, top1 = block.get("kld_mean"), block.get("top1")
+    kl, top1 = block.kld_mean, block.top1
     if kl is None:
         return "—"
     text = str(Num(fixed(kl), loc.at(*path, "kld_mean")))
@@ -333,22 +333,22 @@ def _kl_top1(loc: Located, domain: str | None) -> str:
 
 def _kl_eq(loc: Located) -> str:
     o = loc.pack.overall
-    if o.get("kld_domains_equal") is None:
+    if o.kld_domains_equal is None:
         return "—"
-    text = str(Num(fixed(o["kld_domains_equal"]), loc.at("overall", "kld_domains_equal")))
-    if o.get("top1_domains_equal") is not None:
-        share = 100 * o["top1_domains_equal"]
+    text = str(Num(fixed(o.kld_domains_equal), loc.at("overall", "kld_domains_equal")))
+    if o.top1_domains_equal is not None:
+        share = 100 * o.top1_domains_equal
         text += f" · {Num(f'{share:.1f}%', loc.at('overall', 'top1_domains_equal'))}"
     return text
 
 
-def _p(pair: Pair, v: dict, path: tuple, holm: bool, reasons: Reasons) -> str:
-    p, floor = v.get("p_value"), v.get("p_value_floor")
+def _p(pair: Pair, v: PairedBlock, path: tuple, holm: bool, reasons: Reasons) -> str:
+    p, floor = v.p_value, v.p_value_floor
     if p is None:
-        return "—" + (reasons.mark(v.get("unavailable")) if v.get("diff") is not None else "")
+        return "—" + (reasons.mark(v.unavailable) if v.diff is not None else "")
     if not holm:
         return str(Num(p_value(p, floor), pair.at(*path, "p_value_floor" if _at_floor(p, floor) else "p_value")))
-    ph = v.get("p_holm")
+    ph = v.p_holm
     if ph is None:
         return "—"
     if _at_floor(p, floor):   # its own p is a bound, so its Holm p is one too
@@ -378,7 +378,7 @@ def _group_sections(g: Group, index: int, names: dict[str, str], build: str | No
     this = next(loc for loc in located if loc.pack.label == this_label)
     located = [this] + [loc for loc in located if loc is not this]
     panel = g.panel
-    title = f"Quality vs native on panel `{escape(panel.get('name', '?'))}`"
+    title = f"Quality vs native on panel `{escape(known(panel, 'name'))}`"
     out = [f"### {title}", ""]
     if g.warning:
         out += [f"> {escape(g.warning)}", ""]
@@ -613,53 +613,52 @@ def _methods(groups: list[Group], names: dict[str, str]) -> list[str]:
     for g in groups:
         run = g.runs[0]
         src = Source(names.get(run.source, Path(run.source).name))
-        p, ref, meta = g.panel, g.reference, run.meta
-        domains = p.get("domains")
+        p, ref, report = g.panel, g.reference, run.report
+        domains = p.domains
         dom_names = list(domains) if isinstance(domains, (list, dict)) else list(g.packs[0].domains if g.packs else [])
-        out.append(f"- Panel `{escape(p.get('name', '?'))}`: sha256 `{p.get('sha256')}`{note(src.at('panel', 'sha256'))}, "
-                   f"{_maybe(p.get('rows'), src.at('panel', 'rows'))} rows, "
-                   f"{_maybe(p.get('scored_positions'), src.at('panel', 'scored_positions'))} scored positions, "
+        out.append(f"- Panel `{escape(known(p, 'name'))}`: sha256 `{p.sha256}`{note(src.at('panel', 'sha256'))}, "
+                   f"{_maybe(p.rows, src.at('panel', 'rows'))} rows, "
+                   f"{_maybe(p.scored_positions, src.at('panel', 'scored_positions'))} scored positions, "
                    f"{len(dom_names)} domains ({', '.join(map(escape, dom_names))}).")
-        cut = get(p, "truncation", "rows_cut")
+        cut = p.truncation.rows_cut if p.truncation is not None else None
         if cut:
             out.append(f"- Truncation: {Num(str(cut), src.at('panel', 'truncation', 'rows_cut'))} rows cut to "
-                       f"{get(p, 'truncation', 'max_len')} tokens.")
-        out.append(f"- Reference: `{escape(Path(str(ref.get('path', '?'))).name)}` ({escape(str(ref.get('format') or '?'))}), "
-                   f"fingerprint `{ref.get('fingerprint')}`{note(src.at('reference', 'fingerprint'))}; every build's "
+                       f"{p.truncation.max_len} tokens.")
+        out.append(f"- Reference: `{escape(Path(str(known(ref, 'path'))).name)}` ({escape(str(ref.format or '?'))}), "
+                   f"fingerprint `{ref.fingerprint}`{note(src.at('reference', 'fingerprint'))}; every build's "
                    "logits from fidelity's own oracle on its stored weights, KL over the full vocabulary.")
-        numerics = meta.get("numerics")
+        numerics = report.numerics
         line = "- Numerics: " + (f"`{numerics}`{note(src.at('numerics'))}" if numerics else "not recorded")
-        if meta.get("numerics_label"):
-            line += f" ({Num(escape(str(meta['numerics_label'])), src.at('numerics_label'))})"
-        floor = meta.get("numerics_floor")
-        if isinstance(floor, dict) and get(floor, "overall", "kld_mean") is not None:
-            o = floor["overall"]
-            line += (f"; numerics floor {escape(str(floor.get('direction', '')))}: KLD "
-                     f"{Num(fixed(o['kld_mean']), src.at('numerics_floor', 'overall', 'kld_mean'))}")
-            if o.get("top1") is not None:
-                share = 100 * o["top1"]
+        if report.numerics_label:
+            line += f" ({Num(escape(str(report.numerics_label)), src.at('numerics_label'))})"
+        floor = report.numerics_floor
+        if floor is not None and floor.overall is not None and floor.overall.kld_mean is not None:
+            o = floor.overall
+            line += (f"; numerics floor {escape(str(floor.direction if floor.direction is not None else ''))}: KLD "
+                     f"{Num(fixed(o.kld_mean), src.at('numerics_floor', 'overall', 'kld_mean'))}")
+            if o.top1 is not None:
+                share = 100 * o.top1
                 line += f", top-1 {Num(f'{share:.2f}%', src.at('numerics_floor', 'overall', 'top1'))}"
-        elif "numerics_floor" in meta:
+        elif "numerics_floor" not in report.absent:
             line += "; numerics floor: none (the reference's family defines one numerics only, or it was not asked for)" \
                     + note(src.at("numerics_floor"))
         else:
             line += "; numerics floor: not recorded (a compare before it existed)"
         out.append(line + ".")
-        nf = meta.get("noise_floor")
-        if isinstance(nf, dict) and nf.get("kld_mean") is not None:
+        nf = report.noise_floor
+        if nf is not None and nf.kld_mean is not None:
             out.append(f"- Noise floor (the reference re-run with about one bf16 rounding step of seeded noise on every "
-                       f"module output): KLD {Num(fixed(nf['kld_mean']), src.at('noise_floor', 'kld_mean'))}.")
+                       f"module output): KLD {Num(fixed(nf.kld_mean), src.at('noise_floor', 'kld_mean'))}.")
         else:
             out.append("- Noise floor: not measured.")
-        reps = next(((get(r.overall, "bootstrap_replicates"), loc_src, ("results", r.index, "overall",
-                                                                         "bootstrap_replicates"))
-                     for loc_src, r in ((src, r) for r in run.results) if get(r.overall, "bootstrap_replicates")), None)
+        reps = next(((r.overall.bootstrap_replicates, loc_src, ("results", r.index, "overall", "bootstrap_replicates"))
+                     for loc_src, r in ((src, r) for r in run.results) if r.overall.bootstrap_replicates), None)
         boot = (f"{Num(f'{reps[0]:,}', reps[1].at(*reps[2]))} replicates" if reps else "replicate count not recorded")
         out.append(f"- Uncertainty: 95% intervals by a bootstrap over panel rows stratified by domain ({boot}, expanded "
                    "percentile; the analytic interval on the quantity's own scale where the replicates cannot resolve "
                    "the tails; none under 3 rows). Paired p-values are read off the same bootstrap, Holm-corrected across "
                    "domains.")
-        version = meta.get("fidelity_version")
+        version = report.fidelity_version
         if version:
             out.append(f"- Measured with fidelity {Num(escape(str(version)), src.at('fidelity_version'))}.")
     return out + [""]

@@ -8,6 +8,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..measuring.result_schema import Scope
 from .inputs import PackResult
 
 DPI = 110
@@ -26,8 +27,8 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _ci(block: dict, key: str):
-    ci = block.get(key)
+def _ci(block, key: str):
+    ci = getattr(block, key)
     if isinstance(ci, (list, tuple)) and len(ci) == 2 and ci[0] is not None and ci[1] is not None:
         return float(ci[0]), float(ci[1])
     return None
@@ -55,8 +56,8 @@ def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
     ax = fig.add_subplot()
     values = []
     for i, p in enumerate(packs):
-        blocks = [p.domains.get(d, {}) for d in cats[:-2]]
-        mean = [b.get("kld_mean") for b in blocks] + [p.overall.get("kld_mean"), p.overall.get("kld_domains_equal")]
+        blocks = [p.domains.get(d, Scope()) for d in cats[:-2]]
+        mean = [b.kld_mean for b in blocks] + [p.overall.kld_mean, p.overall.kld_domains_equal]
         cis = [_ci(b, "kld_mean_ci95") for b in blocks] + [_ci(p.overall, "kld_mean_ci95"), _ci(p.overall, "kld_domains_equal_ci95")]
         y = np.arange(len(cats)) + (i - (len(packs) - 1) / 2) * height
         m = np.array([np.nan if v is None else float(v) for v in mean])
@@ -78,24 +79,24 @@ def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
 
 def kld_vs_bpw(packs: list[PackResult], path: Path, title: str) -> Path | None:
     """KLD and top-1 disagreement against bits per weight, both log-scaled, with the noise floor drawn on the KLD panel."""
-    with_bpw = [p for p in packs if p.bpw is not None and p.overall.get("kld_mean") is not None]
+    with_bpw = [p for p in packs if p.bpw is not None and p.overall.kld_mean is not None]
     if not with_bpw:
         return None
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     ax_kl, ax_t1 = fig.subplots(1, 2)
     by_bpw = sorted(with_bpw, key=lambda p: p.bpw)
     if len(by_bpw) > 1:
-        ax_kl.plot([p.bpw for p in by_bpw], [p.overall.get("kld_mean") for p in by_bpw], color="lightgrey", zorder=0)
-    floors = sorted({float(p.overall["noise_floor_kld"]) for p in with_bpw if p.overall.get("noise_floor_kld")})
+        ax_kl.plot([p.bpw for p in by_bpw], [p.overall.kld_mean for p in by_bpw], color="lightgrey", zorder=0)
+    floors = sorted({float(p.overall.noise_floor_kld) for p in with_bpw if p.overall.noise_floor_kld})
     for i, p in enumerate(with_bpw):
-        k = p.overall.get("kld_mean")
+        k = p.overall.kld_mean
         ci = _ci(p.overall, "kld_mean_ci95")
         err = [[k - ci[0]], [ci[1] - k]] if ci and k is not None else None
         ax_kl.errorbar([p.bpw], [k], yerr=err, fmt="o", color=_color(packs.index(p)), capsize=3, label=p.label)
-        if p.overall.get("kld_domains_equal") is not None:
-            ax_kl.plot([p.bpw], [p.overall["kld_domains_equal"]], marker="D", mfc="none", color=_color(packs.index(p)), ls="none")
+        if p.overall.kld_domains_equal is not None:
+            ax_kl.plot([p.bpw], [p.overall.kld_domains_equal], marker="D", mfc="none", color=_color(packs.index(p)), ls="none")
         ax_kl.annotate(p.label, (p.bpw, k), textcoords="offset points", xytext=(5, 4), fontsize=8)
-        t1 = p.overall.get("top1")
+        t1 = p.overall.top1
         if t1 is not None:
             ax_t1.plot([p.bpw], [max(1.0 - t1, 1e-6)], "o", color=_color(packs.index(p)))
             ax_t1.annotate(f"{p.label} ({100 * t1:.2f}%)", (p.bpw, max(1.0 - t1, 1e-6)), textcoords="offset points",

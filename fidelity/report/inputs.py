@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 
 from ..errors import FidelityError
+from ..measuring.result_schema import (CompareReport, PairedDifference, PanelInfo, ReferenceInfo, SchemaVersionError, Scope,
+                                       check_version)
 
 
 class ReportInputError(FidelityError):
@@ -23,8 +25,8 @@ class PackResult:
     label: str
     pack: str
     bpw: float | None
-    overall: dict
-    domains: dict[str, dict]
+    overall: Scope
+    domains: dict[str, Scope]
     fingerprint: str | None
     source: str
     format: str | None = None
@@ -38,14 +40,15 @@ class PackResult:
 
 @dataclass
 class CompareRun:
-    """One compare JSON, with its per-position records when it came from an `--out` run folder."""
+    """One compare JSON (read through `fidelity.measuring.result_schema`), with its per-position records when it came
+    from an `--out` run folder."""
 
     source: str
-    panel: dict
-    reference: dict
+    panel: PanelInfo
+    reference: ReferenceInfo
     results: list[PackResult]
-    paired: list[dict]
-    meta: dict                                   # version, command line, anything else compare recorded
+    paired: list[PairedDifference]
+    report: CompareReport                        # the whole document: version, command line (`extra`), floors
     positions: pd.DataFrame | None = None        # reference store: every token: row_id, domain, position, token, scored, ref_top_*
     pack_positions: dict[str, pd.DataFrame] = field(default_factory=dict)   # label -> scored positions: row_id, position, token, kl, ...
     token_text: dict[int, str] | None = None      # token id -> text, when the run folder stored it
@@ -66,15 +69,15 @@ class CompareRun:
 
     @property
     def panel_key(self) -> tuple[str, str]:
-        return (str(self.panel.get("sha256") or ""), str(self.reference.get("fingerprint") or ""))
+        return (str(self.panel.sha256 or ""), str(self.reference.fingerprint or ""))
 
 
 @dataclass
 class Group:
     """Compare results that can share a plot: the same panel (sha256) and the same reference."""
 
-    panel: dict
-    reference: dict
+    panel: PanelInfo
+    reference: ReferenceInfo
     runs: list[CompareRun]
     warning: str | None = None
 
@@ -173,6 +176,12 @@ _NUMERIC = {"positions", "nonfinite", "kld_mean", "kld_domains_equal", "top1", "
 
 
 def _compare_run(data: dict, source: str) -> CompareRun:
+    """A compare document checked (its schema version, every block's numbers; a ReportInputError names the file and the
+    item) and read into the result schema's types."""
+    try:
+        check_version(data, source)
+    except SchemaVersionError as e:
+        raise ReportInputError(str(e)) from None
     panel, reference = data.get("panel") or {}, data.get("reference") or {}
     if not isinstance(panel, dict) or "sha256" not in panel:
         raise ReportInputError(f"{source}: compare result has no panel sha256 (panel = {panel!r})")
@@ -181,7 +190,7 @@ def _compare_run(data: dict, source: str) -> CompareRun:
     raw = data.get("results") or []
     if not isinstance(raw, list):
         raise ReportInputError(f"{source}: results is not a list (got {type(raw).__name__})")
-    results, warnings = [], []
+    measured, warnings = [], []
     for i, r in enumerate(raw):
         if not isinstance(r, dict):
             raise ReportInputError(f"{source}: results[{i}] is not an object (got {type(r).__name__})")
@@ -192,7 +201,7 @@ def _compare_run(data: dict, source: str) -> CompareRun:
         if "overall" not in r:
             raise ReportInputError(f"{source}: results[{i}] ({r.get('label') or r.get('pack')!r}) has no 'overall' block")
         label = str(r.get("label") or Path(str(r.get("pack", f"pack{i}"))).name)
-        overall = _check_block(r["overall"], f"results[{i}] ({label}).overall", source, warnings)
+        _check_block(r["overall"], f"results[{i}] ({label}).overall", source, warnings)
         domains = r.get("domains") or {}
         if not isinstance(domains, dict):
             raise ReportInputError(f"{source}: results[{i}] ({label}).domains is not an object")
@@ -205,9 +214,7 @@ def _compare_run(data: dict, source: str) -> CompareRun:
             bpw = _bpw(bpw)
         except (TypeError, ValueError, AttributeError):
             raise ReportInputError(f"{source}: results[{i}] ({label}).bpw is not a number or a bits table: {bpw!r}") from None
-        results.append(PackResult(label=label, pack=str(r.get("pack", label)), bpw=bpw, overall=overall,
-                                  domains=domains, fingerprint=r.get("fingerprint"), source=source,
-                                  format=r.get("format"), records=r.get("records"), index=i))
+        measured.append((i, label, bpw))
     paired = data.get("paired") or []
     if not isinstance(paired, list):
         raise ReportInputError(f"{source}: paired is not a list (got {type(paired).__name__})")
@@ -216,9 +223,18 @@ def _compare_run(data: dict, source: str) -> CompareRun:
     nf = data.get("noise_floor")
     if nf is not None:
         _check_block(nf, "noise_floor", source, warnings)
-    meta = {k: v for k, v in data.items() if k not in ("panel", "reference", "results", "paired")}
-    return CompareRun(source=source, panel=panel, reference=reference, results=results, paired=list(paired), meta=meta,
-                      warnings=warnings)
+    try:
+        report = CompareReport.from_dict(data)
+    except TypeError as e:
+        raise ReportInputError(f"{source}: {e}") from None
+    results = []
+    for i, label, bpw in measured:
+        r = report.results[i]
+        results.append(PackResult(label=label, pack=str(r.pack if r.pack is not None else label), bpw=bpw,
+                                  overall=r.overall, domains=r.domains or {}, fingerprint=r.fingerprint, source=source,
+                                  format=r.format, records=r.records, index=i))
+    return CompareRun(source=source, panel=report.panel or PanelInfo(), reference=report.reference or ReferenceInfo(),
+                      results=results, paired=report.paired or [], report=report, warnings=warnings)
 
 
 # ---- run folders -------------------------------------------------------------------------------------------------------
@@ -247,7 +263,7 @@ def _is_store(folder: Path) -> bool:
 def _reference_store(run: CompareRun, folder: Path | None) -> Path | None:
     """A reference store (records.parquet + manifest.json): given with the results, in the run folder, a subfolder of it
     or its passes/reference-store, or where the JSON's reference.store says."""
-    recorded = run.local_path(run.reference.get("store"))
+    recorded = run.local_path(run.reference.store)
     candidates = [recorded] if recorded is not None else []
     if folder is not None:   # passes/reference-store: the reference `compare --out` keeps for resuming
         candidates += [folder, *sorted(p for p in folder.iterdir() if p.is_dir()), folder / "passes" / "reference-store"]
@@ -273,9 +289,9 @@ def _attach_records(run: CompareRun, folder: Path | None, store: Path | None = N
     if store is not None and run.positions is None:
         manifest = _read_json(store / "manifest.json")
         sha = (manifest.get("panel") or {}).get("sha256")
-        if sha and sha != run.panel.get("sha256"):
+        if sha and sha != run.panel.sha256:
             raise ReportInputError(f"{store}: reference store is for panel sha256 {sha[:12]}, the compare result "
-                                   f"{run.source} for {str(run.panel.get('sha256'))[:12]}")
+                                   f"{run.source} for {str(run.panel.sha256)[:12]}")
         ref = pd.read_parquet(store / "records.parquet", columns=REFERENCE_COLUMNS if _has_columns(store) else None)
         missing = {"row_id", "position", "token", "scored"} - set(ref.columns)
         if missing:
@@ -314,7 +330,7 @@ def _attach_folder(folder: Path, runs: list[CompareRun]):
     """A folder given without a compare JSON: a reference store, or `compare --out` records for a compare JSON given too."""
     if _is_store(folder):
         sha = (_read_json(folder / "manifest.json").get("panel") or {}).get("sha256")
-        matched = [r for r in runs if r.panel.get("sha256") == sha and r.positions is None]
+        matched = [r for r in runs if r.panel.sha256 == sha and r.positions is None]
         for r in matched:
             _attach_records(r, None, store=folder)
         if not matched:
@@ -375,11 +391,11 @@ def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
         if i > 0:
             files = ", ".join(r.source for r in members)
             if key[0] != first.panel_key[0]:
-                why = (f"panel {g.panel.get('name')!r} (sha256 {key[0][:12]}) differs from the main group's panel "
-                       f"{first.panel.get('name')!r} (sha256 {first.panel_key[0][:12]})")
+                why = (f"panel {g.panel.name!r} (sha256 {key[0][:12]}) differs from the main group's panel "
+                       f"{first.panel.name!r} (sha256 {first.panel_key[0][:12]})")
             else:
-                why = (f"reference {g.reference.get('fingerprint')!r} differs from the main group's reference "
-                       f"{first.reference.get('fingerprint')!r}")
+                why = (f"reference {g.reference.fingerprint!r} differs from the main group's reference "
+                       f"{first.reference.fingerprint!r}")
             g.warning = f"{files}: {why}; its numbers are not comparable and are shown as a separate group, never in the same plot."
             warnings.append(g.warning)
         groups.append(g)

@@ -79,7 +79,7 @@ class Report:
 
 def _reference_tokenizer(group: Group):
     """The reference pack's own tokenizer, when its path is readable here; None otherwise (token ids are shown instead)."""
-    path = next((p for p in (r.local_path(group.reference.get("path")) for r in group.runs) if p is not None), None)
+    path = next((p for p in (r.local_path(group.reference.path) for r in group.runs) if p is not None), None)
     if path is None:
         return None
     try:
@@ -97,9 +97,9 @@ def _panel_positions(panel_source, group: Group, tokenizer) -> tuple[pd.DataFram
     from ..panels.panel import load_panel, tokenize_panel
 
     panel = load_panel(panel_source)
-    if panel.sha256 != group.panel.get("sha256"):
+    if panel.sha256 != group.panel.sha256:
         return None, (f"panel {panel_source} (sha256 {panel.sha256[:12]}) is not the panel of this group "
-                      f"(sha256 {str(group.panel.get('sha256'))[:12]}); not used for context")
+                      f"(sha256 {str(group.panel.sha256)[:12]}); not used for context")
     rows = tokenize_panel(panel, tokenizer)
     return pd.DataFrame({"row_id": [r.id for r in rows for _ in r.tokens], "domain": [r.domain for r in rows for _ in r.tokens],
                          "position": [t for r in rows for t in range(len(r.tokens))],
@@ -129,10 +129,9 @@ class _Distributions:
 def _from_json(d: _Distributions, res):
     o = res.overall
     d.without_records.append(res.label)
-    d.quantiles[res.label] = {"p50": o.get("kld_median"), "p90": o.get("kld_p90"), "p99": o.get("kld_p99"),
-                              "p99.9": o.get("kld_p999"), "max": o.get("kld_max"), "mean": o.get("kld_mean"),
-                              "positions": o.get("positions")}
-    conf = analysis.confidence_from_json(o.get("kld_by_ref_confidence"))
+    d.quantiles[res.label] = {"p50": o.kld_median, "p90": o.kld_p90, "p99": o.kld_p99, "p99.9": o.kld_p999,
+                              "max": o.kld_max, "mean": o.kld_mean, "positions": o.positions}
+    conf = analysis.confidence_from_json(o.kld_by_ref_confidence)
     if conf is not None:
         d.confidence[res.label] = conf
 
@@ -143,7 +142,7 @@ def _from_records(d: _Distributions, view: GroupView, run, res, df, text: analys
     d.quantiles[res.label] = {**analysis.kl_quantiles(kl), "positions": int(kl.size)}
     conf = analysis.kl_by_confidence(df)
     if conf is None:
-        conf = analysis.confidence_from_json(res.overall.get("kld_by_ref_confidence"))
+        conf = analysis.confidence_from_json(res.overall.kld_by_ref_confidence)
     if conf is not None:
         d.confidence[res.label] = conf
     if run.positions is None or "ref_top_ids" not in run.positions.columns:
@@ -159,7 +158,7 @@ def _from_records(d: _Distributions, view: GroupView, run, res, df, text: analys
 def _panel_context(g: Group, view: GroupView, panel_source, tokenizer):
     """Runs with pack records but no reference store get every token of their rows from the panel, when we have it and the
     reference tokenizer. Returns the tokenizer (resolved from "auto" if it had to be)."""
-    panel_source = panel_source or next((p for p in (r.local_path(g.panel.get("path")) for r in g.runs) if p), None)
+    panel_source = panel_source or next((p for p in (r.local_path(g.panel.extra.get("path")) for r in g.runs) if p), None)
     if not panel_source or not Path(panel_source).exists() or \
             not any(r.positions is None and r.pack_positions for r in g.runs):
         return tokenizer
@@ -178,8 +177,9 @@ def _panel_context(g: Group, view: GroupView, panel_source, tokenizer):
 
 def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_source=None) -> GroupView:
     suffix = "" if index == 1 else f"-group{index}"
-    panel = g.panel.get("name", "?")
-    heading = f"Panel {panel} (sha256 {str(g.panel.get('sha256', '?'))[:12]}), reference {g.reference.get('fingerprint', '?')}"
+    panel = tables.known(g.panel, "name")
+    heading = (f"Panel {panel} (sha256 {str(tables.known(g.panel, 'sha256'))[:12]}), "
+               f"reference {tables.known(g.reference, 'fingerprint')}")
     if index > 1:
         heading = f"Separate group {index}: {heading}"
     packs = g.packs

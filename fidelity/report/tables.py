@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..measuring.result_schema import PairedBlock, Scope
 from .figures import domain_rows
 from .inputs import Group
 
@@ -38,8 +39,8 @@ def pct(x) -> str:
     return "—" if x is None else f"{100 * float(x):.2f}%"
 
 
-def ci(block: dict, key: str) -> str:
-    v = block.get(key)
+def ci(block, key: str) -> str:
+    v = getattr(block, key)
     if isinstance(v, (list, tuple)) and len(v) == 2:
         return f"[{num(v[0])}, {num(v[1])}]"
     return ""
@@ -66,17 +67,19 @@ class Reasons:
         return " ".join(f"{self.mark(r)} no interval: {r}." for r in self.reasons)
 
 
-def interval_reason(block: dict, ci_key: str) -> str | None:
-    """Why `block[ci_key]` is null, as compare recorded it: the field's own reason, else the scope's."""
-    return block.get(f"{ci_key}_unavailable") or block.get("unavailable") or block.get("ci_unavailable")
+def interval_reason(block, ci_key: str) -> str | None:
+    """Why `block[ci_key]` is null, as compare recorded it: the field's own reason, else the scope's (a pack's scope
+    says `ci_unavailable`, a paired block `unavailable`; a quantile has a reason of its own)."""
+    keys = (f"{ci_key}_unavailable", "unavailable", "ci_unavailable")
+    return next((getattr(block, k) for k in keys if hasattr(block, k) and getattr(block, k)), None)
 
 
-def with_ci(block: dict, mean_key: str, ci_key: str, reasons: Reasons | None = None) -> str:
+def with_ci(block, mean_key: str, ci_key: str, reasons: Reasons | None = None) -> str:
     c = ci(block, ci_key)
-    if not c and reasons is not None and block.get(mean_key) is not None:
+    if not c and reasons is not None and getattr(block, mean_key) is not None:
         c = reasons.mark(interval_reason(block, ci_key))
-        return f"{num(block.get(mean_key))}{c}"
-    return f"{num(block.get(mean_key))} {c}".strip()
+        return f"{num(getattr(block, mean_key))}{c}"
+    return f"{num(getattr(block, mean_key))} {c}".strip()
 
 
 def ceil_significant(x: float, digits: int = 2) -> float:
@@ -97,9 +100,9 @@ def p_text(p, floor=None, digits: int = 3) -> str:
     return num(p, digits)
 
 
-def times_floor(o: dict) -> str:
-    k, f = o.get("kld_mean"), o.get("noise_floor_kld")
-    r = o.get("x_noise_floor")
+def times_floor(o: Scope) -> str:
+    k, f = o.kld_mean, o.noise_floor_kld
+    r = o.x_noise_floor
     if r is None and (k is None or not f):
         return "—"
     r = float(r) if r is not None else float(k) / float(f)
@@ -108,21 +111,21 @@ def times_floor(o: dict) -> str:
 
 def overall_table(g: Group) -> Table:
     headers = ["pack", "bpw", "KLD mean [95% CI]", "KLD domains equal", "× noise floor", "top-1", "non-finite"]
-    flips = any("top1_flips_clear" in p.overall for p in g.packs)
+    flips = any(p.overall.top1_flips_clear is not None for p in g.packs)
     if flips:
         headers.insert(6, "top-1 flips clear / near-tie")
     rows, reasons = [], Reasons()
     for p in g.packs:
         o = p.overall
         row = [p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95", reasons),
-               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95", reasons), times_floor(o), pct(o.get("top1")),
-               num(o.get("nonfinite"))]
+               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95", reasons), times_floor(o), pct(o.top1),
+               num(o.nonfinite)]
         if flips:
-            row.insert(6, f"{num(o.get('top1_flips_clear'))} / {num(o.get('top1_flips_near_tie'))}")
+            row.insert(6, f"{num(o.top1_flips_clear)} / {num(o.top1_flips_near_tie)}")
         rows.append(row)
-    floor = next((p.overall.get("noise_floor_kld") for p in g.packs if p.overall.get("noise_floor_kld")), None)
+    floor = next((p.overall.noise_floor_kld for p in g.packs if p.overall.noise_floor_kld), None)
     note = "KL(reference ‖ pack) in nats over scored positions; 95% CIs by bootstrap over panel rows."
-    tie = next((p.overall.get("tie_margin") for p in g.packs if p.overall.get("tie_margin") is not None), None)
+    tie = next((p.overall.tie_margin for p in g.packs if p.overall.tie_margin is not None), None)
     if flips and tie is not None:
         note += f" A near-tie flip is a top-1 change where the reference's top-2 margin is below {num(tie)} nats."
     if floor:
@@ -130,12 +133,12 @@ def overall_table(g: Group) -> Table:
     return Table("Overall", headers, rows, f"{note} {reasons.note()}".strip())
 
 
-def _rows_worse(o: dict) -> tuple[str, str, str]:
-    rw = o.get("rows_worse")
-    if not isinstance(rw, dict):
+def _rows_worse(o: Scope) -> tuple[str, str, str]:
+    rw = o.rows_worse
+    if rw is None:
         return "—", "—", "—"
-    share = f"{pct(rw.get('share'))} {ci_pct(rw.get('share_ci95'))}".strip()
-    return f"{num(rw.get('worse'))} / {num(rw.get('rows'))}", share, num(rw.get("sign_test_p"), 3)
+    share = f"{pct(rw.share)} {ci_pct(rw.share_ci95)}".strip()
+    return f"{num(rw.worse)} / {num(rw.rows)}", share, num(rw.sign_test_p, 3)
 
 
 def ci_pct(v) -> str:
@@ -151,7 +154,7 @@ def likelihood_table(g: Group) -> Table:
         worse, share, sign_p = _rows_worse(o)
         rows.append([p.label, with_ci(o, "nll_ref_mean", "nll_ref_mean_ci95", reasons),
                      with_ci(o, "nll_mean", "nll_mean_ci95", reasons),
-                     with_ci(o, "delta_nll_mean", "delta_nll_mean_ci95", reasons), num(o.get("delta_nll_mean_se")),
+                     with_ci(o, "delta_nll_mean", "delta_nll_mean_ci95", reasons), num(o.delta_nll_mean_se),
                      worse, share, sign_p, with_ci(o, "kld_reverse_mean", "kld_reverse_mean_ci95", reasons)])
     note = ("NLL: mean −log p of the true next token, nats per scored position (reference / pack); ΔNLL = pack − reference, "
             "SE its row-bootstrap standard error; rows worse: rows whose mean NLL rose, of the rows scored, with the "
@@ -163,8 +166,8 @@ def likelihood_table(g: Group) -> Table:
 
 def tails_table(g: Group) -> Table:
     """Perplexities and the KL tail compare measured on all scored positions (the overall table's second half)."""
-    rows = [[p.label, num(p.overall.get("ppl")), num(p.overall.get("ppl_ref")), num(p.overall.get("kld_median")),
-             num(p.overall.get("kld_p99")), num(p.overall.get("kld_p999")), num(p.overall.get("kld_max"))] for p in g.packs]
+    rows = [[p.label, num(p.overall.ppl), num(p.overall.ppl_ref), num(p.overall.kld_median),
+             num(p.overall.kld_p99), num(p.overall.kld_p999), num(p.overall.kld_max)] for p in g.packs]
     return Table("Perplexity and KL tail", ["pack", "PPL", "PPL ref", "KL median", "KL p99", "KL p99.9", "KL max"], rows)
 
 
@@ -173,7 +176,7 @@ def domain_table(g: Group, key: str, title: str, fmt, reasons: Reasons | None = 
     rows = []
     for d in domain_rows(packs):
         cells = [fmt(p.domains[d], key) if d in p.domains else "—" for p in packs]
-        n = next((p.domains[d].get("positions") for p in packs if d in p.domains), None)
+        n = next((p.domains[d].positions for p in packs if d in p.domains), None)
         rows.append([d, num(n)] + cells)
     return Table(title, ["domain", "positions"] + [p.label for p in packs], rows, reasons.note() if reasons else "")
 
@@ -182,22 +185,22 @@ def per_domain_tables(g: Group) -> list[Table]:
     reasons = Reasons()
     return [domain_table(g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, k + "_ci95", reasons),
                          reasons),
-            domain_table(g, "top1", "Top-1 agreement per domain", lambda b, k: pct(b.get(k))),
-            domain_table(g, "ppl", "Perplexity per domain", lambda b, k: num(b.get(k)))]
+            domain_table(g, "top1", "Top-1 agreement per domain", lambda b, k: pct(getattr(b, k))),
+            domain_table(g, "ppl", "Perplexity per domain", lambda b, k: num(getattr(b, k)))]
 
 
-def _paired_cells(v: dict, reasons: Reasons) -> list[str]:
+def _paired_cells(v: PairedBlock, reasons: Reasons) -> list[str]:
     """A − B [CI], change % [CI], p (at the bootstrap floor: "< floor") of one scope of a paired block."""
     diff = with_ci(v, "diff", "diff_ci95", reasons)
-    change = num(v.get("relative_change_pct"), 3)
-    c = v.get("relative_change_pct_ci95")
+    change = num(v.relative_change_pct, 3)
+    c = v.relative_change_pct_ci95
     if isinstance(c, (list, tuple)) and len(c) == 2:
         change += f" [{num(c[0], 3)}, {num(c[1], 3)}]"
-    elif v.get("relative_change_pct") is not None:
-        change += reasons.mark(v.get("relative_change_pct_unavailable") or v.get("unavailable"))
-    p = p_text(v.get("p_value"), v.get("p_value_floor"))
-    if v.get("p_value") is None and v.get("diff") is not None:
-        p += reasons.mark(v.get("unavailable"))
+    elif v.relative_change_pct is not None:
+        change += reasons.mark(v.relative_change_pct_unavailable or v.unavailable)
+    p = p_text(v.p_value, v.p_value_floor)
+    if v.p_value is None and v.diff is not None:
+        p += reasons.mark(v.unavailable)
     return [diff, change, p]
 
 
@@ -205,16 +208,15 @@ def _shown_pairs(g: Group):
     for run in g.runs:
         shown = {r.original_label: r.label for r in run.results}
         for pr in run.paired:
-            yield tuple(shown.get(str(pr.get(k)), str(pr.get(k))) for k in ("a", "b")), pr
+            yield tuple(shown.get(str(x), str(x)) for x in (pr.a, pr.b)), pr
 
 
 def paired_table(g: Group) -> Table | None:
     rows, reasons = [], Reasons()
     for (a, b), pr in _shown_pairs(g):
-        k = pr.get("kld") if isinstance(pr.get("kld"), dict) else None
+        k = pr.kld
         if k is None:    # a result without the per-metric block: its top-level numbers
-            k = {"diff": pr.get("kld_mean_diff"), "diff_ci95": pr.get("ci95"), "p_value": pr.get("p_value"),
-                 "unavailable": pr.get("unavailable")}
+            k = PairedBlock(diff=pr.kld_mean_diff, diff_ci95=pr.ci95, p_value=pr.p_value, unavailable=pr.unavailable)
         rows.append([a, b, *_paired_cells(k, reasons)])
     if not rows:
         return None
@@ -228,17 +230,17 @@ def paired_domains_table(g: Group) -> Table | None:
     """Per domain and domains-equal, with the Holm-corrected p across domains, as compare writes them."""
     rows, reasons = [], Reasons()
     for (a, b), pr in _shown_pairs(g):
-        k = pr.get("kld")
-        if not isinstance(k, dict) or not isinstance(k.get("domains"), dict):
+        k = pr.kld
+        if k is None or k.domains is None:
             continue
-        for name, v in k["domains"].items():
-            holm = v.get("p_holm")
-            at_floor = v.get("p_value_floor") is not None and v.get("p_value") is not None and \
-                v["p_value"] <= v["p_value_floor"] * (1 + 1e-9)
+        for name, v in k.domains.items():
+            holm = v.p_holm
+            at_floor = v.p_value_floor is not None and v.p_value is not None and \
+                v.p_value <= v.p_value_floor * (1 + 1e-9)
             holm_text = "—" if holm is None else (f"< {ceil_significant(holm):.2g}" if at_floor else num(holm, 3))
             rows.append([a, b, name, *_paired_cells(v, reasons), holm_text])
-        if isinstance(k.get("domains_equal"), dict):
-            rows.append([a, b, "domains equal", *_paired_cells(k["domains_equal"], reasons), ""])
+        if k.domains_equal is not None:
+            rows.append([a, b, "domains equal", *_paired_cells(k.domains_equal, reasons), ""])
     if not rows:
         return None
     return Table("Paired per domain (Holm across domains)",
@@ -407,21 +409,28 @@ def gate_worst_tables(entries: list[tuple[str, dict]]) -> list[Table]:
     return out
 
 
+def known(block, key: str) -> str:
+    """A block's value for `key`, "?" where the result left the key out."""
+    return "?" if key in block.absent else getattr(block, key)
+
+
 def provenance_table(groups: list[Group], report_meta: dict, suites=(), gates=()) -> Table:
     rows = []
     for i, g in enumerate(groups, 1):
         p = g.panel
-        rows.append([f"group {i}: panel", f"{p.get('name', '?')} · sha256 {p.get('sha256', '?')} · rows {num(p.get('rows'))} · "
-                     f"scored positions {num(p.get('scored_positions'))}"])
+        rows.append([f"group {i}: panel", f"{known(p, 'name')} · sha256 {known(p, 'sha256')} · rows {num(p.rows)} · "
+                     f"scored positions {num(p.scored_positions)}"])
         ref = g.reference
-        rows.append([f"group {i}: reference", f"{ref.get('path', '?')} · {ref.get('format') or 'format ?'} · fingerprint "
-                     f"{ref.get('fingerprint', '?')}" + (f" · store {ref['store']}" if ref.get("store") else "")])
+        rows.append([f"group {i}: reference", f"{known(ref, 'path')} · {ref.format or 'format ?'} · fingerprint "
+                     f"{known(ref, 'fingerprint')}" + (f" · store {ref.store}" if ref.store else "")])
         for pk in g.packs:
             rows.append([f"group {i}: pack {pk.label}", f"{pk.pack} · {pk.format or 'format ?'} · fingerprint "
                          f"{pk.fingerprint or '—'} · bpw {num(pk.bpw)} · from {Path(pk.source).name}"])
         for run in g.runs:
-            ver = run.meta.get("fidelity_version") or run.meta.get("version") or run.meta.get("library_version")
-            cmd = run.meta.get("command_line") or run.meta.get("command") or run.meta.get("argv")
+            # command_line: added by the command after the run; version / command / argv: hand-made results
+            extra = run.report.extra
+            ver = run.report.fidelity_version or extra.get("version") or extra.get("library_version")
+            cmd = extra.get("command_line") or extra.get("command") or extra.get("argv")
             if isinstance(cmd, list):
                 cmd = " ".join(map(str, cmd))
             rows.append([f"group {i}: {Path(run.source).name}", f"fidelity {ver or '?'} · command: {cmd or '—'}"])
