@@ -50,6 +50,7 @@ from .errors import ConfigError
 from .packs.base import tensor_role
 from .packs.exl3.codec import HAD, Bitrate
 from .packs.exl3.layouts import routed_expert
+from .plan_donors import Donor, Stage, check_stages
 
 CANDIDATES = tuple(range(1, 9))
 ROLES = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -108,6 +109,7 @@ class Evidence:
     levels: list[float] | None = None                      # noise levels (eps)
     row_sums: dict[int, np.ndarray] | None = None          # layer -> [levels, rows] sum of KL per row
     scored_per_row: np.ndarray | None = None
+    curves: dict[int, tuple[list[float], list[float]]] | None = None   # layer -> (eps^2 levels, KL at each)
 
     @classmethod
     def from_attribution(cls, data) -> "Evidence":
@@ -128,6 +130,8 @@ class Evidence:
                  {(r["layer"], r["expert"]): r["counts_ref"] / tokens[r["layer"]] for r in routing},
                  {r["layer"]: list(r["super_experts_ref"]) for r in layers},
                  (data.get("summary") or {}).get("additivity"))
+        ev.curves = {r["layer"]: ([float(x) ** 2 for x in r["levels"]], [float(k) for k in r["kld_mean"]])
+                     for r in data["sensitivity"] if "levels" in r and "kld_mean" in r}
         per_row = (data.get("summary") or {}).get("scored_per_row")
         if per_row is not None and all("kld_row_sums" in r for r in data["sensitivity"]):
             ev.levels = list(data["sensitivity"][0]["levels"])
@@ -204,12 +208,24 @@ class ErrorTable:
 # -- settings -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Budget:
-    bpw: float
+    """One budget over every routed expert (`bpw`), or one per stage (`stages`, plan_donors.parse_stage_budgets)."""
+    bpw: float | None = None
     per_decoded_token: bool = False
+    stages: tuple[Stage, ...] = ()
 
     @property
     def label(self) -> str:
         return "per decoded token" if self.per_decoded_token else "in memory"
+
+    def resolved(self, layers: list[int]) -> tuple[Stage, ...]:
+        if (self.bpw is None) == (not self.stages):
+            raise ConfigError("give a budget in bpw (--budget) or per-stage budgets (--stage-budgets), one of them")
+        if self.stages:
+            check_stages(self.stages, layers, self.per_decoded_token)
+            return self.stages
+        if not (math.isfinite(self.bpw) and self.bpw > 0):
+            raise ConfigError(f"budget {self.bpw:g} bpw: a budget is a positive number of bits per weight")
+        return (Stage(min(layers), max(layers), bpw=self.bpw, text=f"{self.bpw:g}bpw"),)
 
 
 @dataclass(frozen=True)
@@ -250,32 +266,75 @@ class Unit:
     tensors: list[ExpertTensor]
     weight: float                  # S_L * a_Le
     cost_scale: float              # 1 in memory, the expert's token share per decoded token
-    allowed: list[int]
+    allowed: list                  # options: an int K (our encoder at K) or a str (the donor of that label)
     why: str                       # why `allowed` is what it is
+    donors: dict = field(default_factory=dict)    # label -> [DonorTensor] in `tensors`' order
 
-    def cost(self, K: int, codebook: str) -> float:
-        return self.cost_scale * sum(exl3_nbytes(t.shape, K, codebook) for t in self.tensors)
+    def tensor_bytes(self, opt, codebook: str) -> list[int]:
+        if isinstance(opt, str):
+            return [d.nbytes for d in self.donors[opt]]
+        return [exl3_nbytes(t.shape, opt, codebook) for t in self.tensors]
 
-    def error(self, K: int, errors: ErrorTable) -> float:
-        return sum(errors(t.name, K)[0] for t in self.tensors)
+    def cost(self, opt, codebook: str) -> float:
+        return self.cost_scale * sum(self.tensor_bytes(opt, codebook))
+
+    def tensor_errors(self, opt, errors: ErrorTable) -> list[tuple[float, str]]:
+        if isinstance(opt, str):
+            return [(d.error, "measured") for d in self.donors[opt]]
+        return [errors(t.name, opt) for t in self.tensors]
+
+    def error(self, opt, errors: ErrorTable) -> float:
+        return sum(e for e, _ in self.tensor_errors(opt, errors))
+
+    def k_of(self, opt) -> list[int | None]:
+        """The EXL3 K of each tensor under this option (None: a donor tensor that is not EXL3 at an integer K)."""
+        if isinstance(opt, str):
+            return [d.K for d in self.donors[opt]]
+        return [opt] * len(self.tensors)
 
 
 @dataclass
 class Plan:
-    k: dict[str, int]                  # tensor name -> K
+    k: dict[str, int | str]            # tensor name -> its option: K (our encoder) or a donor's label
     units: list[Unit]
     tensors: list[ExpertTensor]
     summary: dict
     recipe: list[dict]
 
+    def exl3_k(self) -> dict[str, int | None]:
+        """tensor name -> the EXL3 K it is stored at under the plan (None: a donor tensor in another format)."""
+        out = {}
+        for u in self.units:
+            out.update(zip((t.name for t in u.tensors), u.k_of(self.k[u.tensors[0].name])))
+        return out
+
+    def moe_plan_refusal(self) -> str | None:
+        """Why `exl3_moe_plan.json` cannot state this plan, or None."""
+        ks = self.exl3_k()
+        other = next((t for t in self.tensors if ks[t.name] is None), None)
+        if other is not None:
+            u = next(u for u in self.units if other in u.tensors)
+            d = u.donors[self.k[other.name]][u.tensors.index(other)]
+            return (f"{other.name} comes from donor {d.donor}'s {d.name}, stored as {d.format}, not EXL3 at an integer "
+                    f"K: exl3_moe_plan.json states EXL3 K only (plan.json's tensors[] names each tensor's donor)")
+        per: dict[tuple[int, int], set] = {}
+        for t in self.tensors:
+            per.setdefault((t.layer, t.expert), set()).add(ks[t.name])
+        mixed = next((key for key, v in per.items() if len(v) > 1), None)
+        if mixed is not None:
+            return (f"layer {mixed[0]} expert {mixed[1]}'s matrices have different K {sorted(per[mixed])}; the "
+                    f"deepseek_v41_exl3 layout states one K per expert (write the recipe in a self-describing layout)")
+        return None
+
     def moe_plan(self) -> dict | None:
         """`exl3_moe_plan.json` (the deepseek_v41_exl3 layout: per layer one digit per expert, a drafter section),
-        or None when an expert's matrices differ in K (that layout states one K per expert)."""
+        or None when it cannot state the plan (`moe_plan_refusal`)."""
+        if self.moe_plan_refusal() is not None:
+            return None
+        ks = self.exl3_k()
         per: dict[int, dict[int, set[int]]] = {}
         for t in self.tensors:
-            per.setdefault(t.layer, {}).setdefault(t.expert, set()).add(self.k[t.name])
-        if any(len(ks) > 1 for experts in per.values() for ks in experts.values()):
-            return None
+            per.setdefault(t.layer, {}).setdefault(t.expert, set()).add(ks[t.name])
         layers = {}
         for L, experts in sorted(per.items()):
             n = max(experts) + 1
@@ -285,7 +344,7 @@ class Plan:
         return {"layers": layers, "drafter": {"layers": {}}}
 
 
-def _units(tensors, evidence: Evidence, budget: Budget, c: Constraints) -> list[Unit]:
+def _units(tensors, evidence: Evidence, budget: Budget, c: Constraints, donors: list[Donor] = ()) -> list[Unit]:
     groups: dict[tuple, list[ExpertTensor]] = {}
     for t in tensors:
         groups.setdefault((t.layer, t.expert) + ((t.role,) if c.per_tensor else ()), []).append(t)
@@ -301,25 +360,40 @@ def _units(tensors, evidence: Evidence, budget: Budget, c: Constraints) -> list[
     out_of_range = sorted(set(c.min_k) - set(layers))
     if out_of_range:
         raise ConfigError(f"--min-k names layer(s) {out_of_range} that have no routed experts; MoE layers: {layers}")
+    donor_ks = {d.K for donor in donors for d in donor.tensors.values() if d.K is not None}
+    largest = max(set(c.candidates) | donor_ks, default=None)
     for L, K in c.min_k.items():
-        if K > max(c.candidates):
-            raise ConfigError(f"--min-k {L}:{K} is above the largest candidate K {max(c.candidates)}")
+        if largest is None or K > largest:
+            raise ConfigError(f"--min-k {L}:{K} is above the largest candidate K {largest}")
     keep = c.keep_super_experts
-    if keep is not None and keep not in c.candidates:
-        raise ConfigError(f"--keep-super-experts {keep} is not among the candidate K {list(c.candidates)}")
+    if keep is not None and keep not in set(c.candidates) | donor_ks:
+        raise ConfigError(f"--keep-super-experts {keep} is not among the candidate K {list(c.candidates)}"
+                          + (f" or the donors' EXL3 K {sorted(donor_ks)}" if donors else ""))
     units = []
     for key, ts in groups.items():
         L, e = key[0], key[1]
-        floor = c.min_k.get(L, min(c.candidates))
-        allowed, why = [K for K in c.candidates if K >= floor], (f"min K {floor} for layer {L}" if L in c.min_k else "")
+        held = {donor.label: [donor.tensors[(t.layer, t.expert, t.role)] for t in ts] for donor in donors
+                if all((t.layer, t.expert, t.role) in donor.tensors for t in ts)}
+        options: list = list(c.candidates) + list(held)
+
+        def ks(opt):
+            return [d.K for d in held[opt]] if isinstance(opt, str) else [opt]
+
+        floor = c.min_k.get(L)
+        allowed = [o for o in options if floor is None or all(k is not None and k >= floor for k in ks(o))]
+        why = f"min K {floor} for layer {L}" if floor is not None else ""
         if keep is not None and e in evidence.super_experts.get(L, []):
-            if keep < floor:
+            if floor is not None and keep < floor:
                 raise ConfigError(f"conflicting constraints: layer {L} expert {e} is a super expert kept at K{keep}, "
                                   f"but --min-k asks K >= {floor} for layer {L}")
-            allowed, why = [keep], f"super expert (energy share {evidence.energy_share[(L, e)]:.3g}) kept at K{keep}"
-        scale = evidence.token_share[(L, e)] if budget.per_decoded_token else 1.0
+            allowed = [o for o in options if all(k == keep for k in ks(o))]
+            why = f"super expert (energy share {evidence.energy_share[(L, e)]:.3g}) kept at K{keep}"
         name = f"layers.{L}.experts.{e}" + (f".{key[2]}" if c.per_tensor else "")
-        units.append(Unit(name, L, e, ts, evidence.sensitivity[L] * evidence.energy_share[(L, e)], scale, allowed, why))
+        if not allowed:
+            raise ConfigError(f"{name}: no candidate is left (" + (why or "no encoder K and no donor holds it") +
+                              f"; encoder K {list(c.candidates)}, donors holding it: {sorted(held) or 'none'})")
+        scale = evidence.token_share[(L, e)] if budget.per_decoded_token else 1.0
+        units.append(Unit(name, L, e, ts, evidence.sensitivity[L] * evidence.energy_share[(L, e)], scale, allowed, why, held))
     return units
 
 
@@ -342,37 +416,52 @@ def _hull(points: list[tuple[int, float, float]]) -> list[tuple[int, float, floa
 
 
 def make_plan(tensors: list[ExpertTensor], evidence: Evidence, errors: ErrorTable, budget: Budget,
-              constraints: Constraints = Constraints(), *, seed: int = 0) -> Plan:
-    """The plan minimising predicted KL under `budget` (see the module docstring)."""
+              constraints: Constraints = Constraints(), *, donors: list[Donor] = (),
+              calibration: tuple[str, float] | None = None, seed: int = 0) -> Plan:
+    """The plan minimising predicted KL under `budget`, each stage within its own (see the module docstring)."""
     c = constraints
     if not tensors:
         raise ConfigError("the reference has no routed-expert tensors to plan")
     bad = [K for K in c.candidates if K not in CANDIDATES]
-    if bad or not c.candidates:
+    if bad or not (c.candidates or donors):
         raise ConfigError(f"candidate K {list(c.candidates)}: EXL3 K per expert is an integer 1..8 (one digit in "
-                          f"exl3_moe_plan.json); {bad} are not")
-    units = _units(tensors, evidence, budget, c)
-    params = sum((u.cost_scale * t.numel) for u in units for t in u.tensors)
-    allowed_bytes = budget.bpw * params / 8
-    tol = 1e-12 * max(allowed_bytes, 1.0)
+                          f"exl3_moe_plan.json); {bad} are not" if bad else "no candidates: give encoder K "
+                          "(--candidates) or --donors")
+    units = _units(tensors, evidence, budget, c, donors)
+    stages = budget.resolved(sorted({u.layer for u in units}))
+    k, solved = {}, []
+    for stage in stages:
+        mine = [u for u in units if stage.holds(u.layer)]
+        chosen, arithmetic = _solve_stage(mine, stage, budget, c, errors, single=not budget.stages)
+        k.update(chosen)
+        solved.append(arithmetic)
+    return _finish(k, units, tensors, evidence, errors, budget, c, solved, calibration, seed)
 
-    table = {}
-    for i, u in enumerate(units):
-        table[i] = _hull([(K, u.cost(K, c.codebook), u.weight * u.error(K, errors)) for K in u.allowed])
-    low = sum(min(u.cost(K, c.codebook) for K in u.allowed) for u in units)
-    high = sum(max(u.cost(K, c.codebook) for K in u.allowed) for u in units)
+
+def _solve_stage(units: list[Unit], stage: Stage, budget: Budget, c: Constraints, errors: ErrorTable,
+                 single: bool) -> tuple[dict, dict]:
+    """The greedy on the units' hulls within the stage's budget: (tensor -> option, the stage's budget arithmetic)."""
+    params = sum((u.cost_scale * t.numel) for u in units for t in u.tensors)
+    allowed_bytes = stage.allowed_bytes(params)
+    tol = 1e-12 * max(allowed_bytes, 1.0)
+    table = {i: _hull([(o, u.cost(o, c.codebook), u.weight * u.error(o, errors)) for o in u.allowed])
+             for i, u in enumerate(units)}
+    low = sum(min(u.cost(o, c.codebook) for o in u.allowed) for u in units)
+    high = sum(max(u.cost(o, c.codebook) for o in u.allowed) for u in units)
     bpw = lambda b: 8 * b / params if params else float("nan")     # noqa: E731
     per_token = " per token" if budget.per_decoded_token else ""
+    what = (f"budget {budget.bpw:g} bpw ({budget.label})" if single else
+            f"stage {stage.layers} ({stage.text}: {allowed_bytes:.0f} bytes{per_token} = {bpw(allowed_bytes):.6g} bpw "
+            f"{budget.label})")
     if allowed_bytes < low - tol:
-        raise ConfigError(f"budget {budget.bpw:g} bpw ({budget.label}) is below the smallest plan the constraints "
-                          f"allow: {bpw(low):.6g} bpw ({low:.0f} bytes{per_token}"
-                          f", every unit at its lowest allowed K)")
+        raise ConfigError(f"{what} is below the smallest plan the constraints allow: {bpw(low):.6g} bpw "
+                          f"({low:.0f} bytes{per_token}, every unit at its lowest allowed K)")
     if allowed_bytes > high + tol:
-        raise ConfigError(f"budget {budget.bpw:g} bpw ({budget.label}) is above the largest plan the candidate K "
-                          f"{list(c.candidates)} allow: {bpw(high):.6g} bpw ({high:.0f} bytes, every unit at its "
-                          f"highest allowed K)")
+        raise ConfigError(f"{what} is above the largest plan the candidate K {list(c.candidates)}"
+                          f"{' and donors' if any(u.donors for u in units) else ''} allow: {bpw(high):.6g} bpw "
+                          f"({high:.0f} bytes, every unit at its highest allowed K)")
 
-    # greedy on the hulls: every unit at its cheapest hull point (its lowest allowed K: kl falls with K)
+    # greedy on the hulls: every unit at its cheapest hull point
     at = {i: 0 for i in table}
     spent = sum(table[i][0][1] for i in table)
     kl = sum(table[i][0][2] for i in table)
@@ -392,14 +481,16 @@ def make_plan(tensors: list[ExpertTensor], evidence: Evidence, errors: ErrorTabl
             heapq.heappush(heap, (-(h[j + 1][2] - h[j + 2][2]) / max(h[j + 2][1] - h[j + 1][1], 1e-300), i))
     if lower_bound is None:
         lower_bound = kl                  # every useful step fitted: the plan is the unconstrained optimum
+    chosen = {t.name: table[i][at[i]][0] for i, u in enumerate(units) for t in u.tensors}
+    arithmetic = {"layers": stage.layers, "budget": stage.text, "params": params, "allowed_bytes": allowed_bytes,
+                  "planned_bytes": spent, "planned_bpw": bpw(spent), "unused_bytes": allowed_bytes - spent,
+                  "smallest_plan_bpw": bpw(low), "largest_plan_bpw": bpw(high), "smallest_plan_bytes": low,
+                  "largest_plan_bytes": high, "predicted_kl": kl, "kl_lower_bound": lower_bound}
+    return chosen, arithmetic
 
-    k = {t.name: table[i][at[i]][0] for i, u in enumerate(units) for t in u.tensors}
-    return _finish(k, units, tensors, evidence, errors, budget, c, allowed_bytes, params, spent, kl, lower_bound,
-                   low, high, seed)
 
-
-def predicted_kl(k: dict[str, int], units: list[Unit], errors: ErrorTable) -> float:
-    return sum(u.weight * sum(errors(t.name, k[t.name])[0] for t in u.tensors) for u in units)
+def predicted_kl(k: dict, units: list[Unit], errors: ErrorTable) -> float:
+    return sum(u.weight * u.error(k[u.tensors[0].name], errors) for u in units)
 
 
 def layer_loads(k: dict[str, int], units: list[Unit], evidence: Evidence, errors: ErrorTable) -> dict[int, float]:
@@ -407,8 +498,42 @@ def layer_loads(k: dict[str, int], units: list[Unit], evidence: Evidence, errors
     out: dict[int, float] = {}
     for u in units:
         share = evidence.energy_share[(u.layer, u.expert)]
-        out[u.layer] = out.get(u.layer, 0.0) + share * sum(errors(t.name, k[t.name])[0] for t in u.tensors)
+        out[u.layer] = out.get(u.layer, 0.0) + share * u.error(k[u.tensors[0].name], errors)
     return out
+
+
+def curve_kl(curve: tuple[list[float], list[float]], load: float) -> tuple[float, str]:
+    """KL at relative error^2 `load` from a layer's measured (eps^2, KL) points: straight lines in log-log between
+    them; below the smallest level KL proportional to eps^2 (the small-noise rule); above the largest the last
+    segment's log-log slope, extrapolated. Returns (KL, "inside" | "below" | "extrapolated")."""
+    pts = sorted((x, k) for x, k in zip(*curve) if x > 0 and k > 0)
+    if load <= 0 or not pts:
+        return 0.0, "inside" if load <= 0 else "below"
+    if load <= pts[0][0]:
+        return pts[0][1] * load / pts[0][0], "below" if load < pts[0][0] else "inside"
+    if len(pts) == 1:
+        return pts[0][1] * load / pts[0][0], "extrapolated"
+    for (x0, k0), (x1, k1) in zip(pts, pts[1:]):
+        if load <= x1:
+            break
+    slope = math.log(k1 / k0) / math.log(x1 / x0)
+    return k0 * (load / x0) ** slope, "inside" if load <= x1 else "extrapolated"
+
+
+def curve_prediction(assignment: dict, units: list[Unit], evidence: Evidence, errors: ErrorTable) -> dict | None:
+    """The plan's KL as sum over layers of the layer's measured KL curve at its load (sum of energy share x relative
+    error^2 of its units: the relative error^2 of its routed output), or None without curves."""
+    if not evidence.curves:
+        return None
+    loads = layer_loads(assignment, units, evidence, errors)
+    if any(L not in evidence.curves for L in loads):
+        return None
+    layers = {}
+    for L, load in sorted(loads.items()):
+        kl, where = curve_kl(evidence.curves[L], load)
+        layers[str(L)] = {"load": load, "kl": kl, "where": where,
+                          "levels_eps2": [min(evidence.curves[L][0]), max(evidence.curves[L][0])]}
+    return {"kl": sum(v["kl"] for v in layers.values()), "layers": layers}
 
 
 def sensitivity_draws(evidence: Evidence, n: int = BOOTSTRAP,
@@ -431,8 +556,12 @@ def sensitivity_draws(evidence: Evidence, n: int = BOOTSTRAP,
     return out, ""
 
 
-def _finish(k, units, tensors, evidence, errors, budget, c, allowed_bytes, params, spent, kl, lower_bound, low, high,
-            seed) -> Plan:
+def _finish(k, units, tensors, evidence, errors, budget, c, solved: list[dict], calibration, seed) -> Plan:
+    params = sum(s["params"] for s in solved)
+    allowed_bytes = sum(s["allowed_bytes"] for s in solved)
+    spent = sum(s["planned_bytes"] for s in solved)
+    kl = sum(s["predicted_kl"] for s in solved)
+    lower_bound = sum(s["kl_lower_bound"] for s in solved)
     bpw = lambda b: 8 * b / params          # noqa: E731
     draws, why = sensitivity_draws(evidence, seed=seed)
 
@@ -443,47 +572,74 @@ def _finish(k, units, tensors, evidence, errors, budget, c, allowed_bytes, param
         total = sum(draws[L] * load for L, load in loads.items())
         return [float(np.quantile(total, 0.025)), float(np.quantile(total, 0.975))]
 
-    # uniform K over every unit (constraints ignored), for the same budget
-    uniform = []
-    for K in c.candidates:
-        assign = {t.name: K for t in tensors}
-        cost = sum(u.cost(K, c.codebook) for u in units)
-        uniform.append({"K": K, "bpw": bpw(cost), "bytes": cost, "predicted_kl": predicted_kl(assign, units, errors),
-                        "predicted_kl_ci95": ci(assign), "fits_budget": cost <= allowed_bytes * (1 + 1e-12)})
+    def whole(opt) -> dict:
+        """Every unit at one option (constraints ignored): its bytes, predicted KL, and whether each stage fits."""
+        holding = [u for u in units if not isinstance(opt, str) or opt in u.donors]
+        if len(holding) < len(units):
+            return {"bytes": None, "predicted_kl": None, "fits_budget": False,
+                    "missing": f"holds {len(holding)} of {len(units)} units"}
+        assign = {t.name: opt for t in tensors}
+        cost = sum(u.cost(opt, c.codebook) for u in units)
+        fits = all(sum(u.cost(opt, c.codebook) for u in units if _stage_of(u, budget, solved) == s["layers"])
+                   <= s["allowed_bytes"] * (1 + 1e-12) for s in solved)
+        curve = curve_prediction(assign, units, evidence, errors)
+        return {"bpw": bpw(cost), "bytes": cost, "predicted_kl": predicted_kl(assign, units, errors),
+                "predicted_kl_ci95": ci(assign), "predicted_kl_curve": curve and curve["kl"], "fits_budget": fits}
+
+    uniform = [{"K": K, **whole(K)} for K in c.candidates]
+    labels = list(dict.fromkeys(label for u in units for label in u.donors))
+    donors_whole = [{"donor": label, **whole(label)} for label in labels]
+    curve = curve_prediction(k, units, evidence, errors)
+    calibrated = _calibrate(calibration, curve, uniform + donors_whole)
     sources = {}
     recipe = []
-    unit_of = {t.name: u for u in units for t in u.tensors}
-    for t in tensors:
-        u, K = unit_of[t.name], k[t.name]
-        e, src = errors(t.name, K)
-        sources[src] = sources.get(src, 0) + 1
-        recipe.append({"tensor": t.name, "layer": t.layer, "expert": t.expert, "role": t.role, "K": K,
-                       "shape": list(t.shape), "bytes": exl3_nbytes(t.shape, K, c.codebook),
-                       "token_share": evidence.token_share[(t.layer, t.expert)],
-                       "sensitivity": evidence.sensitivity[t.layer],
-                       "energy_share": evidence.energy_share[(t.layer, t.expert)],
-                       "error": e, "error_source": src, "predicted_kl": u.weight * e,
-                       "constraint": u.why or None})
-    model = errors.model
-    counts: dict[int, int] = {}
     for u in units:
-        K = k[u.tensors[0].name]
-        counts[K] = counts.get(K, 0) + 1
+        opt = k[u.tensors[0].name]
+        nbytes, errs, ks = u.tensor_bytes(opt, c.codebook), u.tensor_errors(opt, errors), u.k_of(opt)
+        for i, t in enumerate(u.tensors):
+            e, src = errs[i]
+            sources[src] = sources.get(src, 0) + 1
+            row = {"tensor": t.name, "layer": t.layer, "expert": t.expert, "role": t.role, "K": ks[i],
+                   "source": "donor" if isinstance(opt, str) else "encoder",
+                   "shape": list(t.shape), "bytes": nbytes[i],
+                   "token_share": evidence.token_share[(t.layer, t.expert)],
+                   "sensitivity": evidence.sensitivity[t.layer],
+                   "energy_share": evidence.energy_share[(t.layer, t.expert)],
+                   "error": e, "error_source": src, "predicted_kl": u.weight * e,
+                   "constraint": u.why or None}
+            if isinstance(opt, str):
+                d = u.donors[opt][i]
+                row.update({"donor": d.donor, "donor_tensor": d.name, "donor_format": d.format,
+                            "donor_files": list(d.files)})
+            recipe.append(row)
+    order = {t.name: i for i, t in enumerate(tensors)}
+    recipe.sort(key=lambda r: order[r["tensor"]])
+    model = errors.model
+    counts: dict[str, int] = {}
+    for u in units:
+        opt = k[u.tensors[0].name]
+        key = f"donor:{opt}" if isinstance(opt, str) else str(opt)
+        counts[key] = counts.get(key, 0) + 1
     summary = {
         "method": "multiple-choice knapsack: greedy by predicted KL saved per byte on each unit's lower convex hull "
-                  "(exact for the LP relaxation; kl_lower_bound bounds every integer plan)",
+                  "(exact for the LP relaxation; kl_lower_bound bounds every integer plan)" +
+                  ("; each stage solved within its own budget" if budget.stages else ""),
         "granularity": "tensor" if c.per_tensor else "expert",
         "budget": {"bpw": budget.bpw, "basis": budget.label, "params": params, "allowed_bytes": allowed_bytes,
                    "planned_bytes": spent, "planned_bpw": bpw(spent), "unused_bytes": allowed_bytes - spent,
-                   "smallest_plan_bpw": bpw(low), "largest_plan_bpw": bpw(high),
-                   "bytes_per_tensor": "trellis int16 [in_p/16, out_p/16, 16K] + suh fp16 [in_p] + svh fp16 [out_p] + "
-                                       f"{MARKER_BYTES[c.codebook]}-byte {c.codebook} marker, in_p/out_p padded to 128",
+                   "smallest_plan_bpw": bpw(sum(s["smallest_plan_bytes"] for s in solved)),
+                   "largest_plan_bpw": bpw(sum(s["largest_plan_bytes"] for s in solved)),
+                   "bytes_per_tensor": "encoder K: trellis int16 [in_p/16, out_p/16, 16K] + suh fp16 [in_p] + svh "
+                                       f"fp16 [out_p] + {MARKER_BYTES[c.codebook]}-byte {c.codebook} marker, in_p/out_p "
+                                       "padded to 128" + ("; donor: the bytes the donor stores for the tensor, side "
+                                                          "tensors included (Pack.storage().nbytes)" if labels else ""),
                    "params_are": "logical out x in of each routed-expert matrix" + (
-                       ", times its expert's token share" if budget.per_decoded_token else "")},
+                       ", times its expert's token share" if budget.per_decoded_token else ""),
+                   **({"stages": solved} if budget.stages else {})},
         "constraints": {"candidates": list(c.candidates), "keep_super_experts": c.keep_super_experts,
                         "min_k": {str(L): K for L, K in sorted(c.min_k.items())},
                         "super_experts": {str(L): v for L, v in sorted(evidence.super_experts.items()) if v}},
-        "units_per_K": {str(K): n for K, n in sorted(counts.items())},
+        "units_per_K": dict(sorted(counts.items())),
         "predicted_kl": kl,
         "predicted_kl_check": predicted_kl(k, units, errors),
         "predicted_kl_ci95": ci(k),
@@ -492,9 +648,12 @@ def _finish(k, units, tensors, evidence, errors, budget, c, allowed_bytes, param
         "row bootstrap of each layer's sensitivity (plan held fixed)",
         "uncertainty_not_included": "routing shares' sampling error; the rate model's residual; the model's own error "
                                     "(quadratic KL at quantization-size errors, additivity across units)",
+        "predicted_kl_curve": curve,
+        "calibration": calibrated,
         "kl_lower_bound": lower_bound,
         "optimality_gap": kl - lower_bound,
         "uniform": uniform,
+        **({"donors_whole": donors_whole} if labels else {}),
         "errors": {"sources": sources, "rate_model": model.to_json() if model is not None else None,
                    "measured_points": len(errors.measured)},
         "additivity": evidence.additivity,
@@ -502,3 +661,32 @@ def _finish(k, units, tensors, evidence, errors, budget, c, allowed_bytes, param
                        "(attribute's additivity measures it on its pack); routed energy = MLP output energy",
     }
     return Plan(k, units, tensors, summary, recipe)
+
+
+def _calibrate(calibration: tuple[str, float] | None, curve: dict | None, rows: list[dict]) -> dict | None:
+    """One scale on the curve prediction, fitted to one measured plan (a uniform K or a whole donor): measured KL /
+    its curve prediction; each row and the plan get `calibrated` = scale x curve prediction."""
+    if calibration is None:
+        return None
+    which, measured = calibration
+    if not (math.isfinite(measured) and measured > 0):
+        raise ConfigError(f"--calibrate {which}={measured!r}: the measured KL must be a positive number")
+    if curve is None:
+        raise ConfigError("--calibrate scales the curve prediction, which needs each layer's measured KL at its noise "
+                          "levels (attribute's sensitivity[].kld_mean)")
+    names = {(f"K{r['K']}" if "K" in r else r["donor"]): r for r in rows}
+    row = names.get(which)
+    if row is None or row.get("predicted_kl_curve") is None:
+        raise ConfigError(f"--calibrate {which}: not a plan this run predicts; one of {sorted(names)}")
+    scale = measured / row["predicted_kl_curve"]
+    for r in rows:
+        r["predicted_kl_calibrated"] = None if r.get("predicted_kl_curve") is None else scale * r["predicted_kl_curve"]
+    return {"on": which, "measured_kl": measured, "predicted_kl_curve": row["predicted_kl_curve"], "scale": scale,
+            "predicted_kl_calibrated": scale * curve["kl"],
+            "note": "one scale fitted to one measured plan; it corrects the curve's level, not its shape"}
+
+
+def _stage_of(u: Unit, budget: Budget, solved: list[dict]) -> str:
+    if not budget.stages:
+        return solved[0]["layers"]
+    return next(s.layers for s in budget.stages if s.holds(u.layer))
