@@ -47,7 +47,7 @@ def launch_attrs(kernel, signature: dict, vocab: int) -> dict:
     return {(names.index(k), ): [["tt.divisibility", 16]] for k in divisible}
 
 
-# metrics.TRITON_BLOCK, lists of 2 ("fused-top2"), the top-5 match, TRITON_SHIFT "fixed", TRITON_PREFETCH
+# MetricKernel().block, lists of 2 (topk "fused-top2"), the top-5 match, shift "fixed", prefetch
 DEFAULT = (512, 2, True, True, 2)
 
 
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     args.source = args.source or ROOT / "fidelity" / "measuring" / "metrics_triton.py"
     kernel = load(args.source).rows_kernel
     sys.path.insert(0, str(ROOT))
-    from fidelity.measuring import metrics
+    from fidelity.measuring.metrics import MetricKernel
     attrs = launch_attrs(kernel, SIGNATURE, args.vocab)
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.warps} warps, vocabulary {args.vocab}, {args.source}")
     print("| BLOCK | LISTS | MATCH | FIXED_SHIFT | PREFETCH | resources, SASS |")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         constexprs = dict(V=args.vocab, BLOCK=block, LISTS=lists, MATCH=match, FIXED_SHIFT=fixed, MAGIC=True,
                           PREFETCH=prefetch)
         # switches a later source added, where the source has them, as metrics.triton_rows launches them
-        constexprs.update({k: v for k, v in metrics.triton_switches(fixed).items() if k in kernel.arg_names})
+        constexprs.update({k: v for k, v in MetricKernel().switches(fixed).items() if k in kernel.arg_names})
         print(f"| {block} | {lists} | {match} | {fixed} | {prefetch} | "
               f"{fingerprint(kernel, constexprs, args.arch, args.warps, attrs=attrs)} |", flush=True)
     return 0

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fidelity.measuring import metrics  # noqa: E402
+from fidelity.measuring.metrics import MetricKernel  # noqa: E402
 from fidelity.measuring.metrics_triton import add_pair_terms, exp_constants  # noqa: E402
 
 
@@ -118,13 +119,11 @@ def main(argv=None) -> int:
     res["copy_GBps"] = 2 * nbytes / copy_s / 1e9
     rows_out = []
     sink = torch.empty(n, device=device, dtype=torch.float32)
-    consts, table = metrics._exp_constants(device)
+    consts, table = metrics._exp_constants(device, MetricKernel().exp_table_bits)
     sink64 = torch.empty(n, device=device, dtype=torch.float64)
-    want = metrics.device_metrics_columns(a, b, targets, backend="torch")
+    want = metrics.device_metrics_columns(a, b, targets, MetricKernel(backend="torch"))
     if args.sweep:
         return sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes)
-    defaults = (metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK)
-    default_prefetch = metrics.TRITON_PREFETCH
     for config in args.configs.split(","):
         block, warps = (int(x) for x in config.split("x"))
         s_read = timed(lambda: read_only_kernel[(n,)](a, b, sink, a.stride(0), V=v, BLOCK=block, num_warps=warps),
@@ -136,11 +135,10 @@ def main(argv=None) -> int:
         for (topk, name), prefetch in [(t, p) for t in (("fused", "kernel_top5"), ("fused-top2", "kernel_top2"),
                                                         ("torch", "kernel_alone")) for p in (0, 1, 2)]:
             name += ("", "_prefetch", "_ahead2")[prefetch]
-            metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = block, warps, topk
-            metrics.TRITON_PREFETCH = prefetch
             try:
+                kernel = MetricKernel(backend="triton", block=block, warps=warps, topk=topk, prefetch=prefetch)
                 if topk != "torch":
-                    run = lambda: metrics.device_metrics_columns(a, b, targets, backend="triton")  # noqa: E731
+                    run = lambda: metrics.device_metrics_columns(a, b, targets, kernel)  # noqa: E731
                     got = run()
                     row[f"{name}_max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
                     row[f"{name}_top1_topk_equal_torch"] = bool(torch.equal(got[1], want[1]))
@@ -151,13 +149,10 @@ def main(argv=None) -> int:
                 else:
                     cols = (torch.empty(n, 6, dtype=torch.float64, device=device),
                             torch.empty(n, 2, dtype=torch.int64, device=device))
-                    run = lambda: metrics.triton_rows(a, b, targets, *cols)  # noqa: E731
+                    run = lambda: metrics.triton_rows(a, b, targets, *cols, kernel=kernel)  # noqa: E731
                 row[f"{name}_ms"] = timed(run, args.repeat) * 1e3
             except Exception as e:          # a configuration that does not build is reported, not fatal
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-            finally:
-                metrics.TRITON_BLOCK, metrics.TRITON_WARPS, metrics.TRITON_TOPK = defaults
-                metrics.TRITON_PREFETCH = default_prefetch
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     res["rows"] = rows_out
@@ -189,23 +184,20 @@ def main(argv=None) -> int:
     return 0
 
 
-SWEPT = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_MAXNREG", "TRITON_TOPK", "TRITON_PREFETCH", "TRITON_CONVERT",
-         "EXP_TABLE_BITS", "TRITON_LEAN", "TRITON_UNROLL")
 LISTS = {"top2": "fused-top2", "top1v": "fused-top1v", "top5": "fused"}
 
 
-def parse_variant(spec: str) -> dict:
+def parse_variant(spec: str) -> MetricKernel:
     shape, lists, ahead, convert, *extras = spec.split(":")
     block, rest = shape.split("x")
     warps, _, regs = rest.partition("r")
     unknown = set(extras) - {"e6", "e8", "lean", "u1", "u2"}
     if unknown:
         raise SystemExit(f"--sweep {spec!r}: unknown {sorted(unknown)} (after the conversion: e6|e8, lean, u1|u2)")
-    return {"TRITON_BLOCK": int(block), "TRITON_WARPS": int(warps), "TRITON_MAXNREG": int(regs) if regs else None,
-            "TRITON_TOPK": LISTS[lists], "TRITON_PREFETCH": int(ahead.removeprefix("pf")),
-            "TRITON_CONVERT": {"f2f": False, "bits": True}[convert],
-            "EXP_TABLE_BITS": 8 if "e8" in extras else 6, "TRITON_LEAN": "lean" in extras,
-            "TRITON_UNROLL": 2 if "u2" in extras else 1}
+    return MetricKernel(backend="triton", block=int(block), warps=int(warps), maxnreg=int(regs) if regs else None,
+                        topk=LISTS[lists], prefetch=int(ahead.removeprefix("pf")),
+                        convert={"f2f": False, "bits": True}[convert], exp_table_bits=8 if "e8" in extras else 6,
+                        lean="lean" in extras, unroll=2 if "u2" in extras else 1)
 
 
 def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
@@ -213,16 +205,13 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
     against the float64 torch path and, bit for bit, against the first variant."""
     n, v = a.shape
     bw = res["copy_GBps"] * 1e9
-    saved = {k: getattr(metrics, k) for k in SWEPT}
     rows_out, first = [], None
     shapes = []
     for spec in args.sweep.split(","):
-        settings = parse_variant(spec)
+        kernel = parse_variant(spec)
         row = {"variant": spec}
         try:
-            for k, value in settings.items():
-                setattr(metrics, k, value)
-            run = lambda: metrics.device_metrics_columns(a, b, targets, backend="triton")  # noqa: E731
+            run = lambda: metrics.device_metrics_columns(a, b, targets, kernel)  # noqa: E731
             got = run()
             row["max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
             row["top_equal_torch"] = bool(torch.equal(got[1], want[1]))
@@ -233,10 +222,7 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
             row["ms"] = timed(run, args.repeat) * 1e3
         except Exception as e:          # a variant that does not build is reported, not fatal
             row["error"] = f"{type(e).__name__}: {e}"[:300]
-        finally:
-            for k, value in saved.items():
-                setattr(metrics, k, value)
-        shape = (settings["TRITON_BLOCK"], settings["TRITON_WARPS"])
+        shape = (kernel.block, kernel.warps)
         if shape not in shapes:
             shapes.append(shape)
         rows_out.append(row)

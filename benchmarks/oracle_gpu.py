@@ -213,8 +213,7 @@ def dist_run(args) -> None:
             want_path = WORK / f"{name}_{fmt}_hidden.pt"
             want = torch.load(want_path) if want_path.exists() else None
             for sharded in (False, True):
-                parallel.configure(shard_loads=sharded)
-                oracle = parallel.make_oracle(pack, device, parallel="rows")
+                oracle = parallel.make_oracle(pack, device, parallel.RunSettings(parallel="rows", shard_loads=sharded))
                 seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), args.repeats)
                 key = f"{fmt}_{'sharded' if sharded else 'every_rank_reads_all'}"
                 res[f"{key}_tok_per_s"] = rows * length / seconds
@@ -226,7 +225,6 @@ def dist_run(args) -> None:
                 del oracle, hidden
         report["stacks"].append(res)
         del weights
-    parallel.configure(shard_loads=True)
     cases = ("deepseek-v3-qlora-yarn", "qwen3moe-renorm-sparse-step")
     if g.rank == 0:  # transformers' save_pretrained writes on rank 0 only
         for case in cases:

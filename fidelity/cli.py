@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import shlex
 import sys
 
 from . import __version__
+from .blas import set_reproducible_gemm
+from .environment import Environment
 from .errors import FidelityError
 
 
@@ -34,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_reproducible_gemm()  # before any matrix product: MKL reads MKL_CBWR at its first (see fidelity/blas.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = shlex.join(["fidelity", *(sys.argv[1:] if argv is None else argv)])
@@ -44,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     # exit 1): bad input is a FidelityError naming its file; a file the system would not read or write (a full disk,
     # a vanished folder) an OSError, named by its message where the system gave the file
     try:
+        args.environment = Environment.from_environ(os.environ)  # the one read of FIDELITY_* (fidelity/environment.py)
         return int(args._run(args) or 0)
     except (FidelityError, OSError) as e:
         print(f"fidelity {args.command}: error: {e}", file=sys.stderr)

@@ -835,8 +835,9 @@ def test_prefetch_holds_at_most_its_host_budget(tmp_path, rng_seed, share):
 
 def test_staging_budget_takes_routed_experts_first_and_is_chosen_from_host_memory(monkeypatch):
     """Experts decode on the compute thread, so under a budget they are staged before the rest (the tiny V4 fixture);
-    the default budget is half the host memory available (MemAvailable), SETTINGS / FIDELITY_STAGE_BUDGET_BYTES override
+    the default budget is half the host memory available (MemAvailable), RunSettings / FIDELITY_STAGE_BUDGET_BYTES override
     it, and pinned copies are counted at the power-of-two size torch's pinned allocator reserves."""
+    from fidelity.environment import Environment
     from fidelity.oracle import parallel
     from fidelity.errors import FidelityError
     from test_minipacks_v4 import NATIVE
@@ -856,10 +857,10 @@ def test_staging_budget_takes_routed_experts_first_and_is_chosen_from_host_memor
         chosen = Prefetcher(oracle, stage=True).budget_bytes
         after = meminfo_available()
         assert 0.5 * min(before, after) * 0.95 <= chosen <= 0.5 * max(before, after) * 1.05
-    monkeypatch.setattr(parallel.SETTINGS, "stage_budget_bytes", 12345)
-    assert Prefetcher(oracle, stage=True).budget_bytes == 12345
-    monkeypatch.setenv("FIDELITY_STAGE_BUDGET_BYTES", "4096")
-    assert parallel.Settings().stage_budget_bytes == 4096
+    settings = parallel.RunSettings(stage_budget_bytes=12345)
+    assert parallel.load_chain("cpu", settings).prefetch(oracle, stage=True).budget_bytes == 12345
+    environment = Environment.from_environ({"FIDELITY_STAGE_BUDGET_BYTES": "4096"})
+    assert parallel.RunSettings(**environment.run_settings()).stage_budget_bytes == 4096
     with pytest.raises(FidelityError, match="staging budget must be >= 0 bytes"):
         Prefetcher(oracle, stage=True, budget_bytes=-1)
     assert [parallel.held_host_bytes(b, pin=True) for b in (0, 1, 1000, 1024, 1025)] == [0, 1, 1024, 1024, 2048]

@@ -19,7 +19,7 @@ import transformers as T
 from fidelity import open_pack
 from fidelity.errors import FidelityError, PackError
 from fidelity.oracle import LoadChain, Oracle, parallel, runner
-from fidelity.oracle.parallel import Prefetcher
+from fidelity.oracle.parallel import Prefetcher, RunSettings
 from test_oracle import COMMON, MOE, make_moe
 from test_oracle_support import build
 
@@ -92,7 +92,7 @@ def _equal_job(rank: int, root: Path) -> dict:
     inputs = torch.load(root / "inputs.pt")
     pack = open_pack(root / "llama")
     read = _reads(pack)
-    llama = parallel.make_oracle(pack, rank_device(), parallel="rows")
+    llama = parallel.make_oracle(pack, rank_device(), RunSettings(parallel="rows"))
     result = {"llama_logits": llama.logits(inputs["tokens"]),
               "llama_hidden": llama.hidden_states(inputs["rows"], progress=False),
               "llama_one_batch": llama.logits(inputs["tokens"][:2]),  # one batch: rank 1 has no rows, reads its share
@@ -102,7 +102,7 @@ def _equal_job(rank: int, root: Path) -> dict:
         read = []
         original = pack.tensor
         pack.tensor = lambda name, original=original, **where: (read.append(name), original(name, **where))[1]
-        oracle = parallel.make_oracle(pack, rank_device(), parallel="experts")
+        oracle = parallel.make_oracle(pack, rank_device(), RunSettings(parallel="experts"))
         result[case] = oracle.logits(inputs["moe_tokens"])
         result[f"{case}_experts_read"] = sorted({n.split(".experts.")[0] + "." + n.split(".experts.")[1].split(".")[0]
                                                  for n in read if ".experts." in n})
@@ -110,12 +110,11 @@ def _equal_job(rank: int, root: Path) -> dict:
 
 
 def _killed_job(rank: int, root: Path) -> dict:
-    parallel.configure(stale_s=3.0)
     def dying(i, layer):
         if i == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return layer
-    oracle = parallel.make_oracle(open_pack(root / "llama"), rank_device(), parallel="rows",
+    oracle = parallel.make_oracle(open_pack(root / "llama"), rank_device(), RunSettings(parallel="rows", stale_s=3.0),
                                   layer=(dying,) if rank == 1 else ())
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
@@ -123,7 +122,7 @@ def _killed_job(rank: int, root: Path) -> dict:
 def _raising_job(rank: int, root: Path) -> dict:
     def poisoned(i, layer):  # rank 1's layer 1 turns its rows' activations to NaN
         return (lambda *args: layer(*args) * float("nan")) if i == 1 else layer
-    oracle = parallel.make_oracle(open_pack(root / "llama"), rank_device(), parallel="rows",
+    oracle = parallel.make_oracle(open_pack(root / "llama"), rank_device(), RunSettings(parallel="rows"),
                                   layer=(poisoned,) if rank == 1 else ())
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
@@ -139,7 +138,7 @@ def _bad_share_job(rank: int, root: Path) -> dict:
                 raise PackError("block 7 has a corrupt scale", file=pack.path, tensor=name)
             return original(name, **where)
         pack.tensor = broken
-    oracle = parallel.make_oracle(pack, rank_device(), parallel="rows")
+    oracle = parallel.make_oracle(pack, rank_device(), RunSettings(parallel="rows"))
     return {"logits": oracle.logits(torch.load(root / "inputs.pt")["tokens"])}
 
 
@@ -407,8 +406,7 @@ def lonely_rank0(monkeypatch, **settings):
     g = object.__new__(parallel.Group)
     g.rank, g.world_size, g._steps, g._beats = 0, 2, {}, {}
     g.store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    for key, value in settings.items():
-        monkeypatch.setattr(parallel.SETTINGS, key, value)
+    g.settings = RunSettings(**settings)
     monkeypatch.setattr(parallel.group, "HEARTBEAT_S", 0.05)
     return g
 
@@ -441,10 +439,12 @@ def test_checkpoint_passes_when_every_rank_arrives(monkeypatch):
 
 def test_bad_settings_are_named():
     with pytest.raises(FidelityError, match="parallel must be 'rows' or 'experts', not 'tensors'"):
-        parallel.configure(parallel="tensors")
-    assert parallel.SETTINGS.parallel == "rows"
-    with pytest.raises(FidelityError, match="unknown distributed setting 'nodes'"):
-        parallel.configure(nodes=2)
+        RunSettings(parallel="tensors")
+    assert RunSettings().parallel == "rows"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nodes'"):
+        RunSettings(nodes=2)
+    with pytest.raises(FidelityError, match=r"RunSettings.stale_s=-1.0: expected a number >= 0"):
+        RunSettings(stale_s=-1.0)
 
 
 def test_single_process_is_untouched(tmp_path, rng_seed, monkeypatch):
@@ -453,7 +453,7 @@ def test_single_process_is_untouched(tmp_path, rng_seed, monkeypatch):
     oracle = parallel.make_oracle(open_pack(tmp_path / "m"))
     assert type(oracle) is Oracle and parallel.current_group() is None and parallel.is_main()
     assert oracle.shards is None and oracle.fetch.expert_parallel is None
-    assert isinstance(oracle.prefetcher, Prefetcher) == parallel.SETTINGS.prefetch
+    assert isinstance(oracle.prefetcher, Prefetcher) == RunSettings().prefetch
 
 
 def test_prefetch_recovers_from_an_aborted_pass(tmp_path, rng_seed):

@@ -6,7 +6,9 @@ Triton's interpreter where Triton is installed, and compiled on CUDA (tests mark
 from __future__ import annotations
 
 import importlib.util
+import re
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,64 +16,77 @@ import torch
 
 from test_metrics import _assert_matches_scipy, _scipy_reference
 
+from fidelity.environment import Environment
+from fidelity.errors import ConfigError
+
 CUDA = torch.cuda.is_available()
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
-from fidelity.measuring.metrics import (TRITON_BLOCK, device_metrics_columns, finish_columns, position_metrics,  # noqa: E402
-                              topk_logprobs)
+from fidelity.measuring.metrics import (MetricKernel, device_metrics_columns, finish_columns,  # noqa: E402
+                                        position_metrics, topk_logprobs)
 
+TRITON_BLOCK = MetricKernel().block
 # Device path vs the CPU kernel (both float64 after the float32 inputs, sums in another order and exps of another
 # construction): KL to 2e-13 nats + 1e-11 relative, NLLs to 1e-12 relative, p(top-1) to 1e-13 relative.
 KL_ATOL, KL_RTOL = 2e-13, 1e-11
+DEFAULT = MetricKernel(backend="triton")
+
+
+def variant(**settings) -> MetricKernel:
+    return replace(DEFAULT, **settings)
+
+
 # "triton" is the kernel as configured (one logsumexp shift per row, the exp's magic-number rounding, top-5 lists from
-# lists of 2 per lane, 512 lanes, two blocks loaded ahead);
-# "triton-running" the CPU kernel's running shift with a separate top-5 pass, "triton-magic" the running shift with
-# that rounding, "triton-512-plain" the former default (512 lanes, no prefetch), "triton-running-prefetch" the running
-# shift with the block prefetch, "triton-top5" the top-5 lists as lists of 5 per lane, "triton-top2-running" the
-# default lists of 2 under the running shift, "triton-256-ahead1" (the default of 2026-12-04's first change),
-# "triton-256-ahead2-running", "triton-512-ahead1": other lanes and blocks ahead; "triton-top1v" lists of a lane's
-# best and its runner-up's value, "triton-convert" float32 -> float64 by moving bits, and both at 256 lanes; "triton-e8"
-# the exp's 256-entry table (Taylor to r^4), alone and with the other two; "triton-unroll2" two blocks per loop
-# iteration, "triton-lean-*" no clamp before the exp (with the conversion), alone at 256 lanes and with all the above
-# (metrics.TRITON_SHIFT / TRITON_MAGIC / TRITON_TOPK / TRITON_BLOCK / TRITON_PREFETCH / TRITON_CONVERT /
-# EXP_TABLE_BITS / TRITON_LEAN / TRITON_UNROLL)
-TRITON_VARIANTS = {"triton": {},
-                   "triton-top5": {"TRITON_TOPK": "fused"},
-                   "triton-top2-running": {"TRITON_TOPK": "fused-top2", "TRITON_SHIFT": "running"},
-                   "triton-running": {"TRITON_SHIFT": "running", "TRITON_MAGIC": False, "TRITON_TOPK": "separate",
-                                      "TRITON_BLOCK": 1024},
-                   "triton-magic": {"TRITON_SHIFT": "running", "TRITON_MAGIC": True},
-                   "triton-512-plain": {"TRITON_BLOCK": 512, "TRITON_PREFETCH": False},
-                   "triton-running-prefetch": {"TRITON_SHIFT": "running", "TRITON_PREFETCH": True},
-                   "triton-256-ahead1": {"TRITON_BLOCK": 256, "TRITON_PREFETCH": 1},
-                   "triton-256-ahead2-running": {"TRITON_BLOCK": 256, "TRITON_PREFETCH": 2, "TRITON_SHIFT": "running"},
-                   "triton-512-ahead1": {"TRITON_PREFETCH": 1},
-                   "triton-top1v": {"TRITON_TOPK": "fused-top1v"},
-                   "triton-convert": {"TRITON_CONVERT": True},
-                   "triton-top1v-convert-256": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
-                                                "TRITON_BLOCK": 256},
-                   "triton-e8": {"EXP_TABLE_BITS": 8},
-                   "triton-top1v-convert-e8": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
-                                               "EXP_TABLE_BITS": 8},
-                   "triton-unroll2": {"TRITON_UNROLL": 2},
-                   "triton-lean-top1v-e8-unroll2": {"TRITON_TOPK": "fused-top1v", "TRITON_CONVERT": True,
-                                                    "EXP_TABLE_BITS": 8, "TRITON_LEAN": True, "TRITON_UNROLL": 2},
-                   "triton-lean-256": {"TRITON_CONVERT": True, "TRITON_LEAN": True, "TRITON_BLOCK": 256}}
-BACKENDS = ["torch"] + [pytest.param(name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton"))
-                        for name in TRITON_VARIANTS]
+# lists of 2 per lane, 512 lanes, two blocks loaded ahead, the bit conversion, the 256-entry exp table, no clamp, two
+# blocks per iteration); the others change what their names say: "running" the CPU kernel's running shift with a
+# separate top-5 pass, "top5" lists of 5 per lane, "top1v" lists of a lane's best and its runner-up's value, "f2f" the
+# conversion instruction instead of moving bits, "clamp" the conversion with the clamp kept, "e6" the 64-entry exp
+# table (Taylor to r^5), "unroll1" one block per loop iteration, "torch-topk" topk_match by torch after the kernel,
+# "plain-top1v" lists of one with every newer setting off (the first defaults); lanes (256, 1024), warps (8), blocks
+# loaded ahead (0, 1) and a register cap. Keys are the kernels: a variant equal to another by value is one variant.
+TRITON_VARIANTS = {}
+for _name, _kernel in [
+        ("triton", variant()),
+        ("triton-top5", variant(topk="fused")),
+        ("triton-top2-running", variant(shift="running")),
+        ("triton-running", variant(shift="running", magic=False, topk="separate", block=1024)),
+        ("triton-nomagic", variant(magic=False)),
+        ("triton-512-plain", variant(prefetch=0)),
+        ("triton-running-ahead1", variant(shift="running", prefetch=1)),
+        ("triton-256-ahead1", variant(block=256, prefetch=1)),
+        ("triton-256-ahead2-running", variant(block=256, shift="running")),
+        ("triton-512-ahead1", variant(prefetch=1)),
+        ("triton-top1v", variant(topk="fused-top1v")),
+        ("triton-top1v-256", variant(topk="fused-top1v", block=256)),
+        ("triton-256", variant(block=256)),
+        ("triton-f2f", variant(convert=False)),
+        ("triton-clamp", variant(lean=False)),
+        ("triton-e6", variant(exp_table_bits=6)),
+        ("triton-unroll1", variant(unroll=1)),
+        ("triton-torch-topk-8warps", variant(topk="torch", warps=8)),
+        ("triton-plain-top1v", variant(topk="fused-top1v", convert=False, lean=False, exp_table_bits=6, unroll=1)),
+        ("triton-maxnreg", variant(maxnreg=128, topk="separate", topk_block=512))]:
+    TRITON_VARIANTS.setdefault(_kernel, _name)
+BACKENDS = [pytest.param(MetricKernel(backend="torch"), id="torch")] + [
+    pytest.param(kernel, id=name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton"))
+    for kernel, name in TRITON_VARIANTS.items()]
 
 
-def device_pm(a, b, t, backend, reverse=True, device="cpu"):
-    from fidelity.measuring import metrics
-    settings = TRITON_VARIANTS.get(backend, {})
-    saved = {k: getattr(metrics, k) for k in settings}
-    try:
-        for k, value in settings.items():
-            setattr(metrics, k, value)
-        out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend=backend.split("-")[0])
-    finally:
-        for k, value in saved.items():
-            setattr(metrics, k, value)
+def test_the_variants_are_distinct_and_run_every_accepted_setting():
+    """Each variant is its own kernel (no two equal by value), and every accepted value of every field with a few
+    (MetricKernel.CHOICES: the backend's None runs in test_a_triton_kernel_that_fails_falls_back_to_torch_once), two
+    lane counts and warp counts, and a register cap, run in at least one."""
+    kernels = [p.values[0] for p in BACKENDS]
+    assert len(set(kernels)) == len(kernels) == 1 + len(TRITON_VARIANTS)
+    for name, accepted in MetricKernel.CHOICES.items():
+        ran = {getattr(k, name) for k in kernels}
+        assert ran >= set(accepted) - ({None} if name == "backend" else set()), (name, ran)
+    for name in ("block", "warps", "topk_block", "maxnreg"):
+        assert len({getattr(k, name) for k in kernels}) >= 2, name
+
+
+def device_pm(a, b, t, kernel, reverse=True, device="cpu"):
+    out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), kernel)
     return finish_columns(out, top, reverse)
 
 
@@ -89,8 +104,8 @@ def assert_matches_cpu_kernel(pm, cpu):
     assert torch.equal(pm.topk_match[f], cpu.topk_match[f])
 
 
-def _small(backend: str) -> int:
-    return 1 if backend.startswith("triton") and not CUDA else 4    # the interpreter runs programs one by one, in numpy
+def _small(kernel: MetricKernel) -> int:
+    return 1 if kernel.backend == "triton" and not CUDA else 4    # the interpreter runs programs one by one, in numpy
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -202,9 +217,9 @@ def test_nonfinite_positions_are_flagged_like_the_cpu_kernel(rng_seed, backend):
 
 def test_bad_targets_are_named_on_the_device_path():
     with pytest.raises(ValueError, match=r"target token 5 at position 1 is outside the vocabulary of 5"):
-        device_metrics_columns(torch.zeros(3, 5), torch.zeros(3, 5), torch.tensor([0, 5, 1]), backend="torch")
+        device_metrics_columns(torch.zeros(3, 5), torch.zeros(3, 5), torch.tensor([0, 5, 1]), MetricKernel(backend="torch"))
     out, top = device_metrics_columns(torch.zeros(0, 7), torch.zeros(0, 7), torch.zeros(0, dtype=torch.long),
-                                      backend="torch")
+                                      MetricKernel(backend="torch"))
     pm = finish_columns(out, top, True)
     assert len(pm) == 0 and pm.kld.dtype == torch.float64 and pm.ref_top1.dtype == torch.int64
 
@@ -217,36 +232,36 @@ def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypat
     choose = metrics.device_backend
     monkeypatch.setattr(metrics, "_TRITON", [object()])
     monkeypatch.setattr(metrics, "triton_rows", broken)
-    monkeypatch.setattr(metrics, "device_backend", lambda device: "triton" if metrics._TRITON[0] is not None else "torch")
+    monkeypatch.setattr(metrics, "device_backend",
+                        lambda device, kernel: kernel.backend or ("triton" if metrics._TRITON[0] is not None else "torch"))
     a, b = torch.randn(5, 300), torch.randn(5, 300)
     t = torch.randint(0, 300, (5,))
     with pytest.warns(UserWarning, match=r"Triton kernel failed \(RuntimeError: no such instruction\); measuring with "
                                          r"the plain torch path"):
         out, top = device_metrics_columns(a, b, t)
-    want = device_metrics_columns(a, b, t, backend="torch")
+    want = device_metrics_columns(a, b, t, MetricKernel(backend="torch"))
     assert torch.equal(out, want[0]) and torch.equal(top, want[1]) and metrics._TRITON == [None]
-    monkeypatch.setenv("FIDELITY_METRICS_KERNEL", "triton")       # asked for by name: the failure is not hidden
     monkeypatch.setattr(metrics, "_TRITON", [object()])
-    with pytest.raises(RuntimeError, match="no such instruction"):
-        device_metrics_columns(a, b, t)
-    monkeypatch.setenv("FIDELITY_METRICS_KERNEL", "tpu")
-    with pytest.raises(ValueError, match="FIDELITY_METRICS_KERNEL='tpu'"):
-        choose("cpu")
+    with pytest.raises(RuntimeError, match="no such instruction"):      # asked for by name: the failure is not hidden
+        device_metrics_columns(a, b, t, MetricKernel(backend="triton"))
+    assert choose("cpu", MetricKernel(backend="triton")) == "triton" and choose("cpu") == "torch"
+    with pytest.raises(ConfigError, match="FIDELITY_METRICS_KERNEL='tpu'"):
+        Environment.from_environ({"FIDELITY_METRICS_KERNEL": "tpu"})
 
 
-@pytest.mark.parametrize("switch, value", [("TRITON_SHIFT", "runing"), ("TRITON_TOPK", "fuse"), ("TRITON_PREFETCH", "yes"),
-                                           ("TRITON_PREFETCH", 3), ("EXP_TABLE_BITS", 7), ("TRITON_UNROLL", 4)])
+@pytest.mark.parametrize("switch, value", [("shift", "runing"), ("topk", "fuse"), ("prefetch", "yes"), ("prefetch", 3),
+                                           ("prefetch", True), ("exp_table_bits", 7), ("unroll", 4), ("convert", 1),
+                                           ("block", 300), ("warps", 0), ("maxnreg", -1), ("backend", "tpu")])
 def test_a_misspelt_kernel_switch_is_an_error_not_a_fallback(switch, value, monkeypatch):
+    """Refused when the kernel's settings are made, naming the field: long before a kernel runs, and never taken for a
+    kernel that fails to build (which falls back to torch with a warning)."""
     from fidelity.measuring import metrics
     ran = []
     monkeypatch.setattr(metrics, "_TRITON", [lambda *a, **k: ran.append(a)])
-    monkeypatch.setattr(metrics, "device_backend", lambda device: "triton")
-    monkeypatch.setattr(metrics, switch, value)
-    a, b = torch.randn(3, 50), torch.randn(3, 50)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                    # no "Triton kernel failed ... torch path" fallback
-        with pytest.raises(ValueError, match=f"metrics.{switch}={value!r}"):
-            device_metrics_columns(a, b, torch.randint(0, 50, (3,)))
+        with pytest.raises(ValueError, match=re.escape(f"MetricKernel.{switch}={value!r}")):
+            replace(MetricKernel(), **{switch: value})
     assert not ran and metrics._TRITON[0] is not None
 
 
@@ -359,8 +374,7 @@ def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, dev
     rows built to break a top-5 list: a tie straddling the 5th place, equal values in one lane (index j and
     j + BLOCK) and across lanes, the lists diverging at each place 1..5, fewer than 5 finite logits, and a row of
     fewer than 5 tokens."""
-    from fidelity.measuring import metrics
-    monkeypatch.setattr(metrics, "TRITON_TOPK", mode)
+    kernel = variant(topk=mode)
     g = torch.Generator().manual_seed(rng_seed)
     v = 2 * TRITON_BLOCK + 37
     n = 10 if device == "cuda" else 6
@@ -389,7 +403,7 @@ def test_triton_topk_match_is_the_cpu_kernels_with_every_tie(rng_seed, mode, dev
     t = torch.randint(0, v, (n,), generator=g)
     for x, y in ((a, b), (a[:3, :4], b[:3, :4])):                 # and a 4-token vocabulary: lists of 4
         tt = t[:x.shape[0]].clamp(max=x.shape[1] - 1)
-        _, got = device_metrics_columns(x.to(device), y.to(device), tt.to(device), backend="triton")
+        _, got = device_metrics_columns(x.to(device), y.to(device), tt.to(device), kernel)
         cpu = position_metrics(x, y, tt, reverse=True)
         assert torch.equal(got[:, 2].cpu(), cpu.topk_match), (got[:, 2], cpu.topk_match)
         if x.shape[1] == v:      # the rows do what they were built for (on the CPU kernel's numbers)
@@ -402,9 +416,9 @@ def _rows_sent_to_the_exact_pass(metrics, monkeypatch) -> list:
     sent = []
     exact_pass = metrics._top5
 
-    def spy(a, b, match, rows):
+    def spy(a, b, match, rows, kernel):
         sent.extend([] if rows is None else rows.tolist())
-        exact_pass(a, b, match, rows)
+        exact_pass(a, b, match, rows, kernel)
     monkeypatch.setattr(metrics, "_top5", spy)
     return sent
 
@@ -414,12 +428,11 @@ def _rows_sent_to_the_exact_pass(metrics, monkeypatch) -> list:
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("shift", ["fixed", "running"])
 def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_seed, device, shift, monkeypatch):
-    """TRITON_TOPK "fused-top2": a lane holding three of a row's top-5 makes its list of two run out; the row goes to
+    """MetricKernel.topk "fused-top2": a lane holding three of a row's top-5 makes its list of two run out; the row goes to
     top5_kernel when its prefix reaches that place (rows 0, 2) and not when the lists part before it (row 1) or the
     lane holds only the 4th and 5th places (row 3). Every row's ids and topk_match equal the CPU kernel's."""
     from fidelity.measuring import metrics
-    monkeypatch.setattr(metrics, "TRITON_TOPK", "fused-top2")
-    monkeypatch.setattr(metrics, "TRITON_SHIFT", shift)
+    kernel = variant(topk="fused-top2", shift=shift)
     sent = _rows_sent_to_the_exact_pass(metrics, monkeypatch)
     g = torch.Generator().manual_seed(rng_seed)
     B = TRITON_BLOCK
@@ -436,7 +449,7 @@ def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     b[1, 100] = top + 10                          # row 1: the pack's list starts elsewhere
     b[4] = a[4] + 1e-3 * torch.randn(v, generator=g)
     t = torch.randint(0, v, (5,), generator=g)
-    _, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend="triton")
+    _, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), kernel)
     cpu = position_metrics(a, b, t, reverse=True)
     assert cpu.topk_match[:4].tolist() == [5, 0, 5, 5]
     assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
@@ -449,13 +462,12 @@ def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("shift", ["fixed", "running"])
 def test_lists_of_one_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_seed, device, shift, monkeypatch):
-    """TRITON_TOPK "fused-top1v": a lane keeps its best with its index and only the value of its runner-up, so a lane
+    """MetricKernel.topk "fused-top1v": a lane keeps its best with its index and only the value of its runner-up, so a lane
     holding two of a row's top-5 leaves the place after its first one without an index; the row goes to top5_kernel
     when its prefix reaches that place (rows 0, 2), not when the lists part before it (row 1) or the lane's second
     entry lies past the 5th place (row 3). Ids, margins and topk_match equal the CPU kernel's."""
     from fidelity.measuring import metrics
-    monkeypatch.setattr(metrics, "TRITON_TOPK", "fused-top1v")
-    monkeypatch.setattr(metrics, "TRITON_SHIFT", shift)
+    kernel = variant(topk="fused-top1v", shift=shift)
     sent = _rows_sent_to_the_exact_pass(metrics, monkeypatch)
     g = torch.Generator().manual_seed(rng_seed)
     B = TRITON_BLOCK
@@ -473,7 +485,7 @@ def test_lists_of_one_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     b[1, 100] = top + 10                          # row 1: the pack's list starts elsewhere
     b[4] = a[4] + 1e-3 * torch.randn(v, generator=g)
     t = torch.randint(0, v, (5,), generator=g)
-    out, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend="triton")
+    out, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), kernel)
     cpu = position_metrics(a, b, t, reverse=True)
     assert cpu.topk_match[:4].tolist() == [5, 0, 5, 5]
     assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
@@ -506,7 +518,7 @@ if HAVE_TRITON:
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("table_bits", [6, 8])
 def test_the_kernels_exp_is_within_an_ulp_or_two_of_numpy(rng_seed, device, table_bits):
-    """exp_nonpositive with its 64-entry table (Taylor to r^5) and its 256-entry one (EXP_TABLE_BITS 8, Taylor to r^4)
+    """exp_nonpositive with its 64-entry table (Taylor to r^5) and its 256-entry one (MetricKernel.exp_table_bits 8, Taylor to r^4)
     against numpy's float64 exp, over the range the kernel feeds it ([-700, 0] and, under the fixed shift, up to 600
     above it), with the points where the table index and the exponent change (multiples of ln2 / 2^bits)."""
     from fidelity.measuring import metrics
@@ -527,7 +539,7 @@ def test_the_kernels_exp_is_within_an_ulp_or_two_of_numpy(rng_seed, device, tabl
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng_seed, device):
-    """f64_bits_of_f32 (TRITON_CONVERT) against torch's float32 -> float64 conversion, bit for bit: random bit patterns
+    """f64_bits_of_f32 (MetricKernel.convert) against torch's float32 -> float64 conversion, bit for bit: random bit patterns
     of every normal exponent and both signs, and the ends of the normal range."""
     g = torch.Generator().manual_seed(rng_seed)
     n = 4096
@@ -547,16 +559,14 @@ def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("lean", [False, True])
 def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, device, lean, monkeypatch):
-    """TRITON_CONVERT: zeros and subnormals come out of the bit conversion as +-2^-127-ish, which cannot move x - s
+    """MetricKernel.convert: zeros and subnormals come out of the bit conversion as +-2^-127-ish, which cannot move x - s
     while |s| >= 2^-60, so rows of zeros (a padded vocabulary) and subnormals stay in the fast pass; a row whose shift
     lies nearer zero, or with an inf or NaN, is measured again without the conversion, as is a row whose shift is 2^24
-    or more (row 8: the fixed shift's float32 clamp cannot hold it). TRITON_LEAN (no clamp before the exp) also sends
+    or more (row 8: the fixed shift's float32 clamp cannot hold it). MetricKernel.lean (no clamp before the exp) also sends
     the rows with a logit more than 700 below its shift (row 3). Every row equals the CPU kernel. (The conversion runs under the fixed shift only: the running one is the
     fallback.)"""
     from fidelity.measuring import metrics
-    monkeypatch.setattr(metrics, "TRITON_CONVERT", True)
-    monkeypatch.setattr(metrics, "TRITON_LEAN", lean)
-    monkeypatch.setattr(metrics, "TRITON_SHIFT", "fixed")
+    kernel = variant(convert=True, lean=lean, shift="fixed")
     real = metrics._triton_kernel()
     launches = []
 
@@ -586,7 +596,7 @@ def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, devic
     a[8] *= 1e30
     b[8] = a[8] + 1e24 * torch.randn(v, generator=g)
     t = torch.randint(0, v, (9,), generator=g)
-    out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), backend="triton")
+    out, top = device_metrics_columns(a.to(device), b.to(device), t.to(device), kernel)
     pm = finish_columns(out.cpu(), top.cpu(), True)
     cpu = position_metrics(a, b, t, reverse=True)
     assert (~cpu.finite).nonzero()[:, 0].tolist() == [6, 7]

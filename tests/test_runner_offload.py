@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fidelity.environment import Environment
 from fidelity.errors import FidelityError
-from fidelity.oracle import Oracle, runner
+from fidelity.oracle import Oracle, parallel, runner
 from testkit.synthetic import SyntheticPack, llama_config
 
 HIDDEN = 64
@@ -83,13 +84,12 @@ def test_no_budget_keeps_everything_and_reports_it(rng_seed):
 
 def test_budget_from_the_environment_and_a_bad_value(rng_seed, monkeypatch):
     pack, rows = _pack(rng_seed % 10_000), _rows(rng_seed)
-    monkeypatch.setenv(runner.ACTIVATIONS_ENV, "0")
-    oracle = Oracle(pack)
+    settings = parallel.RunSettings(**Environment.from_environ({"FIDELITY_DEVICE_ACTIVATIONS_GIB": "0"}).run_settings())
+    oracle = parallel.make_oracle(pack, settings=settings)
     oracle.hidden_states(rows[:3], progress=False)
     assert oracle.last_forward["budget_bytes"] == 0 and oracle.last_forward["resident_batches"] == 0
-    monkeypatch.setenv(runner.ACTIVATIONS_ENV, "lots")
     with pytest.raises(FidelityError, match=r"FIDELITY_DEVICE_ACTIVATIONS_GIB='lots': expected a number of GiB"):
-        Oracle(pack).hidden_states(rows[:1], progress=False)
+        Environment.from_environ({"FIDELITY_DEVICE_ACTIVATIONS_GIB": "lots"})
 
 
 TINY_V4 = Path(__file__).parent / "fixtures" / "v4" / "tiny_v4"
@@ -152,7 +152,6 @@ def test_cuda_free_memory_budget_counts_the_allocators_cached_blocks(rng_seed, m
     they were counted the second of two identical forwards got a budget smaller by the first one's reserve
     (realscale, V4.1 at 317k tokens: 2.2 GiB, then 35 of 39 batches offloaded and 6.4 s of new pinned buffers in the
     repeat). What a pass leaves allocated for good (its caches) is not free, and the budget says so."""
-    monkeypatch.delenv(runner.ACTIVATIONS_ENV, raising=False)
     pack, rows = _pack(rng_seed % 10_000), _rows(rng_seed)
     oracle = Oracle(pack, device="cuda")
     oracle.hidden_states(rows[:1], progress=False)               # kernels, cuBLAS workspace

@@ -358,9 +358,10 @@ def run(args) -> int:
 
     from ..oracle import parallel
     from ..measuring.compare import compare
+    from ..measuring.metrics import MetricKernel
     from ..errors import FidelityError
 
-    parallel.configure(parallel=getattr(args, "parallel", "rows"))
+    settings = parallel.RunSettings(parallel=args.parallel, **args.environment.run_settings())
     resume = args.resume or (Path(args.out) / "passes" if args.out else None)
     with ExitStack() as locks:
         try:
@@ -371,7 +372,8 @@ def run(args) -> int:
                           device=args.device, labels=args.label, noise_floor=not args.no_noise_floor,
                           n_boot=args.bootstrap, seed=args.seed, truncate=args.truncate,
                           progress=parallel.is_main(), resume=resume, numerics=args.numerics,
-                          numerics_floor=not args.no_numerics_floor)
+                          numerics_floor=not args.no_numerics_floor, run_settings=settings,
+                          metric_kernel=MetricKernel(backend=args.environment.metrics_kernel))
         except BaseException as e:
             parallel.finish(e)
             if parallel.is_main() and isinstance(e, FidelityError):

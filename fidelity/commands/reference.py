@@ -21,12 +21,13 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", truncate: bool = False, progress: bool = True,
-                numerics: str = "exact"):
+                numerics: str = "exact", settings=None):
+    """`settings`: the oracle's parallel.RunSettings (None: the defaults)."""
     from ..measuring.compare import _oracle, prepare
     from ..measuring.store import run_reference, write_store
 
     ref_pack, panel, rows, tok_fp = prepare(pack, panel, truncate=truncate)
-    oracle = _oracle(ref_pack, device, numerics)
+    oracle = _oracle(ref_pack, device, numerics, settings)
     ref = run_reference(oracle, rows, progress=progress)
     from ..oracle import parallel
     if not parallel.is_main():  # under torchrun rank 0 writes the store
@@ -38,10 +39,10 @@ def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", trunc
 def run(args) -> int:
     from ..oracle import parallel
 
-    parallel.configure(parallel=getattr(args, "parallel", "rows"))
+    settings = parallel.RunSettings(parallel=args.parallel, **args.environment.run_settings())
     try:
         m = build_store(args.pack, args.panel, args.out, top_k=args.top_k, device=args.device, truncate=args.truncate,
-                        progress=parallel.is_main(), numerics=args.numerics)
+                        progress=parallel.is_main(), numerics=args.numerics, settings=settings)
     except BaseException as e:
         parallel.finish(e)
         raise

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..content_hash import tree_digest
 from ..errors import ConfigError, FidelityError, PackError
-from .metrics import PositionMetrics, position_metrics
+from .metrics import MetricKernel, PositionMetrics, position_metrics
 from ..packs.config_check import check_against_config
 from ..panels.panel import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
 from ..numerics import DEFAULT_NUMERICS, check_numerics
@@ -57,9 +57,10 @@ def check_same_vocab(ref, pack) -> None:
                         f"KL needs one vocabulary", file=pack.path)
 
 
-def _oracle(pack, device: str, numerics: str = DEFAULT_NUMERICS):
+def _oracle(pack, device: str, numerics: str = DEFAULT_NUMERICS, settings=None):
+    """`settings`: parallel.RunSettings (None: the defaults)."""
     from ..oracle import parallel  # prefetch, and row/expert parallel under torchrun, as for every oracle here
-    return parallel.make_oracle(pack, device, numerics=numerics)
+    return parallel.make_oracle(pack, device, settings or parallel.RunSettings(), numerics=numerics)
 
 
 def other_numerics(pack, numerics: str) -> str | None:
@@ -76,13 +77,15 @@ def other_numerics(pack, numerics: str) -> str | None:
     return other
 
 
-def perturbed_oracle(pack, device: str = "cpu", seed: int = 0, rel: float = NOISE_REL, numerics: str = DEFAULT_NUMERICS):
+def perturbed_oracle(pack, device: str = "cpu", seed: int = 0, rel: float = NOISE_REL, numerics: str = DEFAULT_NUMERICS,
+                     settings=None):
     """An Oracle whose every layer's attention and MLP outputs are multiplied by (1 + rel * u), u ~ U(-1, 1), from a
     generator seeded per (seed, layer, role): a reproducible stand-in for bf16 rounding of each module output. The
     perturbation is the last stage of the oracle's load chain (`LoadChain.layer`), so prefetch and sharding run below
     it unchanged."""
     from ..oracle import parallel
-    return parallel.make_oracle(pack, device, layer=(Perturbation(seed, rel),), numerics=numerics)
+    return parallel.make_oracle(pack, device, settings or parallel.RunSettings(), layer=(Perturbation(seed, rel),),
+                                numerics=numerics)
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,11 @@ def reference_logits_cache(ref: ReferenceRun, ref_oracle, budget: int | None = N
 
 
 def _row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Tensor], pack_oracle, *, store_path=None,
-                 desc: str = "metrics", progress: bool = True, ref_logits_cache: dict | None = None) -> PositionMetrics:
+                 desc: str = "metrics", progress: bool = True, ref_logits_cache: dict | None = None,
+                 kernel: MetricKernel = MetricKernel()) -> PositionMetrics:
     if ref_oracle.device.type != "cpu":   # logits stay on the device (store.device_row_metrics)
         return device_row_metrics(ref, ref_oracle, pack_hidden, pack_oracle, store_path=store_path, desc=desc,
-                                  progress=progress)
+                                  progress=progress, kernel=kernel)
     parts = []
     for i in tqdm(range(len(ref.rows)), desc=desc, disable=not progress, unit="row", leave=False):
         ref_logits = ref_logits_cache.get(i) if ref_logits_cache is not None else None
@@ -153,7 +157,7 @@ def _row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Tensor],
             if ref_logits_cache is not None:
                 ref_logits_cache[i] = ref_logits
         pack_logits = pack_oracle.apply_head(pack_hidden[i]).float()
-        parts.append(position_metrics(ref_logits, pack_logits, ref.targets[i], reverse=True))
+        parts.append(position_metrics(ref_logits, pack_logits, ref.targets[i], reverse=True, kernel=kernel))
     return PositionMetrics.concat(parts)
 
 
@@ -264,13 +268,17 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
             device: str = "cpu", labels: list[str] | None = None, noise_floor: bool = True, n_boot: int = 2000,
             seed: int = 0, truncate: bool = False, progress: bool = True,
             resume: str | Path | None = None, numerics: str = DEFAULT_NUMERICS,
-            numerics_floor: bool = True) -> CompareResult:
+            numerics_floor: bool = True, run_settings=None, metric_kernel: MetricKernel = MetricKernel()) -> CompareResult:
     """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default).
     `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest.
     `numerics`: every oracle's ("exact" | "deepseek", fidelity.numerics). `numerics_floor`: where the reference's
     family defines both, also KL(reference under `numerics` || reference under the other): what the choice alone
-    does on this panel."""
+    does on this panel. `run_settings`: every oracle's parallel.RunSettings (None: the defaults); `metric_kernel`:
+    how logits on a GPU are measured."""
+    from ..oracle import parallel
     from ..packs import open_pack
+
+    run_settings = run_settings or parallel.RunSettings()
 
     cand = [p if hasattr(p, "names") else open_pack(p) for p in packs]
     for p in cand:  # before any work: a config its tensors contradict would be read wrong (a layer left out...)
@@ -279,7 +287,7 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
     for p in cand:
         check_same_vocab(ref_pack, p)
     check_numerics(numerics)
-    ref_oracle = _oracle(ref_pack, device, numerics)
+    ref_oracle = _oracle(ref_pack, device, numerics, run_settings)
     truncation = truncation_record(rows, truncate, context_length(ref_pack))
     keep = None
     if resume is not None:
@@ -310,9 +318,10 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
             # the noise floor perturbs the layers only: its hidden states go through the reference's own head
             with oracle.tapped(OracleTaps(routing_counts=counts)):
                 pm = _row_metrics(ref, ref_oracle, _pack_hidden(oracle, rows, progress), ref_oracle if noise else oracle,
-                                  store_path=store_path, desc=desc, progress=progress, ref_logits_cache=ref_logits)
+                                  store_path=store_path, desc=desc, progress=progress, ref_logits_cache=ref_logits,
+                                  kernel=metric_kernel)
             if counts is not None:
-                _gather_routing(counts)
+                _gather_routing(counts, run_settings)
                 routing[name] = counts
             if not noise:
                 oracle.release()
@@ -324,20 +333,19 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
 
     noise = None
     if noise_floor:
-        noise_pm = measure("noise-floor", lambda: perturbed_oracle(ref_pack, device=device, seed=seed, numerics=numerics),
+        noise_pm = measure("noise-floor", lambda: perturbed_oracle(ref_pack, device=device, seed=seed, numerics=numerics,
+                                                                  settings=run_settings),
                            {"noise_seed": seed, "noise_rel": NOISE_REL}, "noise floor", noise=True)
         noise = summarize(noise_pm, groups, n_boot=n_boot, seed=seed)["overall"]
     floor = None
     other = other_numerics(ref_pack, numerics) if numerics_floor else None
     if other is not None:
-        floor_pm = measure(f"numerics-floor-{other}", lambda: _oracle(ref_pack, device, other),
+        floor_pm = measure(f"numerics-floor-{other}", lambda: _oracle(ref_pack, device, other, run_settings),
                            {"other_numerics": other}, f"numerics floor ({numerics} vs {other})", noise=True)
         s = summarize(floor_pm, groups, n_boot=n_boot, seed=seed)
         floor = {"reference_numerics": numerics, "other_numerics": other,
                  "direction": f"KL(reference under {numerics} || reference under {other})",
                  "overall": s["overall"], "domains": s["domains"]}
-
-    from ..oracle import parallel
 
     results, metrics = [], {}
     taken = set()
@@ -348,7 +356,8 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         taken.add(label)
         fingerprint = pack.fingerprint()
         try:
-            pm = measure(f"pack-{fingerprint}", lambda: _oracle(pack, device, numerics), {"pack": fingerprint}, label)
+            pm = measure(f"pack-{fingerprint}", lambda: _oracle(pack, device, numerics, run_settings),
+                         {"pack": fingerprint}, label)
         except PackError as e:
             # this pack cannot be measured (non-finite activations, a tensor that does not decode): reported as failed,
             # the others still measured. Not the reference's own failures, and not under torchrun, where only the
@@ -404,12 +413,12 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
     return CompareResult(report, metrics, rows, groups)
 
 
-def _gather_routing(counts: RoutingCounts) -> None:
+def _gather_routing(counts: RoutingCounts, settings) -> None:
     """Under row parallel each rank routed its own rows: sum the counts (expert parallel ranks all saw every token)."""
     from ..oracle import parallel
 
     g = parallel.current_group()
-    if g is not None and parallel.SETTINGS.parallel == "rows":
+    if g is not None and settings.parallel == "rows":
         counts.all_reduce(g)
 
 

@@ -26,6 +26,7 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import numba
 import numpy as np
@@ -232,18 +233,94 @@ def _as_f32_numpy(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
+# Defaults from benchmarks/metric_kernel_roofline.py (8,192 x 129,280): on an H200 (2026-12-04) the metric step with
+# top-5 in 5.2 ms (38 % of copy bandwidth) at 512 lanes, lists of 2 per lane, two blocks loaded ahead, against 5.3-5.7
+# ms with one block ahead, 5.5-6.1 ms at 256 lanes; on an H100 (2026-12-05) the bit conversion, the 256-entry exp
+# table, no clamp and two blocks per iteration on top of that: 3.95-4.00 ms (70 % of its copy rate) against 4.60-5.02
+# ms (56-61 %) in the same calls; RESULTS.md
+# topk_match on the Triton path (MetricKernel.topk) -> lane lists of the fused kernel (1: best + runner-up's value;
+# None: topk_match outside the kernel)
+LIST_LENGTHS = {"fused": 5, "fused-top2": 2, "fused-top1v": 1, "separate": None, "torch": None}
+
+
+def _power_of_two(value) -> bool:
+    return type(value) is int and value > 0 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class MetricKernel:
+    """How logits on a device are measured: the backend and the Triton kernel's settings. Frozen and equal by value
+    (variants: `dataclasses.replace(MetricKernel(), shift="running")`); a setting outside `CHOICES` (or a block, warp
+    count or register cap that is not a positive power of two / integer) is refused when the object is made, naming
+    the field, before any kernel runs. The defaults are what every device pass runs."""
+
+    backend: str | None = None      # None: Triton on CUDA where installed (a kernel that fails to build falls back to
+                                    # torch, said once), else torch; "torch" | "triton": that one (its failure raised)
+    block: int = 512                # logits per side per step of one Triton program (lanes: 4 per thread at 4 warps)
+    warps: int = 4
+    # topk_match: "fused-top2" (lists of 2 per lane in the metric kernel's pass; the rows they cannot answer, where one
+    # lane holds three of a row's five, go through top5_kernel: the same numbers), "fused" (lists of 5 per lane in that
+    # pass: 136 registers at 256 lanes, 1.7x slower; at 1024 lanes they spill), "fused-top1v" (a lane's best with its
+    # index and its runner-up's value), "separate" (a second Triton pass of `topk_block` lanes) or "torch"
+    topk: str = "fused-top2"
+    topk_block: int = 1024
+    # the logsumexp shift: "running" (the CPU kernel's: the maximum so far, a cross-lane maximum and a possible rescale
+    # per block) or "fixed" (the first block's maximum for the whole row: 1.5x faster; rows whose maximum lies > 600
+    # above it are measured again with "running")
+    shift: str = "fixed"
+    magic: bool = True              # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
+    prefetch: int = 2               # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
+    convert: bool = True            # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
+                                    # shift; rows it may not cover measured again without it
+    lean: bool = True               # with `convert`: no clamp before the exp (rows with a logit 700 below their shift,
+                                    # an inf or NaN measured again without it) and the exp's scale added on its high word
+    unroll: int = 2                 # blocks per loop iteration (2: no register moves for the blocks loaded ahead)
+    maxnreg: int | None = None      # registers per thread the compiler may use (None: its choice; fewer: more programs
+                                    # per SM)
+    exp_table_bits: int = 8         # 6: exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128, Taylor to r^5 (4e-17);
+                                    # 8: 256 entries, |r| <= ln2/512, Taylor to r^4 (4e-17, one float64 FMA less per exp)
+
+    # every accepted value of the fields that take one of a few (bool fields: True or False, not 1 or 0)
+    CHOICES: ClassVar[dict] = {"backend": (None, "torch", "triton"), "topk": tuple(LIST_LENGTHS),
+                               "shift": ("running", "fixed"), "magic": (False, True), "prefetch": (0, 1, 2),
+                               "convert": (False, True), "lean": (False, True), "unroll": (1, 2),
+                               "exp_table_bits": (6, 8)}
+    POWERS_OF_TWO: ClassVar[tuple] = ("block", "warps", "topk_block")
+
+    def __post_init__(self):
+        for name, accepted in self.CHOICES.items():
+            value = getattr(self, name)
+            # by type as well as value: True == 1 would pass as a count, 1 as a bool
+            if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+                raise ValueError(f"MetricKernel.{name}={value!r}: expected one of {', '.join(map(repr, accepted))}")
+        for name in self.POWERS_OF_TWO:
+            if not _power_of_two(getattr(self, name)):
+                raise ValueError(f"MetricKernel.{name}={getattr(self, name)!r}: expected a positive power of two")
+        if self.maxnreg is not None and not (type(self.maxnreg) is int and self.maxnreg > 0):
+            raise ValueError(f"MetricKernel.maxnreg={self.maxnreg!r}: expected None or a positive number of registers")
+
+    def switches(self, fixed: bool) -> dict:
+        """rows_kernel's switches as this kernel launches it, under the fixed shift or the running one: the bit
+        conversion and the clampless exp only under the fixed shift (the running shift is the fallback; its shifts are
+        not checked). benchmarks/kernel_sass.py compiles the same."""
+        convert = self.convert and fixed
+        return dict(CONVERT=convert, EXP_BITS=self.exp_table_bits, LEAN=convert and self.lean, UNROLL=self.unroll)
+
+
 def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, targets: torch.Tensor, *,
-                     reverse: bool = False, copy_elements: int = COPY_ELEMENTS) -> PositionMetrics:
+                     reverse: bool = False, copy_elements: int = COPY_ELEMENTS,
+                     kernel: MetricKernel = MetricKernel()) -> PositionMetrics:
     """Metrics for N positions: `ref_logits`, `pack_logits` [N, V] (any float dtype and device; read as float32),
     `targets` [N] the true next tokens. Contiguous float32 CPU logits are read in place; anything else is converted
-    `copy_elements` logits at a time, so memory beyond the inputs stays flat whatever N is."""
+    `copy_elements` logits at a time, so memory beyond the inputs stays flat whatever N is. Logits on another device
+    are measured there, by `kernel` (device_metrics_columns)."""
     if ref_logits.shape != pack_logits.shape or ref_logits.dim() != 2:
         raise ValueError(f"logits must both be [N, V]; got reference {list(ref_logits.shape)} and pack {list(pack_logits.shape)}")
     n, v = ref_logits.shape
     if targets.shape != (n,):
         raise ValueError(f"targets must be [N={n}]; got {list(targets.shape)}")
     if ref_logits.device.type != "cpu" and ref_logits.device == pack_logits.device:
-        out, top = device_metrics_columns(ref_logits, pack_logits, targets)
+        out, top = device_metrics_columns(ref_logits, pack_logits, targets, kernel)
         return finish_columns(out, top, reverse)
     t = targets.detach().to("cpu", torch.int64).contiguous().numpy()
     bad = np.flatnonzero((t < 0) | (t >= v))
@@ -269,50 +346,19 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
 
 # -- on the logits' device ----------------------------------------------------------------------------------------
 DEVICE_ROWS_ELEMENTS = 1 << 24   # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
-# Defaults from benchmarks/metric_kernel_roofline.py (8,192 x 129,280): on an H200 (2026-12-04) the metric step with
-# top-5 in 5.2 ms (38 % of copy bandwidth) at 512 lanes, lists of 2 per lane, two blocks loaded ahead, against 5.3-5.7
-# ms with one block ahead, 5.5-6.1 ms at 256 lanes; on an H100 (2026-12-05) the bit conversion, the 256-entry exp
-# table, no clamp and two blocks per iteration on top of that: 3.95-4.00 ms (70 % of its copy rate) against 4.60-5.02
-# ms (56-61 %) in the same calls; RESULTS.md
-TRITON_BLOCK = 512               # logits per side per step of one Triton program (lanes: 4 per thread at 4 warps)
-TRITON_WARPS = 4
-# topk_match on the Triton path: "fused-top2" (lists of 2 per lane in the metric kernel's pass; the rows they cannot
-# answer, where one lane holds three of a row's five, go through top5_kernel: the same numbers), "fused" (lists of 5
-# per lane in that pass: 136 registers at 256 lanes, 1.7x slower; at 1024 lanes they spill), "separate" (a second
-# Triton pass of TRITON_TOPK_BLOCK lanes) or "torch"
-TRITON_TOPK = "fused-top2"
-TRITON_TOPK_BLOCK = 1024
-# the logsumexp shift: "running" (the CPU kernel's: the maximum so far, a cross-lane maximum and a possible rescale per
-# block) or "fixed" (the first block's maximum for the whole row: 1.5x faster; rows whose maximum lies > 600 above it
-# are measured again with "running")
-TRITON_SHIFT = "fixed"
-TRITON_MAGIC = True             # the exp's rounding by adding 1.5 * 2^52 instead of floor + float->int conversion
-TRITON_PREFETCH = 2             # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
-TRITON_CONVERT = True           # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
-                                # shift; rows it may not cover measured again without it
-TRITON_LEAN = True              # with TRITON_CONVERT: no clamp before the exp (rows with a logit 700 below their shift,
-                                # an inf or NaN measured again without it) and the exp's scale added on its high word
-TRITON_UNROLL = 2               # blocks per loop iteration (2: no register moves for the blocks loaded ahead)
-TRITON_MAXNREG = None           # registers per thread the compiler may use (None: its choice; fewer: more programs per SM)
-EXP_TABLE_BITS = 8               # exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128: Taylor to r^5 is good to 4e-17;
-                                 # 8: 256 entries, |r| <= ln2/512, Taylor to r^4 (4e-17, one float64 FMA less per exp)
-
-
-def device_backend(device: torch.device | str) -> str:
-    """"triton" or "torch": what measures logits on `device`. FIDELITY_METRICS_KERNEL=torch|triton overrides."""
-    forced = os.environ.get("FIDELITY_METRICS_KERNEL")
-    if forced in ("torch", "triton"):
-        return forced
-    if forced:
-        raise ValueError(f"FIDELITY_METRICS_KERNEL={forced!r}: expected 'torch' or 'triton'")
+def device_backend(device: torch.device | str, kernel: MetricKernel = MetricKernel()) -> str:
+    """"triton" or "torch": what measures logits on `device`; `kernel.backend` chooses where it is set."""
+    if kernel.backend is not None:
+        return kernel.backend
     return "triton" if torch.device(device).type == "cuda" and _triton_kernel() is not None else "torch"
 
 
 def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, targets: torch.Tensor,
-                           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           kernel: MetricKernel = MetricKernel()) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's raw columns on the logits' device: out [N, 6] float64 (KL(P||Q), KL(Q||P), ref margin, ref
     p(top-1), ref NLL, pack NLL), top [N, 2] int64 (ref, pack argmax, first index on ties). Inputs [N, V] (read as
-    float32) and targets [N] on one device; nothing goes to the host but the check of the targets."""
+    float32) and targets [N] on one device; nothing goes to the host but the check of the targets. `kernel`: the
+    backend and its settings (MetricKernel)."""
     n, v = ref_logits.shape
     t = targets.detach().to(ref_logits.device, torch.int64)
     bad = (t < 0) | (t >= v)
@@ -324,13 +370,11 @@ def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, 
     top = torch.empty(n, 2, dtype=torch.int64, device=a.device)
     match = None
     if n:
-        chosen = backend or device_backend(a.device)
-        if chosen == "triton":
-            check_triton_settings()
-        if chosen == "triton" and backend is None and os.environ.get("FIDELITY_METRICS_KERNEL") != "triton":
+        chosen = device_backend(a.device, kernel)
+        if chosen == "triton" and kernel.backend is None:
             try:
                 match = torch.empty(n, dtype=torch.int64, device=a.device)
-                triton_rows(a, b, t, out, top, match)
+                triton_rows(a, b, t, out, top, match, kernel)
                 chosen = None
             except Exception as e:           # a kernel this Triton or GPU cannot build: the torch path, said once
                 _TRITON[:] = [None]
@@ -339,7 +383,7 @@ def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, 
                 chosen = "torch"
         if chosen == "triton":
             match = torch.empty(n, dtype=torch.int64, device=a.device)
-            triton_rows(a, b, t, out, top, match)
+            triton_rows(a, b, t, out, top, match, kernel)
         elif chosen is not None:
             match = None
             torch_rows(a, b, t, out, top)
@@ -428,11 +472,10 @@ def torch_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Ten
 _EXP_CONSTANTS: dict = {}
 
 
-def _exp_constants(device: torch.device, table_bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _exp_constants(device: torch.device, table_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 constants, int64 table) for the Triton kernel's exp, on `device`: entry j is the bits of 2^(j/64)
     minus j * 2^46, so that adding n * 2^46 (n = 64 k + j) to it puts k into the exponent (table_bits 8: 2^(j/256),
     2^44). Constants travel as a tensor: Triton would type a Python float argument or literal as float32."""
-    table_bits = EXP_TABLE_BITS if table_bits is None else table_bits
     key = (str(device), table_bits)
     if key not in _EXP_CONSTANTS:
         size = 1 << table_bits
@@ -462,54 +505,26 @@ def _triton_kernel():
     return _TRITON[0]
 
 
-def check_triton_settings() -> None:
-    """A misspelt kernel switch is a configuration error, raised before the kernel runs (not taken for a kernel that
-    fails to build, which falls back to torch with a warning)."""
-    if TRITON_SHIFT not in ("running", "fixed"):
-        raise ValueError(f"metrics.TRITON_SHIFT={TRITON_SHIFT!r}: expected 'running' or 'fixed'")
-    if TRITON_TOPK not in LIST_LENGTHS:
-        raise ValueError(f"metrics.TRITON_TOPK={TRITON_TOPK!r}: expected one of {', '.join(map(repr, LIST_LENGTHS))}")
-    if not isinstance(TRITON_PREFETCH, int) or TRITON_PREFETCH not in (0, 1, 2):
-        raise ValueError(f"metrics.TRITON_PREFETCH={TRITON_PREFETCH!r}: expected 0, 1 or 2 (blocks loaded ahead)")
-    if TRITON_UNROLL not in (1, 2):
-        raise ValueError(f"metrics.TRITON_UNROLL={TRITON_UNROLL!r}: expected 1 or 2 (blocks per loop iteration)")
-    if EXP_TABLE_BITS not in (6, 8):
-        raise ValueError(f"metrics.EXP_TABLE_BITS={EXP_TABLE_BITS!r}: expected 6 or 8 (a table of 64 or 256 entries)")
-
-
-# TRITON_TOPK -> lane lists of the fused kernel (1: best + runner-up's value; None: topk_match outside the kernel)
-LIST_LENGTHS = {"fused": 5, "fused-top2": 2, "fused-top1v": 1, "separate": None, "torch": None}
-
-
-def triton_switches(fixed: bool) -> dict:
-    """rows_kernel's switches as this module's settings launch it, under the fixed shift or the running one: the bit
-    conversion and the clampless exp only under the fixed shift (the running shift is the fallback; its shifts are not
-    checked). benchmarks/kernel_sass.py compiles the same."""
-    convert = bool(TRITON_CONVERT) and fixed
-    return dict(CONVERT=convert, EXP_BITS=EXP_TABLE_BITS, LEAN=convert and bool(TRITON_LEAN), UNROLL=TRITON_UNROLL)
-
-
 def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Tensor, top: torch.Tensor,
-                match: torch.Tensor | None = None) -> None:
+                match: torch.Tensor | None = None, kernel: MetricKernel = MetricKernel()) -> None:
     """The fused kernel: one program per position reads both rows once (contiguous float32 [N, V]); with `match`
-    ([N] int64) also topk_match, in the same pass (TRITON_TOPK "fused"), a second Triton pass ("separate") or
+    ([N] int64) also topk_match, in the same pass (`kernel.topk` "fused*"), a second Triton pass ("separate") or
     topk_match_torch ("torch")."""
-    kernel = _triton_kernel()
-    if kernel is None:
-        raise RuntimeError("FIDELITY_METRICS_KERNEL=triton, but triton is not installed")
-    check_triton_settings()
-    consts, table = _exp_constants(a.device)
-    in_pass = match is not None and LIST_LENGTHS[TRITON_TOPK] is not None
-    lists = LIST_LENGTHS[TRITON_TOPK] if in_pass else 2
-    fixed = TRITON_SHIFT == "fixed"
+    rows_kernel = _triton_kernel()
+    if rows_kernel is None:
+        raise RuntimeError("the metric kernel's backend is triton, but triton is not installed")
+    consts, table = _exp_constants(a.device, kernel.exp_table_bits)
+    in_pass = match is not None and LIST_LENGTHS[kernel.topk] is not None
+    lists = LIST_LENGTHS[kernel.topk] if in_pass else 2
+    fixed = kernel.shift == "fixed"
     flagged = fixed or (in_pass and lists != 5)      # (the bit conversion implies the fixed shift)
 
     def run(x, y, targets, out_, top_, match_, retry_, fixed_):
-        kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table, x.stride(0),
-                              y.stride(0), V=x.shape[1], BLOCK=TRITON_BLOCK, LISTS=lists, MATCH=in_pass,
-                              FIXED_SHIFT=fixed_, MAGIC=TRITON_MAGIC, PREFETCH=int(TRITON_PREFETCH),
-                              **triton_switches(fixed_), num_warps=TRITON_WARPS,
-                              **({"maxnreg": TRITON_MAXNREG} if TRITON_MAXNREG else {}))
+        rows_kernel[(x.shape[0],)](x, y, targets, out_, top_, match_ if in_pass else top_, retry_, consts, table,
+                                   x.stride(0), y.stride(0), V=x.shape[1], BLOCK=kernel.block, LISTS=lists,
+                                   MATCH=in_pass, FIXED_SHIFT=fixed_, MAGIC=kernel.magic, PREFETCH=kernel.prefetch,
+                                   **kernel.switches(fixed_), num_warps=kernel.warps,
+                                   **({"maxnreg": kernel.maxnreg} if kernel.maxnreg else {}))
 
     # retry: bit 0 the row lies too far above its fixed shift, bit 1 its top-5 prefix needs top5_kernel, bit 2 the
     # bit conversion may not hold for it: those of bits 0 and 2 are measured again with the running shift, without it
@@ -530,20 +545,21 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
         if in_pass and lists != 5:
             exact = (retry & 2).nonzero()[:, 0]
             if len(exact):
-                _top5(a, b, match, exact)
+                _top5(a, b, match, exact, kernel)
     if match is not None and not in_pass:
-        if TRITON_TOPK == "separate":
-            _top5(a, b, match, None)
+        if kernel.topk == "separate":
+            _top5(a, b, match, None, kernel)
         else:
             match.copy_(topk_match_torch(a, b))
 
 
-def _top5(a: torch.Tensor, b: torch.Tensor, match: torch.Tensor, rows: torch.Tensor | None) -> None:
+def _top5(a: torch.Tensor, b: torch.Tensor, match: torch.Tensor, rows: torch.Tensor | None,
+          kernel: MetricKernel) -> None:
     """topk_match of every row (rows None) or of the given rows, by top5_kernel's exact lists."""
     from .metrics_triton import top5_kernel
     count = a.shape[0] if rows is None else len(rows)
     top5_kernel[(count,)](a, b, match, match if rows is None else rows, a.stride(0), b.stride(0), V=a.shape[1],
-                          BLOCK=TRITON_TOPK_BLOCK, INDIRECT=rows is not None, num_warps=TRITON_WARPS)
+                          BLOCK=kernel.topk_block, INDIRECT=rows is not None, num_warps=kernel.warps)
 
 
 def naive_kld(ref_logits: torch.Tensor, pack_logits: torch.Tensor) -> torch.Tensor:

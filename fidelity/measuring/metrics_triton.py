@@ -6,7 +6,7 @@ off: a cross-lane maximum and a possible rescale per block) or the first block's
 kernel's with a table: x = (64 k + j) ln2/64 + r, |r| <= ln2/128, exp(r) by Taylor to r^5 (4e-17), times 2^(j/64)
 from the table with k added to its exponent bits (EXP_BITS 8, the default: 256 entries, |r| <= ln2/512, Taylor to r^4);
 <= 1.5 ulp of numpy's exp. Constants come in as a float64 tensor: Triton would type a Python float as float32. By
-default (metrics.TRITON_CONVERT, TRITON_LEAN) the logits become float64 by moving bits and the exp takes x unclamped:
+default (MetricKernel.convert, .lean) the logits become float64 by moving bits and the exp takes x unclamped:
 the rows where either could differ from the CPU kernel (an inf or NaN, a shift within 2^-60 of zero or 2^24 from it,
 a logit more than 700 below its shift) are flagged and measured again by the running-shift kernel without them.
 

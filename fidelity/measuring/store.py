@@ -244,15 +244,16 @@ def device_chunk_positions(vocab: int, head_rows: int) -> int:
 
 def device_row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Tensor], pack_oracle, *,
                        store_path=None, chunk_positions: int | None = None, desc: str = "metrics",
-                       progress: bool = True):
+                       progress: bool = True, kernel=None):
     """compare's head and metrics with the logits on the oracles' device: every row's scored positions in chunks
     of whole head blocks (rows run into each other; a position's logits do not depend on its neighbours, see
     runner.HEAD_ROWS), both heads into two reused [chunk, vocab] buffers, the stored top-K (if any) checked there,
-    metrics by metrics.device_metrics_columns; only the per-position numbers reach the host. Any device, the CPU
+    metrics by metrics.device_metrics_columns (`kernel`: its MetricKernel, None the default); only the per-position
+    numbers reach the host. Any device, the CPU
     included (the tests' check of the chunking); compare takes it for non-CPU oracles."""
     from tqdm.auto import tqdm
 
-    from .metrics import PositionMetrics, device_metrics_columns, finish_columns
+    from .metrics import MetricKernel, PositionMetrics, device_metrics_columns, finish_columns
     from ..oracle.runner import HEAD_ROWS
 
     device = ref_oracle.device
@@ -279,7 +280,7 @@ def device_row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Te
         ref_logits, pack_logits = ref_logits.float(), pack_logits.float()
         if ref.topk is not None:
             _check_chunk(ref, ref_logits, starts, rows, start, end, store_path)
-        out, top = device_metrics_columns(ref_logits, pack_logits, targets[start:end])
+        out, top = device_metrics_columns(ref_logits, pack_logits, targets[start:end], kernel or MetricKernel())
         outs.append(out)
         tops.append(top)
         bar.update(n)

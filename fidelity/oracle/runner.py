@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import re
 import time
 from collections import defaultdict
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..blas import set_reproducible_gemm
 from ..errors import FidelityError, NonFiniteActivations, PackError
 from ..vector_math import warm_up_vector_math
 from .families import family_for_pack, missing_tensors
@@ -37,8 +37,6 @@ BATCH_TOKENS = 8192
 # about this many times its activations for the layer's intermediates (attention scores, expert inputs, ...), and two
 # layers' weights are resident (the prefetcher's); the rest of the free memory holds resident batches.
 WORK_FACTOR = 16
-# FIDELITY_DEVICE_ACTIVATIONS_GIB: activations kept on the device, in GiB, instead of what free memory allows.
-ACTIVATIONS_ENV = "FIDELITY_DEVICE_ACTIVATIONS_GIB"
 # Streaming trims the heap once layers totalling this many fp32 bytes were let go, not after every layer: a trim hands
 # the activations' freed blocks back too, and their next allocation faults them in again (SmolLM2-135M, 1024 tokens:
 # 415k page faults and 3.0 s CPU per pass trimming every 14 MiB layer). Layers this large are trimmed after each one.
@@ -126,6 +124,7 @@ class Oracle:
                  expert_budget_bytes: int | None = None, numerics: str = "exact"):
         if dtype not in (torch.float32, torch.float64):
             raise FidelityError(f"the oracle computes in float32 or float64, not {dtype}")
+        set_reproducible_gemm()  # before the oracle's first matrix product (fidelity/blas.py; the CLI's is earlier)
         expert_budget_bytes = checked_expert_budget(expert_budget_bytes)
         self.pack = pack
         self.device = torch.device(device)
@@ -335,19 +334,14 @@ class Oracle:
         return batches, out
 
     def _activation_budget(self, batches: list[list[int]], rows: list[torch.Tensor]) -> int | None:
-        """Bytes of activations that stay on the device between layers: the caller's, the environment's, or on a
+        """Bytes of activations that stay on the device between layers: the caller's (`activation_budget`; the
+        command line's FIDELITY_DEVICE_ACTIVATIONS_GIB through parallel.RunSettings), or on a
         GPU what its free memory (torch's cached blocks included: `device_free_bytes`) leaves after the weights still
         to come and one batch's working memory; None keeps all. The weights still to come: two layers (routed
         experts within the expert budget, when set: `_resident_layer_bytes`), or under keep_weights every layer not
         yet kept (the kept ones are in use already). On an integrated GPU (unified memory: GB10) everything stays."""
         if self.activation_budget is not None:
             return int(self.activation_budget)
-        env = os.environ.get(ACTIVATIONS_ENV)
-        if env:
-            try:
-                return int(float(env) * 2**30)
-            except ValueError:
-                raise FidelityError(f"{ACTIVATIONS_ENV}={env!r}: expected a number of GiB") from None
         if self.device.type != "cuda" or not batches:
             return None
         if getattr(torch.cuda.get_device_properties(self.device), "is_integrated", False):

@@ -34,33 +34,36 @@ from functools import partial
 
 from ..runner import LoadChain, Oracle
 from .experts import ExpertParallel
-from .group import (SETTINGS, Group, RankFailed, Settings, configure, current_group, finish, is_main, launched,
-                    local_device)
+from .group import Group, RankFailed, RunSettings, current_group, finish, is_main, launched, local_device
 from .prefetch import (STAGE_HOST_FRACTION, STAGE_MAX_TENSOR_BYTES, LayerTiming, Prefetcher, available_host_bytes,
                        held_host_bytes)
 from .rows import RowParallel, deal
 from .shards import ShardedLoads, deal_tensors
 
 
-def load_chain(device: str = "cpu", parallel: str | None = None, layer: tuple = ()) -> LoadChain:
-    """The load chain this run uses: prefetching (unless SETTINGS.prefetch is off), and under a launcher each layer
-    read 1/N per rank (row parallel, unless SETTINGS.shard_loads is off) or the routed experts split across ranks
-    (`parallel="experts"`); `layer`: transforms of every built layer (the noise floor's)."""
-    g = current_group(device)
-    experts = (parallel or SETTINGS.parallel) == "experts"
-    return LoadChain(prefetch=Prefetcher if SETTINGS.prefetch else None,
-                     shards=partial(ShardedLoads, group=g) if g is not None and not experts and SETTINGS.shard_loads
+def load_chain(device: str = "cpu", settings: RunSettings = RunSettings(), layer: tuple = ()) -> LoadChain:
+    """The load chain a run with `settings` uses: prefetching (unless `settings.prefetch` is off; staging within
+    `settings.stage_budget_bytes`), and under a launcher each layer read 1/N per rank (row parallel, unless
+    `settings.shard_loads` is off) or the routed experts split across ranks (`settings.parallel == "experts"`);
+    `layer`: transforms of every built layer (the noise floor's)."""
+    g = current_group(device, settings)
+    experts = settings.parallel == "experts"
+    return LoadChain(prefetch=partial(Prefetcher, budget_bytes=settings.stage_budget_bytes) if settings.prefetch
+                     else None,
+                     shards=partial(ShardedLoads, group=g) if g is not None and not experts and settings.shard_loads
                      else None,
                      experts=ExpertParallel(g) if g is not None and experts else None,
                      layer=tuple(layer))
 
 
-def make_oracle(pack, device: str = "cpu", parallel: str | None = None, layer: tuple = (), **options):
-    """An Oracle of `pack` on this rank's device, loading through `load_chain(...)`; under row parallel wrapped in
-    RowParallel (each rank computes its own row batches). `options`: the Oracle's (dtype=, keep_weights=, ...)."""
+def make_oracle(pack, device: str = "cpu", settings: RunSettings = RunSettings(), layer: tuple = (), **options):
+    """An Oracle of `pack` on this rank's device, loading through `load_chain(device, settings, layer)`; under row
+    parallel wrapped in RowParallel (each rank computes its own row batches). `options`: the Oracle's (dtype=,
+    keep_weights=, ...; `activation_budget` defaults to `settings.activation_budget_bytes`)."""
     device = local_device(device)
-    oracle = Oracle(pack, device=device, chain=load_chain(device, parallel, layer), **options)
-    g = current_group(device)
-    if g is None or (parallel or SETTINGS.parallel) == "experts":
+    options.setdefault("activation_budget", settings.activation_budget_bytes)
+    oracle = Oracle(pack, device=device, chain=load_chain(device, settings, layer), **options)
+    g = current_group(device, settings)
+    if g is None or settings.parallel == "experts":
         return oracle
     return RowParallel(oracle, g)

