@@ -233,11 +233,9 @@ def _as_f32_numpy(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
-# Defaults from benchmarks/metric_kernel_roofline.py (8,192 x 129,280): on an H200 (2026-12-04) the metric step with
-# top-5 in 5.2 ms (38 % of copy bandwidth) at 512 lanes, lists of 2 per lane, two blocks loaded ahead, against 5.3-5.7
-# ms with one block ahead, 5.5-6.1 ms at 256 lanes; on an H100 (2026-12-05) the bit conversion, the 256-entry exp
-# table, no clamp and two blocks per iteration on top of that: 3.95-4.00 ms (70 % of its copy rate) against 4.60-5.02
-# ms (56-61 %) in the same calls; RESULTS.md
+# Defaults: the fastest settings benchmarks/metric_kernel_roofline.py measured at 8,192 x 129,280 (on an H200: 512
+# lanes, lists of 2 per lane, two blocks loaded ahead; on an H100, on top of that: the bit conversion, the 256-entry
+# exp table, no clamp and two blocks per iteration); the timings are in benchmarks/RESULTS.md
 # topk_match on the Triton path (MetricKernel.topk) -> lane lists of the fused kernel (1: best + runner-up's value;
 # None: topk_match outside the kernel)
 LIST_LENGTHS = {"fused": 5, "fused-top2": 2, "fused-top1v": 1, "separate": None, "torch": None}
