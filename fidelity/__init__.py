@@ -5,10 +5,6 @@ import importlib
 
 __version__ = "0.1.0"
 
-from .blas import set_reproducible_gemm  # noqa: E402
-
-set_reproducible_gemm()  # before torch's first matrix product: MKL reads it then (see fidelity/blas.py)
-
 from .errors import ConfigError, FidelityError, PackError  # noqa: E402
 
 _LAZY = {"open_pack", "packs"}

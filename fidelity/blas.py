@@ -4,8 +4,11 @@ Without it MKL's float32 GEMMs may sum in an order that depends on the thread co
 alignment: on MKL's AVX2 code path (`MKL_ENABLE_INSTRUCTIONS=AVX2` on an Intel Xeon) a [99, 48] x [48, 97] product
 differed in the last bits between one and two threads. MKL's strict CNR mode (`MKL_CBWR=<branch>,STRICT`) makes ?gemm
 results independent of alignment, and on Intel CPUs of the thread count, for a fixed code branch; it needs an
-AVX2-or-later branch. MKL reads `MKL_CBWR` at its first BLAS call, so `fidelity` sets it when imported, unless the
-environment already names a mode:
+AVX2-or-later branch. MKL reads `MKL_CBWR` at its first BLAS call, so `set_reproducible_gemm()` sets it before the
+first matrix product of a run, unless the environment already names a mode. Importing fidelity sets nothing; the
+command line calls it first thing (`fidelity.cli.main`), and so does every `Oracle` when it is made (the library's
+way to every measured GEMM; a program that runs GEMMs of its own before it makes one calls it itself, first). The mode
+it chooses:
 
 - Intel CPU with AVX2: `AUTO,STRICT` (the CPU's own best branch; measured as fast as MKL's default on a Xeon);
 - another x86-64 CPU with AVX2 (AMD): `AVX2,STRICT` (a branch strict mode supports, named explicitly);
@@ -17,7 +20,7 @@ two threads, in every MKL_CBWR mode tried (tests/test_blas.py prints how many). 
 at one thread count per process (torchrun ranks vs one process with the ranks' thread count), not across thread counts.
 
 Set `MKL_CBWR` yourself to choose otherwise (`MKL_CBWR=AUTO` is MKL's default behaviour). A process that ran a matrix
-product before importing fidelity keeps the mode MKL started with.
+product before the call keeps the mode MKL started with. The reference store records the mode in force (`mkl_cbwr`).
 """
 from __future__ import annotations
 

@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fidelity.blas import set_reproducible_gemm
+
+# MKL's strict reproducibility before the first matrix product of this process and of the processes it starts (they
+# inherit MKL_CBWR), as the command line and the Oracle ask for it (fidelity/blas.py)
+set_reproducible_gemm()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # Without CUDA, Triton's kernels run in its interpreter (tests/test_metrics_device.py, tests/test_decode_device.py).
@@ -33,7 +38,6 @@ def smollm2_gguf_path() -> Path | None:
 
 def pytest_report_header(config):
     """The machine a run's bit-exact results belong to (DEVELOPERS.md: which CPUs the suite was run on)."""
-    import fidelity  # noqa: F401  (sets MKL_CBWR, fidelity/blas.py)
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
     return (f"machine: {model}, torch {torch.__version__} threads {torch.get_num_threads()} of {os.cpu_count()}, "

@@ -1,4 +1,5 @@
-"""fidelity asks MKL for strict conditional numerical reproducibility before torch's first matrix product, so float32
+"""fidelity asks MKL for strict conditional numerical reproducibility before torch's first matrix product (the command
+line and every Oracle call `blas.set_reproducible_gemm()`; importing fidelity sets nothing), so float32
 GEMMs (and so every bit-for-bit comparison across processes and thread counts) do not depend on the thread count.
 MKL's AVX2 code path, which AMD CPUs run, is reproduced on any AVX2 CPU with MKL_ENABLE_INSTRUCTIONS=AVX2."""
 from __future__ import annotations
@@ -37,11 +38,11 @@ def test_an_explicit_mode_is_kept():
     assert blas.set_reproducible_gemm(env) == blas.strict_mode(*blas.cpu_info()) == env.get("MKL_CBWR")
 
 
-def gemm_threads(rng_seed: int, tmp_path: Path, mode: str | None, import_fidelity: bool) -> list[bool]:
+def gemm_threads(rng_seed: int, tmp_path: Path, mode: str | None, fidelity_mode: bool) -> list[bool]:
     """In a fresh process on MKL's AVX2 path: for each shape, is x @ w.T the same with one and with two threads?"""
     script = f"""
 import json, sys, torch
-{"import fidelity" if import_fidelity else ""}
+{"from fidelity.blas import set_reproducible_gemm; set_reproducible_gemm()" if fidelity_mode else ""}
 g = torch.Generator().manual_seed({rng_seed})
 same = []
 for m, k, n in {SHAPES!r}:
@@ -64,11 +65,11 @@ print(json.dumps(same))
 @pytest.mark.skipif("avx2" not in blas.cpu_info()[1], reason="MKL's strict mode needs AVX2")
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two threads")
 def test_gemms_do_not_depend_on_the_thread_count(rng_seed, tmp_path):
-    # what `import fidelity` chooses here, and what it chooses on an AMD CPU
-    assert all(gemm_threads(rng_seed, tmp_path, None, import_fidelity=True))
-    assert all(gemm_threads(rng_seed, tmp_path, "AVX2,STRICT", import_fidelity=False))
+    # what the command line and the Oracle choose here, and what they choose on an AMD CPU
+    assert all(gemm_threads(rng_seed, tmp_path, None, fidelity_mode=True))
+    assert all(gemm_threads(rng_seed, tmp_path, "AVX2,STRICT", fidelity_mode=False))
     # the control: MKL's default mode on the same path (the test can fail: these shapes differed there)
-    control = gemm_threads(rng_seed, tmp_path, "AUTO", import_fidelity=False)
+    control = gemm_threads(rng_seed, tmp_path, "AUTO", fidelity_mode=False)
     print(f"MKL_CBWR=AUTO on the AVX2 path: {control.count(False)} of {len(SHAPES)} shapes differ between 1 and 2 threads")
 
 
@@ -82,7 +83,8 @@ def gemm_bits(rng_seed: int, tmp_path: Path, threads: int) -> dict:
     (0, 1, 3 and 7 floats into a buffer) — all four must agree — and whether 1 and 2 threads agree (the measurement)."""
     script = f"""
 import hashlib, json, torch
-import fidelity
+from fidelity.blas import set_reproducible_gemm
+set_reproducible_gemm()
 g = torch.Generator().manual_seed({rng_seed})
 torch.set_num_threads({threads})
 out, thread_free = {{}}, []

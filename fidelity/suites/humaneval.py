@@ -20,6 +20,7 @@ bookkeeping, so even the canonical solution is judged "fail"; both builds of a p
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -182,26 +183,36 @@ class EvalPlus(CodeSuite):
         return res.verdict
 
 
+@contextlib.contextmanager
+def _evalplus_override(module, var: str, path: str | None):
+    """evalplus's loaders take their dataset file from a module global (`HUMANEVAL_OVERRIDE_PATH`, `MBPP_OVERRIDE_PATH`,
+    read from the environment when evalplus is imported) and have no argument for it: the global holds `path` for the
+    calls inside and gets its own value back after them."""
+    saved = getattr(module, var)
+    setattr(module, var, path)
+    try:
+        yield
+    finally:
+        setattr(module, var, saved)
+
+
 def _evalplus_problems(name: str, data: str | None) -> tuple[dict, dict]:
     import evalplus.data.humaneval as he
     import evalplus.data.mbpp as mb
 
     module, var, getter = (he, "HUMANEVAL_OVERRIDE_PATH", he.get_human_eval_plus) if name == "humaneval+" else \
                           (mb, "MBPP_OVERRIDE_PATH", mb.get_mbpp_plus)
-    path = data or os.environ.get(var)
-    saved = getattr(module, var)
-    setattr(module, var, path)
+    path = data or os.environ.get(var)   # evalplus's own variable, read now as evalplus reads it at its import
     try:
-        problems = getter()
-        if path is None:
-            path = (he._ready_human_eval_plus_path() if name == "humaneval+" else mb._ready_mbpp_plus_path())
+        with _evalplus_override(module, var, path):
+            problems = getter()
+            if path is None:
+                path = (he._ready_human_eval_plus_path() if name == "humaneval+" else mb._ready_mbpp_plus_path())
     except AssertionError as e:
         raise ConfigError(f"{name}: {path} is not an EvalPlus dataset ({e})")
     except OSError as e:
         raise ConfigError(f"{name}: cannot get the EvalPlus data ({type(e).__name__}: {e}); offline, pass --data or set "
                           f"{var} to a local {name} jsonl")
-    finally:
-        setattr(module, var, saved)
     return problems, {"source": f"evalplus:{path}", "sha256": sha256_file(path), "tasks": len(problems)}
 
 

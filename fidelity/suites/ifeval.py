@@ -7,12 +7,14 @@ prompt_level_{strict,loose}_acc (a mean over prompts) and inst_level_{strict,loo
 all prompts (lm-eval's `agg_inst_level_acc`), not the mean of the per-prompt fractions.
 
 Differences from the official scorer, on purpose, so runs are deterministic and work offline:
-- `langdetect` is seeded (DetectorFactory.seed = 0); the official scorer leaves it unseeded, so its language checks can vary
-  from run to run on short or mixed-language answers.
+- `langdetect` is seeded (DetectorFactory.seed = 0) while a response is checked; the official scorer leaves it unseeded,
+  so its language checks can vary from run to run on short or mixed-language answers.
 - Python's `random` is seeded with 0 before each response is checked. Two of the 541 prompts (keys 1122 and 1129) ask for a
   "letter" `#` or `!`, which `keywords:letter_frequency` refuses and replaces with a letter drawn at random: the official
   scorer's verdict on that instruction changes from run to run, ours is the same every run (and equals lm-eval's when
-  lm-eval's random state is seeded the same way).
+  lm-eval's random state is seeded the same way). The checkers draw from the global `random` and read langdetect's
+  class attribute (no generator can be handed to them), so both are set for the check alone: the caller's random state
+  and langdetect seed are put back after it (`_checkers_seeded`).
 - Sentence counting uses nltk's Punkt English model when its data is installed; otherwise (the default offline, where the
   scorer would try `nltk.download("punkt_tab")`) an untrained `PunktSentenceTokenizer`, which knows no English abbreviations:
   "Dr. Smith arrived." counts as two sentences instead of one. Only the `length_constraints:number_sentences` instruction
@@ -51,7 +53,6 @@ def load_checkers():
     global _CHECKERS
     if _CHECKERS is not None:
         return _CHECKERS
-    import langdetect
     import nltk
 
     spec = importlib.util.find_spec("lm_eval")
@@ -81,7 +82,6 @@ def load_checkers():
     finally:
         for pkg in created:
             sys.modules.pop(pkg, None)
-    langdetect.DetectorFactory.seed = 0
     util = mods["instructions_util"]
     try:
         util._get_sentence_tokenizer().tokenize("One. Two.")
@@ -112,14 +112,30 @@ class _OfflineNltk(types.ModuleType):
         return self._real.word_tokenize(text, language=language, preserve_line=True)
 
 
+@contextlib.contextmanager
+def _checkers_seeded():
+    """The global `random` seeded with 0 (some checkers fill unspecified arguments at random) and langdetect's
+    DetectorFactory.seed 0 for the checks inside, the caller's random state and seed restored after them."""
+    import langdetect
+
+    state, seed = random.getstate(), langdetect.DetectorFactory.seed
+    random.seed(0)
+    langdetect.DetectorFactory.seed = 0
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        langdetect.DetectorFactory.seed = seed
+
+
 def score_response(row: dict, response: str) -> Outcome:
     mods, _ = load_checkers()
     utils = mods["utils"]
     inp = utils.InputExample(key=row["key"], instruction_id_list=row["instruction_id_list"], prompt=row["prompt"],
                              kwargs=row["kwargs"])
-    random.seed(0)  # some checkers fill unspecified arguments at random
-    strict = utils.test_instruction_following_strict(inp, response)
-    loose = utils.test_instruction_following_loose(inp, response)
+    with _checkers_seeded():
+        strict = utils.test_instruction_following_strict(inp, response)
+        loose = utils.test_instruction_following_loose(inp, response)
     followed = strict.follow_instruction_list
     failed = [i for i, ok in zip(row["instruction_id_list"], followed) if not ok]
     loose_followed = loose.follow_instruction_list
