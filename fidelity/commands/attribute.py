@@ -56,7 +56,6 @@ def read_rows(path: str) -> list:
 
 def run(args) -> int:
     from ..attribute import NOISE_LEVELS, SUPER_EXPERT_SHARE, Settings, attribute
-    from ..errors import ConfigError
 
     rows = read_rows(args.rows) if args.rows else None
     settings = Settings(
@@ -90,58 +89,57 @@ def _f(x, spec=".4g"):
     return "-" if x is None else format(x, spec)
 
 
+def _table(title: str, columns, rows, left: tuple[str, ...] = ()) -> Table:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="left" if c in left else "right")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
 def print_tables(res, con: Console, top: int = 15) -> None:
     s = res.summary
     con.print(f"pack KL {s['pack_kld_mean']:.5g} nats over {s['scored_positions']} positions; sum of the parts "
               f"{s['sum_of_parts_kld']:.5g}; additivity {_f(s['additivity'])}")
-    t = Table(title="swap-one-in (reference with one group from the pack)")
     act = any("x_act" in r for r in res.swaps)
-    for c in ("group", "KL", "share", "noise KL", "x noise", "95% CI", "by KL", *(("x act", "act CI") if act else ()),
-              "err~|w| r", "z", "noise z", "weight err"):
-        t.add_column(c, justify="left" if c == "group" else "right")
-    for r in sorted(res.swaps, key=lambda r: -r["kld_mean"])[:top]:
-        ci, aci = r.get("x_noise_ci"), r.get("x_act_ci")
-        t.add_row(r["group"], _f(r["kld_mean"]), _f(r["share"], ".1%"), _f(r.get("noise_kld_mean")),
-                  _f(r.get("x_noise"), ".3g"), f"{ci[0]:.3g}-{ci[1]:.3g}" if ci else "-", r.get("kl_vs_noise") or "-",
-                  *((_f(r.get("x_act"), ".3g"), f"{aci[0]:.3g}-{aci[1]:.3g}" if aci else "-") if act else ()),
-                  _f(r.get("err_scale_corr"), ".3f"), _f(r.get("err_scale_z"), ".1f"),
-                  _f(r.get("noise_err_scale_z"), ".1f"), _f(r["weight_err_norm"]))
-    con.print(t)
-    t = Table(title="layer divergence (pack pass vs reference pass)")
-    for c in ("where", "rel Frobenius", "cosine", "SQNR dB"):
-        t.add_column(c, justify="right")
-    for r in res.layers:
-        t.add_row(r["where"], _f(r["rel_fro"]), _f(r["cosine"], ".6f"), _f(r["sqnr_db"], ".2f"))
-    con.print(t)
+    con.print(_table(
+        "swap-one-in (reference with one group from the pack)",
+        ("group", "KL", "share", "noise KL", "x noise", "95% CI", "by KL", *(("x act", "act CI") if act else ()),
+         "err~|w| r", "z", "noise z", "weight err"),
+        (_swap_row(r, act) for r in sorted(res.swaps, key=lambda r: -r["kld_mean"])[:top]), left=("group",)))
+    con.print(_table("layer divergence (pack pass vs reference pass)", ("where", "rel Frobenius", "cosine", "SQNR dB"),
+                     ((r["where"], _f(r["rel_fro"]), _f(r["cosine"], ".6f"), _f(r["sqnr_db"], ".2f"))
+                      for r in res.layers)))
     if res.layer_streams:
-        t = Table(title="layer divergence per hyper-connection stream")
-        for c in ("where", "stream", "rel Frobenius", "cosine", "SQNR dB"):
-            t.add_column(c, justify="right")
-        for r in res.layer_streams:
-            t.add_row(r["where"], str(r["stream"]), _f(r["rel_fro"]), _f(r["cosine"], ".6f"), _f(r["sqnr_db"], ".2f"))
-        con.print(t)
+        con.print(_table("layer divergence per hyper-connection stream",
+                         ("where", "stream", "rel Frobenius", "cosine", "SQNR dB"),
+                         ((r["where"], str(r["stream"]), _f(r["rel_fro"]), _f(r["cosine"], ".6f"),
+                           _f(r["sqnr_db"], ".2f")) for r in res.layer_streams)))
     if res.routing_layers:
-        t = Table(title="routing (top-k sets, own passes)")
-        for c in ("layer", "Jaccard mean", "same set", "super experts ref", "super experts pack"):
-            t.add_column(c, justify="right")
-        for r in res.routing_layers:
-            t.add_row(str(r["layer"]), _f(r["jaccard_mean"]), _f(r["same_set"], ".1%"),
-                      ",".join(map(str, r["super_experts_ref"])), ",".join(map(str, r["super_experts_pack"])))
-        con.print(t)
+        con.print(_table("routing (top-k sets, own passes)",
+                         ("layer", "Jaccard mean", "same set", "super experts ref", "super experts pack"),
+                         ((str(r["layer"]), _f(r["jaccard_mean"]), _f(r["same_set"], ".1%"),
+                           ",".join(map(str, r["super_experts_ref"])), ",".join(map(str, r["super_experts_pack"])))
+                          for r in res.routing_layers)))
         bpw = s.get("bits_per_weight_routed") or {}
         if "per_decoded_token_measured" in bpw:
             con.print(f"routing-weighted bpw per decoded token: {bpw['per_decoded_token_measured']['bpw']:.4f}")
     if res.sensitivity:
-        t = Table(title="sensitivity: KL per noise level at each layer's MLP / routed output")
-        t.add_column("layer", justify="right")
-        for eps in s["noise_levels"]:
-            t.add_column(f"KL @ {eps:.3g}", justify="right")
-        t.add_column("dKL/d(eps^2)", justify="right")
-        t.add_column("log-log slope", justify="right")
-        for r in res.sensitivity:
-            t.add_row(str(r["layer"]), *[_f(k) for k in r["kld_mean"]], _f(r["dkl_deps2"]), _f(r["loglog_slope"], ".3f"))
-        con.print(t)
+        con.print(_table("sensitivity: KL per noise level at each layer's MLP / routed output",
+                         ("layer", *(f"KL @ {eps:.3g}" for eps in s["noise_levels"]), "dKL/d(eps^2)", "log-log slope"),
+                         ((str(r["layer"]), *[_f(k) for k in r["kld_mean"]], _f(r["dkl_deps2"]),
+                           _f(r["loglog_slope"], ".3f")) for r in res.sensitivity)))
     for r in res.engram_access:
         curve = ", ".join(f"top {c['top_rows']} = {c['share']:.1%}" for c in r["coverage"])
         con.print(f"Engram layer {r['layer']}: {r['lookups']} lookups, {r['distinct_rows']} distinct of "
                   f"{r['table_rows']} rows; {curve}")
+
+
+def _swap_row(r: dict, act: bool) -> tuple[str, ...]:
+    ci, aci = r.get("x_noise_ci"), r.get("x_act_ci")
+    return (r["group"], _f(r["kld_mean"]), _f(r["share"], ".1%"), _f(r.get("noise_kld_mean")),
+            _f(r.get("x_noise"), ".3g"), f"{ci[0]:.3g}-{ci[1]:.3g}" if ci else "-", r.get("kl_vs_noise") or "-",
+            *((_f(r.get("x_act"), ".3g"), f"{aci[0]:.3g}-{aci[1]:.3g}" if aci else "-") if act else ()),
+            _f(r.get("err_scale_corr"), ".3f"), _f(r.get("err_scale_z"), ".1f"),
+            _f(r.get("noise_err_scale_z"), ".1f"), _f(r["weight_err_norm"]))

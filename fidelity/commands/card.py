@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
+
+from ._results import add_results_arguments, print_warnings
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("results", nargs="+", metavar="RESULT",
-                   help="compare JSON or a `compare --out` folder, suite-compare JSON, bench JSON (any order, any mix); "
-                        "the first bench is the one the others' %% changes are against")
-    p.add_argument("-o", "--out", required=True, help="output folder for card.md")
+    add_results_arguments(p, results_help="compare JSON or a `compare --out` folder, suite-compare JSON, bench JSON "
+                                          "(any order, any mix); the first bench is the one the others' %% changes "
+                                          "are against", out_help="output folder for card.md")
     p.add_argument("--build", help="the label of the build the card is about (default: the first build of the main panel)")
     p.add_argument("--title", default="Fidelity to the original model", help="the section's heading")
 
@@ -29,7 +29,6 @@ def run(args) -> int:
                             "pip install 'fidelity[report]'") from None
     argv = ["fidelity", "card", *args.results, "-o", args.out] + (["--build", args.build] if args.build else [])
     card = render_card(args.results, args.out, build=args.build, title=args.title, command_line=shlex.join(argv))
-    for w in card.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+    print_warnings(card.warnings)
     print(f"wrote {card.path} (this build: {card.build})")
     return 0

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
+
+from ._results import add_results_arguments, print_warnings
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("results", nargs="+", metavar="RESULT",
-                   help="compare JSON (records next to it are picked up), a `compare --out` folder, a reference store folder, "
-                        "suite-compare JSON, gate JSON (any order, any mix)")
-    p.add_argument("-o", "--out", required=True, help="output folder for index.html, summary.md and the PNG figures")
+    add_results_arguments(p, results_help="compare JSON (records next to it are picked up), a `compare --out` folder, a "
+                                          "reference store folder, suite-compare JSON, gate JSON (any order, any mix)",
+                          out_help="output folder for index.html, summary.md and the PNG figures")
     p.add_argument("--title", default="Fidelity report")
     p.add_argument("--worst", type=int, default=8, help="worst positions shown per pack (default 8)")
     p.add_argument("--panel", help="the panel folder the results were measured on: full text around the worst positions")
@@ -36,7 +36,6 @@ def run(args) -> int:
     argv += (["--panel", args.panel] if args.panel else []) + (["--token-ids"] if args.token_ids else [])
     rep = render(args.results, args.out, title=args.title, worst=args.worst, tokenizer=None if args.token_ids else "auto",
                  panel=args.panel, command_line=shlex.join(argv))
-    for w in rep.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+    print_warnings(rep.warnings)
     print(f"wrote {rep.index_html}, {rep.summary_md} and {len(rep.figures)} figure(s) in {rep.out_dir}")
     return 0
