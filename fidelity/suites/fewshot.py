@@ -1,5 +1,5 @@
-"""What MMLU and GSM8K share: lm-eval's few-shot prompt layout, its `exact_match` normalization, and their data loading
-(a local jsonl or the Hugging Face hub through `datasets`).
+"""What MMLU and GSM8K share: lm-eval's few-shot prompt layout, its `exact_match` normalization, their data loading
+(a local jsonl or the Hugging Face hub through `datasets`) and their suite's frame (`FewshotSuite`).
 
 lm-eval (0.4, `ConfigurableTask.fewshot_context` without a chat template) writes a prompt as
   description + (shot question + " " + shot answer + "\n\n") for each shot + question,
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .records import sha256_file
+from .runner import Item, Suite
 
 TARGET_DELIMITER, FEWSHOT_DELIMITER = " ", "\n\n"
 
@@ -85,3 +86,39 @@ def hub_rows(suite: str, path: str, name: str, splits: dict[str, str]) -> tuple[
         raise ConfigError(f"{suite}: cannot load {path} ({type(e).__name__}: {str(e)[:200]}); pass a local jsonl with --data")
     blob = "\n".join(json.dumps(r, sort_keys=True) for r in rows).encode()
     return rows, {"source": f"hf:{path}/{name}", "sha256": hashlib.sha256(blob).hexdigest(), "rows": len(rows)}
+
+
+class FewshotSuite(Suite):
+    """An lm-eval generative few-shot task: `shots` examples from the data's own few-shot split, the task's stop
+    strings sent in both modes. Subclasses set `name`, `prompt` (lm-eval's task, for the manifest), `stops`, and
+    build their items and data source in `_build()`."""
+
+    metric = "passed"
+    default_max_tokens = 256  # lm-eval's max_gen_toks
+    prompt = "?"
+    stops: list[str] = []
+
+    def __init__(self, data: str | None = None, shots: int = 5):
+        if shots < 0:
+            raise ConfigError(f"{self.name}: shots must be >= 0, not {shots}")
+        self.data, self.shots = data, shots
+        self._items = None
+        self._source = None
+
+    def _build(self) -> tuple[list[Item], dict]:
+        raise NotImplementedError
+
+    def load(self) -> list[Item]:
+        if self._items is None:
+            self._items, self._source = self._build()
+        return self._items
+
+    def source(self) -> dict:
+        self.load()
+        return self._source
+
+    def config(self) -> dict:
+        return {"shots": self.shots, "prompt": self.prompt, "stop": self.stops}
+
+    def stop(self, settings):
+        return self.stops

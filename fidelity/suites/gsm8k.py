@@ -16,8 +16,8 @@ import re
 
 from ..errors import ConfigError
 from ..registry import SUITES
-from .fewshot import chat_messages, exact_match, fewshot_prompt, hub_rows, read_jsonl, regex_extract
-from .runner import Item, Outcome, Suite
+from .fewshot import FewshotSuite, chat_messages, exact_match, fewshot_prompt, hub_rows, read_jsonl, regex_extract
+from .runner import Item, Outcome
 
 STOPS = ["Question:", "</s>", "<|im_end|>"]
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -34,48 +34,29 @@ def is_correct(prediction: str, answer: str) -> bool:
 
 
 @SUITES.register("gsm8k")
-class GSM8K(Suite):
+class GSM8K(FewshotSuite):
     name = "gsm8k"
-    metric = "passed"
-    default_max_tokens = 256  # lm-eval's max_gen_toks
+    prompt = "lm-eval gsm8k"
+    stops = STOPS
 
-    def __init__(self, data: str | None = None, shots: int = 5):
-        if shots < 0:
-            raise ConfigError(f"gsm8k: shots must be >= 0, not {shots}")
-        self.data, self.shots = data, shots
-        self._items = None
-        self._source = None
-
-    def load(self) -> list[Item]:
-        if self._items is None:
-            if self.data:
-                rows, self._source = read_jsonl(self.data, "gsm8k", ("question", "answer"))
-                where = str(self.data)
-            else:
-                rows, self._source = hub_rows("gsm8k", "openai/gsm8k", "main", {"test": "test", "train": "train"})
-                where = "openai/gsm8k"
-            for i, r in enumerate(rows):
-                if not STRICT.search(r["answer"]):
-                    raise ConfigError(f"gsm8k: {where} row {i + 1}: the answer has no '#### N' final line")
-            train = [r for r in rows if r.get("split") == "train"][: self.shots]
-            if len(train) < self.shots:
-                raise ConfigError(f"gsm8k: {where} has {len(train)} train rows; --shots {self.shots} needs that many "
-                                  f"(or --shots 0)")
-            pairs = [(question_text(r), r["answer"]) for r in train]
-            test = [r for r in rows if r.get("split", "test") == "test"]
-            self._items = [Item(f"gsm8k/{n}", fewshot_prompt("", pairs, question_text(r)), data={"answer": r["answer"]},
-                                messages=chat_messages("", pairs, question_text(r))) for n, r in enumerate(test)]
-        return self._items
-
-    def source(self) -> dict:
-        self.load()
-        return self._source
-
-    def config(self) -> dict:
-        return {"shots": self.shots, "prompt": "lm-eval gsm8k", "stop": STOPS}
-
-    def stop(self, settings):
-        return STOPS
+    def _build(self) -> tuple[list[Item], dict]:
+        if self.data:
+            rows, source = read_jsonl(self.data, "gsm8k", ("question", "answer"))
+            where = str(self.data)
+        else:
+            rows, source = hub_rows("gsm8k", "openai/gsm8k", "main", {"test": "test", "train": "train"})
+            where = "openai/gsm8k"
+        for i, r in enumerate(rows):
+            if not STRICT.search(r["answer"]):
+                raise ConfigError(f"gsm8k: {where} row {i + 1}: the answer has no '#### N' final line")
+        train = [r for r in rows if r.get("split") == "train"][: self.shots]
+        if len(train) < self.shots:
+            raise ConfigError(f"gsm8k: {where} has {len(train)} train rows; --shots {self.shots} needs that many "
+                              f"(or --shots 0)")
+        pairs = [(question_text(r), r["answer"]) for r in train]
+        test = [r for r in rows if r.get("split", "test") == "test"]
+        return [Item(f"gsm8k/{n}", fewshot_prompt("", pairs, question_text(r)), data={"answer": r["answer"]},
+                     messages=chat_messages("", pairs, question_text(r))) for n, r in enumerate(test)], source
 
     def score(self, item: Item, text: str, tool_calls: list) -> Outcome:
         answer = item.data["answer"]

@@ -18,8 +18,8 @@ import re
 
 from ..errors import ConfigError
 from ..registry import SUITES
-from .fewshot import chat_messages, exact_match, fewshot_prompt, hub_rows, read_jsonl
-from .runner import Item, Outcome, Suite
+from .fewshot import FewshotSuite, chat_messages, exact_match, fewshot_prompt, hub_rows, read_jsonl
+from .runner import Item, Outcome
 
 LETTERS = "ABCD"
 STOPS = ["</s>", "\n"]
@@ -57,17 +57,10 @@ def _letter(answer, where: str) -> str:
 
 
 @SUITES.register("mmlu")
-class MMLU(Suite):
+class MMLU(FewshotSuite):
     name = "mmlu"
-    metric = "passed"
-    default_max_tokens = 256  # lm-eval's max_gen_toks
-
-    def __init__(self, data: str | None = None, shots: int = 5):
-        if shots < 0:
-            raise ConfigError(f"mmlu: shots must be >= 0, not {shots}")
-        self.data, self.shots = data, shots
-        self._items = None
-        self._source = None
+    prompt = "lm-eval mmlu_generative"
+    stops = STOPS
 
     def _rows(self):
         if self.data:
@@ -82,40 +75,28 @@ class MMLU(Suite):
             r["letter"] = _letter(r["answer"], f"{where} row {i + 1}")
         return rows, source, where
 
-    def load(self) -> list[Item]:
-        if self._items is None:
-            rows, self._source, where = self._rows()
-            dev: dict[str, list[dict]] = {}
-            for r in rows:
-                if r.get("split") == "dev":
-                    dev.setdefault(r["subject"], []).append(r)
-            items, counts = [], {}
-            for r in rows:
-                if r.get("split", "test") != "test":
-                    continue
-                subject = r["subject"]
-                shots = dev.get(subject, [])[: self.shots]
-                if len(shots) < self.shots:
-                    raise ConfigError(f"mmlu: {where} has {len(shots)} dev rows for subject {subject!r}; --shots "
-                                      f"{self.shots} needs that many (or --shots 0)")
-                pairs = [(question_text(s), s["letter"]) for s in shots]
-                n = counts.get(subject, 0)
-                counts[subject] = n + 1
-                desc, q = description(subject), question_text(r)
-                items.append(Item(f"{subject}/{n}", fewshot_prompt(desc, pairs, q), data={"letter": r["letter"]},
-                                  messages=chat_messages(desc, pairs, q)))
-            self._items = items
-        return self._items
-
-    def source(self) -> dict:
-        self.load()
-        return self._source
-
-    def config(self) -> dict:
-        return {"shots": self.shots, "prompt": "lm-eval mmlu_generative", "stop": STOPS}
-
-    def stop(self, settings):
-        return STOPS
+    def _build(self) -> tuple[list[Item], dict]:
+        rows, source, where = self._rows()
+        dev: dict[str, list[dict]] = {}
+        for r in rows:
+            if r.get("split") == "dev":
+                dev.setdefault(r["subject"], []).append(r)
+        items, counts = [], {}
+        for r in rows:
+            if r.get("split", "test") != "test":
+                continue
+            subject = r["subject"]
+            shots = dev.get(subject, [])[: self.shots]
+            if len(shots) < self.shots:
+                raise ConfigError(f"mmlu: {where} has {len(shots)} dev rows for subject {subject!r}; --shots "
+                                  f"{self.shots} needs that many (or --shots 0)")
+            pairs = [(question_text(s), s["letter"]) for s in shots]
+            n = counts.get(subject, 0)
+            counts[subject] = n + 1
+            desc, q = description(subject), question_text(r)
+            items.append(Item(f"{subject}/{n}", fewshot_prompt(desc, pairs, q), data={"letter": r["letter"]},
+                              messages=chat_messages(desc, pairs, q)))
+        return items, source
 
     def score(self, item: Item, text: str, tool_calls: list) -> Outcome:
         target = item.data["letter"]
