@@ -73,25 +73,21 @@ def test_toy_ladder_accepts_the_faster_rung_and_rejects_slower_and_gate_failing_
     assert "Tuning ladder" in rep.index_html.read_text()
 
 
-def test_ladder_file_errors_are_named(tmp_path):
+@pytest.mark.parametrize("text, match", [
+    ('[ladder]\nmodel = "m"\n[[rung]]\nname = "a"\nurl = "http://x"\n', "at least two"),
+    ('[ladder]\nmodel = "m"\n[[rung]]\nname = "a"\nurl = "http://x"\ncommand = "x"\n[[rung]]\nname = "b"\nurl = "u"\n',
+     r"rung 1 \(a\).*exactly one of 'command'"),
+    ('[ladder]\nmodel = "m"\n[bench]\nstreem = [1]\n', "unknown \\[bench\\] key.*streem"),
+    ('[ladder]\nmodel = "m"\n[accept]\ngain = 3\n', "\\[accept\\] knows"),
+    ('[ladder]\nmodel = "m"\n[[rung]\n', "ladder {path} is not valid TOML"),
+    (None, "ladder {path} does not exist"),
+], ids=["one rung", "url and command", "unknown bench key", "unknown accept key", "bad TOML", "no file"])
+def test_ladder_file_errors_are_named(tmp_path, text, match):
     p = tmp_path / "l.toml"
-    p.write_text('[ladder]\nmodel = "m"\n[[rung]]\nname = "a"\nurl = "http://x"\n')
-    with pytest.raises(ConfigError, match="at least two"):
+    if text is not None:
+        p.write_text(text)
+    with pytest.raises(ConfigError, match=match.format(path=p)):
         load_ladder(p)
-    p.write_text('[ladder]\nmodel = "m"\n[[rung]]\nname = "a"\nurl = "http://x"\ncommand = "x"\n[[rung]]\nname = "b"\nurl = "u"\n')
-    with pytest.raises(ConfigError, match=r"rung 1 \(a\).*exactly one of 'command'"):
-        load_ladder(p)
-    p.write_text('[ladder]\nmodel = "m"\n[bench]\nstreem = [1]\n')
-    with pytest.raises(ConfigError, match="unknown \\[bench\\] key.*streem"):
-        load_ladder(p)
-    p.write_text('[ladder]\nmodel = "m"\n[accept]\ngain = 3\n')
-    with pytest.raises(ConfigError, match="\\[accept\\] knows"):
-        load_ladder(p)
-    p.write_text('[ladder]\nmodel = "m"\n[[rung]\n')
-    with pytest.raises(ConfigError, match=f"ladder {p} is not valid TOML"):
-        load_ladder(p)
-    with pytest.raises(ConfigError, match=f"ladder {tmp_path / 'none.toml'} does not exist"):
-        load_ladder(tmp_path / "none.toml")
 
 
 def test_gate_config_file_errors_are_named(tmp_path):

@@ -177,31 +177,34 @@ def test_mixed_precision_schemes_matched_by_regex_targets(tmp_path, rng_seed):
 
 
 # -- bad input ----------------------------------------------------------------------------------------------------
-def test_group_scales_of_the_wrong_grid(tmp_path):
-    fmt, args = "pack-quantized", CASES["int4_group_sym"][1]
-    comp, scheme, stored = compress(torch.randn(16, 128).bfloat16(), args, fmt)
+def _narrow_scales(stored):
     stored["weight_scale"] = stored["weight_scale"][:, :3].contiguous()
-    write_ct_pack(tmp_path, {"model.layers.0.mlp.gate_proj": stored}, {"group_0": scheme_json(scheme)}, fmt)
-    with pytest.raises(PackError, match=r"wrong grid.*\[16, 3\].*gate_proj\.weight_scale.*model\.safetensors"):
-        open_pack(tmp_path)
 
 
-def test_nan_scale_names_tensor(tmp_path):
-    fmt, args = "float-quantized", CASES["fp8_block"][1]
-    comp, scheme, stored = compress(torch.randn(130, 130).bfloat16(), args, fmt)
+def _nan_scale(stored):
     stored["weight_scale"][1, 1] = float("nan")
-    write_ct_pack(tmp_path, {"model.layers.0.mlp.gate_proj": stored}, {"group_0": scheme_json(scheme)}, fmt)
-    with pytest.raises(PackError, match=r"NaN in scales.*gate_proj\.weight_scale.*model\.safetensors"):
-        open_pack(tmp_path).tensor("model.layers.0.mlp.gate_proj.weight")
 
 
-def test_packed_width_disagreeing_with_weight_shape(tmp_path):
-    fmt, args = "pack-quantized", CASES["int4_group_sym"][1]
-    comp, scheme, stored = compress(torch.randn(16, 128).bfloat16(), args, fmt)
+def _wider_weight_shape(stored):
     stored["weight_shape"] = torch.tensor([16, 160])
-    write_ct_pack(tmp_path, {"m": stored}, {"group_0": scheme_json(scheme)}, fmt)
-    with pytest.raises(PackError, match=r"does not hold weight_shape.*m\.weight_packed.*model\.safetensors"):
-        open_pack(tmp_path)
+
+
+@pytest.mark.parametrize("fmt, case, shape, module, tamper, read, match", [
+    ("pack-quantized", "int4_group_sym", (16, 128), "model.layers.0.mlp.gate_proj", _narrow_scales, False,
+     r"wrong grid.*\[16, 3\].*gate_proj\.weight_scale.*model\.safetensors"),
+    ("float-quantized", "fp8_block", (130, 130), "model.layers.0.mlp.gate_proj", _nan_scale, True,
+     r"NaN in scales.*gate_proj\.weight_scale.*model\.safetensors"),
+    ("pack-quantized", "int4_group_sym", (16, 128), "m", _wider_weight_shape, False,
+     r"does not hold weight_shape.*m\.weight_packed.*model\.safetensors"),
+], ids=["group scales of the wrong grid", "NaN scale names its tensor", "packed width disagreeing with weight_shape"])
+def test_a_bad_stored_tensor_is_named(tmp_path, fmt, case, shape, module, tamper, read, match):
+    comp, scheme, stored = compress(torch.randn(*shape).bfloat16(), CASES[case][1], fmt)
+    tamper(stored)
+    write_ct_pack(tmp_path, {module: stored}, {"group_0": scheme_json(scheme)}, fmt)
+    with pytest.raises(PackError, match=match):
+        pack = open_pack(tmp_path)
+        if read:
+            pack.tensor(f"{module}.weight")
 
 
 def test_unsupported_format_and_untargeted_module(tmp_path):

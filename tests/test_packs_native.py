@@ -82,18 +82,21 @@ def test_header_shape_dtype_disagreement(tmp_path):
         open_pack(tmp_path)
 
 
+def one_shard_with_index(folder, extra: dict[str, str]):
+    """s1.safetensors holding a.weight, and an index mapping a.weight there plus `extra` (name -> shard)."""
+    write_safetensors(folder / "s1.safetensors", {"a.weight": torch.randn(4, 4)})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a.weight": "s1.safetensors", **extra}}))
+
+
 def test_missing_tensor_named_in_index(tmp_path):
-    write_safetensors(tmp_path / "s1.safetensors", {"a.weight": torch.randn(4, 4)})
-    (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"a.weight": "s1.safetensors", "b.weight": "s1.safetensors"}}))
+    one_shard_with_index(tmp_path, {"b.weight": "s1.safetensors"})
     with pytest.raises(PackError, match=r"does not hold.*b\.weight.*s1\.safetensors"):
         open_pack(tmp_path)
 
 
 def test_absent_shard_is_an_error_only_when_requested(tmp_path):
-    write_safetensors(tmp_path / "s1.safetensors", {"a.weight": torch.randn(4, 4)})
-    (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"a.weight": "s1.safetensors", "engram.table": "s9-absent.safetensors"}}))
+    one_shard_with_index(tmp_path, {"engram.table": "s9-absent.safetensors"})
     pack = open_pack(tmp_path)
     assert torch.equal(pack.tensor("a.weight"), load_file(tmp_path / "s1.safetensors")["a.weight"])
     with pytest.raises(PackError, match=r"absent.*engram\.table.*s9-absent"):
