@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -23,6 +23,7 @@ from scipy import stats
 
 from fidelity.cli import main as cli
 from fidelity.engine.client import ClientConfig, EngineClient, EngineHTTPError
+from fidelity.engine.serve import JsonHandler
 from fidelity.panels.build import EngineSettings
 from fidelity.suites import make_suite
 from fidelity.suites.paired import compare_runs
@@ -88,21 +89,13 @@ def needle_answer(prompt: str) -> str:
 def fake():
     engine = FakeEngine()
 
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, status, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self):
-            self._reply(*engine.answer(self.path, {}))
+            self.send_json(*engine.answer(self.path, {}))
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-            self._reply(*engine.answer(self.path, body))
+            self.send_json(*engine.answer(self.path, body))
 
         def log_message(self, *a):
             pass

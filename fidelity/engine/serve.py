@@ -224,50 +224,54 @@ class OracleEngine:
         return {"prompt": self.tokenizer.decode(self.encode(req.get("tokens") or []))}
 
 
+class JsonHandler(BaseHTTPRequestHandler):
+    """A request handler whose replies are JSON bodies with their length (so an HTTP/1.1 connection stays usable)."""
+
+    def send_json(self, status: int, obj: dict):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 def make_handler(engine: OracleEngine):
     routes = {"/v1/completions": engine.completion, "/v1/chat/completions": engine.chat, "/tokenize": engine.tokenize,
               "/detokenize": engine.detokenize}
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, fmt, *args):  # quiet
             pass
 
-        def _send(self, status: int, obj: dict):
-            body = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
         def do_GET(self):
             if self.path.split("?")[0] in ("/v1/models", "/models"):
-                return self._send(200, {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "fidelity"}]})
+                return self.send_json(200, {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "fidelity"}]})
             if self.path.split("?")[0] == "/health":
-                return self._send(200, {"status": "ok"})
-            self._send(404, {"error": {"message": f"no route {self.path}"}})
+                return self.send_json(200, {"status": "ok"})
+            self.send_json(404, {"error": {"message": f"no route {self.path}"}})
 
         def do_POST(self):
             n = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(n)
             fn = routes.get(self.path.split("?")[0])
             if fn is None:
-                return self._send(404, {"error": {"message": f"no route {self.path}"}})
+                return self.send_json(404, {"error": {"message": f"no route {self.path}"}})
             try:
                 req = json.loads(raw or b"{}")
                 if not isinstance(req, dict):
                     raise BadRequest("the body must be a JSON object")
                 if req.get("stream"):
                     raise BadRequest("stream=true is not supported")
-                self._send(200, fn(req))
+                self.send_json(200, fn(req))
             except (BadRequest, json.JSONDecodeError, ValueError, TypeError) as e:
-                self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+                self.send_json(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
             except FidelityError as e:
-                self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+                self.send_json(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
             except Exception as e:  # a bug in us: say so, as a 500 the client may retry
-                self._send(500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+                self.send_json(500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
 
     return Handler
 
