@@ -140,8 +140,9 @@ def _qualname(entry) -> str:
 # config.json "architectures"[0] -> the oracle `Family` class that computes it
 ARCHITECTURES = Registry("architecture", "fidelity.oracle")
 
-# gate.toml section -> the `engine.gates.GateKind` that runs it; in this order (the order `fidelity gate` runs them)
-GATES = Registry("gate", modules=("fidelity.engine.gates", "fidelity.engine.bench", "fidelity.suites.gate"))
+# gate.toml section -> the `engine.gates.kinds.GateKind` that runs it; in this order (the order `fidelity gate` runs them)
+GATES = Registry("gate", modules=("fidelity.engine.gates.oracle_kl", "fidelity.engine.gates.invariance",
+                                  "fidelity.engine.bench", "fidelity.suites.gate"))
 
 # safetensors format claimers, in claim order: each takes the stored tensors it understands from those left; native last
 CLAIMERS = Registry("format claimer", modules=("fidelity.packs.exl3.layouts", "fidelity.packs.compressed",

@@ -7,7 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from fidelity.engine import gates as G
+from fidelity.engine.gates.invariance import batch_invariance, decode_vs_prefill, prefix_cache
+from fidelity.engine.gates.kinds import run_gate
+from fidelity.engine.gates.oracle_kl import oracle_kl
+from fidelity.engine.gates.settings import GateSettings
 from fidelity.engine.client import ClientConfig, EngineClient
 from testkit.faults import Spawned, free_port
 
@@ -61,7 +64,7 @@ def chat_rows(tok, seed: int, n: int = 2) -> list[dict]:
 def gate(url, fn, *args, **kw):
     async def go():
         async with EngineClient(ClientConfig(url, model="smol", concurrency=4, timeout_s=300)) as c:
-            return await G.run_gate(fn.__name__, fn, c, *args, **kw)
+            return await run_gate(fn.__name__, fn, c, *args, **kw)
     return asyncio.run(go())
 
 
@@ -113,11 +116,11 @@ def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path
     store = tmp_path / "store"
     build_store(smol["pack"], panel.path, store, progress=False)
     ref = reference_from_store(store, smol["pack"], panel.path)
-    s = G.GateSettings(top_k=20)
+    s = GateSettings(top_k=20)
     with llama_server(smol["F32"], tmp_path) as srv:
-        f32 = gate(srv.url, G.oracle_kl, ref, s, TWO_ROWS)
+        f32 = gate(srv.url, oracle_kl, ref, s, TWO_ROWS)
     with llama_server(smol["Q2_K"], tmp_path) as srv:
-        q2k = gate(srv.url, G.oracle_kl, ref, s, TWO_ROWS)
+        q2k = gate(srv.url, oracle_kl, ref, s, TWO_ROWS)
     print("F32", f32.measured, "\nQ2_K", q2k.measured)
     assert f32.status == "pass", f32
     assert q2k.status == "fail" and q2k.measured["kl_mean"] > 100 * f32.measured["kl_mean"]
@@ -145,12 +148,12 @@ def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path
 
 
 def test_three_gates_on_llamacpp_report_what_they_measure(smollm2_gguf, tmp_path):
-    s = G.GateSettings(prompts=["The capital of France is", "Bees make"], prompt_prefix="<|im_start|>", max_tokens=4,
+    s = GateSettings(prompts=["The capital of France is", "Bees make"], prompt_prefix="<|im_start|>", max_tokens=4,
                        top_k=3, batch_sizes=[2], long_prompt_repeats=2)
-    no_bos = G.GateSettings(**{**s.__dict__, "prompt_prefix": ""})
+    no_bos = GateSettings(**{**s.__dict__, "prompt_prefix": ""})
     with llama_server(smollm2_gguf, tmp_path) as srv:
-        results = {fn.__name__: gate(srv.url, fn, s) for fn in (G.batch_invariance, G.decode_vs_prefill, G.prefix_cache)}
-        dvp_no_bos = gate(srv.url, G.decode_vs_prefill, no_bos)
+        results = {fn.__name__: gate(srv.url, fn, s) for fn in (batch_invariance, decode_vs_prefill, prefix_cache)}
+        dvp_no_bos = gate(srv.url, decode_vs_prefill, no_bos)
     for name, r in results.items():
         print(name, r.status, r.measured)
         assert r.status in ("pass", "fail") and r.error is None
@@ -180,7 +183,7 @@ def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_
     ref = reference_from_store(tmp_path / "store")  # the pack and panel the store records
     assert all(r.tokens[0] not in ref.special_ids for r in ref.rows)
     with llama_server(smol["F32"], tmp_path) as srv:
-        res = gate(srv.url, G.oracle_kl, ref, G.GateSettings(top_k=20), TWO_ROWS)
+        res = gate(srv.url, oracle_kl, ref, GateSettings(top_k=20), TWO_ROWS)
     print(res.measured, res.notes)
     assert res.status == "fail" and res.measured["kl_mean"] > 0.5 and res.measured["echo_shift"] == 1
     assert "shifted by +1 position" in res.notes[0] and "Confirmed by the engine itself" in res.notes[0]

@@ -20,7 +20,7 @@ import pytest
 
 from _vllm import (CHATS, MODEL, completion, fidelity_cli, panel_and_store, reference, smol_folders, start,
                    vllm_python)
-from fidelity.engine.gates import DEFAULT_PROMPTS
+from fidelity.engine.gates.settings import DEFAULT_PROMPTS
 from fidelity.engine.vllm import (VllmServe, facts_from_metrics, group_members, mem_available_bytes, parse_prometheus,
                                   processes_pss_bytes, read_facts)
 

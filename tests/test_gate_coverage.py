@@ -10,7 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from fidelity.engine import gates as G
+from fidelity.engine.gates.invariance import batch_invariance, decode_vs_prefill, prefix_cache
+from fidelity.engine.gates.kinds import run_gate
+from fidelity.engine.gates.oracle_kl import oracle_kl
+from fidelity.engine.gates.settings import GateSettings
 from fidelity.engine.client import ClientConfig, EngineClient
 from testkit.faults import set_plan, spawn_fault_server, toy_reference
 
@@ -29,27 +32,27 @@ def _texts(seed: int, n: int = 3, length: int = 24) -> list[str]:
 def _run(url, fn, *args, **kw):
     async def go():
         async with EngineClient(ClientConfig(url, model="toy", concurrency=4, backoff_s=0.01)) as c:
-            return await G.run_gate(fn.__name__, fn, c, *args, **kw)
+            return await run_gate(fn.__name__, fn, c, *args, **kw)
     return asyncio.run(go())
 
 
 @pytest.mark.parametrize("prompt_logprobs", [False, True])
 def test_oracle_kl_on_a_tenth_of_the_positions_is_an_error_naming_rows(server, rng_seed, prompt_logprobs):
     ref = toy_reference(_texts(rng_seed))
-    s = G.GateSettings(prompt_logprobs=prompt_logprobs, top_k=5)
+    s = GateSettings(prompt_logprobs=prompt_logprobs, top_k=5)
     set_plan(server.url)
-    clean = _run(server.url, G.oracle_kl, ref, s)
+    clean = _run(server.url, oracle_kl, ref, s)
     assert clean.status == "pass" and clean.measured["coverage"] == 1.0
     set_plan(server.url, {"null_logprobs": 0.9})
-    res = _run(server.url, G.oracle_kl, ref, s)
+    res = _run(server.url, oracle_kl, ref, s)
     assert res.status == "error", res.to_dict()
     assert "below the minimum coverage 99 %" in res.error and "row toy0 (" in res.error
     assert res.measured["coverage"] < 0.3 and not res.checks   # no KL, top-1 or pass/fail was computed from the sliver
 
 
-@pytest.mark.parametrize("gate", [G.batch_invariance, G.prefix_cache, G.decode_vs_prefill])
+@pytest.mark.parametrize("gate", [batch_invariance, prefix_cache, decode_vs_prefill])
 def test_other_gates_on_replies_without_logprobs_are_errors(server, rng_seed, gate):
-    s = G.GateSettings(prompts=_texts(rng_seed, 3, 12), max_tokens=8, batch_sizes=[2], long_prompt_repeats=2)
+    s = GateSettings(prompts=_texts(rng_seed, 3, 12), max_tokens=8, batch_sizes=[2], long_prompt_repeats=2)
     set_plan(server.url)
     assert _run(server.url, gate, s).status == "pass"
     set_plan(server.url, {"null_logprobs": 0.9})

@@ -12,7 +12,9 @@ from scipy.stats import norm, t
 from statsmodels.stats.proportion import proportion_confint
 from statsmodels.stats.descriptivestats import sign_test
 
-from fidelity.engine import gates as G
+from fidelity.engine.gates.invariance import decode_vs_prefill
+from fidelity.engine.gates.oracle_kl import oracle_kl
+from fidelity.engine.gates.settings import GateSettings
 from testkit.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
 from test_gates_faults import random_texts, run_one
 
@@ -71,7 +73,7 @@ def test_oracle_kl_per_domain_matches_the_exact_perturbation(server, rng_seed):
     ref = toy_reference(random_texts(rng_seed, n=8, length=14))
     for i, r in enumerate(ref.rows):
         r.domain = ("code", "chat", "math")[i % 3]
-    res = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=len(VOCAB), bootstrap=500), prompt_as="ids")
+    res = run_one(server.url, oracle_kl, ref, GateSettings(top_k=len(VOCAB), bootstrap=500), prompt_as="ids")
     recs = []
     for r in ref.rows:
         for j, t in enumerate(r.scored):
@@ -116,8 +118,8 @@ def test_oracle_kl_per_domain_matches_the_exact_perturbation(server, rng_seed):
 def test_decode_vs_prefill_reports_each_prompt_and_the_worst_mean(server, rng_seed):
     delta = 0.1
     set_plan(server.url, {"perturb_prefill": delta})
-    s = G.GateSettings(prompts=random_texts(rng_seed, n=4), max_tokens=5, top_k=len(VOCAB))
-    res = run_one(server.url, G.decode_vs_prefill, s)
+    s = GateSettings(prompts=random_texts(rng_seed, n=4), max_tokens=5, top_k=len(VOCAB))
+    res = run_one(server.url, decode_vs_prefill, s)
     toy, means = ToyModel(), []
     for text in s.prompts:
         ids, kls = toy.tokenize(text), []

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax, rel_entr
 
-from fidelity.engine import gates as G
+from fidelity.engine.gates.invariance import batch_invariance, decode_vs_prefill
+from fidelity.engine.gates.kinds import run_gate
+from fidelity.engine.gates.logprobs import engine_position, position_kl
+from fidelity.engine.gates.oracle_kl import _top1_agree, oracle_kl
+from fidelity.engine.gates.settings import DEFAULT_THRESHOLDS, GateSettings
+from fidelity.engine.reference import Reference
 from fidelity.engine.client import ClientConfig, EngineClient, TokenLogprob
 from testkit.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
 
@@ -35,7 +40,7 @@ def gate_cli(*args, timeout=300):
 def run_one(url, fn, *args, concurrency=4, **kw):
     async def go():
         async with EngineClient(ClientConfig(url, model="toy", concurrency=concurrency, backoff_s=0.01)) as c:
-            return await G.run_gate(fn.__name__, fn, c, *args, **kw)
+            return await run_gate(fn.__name__, fn, c, *args, **kw)
     return asyncio.run(go())
 
 
@@ -87,8 +92,8 @@ def test_timeouts_are_errors(server, tmp_path):
 @pytest.mark.parametrize("delta", [0.02, 0.3])
 def test_prefill_perturbation_is_caught_by_its_size(server, delta, rng_seed):
     set_plan(server.url, {"perturb_prefill": delta})
-    s = G.GateSettings(prompts=random_texts(rng_seed), max_tokens=6, top_k=len(VOCAB))
-    res = run_one(server.url, G.decode_vs_prefill, s)
+    s = GateSettings(prompts=random_texts(rng_seed), max_tokens=6, top_k=len(VOCAB))
+    res = run_one(server.url, decode_vs_prefill, s)
     assert res.status == "fail"
     # independent: logits shifted by +-delta by token parity; the max |change| of a logprob over these positions
     toy = ToyModel()
@@ -103,18 +108,18 @@ def test_prefill_perturbation_is_caught_by_its_size(server, delta, rng_seed):
             ids.append(nxt)
     assert res.measured["max_abs_dlogprob"] == pytest.approx(worst, rel=1e-9)
     set_plan(server.url)
-    assert run_one(server.url, G.decode_vs_prefill, s).status == "pass"
+    assert run_one(server.url, decode_vs_prefill, s).status == "pass"
 
 
 def test_batch_dependent_perturbation_is_caught(server, rng_seed):
     set_plan(server.url, {"perturb_batched": 0.05, "latency_s": 0.05})
-    s = G.GateSettings(prompts=random_texts(rng_seed, n=3), max_tokens=4, batch_sizes=[2, 3])
-    res = run_one(server.url, G.batch_invariance, s)
+    s = GateSettings(prompts=random_texts(rng_seed, n=3), max_tokens=4, batch_sizes=[2, 3])
+    res = run_one(server.url, batch_invariance, s)
     assert res.status == "fail" and 0 < res.measured["max_abs_dlogprob"] <= 2 * 0.05 + 1e-12
     w = res.worst[0]  # changed continuations first, then the largest delta
     assert (not w["identical"]) or w["max_abs_dlogprob"] == res.measured["max_abs_dlogprob"]
     # the same engine is fine for requests sent one at a time
-    assert run_one(server.url, G.decode_vs_prefill, s, concurrency=1).status == "pass"
+    assert run_one(server.url, decode_vs_prefill, s, concurrency=1).status == "pass"
 
 
 def exact_kl(ref_lp: np.ndarray, eng_lp: np.ndarray) -> float:
@@ -127,7 +132,7 @@ def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vl
     set_plan(server.url, {"perturb_prefill": delta})
     texts = random_texts(rng_seed, n=3, length=15)      # 3 rows: the fewest oracle-kl decides on
     ref = toy_reference(texts)
-    res = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="ids")
+    res = run_one(server.url, oracle_kl, ref, GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="ids")
     assert res.status == "fail"
     sign = np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)
     exact = [exact_kl(r.logprobs[j], log_softmax(r.logprobs[j] + delta * sign)) for r in ref.rows for j in range(len(r.scored))]
@@ -149,7 +154,7 @@ def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vl
                 gaps.append(pt * exact_kl(p[tail] - np.log(pt), q[tail] - np.log(qt)))
         assert np.mean(exact) - res.measured["kl_mean"] == pytest.approx(np.mean(gaps), rel=1e-6, abs=1e-12)
     set_plan(server.url)
-    clean = run_one(server.url, G.oracle_kl, ref, G.GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="text")
+    clean = run_one(server.url, oracle_kl, ref, GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="text")
     assert clean.status == "pass" and clean.measured["kl_mean"] < 1e-12 and clean.measured["top1"] == 1.0
 
 
@@ -158,10 +163,10 @@ def test_shifted_echo_is_named_with_the_fix_to_try(server, rng_seed):
     fail, and name the shift, checked against the reference and against the engine's own next-token answer."""
     texts = random_texts(rng_seed, n=3, length=15)
     ref = toy_reference(texts)
-    s = G.GateSettings(prompts=texts, max_tokens=5, top_k=len(VOCAB))
+    s = GateSettings(prompts=texts, max_tokens=5, top_k=len(VOCAB))
     set_plan(server.url, {"shift_echo": True})
-    kl = run_one(server.url, G.oracle_kl, ref, s, prompt_as="ids")
-    dvp = run_one(server.url, G.decode_vs_prefill, s)
+    kl = run_one(server.url, oracle_kl, ref, s, prompt_as="ids")
+    dvp = run_one(server.url, decode_vs_prefill, s)
     assert kl.status == "fail" and kl.measured["echo_shift"] == 1 and kl.measured["kl_mean"] > 0.1
     note = kl.notes[0]
     # shifted by one, the entries are the toy model's exact distributions: KL 0 there
@@ -174,7 +179,7 @@ def test_shifted_echo_is_named_with_the_fix_to_try(server, rng_seed):
     # controls: an aligned echo passes with nothing named; a perturbed (not shifted) one fails with nothing named
     for plan, status in (({}, "pass"), ({"perturb_prefill": 0.3}, "fail")):
         set_plan(server.url, plan)
-        for res in (run_one(server.url, G.oracle_kl, ref, s, prompt_as="ids"), run_one(server.url, G.decode_vs_prefill, s)):
+        for res in (run_one(server.url, oracle_kl, ref, s, prompt_as="ids"), run_one(server.url, decode_vs_prefill, s)):
             assert res.status == status and "echo_shift" not in res.measured, (plan, res.measured)
             assert not any("misalignment" in n for n in res.notes)
     set_plan(server.url)
@@ -239,7 +244,7 @@ def test_interrupted_run_resumes_without_resending_and_ends_equal(server, tmp_pa
 def test_documented_defaults_match_the_code():
     from fidelity.commands import gate as cmd
 
-    for name, th in G.DEFAULT_THRESHOLDS.items():
+    for name, th in DEFAULT_THRESHOLDS.items():
         import re
         line = next(l for l in cmd.__doc__.splitlines() if l.strip().startswith(name + " "))
         documented = {k: float(v) for k, v in re.findall(r"(\w+) = ([0-9.e+-]+)", line)}
@@ -262,26 +267,26 @@ def test_proxy_mode_perturbs_a_real_upstream_by_a_bounded_amount(server, rng_see
     within the returned set, so no logprob moves by more than 2 delta."""
     set_plan(server.url)
     delta = 0.05
-    s = G.GateSettings(prompts=random_texts(rng_seed), max_tokens=4, top_k=8)
+    s = GateSettings(prompts=random_texts(rng_seed), max_tokens=4, top_k=8)
     with spawn_fault_server({"perturb_prefill": delta}, upstream=server.url) as proxy:
-        res = run_one(proxy.url, G.decode_vs_prefill, s)
+        res = run_one(proxy.url, decode_vs_prefill, s)
         assert res.status == "fail" and 0 < res.measured["max_abs_dlogprob"] <= 2 * delta + 1e-12
         set_plan(proxy.url, {"truncate_logprobs": True})
-        assert run_one(proxy.url, G.decode_vs_prefill, s).status == "error"
-    assert run_one(server.url, G.decode_vs_prefill, s).status == "pass"
+        assert run_one(proxy.url, decode_vs_prefill, s).status == "error"
+    assert run_one(server.url, decode_vs_prefill, s).status == "pass"
 
 
 def test_text_keys_that_several_ids_share_are_never_attributed():
     """llama-cpp-python renders partial-UTF-8 tokens by dropping the bytes (" \\xe2" -> " ") and special tokens as "", and its
     text-keyed top lists overwrite colliding keys: such texts must go to the tail bucket and leave top-1 undecided."""
     pieces = ["a", " ", " \ufffd", "<|end|>", "b", "b"]
-    ref = G.Reference(rows=[], pieces=pieces, detokenize="".join, special_ids={3})
+    ref = Reference(rows=[], pieces=pieces, detokenize="".join, special_ids={3})
     assert ref.piece_ids() == {"a": 0, "<|end|>": 3}  # engines that render specials by name still map them
     lp = np.log(np.array([0.1, 0.05, 0.6, 0.05, 0.1, 0.1]))
     tl = TokenLogprob(token="a", logprob=float(lp[0]), top={" ": float(lp[2]), "a": float(lp[0])})  # " " is really id 2
     amb = ref.ambiguous_texts()
-    assert G._top1_agree(tl, lp, ref, amb) is None
-    pk = G.position_kl(lp, G._engine_position(tl, 0, ref.piece_ids()))
+    assert _top1_agree(tl, lp, ref, amb) is None
+    pk = position_kl(lp, engine_position(tl, 0, ref.piece_ids()))
     assert pk.kl == pytest.approx(0.0, abs=1e-12) and pk.tail_mass == pytest.approx(0.9)
     tl_id = TokenLogprob(token="a", logprob=float(lp[0]), top_ids={2: float(lp[2]), 0: float(lp[0])})
-    assert G._top1_agree(tl_id, lp, ref, amb) is True
+    assert _top1_agree(tl_id, lp, ref, amb) is True

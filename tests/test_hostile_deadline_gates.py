@@ -13,7 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from fidelity.engine import gates as G
+from fidelity.engine.gates.invariance import batch_invariance, decode_vs_prefill, prefix_cache
+from fidelity.engine.gates.kinds import run_gate
+from fidelity.engine.gates.oracle_kl import oracle_kl
+from fidelity.engine.gates.settings import GateSettings
 from fidelity.engine.bench import BenchConfig, Streamer
 from fidelity.engine.client import ClientConfig, EngineClient, EngineError
 from testkit.faults import set_plan, spawn_fault_server, toy_reference
@@ -117,14 +120,14 @@ def test_the_bench_stream_reader_keeps_one_deadline_over_its_retries(server):
 def _gate(url, fn, *args, **kw):
     async def go():
         async with EngineClient(ClientConfig(url, model="toy", concurrency=4, backoff_s=0.01)) as c:
-            return await G.run_gate(fn.__name__, fn, c, *args, **kw)
+            return await run_gate(fn.__name__, fn, c, *args, **kw)
     return asyncio.run(go())
 
 
 def test_oracle_kl_on_one_scored_position_could_not_run(server):
     set_plan(server.url)
     ref = toy_reference(["ab"])                        # one row, one scored position, every logprob present
-    res = _gate(server.url, G.oracle_kl, ref, G.GateSettings(top_k=5), prompt_as="ids")
+    res = _gate(server.url, oracle_kl, ref, GateSettings(top_k=5), prompt_as="ids")
     assert res.status == "error" and not res.checks, res.to_dict()
     assert ("could not run: 1 scored positions in 1 panel rows were compared; a verdict needs at least 20 positions "
             "and 3 panel rows" in res.error)
@@ -134,17 +137,17 @@ def test_oracle_kl_on_one_scored_position_could_not_run(server):
 def test_oracle_kl_decides_at_the_minimums_and_not_below(server, rng_seed):
     set_plan(server.url)
     ref = toy_reference(_texts(rng_seed, 3, 8))        # 3 rows x 7 scored positions = 21
-    s = G.GateSettings(top_k=5)
-    assert _gate(server.url, G.oracle_kl, ref, s, prompt_as="ids").status == "pass"
-    res = _gate(server.url, G.oracle_kl, ref, s, {"min_positions": 22}, prompt_as="ids")
+    s = GateSettings(top_k=5)
+    assert _gate(server.url, oracle_kl, ref, s, prompt_as="ids").status == "pass"
+    res = _gate(server.url, oracle_kl, ref, s, {"min_positions": 22}, prompt_as="ids")
     assert res.status == "error" and "21 scored positions in 3 panel rows" in res.error and "at least 22" in res.error
 
 
-@pytest.mark.parametrize("gate,what", [(G.batch_invariance, "1 (prompt, batch size) pairs"),
-                                       (G.decode_vs_prefill, "1 prompts")])
+@pytest.mark.parametrize("gate,what", [(batch_invariance, "1 (prompt, batch size) pairs"),
+                                       (decode_vs_prefill, "1 prompts")])
 def test_self_consistency_gates_on_one_prompt_could_not_run(server, rng_seed, gate, what):
     set_plan(server.url)
-    s = G.GateSettings(prompts=_texts(rng_seed, 1, 10), max_tokens=4, batch_sizes=[2])
+    s = GateSettings(prompts=_texts(rng_seed, 1, 10), max_tokens=4, batch_sizes=[2])
     res = _gate(server.url, gate, s)
     assert res.status == "error" and not res.checks, res.to_dict()
     assert f"positions in {what} were compared; a verdict needs at least 4 positions and 2 " in res.error
@@ -152,9 +155,9 @@ def test_self_consistency_gates_on_one_prompt_could_not_run(server, rng_seed, ga
 
 def test_prefix_cache_minimums_from_its_section(server, rng_seed):
     set_plan(server.url)
-    s = G.GateSettings(prompts=_texts(rng_seed, 2, 10), max_tokens=2, long_prompt_repeats=2)
-    assert _gate(server.url, G.prefix_cache, s).status == "pass"
-    res = _gate(server.url, G.prefix_cache, s, {"min_rows": 4})
+    s = GateSettings(prompts=_texts(rng_seed, 2, 10), max_tokens=2, long_prompt_repeats=2)
+    assert _gate(server.url, prefix_cache, s).status == "pass"
+    res = _gate(server.url, prefix_cache, s, {"min_rows": 4})
     assert res.status == "error" and "in 3 cases were compared; a verdict needs at least 4 positions and 4 cases" in res.error
 
 

@@ -59,8 +59,9 @@ def test_gates_are_the_kinds_that_run_them_in_the_gate_commands_order():
     from fidelity.registry import GATES
 
     # written out here: the gate command's table before the registry replaced it, in the order `fidelity gate` runs them
-    expected = [("oracle-kl", "fidelity.engine.gates"), ("batch-invariance", "fidelity.engine.gates"),
-                ("decode-vs-prefill", "fidelity.engine.gates"), ("prefix-cache", "fidelity.engine.gates"),
+    expected = [("oracle-kl", "fidelity.engine.gates.oracle_kl"), ("batch-invariance", "fidelity.engine.gates.invariance"),
+                ("decode-vs-prefill", "fidelity.engine.gates.invariance"),
+                ("prefix-cache", "fidelity.engine.gates.invariance"),
                 ("speed", "fidelity.engine.bench"), ("suite", "fidelity.suites.gate")]
     assert [(name, kind.run.__module__) for name, kind in GATES.items()] == expected
     assert select_gates(None) == ["oracle-kl", "batch-invariance", "decode-vs-prefill", "prefix-cache"]

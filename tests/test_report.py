@@ -393,8 +393,8 @@ def _suite_compare_json(tmp_path: Path, seed: int) -> dict:
 
 
 def _gate_json(seed: int) -> dict:
-    """Gate results as `fidelity.engine.gates.GateResult.to_dict()` writes them, with random measurements."""
-    gates = pytest.importorskip("fidelity.engine.gates")
+    """Gate results as `fidelity.engine.gates.settings.GateResult.to_dict()` writes them, with random measurements."""
+    gates = pytest.importorskip("fidelity.engine.gates.settings")
     rng = np.random.default_rng(seed)
     kl = float(rng.uniform(0.001, 0.1))
     results = [gates.GateResult("oracle-kl", "fail" if kl > 0.02 else "pass", checks=[gates.Check("kl_mean", kl, "<=", 0.02)],

@@ -56,7 +56,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .client import ClientConfig, EngineClient
-from .gates import GateCall, gate_kind, run_gate
+from .gates.kinds import GateCall, gate_kind, run_gate
 
 SETS = ("code", "prose", "structured")
 CACHE_HIT_GAIN_PCT = 50.0  # the second of two cold prefills this much faster than the first reads as a prefix-cache hit
@@ -720,7 +720,7 @@ async def speed_gate(url: str, model: str, section: dict, *, config_dir=None):
     max(drop_max_pct, the spread). Failed requests make the gate an error (no speed verdict on partial data)."""
     from pathlib import Path
 
-    from .gates import Check, GateResult
+    from .gates.settings import Check, GateResult
 
     path = Path(section["baseline"])
     if config_dir is not None and not path.is_absolute():

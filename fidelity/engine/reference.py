@@ -1,10 +1,56 @@
-"""Gate references: the oracle's full log-distributions on panel rows, either from a reference store written by
-`fidelity reference` or computed live from a pack."""
+"""Gate references (`Reference`: the oracle's full log-distributions on panel rows, `ReferenceRow`s, and the token pieces),
+either from a reference store written by `fidelity reference` or computed live from a pack."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
 
 from ..errors import FidelityError
-from .gates import Reference, ReferenceRow
+
+
+@dataclass
+class ReferenceRow:
+    """One panel row of the reference: `logprobs[j]` is the oracle's full log-distribution (length V) for predicting
+    `tokens[scored[j]]` from `tokens[:scored[j]]`."""
+
+    id: str
+    domain: str
+    tokens: list[int]
+    scored: list[int]
+    logprobs: np.ndarray  # [len(scored), V]
+
+
+@dataclass
+class Reference:
+    rows: list[ReferenceRow]
+    pieces: list[str]  # decoded text of each token id alone (what engines put in `top_logprobs` keys)
+    detokenize: Callable[[list[int]], str]  # ids -> text with special tokens kept, for engines that only take text
+    special_ids: set[int] = field(default_factory=set)  # tokens an engine may leave out of its echo (llama-cpp-python drops BOS)
+
+    def piece_ids(self) -> dict[str, int]:
+        """Unambiguous text -> id. Left out (their mass goes to the tail bucket): pieces several ids decode to, and pieces that
+        engines render differently (partial UTF-8 bytes: U+FFFD here, "" in llama-cpp-python; "" for special tokens)."""
+        seen: dict[str, int] = {}
+        for i, p in enumerate(self.pieces):
+            seen[p] = -1 if p in seen else i
+        ambiguous = self.ambiguous_texts()
+        return {p: i for p, i in seen.items() if i >= 0 and p not in ambiguous}
+
+    def ambiguous_texts(self) -> set[str]:
+        """Texts an engine may use for more than one id: "", anything with U+FFFD, and what partial-UTF-8 pieces become
+        when an engine drops the undecodable bytes (" \ufffd" -> " ", which is also the space token)."""
+        out = {""}
+        for p in self.pieces:
+            if not _renderable(p):
+                out.add(p)
+                out.add(p.replace("\ufffd", ""))
+        return out
+
+
+def _renderable(piece: str) -> bool:
+    return piece != "" and "\ufffd" not in piece
 
 
 def token_pieces(tokenizer, vocab: int) -> list[str]:

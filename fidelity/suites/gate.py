@@ -7,7 +7,7 @@ import hashlib
 import tempfile
 from pathlib import Path
 
-from ..engine.gates import GateCall, gate_kind, run_gate
+from ..engine.gates.kinds import GateCall, gate_kind, run_gate
 from ..errors import ConfigError
 
 SUITE_GATE_KEYS = {"baseline", "suite", "threshold", "alpha", "out", "data", "unsafe_no_sandbox", "concurrency"}
@@ -34,7 +34,7 @@ def _path(p, config_dir) -> Path:
 
 
 async def suite_gate(url: str, model: str, name: str, section: dict, *, config_dir=None, journal=None):
-    from ..engine.gates import Check, GateResult
+    from ..engine.gates.settings import Check, GateResult
     from . import make_suite
     from .paired import compare_runs
     from .records import read_manifest

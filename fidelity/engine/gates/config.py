@@ -8,7 +8,8 @@ from pathlib import Path
 from ...errors import ConfigError
 from ...registry import GATES
 from ..client import ClientConfig, EngineClient
-from . import GateCall, GateResult, GateSettings
+from .kinds import GateCall
+from .settings import GateResult, GateSettings
 
 CLIENT_KEYS = {"concurrency", "timeout_s", "retries", "journal", "backoff_s"}
 SETTINGS_KEYS = {f.name for f in fields(GateSettings)} | {"prompt_as"}
