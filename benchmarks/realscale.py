@@ -488,10 +488,10 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     if args.eager_experts:
         # the same pass with every routed expert decoded on the loader thread (a layer transform of the load chain,
         # run in the Prefetcher's side stream) instead of on the compute thread when first routed to
-        from fidelity.attribute import _routed_experts
+        from fidelity.oracle.moe import layer_routed_experts
 
         def decode_every_expert(i, layer):
-            experts = _routed_experts(layer)
+            experts = layer_routed_experts(layer)
             for e in range(experts.n_experts if experts is not None else 0):
                 experts.expert(e)
             return layer

@@ -1,4 +1,4 @@
-"""fidelity.attribute on tiny random Llamas: swap-one-in KL, layer divergence, weight error and sensitivity against
+"""fidelity.measuring.attribute on tiny random Llamas: swap-one-in KL, layer divergence, weight error and sensitivity against
 HF transformers and numpy written here."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
-from fidelity.attribute import Settings, attribute, noise_seed
+from fidelity.measuring.attribute import Settings, attribute, noise_seed
 from fidelity.errors import ConfigError, PackError
 from test_oracle import COMMON, DENSE
 from test_oracle_support import build
@@ -244,7 +244,7 @@ def test_error_structure_separates_a_scaled_error_from_its_isotropic_control(pac
 def test_error_scale_corr_tells_a_blockwise_error_from_noise(rng_seed):
     """On a 256 x 512 tensor (8192 groups): a blockwise absmax round-to-nearest error (step = the group's max |w| / 2, as
     a 2-bit quantizer) and a multiplicative one are far outside the independence null; isotropic noise is inside it."""
-    from fidelity.attribute import error_scale_corr, isotropic_noise
+    from fidelity.measuring.attribute import error_scale_corr, isotropic_noise
     g = torch.Generator().manual_seed(rng_seed)
     w = torch.randn(256, 512, generator=g, dtype=torch.float64) * torch.rand(256, 1, generator=g, dtype=torch.float64)
     blocks = w.reshape(-1, 16)
@@ -262,7 +262,7 @@ def test_error_scale_corr_tells_a_blockwise_error_from_noise(rng_seed):
 
 
 def test_ratio_ci_covers_the_ratio_and_needs_two_rows_and_draws():
-    from fidelity.attribute import ratio_ci
+    from fidelity.measuring.attribute import ratio_ci
     g = np.random.default_rng(0)
     control = g.gamma(4.0, 0.25, (4, 40))                 # 4 draws x 40 rows, per-row KL sums around 1
     lo, hi = ratio_ci(2.0 * control.mean(0) * g.uniform(0.9, 1.1, 40), control, seed=1)
@@ -275,7 +275,7 @@ def test_ratio_ci_covers_the_ratio_and_needs_two_rows_and_draws():
 def test_activation_control_equals_transformers_with_that_noise_at_the_layer_output(packs):
     """exllamav3's control: layer 1's output of the reference plus noise with, per position, the norm of the error the
     swapped MLP leaves there (both from transformers), then the rest of the model: its KL per draw."""
-    from fidelity.attribute import act_seed
+    from fidelity.measuring.attribute import act_seed
     ref, pack, tokens = packs
     res = attribute(ref, pack, rows=tokens.tolist(), settings=Settings(
         sensitivity=False, noise_control=False, activation_control=True, noise_repeats=2, seed=3,

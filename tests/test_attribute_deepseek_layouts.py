@@ -1,4 +1,4 @@
-"""fidelity.attribute on DeepSeek V3, V3.2, V4 and V4.1 packs in every layout the oracle reads (the five EXL3 seed
+"""fidelity.measuring.attribute on DeepSeek V3, V3.2, V4 and V4.1 packs in every layout the oracle reads (the five EXL3 seed
 layouts, FP8/MXFP4, native), against independent computations:
 
 - the whole pack's KL equals KL(P_ref || Q_pack) computed here in float64 numpy from `Oracle(pack).logits` (the pack's
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
-from fidelity.attribute import Reader, Settings, Trunk, _variant, attribute, module_groups, table_error
+from fidelity.measuring.attribute import Reader, Settings, Trunk, _variant, attribute, module_groups, table_error
 from fidelity.errors import PackError
 from fidelity.packs.exl3 import writer as minipacks
 from fidelity.packs.exl3.encoder import EncodingCache

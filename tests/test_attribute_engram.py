@@ -1,4 +1,4 @@
-"""fidelity.attribute's Engram row-access ledger on the tiny V4.1: per-row lookup counts equal a brute-force count of
+"""fidelity.measuring.attribute's Engram row-access ledger on the tiny V4.1: per-row lookup counts equal a brute-force count of
 the rows recomputed here from the hashing's definition (test_engram.naive_rows: Python ints, position by position),
 lookups = tokens x n-gram lengths x heads, and the coverage curve is the sorted counts' running share (monotone,
 1 at all distinct rows)."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fidelity.attribute import Settings, attribute
+from fidelity.measuring.attribute import Settings, attribute
 from fidelity.commands.attribute import print_tables
 from testkit.minipacks_v41 import build_native_v41
 from fidelity.oracle.deepseek.engram import EngramArgs, compressed_token_map
@@ -72,7 +72,7 @@ def test_engram_ledger_counts_equal_brute_force(v41, rng_seed):
 
 def test_engram_sink_counts_each_row(v41, rng_seed):
     """The sink itself, row for row, against np.unique on the rows recomputed here."""
-    from fidelity.engram_access import EngramAccess
+    from fidelity.measuring.engram_access import EngramAccess
     cfg = json.loads((v41 / "config.json").read_text())
     token_map = compressed_token_map(v41 / "tokenizer.json")
     a = EngramArgs.from_config(cfg, cfg["engram_layer_ids"][0], token_map)

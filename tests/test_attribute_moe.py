@@ -1,4 +1,4 @@
-"""fidelity.attribute's routing tables on a tiny Qwen3Moe against HF transformers' own router logits: expert counts,
+"""fidelity.measuring.attribute's routing tables on a tiny Qwen3Moe against HF transformers' own router logits: expert counts,
 routing-weight shares, top-k agreement (a permuted router found, and by how much), routing-weighted bits per weight."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
-from fidelity.attribute import Settings, attribute
+from fidelity.measuring.attribute import Settings, attribute
 from test_bpw_routing import expected_per_token_bpw, hf_expert_counts, skewed_moe, well_routed_tokens
 from test_oracle import COMMON
 

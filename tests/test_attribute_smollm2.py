@@ -1,4 +1,4 @@
-"""fidelity.attribute on real SmolLM2-135M-Instruct: overlay packs whose only changes are whole layers' MLPs decoded from
+"""fidelity.measuring.attribute on real SmolLM2-135M-Instruct: overlay packs whose only changes are whole layers' MLPs decoded from
 the Q2_K GGUF (the demo's llama-quantize file type), the rest the native fp32 pack."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fidelity import open_pack
-from fidelity.attribute import Settings, attribute
+from fidelity.measuring.attribute import Settings, attribute
 from fidelity.commands.demo import build_demo_packs
 from fidelity.oracle import Oracle
 from fidelity.packs.safetensors_io import write_safetensors

@@ -1,4 +1,4 @@
-"""fidelity.attribute's layer divergence per hyper-connection stream on the tiny DeepSeek-V4 fixture: every layer's
+"""fidelity.measuring.attribute's layer divergence per hyper-connection stream on the tiny DeepSeek-V4 fixture: every layer's
 [B, T, hc, hidden] streams, taken from transformers' DeepseekV4ForCausalLM (forward hooks) for the reference and for
 the pack, give per stream the relative Frobenius error, cosine and SQNR computed here in numpy."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-from fidelity.attribute import Settings, attribute
+from fidelity.measuring.attribute import Settings, attribute
 from testkit.minipacks_v4 import official_name
 from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
 

@@ -1,4 +1,4 @@
-"""Bits per weight per decoded token weighted by measured expert routing (fidelity.routing) against HF's own router,
+"""Bits per weight per decoded token weighted by measured expert routing (fidelity.measuring.routing) against HF's own router,
 and configs nested under `text_config` read like flat ones."""
 import json
 from pathlib import Path
@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
 from fidelity.oracle import Oracle, OracleTaps
-from fidelity.routing import RoutingCounts
+from fidelity.measuring.routing import RoutingCounts
 from test_oracle import COMMON, MOE, MOE_COMMON
 from test_oracle_support import build
 

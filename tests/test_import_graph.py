@@ -27,9 +27,8 @@ LAYER_OF = {  # first matching prefix wins; a module matches `p` if it is `p` or
     "fidelity.cli": "cli",
     "fidelity.__main__": "cli",
     "fidelity.measuring": "measuring",  # compare, store, metrics, stats
-    "fidelity.attribute": "measuring",
     "fidelity.plan": "measuring",
-    "fidelity": "base",  # the package root, errors, blas, vector_math, content_hash, routing, numerics
+    "fidelity": "base",  # the package root, errors, blas, vector_math, content_hash, numerics
 }
 
 # (importer, imported) -> why it is still there; the test fails when one disappears, so the list only shrinks

@@ -10,7 +10,7 @@ import torch
 from fidelity.errors import FidelityError
 from fidelity.oracle import Oracle, OracleTaps, moe
 from fidelity.oracle.common import rms_norm
-from fidelity.routing import RoutingCounts
+from fidelity.measuring.routing import RoutingCounts
 from test_oracle import COMMON, make_moe
 
 

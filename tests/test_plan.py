@@ -244,7 +244,7 @@ def test_exl3_bytes_equal_the_encoders_stored_tensors():
 def test_attribute_keeps_each_rows_sensitivity_kl(tmp_path, rng_seed):
     """attribute's per-row KL sums (what the plan's bootstrap resamples) give back its mean KL at every level, and
     each row's sum is that row's share: rows of different lengths weigh by their positions."""
-    from fidelity.attribute import Settings, attribute
+    from fidelity.measuring.attribute import Settings, attribute
     from testkit.minipacks_v41 import build_native_v41
 
     rng = np.random.default_rng(rng_seed)
@@ -302,7 +302,7 @@ def token_panel(path: Path, rows: list[list[int]], name: str):
 
 @pytest.mark.slow
 def test_plan_beats_uniform_k_on_a_held_out_panel(tmp_path, rng_seed, capsys):
-    from fidelity.attribute import Settings, attribute
+    from fidelity.measuring.attribute import Settings, attribute
     from fidelity.cli import main as cli
     from testkit.minipacks_v4 import write_v4_minipack
     from testkit.minipacks_v41 import build_native_v41

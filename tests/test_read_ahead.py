@@ -41,9 +41,9 @@ def one_by_one(pack, device, **options) -> Oracle:
 
 
 def kept_experts(oracle: Oracle) -> dict[int, list[int]]:
-    from fidelity.attribute import _routed_experts
-    return {i: sorted(_routed_experts(layer).loaded) for i, layer in oracle._layers.items()
-            if _routed_experts(layer) is not None}
+    from fidelity.oracle.moe import layer_routed_experts
+    return {i: sorted(layer_routed_experts(layer).loaded) for i, layer in oracle._layers.items()
+            if layer_routed_experts(layer) is not None}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -73,8 +73,8 @@ def test_read_ahead_batches_the_experts_and_keeps_the_numbers(v4_packs, layout, 
     assert 3 * decodes == sum(batched) + len(single_experts)
     assert batched and max(batched) > 1 and len(batched) < sum(batched)
     # the experts keep their weights where the batched decodes wrote them: gate and up joined without a copy
-    from fidelity.attribute import _routed_experts
-    kept = [mlp for layer in oracle._layers.values() if (experts := _routed_experts(layer)) is not None
+    from fidelity.oracle.moe import layer_routed_experts
+    kept = [mlp for layer in oracle._layers.values() if (experts := layer_routed_experts(layer)) is not None
             for mlp in experts.loaded.values()]
     assert len(kept) == decodes
     assert all({m.gate_up.untyped_storage().data_ptr(), m.down.untyped_storage().data_ptr()} <= written for m in kept)

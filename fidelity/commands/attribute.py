@@ -55,7 +55,7 @@ def read_rows(path: str) -> list:
 
 
 def run(args) -> int:
-    from ..attribute import NOISE_LEVELS, SUPER_EXPERT_SHARE, Settings, attribute
+    from ..measuring.attribute import NOISE_LEVELS, SUPER_EXPERT_SHARE, Settings, attribute
 
     rows = read_rows(args.rows) if args.rows else None
     settings = Settings(
@@ -80,7 +80,7 @@ def run(args) -> int:
         if res.engram_access:
             import pandas as pd
 
-            from ..engram_access import coverage_rows
+            from ..measuring.engram_access import coverage_rows
             pd.DataFrame(coverage_rows(res.engram_access)).to_parquet(out / "engram_access.parquet")
     return 0
 

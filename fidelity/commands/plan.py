@@ -174,7 +174,7 @@ def read_donors(ref, ref_tensors: list, specs: list[str], device: str = "cpu", m
 
 
 def run(args) -> int:
-    from ..attribute import Settings, attribute
+    from ..measuring.attribute import Settings, attribute
     from ..errors import ConfigError
     from ..packs import open_pack
     from ..plan import CANDIDATES, Budget, Constraints, ErrorTable, Evidence, expert_tensors, make_plan, parse_min_k

@@ -24,7 +24,7 @@ from ..packs.config_check import check_against_config
 from ..panels.panel import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
 from ..numerics import DEFAULT_NUMERICS, check_numerics
 from ..oracle import OracleTaps
-from ..routing import RoutingCounts
+from .routing import RoutingCounts
 from .result_schema import SCHEMA_VERSION
 from .stats import RowGroups, paired_difference, summarize
 from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index

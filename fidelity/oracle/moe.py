@@ -97,7 +97,7 @@ class ExpertDecodes:
         return len(self.pairs)
 
     def decoded(self, layer: tuple, e: int) -> None:
-        """`layer`: a key of the layer's experts (their expert 0's module names, as fidelity.routing keys them)."""
+        """`layer`: a key of the layer's experts (their expert 0's module names, as measuring.routing keys them)."""
         with self.lock:
             self.decodes += 1
             self.pairs.add((layer, e))
@@ -262,6 +262,17 @@ class RoutedExperts:
     def weighted(self, mlp: GatedMLP, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """weights [n, 1] * expert(x) [n, hidden] (a family whose reference weighs inside the expert overrides it)."""
         return mlp(x) * weights
+
+
+def layer_routed_experts(layer) -> RoutedExperts | None:
+    """The layer's RoutedExperts, wherever its MLP keeps it (`mlp`, `ffn` or `moe`, itself or its `experts`); None
+    for a dense layer."""
+    for attr in ("mlp", "ffn", "moe"):
+        block = getattr(layer, attr, None)
+        for inner in (block, getattr(block, "experts", None)):
+            if isinstance(inner, RoutedExperts):
+                return inner
+    return None
 
 
 def softmax_top_k(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,7 +182,7 @@ class Pack:
     def bits_per_weight(self, routing: dict[str, float] | None = None) -> BitsReport:
         """Bits per weight by category (README, "Bits per weight"). Per decoded token, a routed expert tensor counts
         with the share of tokens that read it: k / n from the config, and, with `routing` (tensor name -> measured
-        share, `fidelity.routing.RoutingCounts.fractions()`), with its measured share in the `*_measured` rows
+        share, `fidelity.measuring.routing.RoutingCounts.fractions()`), with its measured share in the `*_measured` rows
         (expert tensors without a measurement keep k / n there; the row's `unmeasured_params` says how many)."""
         sums: dict[str, list[float]] = {}
 

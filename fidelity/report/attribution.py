@@ -65,7 +65,7 @@ def attribution_tables(doc: dict, top: int = 20) -> list[Table]:
                          [[str(r["layer"]), *[num(k) for k in r["kld_mean"]], num(r["dkl_deps2"]),
                            num(r["loglog_slope"])] for r in doc["sensitivity"]]))
     if doc.get("engram_access"):
-        from ..engram_access import coverage_rows
+        from ..measuring.engram_access import coverage_rows
         out.append(Table("Engram row access (coverage: top N rows' share of lookups)",
                          ["layer", "lookups", "distinct rows", "table rows", "top N rows", "share of lookups"],
                          [[str(r["layer"]), num(r["lookups"]), num(r["distinct_rows"]), num(r["table_rows"]),

@@ -50,15 +50,26 @@ from __future__ import annotations
 import copy
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-from .errors import ConfigError, PackError
-from .measuring.metrics import position_metrics
+from ..errors import ConfigError, PackError
+from ..oracle import Oracle
+from ..oracle.common import Fetch, OracleTaps, layer_call_args, rms_norm
+from ..oracle.deepseek.quant import rounds_stored_input
+from ..oracle.runner import _slice_rope
+from ..packs import open_pack
+from ..packs.config_check import check_against_config
+from .compare import check_same_vocab, prepare, sub_blocks
+from .engram_access import EngramAccess
+from .metrics import position_metrics
+from .routing import RoutingCounts
+from .store import scored_index
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 MODULES = ("layer", "block", "expert")
@@ -311,7 +322,6 @@ class RoutingRecorder:
     def __init__(self):
         self.current_layer = -1
         self.layers: dict[int, dict] = {}
-        from .routing import RoutingCounts
         self.counts = RoutingCounts()
 
     def routed(self, experts, indices, weights):
@@ -385,11 +395,8 @@ def variant_rounding(rounding, fam, read: Reader):
     """`rounding` (the reference's, quant.DeepSeekRounding) with its linear-input rule bound to a variant's storage: a
     swapped tensor's input is rounded where the pack stores it FP8/FP4, every other where the reference does (what
     DeepSeek's model.py does with the hybrid's weights)."""
-    import dataclasses
-
-    from .oracle.deepseek.quant import rounds_stored_input
     pack_rounds = rounds_stored_input(read.pack, lambda official: read.names.get(fam.n(official), fam.n(official)))
-    return dataclasses.replace(rounding, rounds_input=lambda official: pack_rounds(official)
+    return replace(rounding, rounds_input=lambda official: pack_rounds(official)
                                if fam.n(official) in read.swapped else rounding.rounds_input(official))
 
 
@@ -398,9 +405,7 @@ class Trunk:
     layer on with any layer built from another reader or wrapped."""
 
     def __init__(self, oracle, rows: list[list[int]], scored: list[torch.Tensor], keep_layers: bool | None):
-        from .oracle.common import Fetch, OracleTaps
         self.oracle, self.fam, self.ref = oracle, oracle.family, oracle.pack
-        self.Fetch = Fetch
         self.taps = OracleTaps()   # the observers of every layer this trunk builds, set for the calls that record
         tokens = [oracle._validate_row(r, i) for i, r in enumerate(rows)]
         self.batches = oracle._batches(tokens)
@@ -425,7 +430,7 @@ class Trunk:
         self.ref_logits: list[torch.Tensor] = []
 
     def fetch(self, read):
-        return self.Fetch(read, lambda n: tuple(self.ref.storage(n).shape), self.oracle.device, self.oracle.dtype,
+        return Fetch(read, lambda n: tuple(self.ref.storage(n).shape), self.oracle.device, self.oracle.dtype,
                           taps=self.taps)
 
     def build_layer(self, i: int, read: Reader):
@@ -457,8 +462,6 @@ class Trunk:
         return [self.fam.embed_hook(F.embedding(t, w)) for t in self.ids]
 
     def call(self, layer, x: torch.Tensor, b: int, state) -> torch.Tensor:
-        from .oracle.common import layer_call_args
-        from .oracle.runner import _slice_rope
         return layer(x.clone(), _slice_rope(self.rope, x.shape[1]), *layer_call_args(self.fam, self.ids[b], state))
 
     def new_states(self) -> list:
@@ -467,7 +470,6 @@ class Trunk:
 
     def logits(self, xs: list[torch.Tensor], read, states: list) -> list[torch.Tensor]:
         """The final norm and head (read through `read`) at the scored positions of each batch: [n, vocab] float32."""
-        from .oracle.common import rms_norm
         fetch = self.fetch(read)
         norm, head = fetch(self.fam.norm_name), fetch(self.fam.head_name)
         out = []
@@ -551,17 +553,6 @@ class Trunk:
         return float(k.mean()), sums.numpy()
 
 
-def _routed_experts(layer):
-    """The layer's RoutedExperts, wherever its MLP keeps it (None for a dense layer)."""
-    from .oracle.moe import RoutedExperts
-    for attr in ("mlp", "ffn", "moe"):
-        block = getattr(layer, attr, None)
-        for inner in (block, getattr(block, "experts", None)):
-            if isinstance(inner, RoutedExperts):
-                return inner
-    return None
-
-
 class NoisyOutput:
     """Wraps a sub-block: adds Gaussian noise of RMS eps * RMS(out) from a generator seeded per call."""
 
@@ -589,77 +580,119 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
               device: str = "cpu", progress: bool = False) -> Attribution:
     """Swap-one-in attribution, layer divergence, routing and sensitivity of `pack` against `reference` (paths or
     packs) on `panel` (its scored positions) or on token `rows` (every position but the last scored)."""
-    from tqdm.auto import tqdm
-
-    from .measuring.compare import check_same_vocab
-    from .oracle import Oracle
-    from .packs import open_pack
-    from .packs.config_check import check_against_config
-
     s = settings or Settings()
     ref = reference if hasattr(reference, "names") else open_pack(reference)
     pack = pack if hasattr(pack, "names") else open_pack(pack)
     check_against_config(ref)
     check_against_config(pack)
     check_same_vocab(ref, pack)
-    if rows is None:
-        from .measuring.compare import prepare
-        from .measuring.store import scored_index
-        ref, _, tok_rows, _ = prepare(ref, panel)
-        rows = [r.tokens for r in tok_rows]
-        scored = [scored_index(r)[0] for r in tok_rows]
-    else:
-        rows = [list(map(int, r)) for r in rows]
-        for i, r in enumerate(rows):
-            if len(r) < 2:
-                raise ConfigError(f"row {i}: needs at least 2 tokens (a position predicts the next one)")
-        scored = [torch.arange(len(r) - 1) for r in rows]
+    ref, rows, scored = scored_rows(ref, panel, rows)
     oracle = Oracle(ref, device=device, numerics=s.numerics)
     # the pack read as compare's oracle reads it (names, Engram tables, numerics)
     pack_oracle = Oracle(pack, device=device, numerics=s.numerics)
     fam = oracle.family
     names_in_pack = pack_names(fam, pack_oracle.family, pack)
-    groups = module_groups(fam, s.modules)
-    if s.groups is not None:
-        unknown = [g for g in s.groups if g not in groups]
-        if unknown:
-            raise ConfigError(f"unknown module group(s) {unknown}; the reference has e.g. {list(groups)[:6]}")
-        groups = {g: groups[g] for g in s.groups}
+    groups = chosen_groups(fam, s)
     tables = {i: (fam.table(i), pack_oracle.family.table(i))
               for i in range(fam.n_layers) if table_name(i) in {n for g in groups.values() for n in g}}
-
-    # per tensor weight error (every tensor the oracle reads; Engram tables row by row)
-    tensors, diff_norm, scale_corr = [], {}, {}
-    for name in tqdm(fam.required_names() + [table_name(i) for i in tables], desc="weights", disable=not progress,
-                     leave=False):
-        if name in diff_norm:
-            continue
-        stored = names_in_pack.get(name, name)
-        if table_layer(name) is not None:
-            e = table_error(*tables[table_layer(name)])
-            numel = tables[table_layer(name)][0].n_rows * tables[table_layer(name)][0].dim
-        else:
-            w_ref, w_pack = ref.tensor(name), pack.tensor(stored)
-            if tuple(w_ref.shape) != tuple(w_pack.shape):
-                raise PackError(f"pack tensor shape {list(w_pack.shape)} differs from the reference's "
-                                f"{list(w_ref.shape)} (the reference's {name!r})",
-                                file=getattr(pack, "path", None), tensor=stored)
-            e, numel = weight_error(w_ref, w_pack), w_ref.numel()
-        m = LAYER.search(name)
-        tensors.append({"tensor": name, "pack_tensor": stored, "layer": int(m.group(1)) if m else None,
-                        "block": block_of(name) if m else ("embedding" if "embed" in name else "head"),
-                        "numel": numel, **e})
-        diff_norm[name] = e["err_norm"]
-        scale_corr[name] = (e["err_scale_corr"], e["err_scale_groups"])
+    errors = WeightErrors.measure(ref, pack, fam, names_in_pack, tables, progress)
 
     trunk = Trunk(oracle, rows, scored, s.keep_layers)
     moe = any(_routed_experts_class(fam, i) for i in range(fam.n_layers))
     ref_rec, pack_rec = (RoutingRecorder(), RoutingRecorder()) if moe else (None, None)
-    from .engram_access import EngramAccess
     access = EngramAccess()
     ref_outputs = trunk.reference_pass(recorder=ref_rec, keep_outputs=True, engram_access=access)
+    whole, layers, layer_streams = whole_pack_divergence(trunk, ref_outputs, pack_oracle, rows, scored, pack_rec)
 
-    # the whole pack: its own oracle's pass (as compare runs it), with its layer divergence
+    swaps = swap_one_in(trunk, ref, pack, groups, tables, names_in_pack, errors, ref_outputs, s, progress)
+    routing, routing_layers, bpw = [], [], None
+    if moe:
+        routing, routing_layers = routing_tables(ref_rec, pack_rec, s.super_expert_share)
+        rows_bpw = pack.bits_per_weight(routing=pack_rec.counts.fractions()).rows
+        bpw = {k: v for k, v in rows_bpw.items() if "per_decoded_token" in k}
+    sensitivity = sensitivities(trunk, ref, s, progress) if s.sensitivity else []
+
+    parts = sum(r["kld_mean"] for r in swaps)
+    summary = {"reference": str(getattr(ref, "path", "")), "pack": str(getattr(pack, "path", "")),
+               "modules": s.modules, "numerics": s.numerics,
+               "rows": len(rows), "scored_positions": int(sum(len(p) for p in scored)),
+               "scored_per_row": [len(p) for p in scored],
+               "pack_kld_mean": whole, "sum_of_parts_kld": parts,
+               "additivity": parts / whole if whole else None,
+               "noise_levels": list(map(float, s.noise_levels)), "seed": s.seed,
+               "super_expert_share": s.super_expert_share, "bits_per_weight_routed": bpw,
+               "definitions": __doc__.split("Reported (definitions once, here):")[1].strip()}
+    return Attribution(summary, swaps, layers, layer_streams, errors.tensors, routing, routing_layers, sensitivity,
+                       access.summary())
+
+
+def scored_rows(ref, panel, rows: list[list[int]] | None) -> tuple[object, list[list[int]], list[torch.Tensor]]:
+    """(reference, token rows, each row's scored positions): the panel's rows and scored positions (the reference as
+    compare prepares it), or the given `rows` with every position but the last scored."""
+    if rows is None:
+        ref, _, tok_rows, _ = prepare(ref, panel)
+        return ref, [r.tokens for r in tok_rows], [scored_index(r)[0] for r in tok_rows]
+    rows = [list(map(int, r)) for r in rows]
+    for i, r in enumerate(rows):
+        if len(r) < 2:
+            raise ConfigError(f"row {i}: needs at least 2 tokens (a position predicts the next one)")
+    return ref, rows, [torch.arange(len(r) - 1) for r in rows]
+
+
+def chosen_groups(fam, s: Settings) -> dict[str, list[str]]:
+    """The module groups of `s.modules`, only `s.groups` when given (an unknown one refused)."""
+    groups = module_groups(fam, s.modules)
+    if s.groups is None:
+        return groups
+    unknown = [g for g in s.groups if g not in groups]
+    if unknown:
+        raise ConfigError(f"unknown module group(s) {unknown}; the reference has e.g. {list(groups)[:6]}")
+    return {g: groups[g] for g in s.groups}
+
+
+@dataclass
+class WeightErrors:
+    """Per tensor the oracle reads (Engram tables row by row): `tensors` (the report's rows), `norm` (name ->
+    ||W_pack - W_ref||_F) and `scale_corr` (name -> (err_scale_corr, its groups))."""
+    tensors: list[dict]
+    norm: dict[str, float]
+    scale_corr: dict[str, tuple]
+
+    @classmethod
+    def measure(cls, ref, pack, fam, names_in_pack: dict[str, str], tables: dict, progress: bool) -> "WeightErrors":
+        out = cls([], {}, {})
+        for name in tqdm(fam.required_names() + [table_name(i) for i in tables], desc="weights", disable=not progress,
+                         leave=False):
+            if name in out.norm:
+                continue
+            stored = names_in_pack.get(name, name)
+            layer = table_layer(name)
+            if layer is not None:
+                e, numel = table_error(*tables[layer]), tables[layer][0].n_rows * tables[layer][0].dim
+            else:
+                w_ref, w_pack = ref.tensor(name), pack.tensor(stored)
+                if tuple(w_ref.shape) != tuple(w_pack.shape):
+                    raise PackError(f"pack tensor shape {list(w_pack.shape)} differs from the reference's "
+                                    f"{list(w_ref.shape)} (the reference's {name!r})",
+                                    file=getattr(pack, "path", None), tensor=stored)
+                e, numel = weight_error(w_ref, w_pack), w_ref.numel()
+            m = LAYER.search(name)
+            out.tensors.append({"tensor": name, "pack_tensor": stored, "layer": int(m.group(1)) if m else None,
+                                "block": block_of(name) if m else ("embedding" if "embed" in name else "head"),
+                                "numel": numel, **e})
+            out.norm[name] = e["err_norm"]
+            out.scale_corr[name] = (e["err_scale_corr"], e["err_scale_groups"])
+        return out
+
+    def group_norm(self, names: list[str]) -> float:
+        return math.sqrt(sum(self.norm.get(n, 0.0) ** 2 for n in names))
+
+
+def whole_pack_divergence(trunk: Trunk, ref_outputs: list, pack_oracle, rows: list[list[int]],
+                          scored: list[torch.Tensor], recorder) -> tuple[float, list[dict], list[dict]]:
+    """The whole pack: its own oracle's pass (as compare runs it) -> (its KL against the reference, per layer
+    divergence, per layer and hyper-connection stream divergence)."""
+    fam = trunk.fam
     layers, layer_streams = [], []
 
     def note(i, xs):
@@ -670,18 +703,21 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
         layers.append({"layer": i, "where": where, **hidden_divergence(ref_xs, xs)})
         layer_streams.extend({"layer": i, "where": where, **r} for r in stream_divergence(ref_xs, xs))
     pack_trunk = Trunk(pack_oracle, rows, scored, keep_layers=False)
-    pack_trunk.reference_pass(recorder=pack_rec, keep_inputs=False, each_output=note)
-    whole = trunk.kld(pack_trunk.ref_logits)
-    del pack_trunk
+    pack_trunk.reference_pass(recorder=recorder, keep_inputs=False, each_output=note)
+    return trunk.kld(pack_trunk.ref_logits), layers, layer_streams
 
-    # swap-one-in, and its noise control
-    swaps = []
+
+def swap_one_in(trunk: Trunk, ref, pack, groups: dict[str, list[str]], tables: dict, names_in_pack: dict[str, str],
+                errors: WeightErrors, ref_outputs: list, s: Settings, progress: bool) -> list[dict]:
+    """Per group: the reference with that group's tensors from the pack (KL, its share of the groups' sum), with the
+    isotropic and activation controls that `s` asks for."""
+    fam, swaps = trunk.fam, []
     for g, names in tqdm(groups.items(), desc="swap-one-in", disable=not progress, leave=False):
-        err = math.sqrt(sum(diff_norm.get(n, 0.0) ** 2 for n in names))
+        err = errors.group_norm(names)
         row = {"group": g, "layer": first_layer(names, fam.n_layers) if g.startswith("layers.") else None,
                "tensors": len(names), "weight_err_norm": err}
-        row["err_scale_corr"], row["err_scale_z"] = pooled_scale_corr([scale_corr[n] for n in names
-                                                                        if n in scale_corr])
+        row["err_scale_corr"], row["err_scale_z"] = pooled_scale_corr([errors.scale_corr[n] for n in names
+                                                                        if n in errors.scale_corr])
         if err == 0:   # the pack's tensors are the reference's: the variant is the reference, its KL exactly 0
             row.update(kld_mean=0.0, identical=True, noise_kld_mean=0.0 if s.noise_control else None,
                        noise_kld_each=[0.0] * s.noise_repeats if s.noise_control else None)
@@ -695,93 +731,97 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
             each_output=None if layer_k is None else lambda i, xs: var_out.update({i: xs}) if i == layer_k else None))
         row["identical"] = False
         if layer_k is not None:
-            act, act_rows = [], []
-            for rep in range(s.noise_repeats):
-                noisy = activation_noise(ref_outputs[layer_k], var_out[layer_k], act_seed(s.seed, rep))
-                k, by_row = trunk.kld_rows(trunk.run(layer_k + 1, xs=noisy))
-                act.append(k)
-                act_rows.append(by_row)
-            row["act_kld_each"], row["act_kld_mean"] = act, float(np.mean(act))
-            row["x_act"] = row["kld_mean"] / row["act_kld_mean"] if row["act_kld_mean"] else None
-            ci = ratio_ci(real_rows, np.stack(act_rows), s.seed)
-            row["x_act_ci"] = list(ci) if ci else None
-            row["kl_vs_act"] = None if ci is None else ("more harmful" if ci[0] > 1 else
-                                                        "less harmful" if ci[1] < 1 else "not separable")
+            row.update(activation_control(trunk, ref_outputs[layer_k], var_out[layer_k], layer_k, row["kld_mean"],
+                                          real_rows, s))
         if s.noise_control:
-            controls, control_rows = [], []
-            for rep in range(s.noise_repeats):
-                noise = {n: isotropic_noise(tensor_shape(ref, tables, n), diff_norm.get(n, 0.0),
-                                            (s.seed * 7919 + rep) * 100_003 + k) for k, n in enumerate(names)}
-                if rep == 0:
-                    row["noise_err_scale_corr"], row["noise_err_scale_z"] = pooled_scale_corr(
-                        [error_scale_corr(ref.tensor(n), noise[n]) for n in names
-                         if diff_norm.get(n, 0.0) and table_layer(n) is None])
-                noisy_tables = {table_layer(n): NoisyTable(tables[table_layer(n)][0], noise.pop(n))
-                                for n in list(noise) if table_layer(n) is not None}
-                k, by_row = trunk.kld_rows(_variant(trunk, fam, names, Reader(ref, noise=noise, tables=noisy_tables)))
-                controls.append(k)
-                control_rows.append(by_row)
-            row["noise_kld_mean"] = float(np.mean(controls))
-            row["noise_kld_each"] = controls
-            ci = ratio_ci(real_rows, np.stack(control_rows), s.seed)
-            row["x_noise_ci"] = list(ci) if ci else None
-            row["kl_vs_noise"] = None if ci is None else ("more harmful" if ci[0] > 1 else
-                                                          "less harmful" if ci[1] < 1 else "not separable")
+            row.update(isotropic_control(trunk, ref, names, tables, errors, row["kld_mean"], real_rows, s))
         swaps.append(row)
     total = sum(r["kld_mean"] for r in swaps)
     for r in swaps:
         r["share"] = r["kld_mean"] / total if total else 0.0
         nk = r.get("noise_kld_mean")
         r["x_noise"] = r["kld_mean"] / nk if nk else None
+    return swaps
 
-    # routing
-    routing, routing_layers, bpw = [], [], None
-    if moe:
-        routing, routing_layers = routing_tables(ref_rec, pack_rec, s.super_expert_share)
-        rows_bpw = pack.bits_per_weight(routing=pack_rec.counts.fractions()).rows
-        bpw = {k: v for k, v in rows_bpw.items() if "per_decoded_token" in k}
 
-    # sensitivity at each layer's MLP / routed output
-    sensitivity = []
-    if s.sensitivity:
-        from .measuring.compare import sub_blocks
-        chosen = list(range(fam.n_layers)) if s.sensitivity_layers is None else list(s.sensitivity_layers)
-        bad = [i for i in chosen if not 0 <= i < fam.n_layers]
-        if bad:
-            raise ConfigError(f"sensitivity layers {bad} are outside the model's {fam.n_layers} layers")
-        for i in tqdm(chosen, desc="sensitivity", disable=not progress, leave=False):
-            kls, row_sums = [], []
-            for j, eps in enumerate(s.noise_levels):
-                def build(k, i=i, eps=eps, j=j):
-                    if k != i:
-                        return None
-                    layer = trunk.build_layer(i, Reader(ref))
-                    attr = sub_blocks(layer)["mlp"]
-                    setattr(layer, attr, NoisyOutput(getattr(layer, attr), eps, noise_seed(s.seed, i, j)))
-                    return layer
-                k, by_row = trunk.kld_rows(trunk.run(i, build=build))
-                kls.append(k)
-                row_sums.append(by_row.tolist())
-            e2 = np.asarray(s.noise_levels, dtype=np.float64) ** 2
-            k = np.asarray(kls)
-            slope = float((e2 * k).sum() / (e2 * e2).sum())
-            positive = k > 0
-            loglog = float(np.polyfit(np.log(np.sqrt(e2[positive])), np.log(k[positive]), 1)[0]) \
-                if positive.sum() >= 2 else None
-            sensitivity.append({"layer": i, "levels": list(map(float, s.noise_levels)), "kld_mean": kls,
-                                "dkl_deps2": slope, "loglog_slope": loglog, "kld_row_sums": row_sums})
+def verdict(ci: tuple[float, float] | None) -> str | None:
+    """A ratio interval against 1: above, below, or holding it."""
+    return None if ci is None else ("more harmful" if ci[0] > 1 else "less harmful" if ci[1] < 1 else "not separable")
 
-    parts = sum(r["kld_mean"] for r in swaps)
-    summary = {"reference": str(getattr(ref, "path", "")), "pack": str(getattr(pack, "path", "")),
-               "modules": s.modules, "numerics": s.numerics,
-               "rows": len(rows), "scored_positions": int(sum(len(p) for p in scored)),
-               "scored_per_row": [len(p) for p in scored],
-               "pack_kld_mean": whole, "sum_of_parts_kld": parts,
-               "additivity": parts / whole if whole else None,
-               "noise_levels": list(map(float, s.noise_levels)), "seed": s.seed,
-               "super_expert_share": s.super_expert_share, "bits_per_weight_routed": bpw,
-               "definitions": __doc__.split("Reported (definitions once, here):")[1].strip()}
-    return Attribution(summary, swaps, layers, layer_streams, tensors, routing, routing_layers, sensitivity, access.summary())
+
+def activation_control(trunk: Trunk, ref_out: list, var_out: list, layer: int, kld: float, real_rows: np.ndarray,
+                       s: Settings) -> dict:
+    """exllamav3's control at the layer's output: the reference's plus noise of the variant's error norm, re-run from
+    the next layer, `s.noise_repeats` draws."""
+    act, act_rows = [], []
+    for rep in range(s.noise_repeats):
+        k, by_row = trunk.kld_rows(trunk.run(layer + 1, xs=activation_noise(ref_out, var_out, act_seed(s.seed, rep))))
+        act.append(k)
+        act_rows.append(by_row)
+    mean = float(np.mean(act))
+    ci = ratio_ci(real_rows, np.stack(act_rows), s.seed)
+    return {"act_kld_each": act, "act_kld_mean": mean, "x_act": kld / mean if mean else None,
+            "x_act_ci": list(ci) if ci else None, "kl_vs_act": verdict(ci)}
+
+
+def isotropic_control(trunk: Trunk, ref, names: list[str], tables: dict, errors: WeightErrors, kld: float,
+                      real_rows: np.ndarray, s: Settings) -> dict:
+    """Each of the group's tensors plus isotropic Gaussian noise of its error's norm, `s.noise_repeats` draws (the
+    first one's err_scale_corr too)."""
+    fam, out = trunk.fam, {}
+    controls, control_rows = [], []
+    for rep in range(s.noise_repeats):
+        noise = {n: isotropic_noise(tensor_shape(ref, tables, n), errors.norm.get(n, 0.0),
+                                    (s.seed * 7919 + rep) * 100_003 + k) for k, n in enumerate(names)}
+        if rep == 0:
+            out["noise_err_scale_corr"], out["noise_err_scale_z"] = pooled_scale_corr(
+                [error_scale_corr(ref.tensor(n), noise[n]) for n in names
+                 if errors.norm.get(n, 0.0) and table_layer(n) is None])
+        noisy_tables = {table_layer(n): NoisyTable(tables[table_layer(n)][0], noise.pop(n))
+                        for n in list(noise) if table_layer(n) is not None}
+        k, by_row = trunk.kld_rows(_variant(trunk, fam, names, Reader(ref, noise=noise, tables=noisy_tables)))
+        controls.append(k)
+        control_rows.append(by_row)
+    ci = ratio_ci(real_rows, np.stack(control_rows), s.seed)
+    return {**out, "noise_kld_mean": float(np.mean(controls)), "noise_kld_each": controls,
+            "x_noise_ci": list(ci) if ci else None, "kl_vs_noise": verdict(ci)}
+
+
+def sensitivities(trunk: Trunk, ref, s: Settings, progress: bool) -> list[dict]:
+    """Per chosen layer: KL at each noise level added to its MLP / routed output, and the fitted slopes."""
+    fam = trunk.fam
+    chosen = list(range(fam.n_layers)) if s.sensitivity_layers is None else list(s.sensitivity_layers)
+    bad = [i for i in chosen if not 0 <= i < fam.n_layers]
+    if bad:
+        raise ConfigError(f"sensitivity layers {bad} are outside the model's {fam.n_layers} layers")
+    out = []
+    for i in tqdm(chosen, desc="sensitivity", disable=not progress, leave=False):
+        kls, row_sums = [], []
+        for j, eps in enumerate(s.noise_levels):
+            def build(k, i=i, eps=eps, j=j):
+                if k != i:
+                    return None
+                layer = trunk.build_layer(i, Reader(ref))
+                attr = sub_blocks(layer)["mlp"]
+                setattr(layer, attr, NoisyOutput(getattr(layer, attr), eps, noise_seed(s.seed, i, j)))
+                return layer
+            k, by_row = trunk.kld_rows(trunk.run(i, build=build))
+            kls.append(k)
+            row_sums.append(by_row.tolist())
+        out.append({"layer": i, "levels": list(map(float, s.noise_levels)), "kld_mean": kls,
+                    **sensitivity_slopes(s.noise_levels, kls), "kld_row_sums": row_sums})
+    return out
+
+
+def sensitivity_slopes(levels, kls: list[float]) -> dict:
+    """`dkl_deps2`: least-squares slope of KL on eps^2 through the origin; `loglog_slope`: of log KL on log eps over
+    the positive KLs (None with fewer than two)."""
+    e2 = np.asarray(levels, dtype=np.float64) ** 2
+    k = np.asarray(kls)
+    positive = k > 0
+    loglog = float(np.polyfit(np.log(np.sqrt(e2[positive])), np.log(k[positive]), 1)[0]) \
+        if positive.sum() >= 2 else None
+    return {"dkl_deps2": float((e2 * k).sum() / (e2 * e2).sum()), "loglog_slope": loglog}
 
 
 def pack_names(ref_family, pack_family, pack) -> dict[str, str]:
