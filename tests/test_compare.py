@@ -184,11 +184,11 @@ def test_interrupted_compare_resumes_without_recomputing_finished_passes(tiny, l
 
     built, real_oracle, real_reference = [], C._oracle, C.run_reference
 
-    def counting_oracle(pack, device, numerics="exact"):
+    def counting_oracle(pack, device, numerics="exact", settings=None):
         built.append(Path(pack.path).name)
         if Path(pack.path).name == "large" and fail["now"]:
             raise KeyboardInterrupt("killed while loading the second pack")
-        return real_oracle(pack, device, numerics)
+        return real_oracle(pack, device, numerics, settings)
 
     references = []
     fail = {"now": True}
