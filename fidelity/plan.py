@@ -1,5 +1,5 @@
-"""plan(): per routed expert (or expert tensor) an EXL3 K, from measured sensitivity x routing share x per-K error,
-under a byte budget. Pure: the inputs are an `attribute` result (as `Attribution.to_json()`), the reference's expert
+"""plan(): per routed expert (or expert tensor) an EXL3 K or a donor pack's tensor, from measured sensitivity x
+routing share x per-candidate error, under a byte budget (or one per stage). Pure: the inputs are an `attribute` result (as `Attribution.to_json()`), the reference's expert
 tensors and a table of per-K errors; nothing here runs a model or an encoder (the command measures errors with the
 EXL3 reference encoder, fidelity/packs/exl3/encoder.py).
 
@@ -9,7 +9,8 @@ Model (definitions once, here). A unit u is one routed expert of layer L (its th
     kl_u(K) = S_L * a_Le * sum_{t in u} e_t(K)
 
 - S_L: attribute's `dkl_deps2`, KL per eps^2 where eps = RMS of Gaussian noise added to layer L's MLP / routed output
-  relative to that output's RMS (KL is quadratic in a small perturbation);
+  relative to that output's RMS (KL is quadratic in a small perturbation), refitted on the levels <= SMALL_NOISE
+  where the attribution also measured larger ones;
 - a_Le: expert e's `energy_share_ref`, its share of the layer's routed-output energy sum ||w_te E_e(x_t)||^2 on the
   reference's pass;
 - e_t(K) = ||W_K - W||_F^2 / ||W||_F^2 of tensor t encoded at K by the EXL3 encoder ("measured"), or, where no encode
@@ -33,6 +34,18 @@ this is the LP relaxation's greedy (Sinha-Zoltners): its value with the first st
 fractionally is a lower bound on any integer plan, reported as `kl_lower_bound`; the plan is within
 `optimality_gap` = predicted - lower bound of the best integer plan under the same model.
 
+Donors and stages (fidelity/plan_donors.py): with donors a unit's candidates are also each donor's stored tensors
+(cost: the donor's bytes, Storage.nbytes; error: measured against the reference), the option that `Plan.k` names by
+the donor's label; a stage is a contiguous layer range with its own budget, and the stages are solved one by one (the
+problem is separable across them); the lower bound and the predicted KL are the sums over stages.
+
+Curve prediction and calibration: the linear rule above extrapolates the small-noise quadratic to quantization-size
+errors (relative error^2 0.01..0.8), where KL grows far slower. Where the attribution measured KL at larger noise
+levels (the command's own attribute run adds QUANTIZATION_LEVELS), `predicted_kl_curve` reads each layer's measured
+KL(eps^2) at its load (sum of a_Le x the unit's error: its routed output's relative error^2), log-log between
+levels; `calibration` scales it by measured / predicted on one measured plan (--calibrate K2=KL). The plan itself is
+still chosen on the linear rule (on the tiny V4.1 it ranks plan and uniform as measured; the curve does not).
+
 Uncertainty: where the attribution keeps each row's KL at each noise level (`sensitivity[].kld_row_sums`,
 `summary.scored_per_row`), S_L is refitted on row-bootstrap draws (rows resampled once for every layer: the same
 panel rows), the plan held fixed: `predicted_kl_ci95` (percentile). Not included: routing shares' sampling error, the
@@ -55,6 +68,9 @@ from .plan_donors import Donor, Stage, check_stages
 CANDIDATES = tuple(range(1, 9))
 ROLES = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 BOOTSTRAP = 2000
+SMALL_NOISE = 2.0 ** -6      # S_L is fitted on the levels up to this eps; larger ones only shape the curve
+# plan's own attribute run adds these eps to attribute's: relative error^2 of EXL3 K1..K4 routed outputs is ~0.8..0.01
+QUANTIZATION_LEVELS = (0.1, 0.2, 0.4, 0.9)
 MARKER_BYTES = {"mul1": 4, "mcg": 4, "3inst": 0}
 
 
@@ -122,7 +138,7 @@ class Evidence:
             raise ConfigError("the attribution has no sensitivity table (attribute was run with --no-sensitivity): a "
                               "plan needs each MoE layer's dKL/d(eps^2)")
         tokens = {r["layer"]: r["tokens"] for r in layers}
-        sens = {r["layer"]: float(r["dkl_deps2"]) for r in data["sensitivity"]}
+        sens = {r["layer"]: small_noise_slope(r) for r in data["sensitivity"]}
         bad = {k: v for k, v in sens.items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             raise ConfigError(f"sensitivity dkl_deps2 must be finite and >= 0; layer(s) {bad}")
@@ -134,10 +150,28 @@ class Evidence:
                      for r in data["sensitivity"] if "levels" in r and "kld_mean" in r}
         per_row = (data.get("summary") or {}).get("scored_per_row")
         if per_row is not None and all("kld_row_sums" in r for r in data["sensitivity"]):
-            ev.levels = list(data["sensitivity"][0]["levels"])
-            ev.row_sums = {r["layer"]: np.asarray(r["kld_row_sums"], dtype=np.float64) for r in data["sensitivity"]}
+            levels = list(data["sensitivity"][0]["levels"])
+            small = [j for j, eps in enumerate(levels) if eps <= SMALL_NOISE]
+            ev.levels = [levels[j] for j in small]
+            ev.row_sums = {r["layer"]: np.asarray(r["kld_row_sums"], dtype=np.float64)[small]
+                           for r in data["sensitivity"]}
             ev.scored_per_row = np.asarray(per_row, dtype=np.float64)
         return ev
+
+
+def small_noise_slope(row: dict) -> float:
+    """S_L: attribute's dkl_deps2 where every level is small (<= SMALL_NOISE), else the same least-squares slope
+    through the origin refitted on the small levels alone (quantization-size levels shape the curve, not S_L)."""
+    levels = row.get("levels")
+    if not levels or all(eps <= SMALL_NOISE for eps in levels):
+        return float(row["dkl_deps2"])
+    small = [(eps * eps, k) for eps, k in zip(levels, row["kld_mean"]) if eps <= SMALL_NOISE]
+    if not small:
+        raise ConfigError(f"layer {row['layer']}: attribute's noise levels {levels} have none <= {SMALL_NOISE:g}, "
+                          f"where KL is quadratic: the plan's sensitivity needs one")
+    e2 = np.array([x for x, _ in small])
+    k = np.array([y for _, y in small])
+    return float((e2 * k).sum() / (e2 * e2).sum())
 
 
 # -- per-K errors ---------------------------------------------------------------------------------------------------

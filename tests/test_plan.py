@@ -317,8 +317,11 @@ def test_plan_beats_uniform_k_on_a_held_out_panel(tmp_path, rng_seed, capsys):
     calib = [rng.integers(0, 256, 48).tolist() for _ in range(12)]
     held_out = [rng.integers(0, 256, 48).tolist() for _ in range(24)]
 
-    # sensitivity and routing on the calibration rows
-    attribution = attribute(native, native, rows=calib, settings=Settings(modules="layer", noise_control=False))
+    # sensitivity and routing on the calibration rows; the levels up to 2^-6 give S_L, all of them each layer's curve
+    from fidelity.measuring.attribute import NOISE_LEVELS
+    from fidelity.plan import QUANTIZATION_LEVELS
+    attribution = attribute(native, native, rows=calib, settings=Settings(
+        modules="layer", noise_control=False, noise_levels=NOISE_LEVELS + QUANTIZATION_LEVELS))
     data = json.loads(json.dumps(attribution.to_json(), default=str))
     (tmp_path / "attr.json").write_text(json.dumps(data))
 
@@ -387,12 +390,25 @@ def test_plan_beats_uniform_k_on_a_held_out_panel(tmp_path, rng_seed, capsys):
                                                                         sensitivity=False))
         swaps[label] = sum(r["kld_mean"] for r in a.swaps if r["group"].endswith(".experts"))
     uni = next(u for u in summary["uniform"] if u["K"] == UNIFORM_K)
+    # calibrated on uniform K2's measured experts-only KL, the plan's KL predicted (held out: the plan's own
+    # measurement is not used), through the CLI
+    assert cli(args[:-2] + ["--calibrate", f"K{UNIFORM_K}={swaps['uniform']!r}", "-o", str(tmp_path / "cal")]) == 0
+    cal = json.loads((tmp_path / "cal" / "plan.json").read_text())["summary"]
+    plan_curve = summary["predicted_kl_curve"]["kl"]
+    assert cal["calibration"]["predicted_kl_calibrated"] == pytest.approx(
+        swaps["uniform"] / uni["predicted_kl_curve"] * plan_curve, rel=1e-12)
+    calibrated = cal["calibration"]["predicted_kl_calibrated"]
     lines = [f"{'':8} {'bpw':>8} {'KL measured (whole pack)':>26} {'experts-only swaps':>19} {'predicted':>10} "
-             f"{'pred CI95':>22}",
+             f"{'pred CI95':>22} {'curve':>8} {'calibrated':>10}",
              f"{'plan':8} {summary['budget']['planned_bpw']:8.4f} {by['plan']['kld_mean']:26.5g} {swaps['plan']:19.5g} "
-             f"{summary['predicted_kl']:10.4g} {str(np.round(summary['predicted_kl_ci95'], 4)):>22}",
+             f"{summary['predicted_kl']:10.4g} {str(np.round(summary['predicted_kl_ci95'], 4)):>22} "
+             f"{plan_curve:8.4g} {calibrated:10.4g}",
              f"{'uniform':8} {uni['bpw']:8.4f} {by['uniform']['kld_mean']:26.5g} {swaps['uniform']:19.5g} "
-             f"{uni['predicted_kl']:10.4g} {str(np.round(uni['predicted_kl_ci95'], 4)):>22}",
+             f"{uni['predicted_kl']:10.4g} {str(np.round(uni['predicted_kl_ci95'], 4)):>22} "
+             f"{uni['predicted_kl_curve']:8.4g} {'(fit)':>10}",
+             f"plan / measured experts-only: linear {summary['predicted_kl'] / swaps['plan']:.3g}x, curve "
+             f"{plan_curve / swaps['plan']:.3g}x, calibrated {calibrated / swaps['plan']:.3g}x; loads "
+             + ", ".join(f"L{L} {v['load']:.3g} {v['where']}" for L, v in summary["predicted_kl_curve"]["layers"].items()),
              f"paired plan - uniform: {paired['kld_mean_diff']:.5g} nats, CI95 {paired['ci95']}, "
              f"p {paired['p_value']}; "
              f"plan {summary['units_per_K']}, {moe['layers']}; {time.perf_counter() - t0:.0f} s"]
@@ -400,6 +416,8 @@ def test_plan_beats_uniform_k_on_a_held_out_panel(tmp_path, rng_seed, capsys):
     assert by["plan"]["kld_mean"] < by["uniform"]["kld_mean"]
     assert paired["ci95"][1] < 0, paired
     assert swaps["plan"] < swaps["uniform"]
+    # the calibrated curve predicts the held-out plan closer than the small-noise linear rule does
+    assert abs(math.log(calibrated / swaps["plan"])) < abs(math.log(summary["predicted_kl"] / swaps["plan"]))
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from fidelity.errors import ConfigError
-from fidelity.plan import Budget, Constraints, ErrorTable, Evidence, ExpertTensor, curve_kl, make_plan
+from fidelity.plan import (Budget, Constraints, ErrorTable, Evidence, ExpertTensor, curve_kl, make_plan,
+                           sensitivity_draws)
 
 
 def test_curve_reads_log_log_between_levels_and_says_where(rng_seed):
@@ -69,3 +70,31 @@ def test_curve_prediction_and_calibration_written_out(rng_seed):
     ev.curves = None
     with pytest.raises(ConfigError, match="needs each layer's measured KL"):
         make_plan(tensors, ev, errors, Budget(k2), Constraints((1, 2, 3)), calibration=("K2", measured))
+
+
+def attribution(levels, kls, rng, rows=6):
+    """A minimal attribute result: one MoE layer, two experts, KL per level and per row."""
+    per_row = rng.integers(5, 30, rows)
+    row_sums = [list(k * per_row / per_row.sum() * per_row.sum() / rows * rng.uniform(0.5, 1.5, rows)) for k in kls]
+    return {"routing": [{"layer": 0, "expert": e, "energy_share_ref": 0.5, "counts_ref": 3} for e in range(2)],
+            "routing_layers": [{"layer": 0, "tokens": 6, "super_experts_ref": []}],
+            "sensitivity": [{"layer": 0, "levels": list(levels), "kld_mean": list(kls), "dkl_deps2": 123.0,
+                             "kld_row_sums": row_sums}],
+            "summary": {"scored_per_row": per_row.tolist()}}
+
+
+def test_sensitivity_from_the_small_levels_curve_from_all(rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    small = [2.0 ** -10, 2.0 ** -8, 2.0 ** -6]
+    kls = sorted(rng.uniform(1e-7, 1e-3, 3)) + sorted(rng.uniform(0.01, 0.3, 2))
+    ev = Evidence.from_attribution(attribution(small + [0.2, 0.5], kls, rng))
+    e2 = np.asarray(small) ** 2
+    assert ev.sensitivity[0] == pytest.approx(float((e2 * kls[:3]).sum() / (e2 * e2).sum()), rel=1e-12)
+    assert ev.curves[0] == ([x * x for x in small + [0.2, 0.5]], kls)
+    assert ev.levels == small and ev.row_sums[0].shape == (3, 6)     # the bootstrap resamples the small levels only
+    draws, _ = sensitivity_draws(ev, n=50)
+    assert draws[0].shape == (50,)
+    # only small levels: attribute's own dkl_deps2, as it wrote it
+    assert Evidence.from_attribution(attribution(small, kls[:3], rng)).sensitivity[0] == 123.0
+    with pytest.raises(ConfigError, match=r"noise levels \[0.2, 0.5\] have none <= 0.015625"):
+        Evidence.from_attribution(attribution([0.2, 0.5], kls[3:], rng))

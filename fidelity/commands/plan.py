@@ -1,8 +1,12 @@
 """Per-expert EXL3 bit plan from measured sensitivity x routing share x per-K error, under a byte budget.
 
-Writes DIR/exl3_moe_plan.json (the deepseek_v41_exl3 layout: per layer one digit per expert; not written when a
-per-tensor plan gives an expert's matrices different K) and DIR/plan.json (summary: budget arithmetic, predicted KL
-with its interval, the uniform-K plans for comparison; `tensors`: the per-tensor recipe). Method and assumptions:
+Candidates per routed expert: our EXL3 encoder at each --candidates K, and with --donors each donor pack's own stored
+tensors (seed 003: their bytes, their error decoded against the reference). Budget: --budget over every routed expert,
+or --stage-budgets, one per contiguous layer range. Writes DIR/plan.json (summary: budget arithmetic per stage,
+predicted KL with its interval, the curve prediction and its calibration, every unit at one candidate for
+comparison; `tensors`: the per-tensor recipe, each tensor's source: encoder K or donor tensor) and
+DIR/exl3_moe_plan.json (the deepseek_v41_exl3 layout: per layer one digit per expert) where every chosen tensor is
+EXL3 at one K per expert; otherwise plan.json's `exl3_moe_plan_not_written` says why. Method and assumptions:
 fidelity/plan.py's docstring. Per-K errors: decoded from --encodings (an EncodingCache file) where it holds them,
 encoded by the EXL3 reference encoder for --measure tensors, else the rate model fitted to those points (each
 tensor's `error_source` says which)."""
@@ -174,10 +178,11 @@ def read_donors(ref, ref_tensors: list, specs: list[str], device: str = "cpu", m
 
 
 def run(args) -> int:
-    from ..measuring.attribute import Settings, attribute
+    from ..measuring.attribute import NOISE_LEVELS, Settings, attribute
     from ..errors import ConfigError
     from ..packs import open_pack
-    from ..plan import CANDIDATES, Budget, Constraints, ErrorTable, Evidence, expert_tensors, make_plan, parse_min_k
+    from ..plan import (CANDIDATES, QUANTIZATION_LEVELS, Budget, Constraints, ErrorTable, Evidence, expert_tensors,
+                        make_plan, parse_min_k)
     from ..plan_donors import parse_stage_budgets
 
     ref = open_pack(args.reference)
@@ -193,7 +198,8 @@ def run(args) -> int:
         from .attribute import read_rows
         rows = read_rows(args.rows) if args.rows else None
         data = attribute(ref, ref, panel=args.panel, rows=rows, device=args.device, progress=True,
-                         settings=Settings(modules="layer", noise_control=False)).to_json()
+                         settings=Settings(modules="layer", noise_control=False,
+                                           noise_levels=NOISE_LEVELS + QUANTIZATION_LEVELS)).to_json()
         source = "attribute run on the reference itself"
     candidates = parse_candidates(args.candidates) if args.candidates else () if args.donors else CANDIDATES
     tensors = expert_tensors(ref)
