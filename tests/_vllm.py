@@ -6,13 +6,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from fidelity.engine.spawn import free_port
-from fidelity.engine.vllm import VllmServe, VllmServer
+from fidelity.engine.spawn import Spawned
+from fidelity.engine.vllm import VllmServe
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("FIDELITY_VLLM_VENV") or Path.home() / ".cache/fidelity/vllm-venv")
@@ -70,9 +74,32 @@ def panel_and_store(folder: Path, base: Path, seed: int) -> tuple[Path, Path]:
     return Path(panel.path), base / "store"
 
 
-def start(serve: VllmServe, log_dir: Path, timeout_s: float = 400) -> VllmServer:
+def module_seed() -> int:
+    seed = int(os.environ.get("FIDELITY_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"module random seed {seed}")
+    return seed
+
+
+@contextmanager
+def serving(smollm2_gguf: Path, tmp_path_factory, name: str,
+            serve_of: Callable[[Path, dict[str, Path]], VllmServe]) -> Iterator[SimpleNamespace]:
+    """A test module's vLLM: the SmolLM2 folders, a seeded panel and its reference store from the fp32 folder, and
+    the server `serve_of(vLLM's python, folders)` describes, running in a fresh work folder `name`."""
+    py = vllm_python()
+    base = tmp_path_factory.getbasetemp() / "vllm-smol"
+    base.mkdir(exist_ok=True)
+    folders = smol_folders(smollm2_gguf, base)
+    seed = module_seed()
+    work = tmp_path_factory.mktemp(name)
+    panel, store = panel_and_store(folders["f32"], work, seed)
+    with start(serve_of(py, folders), work) as srv:
+        print(f"vLLM up in {srv.start_seconds:.0f} s: {' '.join(srv.cmd)}")
+        yield SimpleNamespace(url=srv.url, srv=srv, folders=folders, panel=panel, store=store, work=work, seed=seed)
+
+
+def start(serve: VllmServe, log_dir: Path, timeout_s: float = 400) -> Spawned:
     port = free_port()
-    return VllmServer(serve.command(port), port, timeout_s=timeout_s, log=str(log_dir / f"vllm-{port}.log"))
+    return serve.spawn(port, timeout_s=timeout_s, log=str(log_dir / f"vllm-{port}.log"))
 
 
 def completion(url: str, **body) -> dict:

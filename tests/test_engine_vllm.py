@@ -7,21 +7,19 @@ counters (prefix-cache hits, decode time), its KV capacity computed from config.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 
-from _vllm import (CHATS, MODEL, completion, fidelity_cli, panel_and_store, reference, smol_folders, start,
-                   vllm_python)
+from _vllm import CHATS, MODEL, completion, fidelity_cli, reference, serving, vllm_python
 from fidelity.engine.gates.settings import DEFAULT_PROMPTS
-from fidelity.engine.vllm import (VllmServe, facts_from_metrics, group_members, mem_available_bytes, parse_prometheus,
+from fidelity.engine.spawn import group_members
+from fidelity.engine.vllm import (VllmServe, facts_from_metrics, mem_available_bytes, parse_prometheus,
                                   processes_pss_bytes, read_facts)
 
 pytestmark = pytest.mark.slow
@@ -32,28 +30,14 @@ TOP_K = 20
 LONG_PROMPT_REPEATS = 12
 
 
-def module_seed() -> int:
-    seed = int(os.environ.get("FIDELITY_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"module random seed {seed}")
-    return seed
-
-
 @pytest.fixture(scope="module")
 def served(smollm2_gguf, tmp_path_factory):
-    py = vllm_python()
-    base = tmp_path_factory.getbasetemp() / "vllm-smol"
-    base.mkdir(exist_ok=True)
-    folders = smol_folders(smollm2_gguf, base)
-    seed = module_seed()
-    work = tmp_path_factory.mktemp("vllm-f32")
-    panel, store = panel_and_store(folders["f32"], work, seed)
-    (work / "gate.toml").write_text(f"[settings]\nprompt_logprobs = true\ntop_k = {TOP_K}\n"
-                                    f"long_prompt_repeats = {LONG_PROMPT_REPEATS}\n")
-    serve = VllmServe(str(folders["f32"]), MODEL, python=str(py), kv_cache_gib=KV_GIB)
-    with start(serve, work) as srv:
-        print(f"vLLM up in {srv.start_seconds:.0f} s: {' '.join(srv.cmd)}")
-        yield SimpleNamespace(url=srv.url, srv=srv, folder=folders["f32"], panel=panel, store=store, work=work,
-                              seed=seed, config=work / "gate.toml")
+    serve_of = lambda py, folders: VllmServe(str(folders["f32"]), MODEL, python=str(py), kv_cache_gib=KV_GIB)
+    with serving(smollm2_gguf, tmp_path_factory, "vllm-f32", serve_of) as s:
+        s.folder, s.config = s.folders["f32"], s.work / "gate.toml"
+        s.config.write_text(f"[settings]\nprompt_logprobs = true\ntop_k = {TOP_K}\n"
+                            f"long_prompt_repeats = {LONG_PROMPT_REPEATS}\n")
+        yield s
 
 
 def gate(served, only: str, name: str) -> tuple[dict, int]:

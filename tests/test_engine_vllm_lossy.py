@@ -5,15 +5,13 @@ the module, started without torch.compile (--enforce-eager: ~20 s instead of ~80
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from _vllm import (CHATS, MODEL, completion, fidelity_cli, panel_and_store, reference, smol_folders, start,
-                   vllm_python)
+from _vllm import CHATS, MODEL, completion, fidelity_cli, reference, serving
 from fidelity.engine.vllm import VllmServe, read_facts
 
 pytestmark = pytest.mark.slow
@@ -23,19 +21,11 @@ TOP_K = 20
 
 @pytest.fixture(scope="module")
 def lossy(smollm2_gguf, tmp_path_factory):
-    py = vllm_python()
-    base = tmp_path_factory.getbasetemp() / "vllm-smol"
-    base.mkdir(exist_ok=True)
-    folders = smol_folders(smollm2_gguf, base)
-    seed = int(os.environ.get("FIDELITY_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print(f"module random seed {seed}")
-    work = tmp_path_factory.mktemp("vllm-lossy")
-    panel, store = panel_and_store(folders["f32"], work, seed)
-    serve = VllmServe(str(folders["q2k"]), MODEL, python=str(py), kv_cache_gib=1, enforce_eager=True,
-                      speculative={"model": str(folders["f32"]), "num_speculative_tokens": DRAFT_TOKENS})
-    with start(serve, work) as srv:
-        print(f"vLLM up in {srv.start_seconds:.0f} s: {' '.join(srv.cmd)}")
-        yield SimpleNamespace(url=srv.url, folders=folders, store=store, work=work, seed=seed)
+    serve_of = lambda py, folders: VllmServe(
+        str(folders["q2k"]), MODEL, python=str(py), kv_cache_gib=1, enforce_eager=True,
+        speculative={"model": str(folders["f32"]), "num_speculative_tokens": DRAFT_TOKENS})
+    with serving(smollm2_gguf, tmp_path_factory, "vllm-lossy", serve_of) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

