@@ -252,7 +252,7 @@ def test_documented_defaults_match_the_code():
 
 
 def test_oracle_kl_without_a_usable_reference_could_not_run(server, tmp_path):
-    from fidelity.commands.gate import run_gates
+    from fidelity.engine.gates.config import run_gates
 
     set_plan(server.url)
     rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}))

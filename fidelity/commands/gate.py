@@ -42,8 +42,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 from .. import json_out
-# the config reader and runner live in the engine layer (the tuning ladder uses them too); re-exported for callers
-from ..engine.gates.config import always_run_gates, exit_code, load_config, run_gates, select_gates  # noqa: F401
+# the config reader and runner live in the engine layer (the tuning ladder uses them too)
+from ..engine.gates.config import always_run_gates, load_config, run_gates, select_gates
 
 
 def add_arguments(p: argparse.ArgumentParser):
