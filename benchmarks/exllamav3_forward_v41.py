@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _tables import header, present_lines
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -519,9 +521,8 @@ def run(src: Path, work: Path, seed: int = TOKENS_SEED, candidate_src: Path | No
 
 def table(r: dict) -> str:
     t, h, e = r["topology"], r["hash_rows"], r["engram_layer"]
-    lines = ["| piece (exllamav3's code vs the oracle) | agreement | control: exllamav3 with one field changed |",
-             "| --- | --- | --- |",
-             f"| layer topology ({len(t['oracle']['layers'])} layers: type, ratio, KV pool source/owner, indexer "
+    lines = header("piece (exllamav3's code vs the oracle)", "agreement", "control: exllamav3 with one field changed")
+    lines += [f"| layer topology ({len(t['oracle']['layers'])} layers: type, ratio, KV pool source/owner, indexer "
              f"full/shared, candidate role + blocks, index_topk, q-head norm, carry_pre, Engram placement) | "
              f"{'equal' if t['layers_equal'] else 'DIFFERENT'} | {t['control']}: "
              f"{'equal (control failed)' if t['control_layers_equal'] else 'differs'} |",
@@ -538,21 +539,24 @@ def table(r: dict) -> str:
              f"{h['control_rows_differing']} rows at {h['control_positions_differing']} positions differ |",
              f"| Engram layer output (fp32) | max abs {e['exllamav3_vs_oracle']['max_abs']:.2e} (rel "
              f"{e['exllamav3_vs_oracle']['rel_max']:.1e}) | max abs {e['control_vs_oracle']['max_abs']:.2e} |"]
-    g = r.get("trtllm_engram_gate")
-    if g:
-        lines.append(f"| Engram gate: TensorRT-LLM's `engram_gate` on the oracle's WKV output ({g['device']}; "
-                     f"{g['zero_dot_positions']} stream rows with an exact zero dot) | max abs {g['max_abs']:.2e} (rel "
-                     f"{g['rel_max']:.1e}); at the zero dots {g['zero_dot_max_abs']:.1e} | rms_norm_eps 1e-2: "
-                     f"{g['control_max_abs']:.1e} |")
-    c = r.get("candidate_blocks")
-    if c:
-        lines.append(f"| candidate blocks (Ascend port's select_candidate_blocks on the oracle's index scores, "
-                     f"{c['queries']} queries x {c['entries']} entries) | {c['queries'] - c['differing']}/{c['queries']} "
-                     f"queries equal, {c['differing_outside_ties']} differ outside a tie at the cut (the other "
-                     f"{c['differing'] - c['differing_outside_ties']} differ only among blocks tied there; "
-                     f"{c['tied_queries']} queries have such a tie) | candidate_topk_blocks - 1: "
-                     f"{c['control_differing_outside_ties']} differ outside ties |")
+    lines += present_lines(r, {"trtllm_engram_gate": engram_gate_row, "candidate_blocks": candidate_blocks_row})
     return "\n".join(lines)
+
+
+def engram_gate_row(g: dict) -> str:
+    return (f"| Engram gate: TensorRT-LLM's `engram_gate` on the oracle's WKV output ({g['device']}; "
+            f"{g['zero_dot_positions']} stream rows with an exact zero dot) | max abs {g['max_abs']:.2e} (rel "
+            f"{g['rel_max']:.1e}); at the zero dots {g['zero_dot_max_abs']:.1e} | rms_norm_eps 1e-2: "
+            f"{g['control_max_abs']:.1e} |")
+
+
+def candidate_blocks_row(c: dict) -> str:
+    return (f"| candidate blocks (Ascend port's select_candidate_blocks on the oracle's index scores, "
+            f"{c['queries']} queries x {c['entries']} entries) | {c['queries'] - c['differing']}/{c['queries']} "
+            f"queries equal, {c['differing_outside_ties']} differ outside a tie at the cut (the other "
+            f"{c['differing'] - c['differing_outside_ties']} differ only among blocks tied there; "
+            f"{c['tied_queries']} queries have such a tie) | candidate_topk_blocks - 1: "
+            f"{c['control_differing_outside_ties']} differ outside ties |")
 
 
 def main(argv=None) -> int:

@@ -72,7 +72,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import shlex
 import shutil
@@ -90,6 +89,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 import realscale as rs  # noqa: E402
+from _tables import header, present_lines  # noqa: E402
 
 VOCAB = rs.VOCAB
 SMOKE_VOCAB = 1280          # a multiple of 128, as 129,280 is (the head is an EXL3 linear)
@@ -377,15 +377,9 @@ def head_seconds(positions: int, vocab: int, hidden: int, device) -> dict:
     """compare's per-pass device step (both heads in HEAD_ROWS blocks + metrics, store.device_row_metrics) and the
     reference's own head with its top-20, on `positions` random positions (realscale.bench_head's first part)."""
     from fidelity.measuring import metrics
-    from fidelity.panels.panel import TokenizedRow
     from fidelity.measuring.store import ReferenceRun, device_row_metrics
 
-    g = torch.Generator(device=device).manual_seed(5)
-    w_ref = torch.randn(vocab, hidden, generator=g, device=device) / math.sqrt(hidden)
-    w_pack = w_ref + 0.01 * torch.randn(vocab, hidden, generator=g, device=device) / math.sqrt(hidden)
-    x = torch.randn(positions, hidden, generator=g, device=device)
-    x_pack = x + 0.01 * torch.randn(positions, hidden, generator=g, device=device)
-    targets = torch.randint(0, vocab, (positions,), generator=g, device=device)
+    w_ref, w_pack, x, x_pack, targets = rs.head_inputs(positions, vocab, hidden, device)
     ref_head, pack_head = rs.DeviceHead(w_ref), rs.DeviceHead(w_pack)
     logits = torch.empty(positions, vocab, device=device)
     one_head = lambda: ref_head.head_into(x, logits)             # noqa: E731
@@ -396,13 +390,7 @@ def head_seconds(positions: int, vocab: int, hidden: int, device) -> dict:
     topk_s, _ = rs.timed(topk, device)
     del logits
     per_row = 512 if positions >= 512 else 64
-    rows, hid, hid_pack, tgt = [], [], [], []
-    for i, s in enumerate(range(0, positions, per_row)):
-        e = min(positions, s + per_row)
-        rows.append(TokenizedRow(f"r{i}", "d", [0] + targets[s:e].tolist(), [False] + [True] * (e - s)))
-        hid.append(x[s:e])
-        hid_pack.append(x_pack[s:e])
-        tgt.append(targets[s:e])
+    rows, hid, hid_pack, tgt = rs.split_rows(x, x_pack, targets, per_row)
     run = ReferenceRun(rows, hid, tgt, device=str(device))
     step = lambda: device_row_metrics(run, ref_head, hid_pack, pack_head, progress=False)   # noqa: E731
     step()
@@ -761,6 +749,13 @@ def prediction_line(r: dict, p: dict) -> str:
             + f"; reference serial {p['reference_serial_s']:.1f} s, compare serial {p['compare_serial_s']:.1f} s")
 
 
+def compare_line(c: dict) -> str:
+    ci = c.get("kld_mean_ci95") or [None, None]
+    return (f"compare: KLD mean {c['kld_mean']:.4g} [{_f(ci[0], '.4g')}, {_f(ci[1], '.4g')}] over "
+            f"{c['positions']} positions, top-1 {100 * c['top1']:.2f} %, noise floor KLD "
+            f"{_f(c['noise_floor_kld'], '.3g')}, numerics floor KLD {_f(c['numerics_floor_kld'], '.3g')}")
+
+
 def transformers_line(t: dict) -> str:
     if not t.get("available"):
         return f"transformers comparison: not available ({t['reason']})"
@@ -787,10 +782,9 @@ def table(r: dict) -> str:
              f"{gb(b.get('ref_bytes'))}, PACK deepseek_v41_exl3 {gb(b.get('pack_bytes'))}; panel {s['rows']} x "
              f"{s['length']} random token ids ({s['rows'] * (s['length'] - 1):,} scored); device {s['device']} "
              f"({m['gpu'] or 'no GPU'}), {m['cpus']} CPUs, torch {m['torch']}, transformers {m['transformers']}, "
-             f"{m['date_utc']}", "",
-             "| stage | wall s | realscale predicts s (+ measured overheads) | measured / predicted (/ with overheads) "
-             "| GPU peak GiB (nvidia-smi) | host peak RSS GiB | writes |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"{m['date_utc']}", ""]
+    lines += header("stage", "wall s", "realscale predicts s (+ measured overheads)",
+                    "measured / predicted (/ with overheads)", "GPU peak GiB (nvidia-smi)", "host peak RSS GiB", "writes")
     passes = 1 + s["noise_floor"] + s["numerics_floor"]
     rows = [("build", "build packs (--child build)", None, None,
              f"REF {gb(b.get('ref_bytes'))}, PACK {gb(b.get('pack_bytes'))}"),
@@ -826,15 +820,7 @@ def table(r: dict) -> str:
                          f"(empty hash cache) {over['fingerprint_ref_s']:.1f} s, PACK {over['fingerprint_pack_s']:.1f} "
                          f"s, Engram token map {over['token_map_s']:.2f} s per oracle, embedding + head loaded on the "
                          f"device REF {over['embed_head_ref_s']:.2f} s, PACK {over['embed_head_pack_s']:.2f} s")
-    c = r.get("compare")
-    if c:
-        ci = c.get("kld_mean_ci95") or [None, None]
-        lines.append(f"compare: KLD mean {c['kld_mean']:.4g} [{_f(ci[0], '.4g')}, {_f(ci[1], '.4g')}] over "
-                     f"{c['positions']} positions, top-1 {100 * c['top1']:.2f} %, noise floor KLD "
-                     f"{_f(c['noise_floor_kld'], '.3g')}, numerics floor KLD {_f(c['numerics_floor_kld'], '.3g')}")
-    t = r.get("transformers")
-    if t:
-        lines.append(transformers_line(t))
+    lines += present_lines(r, {"compare": compare_line, "transformers": transformers_line})
     for name, why in r["failed"].items():
         lines.append(f"- {name}: {why}")
     return "\n".join(lines)

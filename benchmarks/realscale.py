@@ -613,18 +613,40 @@ class DeviceHead:
         Oracle._head_blocks(self, x, self.weight, out)
 
 
-def bench_head(args, device) -> dict:
-    from fidelity.measuring import metrics
-    from fidelity.panels.panel import TokenizedRow
-    from fidelity.measuring.store import ReferenceRun, device_row_metrics
-
-    n, vocab, hidden = (256, 1000, 64) if args.smoke else (args.head_positions, VOCAB, FLASH["hidden_size"])
+def head_inputs(n: int, vocab: int, hidden: int, device):
+    """The head step's random problem (seed 5): REF's head weights and `n` hidden states, PACK's 1 % off them, and
+    target ids: (w_ref, w_pack, x, x_pack, targets)."""
     g = torch.Generator(device=device).manual_seed(5)
     w_ref = torch.randn(vocab, hidden, generator=g, device=device) / math.sqrt(hidden)
     w_pack = w_ref + 0.01 * torch.randn(vocab, hidden, generator=g, device=device) / math.sqrt(hidden)
     x = torch.randn(n, hidden, generator=g, device=device)
     x_pack = x + 0.01 * torch.randn(n, hidden, generator=g, device=device)
     targets = torch.randint(0, vocab, (n,), generator=g, device=device)
+    return w_ref, w_pack, x, x_pack, targets
+
+
+def split_rows(x: torch.Tensor, x_pack: torch.Tensor, targets: torch.Tensor, per_row: int):
+    """The positions as panel rows of `per_row` scored tokens (after a dummy first token), with their slices of both
+    sides' hidden states and of the targets: (rows, hid, hid_pack, tgt)."""
+    from fidelity.panels.panel import TokenizedRow
+
+    n = len(targets)
+    rows, hid, hid_pack, tgt = [], [], [], []
+    for i, s in enumerate(range(0, n, per_row)):
+        e = min(n, s + per_row)
+        rows.append(TokenizedRow(f"r{i}", "d", [0] + targets[s:e].tolist(), [False] + [True] * (e - s)))
+        hid.append(x[s:e])
+        hid_pack.append(x_pack[s:e])
+        tgt.append(targets[s:e])
+    return rows, hid, hid_pack, tgt
+
+
+def bench_head(args, device) -> dict:
+    from fidelity.measuring import metrics
+    from fidelity.measuring.store import ReferenceRun, device_row_metrics
+
+    n, vocab, hidden = (256, 1000, 64) if args.smoke else (args.head_positions, VOCAB, FLASH["hidden_size"])
+    w_ref, w_pack, x, x_pack, targets = head_inputs(n, vocab, hidden, device)
     plain = lambda: (x @ w_ref.t(), x_pack @ w_pack.t())           # noqa: E731
     plain()
     plain_s, _ = timed(plain, device)
@@ -634,13 +656,7 @@ def bench_head(args, device) -> dict:
     blocks()
     blocks_s, _ = timed(blocks, device)
     per_row = 512 if not args.smoke else 64
-    rows, hid, hid_pack, tgt = [], [], [], []
-    for i, s in enumerate(range(0, n, per_row)):
-        e = min(n, s + per_row)
-        rows.append(TokenizedRow(f"r{i}", "d", [0] + targets[s:e].tolist(), [False] + [True] * (e - s)))
-        hid.append(x[s:e])
-        hid_pack.append(x_pack[s:e])
-        tgt.append(targets[s:e])
+    rows, hid, hid_pack, tgt = split_rows(x, x_pack, targets, per_row)
     run = ReferenceRun(rows, hid, tgt, device=str(device))
     step = lambda r: device_row_metrics(r, ref_head, hid_pack, pack_head, progress=False)  # noqa: E731
     step(run)
