@@ -71,12 +71,14 @@ def kernel(n: int, vocab: int, reps: int, noise: float, threads: int, call_posit
 
 
 def end_to_end(rows_per_domain: int) -> dict:
-    from fidelity.commands.demo import build_demo_packs
+    from fidelity.commands.demo import build_demo_packs, default_cache
     from fidelity.commands.reference import build_store
+    from fidelity.environment import Environment
     from fidelity.measuring.compare import compare
     from fidelity.panels.panel import load_panel
 
-    packs = build_demo_packs()
+    environment = Environment.from_environ(os.environ)     # FIDELITY_CACHE, FIDELITY_SMOLLM2_GGUF, as the CLI reads them
+    packs = build_demo_packs(default_cache(environment), gguf=environment.smollm2_gguf)
     panel = load_panel().subset(rows_per_domain)
     t0 = time.perf_counter()
     res = compare(packs["native"], [packs["Q4_K_M"]], panel=panel, noise_floor=False, progress=False)

