@@ -148,6 +148,7 @@ def test_reference_logits_are_computed_once_and_change_no_number(tiny, live, mon
     """On a CPU oracle the reference's logits are kept across the noise floor and the packs when they fit in
     REF_LOGITS_CACHE_BYTES: the reference head runs once per row, and the report is the one recomputing them gives."""
     import fidelity.measuring.compare as C
+    import fidelity.measuring.passes as passes
 
     calls = []
     check = C._check_reference_logits
@@ -155,7 +156,7 @@ def test_reference_logits_are_computed_once_and_change_no_number(tiny, live, mon
     kept = compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False)
     assert sorted(calls) == list(range(len(kept.rows)))
     calls.clear()
-    monkeypatch.setattr(C, "REF_LOGITS_CACHE_BYTES", 0)
+    monkeypatch.setattr(passes, "REF_LOGITS_CACHE_BYTES", 0)
     fresh = compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False)
     assert len(calls) == 3 * len(fresh.rows)   # the noise floor and each pack computed them again
     assert json.dumps(kept.report, sort_keys=True) == json.dumps(fresh.report, sort_keys=True) == \
@@ -406,7 +407,7 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
 
 
 def test_noise_floor_perturbation_is_seeded_and_small(tiny):
-    from fidelity.measuring.compare import NOISE_REL, perturbed_oracle
+    from fidelity.measuring.noise_floor import NOISE_REL, perturbed_oracle
     from fidelity.oracle import Oracle
     from fidelity.packs import open_pack
     pack = open_pack(tiny["ref"])

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import fidelity.measuring.compare as C
+import fidelity.measuring.noise_floor as C
 from fidelity import open_pack
 from fidelity.errors import FidelityError
 from fidelity.oracle import LoadChain, Oracle

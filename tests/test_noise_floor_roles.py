@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fidelity.measuring.compare as C
+import fidelity.measuring.noise_floor as C
 from fidelity import open_pack
 from fidelity.errors import ConfigError
 from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)

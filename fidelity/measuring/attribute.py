@@ -65,9 +65,10 @@ from ..oracle.deepseek.quant import rounds_stored_input
 from ..oracle.runner import _slice_rope
 from ..packs import open_pack
 from ..packs.config_check import check_against_config
-from .compare import check_same_vocab, prepare, sub_blocks
+from .compare import check_same_vocab, prepare
 from .engram_access import EngramAccess
 from .metrics import position_metrics
+from .noise_floor import sub_blocks
 from .routing import RoutingCounts
 from .store import scored_index
 

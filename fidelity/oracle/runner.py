@@ -91,7 +91,7 @@ class LoadChain:
                    kept; over it an expert is decoded for each call, with the next ones over it within
                    min(budget, moe.READ_AHEAD_BYTES), and freed after it)
         layer      ((i, layer) -> layer, ...), applied in order to every built layer (the noise floor's perturbation,
-                   `fidelity.measuring.compare.Perturbation`)
+                   `fidelity.measuring.noise_floor.Perturbation`)
 
     Observing a pass is not loading: `with oracle.tapped(OracleTaps(...))` hands the passes inside it to observers
     (`OracleTaps.layer_outputs` {i: fn}: layer i's outputs, the DeepSeek drafters' trunk pass; routing counts, expert
