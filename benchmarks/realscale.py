@@ -8,8 +8,8 @@ the real vocabulary. Everything is built where the script runs (random weights, 
     torchrun --nproc-per-node 2 benchmarks/realscale.py --parallel experts,rows --device cpu --smoke   # gloo, seconds
 
 `--parallel` (under torchrun, or in one process as world size 1): the one layer through fidelity.oracle.parallel's own paths,
-`make_oracle(pack, parallel="experts")` (the routed experts split across ranks, per-(token, slot) outputs exchanged
-with one all_reduce) and `parallel="rows"` (row batches dealt to ranks, each layer read 1/N per rank, hidden states
+`make_oracle(pack, settings=RunSettings(parallel="experts"))` (the routed experts split across ranks, per-(token,
+slot) outputs exchanged with one all_reduce) and `parallel="rows"` (row batches dealt to ranks, each layer read 1/N per rank, hidden states
 broadcast), timed against one rank running the plain Oracle on the same rows in the same run, and compared with it by
 torch.equal (see parallel_main).
 
@@ -643,6 +643,7 @@ def split_rows(x: torch.Tensor, x_pack: torch.Tensor, targets: torch.Tensor, per
 
 def bench_head(args, device) -> dict:
     from fidelity.measuring import metrics
+    from fidelity.measuring.metrics import MetricKernel
     from fidelity.measuring.store import ReferenceRun, device_row_metrics
 
     n, vocab, hidden = (256, 1000, 64) if args.smoke else (args.head_positions, VOCAB, FLASH["hidden_size"])
@@ -677,32 +678,27 @@ def bench_head(args, device) -> dict:
            "panel_317k_head_metrics_min": step_s * PANEL_TOKENS / n / 60}
     a, b = bufs
     bytes_read = 2 * a.numel() * 4
-    knobs = ("TRITON_BLOCK", "TRITON_WARPS", "TRITON_TOPK", "TRITON_SHIFT", "TRITON_MAGIC", "TRITON_PREFETCH")
-    default = tuple(getattr(metrics, k) for k in knobs)
+    knobs = ("block", "warps", "topk", "shift", "magic", "prefetch")
+    default = tuple(getattr(MetricKernel(), k) for k in knobs)
     variants = [("torch", None)]
     if device.type == "cuda" and metrics._triton_kernel() is not None:
-        # (BLOCK, warps, top-5, shift, magic), each with the block prefetch; then the former default without it
-        variants += [("triton", default)] + [("triton", c + (True,)) for c in (
+        # (BLOCK, warps, top-5, shift, magic), each with one block loaded ahead; then the former default without it
+        variants += [("triton", default)] + [("triton", c + (1,)) for c in (
             (512, 4, "fused", "running", False), (1024, 4, "torch", "running", False),
             (1024, 4, "separate", "running", False), (256, 2, "fused", "fixed", True), (512, 2, "fused", "fixed", True),
             (256, 4, "fused", "fixed", True), (1024, 4, "separate", "running", True),
             (1024, 4, "separate", "fixed", False), (1024, 4, "separate", "fixed", True),
-            (2048, 8, "separate", "fixed", True))] + [("triton", (512, 4, "fused", "fixed", True, False))]
-    want = metrics.device_metrics_columns(a, b, targets, backend="torch")
+            (2048, 8, "separate", "fixed", True))] + [("triton", (512, 4, "fused", "fixed", True, 0))]
+    want = metrics.device_metrics_columns(a, b, targets, MetricKernel(backend="torch"))
     for backend, config in variants:
-        if config is not None:
-            for k, value in zip(knobs, config):
-                setattr(metrics, k, value)
+        kernel = MetricKernel(backend=backend, **dict(zip(knobs, config or default)))
         try:
-            run_kernel = lambda: metrics.device_metrics_columns(a, b, targets, backend=backend)   # noqa: E731
+            run_kernel = lambda: metrics.device_metrics_columns(a, b, targets, kernel)   # noqa: E731
             got = run_kernel()
             s, _ = timed(run_kernel, device, repeat=3)
         except Exception as e:            # a configuration that does not build is reported, not fatal
             out[f"kernel_{backend}_{config}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
-        finally:
-            for k, value in zip(knobs, default):
-                setattr(metrics, k, value)
         name = backend if config is None else (f"{backend}_{config[0]}x{config[1]}_top5_{config[2]}_shift_{config[3]}"
                                                + ("_magic" if config[4] else "") + ("_prefetch" if config[5] else ""))
         out[f"kernel_{name}_s"] = s
@@ -716,17 +712,15 @@ def bench_head(args, device) -> dict:
         for shift, magic in (("running", False), ("running", True), ("fixed", False), ("fixed", True)):
             key = "fused_kernel_only" + ("" if (shift, magic) == ("running", False) else
                                          f"_shift_{shift}" + ("_magic" if magic else ""))
-            metrics.TRITON_SHIFT, metrics.TRITON_MAGIC = shift, magic
+            kernel = MetricKernel(backend="triton", shift=shift, magic=magic)
             try:
-                only = lambda: metrics.triton_rows(a, b, targets, *cols)     # noqa: E731
+                only = lambda: metrics.triton_rows(a, b, targets, *cols, kernel=kernel)     # noqa: E731
                 only()
                 s, _ = timed(only, device, repeat=3)
                 out[f"{key}_s"] = s
                 out[f"{key}_x_copy_bw"] = bytes_read / s / args.copy_bw
             except Exception as e:
                 out[f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
-            finally:
-                metrics.TRITON_SHIFT, metrics.TRITON_MAGIC = default[3], default[4]
     out["device_copy_GBps"] = args.copy_bw / 1e9
     return out
 
@@ -816,7 +810,8 @@ def main(argv=None) -> int:
 def parallel_main(args) -> int:
     """Every rank opens the one layer pack rank 0 built (in --work, or a folder named by torchrun's run id). Rank 0
     alone runs the plain Oracle (keep_weights) over the rows: the one-rank time and the result. Then, per mode, every
-    rank runs `parallel.make_oracle(pack, device, parallel=mode, keep_weights=True)` on the same rows; the N-rank time
+    rank runs `parallel.make_oracle(pack, device, RunSettings(parallel=mode), keep_weights=True)` on the same rows; the
+    N-rank time
     is the slowest rank's. Each time is the median of --repeat passes after one warm-up pass (which loads the layer and this rank's
     experts); ranks start each pass together after a checkpoint. Rank 0 compares its last pass with the one-rank
     result by torch.equal (bit equality holds at one thread count per process: on the CPU every rank and the one-rank
@@ -883,7 +878,7 @@ def parallel_main(args) -> int:
                 tensor, tensors = pack.tensor, pack.tensors        # one by one, and decoded together (read ahead)
                 pack.tensor = lambda name, tensor=tensor, **where: (read.add(name), tensor(name, **where))[1]
                 pack.tensors = lambda names, tensors=tensors, **where: (read.update(names), tensors(names, **where))[1]
-                oracle = parallel.make_oracle(pack, device, parallel=mode, keep_weights=True,
+                oracle = parallel.make_oracle(pack, device, parallel.RunSettings(parallel=mode), keep_weights=True,
                                               expert_budget_bytes=expert_budget(args))
                 seconds, got = timed_pass(oracle, g is not None)
                 mine = sorted({routed_expert(n)[2] for n in read if routed_expert(n) is not None})
