@@ -200,7 +200,7 @@ def safetensors_sizes(folder: Path) -> dict[str, int]:
 
 
 def test_cli_donors_and_stage_budgets_on_tiny_v41(tmp_path, rng_seed, capsys):
-    from fidelity.attribute import Settings, attribute
+    from fidelity.measuring.attribute import Settings, attribute
     from fidelity.cli import main as cli
     from fidelity.packs.exl3.encoder import EncodingCache
     from testkit.minipacks_v4 import V4MiniSpec, write_v4_minipack
@@ -279,3 +279,96 @@ def test_cli_donors_and_stage_budgets_on_tiny_v41(tmp_path, rng_seed, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(args[:-4] + ["--budget", "3", "--stage-budgets", "0-2:1MB", "-o", str(out)])
     assert exit_.value.code == 2 and "not allowed with argument --budget" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_donor_plan_measured_against_uniform_and_whole_donors(tmp_path, rng_seed):
+    """Seed 003 on the tiny V4.1: donors at K1 and K3 (EXL3) and MXFP4, stage budgets of uniform K2's bytes per
+    stage (layer 0; layers 1-2), EXL3 donors only in the plan (so exl3_moe_plan.json states it and the pack is
+    written from the donors' encodings); each plan's experts-only KL measured on held-out rows (each layer's routed
+    experts swapped in alone, summed) against the prediction."""
+    from fidelity.measuring.attribute import NOISE_LEVELS, Settings, attribute
+    from fidelity.cli import main as cli
+    from fidelity.packs import open_pack
+    from fidelity.packs.exl3.encoder import EncodingCache
+    from fidelity.plan import QUANTIZATION_LEVELS, expert_tensors
+    from testkit.minipacks_v4 import V4MiniSpec, write_v4_minipack
+    from testkit.minipacks_v41 import V41_SPEC, build_native_v41
+    from test_plan import planned_spec
+
+    rng = np.random.default_rng(rng_seed)
+    native = build_native_v41(V4 / "tiny_v4", tmp_path / "native")
+    cache = EncodingCache(V4 / "tiny_v4_encodings.safetensors")
+    cache.entries.update(EncodingCache(V4 / "tiny_v4_plan_encodings.safetensors").entries)
+    ref = open_pack(native)
+    donors = {"k1": write_v4_minipack(ref, "deepseek_v41_exl3", tmp_path / "k1", V4MiniSpec(fp8_block=32, expert_k="1"),
+                                      cache),
+              "k3": write_v4_minipack(ref, "deepseek_v41_exl3", tmp_path / "k3", V4MiniSpec(fp8_block=32, expert_k="3"),
+                                      cache),
+              "mx": write_v4_minipack(ref, "fp8-mxfp4", tmp_path / "mx", V41_SPEC, cache)}
+    calib = [rng.integers(0, 256, 48).tolist() for _ in range(12)]
+    held_out = [rng.integers(0, 256, 48).tolist() for _ in range(24)]
+    data = attribute(native, native, rows=calib, settings=Settings(
+        modules="layer", noise_control=False, noise_levels=NOISE_LEVELS + QUANTIZATION_LEVELS)).to_json()
+    (tmp_path / "attr.json").write_text(json.dumps(data, default=str))
+    tensors = expert_tensors(ref)
+    k2 = {s: sum(exl3_nbytes(t.shape, 2) for t in tensors if (t.layer == 0) == (s == 0)) for s in (0, 1)}
+    out = tmp_path / "plan"
+    assert cli(["plan", str(native), "--from", str(tmp_path / "attr.json"), "--donors", f"k1={donors['k1']}",
+                f"k3={donors['k3']}", "--stage-budgets", f"0:{k2[0]}B,1-2:{k2[1]}B", "-o", str(out)]) == 0
+    s = json.loads((out / "plan.json").read_text())["summary"]
+    moe = json.loads((out / "exl3_moe_plan.json").read_text())
+    assert [st["planned_bytes"] <= k2[i] for i, st in enumerate(s["budget"]["stages"])] == [True, True]
+    # the MXFP4 donor's prediction, from a run that offers it too (its whole-donor row)
+    assert cli(["plan", str(native), "--from", str(tmp_path / "attr.json"), "--donors",
+                *[f"{label}={path}" for label, path in donors.items()], "--stage-budgets",
+                f"0:{k2[0]}B,1-2:{k2[1]}B", "-o", str(tmp_path / "with_mx")]) == 0
+    s_mx = json.loads((tmp_path / "with_mx" / "plan.json").read_text())["summary"]
+
+    # seed 003's allocator at the same stage budgets: every expert from the K1 donor, then upgraded to K3 in
+    # descending routing frequency (the reference's token counts) while the stage's budget holds
+    counts = {(r["layer"], r["expert"]): r["counts_ref"] for r in data["routing"]}
+    per_expert = {d: {(t.layer, t.expert): 0 for t in tensors} for d in (1, 3)}
+    for t in tensors:
+        for d in (1, 3):
+            per_expert[d][(t.layer, t.expert)] += exl3_nbytes(t.shape, d)
+    seed003 = {key: "1" for key in per_expert[1]}
+    for i, (first, last) in enumerate(((0, 0), (1, 2))):
+        spent = sum(per_expert[1][key] for key in seed003 if first <= key[0] <= last)
+        for key in sorted((k for k in seed003 if first <= k[0] <= last), key=lambda k: (-counts[k], k)):
+            step = per_expert[3][key] - per_expert[1][key]
+            if spent + step <= k2[i]:
+                seed003[key], spent = "3", spent + step
+    seed003_moe = {"layers": {str(L): "".join(seed003[(L, e)] for e in range(4)) for L in range(3)}}
+
+    misses = cache.misses
+    planned = write_v4_minipack(ref, "deepseek_v41_exl3", tmp_path / "planned", planned_spec(moe), cache)
+    by_frequency = write_v4_minipack(ref, "deepseek_v41_exl3", tmp_path / "seed003", planned_spec(seed003_moe), cache)
+    uniform = write_v4_minipack(ref, "deepseek_v41_exl3", tmp_path / "uniform",
+                                planned_spec({"layers": {L: "2222" for L in moe["layers"]}}), cache)
+    assert cache.misses == misses
+    # the planned pack's experts are the donors' tensors byte for byte
+    a = safetensors_sizes(planned)
+    for L, digits in moe["layers"].items():
+        for e, d in enumerate(digits):
+            base = f"layers.{L}.ffn.experts.{e}.w2"
+            assert a[f"{base}.trellis"] == safetensors_sizes(donors[f"k{d}"])[f"{base}.trellis"]
+
+    def experts_kl(path):
+        a = attribute(native, path, rows=held_out, settings=Settings(modules="block", noise_control=False,
+                                                                        sensitivity=False))
+        return sum(r["kld_mean"] for r in a.swaps if r["group"].endswith(".experts"))
+    measured = {"plan": experts_kl(planned), "seed 003": experts_kl(by_frequency), "uniform K2": experts_kl(uniform),
+                **{f"donor {label}": experts_kl(path) for label, path in donors.items()}}
+    rows = {w["donor"]: w for w in s_mx["donors_whole"]}
+    k2_bpw = 8 * sum(k2.values()) / sum(t.numel for t in tensors)
+    predicted = {"plan": (s["predicted_kl"], s["predicted_kl_curve"]["kl"], s["budget"]["planned_bpw"]),
+                 **{f"donor {d}": (rows[d]["predicted_kl"], rows[d]["predicted_kl_curve"], rows[d]["bpw"])
+                    for d in donors}}
+    print(f"\n{'':10} {'bpw':>7} {'measured':>9} {'linear':>8} {'curve':>8}   plan {moe['layers']}, seed 003 "
+          f"{seed003_moe['layers']}; with the MXFP4 donor offered the plan is {s_mx['units_per_K']} at "
+          f"{s_mx['budget']['planned_bpw']:.4g} bpw")
+    for name, kl in measured.items():
+        lin, curve, bpw = predicted.get(name, (None, None, k2_bpw))
+        print(f"{name:10} {bpw:7.4f} {kl:9.4g} " + (f"{lin:8.4g} {curve:8.4g}" if lin is not None else ""))
+    assert measured["plan"] <= measured["seed 003"] * (1 + 1e-12)
