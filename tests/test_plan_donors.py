@@ -372,3 +372,49 @@ def test_donor_plan_measured_against_uniform_and_whole_donors(tmp_path, rng_seed
         lin, curve, bpw = predicted.get(name, (None, None, k2_bpw))
         print(f"{name:10} {bpw:7.4f} {kl:9.4g} " + (f"{lin:8.4g} {curve:8.4g}" if lin is not None else ""))
     assert measured["plan"] <= measured["seed 003"] * (1 + 1e-12)
+
+
+def test_a_donor_of_another_model_or_with_bad_weights_is_refused_naming_the_tensor(tmp_path, rng_seed):
+    """read_donors: a donor of another model (other shapes) or decoding to NaN is refused with its file and tensor,
+    before any plan is made."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fidelity.commands.plan import read_donors
+    from fidelity.errors import PackError
+    from fidelity.packs import open_pack
+    from fidelity.plan import expert_tensors
+    from test_oracle import make_moe
+    from testkit.minipacks_v41 import build_native_v41
+
+    native = build_native_v41(V4 / "tiny_v4", tmp_path / "native")
+    ref = open_pack(native)
+    tensors = expert_tensors(ref)
+    _, qwen = make_moe(tmp_path, "qwen3moe-renorm-sparse-step", rng_seed)
+    with pytest.raises(PackError, match=r"donor q: model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight has shape "
+                                        r"\[20, 48\], the reference's layers\.0\.ffn\.experts\.0\.w1\.weight \[64, 64\]"):
+        read_donors(ref, tensors, [f"q={qwen.path}"])
+
+    def edited(name, change):
+        """A copy of the native pack with one expert tensor changed in its file."""
+        out = tmp_path / name
+        shutil.copytree(native, out)
+        target = "layers.1.ffn.experts.2.w2.weight"
+        for f in out.glob("*.safetensors"):
+            ts = load_file(str(f))
+            if target in ts:
+                ts[target] = change(ts[target])
+                save_file(ts, str(f), metadata={"format": "pt"})
+                return out, f
+        raise AssertionError(target)
+    nan, nan_file = edited("nan", lambda w: w.index_put((torch.tensor([3]), torch.tensor([5])),
+                                                       torch.tensor(float("nan"), dtype=w.dtype)))
+    with pytest.raises(PackError, match=r"donor nan: layers\.1\.ffn\.experts\.2\.w2\.weight decodes to non-finite") as e:
+        read_donors(ref, tensors, [f"nan={nan}"])
+    assert e.value.file == str(nan_file) and e.value.tensor == "layers.1.ffn.experts.2.w2.weight"
+    # without decoding (the budget check before any decode) the same donor is read
+    assert read_donors(ref, tensors, [f"nan={nan}"], measure=False)[0].tensors[(1, 2, "down")].error == 0.0
+    with pytest.raises(ConfigError, match="label 'a' names two donors"):
+        read_donors(ref, tensors, [f"a={native}", f"a={native}"])
