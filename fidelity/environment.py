@@ -11,8 +11,10 @@ from typing import Mapping
 
 from .errors import ConfigError
 
-METRICS_KERNELS = ("torch", "triton")              # MetricKernel.CHOICES["backend"] without None (a test holds them equal)
-EXL3_SUMS = ("float64", "int64", "int8")           # packs.exl3.codec.HADAMARD_SUMS (likewise)
+# the accepted values (torch-free copies: tests/test_environment.py holds them equal to MetricKernel.CHOICES["backend"]
+# without None and to packs.exl3.codec.HADAMARD_SUMS)
+METRICS_KERNELS = ("torch", "triton")
+EXL3_SUMS = ("float64", "int64", "int8")
 
 
 def _float(environ: Mapping[str, str], name: str, default: float | None, what: str = "a number") -> float | None:

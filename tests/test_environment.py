@@ -1,6 +1,6 @@
-"""fidelity/environment.py reads the FIDELITY_* variables once, for the command line: each variable's value, the defaults
-of an empty environment (the library's own defaults, exactly), a value it cannot read named with its variable, and no
-other module of the package reading a FIDELITY_* variable (but the three not yet passed in, listed)."""
+"""fidelity/environment.py reads the FIDELITY_* variables once, for the command line: each variable's value, the
+defaults of an empty environment (the library's own defaults, exactly), a value it cannot read named with its variable,
+and no other module of the package reading a FIDELITY_* variable (but the three not yet passed in, listed)."""
 from __future__ import annotations
 
 import ast

@@ -32,8 +32,8 @@ import json, os, random, sys
 import httpx, numpy, pyarrow, rich, rich.style, torch, tqdm, transformers
 random.seed({rng_seed})
 environ, state = dict(os.environ), random.getstate()
-import fidelity, fidelity.cli, fidelity.environment, fidelity.oracle, fidelity.measuring.compare, fidelity.measuring.metrics
-import fidelity.suites.ifeval, fidelity.suites.humaneval
+import fidelity, fidelity.cli, fidelity.environment, fidelity.oracle
+import fidelity.measuring.compare, fidelity.measuring.metrics, fidelity.suites.ifeval, fidelity.suites.humaneval
 from fidelity.oracle import parallel
 changed = sorted(k for k in set(environ) | set(os.environ) if environ.get(k) != os.environ.get(k))
 print(json.dumps({{"changed": changed, "random_same": random.getstate() == state}}))

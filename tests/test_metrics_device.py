@@ -217,7 +217,8 @@ def test_nonfinite_positions_are_flagged_like_the_cpu_kernel(rng_seed, backend):
 
 def test_bad_targets_are_named_on_the_device_path():
     with pytest.raises(ValueError, match=r"target token 5 at position 1 is outside the vocabulary of 5"):
-        device_metrics_columns(torch.zeros(3, 5), torch.zeros(3, 5), torch.tensor([0, 5, 1]), MetricKernel(backend="torch"))
+        device_metrics_columns(torch.zeros(3, 5), torch.zeros(3, 5), torch.tensor([0, 5, 1]),
+                               MetricKernel(backend="torch"))
     out, top = device_metrics_columns(torch.zeros(0, 7), torch.zeros(0, 7), torch.zeros(0, dtype=torch.long),
                                       MetricKernel(backend="torch"))
     pm = finish_columns(out, top, True)
@@ -232,8 +233,8 @@ def test_a_triton_kernel_that_fails_falls_back_to_torch_once(rng_seed, monkeypat
     choose = metrics.device_backend
     monkeypatch.setattr(metrics, "_TRITON", [object()])
     monkeypatch.setattr(metrics, "triton_rows", broken)
-    monkeypatch.setattr(metrics, "device_backend",
-                        lambda device, kernel: kernel.backend or ("triton" if metrics._TRITON[0] is not None else "torch"))
+    monkeypatch.setattr(metrics, "device_backend", lambda device, kernel: kernel.backend or (
+        "triton" if metrics._TRITON[0] is not None else "torch"))
     a, b = torch.randn(5, 300), torch.randn(5, 300)
     t = torch.randint(0, 300, (5,))
     with pytest.warns(UserWarning, match=r"Triton kernel failed \(RuntimeError: no such instruction\); measuring with "
@@ -428,7 +429,7 @@ def _rows_sent_to_the_exact_pass(metrics, monkeypatch) -> list:
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("shift", ["fixed", "running"])
 def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_seed, device, shift, monkeypatch):
-    """MetricKernel.topk "fused-top2": a lane holding three of a row's top-5 makes its list of two run out; the row goes to
+    """topk "fused-top2": a lane holding three of a row's top-5 makes its list of two run out; the row goes to
     top5_kernel when its prefix reaches that place (rows 0, 2) and not when the lists part before it (row 1) or the
     lane holds only the 4th and 5th places (row 3). Every row's ids and topk_match equal the CPU kernel's."""
     from fidelity.measuring import metrics
@@ -462,7 +463,7 @@ def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("shift", ["fixed", "running"])
 def test_lists_of_one_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_seed, device, shift, monkeypatch):
-    """MetricKernel.topk "fused-top1v": a lane keeps its best with its index and only the value of its runner-up, so a lane
+    """topk "fused-top1v": a lane keeps its best with its index and only the value of its runner-up, so a lane
     holding two of a row's top-5 leaves the place after its first one without an index; the row goes to top5_kernel
     when its prefix reaches that place (rows 0, 2), not when the lists part before it (row 1) or the lane's second
     entry lies past the 5th place (row 3). Ids, margins and topk_match equal the CPU kernel's."""
@@ -518,7 +519,7 @@ if HAVE_TRITON:
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("table_bits", [6, 8])
 def test_the_kernels_exp_is_within_an_ulp_or_two_of_numpy(rng_seed, device, table_bits):
-    """exp_nonpositive with its 64-entry table (Taylor to r^5) and its 256-entry one (MetricKernel.exp_table_bits 8, Taylor to r^4)
+    """exp_nonpositive with its 64-entry table (Taylor to r^5) and its 256-entry one (exp_table_bits 8, Taylor to r^4)
     against numpy's float64 exp, over the range the kernel feeds it ([-700, 0] and, under the fixed shift, up to 600
     above it), with the points where the table index and the exponent change (multiples of ln2 / 2^bits)."""
     from fidelity.measuring import metrics
@@ -539,7 +540,7 @@ def test_the_kernels_exp_is_within_an_ulp_or_two_of_numpy(rng_seed, device, tabl
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
 def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng_seed, device):
-    """f64_bits_of_f32 (MetricKernel.convert) against torch's float32 -> float64 conversion, bit for bit: random bit patterns
+    """f64_bits_of_f32 (convert) against torch's float32 -> float64 conversion, bit for bit: random bit patterns
     of every normal exponent and both signs, and the ends of the normal range."""
     g = torch.Generator().manual_seed(rng_seed)
     n = 4096
@@ -559,10 +560,10 @@ def test_the_bit_conversion_is_the_float_conversion_for_every_normal_float32(rng
                                     pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("lean", [False, True])
 def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, device, lean, monkeypatch):
-    """MetricKernel.convert: zeros and subnormals come out of the bit conversion as +-2^-127-ish, which cannot move x - s
+    """convert: zeros and subnormals come out of the bit conversion as +-2^-127-ish, which cannot move x - s
     while |s| >= 2^-60, so rows of zeros (a padded vocabulary) and subnormals stay in the fast pass; a row whose shift
     lies nearer zero, or with an inf or NaN, is measured again without the conversion, as is a row whose shift is 2^24
-    or more (row 8: the fixed shift's float32 clamp cannot hold it). MetricKernel.lean (no clamp before the exp) also sends
+    or more (row 8: the fixed shift's float32 clamp cannot hold it). lean (no clamp before the exp) also sends
     the rows with a logit more than 700 below its shift (row 3). Every row equals the CPU kernel. (The conversion runs under the fixed shift only: the running one is the
     fallback.)"""
     from fidelity.measuring import metrics

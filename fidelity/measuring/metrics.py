@@ -270,13 +270,15 @@ class MetricKernel:
     prefetch: int = 2               # blocks loaded ahead of the arithmetic (memory under the float64 math): 0, 1 or 2
     convert: bool = True            # float32 -> float64 by moving bits (metrics_triton.f64_bits_of_f32) under the fixed
                                     # shift; rows it may not cover measured again without it
-    lean: bool = True               # with `convert`: no clamp before the exp (rows with a logit 700 below their shift,
-                                    # an inf or NaN measured again without it) and the exp's scale added on its high word
+    lean: bool = True               # with `convert`: no clamp before the exp (rows with a logit 700 below their
+                                    # shift, an inf or NaN measured again without it) and the exp's scale added on
+                                    # its high word
     unroll: int = 2                 # blocks per loop iteration (2: no register moves for the blocks loaded ahead)
     maxnreg: int | None = None      # registers per thread the compiler may use (None: its choice; fewer: more programs
                                     # per SM)
     exp_table_bits: int = 8         # 6: exp(x) = 2^k * 2^(j/64) * exp(r), |r| <= ln2/128, Taylor to r^5 (4e-17);
-                                    # 8: 256 entries, |r| <= ln2/512, Taylor to r^4 (4e-17, one float64 FMA less per exp)
+                                    # 8: 256 entries, |r| <= ln2/512, Taylor to r^4 (4e-17, one float64 FMA less
+                                    # per exp)
 
     # every accepted value of the fields that take one of a few (bool fields: True or False, not 1 or 0)
     CHOICES: ClassVar[dict] = {"backend": (None, "torch", "triton"), "topk": tuple(LIST_LENGTHS),

@@ -68,9 +68,10 @@ class Prefetcher:
 
     Host memory: at most two layers' staged bytes are held (the computing layer's, whose experts still decode from
     them, and the next one's), and together they never exceed `budget_bytes` (default, and where `load_chain` passes
-    RunSettings.stage_budget_bytes None: STAGE_HOST_FRACTION of the host memory available at the start; pinned copies counted as the allocator rounds
-    them). A layer stages at most half the budget, routed experts first (they decode on the compute thread, where a
-    file read would be visible); what does not fit is read from the file when it decodes (same bytes, same numbers)."""
+    RunSettings.stage_budget_bytes None: STAGE_HOST_FRACTION of the host memory available at the start; pinned copies
+    counted as the allocator rounds them). A layer stages at most half the budget, routed experts first (they decode
+    on the compute thread, where a file read would be visible); what does not fit is read from the file when it
+    decodes (same bytes, same numbers)."""
 
     def __init__(self, oracle, stage: bool | None = None, budget_bytes: int | None = None):
         self.oracle, self.load = oracle, oracle.build_layer
