@@ -20,7 +20,8 @@ import zlib
 import torch
 
 from fidelity.oracle.common import Fetch, rms_norm
-from fidelity.oracle.deepseek.v4 import CSA, HCA, DeepseekV4Family
+from fidelity.oracle.deepseek.dsv4_ops import CSA, HCA
+from fidelity.oracle.deepseek.v4 import DeepseekV4Family
 from fidelity.oracle.runner import exact_math
 
 GEOMETRY = dict(

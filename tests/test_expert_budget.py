@@ -223,7 +223,6 @@ def test_activation_budget_counts_routed_experts_within_the_expert_budget(tmp_pa
                for total, routed in zip(layer_bytes, routed_bytes)]
     assert [oracle._resident_layer_bytes(i) for i in range(len(bounded))] == bounded
     free, cached, T = 10 * 2**30, 3 * 2**30 + 4096, 37
-    monkeypatch.delenv(runner.ACTIVATIONS_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
     # torch's allocator holds `cached` bytes reserved and unused (a previous pass's freed blocks): free for it too
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"reserved_bytes.all.current": 5 * 2**30,

@@ -46,7 +46,7 @@ def _counted(monkeypatch) -> dict[str, int]:
 
 def _selections(monkeypatch) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
     """(scores, k, choice) of every top-k choice the V4/V4.1 oracles make (MoE router, indexer), in call order."""
-    import fidelity.oracle.deepseek.v4 as V4
+    import fidelity.oracle.deepseek.dsv4_ops as V4
     import fidelity.oracle.deepseek.v41 as V41
     made: list[tuple[torch.Tensor, int, torch.Tensor]] = []
 

@@ -133,7 +133,7 @@ def test_official_config_keys(tmp_path, rng_seed):
 def test_indexer_keeps_top_k_and_selection_matters(mixed, rng_seed):
     """Late queries of a CSA layer keep exactly index_topk of their finished entries (fewer than they have), and
     keeping all of them instead moves the logits well past the tolerance."""
-    from fidelity.oracle.deepseek import v4 as deepseek_v4
+    from fidelity.oracle.deepseek import dsv4_ops as deepseek_v4
     pack = open_pack(mixed[1])
     tokens = torch.randint(0, BASE["vocab_size"], (1, 30))
     kept = []
@@ -214,7 +214,7 @@ def test_rows_of_different_lengths_including_shorter_than_a_window(mixed, rng_se
 
 def test_query_chunking_changes_nothing(mixed, rng_seed, monkeypatch):
     """One query per chunk in the attention and the indexer (what long rows get) gives transformers' logits too."""
-    from fidelity.oracle.deepseek import v4 as deepseek_v4
+    from fidelity.oracle.deepseek import dsv4_ops as deepseek_v4
     model, pack = mixed[0], open_pack(mixed[1])
     monkeypatch.setattr(deepseek_v4, "ATTENTION_CHUNK_BYTES", 1)
     tokens = torch.randint(0, BASE["vocab_size"], (2, 20))

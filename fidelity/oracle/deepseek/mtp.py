@@ -56,8 +56,9 @@ import torch.nn.functional as F
 from ...errors import ConfigError, FidelityError, PackError
 from ..common import ATTENTION_CHUNK_BYTES, OracleTaps, rms_norm
 from .quant import rounds_stored_input
-from .v4 import (ARCH, SLIDING, Attention, DeepseekV4Family, HyperConnection, MoE, collapse, fetch_block_inputs,
-                 hc_names, layer_names, name_candidates, rope_table, rope_tail, unweighted_rms_norm)
+from .dsv4_ops import (SLIDING, Attention, HyperConnection, MoE, collapse, fetch_block_inputs, hc_names, rope_table,
+                       rope_tail, unweighted_rms_norm)
+from .v4 import ARCH, DeepseekV4Family, layer_names, name_candidates
 
 V41_ARCH = "DeepseekV41ForCausalLM"
 DSPARK_ARCHS = (ARCH, V41_ARCH)

@@ -47,9 +47,10 @@ from ...registry import ARCHITECTURES
 from ..common import ATTENTION_CHUNK_BYTES, Fetch, fetch_tensors, rms_norm
 from ..selection import top_k_mask
 from .quant import DeepSeekRounding, identity as no_rounding
-from .v4 import (HCA, SLIDING, AttentionRounding, DeepseekV4Args, DeepseekV4Family, HyperConnection, MoE,
-                 attention_tensors, collapse, fetch_block_inputs, finished_entries, input_rounding, rope_table,
-                 rope_tail, sink_attention, unweighted_rms_norm)
+from .dsv4_ops import (HCA, SLIDING, AttentionRounding, HyperConnection, MoE, attention_tensors, collapse,
+                       fetch_block_inputs, finished_entries, input_rounding, rope_table, rope_tail, sink_attention,
+                       unweighted_rms_norm)
+from .v4 import DeepseekV4Args, DeepseekV4Family
 from .v4 import layer_names as v4_layer_names
 from .engram import EngramArgs, EngramLayer, RowTable, compressed_token_map
 
