@@ -196,6 +196,25 @@ def test_parse_vllm_prompt_logprobs_and_token_ids():
         parse_completion({"choices": [{"text": "", "logprobs": {"tokens": ["a"], "token_logprobs": [0.7]}}]})
 
 
+def test_cached_tokens_as_the_engine_states_them(rng_seed):
+    """The prefix-cache count an engine states: OpenAI/vLLM usage.prompt_tokens_details.cached_tokens, llama.cpp's
+    timings.cache_n, None where neither is said; a count that is no count, or more than the prompt, names its field."""
+    rng = np.random.default_rng(rng_seed)
+    prompt = int(rng.integers(1, 1000))
+    cached = int(rng.integers(0, prompt + 1))
+    reply = lambda **kw: {"choices": [{"text": "x", "finish_reason": "length"}], **kw}   # noqa: E731
+    usage = {"prompt_tokens": prompt, "completion_tokens": 1}
+    assert parse_completion(reply(usage=usage)).cached_tokens is None
+    assert parse_completion(reply(usage={**usage, "prompt_tokens_details": None})).cached_tokens is None
+    assert parse_completion(reply(usage={**usage, "prompt_tokens_details": {"cached_tokens": cached}})).cached_tokens == cached
+    assert parse_completion(reply(usage=usage, timings={"cache_n": cached, "prompt_n": prompt - cached})).cached_tokens == cached
+    for bad in (-1, "12", 3.0, True):
+        with pytest.raises(EngineProtocolError, match=r"usage\.prompt_tokens_details\.cached_tokens is not a token count"):
+            parse_completion(reply(usage={**usage, "prompt_tokens_details": {"cached_tokens": bad}}), tag="prefix-cache/x")
+    with pytest.raises(EngineProtocolError, match=rf"timings\.cache_n = {prompt + 1} exceeds the prompt's {prompt} tokens"):
+        parse_completion(reply(usage=usage, timings={"cache_n": prompt + 1}))
+
+
 def test_parse_chat_tool_calls_and_logprobs():
     reply = {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},

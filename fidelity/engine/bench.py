@@ -55,7 +55,7 @@ import httpx
 import numpy as np
 
 from ..errors import ConfigError
-from .client import ClientConfig, EngineClient
+from .client import ClientConfig, EngineClient, cached_prompt_tokens
 from .gates.kinds import GateCall, gate_kind, run_gate
 
 SETS = ("code", "prose", "structured")
@@ -186,12 +186,7 @@ class Sample:
         return self.token_times[-1] - self.token_times[0] if len(self.token_times) > 1 else 0.0
 
     def cached_tokens(self) -> int | None:
-        details = self.usage.get("prompt_tokens_details") or {}
-        if isinstance(details, dict) and details.get("cached_tokens") is not None:
-            return int(details["cached_tokens"])
-        if self.timings.get("cache_n") is not None:
-            return int(self.timings["cache_n"])
-        return None
+        return cached_prompt_tokens(self.usage, self.timings)
 
 
 class StreamError(Exception):

@@ -97,6 +97,7 @@ class Completion:
     usage: dict
     raw: dict
     from_journal: bool = False
+    cached_tokens: int | None = None  # prompt tokens the engine says it served from its prefix cache (None: not said)
 
 
 @dataclass
@@ -420,6 +421,26 @@ def parse_vllm_prompt_logprobs(pl: list, url: str = "", tag: str = "") -> list[T
     return out
 
 
+def cached_prompt_tokens(usage: dict | None, timings: dict | None, url: str = "", tag: str = "") -> int | None:
+    """The prompt tokens an engine says it took from its prefix cache: OpenAI's and vLLM's
+    `usage.prompt_tokens_details.cached_tokens` (vLLM only with --enable-prompt-tokens-details), else llama.cpp's
+    `timings.cache_n`; None where the engine says neither. A count that is not a non-negative integer is an error."""
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = usage.get("prompt_tokens")
+    for what, where in (("usage.prompt_tokens_details.cached_tokens", usage.get("prompt_tokens_details")),
+                        ("timings.cache_n", timings)):
+        n = where.get(what.rsplit(".", 1)[1]) if isinstance(where, dict) else None
+        if n is None:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise EngineProtocolError(f"{what} is not a token count: {n!r}", url=url, tag=tag)
+        if isinstance(prompt, int) and n > prompt:
+            raise EngineProtocolError(f"{what} = {n} exceeds the prompt's {prompt} tokens (usage.prompt_tokens)",
+                                      url=url, tag=tag)
+        return n
+    return None
+
+
 def parse_completion(reply: dict, url: str = "", tag: str = "") -> Completion:
     ch = _choice(reply, url, tag)
     if not isinstance(ch.get("text", ""), str):
@@ -430,7 +451,8 @@ def parse_completion(reply: dict, url: str = "", tag: str = "") -> Completion:
         text=ch.get("text") or "", finish_reason=ch.get("finish_reason"),
         logprobs=parse_legacy_logprobs(lp, url, tag) if lp is not None else None,
         prompt_logprobs=parse_vllm_prompt_logprobs(pl, url, tag) if pl is not None else None,
-        usage=reply.get("usage") or {}, raw=reply)
+        usage=reply.get("usage") or {}, raw=reply,
+        cached_tokens=cached_prompt_tokens(reply.get("usage"), reply.get("timings"), url, tag))
 
 
 def parse_chat(reply: dict, url: str = "", tag: str = "") -> ChatCompletion:

@@ -3,11 +3,13 @@
 - batch-invariance: each prompt alone vs inside concurrent batches; greedy continuations and per-token logprobs must be equal.
 - decode-vs-prefill: greedy generation with logprobs vs the same tokens prefilled with `echo` (a failure checks whether the
   echo is shifted against the decode's own logprobs, `echo.py`).
-- prefix-cache: a long prompt cold vs warm, and a shared prefix with different suffixes cold vs warm.
+- prefix-cache: a long prompt cold vs warm, and a shared prefix with different suffixes cold vs warm (generated tokens,
+  no echo), with the engine's own count of cached prompt tokens where it states one.
 """
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 import numpy as np
 
@@ -159,52 +161,88 @@ async def _run_decode_vs_prefill(call: GateCall, name: str, thresholds: dict | N
 # ---- prefix-cache -------------------------------------------------------------------------------------------------------
 
 
+PREFIX_CACHE_NOTE = ("cold: each case's first request (its prompts begin with a nonce of their own, so nothing cached "
+                     "them before); warm: the same prompt after the engine has seen it (shared-prefix cases: after a "
+                     "request with the same prefix and another suffix); compared: the generated tokens and logprobs")
+
+
 async def prefix_cache(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
-    """Sequential on purpose: the order of requests is what makes a computation cold or warm. "Cold" is the first request after an
-    unrelated flush request; an engine with a multi-entry cache may still serve it from cache (then this measures warm vs warm)."""
-    base = s.prompt_prefix + " ".join((s.prompts * s.long_prompt_repeats)[: len(s.prompts) * s.long_prompt_repeats // 2 + 1])
+    """Cold vs warm requests with a long shared prefix: the generated tokens and their logprobs must not change when the
+    engine serves the prefix from its cache. Sequential on purpose: the order of requests makes a computation cold or
+    warm. Each case's prompts begin with a nonce of its own, so no earlier request (of this run or another) can have
+    cached them: a case's first request is cold on any cache. "long prompt": the same prompt again right after;
+    "shared prefix + suffix j": the prompt again after a request with the same prefix and another suffix (a
+    single-entry cache then holds the prefix and computes the suffix). No echo: an engine may skip its cache for a
+    request that asks for prompt logprobs (vLLM does). Whether the warm requests were served from the cache is the
+    engine's own count of cached prompt tokens (`Completion.cached_tokens`); an engine that states one and served no
+    warm request from its cache leaves the gate nothing to judge (error), one that states none gets the verdict with
+    the note that cache use is not observable."""
+    body = " ".join((s.prompts * s.long_prompt_repeats)[: len(s.prompts) * s.long_prompt_repeats // 2 + 1])
     suffixes = [" " + p for p in s.prompts[: max(2, len(s.prompts) // 2)]]
-    flush_prompt = s.prompt_prefix + "Unrelated text to evict single-entry caches."
+
+    def fresh_prefix() -> str:
+        return f"{s.prompt_prefix}[{secrets.token_hex(4)}] {body}"
 
     async def ask(prompt: str, tag: str) -> Completion:
-        c = await client.completion(prompt, max_tokens=s.max_tokens, logprobs=s.top_k, echo=True, tag=f"prefix-cache/{tag}")
+        c = await client.completion(prompt, max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"prefix-cache/{tag}")
         need_logprobs(c, tag)
         return c
 
-    async def flush(tag: str):
-        await client.completion(flush_prompt, max_tokens=1, tag=f"prefix-cache/flush/{tag}")
-
-    pairs = []
-    await flush("long")
-    cold = await ask(base, "long/cold")
-    warm = await ask(base, "long/warm")
-    pairs.append(("long prompt", cold, warm))
-    for j, suf in enumerate(suffixes):
-        await flush(f"suffix{j}")
-        c = await ask(base + suf, f"suffix{j}/cold")
-        await ask(base, f"suffix{j}/prime")
-        w = await ask(base + suf, f"suffix{j}/warm")
-        pairs.append((f"shared prefix + suffix {j}", c, w))
+    cases = []
+    long_prompt = fresh_prefix()
+    cold = await ask(long_prompt, "long/cold")
+    cases.append(("long prompt", cold, None, await ask(long_prompt, "long/warm")))
+    for j, suffix in enumerate(suffixes):
+        prefix = fresh_prefix()
+        c = await ask(prefix + suffix, f"suffix{j}/cold")
+        prime = await ask(prefix + suffixes[(j + 1) % len(suffixes)], f"suffix{j}/prime")
+        cases.append((f"shared prefix + suffix {j}", c, prime, await ask(prefix + suffix, f"suffix{j}/warm")))
     rows = []
-    for label, c, w in pairs:
-        d = compare_positions(c.logprobs, w.logprobs, echo=True)
+    for label, c, prime, w in cases:
+        d = compare_positions(c.logprobs, w.logprobs)
         rows.append({"case": label, "identical": d.identical and c.text == w.text, "max_abs_dlogprob": d.max_abs,
                      "first_divergence": d.first_divergence, "positions": len(c.logprobs), "compared": d.compared,
-                     "expected": d.expected})
+                     "expected": d.expected, "prompt_tokens": w.usage.get("prompt_tokens"),
+                     "cold_cached_tokens": c.cached_tokens, "prime_cached_tokens": prime and prime.cached_tokens,
+                     "warm_cached_tokens": w.cached_tokens})
     short = coverage_error("prefix-cache", [(r["case"], r["compared"], r["expected"]) for r in rows], s,
-                           "echoed and generated positions")
+                           "generated positions")
     if short:
         return short
     few = too_little_evidence("prefix-cache", sum(r["compared"] > 0 for r in rows), sum(r["compared"] for r in rows),
-                              thresholds, "echoed and generated positions")
+                              thresholds, "generated positions")
     if few:
         return few
+    cache = cache_use(rows)
+    if cache["cache"] == "not used":
+        return GateResult("prefix-cache", "error", measured=cache, worst=rows[: s.worst],
+                          error="could not run: the engine states that it served none of the warm requests' prompt "
+                                "tokens from its prefix cache (cached tokens 0), so cold and warm were both computed "
+                                "and the cache was not tested (is prefix caching on? are the prompts shorter than its "
+                                "cache block? raise [settings] long_prompt_repeats)")
     measured = {"identical": float(np.mean([r["identical"] for r in rows])),
                 "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in rows), "cases": len(rows),
-                "long_prompt_tokens": int(cold.usage.get("prompt_tokens", 0))}
+                "long_prompt_tokens": int(cold.usage.get("prompt_tokens", 0)), **cache}
+    notes = [PREFIX_CACHE_NOTE]
+    if cache["cache"] == "not observable":
+        notes.insert(0, "cache use not observable: the engine states no cached prompt tokens (usage."
+                        "prompt_tokens_details.cached_tokens or timings.cache_n), so cold and warm may both have been "
+                        "computed; the verdict holds for the cache only if the engine used it")
     worst = sorted(rows, key=lambda r: (r["identical"], -r["max_abs_dlogprob"]))[: s.worst]
     th = gate_thresholds("prefix-cache", thresholds)
-    return verdict("prefix-cache", threshold_checks(th, measured), measured=measured, worst=worst, notes=[" ".join(prefix_cache.__doc__.split(". ", 1)[1].split())])
+    return verdict("prefix-cache", threshold_checks(th, measured), measured=measured, worst=worst, notes=notes)
+
+
+def cache_use(rows: list[dict]) -> dict:
+    """What the engine said about its prefix cache over the gate's cases: "hit" (some warm request was served prompt
+    tokens from it), "not used" (it states counts, all warm ones 0) or "not observable" (it states none)."""
+    counts = [r[k] for r in rows for k in ("cold_cached_tokens", "prime_cached_tokens", "warm_cached_tokens")
+              if r[k] is not None]
+    warm = [r["warm_cached_tokens"] for r in rows if r["warm_cached_tokens"] is not None]
+    if not warm:
+        return {"cache": "not observable"}
+    return {"cache": "hit" if any(warm) else "not used", "cache_hit_cases": sum(n > 0 for n in warm),
+            "warm_cached_tokens_min": min(warm), "cached_tokens_total": sum(counts)}
 
 
 @gate_kind("prefix-cache", check=check_thresholds)

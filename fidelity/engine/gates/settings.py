@@ -16,7 +16,7 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     "batch-invariance": {"identical_min": 1.0, "max_abs_dlogprob_max": 1e-5},
     # generated tokens' logprobs from decode vs from prefill (echo): max |delta| and mean KL over the returned top-k
     "decode-vs-prefill": {"max_abs_dlogprob_max": 1e-3, "kl_mean_max": 1e-5},
-    # cold vs warm: identical outputs, max |delta logprob| over echoed prompt and generated tokens
+    # cold vs warm: identical outputs, max |delta logprob| over the generated tokens
     "prefix-cache": {"identical_min": 1.0, "max_abs_dlogprob_max": 1e-5},
 }
 
