@@ -1,7 +1,7 @@
-"""plan(): per routed expert (or expert tensor) an EXL3 K or a donor pack's tensor, from measured sensitivity x
-routing share x per-candidate error, under a byte budget (or one per stage). Pure: the inputs are an `attribute` result (as `Attribution.to_json()`), the reference's expert
-tensors and a table of per-K errors; nothing here runs a model or an encoder (the command measures errors with the
-EXL3 reference encoder, fidelity/packs/exl3/encoder.py).
+"""plan(): per routed expert (or expert tensor) an EXL3 K or a donor pack's tensor, from measured sensitivity x routing
+share x per-candidate error, under a byte budget (or one per stage). Pure: the inputs are an `attribute` result (as
+`Attribution.to_json()`), the reference's expert tensors and a table of per-K errors; nothing here runs a model or
+an encoder (the command measures errors with the EXL3 reference encoder, fidelity/packs/exl3/encoder.py).
 
 Model (definitions once, here). A unit u is one routed expert of layer L (its three matrices at one K: what the
 `exl3_moe_plan.json` layout can state) or, per tensor, one matrix of it. Its predicted KL at K is
@@ -410,7 +410,7 @@ def _units(tensors, evidence: Evidence, budget: Budget, c: Constraints, donors: 
                 if all((t.layer, t.expert, t.role) in donor.tensors for t in ts)}
         options: list = list(c.candidates) + list(held)
 
-        def ks(opt):
+        def ks(opt, held=held):
             return [d.K for d in held[opt]] if isinstance(opt, str) else [opt]
 
         floor = c.min_k.get(L)
@@ -427,7 +427,8 @@ def _units(tensors, evidence: Evidence, budget: Budget, c: Constraints, donors: 
             raise ConfigError(f"{name}: no candidate is left (" + (why or "no encoder K and no donor holds it") +
                               f"; encoder K {list(c.candidates)}, donors holding it: {sorted(held) or 'none'})")
         scale = evidence.token_share[(L, e)] if budget.per_decoded_token else 1.0
-        units.append(Unit(name, L, e, ts, evidence.sensitivity[L] * evidence.energy_share[(L, e)], scale, allowed, why, held))
+        units.append(Unit(name, L, e, ts, evidence.sensitivity[L] * evidence.energy_share[(L, e)], scale, allowed, why,
+                          held))
     return units
 
 
@@ -664,7 +665,8 @@ def _finish(k, units, tensors, evidence, errors, budget, c, solved: list[dict], 
                    "smallest_plan_bpw": bpw(sum(s["smallest_plan_bytes"] for s in solved)),
                    "largest_plan_bpw": bpw(sum(s["largest_plan_bytes"] for s in solved)),
                    "bytes_per_tensor": "encoder K: trellis int16 [in_p/16, out_p/16, 16K] + suh fp16 [in_p] + svh "
-                                       f"fp16 [out_p] + {MARKER_BYTES[c.codebook]}-byte {c.codebook} marker, in_p/out_p "
+                                       f"fp16 [out_p] + {MARKER_BYTES[c.codebook]}-byte {c.codebook} marker, "
+                                       "in_p/out_p "
                                        "padded to 128" + ("; donor: the bytes the donor stores for the tensor, side "
                                                           "tensors included (Pack.storage().nbytes)" if labels else ""),
                    "params_are": "logical out x in of each routed-expert matrix" + (

@@ -5,8 +5,8 @@ A donor is a pack of the reference's model (any format fidelity reads: EXL3 at o
 routed-expert matrix of the reference it offers its own stored tensor: cost = the bytes the donor stores for it
 (`Pack.storage(name).nbytes`: trellis + suh + svh + marker for EXL3, data + scales for FP8 / MXFP4), error =
 ||W_donor - W||_F^2 / ||W||_F^2 decoded from the donor against the reference ("measured": every donor tensor is
-decoded once, by the command: fidelity/commands/plan.py `read_donors`). Donor tensors are matched to the reference's by (layer, expert, matrix role), so a donor in another
-naming (HF / official) or layout serves.
+decoded once, by the command: fidelity/commands/plan.py `read_donors`). Donor tensors are matched to the reference's
+by (layer, expert, matrix role), so a donor in another naming (HF / official) or layout serves.
 
 A stage is a contiguous layer range with its own budget on its routed-expert bytes (in bytes, e.g. 24.37GiB, or in
 bpw over its routed-expert params); the stages must cover every MoE layer once.

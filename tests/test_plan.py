@@ -408,7 +408,8 @@ def test_plan_beats_uniform_k_on_a_held_out_panel(tmp_path, rng_seed, capsys):
              f"{uni['predicted_kl_curve']:8.4g} {'(fit)':>10}",
              f"plan / measured experts-only: linear {summary['predicted_kl'] / swaps['plan']:.3g}x, curve "
              f"{plan_curve / swaps['plan']:.3g}x, calibrated {calibrated / swaps['plan']:.3g}x; loads "
-             + ", ".join(f"L{L} {v['load']:.3g} {v['where']}" for L, v in summary["predicted_kl_curve"]["layers"].items()),
+             + ", ".join(f"L{L} {v['load']:.3g} {v['where']}"
+                         for L, v in summary["predicted_kl_curve"]["layers"].items()),
              f"paired plan - uniform: {paired['kld_mean_diff']:.5g} nats, CI95 {paired['ci95']}, "
              f"p {paired['p_value']}; "
              f"plan {summary['units_per_K']}, {moe['layers']}; {time.perf_counter() - t0:.0f} s"]

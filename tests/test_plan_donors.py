@@ -77,7 +77,8 @@ def test_greedy_with_donors_and_stages_against_brute_force(rng_seed):
         lo = [sum(min(sum(option_bytes(t, o, donors) for t in u) for o in options) for u in st) for st in per_stage]
         hi = [sum(max(sum(option_bytes(t, o, donors) for t in u) for o in options) for u in st) for st in per_stage]
         caps = [int(rng.uniform(lo[s], hi[s])) for s in (0, 1)]
-        stages = (Stage(0, 0, nbytes=caps[0], text=f"0:{caps[0]}B"), Stage(1, 2, nbytes=caps[1], text=f"1-2:{caps[1]}B"))
+        stages = (Stage(0, 0, nbytes=caps[0], text=f"0:{caps[0]}B"),
+                  Stage(1, 2, nbytes=caps[1], text=f"1-2:{caps[1]}B"))
         plan = make_plan(tensors, ev, errs, Budget(stages=stages), Constraints(cands), donors=donors)
         # brute force: every unit at every option, each stage within its cap
         best = math.inf
@@ -228,8 +229,9 @@ def test_cli_donors_and_stage_budgets_on_tiny_v41(tmp_path, rng_seed, capsys):
         base = f"layers.{L}.ffn.experts.{e}."
         return sum(v for n, v in sizes[label].items() if n.startswith(base))
     experts = [(L, e) for L in range(3) for e in range(4)]
-    lo = {s: sum(min(expert_bytes(d, L, e) for d in donors) for L, e in experts if (L == 0) == (s == 0)) for s in (0, 1)}
-    hi = {s: sum(max(expert_bytes(d, L, e) for d in donors) for L, e in experts if (L == 0) == (s == 0)) for s in (0, 1)}
+    in_stage = {s: [(L, e) for L, e in experts if (L == 0) == (s == 0)] for s in (0, 1)}
+    lo = {s: sum(min(expert_bytes(d, L, e) for d in donors) for L, e in in_stage[s]) for s in (0, 1)}
+    hi = {s: sum(max(expert_bytes(d, L, e) for d in donors) for L, e in in_stage[s]) for s in (0, 1)}
     caps = {s: int(lo[s] + rng.uniform(0.3, 0.7) * (hi[s] - lo[s])) for s in (0, 1)}
     out = tmp_path / "plan"
     args = ["plan", str(native), "--from", str(tmp_path / "attr.json"), "--donors",
@@ -394,7 +396,8 @@ def test_a_donor_of_another_model_or_with_bad_weights_is_refused_naming_the_tens
     tensors = expert_tensors(ref)
     _, qwen = make_moe(tmp_path, "qwen3moe-renorm-sparse-step", rng_seed)
     with pytest.raises(PackError, match=r"donor q: model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight has shape "
-                                        r"\[20, 48\], the reference's layers\.0\.ffn\.experts\.0\.w1\.weight \[64, 64\]"):
+                                        r"\[20, 48\], the reference's layers\.0\.ffn\.experts\.0\.w1\.weight "
+                                        r"\[64, 64\]"):
         read_donors(ref, tensors, [f"q={qwen.path}"])
 
     def edited(name, change):
@@ -411,7 +414,8 @@ def test_a_donor_of_another_model_or_with_bad_weights_is_refused_naming_the_tens
         raise AssertionError(target)
     nan, nan_file = edited("nan", lambda w: w.index_put((torch.tensor([3]), torch.tensor([5])),
                                                        torch.tensor(float("nan"), dtype=w.dtype)))
-    with pytest.raises(PackError, match=r"donor nan: layers\.1\.ffn\.experts\.2\.w2\.weight decodes to non-finite") as e:
+    with pytest.raises(PackError,
+                       match=r"donor nan: layers\.1\.ffn\.experts\.2\.w2\.weight decodes to non-finite") as e:
         read_donors(ref, tensors, [f"nan={nan}"])
     assert e.value.file == str(nan_file) and e.value.tensor == "layers.1.ffn.experts.2.w2.weight"
     # without decoding (the budget check before any decode) the same donor is read

@@ -263,5 +263,6 @@ def print_plan(s: dict, con: Console) -> None:
         uci = u.get("predicted_kl_ci95")
         name = f"K{u['K']}" if "K" in u else f"donor {u['donor']}"
         t.add_row(name, _f(u.get("bpw")), _f(u["predicted_kl"]), f"{uci[0]:.3g}-{uci[1]:.3g}" if uci else "-",
-                  _f(u.get("predicted_kl_curve")), _f(u.get("predicted_kl_calibrated")), "yes" if u["fits_budget"] else u.get("missing", "no"))
+                  _f(u.get("predicted_kl_curve")), _f(u.get("predicted_kl_calibrated")),
+                  "yes" if u["fits_budget"] else u.get("missing", "no"))
     con.print(t)
