@@ -67,7 +67,7 @@ def run(args) -> int:
         super_expert_share=SUPER_EXPERT_SHARE if args.super_expert_share is None else args.super_expert_share,
         seed=args.seed, numerics=args.numerics)
     res = attribute(args.reference, args.pack, panel=args.panel, rows=rows, settings=settings, device=args.device,
-                    progress=True)
+                    progress=True, activation_budget=args.environment.device_activations_bytes)
     print_tables(res, Console(), top=args.top)
     if args.json_out:
         Path(args.json_out).write_text(json_out.dumps(res.to_json(), indent=1))

@@ -78,7 +78,8 @@ class GreedyAnswerer:
     bits) the oracle's token replaces it and drafting resumes from there. An architecture transformers does not have
     (DeepSeek-V4.1) gets no draft: the oracle decides each token in its own forward."""
 
-    def __init__(self, pack, device: str = "cpu", max_new_tokens: int = 64, numerics: str = "exact"):
+    def __init__(self, pack, device: str = "cpu", max_new_tokens: int = 64, numerics: str = "exact",
+                 activation_budget: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -86,7 +87,8 @@ class GreedyAnswerer:
         from ..packs.tokenizer import load_tokenizer
 
         self.tok = load_tokenizer(pack)
-        self.oracle = Oracle(pack, device=device, keep_weights=True, numerics=numerics)
+        self.oracle = Oracle(pack, device=device, keep_weights=True, numerics=numerics,
+                             activation_budget=activation_budget)
         src = pack.tokenizer_source()
         if not pack.path.is_dir():
             raise PanelError(f"panel build drafts with transformers and needs a native pack folder, not {pack.path}")
@@ -142,7 +144,7 @@ def transformers_has(config: dict) -> bool:
 
 def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, name: str | None = None,
                 description: str = "", max_new_tokens: int = 64, license: str = "CC0-1.0", progress: bool = True,
-                score_reasoning: bool = True, numerics: str = "exact"):
+                score_reasoning: bool = True, numerics: str = "exact", activation_budget: int | None = None):
     from tqdm.auto import tqdm
 
     from ..packs import open_pack
@@ -150,7 +152,8 @@ def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, 
 
     pack = open_pack(pack_path)
     items = read_prompts(prompts)
-    answerer = GreedyAnswerer(pack, max_new_tokens=max_new_tokens, numerics=numerics)
+    answerer = GreedyAnswerer(pack, max_new_tokens=max_new_tokens, numerics=numerics,
+                              activation_budget=activation_budget)
     rows, corrected = [], 0
     for p in tqdm(items, desc="answering", disable=not progress, unit="prompt"):
         shaped = template_messages(PanelRow(p.id, p.domain, messages=p.messages), answerer.tok.chat_template or "")
@@ -194,7 +197,8 @@ def run(args) -> int:
                     raise PanelError(f"--{flag} is for --engine builds; --pack answers greedily through the oracle")
             panel = build_panel(args.prompts, args.pack, args.out, name=args.name, description=args.description,
                                 max_new_tokens=args.max_new_tokens or 64, license=args.license,
-                                score_reasoning=not args.no_score_reasoning, numerics=args.numerics)
+                                score_reasoning=not args.no_score_reasoning, numerics=args.numerics,
+                                activation_budget=args.environment.device_activations_bytes)
     elif args.panel_command == "from-text":
         from ..panels.text import panel_from_text
 

@@ -24,5 +24,5 @@ def run(args) -> int:
         print(f"fidelity serve: {engine.model_name} ({pack.format}) on http://{args.host}:{httpd.server_address[1]}", flush=True)
 
     serve(pack, host=args.host, port=args.port, model_name=args.model_name, device=args.device, ready=ready,
-          numerics=args.numerics)
+          numerics=args.numerics, activation_budget=args.environment.device_activations_bytes)
     return 0

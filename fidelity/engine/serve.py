@@ -54,12 +54,14 @@ class Step:
 
 
 class OracleEngine:
-    def __init__(self, pack, model_name: str | None = None, device: str = "cpu", numerics: str = "exact"):
+    def __init__(self, pack, model_name: str | None = None, device: str = "cpu", numerics: str = "exact",
+                 activation_budget: int | None = None):
         from ..oracle import Oracle
         from ..packs.tokenizer import load_tokenizer
 
         self.pack = pack
-        self.oracle = Oracle(CachedPack(pack), device=device, dtype=torch.float32, keep_weights=True, numerics=numerics)
+        self.oracle = Oracle(CachedPack(pack), device=device, dtype=torch.float32, keep_weights=True, numerics=numerics,
+                             activation_budget=activation_budget)
         self.tokenizer = load_tokenizer(pack)
         self.model_name = model_name or getattr(pack, "path", "oracle").name
         self.vocab = self.oracle.family.vocab_size
@@ -277,8 +279,9 @@ def make_handler(engine: OracleEngine):
 
 
 def serve(pack, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, device: str = "cpu", ready=None,
-          numerics: str = "exact"):
-    engine = OracleEngine(pack, model_name=model_name, device=device, numerics=numerics)
+          numerics: str = "exact", activation_budget: int | None = None):
+    engine = OracleEngine(pack, model_name=model_name, device=device, numerics=numerics,
+                          activation_budget=activation_budget)
     httpd = ThreadingHTTPServer((host, port), make_handler(engine))
     if ready:
         ready(httpd, engine)

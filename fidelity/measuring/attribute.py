@@ -578,9 +578,10 @@ def isotropic_noise(shape, norm: float, seed: int) -> torch.Tensor:
 
 # -- the driver ------------------------------------------------------------------------------------------------
 def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = None, settings: Settings | None = None,
-              device: str = "cpu", progress: bool = False) -> Attribution:
+              device: str = "cpu", progress: bool = False, activation_budget: int | None = None) -> Attribution:
     """Swap-one-in attribution, layer divergence, routing and sensitivity of `pack` against `reference` (paths or
-    packs) on `panel` (its scored positions) or on token `rows` (every position but the last scored)."""
+    packs) on `panel` (its scored positions) or on token `rows` (every position but the last scored).
+    `activation_budget`: both oracles' (Oracle(activation_budget=))."""
     s = settings or Settings()
     ref = reference if hasattr(reference, "names") else open_pack(reference)
     pack = pack if hasattr(pack, "names") else open_pack(pack)
@@ -588,9 +589,9 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
     check_against_config(pack)
     check_same_vocab(ref, pack)
     ref, rows, scored = scored_rows(ref, panel, rows)
-    oracle = Oracle(ref, device=device, numerics=s.numerics)
+    oracle = Oracle(ref, device=device, numerics=s.numerics, activation_budget=activation_budget)
     # the pack read as compare's oracle reads it (names, Engram tables, numerics)
-    pack_oracle = Oracle(pack, device=device, numerics=s.numerics)
+    pack_oracle = Oracle(pack, device=device, numerics=s.numerics, activation_budget=activation_budget)
     fam = oracle.family
     names_in_pack = pack_names(fam, pack_oracle.family, pack)
     groups = chosen_groups(fam, s)
