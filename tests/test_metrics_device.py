@@ -43,29 +43,31 @@ def variant(**settings) -> MetricKernel:
 # conversion instruction instead of moving bits, "clamp" the conversion with the clamp kept, "e6" the 64-entry exp
 # table (Taylor to r^5), "unroll1" one block per loop iteration, "torch-topk" topk_match by torch after the kernel,
 # "plain-top1v" lists of one with every newer setting off (the first defaults); lanes (256, 1024), warps (8), blocks
-# loaded ahead (0, 1) and a register cap. Keys are the kernels: a variant equal to another by value is one variant.
+# loaded ahead (0, 1) and a register cap. TRITON_VARIANTS is keyed by the kernels: one equal to another by value is
+# one variant (and the test below names it: a change of the defaults can make a variant the default or another).
+NAMED_VARIANTS = [
+    ("triton", variant()),
+    ("triton-top5", variant(topk="fused")),
+    ("triton-top2-running", variant(shift="running")),
+    ("triton-running", variant(shift="running", magic=False, topk="separate", block=1024)),
+    ("triton-nomagic", variant(magic=False)),
+    ("triton-512-plain", variant(prefetch=0)),
+    ("triton-running-ahead1", variant(shift="running", prefetch=1)),
+    ("triton-256-ahead1", variant(block=256, prefetch=1)),
+    ("triton-256-ahead2-running", variant(block=256, shift="running")),
+    ("triton-512-ahead1", variant(prefetch=1)),
+    ("triton-top1v", variant(topk="fused-top1v")),
+    ("triton-top1v-256", variant(topk="fused-top1v", block=256)),
+    ("triton-256", variant(block=256)),
+    ("triton-f2f", variant(convert=False)),
+    ("triton-clamp", variant(lean=False)),
+    ("triton-e6", variant(exp_table_bits=6)),
+    ("triton-unroll1", variant(unroll=1)),
+    ("triton-torch-topk-8warps", variant(topk="torch", warps=8)),
+    ("triton-plain-top1v", variant(topk="fused-top1v", convert=False, lean=False, exp_table_bits=6, unroll=1)),
+    ("triton-maxnreg", variant(maxnreg=128, topk="separate", topk_block=512))]
 TRITON_VARIANTS = {}
-for _name, _kernel in [
-        ("triton", variant()),
-        ("triton-top5", variant(topk="fused")),
-        ("triton-top2-running", variant(shift="running")),
-        ("triton-running", variant(shift="running", magic=False, topk="separate", block=1024)),
-        ("triton-nomagic", variant(magic=False)),
-        ("triton-512-plain", variant(prefetch=0)),
-        ("triton-running-ahead1", variant(shift="running", prefetch=1)),
-        ("triton-256-ahead1", variant(block=256, prefetch=1)),
-        ("triton-256-ahead2-running", variant(block=256, shift="running")),
-        ("triton-512-ahead1", variant(prefetch=1)),
-        ("triton-top1v", variant(topk="fused-top1v")),
-        ("triton-top1v-256", variant(topk="fused-top1v", block=256)),
-        ("triton-256", variant(block=256)),
-        ("triton-f2f", variant(convert=False)),
-        ("triton-clamp", variant(lean=False)),
-        ("triton-e6", variant(exp_table_bits=6)),
-        ("triton-unroll1", variant(unroll=1)),
-        ("triton-torch-topk-8warps", variant(topk="torch", warps=8)),
-        ("triton-plain-top1v", variant(topk="fused-top1v", convert=False, lean=False, exp_table_bits=6, unroll=1)),
-        ("triton-maxnreg", variant(maxnreg=128, topk="separate", topk_block=512))]:
+for _name, _kernel in NAMED_VARIANTS:
     TRITON_VARIANTS.setdefault(_kernel, _name)
 BACKENDS = [pytest.param(MetricKernel(backend="torch"), id="torch")] + [
     pytest.param(kernel, id=name, marks=pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton"))
@@ -76,8 +78,10 @@ def test_the_variants_are_distinct_and_run_every_accepted_setting():
     """Each variant is its own kernel (no two equal by value), and every accepted value of every field with a few
     (MetricKernel.CHOICES: the backend's None runs in test_a_triton_kernel_that_fails_falls_back_to_torch_once), two
     lane counts and warp counts, and a register cap, run in at least one."""
+    same = [(name, TRITON_VARIANTS[kernel]) for name, kernel in NAMED_VARIANTS if TRITON_VARIANTS[kernel] != name]
+    assert not same, f"variants equal to another (first named) by value: {same}"
     kernels = [p.values[0] for p in BACKENDS]
-    assert len(set(kernels)) == len(kernels) == 1 + len(TRITON_VARIANTS)
+    assert len(set(kernels)) == len(kernels) == 1 + len(NAMED_VARIANTS)
     for name, accepted in MetricKernel.CHOICES.items():
         ran = {getattr(k, name) for k in kernels}
         assert ran >= set(accepted) - ({None} if name == "backend" else set()), (name, ran)
