@@ -59,7 +59,9 @@ def kernel(n: int, vocab: int, reps: int, noise: float, threads: int, call_posit
     kl_diff = float((ours.kld - naive["kld"].double()).abs().max())
     nll_diff = max(float((ours.ref_nll - naive["ref_nll"].double()).abs().max()),
                    float((ours.pack_nll - naive["pack_nll"].double()).abs().max()))
-    assert torch.equal(ours.ref_top1, naive["ref_top1"]) and torch.equal(ours.pack_top1, naive["pack_top1"]), "top-1 differs"
+    assert torch.equal(ours.ref_top1, naive["ref_top1"]) and torch.equal(ours.pack_top1, naive["pack_top1"]), (
+        "top-1 differs"
+    )
     assert kl_diff < 1e-5 and nll_diff < 1e-4, f"kernel and naive disagree: KL by {kl_diff:.3g}, NLL by {nll_diff:.3g}"
     ours_s, calls_s, naive_s = (statistics.median(x) for x in (ours_t, calls_t, naive_t))
     return {"positions": n, "vocab": vocab, "threads": threads, "noise": noise, "load": load,
@@ -77,7 +79,7 @@ def end_to_end(rows_per_domain: int) -> dict:
     from fidelity.measuring.compare import compare
     from fidelity.panels.panel import load_panel
 
-    environment = Environment.from_environ(os.environ)     # FIDELITY_CACHE, FIDELITY_SMOLLM2_GGUF, as the CLI reads them
+    environment = Environment.from_environ(os.environ)  # FIDELITY_CACHE, FIDELITY_SMOLLM2_GGUF, as the CLI reads them
     packs = build_demo_packs(default_cache(environment), gguf=environment.smollm2_gguf)
     panel = load_panel().subset(rows_per_domain)
     t0 = time.perf_counter()
@@ -107,11 +109,13 @@ def main():
     for threads in (int(x) for x in args.threads.split(",")):
         for noise in (0.01, 0.3):
             r = kernel(args.positions, args.vocab, args.reps, noise, threads, args.call_positions)
-            print(f"threads={threads} noise={noise} load~{r['load']:.1f}: kernel {r['ours_pos_per_s']:.0f} pos/s "
-                  f"({r['speedup']:.2f}x), in calls of {args.call_positions} {r['calls_pos_per_s']:.0f} pos/s "
-                  f"({r['calls_speedup']:.2f}x), naive {r['naive_pos_per_s']:.0f} pos/s; KL mean {r['kld_mean']:.3g}; "
-                  f"kernel vs naive max |dKL| {r['max_kl_diff_vs_naive']:.2g}, |dNLL| {r['max_nll_diff_vs_naive']:.2g}, "
-                  f"top-1 equal; max |KL - float64|: kernel {r['ours_max_abs_err']:.2g}, naive {r['naive_max_abs_err']:.2g}")
+            print(
+                f"threads={threads} noise={noise} load~{r['load']:.1f}: kernel {r['ours_pos_per_s']:.0f} pos/s "
+                f"({r['speedup']:.2f}x), in calls of {args.call_positions} {r['calls_pos_per_s']:.0f} pos/s "
+                f"({r['calls_speedup']:.2f}x), naive {r['naive_pos_per_s']:.0f} pos/s; KL mean {r['kld_mean']:.3g}; "
+                f"kernel vs naive max |dKL| {r['max_kl_diff_vs_naive']:.2g}, |dNLL| {r['max_nll_diff_vs_naive']:.2g}, "
+                f"top-1 equal; max |KL - float64|: kernel {r['ours_max_abs_err']:.2g}, naive {r['naive_max_abs_err']:.2g}"
+            )
     if args.e2e:
         e = end_to_end(args.rows_per_domain)
         print(f"end to end: {e['scored_positions']} scored positions ({e['rows']} rows) in {e['compare_s']:.1f} s = "

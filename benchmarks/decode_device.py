@@ -51,9 +51,12 @@ def write(root: Path, tensors: dict, config: dict) -> Path:
 def exl3_case(K: float):
     """A routed expert w1 [2048, 4096] in exllamav3 naming (mul1)."""
     out, inp = EXPERT, HIDDEN
-    t = {"e.trellis": torch.randint(-32768, 32768, (inp // 16, out // 16, codec.Bitrate.of(K).words), dtype=torch.int16),
-         "e.suh": (torch.randn(inp) * 0.05).half(), "e.svh": (torch.randn(out) * 0.05).half(),
-         **{f"e.{k}": v for k, v in codec.codebook_marker("mul1").items()}}
+    t = {
+        "e.trellis": torch.randint(-32768, 32768, (inp // 16, out // 16, codec.Bitrate.of(K).words), dtype=torch.int16),
+        "e.suh": (torch.randn(inp) * 0.05).half(),
+        "e.svh": (torch.randn(out) * 0.05).half(),
+        **{f"e.{k}": v for k, v in codec.codebook_marker("mul1").items()},
+    }
     return t, {"quantization_config": {"quant_method": "exl3"}}, "e.weight"
 
 
@@ -79,17 +82,28 @@ def cases():
             "n.weight_scale_2": torch.tensor(1e-3)},
            {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, "n.weight")
     b = torch.randint(-32768, 32768, (HIDDEN, HIDDEN), dtype=torch.int16).view(torch.bfloat16)
-    yield (f"bf16 cast {HIDDEN}x{HIDDEN}", {"b.weight": torch.where(torch.isfinite(b), b, torch.zeros((), dtype=b.dtype))},
-           {}, "b.weight")
+    yield (
+        f"bf16 cast {HIDDEN}x{HIDDEN}",
+        {"b.weight": torch.where(torch.isfinite(b), b, torch.zeros((), dtype=b.dtype))},
+        {},
+        "b.weight",
+    )
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
           "config_groups": {"g": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
               "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128}}}}
-    yield (f"compressed-tensors int4 g128 asym {HIDDEN}x{HIDDEN}",
-           {"c.weight_packed": torch.randint(-2**31, 2**31, (HIDDEN, HIDDEN // 8), dtype=torch.int64).to(torch.int32),
+    yield (
+        f"compressed-tensors int4 g128 asym {HIDDEN}x{HIDDEN}",
+        {
+            "c.weight_packed": torch.randint(-(2**31), 2**31, (HIDDEN, HIDDEN // 8), dtype=torch.int64).to(torch.int32),
             "c.weight_shape": torch.tensor([HIDDEN, HIDDEN]),
             "c.weight_scale": (torch.rand(HIDDEN, HIDDEN // 128) * 1e-2).bfloat16(),
-            "c.weight_zero_point": torch.randint(-2**31, 2**31, (HIDDEN // 8, HIDDEN // 128), dtype=torch.int64).to(torch.int32)},
-           {"quantization_config": qc}, "c.weight")
+            "c.weight_zero_point": torch.randint(-(2**31), 2**31, (HIDDEN // 8, HIDDEN // 128), dtype=torch.int64).to(
+                torch.int32
+            ),
+        },
+        {"quantization_config": qc},
+        "c.weight",
+    )
 
 
 def gguf_cases(root: Path):
@@ -203,8 +217,10 @@ def layer_table(args, root: Path) -> None:
     torch.cuda.synchronize()
     end = time.perf_counter()
     timeline = {t.layer: t for t in list(loader.timeline)[-n:]}
-    print(f"\nLayer prefetch: {n} bf16 Llama layers (hidden {HIDDEN}, intermediate 11008, "
-          f"{timeline[0].staged_bytes / 2**20:.0f} MiB stored each), {rows} rows x 4096 tokens, pass {end - t0:.3f} s\n")
+    print(
+        f"\nLayer prefetch: {n} bf16 Llama layers (hidden {HIDDEN}, intermediate 11008, "
+        f"{timeline[0].staged_bytes / 2**20:.0f} MiB stored each), {rows} rows x 4096 tokens, pass {end - t0:.3f} s\n"
+    )
     print("| layer | stage (loader thread) | build: copy + decode (loader thread) | visible wait (compute thread) | "
           "compute |")
     print("| --- | --- | --- | --- | --- |")

@@ -76,7 +76,9 @@ def compare(cpu_calls, gpu_calls) -> list[dict]:
 
 
 def probe(label: str, pack, T: int, seed: int = 0) -> None:
-    tokens = torch.randint(0, pack.config.get("vocab_size") or 256, (2, T), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        0, pack.config.get("vocab_size") or 256, (2, T), generator=torch.Generator().manual_seed(seed)
+    )
     with TopkRecorder() as rc:
         cpu = Oracle(pack, dtype=torch.float64).logits(tokens)
     with TopkRecorder() as rg:

@@ -40,8 +40,10 @@ def main(path: str) -> int:
         finished = torch.arange(W) < lens
         same = torch.equal(kept & finished, want & finished)
         equal &= same
-        rows.append(f"| blocks | W {W}, finished {lens}, keep {keep} x {block} | {''.join('1' if v else '.' for v in kept)} "
-                    f"| {''.join('1' if v else '.' for v in want)} | {same} |")
+        rows.append(
+            f"| blocks | W {W}, finished {lens}, keep {keep} x {block} | {''.join('1' if v else '.' for v in kept)} "
+            f"| {''.join('1' if v else '.' for v in want)} | {same} |"
+        )
     for case in fixture["picks"]:
         n, k, offset = case["positions"], case["indexTopk"], case["offset"]
         kept = top_k_mask(values(case["scores"]).view(1, 1, n), k).view(-1)

@@ -36,7 +36,13 @@ GEOMETRY = dict(
 
 def shape_of(name: str, c: dict) -> tuple:
     hidden, H, D, hc = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["hc_mult"]
-    q, g, r, E, inter = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"], c["n_routed_experts"], c["moe_intermediate_size"]
+    q, g, r, E, inter = (
+        c["q_lora_rank"],
+        c["o_groups"],
+        c["o_lora_rank"],
+        c["n_routed_experts"],
+        c["moe_intermediate_size"],
+    )
     Hi, Di = c["index_n_heads"], c["index_head_dim"]
     layer = int(name.split(".")[1])
     kind = c["layer_types"][layer]
@@ -79,7 +85,13 @@ def random_fetch(c: dict, device) -> Fetch:
 def needed_flops(c: dict, kind: str, B: int, T: int) -> dict[str, float]:
     """FLOPs the layer needs (multiply-adds x 2), by part."""
     hidden, H, D, hc = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["hc_mult"]
-    q, g, r, E, inter = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"], c["n_routed_experts"], c["moe_intermediate_size"]
+    q, g, r, E, inter = (
+        c["q_lora_rank"],
+        c["o_groups"],
+        c["o_lora_rank"],
+        c["n_routed_experts"],
+        c["moe_intermediate_size"],
+    )
     Hi, Di, topk, window = c["index_n_heads"], c["index_head_dim"], c["index_topk"], c["sliding_window"]
     ratio = c["compress_rates"][kind]
     t = torch.arange(T, dtype=torch.float64)
@@ -88,11 +100,13 @@ def needed_flops(c: dict, kind: str, B: int, T: int) -> dict[str, float]:
     far = (torch.clamp(finished, max=topk) if kind == CSA else finished).sum().item()
     wide = 2 if kind == CSA else 1
     per_token_proj = 2 * (hidden * q + q * H * D + hidden * D + H * D * r + g * r * hidden)
-    out = {"projections": B * T * per_token_proj,
-           "compressor": B * T * 2 * 2 * hidden * wide * D,
-           "attention": B * 2 * 2 * H * D * (local + far),
-           "moe": B * T * (2 * hidden * E + (c["num_experts_per_tok"] + c["n_shared_experts"]) * 2 * 3 * hidden * inter),
-           "hc": B * T * 2 * (2 * hc * hidden * (2 + hc) * hc + 2 * hc * hc * hidden)}
+    out = {
+        "projections": B * T * per_token_proj,
+        "compressor": B * T * 2 * 2 * hidden * wide * D,
+        "attention": B * 2 * 2 * H * D * (local + far),
+        "moe": B * T * (2 * hidden * E + (c["num_experts_per_tok"] + c["n_shared_experts"]) * 2 * 3 * hidden * inter),
+        "hc": B * T * 2 * (2 * hc * hidden * (2 + hc) * hc + 2 * hc * hc * hidden),
+    }
     if kind == CSA and T // ratio > topk:     # with no more entries than the top-k, all are kept: no indexer needed
         out["indexer"] = B * (T * 2 * (2 * 2 * hidden * Di + q * Hi * Di + hidden * Hi)
                               + 2 * (Hi * Di + Hi) * finished.sum().item())
@@ -129,11 +143,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="16x2048,1x32768", help="rows x tokens, comma-separated")
     ap.add_argument("--kinds", default="csa,hca")
     ap.add_argument("--reps", type=int, default=2, help="timed passes of the whole layer (parts: one each)")
-    ap.add_argument("--profile", action="store_true", help="the heaviest operators of one pass of the first layer/shape")
+    ap.add_argument(
+        "--profile", action="store_true", help="the heaviest operators of one pass of the first layer/shape"
+    )
     ap.add_argument("--save", help="write output samples here")
     ap.add_argument("--against", help="compare output samples with this file")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--geometry", default="{}", help="JSON of config keys to override (smaller models for a smoke test)")
+    ap.add_argument(
+        "--geometry", default="{}", help="JSON of config keys to override (smaller models for a smoke test)"
+    )
     args = ap.parse_args(argv)
     import json
     device = torch.device(args.device)

@@ -38,8 +38,10 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"exl3 decode {k}x{n} K={K} {args.codebook} on {args.device} ({args.threads} threads, {platform.processor() or platform.machine()}, "
-          f"load avg {load:.1f}): best {min(times):.3f} s, median {sorted(times)[len(times) // 2]:.3f} s, out {tuple(w.shape)}")
+    print(
+        f"exl3 decode {k}x{n} K={K} {args.codebook} on {args.device} ({args.threads} threads, {platform.processor() or platform.machine()}, "
+        f"load avg {load:.1f}): best {min(times):.3f} s, median {sorted(times)[len(times) // 2]:.3f} s, out {tuple(w.shape)}"
+    )
 
 
 if __name__ == "__main__":

@@ -208,7 +208,9 @@ def load_exllamav3(src: Path, row_dim: int) -> types.SimpleNamespace:
             return self.table[ids].float().flatten(2)
 
     modules.NGramEmbedding = V41NGramEmbedding
-    arch_specific = real("exllamav3.modules.arch_specific.deepseek_v41", "exllamav3/modules/arch_specific/deepseek_v41.py")
+    arch_specific = real(
+        "exllamav3.modules.arch_specific.deepseek_v41", "exllamav3/modules/arch_specific/deepseek_v41.py"
+    )
     arch = real("exllamav3.architecture.deepseek_v41", "exllamav3/architecture/deepseek_v41.py")
     return types.SimpleNamespace(arch=arch, arch_specific=arch_specific, ngram=ngram, modules=modules)
 
@@ -240,13 +242,24 @@ def their_topology(x, folder: Path) -> tuple[dict, object]:
         elif type(m).__name__ == "TransformerBlock":
             a = m.kwargs["attn"].kwargs
             owner = a["kv_owner"]
-            layers.append({
-                "layer": m.kwargs["layer_idx"], "type": a["layer_type"], "ratio": a["compress_rate"],
-                "kv_source": a["kv_source"], "kv_owner": None if owner is None else owner.kwargs["layer_idx"],
-                "indexer": a["indexer_mode"], "candidate": a["candidate_mode"], "index_topk": a["index_topk"],
-                "candidate_blocks": (a["candidate_topk_blocks"], a["candidate_block_size"]) if a["candidate_mode"] else None,
-                "q_head_norm": a["q_head_norm"], "carry_pre": m.kwargs["attn_hc"].kwargs["carry_pre"],
-                "engram_before": pending_engram is not None})
+            layers.append(
+                {
+                    "layer": m.kwargs["layer_idx"],
+                    "type": a["layer_type"],
+                    "ratio": a["compress_rate"],
+                    "kv_source": a["kv_source"],
+                    "kv_owner": None if owner is None else owner.kwargs["layer_idx"],
+                    "indexer": a["indexer_mode"],
+                    "candidate": a["candidate_mode"],
+                    "index_topk": a["index_topk"],
+                    "candidate_blocks": (a["candidate_topk_blocks"], a["candidate_block_size"])
+                    if a["candidate_mode"]
+                    else None,
+                    "q_head_norm": a["q_head_norm"],
+                    "carry_pre": m.kwargs["attn_hc"].kwargs["carry_pre"],
+                    "engram_before": pending_engram is not None,
+                }
+            )
             pending_engram = None
     engram = {str(k): {"head_sizes": config.engram_head_vocab_sizes[k], "multipliers": config.engram_multipliers[k]}
               for k in config.engram_layer_ids}
@@ -270,8 +283,10 @@ def our_topology(cfg: dict) -> dict:
             "q_head_norm": a.q_head_norm, "carry_pre": a.carry_pre, "engram_before": i in a.engram_layers})
     sizes = head_vocab_sizes(cfg)
     cvs = int(cfg["engram_compressed_vocab_size"])
-    engram = {str(k): {"head_sizes": sizes[k], "multipliers": layer_multipliers(k, int(cfg["engram_max_ngram_size"]), cvs)}
-              for k in a.engram_layers}
+    engram = {
+        str(k): {"head_sizes": sizes[k], "multipliers": layer_multipliers(k, int(cfg["engram_max_ngram_size"]), cvs)}
+        for k in a.engram_layers
+    }
     return {"layers": layers, "engram": engram}
 
 
@@ -291,10 +306,15 @@ def released_topology(x, folder: Path) -> dict:
         x.ngram.ROW_DIM = row_dim
     ours = our_topology({"architectures": RELEASED_V41["architectures"], "text_config": RELEASED_V41})
     modes = [layer["indexer"] for layer in theirs["layers"]]
-    return {"layers_equal": theirs["layers"] == ours["layers"], "engram_config_equal": theirs["engram"] == ours["engram"],
-            "layers": len(theirs["layers"]), "full": modes.count("full"), "shared": modes.count("shared"),
-            "pool_readers": sum(layer["kv_owner"] is not None for layer in theirs["layers"]),
-            "candidate_use": sum(layer["candidate"] == "use" for layer in theirs["layers"])}
+    return {
+        "layers_equal": theirs["layers"] == ours["layers"],
+        "engram_config_equal": theirs["engram"] == ours["engram"],
+        "layers": len(theirs["layers"]),
+        "full": modes.count("full"),
+        "shared": modes.count("shared"),
+        "pool_readers": sum(layer["kv_owner"] is not None for layer in theirs["layers"]),
+        "candidate_use": sum(layer["candidate"] == "use" for layer in theirs["layers"]),
+    }
 
 
 def tokens(seed: int = TOKENS_SEED) -> torch.Tensor:
@@ -311,7 +331,9 @@ def their_engram(x, folder: Path, weights: dict, layer: int, streams: torch.Tens
     hash rows its embedding computed."""
     config = x.arch.DeepseekV41Config(str(folder), weights=weights)
     model = x.arch.DeepseekV41Model(config)
-    engram = next(m for m in model.modules if isinstance(m, x.arch_specific.EngramLayer) and m.key == f"layers.{layer}.engram")
+    engram = next(
+        m for m in model.modules if isinstance(m, x.arch_specific.EngramLayer) and m.key == f"layers.{layer}.engram"
+    )
     engram.load("cpu")
     hist = torch.cat((torch.full((ids.shape[0], engram.embed.context_len), engram.pad_id, dtype=torch.long),
                       engram.token_map[ids]), dim=1)
@@ -522,23 +544,25 @@ def run(src: Path, work: Path, seed: int = TOKENS_SEED, candidate_src: Path | No
 def table(r: dict) -> str:
     t, h, e = r["topology"], r["hash_rows"], r["engram_layer"]
     lines = header("piece (exllamav3's code vs the oracle)", "agreement", "control: exllamav3 with one field changed")
-    lines += [f"| layer topology ({len(t['oracle']['layers'])} layers: type, ratio, KV pool source/owner, indexer "
-             f"full/shared, candidate role + blocks, index_topk, q-head norm, carry_pre, Engram placement) | "
-             f"{'equal' if t['layers_equal'] else 'DIFFERENT'} | {t['control']}: "
-             f"{'equal (control failed)' if t['control_layers_equal'] else 'differs'} |",
-             f"| the same on DeepSeek-V4.1-Flash's config ({r['released_topology']['layers']} layers: "
-             f"{r['released_topology']['full']} full / {r['released_topology']['shared']} shared indexers, "
-             f"{r['released_topology']['pool_readers']} pool readers, {r['released_topology']['candidate_use']} "
-             f"candidate users; 2 x 24 Engram heads) | "
-             f"{'equal' if r['released_topology']['layers_equal'] and r['released_topology']['engram_config_equal'] else 'DIFFERENT'} | |",
-             f"| Engram head table sizes + hash multipliers | {'equal' if t['engram_config_equal'] else 'DIFFERENT'} | "
-             f"{t['engram_control']}: {'equal (control failed)' if t['control_engram_equal'] else 'differs'} |",
-             f"| compressed vocabulary ({r['token_map']['size']} -> {r['token_map']['compressed']}) | "
-             f"{'equal' if r['token_map']['equal'] else 'DIFFERENT'} | |",
-             f"| n-gram hash rows {h['shape']} | {'equal' if h['equal'] else 'DIFFERENT'} | {h['control']}: "
-             f"{h['control_rows_differing']} rows at {h['control_positions_differing']} positions differ |",
-             f"| Engram layer output (fp32) | max abs {e['exllamav3_vs_oracle']['max_abs']:.2e} (rel "
-             f"{e['exllamav3_vs_oracle']['rel_max']:.1e}) | max abs {e['control_vs_oracle']['max_abs']:.2e} |"]
+    lines += [
+        f"| layer topology ({len(t['oracle']['layers'])} layers: type, ratio, KV pool source/owner, indexer "
+        f"full/shared, candidate role + blocks, index_topk, q-head norm, carry_pre, Engram placement) | "
+        f"{'equal' if t['layers_equal'] else 'DIFFERENT'} | {t['control']}: "
+        f"{'equal (control failed)' if t['control_layers_equal'] else 'differs'} |",
+        f"| the same on DeepSeek-V4.1-Flash's config ({r['released_topology']['layers']} layers: "
+        f"{r['released_topology']['full']} full / {r['released_topology']['shared']} shared indexers, "
+        f"{r['released_topology']['pool_readers']} pool readers, {r['released_topology']['candidate_use']} "
+        f"candidate users; 2 x 24 Engram heads) | "
+        f"{'equal' if r['released_topology']['layers_equal'] and r['released_topology']['engram_config_equal'] else 'DIFFERENT'} | |",
+        f"| Engram head table sizes + hash multipliers | {'equal' if t['engram_config_equal'] else 'DIFFERENT'} | "
+        f"{t['engram_control']}: {'equal (control failed)' if t['control_engram_equal'] else 'differs'} |",
+        f"| compressed vocabulary ({r['token_map']['size']} -> {r['token_map']['compressed']}) | "
+        f"{'equal' if r['token_map']['equal'] else 'DIFFERENT'} | |",
+        f"| n-gram hash rows {h['shape']} | {'equal' if h['equal'] else 'DIFFERENT'} | {h['control']}: "
+        f"{h['control_rows_differing']} rows at {h['control_positions_differing']} positions differ |",
+        f"| Engram layer output (fp32) | max abs {e['exllamav3_vs_oracle']['max_abs']:.2e} (rel "
+        f"{e['exllamav3_vs_oracle']['rel_max']:.1e}) | max abs {e['control_vs_oracle']['max_abs']:.2e} |",
+    ]
     lines += present_lines(r, {"trtllm_engram_gate": engram_gate_row, "candidate_blocks": candidate_blocks_row})
     return "\n".join(lines)
 
@@ -568,7 +592,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trtllm-src", type=Path, help="folder with TensorRT-LLM's modules/engram/functional.py "
                     "(default: $FIDELITY_V41_TRTLLM_SRC or .devcarry/v41indep/trtllm_src)")
     ap.add_argument("--gate-device", default="cpu", help="where TensorRT-LLM's gate runs (cuda: its Triton kernel)")
-    ap.add_argument("--gate-only", action="store_true", help="only TensorRT-LLM's Engram gate (e.g. with --gate-device cuda)")
+    ap.add_argument(
+        "--gate-only", action="store_true", help="only TensorRT-LLM's Engram gate (e.g. with --gate-device cuda)"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.gate_only:

@@ -783,8 +783,15 @@ def table(r: dict) -> str:
              f"{s['length']} random token ids ({s['rows'] * (s['length'] - 1):,} scored); device {s['device']} "
              f"({m['gpu'] or 'no GPU'}), {m['cpus']} CPUs, torch {m['torch']}, transformers {m['transformers']}, "
              f"{m['date_utc']}", ""]
-    lines += header("stage", "wall s", "realscale predicts s (+ measured overheads)",
-                    "measured / predicted (/ with overheads)", "GPU peak GiB (nvidia-smi)", "host peak RSS GiB", "writes")
+    lines += header(
+        "stage",
+        "wall s",
+        "realscale predicts s (+ measured overheads)",
+        "measured / predicted (/ with overheads)",
+        "GPU peak GiB (nvidia-smi)",
+        "host peak RSS GiB",
+        "writes",
+    )
     passes = 1 + s["noise_floor"] + s["numerics_floor"]
     rows = [("build", "build packs (--child build)", None, None,
              f"REF {gb(b.get('ref_bytes'))}, PACK {gb(b.get('pack_bytes'))}"),

@@ -59,10 +59,25 @@ def load(source: Path):
 
 
 # codec._decode_weights_triton's launch: int16 trellis, int32 tables, int8 +-1 Hadamard, fp16 scales, fp32 out
-EXL3_SIGNATURE = {"trellis_ptr": "*i16", "int_table_ptr": "*i32", "hi_ptr": "*i32", "lo_ptr": "*i32", "shift_ptr": "*i32",
-                  "hadamard_ptr": "*i8", "svh_ptr": "*fp16", "suh_ptr": "*fp16", "out_ptr": "*fp32", "n_tiles_n": "i32",
-                  "out_rows": "i32", "out_cols": "i32", "inv_scale_ptr": "*fp64", "trellis_stride": "i32",
-                  "svh_stride": "i32", "suh_stride": "i32", "out_stride": "i32"}
+EXL3_SIGNATURE = {
+    "trellis_ptr": "*i16",
+    "int_table_ptr": "*i32",
+    "hi_ptr": "*i32",
+    "lo_ptr": "*i32",
+    "shift_ptr": "*i32",
+    "hadamard_ptr": "*i8",
+    "svh_ptr": "*fp16",
+    "suh_ptr": "*fp16",
+    "out_ptr": "*fp32",
+    "n_tiles_n": "i32",
+    "out_rows": "i32",
+    "out_cols": "i32",
+    "inv_scale_ptr": "*fp64",
+    "trellis_stride": "i32",
+    "svh_stride": "i32",
+    "suh_stride": "i32",
+    "out_stride": "i32",
+}
 
 
 def fingerprint(kernel, constexprs: dict, arch: int, warps: int, signature: dict = SIGNATURE,

@@ -104,8 +104,12 @@ def main():
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = rows[0]
     mib = lambda b: b / 2**20
-    print(f"synthetic Llama, SmolLM2-135M geometry, {args.layers} layers, {args.device}, {args.threads} threads; baseline: T = {base['T']}")
-    print("| tokens | peak growth (RSS, or CUDA allocator) | bound | growth / baseline's | forward | head + reduction | per layer and 1k tokens |")
+    print(
+        f"synthetic Llama, SmolLM2-135M geometry, {args.layers} layers, {args.device}, {args.threads} threads; baseline: T = {base['T']}"
+    )
+    print(
+        "| tokens | peak growth (RSS, or CUDA allocator) | bound | growth / baseline's | forward | head + reduction | per layer and 1k tokens |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         growth = r["peak"] - r["base"]

@@ -112,8 +112,14 @@ def main(argv=None) -> int:
     b = a + 0.05 * torch.randn(n, v, device=device, generator=g)
     targets = torch.randint(0, v, (n,), device=device, generator=g)
     nbytes = 2 * a.numel() * 4
-    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__, "triton": triton.__version__,
-           "positions": n, "vocab": v, "GB_read": nbytes / 1e9}
+    res = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "positions": n,
+        "vocab": v,
+        "GB_read": nbytes / 1e9,
+    }
     dst = torch.empty_like(a)
     copy_s = timed(lambda: (dst.copy_(a), dst.copy_(b)), args.repeat)      # reads and writes nbytes each
     res["copy_GBps"] = 2 * nbytes / copy_s / 1e9
@@ -144,8 +150,10 @@ def main(argv=None) -> int:
                     row[f"{name}_top1_topk_equal_torch"] = bool(torch.equal(got[1], want[1]))
                     if plain is None:
                         plain = got
-                    else:      # the same arithmetic in the same order, other top lists: bit-identical to the first run
-                        row[f"{name}_bit_identical"] = bool(torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]))
+                    else:  # the same arithmetic in the same order, other top lists: bit-identical to the first run
+                        row[f"{name}_bit_identical"] = bool(
+                            torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+                        )
                 else:
                     cols = (torch.empty(n, 6, dtype=torch.float64, device=device),
                             torch.empty(n, 2, dtype=torch.int64, device=device))
@@ -160,8 +168,11 @@ def main(argv=None) -> int:
 
     def cell(ms):
         return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
-    print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
-          f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
+
+    print(
+        f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
+        f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes"
+    )
     variants = ("kernel_alone", "kernel_top5", "kernel_top2")
     names = {"kernel_alone": "alone", "kernel_top5": "+ top-5 (lists of 5)", "kernel_top2": "+ top-5 (lists of 2)"}
     ahead = {"": "", "_prefetch": ", 1 block ahead", "_ahead2": ", 2 ahead"}
@@ -242,10 +253,15 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
 
     def cell(ms):
         return "-" if ms is None else f"{ms:.2f} ms ({nbytes / (ms / 1e3) / bw * 100:.0f} %)"
-    print(f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
-          f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes")
-    print("| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion[:e6|e8][:lean][:u1|u2]) | metric step with top-5 | max KL diff vs torch "
-          "| top-1 / topk_match equal torch | bit-identical to the first (max relative difference) |")
+
+    print(
+        f"{res['device']}, torch {res['torch']}, Triton {res['triton']}: {n} x {v} float32 x 2 = {nbytes / 1e9:.2f} GB "
+        f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes"
+    )
+    print(
+        "| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion[:e6|e8][:lean][:u1|u2]) | metric step with top-5 | max KL diff vs torch "
+        "| top-1 / topk_match equal torch | bit-identical to the first (max relative difference) |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for r in rows_out:
         if "error" in r:
@@ -254,8 +270,10 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
             print(f"| {r['variant']} | {cell(r['ms'])} | {r['max_kl_diff_vs_torch']:.1e} | {r['top_equal_torch']} "
                   f"| {r['bit_identical_to_first']} ({r['max_rel_diff_vs_first']:.1e}) |")
     for f in floors:
-        print(f"float64 math alone {f['shape']}: with F2F {cell(f['fp64_math_f2f_e6_ms'])}, with bits "
-              f"{cell(f['fp64_math_bits_e6_ms'])}, with bits and the 256-entry exp table {cell(f['fp64_math_bits_e8_ms'])}")
+        print(
+            f"float64 math alone {f['shape']}: with F2F {cell(f['fp64_math_f2f_e6_ms'])}, with bits "
+            f"{cell(f['fp64_math_bits_e6_ms'])}, with bits and the 256-entry exp table {cell(f['fp64_math_bits_e8_ms'])}"
+        )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "metric_kernel_sweep.json").write_text(json.dumps(res, indent=1))

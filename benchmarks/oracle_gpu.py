@@ -72,7 +72,9 @@ def make_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     for name, shape in llama_shapes(cfg).items():
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         x = torch.randn(shape, generator=g)
-        out[name] = x.mul_(0.1).add_(1.0) if len(shape) == 1 else (x if "embed" in name else x.div_(math.sqrt(shape[1])))
+        out[name] = (
+            x.mul_(0.1).add_(1.0) if len(shape) == 1 else (x if "embed" in name else x.div_(math.sqrt(shape[1])))
+        )
     return out
 
 

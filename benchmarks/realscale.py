@@ -96,9 +96,18 @@ V4_DEFAULTS = dict(
 
 
 def v4_config(geometry: dict, experts: int, layers: int = 1) -> dict:
-    cfg = {**V4_DEFAULTS, **geometry, "n_routed_experts": experts, "num_hidden_layers": layers, "vocab_size": 256,
-           "layer_types": ["compressed_sparse_attention"] * layers, "mlp_layer_types": ["moe"] * layers, "bos_token_id": None,
-           "eos_token_id": None, "tie_word_embeddings": False}
+    cfg = {
+        **V4_DEFAULTS,
+        **geometry,
+        "n_routed_experts": experts,
+        "num_hidden_layers": layers,
+        "vocab_size": 256,
+        "layer_types": ["compressed_sparse_attention"] * layers,
+        "mlp_layer_types": ["moe"] * layers,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "tie_word_embeddings": False,
+    }
     rot = cfg["partial_rotary_factor"]
     for site in cfg["rope_parameters"].values():
         site["partial_rotary_factor"] = rot
@@ -120,15 +129,30 @@ def v4_shapes(cfg: dict) -> dict[str, tuple]:
 def v4_layer_shapes(cfg: dict, p: str) -> dict[str, tuple]:
     h, heads, hd, hc = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"], cfg["hc_mult"]
     q_rank, o_rank, groups = cfg["q_lora_rank"], cfg["o_lora_rank"], cfg["o_groups"]
-    ih, ihd, inter, E = cfg["index_n_heads"], cfg["index_head_dim"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    ih, ihd, inter, E = (
+        cfg["index_n_heads"],
+        cfg["index_head_dim"],
+        cfg["moe_intermediate_size"],
+        cfg["n_routed_experts"],
+    )
     ratio = cfg["compress_rates"]["compressed_sparse_attention"]
     mix = (2 + hc) * hc
-    out = {f"{p}.attn.attn_sink": (heads,), f"{p}.attn.kv_norm.weight": (hd,), f"{p}.attn.q_norm.weight": (q_rank,),
-           f"{p}.attn.wkv.weight": (hd, h), f"{p}.attn.wq_a.weight": (q_rank, h), f"{p}.attn.wq_b.weight": (heads * hd, q_rank),
-           f"{p}.attn.wo_a.weight": (groups * o_rank, heads * hd // groups), f"{p}.attn.wo_b.weight": (h, groups * o_rank),
-           f"{p}.attn.indexer.weights_proj.weight": (ih, h), f"{p}.attn.indexer.wq_b.weight": (ih * ihd, q_rank),
-           f"{p}.attn_norm.weight": (h,), f"{p}.ffn_norm.weight": (h,), f"{p}.ffn.gate.bias": (E,),
-           f"{p}.ffn.gate.weight": (E, h)}
+    out = {
+        f"{p}.attn.attn_sink": (heads,),
+        f"{p}.attn.kv_norm.weight": (hd,),
+        f"{p}.attn.q_norm.weight": (q_rank,),
+        f"{p}.attn.wkv.weight": (hd, h),
+        f"{p}.attn.wq_a.weight": (q_rank, h),
+        f"{p}.attn.wq_b.weight": (heads * hd, q_rank),
+        f"{p}.attn.wo_a.weight": (groups * o_rank, heads * hd // groups),
+        f"{p}.attn.wo_b.weight": (h, groups * o_rank),
+        f"{p}.attn.indexer.weights_proj.weight": (ih, h),
+        f"{p}.attn.indexer.wq_b.weight": (ih * ihd, q_rank),
+        f"{p}.attn_norm.weight": (h,),
+        f"{p}.ffn_norm.weight": (h,),
+        f"{p}.ffn.gate.bias": (E,),
+        f"{p}.ffn.gate.weight": (E, h),
+    }
     for comp, width in ((f"{p}.attn.compressor", hd), (f"{p}.attn.indexer.compressor", ihd)):
         out.update({f"{comp}.ape": (ratio, 2 * width), f"{comp}.norm.weight": (width,),
                     f"{comp}.wgate.weight": (2 * width, h), f"{comp}.wkv.weight": (2 * width, h)})
@@ -214,8 +238,12 @@ class RandomTrellis:
         out_f, in_f = weight.shape
         k_p, n_p = -(-in_f // self.HAD) * self.HAD, -(-out_f // self.HAD) * self.HAD
         su = self._signs(k_p) / (math.sqrt(in_f) * self.unit_std)
-        return {"trellis": self._trellis(k_p, n_p, K).cpu(), "suh": su.half().cpu(), "svh": self._signs(n_p).half().cpu(),
-                **{k: v.clone() for k, v in self.marker.items()}}
+        return {
+            "trellis": self._trellis(k_p, n_p, K).cpu(),
+            "suh": su.half().cpu(),
+            "svh": self._signs(n_p).half().cpu(),
+            **{k: v.clone() for k, v in self.marker.items()},
+        }
 
 
 def expert_k_string(n_experts: int, seed: int = 3) -> str:
@@ -253,7 +281,11 @@ def build_layer_pack(arch: str, geometry: dict, v41_extra: dict, experts: int, w
     native = WithExperts(open_pack(native_dir), expert_shapes)
     out = write_v4_minipack(native, "deepseek_v41_exl3", work / f"{arch}-exl3", spec, RandomTrellis(device))
     mix = {k: spec.expert_k.count(str(k)) for k in SEED_K_COUNTS}
-    return out, {"experts": experts, "expert_k_mix": mix, "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    return out, {
+        "experts": experts,
+        "expert_k_mix": mix,
+        "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+    }
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------
@@ -387,30 +419,63 @@ def bench_layer(arch: str, args, device, work: Path) -> dict:
         del h
         n_tok = n_rows * length
         f = layer_flops_per_token(pack.config, length) * n_tok
-        shapes.append({"rows": n_rows, "length": length, "activation_gib": gib, "first_pass_s": first_s,
-                       "compute_s": s, "tokens_per_s": n_tok / s,
-                       "tflops": f / s / 1e12, "compute_x_matmul_floor": s / (f / rate),
-                       "finite": finite_more,
-                       "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-                       "host_peak_rss_GiB": host_peak_rss_gib(), "activations": activations,
-                       "first_pass_activations": first_activations, "host_alloc_s": alloc_s,
-                       "output_GiB": h_bytes / 2**30, "output_on": h_device,
-                       "panel_40_layers_compute_min": (LAYERS * (s - alloc_s) + alloc_s) * PANEL_TOKENS / n_tok / 60,
-                       "panel_40_layers_compute_min_allocs_every_layer": LAYERS * s * PANEL_TOKENS / n_tok / 60})
+        shapes.append(
+            {
+                "rows": n_rows,
+                "length": length,
+                "activation_gib": gib,
+                "first_pass_s": first_s,
+                "compute_s": s,
+                "tokens_per_s": n_tok / s,
+                "tflops": f / s / 1e12,
+                "compute_x_matmul_floor": s / (f / rate),
+                "finite": finite_more,
+                "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                "host_peak_rss_GiB": host_peak_rss_gib(),
+                "activations": activations,
+                "first_pass_activations": first_activations,
+                "host_alloc_s": alloc_s,
+                "output_GiB": h_bytes / 2**30,
+                "output_on": h_device,
+                "panel_40_layers_compute_min": (LAYERS * (s - alloc_s) + alloc_s) * PANEL_TOKENS / n_tok / 60,
+                "panel_40_layers_compute_min_allocs_every_layer": LAYERS * s * PANEL_TOKENS / n_tok / 60,
+            }
+        )
     oracle.activation_budget = budget
     numerics_cost = None
     if args.numerics_cost:
         oracle.release()
         del oracle
         numerics_cost = time_numerics(pack, rows, device, budget, args)
-    return {"arch": arch, **info, "shapes": shapes, "numerics_cost": numerics_cost, "build_s": build_s, "read_s": read_s, "read_GiB": read_bytes / 2**30,
-            "engram_rows_s": engram_s, "experts_pass": expert_decodes, "load_s": load_s, "decode_s": max(0.0, load_s - read_s), "expert_matrix_load_ms": per_matrix_s * 1e3,
-            "layer_load_at_384_s": panel_load, "compute_s": compute_s, "tokens": tokens,
-            "tokens_per_s": tokens / compute_s, "tflops": flops / compute_s / 1e12, "floor_s": floor,
-            "x_floor": (load_s + compute_s) / floor, "compute_x_matmul_floor": compute_s / (flops / rate),
-            "device_decode_one_matrix_ms": decode_one * 1e3, "gpu_peak_GiB": peak / 2**30 if peak else None,
-            "finite": finite, "profile": profile, "panel_40x384_serial_min": serial / 60, "panel_40x384_overlapped_min": overlapped / 60,
-            "panel_floor_min": floor_panel / 60}
+    return {
+        "arch": arch,
+        **info,
+        "shapes": shapes,
+        "numerics_cost": numerics_cost,
+        "build_s": build_s,
+        "read_s": read_s,
+        "read_GiB": read_bytes / 2**30,
+        "engram_rows_s": engram_s,
+        "experts_pass": expert_decodes,
+        "load_s": load_s,
+        "decode_s": max(0.0, load_s - read_s),
+        "expert_matrix_load_ms": per_matrix_s * 1e3,
+        "layer_load_at_384_s": panel_load,
+        "compute_s": compute_s,
+        "tokens": tokens,
+        "tokens_per_s": tokens / compute_s,
+        "tflops": flops / compute_s / 1e12,
+        "floor_s": floor,
+        "x_floor": (load_s + compute_s) / floor,
+        "compute_x_matmul_floor": compute_s / (flops / rate),
+        "device_decode_one_matrix_ms": decode_one * 1e3,
+        "gpu_peak_GiB": peak / 2**30 if peak else None,
+        "finite": finite,
+        "profile": profile,
+        "panel_40x384_serial_min": serial / 60,
+        "panel_40x384_overlapped_min": overlapped / 60,
+        "panel_floor_min": floor_panel / 60,
+    }
 
 
 def time_numerics(pack, rows, device, budget, args) -> dict:
@@ -478,11 +543,16 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
             _, out = oracle._forward(rows, False)
         sync(device)
         loads = {t.layer: t for t in list(oracle.prefetcher.timeline)[-n:]} if oracle.prefetcher else None
-        return {"warm_up_s": warm_up_s, "pass_s": time.perf_counter() - start, "spans": [ends[i] - (ends[i - 1] if i else start) for i in range(n)],
-                "out": [x.cpu() for x in out], "loads": loads,
-                "offloaded": (oracle.last_forward or {}).get("offloaded_batches", 0),
-                "experts": (oracle.last_forward or {}).get("experts"),
-                "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+        return {
+            "warm_up_s": warm_up_s,
+            "pass_s": time.perf_counter() - start,
+            "spans": [ends[i] - (ends[i - 1] if i else start) for i in range(n)],
+            "out": [x.cpu() for x in out],
+            "loads": loads,
+            "offloaded": (oracle.last_forward or {}).get("offloaded_batches", 0),
+            "experts": (oracle.last_forward or {}).get("experts"),
+            "gpu_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        }
 
     eager = None
     if args.eager_experts:
@@ -514,37 +584,57 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
                  "wait_s": [eager["loads"][i].wait_s for i in range(n)],
                  "build_s": [eager["loads"][i].build_s for i in range(n)],
                  "equals_prefetch": all(torch.equal(a, b) for a, b in zip(eager["out"], lazy["out"]))}
-    return {"arch": arch, **info, "layers": n, "rows": args.rows, "length": args.length, "build_s": build_s,
-            "read_s": read_s, "read_GiB": read_bytes / 2**30, "pass_prefetch_s": lazy["pass_s"],
-            "pass_first_resident_s": resident["warm_up_s"], "pass_resident_s": resident["pass_s"], "per_layer": per_layer,
-            "exl3_kernel_variants": {"after_prefetch_pass": variants_after_prefetch, "after_all": exl3_kernel_variants()},
-            "prefetch_equals_resident": all(torch.equal(a, b) for a, b in zip(lazy["out"], resident["out"])),
-            "finite": all(bool(torch.isfinite(a).all()) for a in lazy["out"]), "eager_experts": eager,
-            # spans compare alike only when neither pass held activation batches in host memory: [0, 0]
-            "offloaded_batches_prefetch_resident": [lazy["offloaded"], resident["offloaded"]],
-            "experts_prefetch": lazy["experts"], "experts_resident": resident["experts"],
-            "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in per_layer[1:]),
-            "gpu_peak_prefetch_GiB": lazy["gpu_peak_GiB"], "gpu_peak_resident_GiB": resident["gpu_peak_GiB"],
-            "host_peak_rss_GiB": rss_prefetch}
+    return {
+        "arch": arch,
+        **info,
+        "layers": n,
+        "rows": args.rows,
+        "length": args.length,
+        "build_s": build_s,
+        "read_s": read_s,
+        "read_GiB": read_bytes / 2**30,
+        "pass_prefetch_s": lazy["pass_s"],
+        "pass_first_resident_s": resident["warm_up_s"],
+        "pass_resident_s": resident["pass_s"],
+        "per_layer": per_layer,
+        "exl3_kernel_variants": {"after_prefetch_pass": variants_after_prefetch, "after_all": exl3_kernel_variants()},
+        "prefetch_equals_resident": all(torch.equal(a, b) for a, b in zip(lazy["out"], resident["out"])),
+        "finite": all(bool(torch.isfinite(a).all()) for a in lazy["out"]),
+        "eager_experts": eager,
+        # spans compare alike only when neither pass held activation batches in host memory: [0, 0]
+        "offloaded_batches_prefetch_resident": [lazy["offloaded"], resident["offloaded"]],
+        "experts_prefetch": lazy["experts"],
+        "experts_resident": resident["experts"],
+        "later_layers_visible_below_compute": all(r["visible_load_s"] < r["span_resident_s"] for r in per_layer[1:]),
+        "gpu_peak_prefetch_GiB": lazy["gpu_peak_GiB"],
+        "gpu_peak_resident_GiB": resident["gpu_peak_GiB"],
+        "host_peak_rss_GiB": rss_prefetch,
+    }
 
 
 def pipeline_table(results: list[dict]) -> str:
     lines = []
     for r in results:
-        lines += ["", f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, {r['rows']} x {r['length']} tokens, "
-                  f"{r['read_GiB']:.1f} GiB stored; pass with prefetch {r['pass_prefetch_s']:.2f} s, resident "
-                  f"(every layer decoded, second pass) {r['pass_resident_s']:.2f} s; GPU peak "
-                  + (f"{r['gpu_peak_prefetch_GiB']:.1f} / {r['gpu_peak_resident_GiB']:.1f} GiB"
-                     if r["gpu_peak_prefetch_GiB"] is not None else "-")
-                  + f", host peak RSS {r['host_peak_rss_GiB']:.1f} GiB; outputs of both passes equal: "
-                  f"{r['prefetch_equals_resident']}; activation batches in host memory (prefetch, resident): "
-                  f"{r['offloaded_batches_prefetch_resident']}"
-                  + expert_line(r.get("experts_prefetch"), "; routed experts, prefetch pass")
-                  + expert_line(r.get("experts_resident"), "; resident pass"),
-                  "",
-                  "| layer | staged GiB (left out) | stage s (loader) | build s (loader) | wait s (compute thread) | "
-                  "span with prefetch s | span resident s (compute) | visible load s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"{r['arch']}: {r['layers']} layers x {r['experts']} experts, {r['rows']} x {r['length']} tokens, "
+            f"{r['read_GiB']:.1f} GiB stored; pass with prefetch {r['pass_prefetch_s']:.2f} s, resident "
+            f"(every layer decoded, second pass) {r['pass_resident_s']:.2f} s; GPU peak "
+            + (
+                f"{r['gpu_peak_prefetch_GiB']:.1f} / {r['gpu_peak_resident_GiB']:.1f} GiB"
+                if r["gpu_peak_prefetch_GiB"] is not None
+                else "-"
+            )
+            + f", host peak RSS {r['host_peak_rss_GiB']:.1f} GiB; outputs of both passes equal: "
+            f"{r['prefetch_equals_resident']}; activation batches in host memory (prefetch, resident): "
+            f"{r['offloaded_batches_prefetch_resident']}"
+            + expert_line(r.get("experts_prefetch"), "; routed experts, prefetch pass")
+            + expert_line(r.get("experts_resident"), "; resident pass"),
+            "",
+            "| layer | staged GiB (left out) | stage s (loader) | build s (loader) | wait s (compute thread) | "
+            "span with prefetch s | span resident s (compute) | visible load s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for x in r["per_layer"]:
             lines.append(f"| {x['layer']} | {x['staged_GiB']:.2f} ({x['unstaged_GiB']:.2f}) | {x['stage_s']:.3f} | "
                          f"{x['build_s']:.3f} | {x['wait_s']:.3f} | {x['span_prefetch_s']:.3f} | "
@@ -707,8 +797,11 @@ def bench_head(args, device) -> dict:
         out[f"kernel_{name}_max_kl_diff_vs_torch"] = float((got[0][:, :2] - want[0][:, :2]).abs().max())
         out[f"kernel_{name}_top1_equal_torch"] = bool(torch.equal(got[1], want[1]))
         out[f"kernel_{name}_topk_match_equal_torch"] = bool(torch.equal(got[1][:, 2], want[1][:, 2]))
-    if device.type == "cuda" and metrics._triton_kernel() is not None:   # the fused kernel alone (no top-K lists)
-        cols = torch.empty(n, 6, dtype=torch.float64, device=device), torch.empty(n, 2, dtype=torch.int64, device=device)
+    if device.type == "cuda" and metrics._triton_kernel() is not None:  # the fused kernel alone (no top-K lists)
+        cols = (
+            torch.empty(n, 6, dtype=torch.float64, device=device),
+            torch.empty(n, 2, dtype=torch.int64, device=device),
+        )
         for shift, magic in (("running", False), ("running", True), ("fixed", False), ("fixed", True)):
             key = "fused_kernel_only" + ("" if (shift, magic) == ("running", False) else
                                          f"_shift_{shift}" + ("_magic" if magic else ""))
@@ -965,8 +1058,14 @@ def host_alloc_line(a: dict) -> str:
     if not a.get("host_allocs"):
         return ""
     pool = a.get("pinned_pool")
-    grew = "" if not pool else (f"; pinned pool grew by {pool['new_blocks']} blocks in {pool['new_block_seconds']:.2f} s,"
-                                f" holds {pool['reserved_bytes'] / 2**30:.1f} GiB more")
+    grew = (
+        ""
+        if not pool
+        else (
+            f"; pinned pool grew by {pool['new_blocks']} blocks in {pool['new_block_seconds']:.2f} s,"
+            f" holds {pool['reserved_bytes'] / 2**30:.1f} GiB more"
+        )
+    )
     return (f" ({a['host_allocs']} host buffers, {a['host_alloc_bytes'] / 2**30:.1f} GiB, allocated in "
             f"{a['host_alloc_seconds']:.2f} s{grew})")
 
@@ -976,16 +1075,24 @@ def activation_line(a: dict) -> str:
         return ""
     gib = 2**30
     budget = "all" if a.get("budget_bytes") is None else f"{a['budget_bytes'] / gib:.1f} GiB"
-    return (f"; activations: {a.get('offloaded_batches', 0)} of {a.get('offloaded_batches', 0) + a.get('resident_batches', 0)}"
-            f" batches in host memory ({a.get('host_activation_bytes', 0) / gib:.1f} GiB), device peak "
-            f"{a.get('peak_device_activation_bytes', 0) / gib:.1f} GiB of budget {budget}, moved "
-            f"{a.get('moved_bytes', 0) / gib:.1f} GiB")
+    return (
+        f"; activations: {a.get('offloaded_batches', 0)} of {a.get('offloaded_batches', 0) + a.get('resident_batches', 0)}"
+        f" batches in host memory ({a.get('host_activation_bytes', 0) / gib:.1f} GiB), device peak "
+        f"{a.get('peak_device_activation_bytes', 0) / gib:.1f} GiB of budget {budget}, moved "
+        f"{a.get('moved_bytes', 0) / gib:.1f} GiB"
+    )
 
 
 def table(results: dict) -> str:
-    lines = [] if not results["layers"] else ["| layer | experts | read s | load s (read+decode+copy) | compute s | tokens/s | TFLOP/s | x floor | "
-             "GPU peak GiB | 317k x 40 layers x 384: serial / overlapped / floor min |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = (
+        []
+        if not results["layers"]
+        else [
+            "| layer | experts | read s | load s (read+decode+copy) | compute s | tokens/s | TFLOP/s | x floor | "
+            "GPU peak GiB | 317k x 40 layers x 384: serial / overlapped / floor min |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+    )
     for r in results["layers"]:
         peak = f"{r['gpu_peak_GiB']:.1f}" if r["gpu_peak_GiB"] is not None else "-"
         lines.append(f"| {r['arch']} | {r['experts']} | {r['read_s']:.2f} | {r['load_s']:.2f} | {r['compute_s']:.2f} | "
@@ -1005,19 +1112,31 @@ def table(results: dict) -> str:
                          f"{r['engram_rows_s']:.3f} s of the {r['compute_s']:.2f} s compute")
         for x in r.get("shapes", []):
             budget = "" if x.get("activation_gib") is None else f", activation budget {x['activation_gib']:g} GiB"
-            lines.append(f"  {r['arch']} at {x['rows']} x {x['length']}{budget}: first pass {x['first_pass_s']:.2f} s"
-                         + host_alloc_line(x.get("first_pass_activations") or {}) + f", then compute {x['compute_s']:.2f} s"
-                         + host_alloc_line(x.get("activations") or {}) + ", "
-                         f"{x['tokens_per_s']:.0f} tokens/s, {x['tflops']:.1f} TFLOP/s, {x['compute_x_matmul_floor']:.1f}x "
-                         f"the matmul floor, 40 layers' compute at 317k tokens {x['panel_40_layers_compute_min']:.1f} min"
-                         + (f" (host allocations once per forward; {x['panel_40_layers_compute_min_allocs_every_layer']:.1f}"
-                            f" min if every layer paid them)" if x.get("host_alloc_s") else "")
-                         + (f", GPU peak {x['gpu_peak_GiB']:.1f} GiB" if x["gpu_peak_GiB"] is not None else "")
-                         + f", host peak RSS (process) {x['host_peak_rss_GiB']:.1f} GiB"
-                         + (f" (GPU + host {x['gpu_peak_GiB'] + x['host_peak_rss_GiB']:.1f} GiB: one pool on a "
-                            f"unified-memory machine)" if x["gpu_peak_GiB"] is not None else "")
-                         + activation_line(x.get("activations") or {})
-                         + expert_line((x.get("activations") or {}).get("experts"), "; routed experts"))
+            lines.append(
+                f"  {r['arch']} at {x['rows']} x {x['length']}{budget}: first pass {x['first_pass_s']:.2f} s"
+                + host_alloc_line(x.get("first_pass_activations") or {})
+                + f", then compute {x['compute_s']:.2f} s"
+                + host_alloc_line(x.get("activations") or {})
+                + ", "
+                f"{x['tokens_per_s']:.0f} tokens/s, {x['tflops']:.1f} TFLOP/s, {x['compute_x_matmul_floor']:.1f}x "
+                f"the matmul floor, 40 layers' compute at 317k tokens {x['panel_40_layers_compute_min']:.1f} min"
+                + (
+                    f" (host allocations once per forward; {x['panel_40_layers_compute_min_allocs_every_layer']:.1f}"
+                    f" min if every layer paid them)"
+                    if x.get("host_alloc_s")
+                    else ""
+                )
+                + (f", GPU peak {x['gpu_peak_GiB']:.1f} GiB" if x["gpu_peak_GiB"] is not None else "")
+                + f", host peak RSS (process) {x['host_peak_rss_GiB']:.1f} GiB"
+                + (
+                    f" (GPU + host {x['gpu_peak_GiB'] + x['host_peak_rss_GiB']:.1f} GiB: one pool on a "
+                    f"unified-memory machine)"
+                    if x["gpu_peak_GiB"] is not None
+                    else ""
+                )
+                + activation_line(x.get("activations") or {})
+                + expert_line((x.get("activations") or {}).get("experts"), "; routed experts")
+            )
     h = results["head"]
     if h:
         lines += ["", f"head + metrics, {h['positions']} positions x vocab {h['vocab']}: plain GEMMs "
@@ -1026,15 +1145,19 @@ def table(results: dict) -> str:
                   f"with a stored top-K {h['head_metrics_with_store_s']:.3f} s ({h['with_store_x_plain_gemms']:.2f}x); "
                   f"317k positions: {h['panel_317k_head_metrics_min']:.2f} min"]
         for name in [k[len("kernel_"):-len("_s")] for k in h if k.startswith("kernel_") and k.endswith("_s")]:
-            lines.append(f"metric kernel ({name}): {h[f'kernel_{name}_s'] * 1e3:.2f} ms, "
-                         f"{h[f'kernel_{name}_GBps']:.0f} GB/s = {100 * h[f'kernel_{name}_x_copy_bw']:.0f} % "
-                         f"of the measured copy bandwidth ({h['device_copy_GBps']:.0f} GB/s); KL vs torch path "
-                         f"{h[f'kernel_{name}_max_kl_diff_vs_torch']:.1e}, top-1 equal: {h[f'kernel_{name}_top1_equal_torch']}"
-                         f", topk_match equal: {h.get(f'kernel_{name}_topk_match_equal_torch')}")
+            lines.append(
+                f"metric kernel ({name}): {h[f'kernel_{name}_s'] * 1e3:.2f} ms, "
+                f"{h[f'kernel_{name}_GBps']:.0f} GB/s = {100 * h[f'kernel_{name}_x_copy_bw']:.0f} % "
+                f"of the measured copy bandwidth ({h['device_copy_GBps']:.0f} GB/s); KL vs torch path "
+                f"{h[f'kernel_{name}_max_kl_diff_vs_torch']:.1e}, top-1 equal: {h[f'kernel_{name}_top1_equal_torch']}"
+                f", topk_match equal: {h.get(f'kernel_{name}_topk_match_equal_torch')}"
+            )
         for key in [k[:-len("_s")] for k in h if k.startswith("fused_kernel_only") and k.endswith("_s")]:
-            lines.append(f"fused Triton kernel alone (KL both ways, top-1/2, NLL; no top-5 lists){key[len('fused_kernel_only'):]}: "
-                         f"{h[f'{key}_s'] * 1e3:.2f} ms = {100 * h[f'{key}_x_copy_bw']:.0f} % of "
-                         f"the measured copy bandwidth")
+            lines.append(
+                f"fused Triton kernel alone (KL both ways, top-1/2, NLL; no top-5 lists){key[len('fused_kernel_only') :]}: "
+                f"{h[f'{key}_s'] * 1e3:.2f} ms = {100 * h[f'{key}_x_copy_bw']:.0f} % of "
+                f"the measured copy bandwidth"
+            )
         lines += [f"{k}: {v}" for k, v in h.items() if k.endswith("_error")]
         layers = {r["arch"]: r for r in results["layers"]}
         if "v41" in layers:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-# ../shared beside the checkout; FIDELITY_SHARED names another copy (the device machine, where ../shared does not travel)
+# ../shared beside the checkout; FIDELITY_SHARED names another copy (the device machine, where ../shared does not
+# travel)
 SHARED = Path(os.environ.get("FIDELITY_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 GOLDEN = SHARED / "golden" / "deepseek_v41"
 DSPARK_FIXTURE = "dspark_forward.json"

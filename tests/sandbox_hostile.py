@@ -36,19 +36,26 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "    if libc.mount(None, b'/', None, 32 | 4096, None) != 0:  # MS_REMOUNT | MS_BIND, read-write\n"
             "        raise OSError(ctypes.get_errno(), 'remount refused')\n"
             f"    open(os.path.join({host_tmp!r}, {m!r}), 'w').write('escaped')\n"
-            "    return 42\n", RETURNS_42),
+            "    return 42\n",
+            RETURNS_42,
+        ),
         "write-host-tmp": (
             "import os\n"
             "def answer():\n"
             f"    for d in ({host_tmp!r}, '/var/tmp', '/dev/shm', os.path.expanduser('~')):\n"
             f"        open(os.path.join(d, {m!r}), 'w').write('escaped')\n"
-            "    return 42\n", RETURNS_42),
+            "    return 42\n",
+            RETURNS_42,
+        ),
         "read-caller-0600-file": (
-            f"def answer():\n    return open({ctx['secret_file']!r}).read()\n", returns(ctx["secret"])),
+            f"def answer():\n    return open({ctx['secret_file']!r}).read()\n",
+            returns(ctx["secret"]),
+        ),
         "read-repo-file": (
             "import hashlib\n"
             f"def answer():\n    return hashlib.sha256(open({ctx['repo_file']!r}, 'rb').read()).hexdigest()\n",
-            returns(ctx["repo_sha256"])),
+            returns(ctx["repo_sha256"]),
+        ),
         "connect-host-unix-socket": (
             "import socket\n"
             "def answer():\n"
@@ -61,11 +68,15 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "            return 42\n"
             "        except OSError as e:\n"
             "            error = e\n"
-            "    raise error\n", RETURNS_42),
+            "    raise error\n",
+            RETURNS_42,
+        ),
         "connect-loopback-tcp": (
             "import socket\n"
             f"def answer():\n    socket.create_connection(('127.0.0.1', {ctx['tcp_port']}), timeout=2).sendall(b'leak')\n"
-            "    return 42\n", RETURNS_42),
+            "    return 42\n",
+            RETURNS_42,
+        ),
         "fork-bomb": ("import os\ndef answer():\n    while True:\n        os.fork()\n", RETURNS_42),
         "memory-bomb": ("def answer():\n    hog = bytearray(8 << 30)\n    return 42\n", RETURNS_42),
         "fork-8-children-of-200MB": (  # each child under the per-process limit, together over the sandbox's
@@ -86,12 +97,13 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "        if select.select([r], [], [], 0.1)[0]:\n"
             "            held += len(os.read(r, 8))\n"
             "    alive = sum(os.waitpid(pid, os.WNOHANG)[0] == 0 for pid in kids)\n"
-            "    return 42 if held == alive == 8 else (held, alive)\n", RETURNS_42),
+            "    return 42 if held == alive == 8 else (held, alive)\n",
+            RETURNS_42,
+        ),
         "300k-files-in-tmp": (
-            "def answer():\n"
-            "    for i in range(300_000):\n"
-            "        open(f'/tmp/f{i}', 'w').close()\n"
-            "    return 42\n", RETURNS_42),
+            "def answer():\n    for i in range(300_000):\n        open(f'/tmp/f{i}', 'w').close()\n    return 42\n",
+            RETURNS_42,
+        ),
         "infinite-loop": ("def answer():\n    while True:\n        pass\n", RETURNS_42),
         "setsid-sleeper": (
             "import os, time\n"
@@ -101,14 +113,18 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "        if os.fork() == 0:\n"
             "            time.sleep(3600)\n"
             "        os._exit(0)\n"
-            "    time.sleep(3600)\n", RETURNS_42),
+            "    time.sleep(3600)\n",
+            RETURNS_42,
+        ),
         "write-100-GB": (
             "def answer():\n"
             "    chunk = b'x' * (1 << 20)\n"
             "    with open('/tmp/big', 'wb') as f:\n"
             "        for _ in range(100 << 10):\n"
             "            f.write(chunk)\n"
-            "    return 42\n", RETURNS_42),
+            "    return 42\n",
+            RETURNS_42,
+        ),
         "read-concurrent-sandbox": (
             "import os, time\n"
             "def answer():\n"
@@ -122,7 +138,9 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "            except OSError:\n"
             "                pass\n"
             "        time.sleep(0.1)\n"
-            "    raise FileNotFoundError('no other sandbox in sight')\n", returns(ctx["peer_secret"])),
+            "    raise FileNotFoundError('no other sandbox in sight')\n",
+            returns(ctx["peer_secret"]),
+        ),
         "steal-the-expected-answer": (  # the test holds the secret; the candidate searches everything it can read
             "import os\n"
             "def answer():\n"
@@ -138,18 +156,24 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "                i = data.find(b'steal-')\n"
             "                if i >= 0:\n"
             "                    return data[i:i + 38].decode()\n"
-            "    raise LookupError('the test is nowhere to be read')\n", returns("steal-" + ctx["peer_secret"])),
+            "    raise LookupError('the test is nowhere to be read')\n",
+            returns("steal-" + ctx["peer_secret"]),
+        ),
         "forge-nonce-from-argv-and-excepthook": (
             "import sys\n"
             "sys.excepthook = lambda *exc: print('\\n'.join(sys.argv))\n"
             "print('\\n'.join(sys.argv))\n"
-            "def answer():\n    print('\\n'.join(sys.argv))\n    raise SystemExit(0)\n", RETURNS_42),
+            "def answer():\n    print('\\n'.join(sys.argv))\n    raise SystemExit(0)\n",
+            RETURNS_42,
+        ),
         "forge-os-exit-0": ("import os\ndef answer():\n    os._exit(0)\n", RETURNS_42),
         "forge-monkeypatched-assert": (
             "import builtins\n"
             "class Yes:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
             "builtins.AssertionError = type('Nope', (Exception,), {})\n"
-            "def answer():\n    return Yes()\n", RETURNS_42),
+            "def answer():\n    return Yes()\n",
+            RETURNS_42,
+        ),
         "forge-verdict-on-every-fd": (
             "import json, os\n"
             "def answer():\n"
@@ -159,8 +183,13 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
             "            os.write(fd, len(frame).to_bytes(8, 'little') + frame)\n"
             "        except OSError:\n"
             "            pass\n"
-            "    return 41\n", RETURNS_42),
-        "env-secret": (f"import os\ndef answer():\n    return os.environ.get({ctx['env_name']!r})\n", returns(ctx["env_secret"])),
+            "    return 41\n",
+            RETURNS_42,
+        ),
+        "env-secret": (
+            f"import os\ndef answer():\n    return os.environ.get({ctx['env_name']!r})\n",
+            returns(ctx["env_secret"]),
+        ),
     }
 
 

@@ -194,8 +194,15 @@ def test_cli_writes_the_api_numbers(packs, tmp_path):
     assert doc["summary"]["pack_kld_mean"] == api.summary["pack_kld_mean"]
     assert [r["kld_mean"] for r in doc["swaps"]] == [r["kld_mean"] for r in api.swaps]
     assert [r["layer"] for r in doc["sensitivity"]] == [2] and doc["summary"]["noise_levels"] == [0.01, 0.05]
-    assert doc["sensitivity"][0]["kld_mean"] == attribute(ref, pack, rows=tokens.tolist(), settings=Settings(
-        groups=["head"], noise_control=False, sensitivity_layers=[2], noise_levels=(0.01, 0.05))).sensitivity[0]["kld_mean"]
+    assert (
+        doc["sensitivity"][0]["kld_mean"]
+        == attribute(
+            ref,
+            pack,
+            rows=tokens.tolist(),
+            settings=Settings(groups=["head"], noise_control=False, sensitivity_layers=[2], noise_levels=(0.01, 0.05)),
+        ).sensitivity[0]["kld_mean"]
+    )
     import pandas as pd
     assert pd.read_parquet(tmp_path / "tables" / "swaps.parquet")["kld_mean"].tolist() == \
         [r["kld_mean"] for r in api.swaps]
@@ -225,7 +232,10 @@ def test_error_structure_separates_a_scaled_error_from_its_isotropic_control(pac
             continue
         want[n] = numpy_scale_corr(a, b - a)
         print(n, tens[n]["err_scale_corr"], want[n])
-        assert tens[n]["err_scale_corr"] == pytest.approx(want[n][0], rel=1e-9) and tens[n]["err_scale_groups"] == want[n][1]
+        assert (
+            tens[n]["err_scale_corr"] == pytest.approx(want[n][0], rel=1e-9)
+            and tens[n]["err_scale_groups"] == want[n][1]
+        )
     assert all(tens[n]["err_scale_corr"] is None for n in rw if n not in CHANGED)     # no error, no statistic
     by = {r["group"]: r for r in res.swaps}
     for group, names in {"layers.1.mlp": CHANGED[1:2], "layers.2.attention": CHANGED[2:3]}.items():
@@ -269,7 +279,9 @@ def test_ratio_ci_covers_the_ratio_and_needs_two_rows_and_draws():
     assert 1.6 < lo < 2.0 < hi < 2.4
     lo, hi = ratio_ci(control[0], control[1:], seed=1)  # the pack is one more draw of the control: not separable
     assert lo < 1 < hi
-    assert ratio_ci(control[0], control[:1], seed=1) is None and ratio_ci(control[0, :1], control[:, :1], seed=1) is None
+    assert (
+        ratio_ci(control[0], control[:1], seed=1) is None and ratio_ci(control[0, :1], control[:, :1], seed=1) is None
+    )
 
 
 def test_activation_control_equals_transformers_with_that_noise_at_the_layer_output(packs):

@@ -104,7 +104,9 @@ def group_names(native: Path, group: str) -> list[str]:
     return module_groups(Oracle(open_pack(native)).family, "block")[group]
 
 
-CASES = [("v3", layout) for layout in minipacks.LAYOUTS] + [(gen, layout) for gen in ("v4", "v41") for layout in LAYOUTS]
+CASES = [("v3", layout) for layout in minipacks.LAYOUTS] + [
+    (gen, layout) for gen in ("v4", "v41") for layout in LAYOUTS
+]
 # groups checked against a written native pack: a routed-experts group (EXL3 at mixed K), attention, and V4.1's Engram
 CHECKED_GROUPS = {"v3": ("layers.1.experts", "layers.0.attention"), "v4": ("layers.1.experts", "layers.2.attention"),
                   "v41": ("layers.0.engram", "layers.1.experts", "layers.2.attention")}

@@ -42,7 +42,9 @@ def moe(tmp_path, rng_seed):
     name = f"model.layers.{PERMUTED_LAYER}.mlp.gate.weight"
     w[name] = w[name][perm].contiguous()            # pack router row e = reference row perm[e]
     save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    models = [T.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval() for d in (tmp_path / "ref", dst)]
+    models = [
+        T.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval() for d in (tmp_path / "ref", dst)
+    ]
     tokens = well_routed_tokens(models, (3, 19), K, COMMON["vocab_size"], generator=g)
     return tmp_path / "ref", dst, perm, tokens
 
@@ -112,7 +114,9 @@ def test_expert_modules_are_groups_of_their_own(moe):
     res = attribute(ref, ref, rows=tokens.tolist(), settings=Settings(modules="expert", sensitivity=False,
                                                                         noise_control=False))
     groups = [r["group"] for r in res.swaps]
-    assert f"layers.0.experts.{N_EXPERTS - 1}" in groups and "layers.0.router" in groups and "layers.0.attention" in groups
+    assert (
+        f"layers.0.experts.{N_EXPERTS - 1}" in groups and "layers.0.router" in groups and "layers.0.attention" in groups
+    )
     res = attribute(ref, ref, rows=tokens.tolist(), settings=Settings(modules="layer", sensitivity=False))
     assert [r["group"] for r in res.swaps] == [f"layers.{i}" for i in range(COMMON["num_hidden_layers"])] + \
         ["embedding", "head"]

@@ -76,7 +76,8 @@ def test_one_replaced_mlp_gets_the_whole_share_and_the_oracle_kl(packs, rows, rn
     # row draws (4 random-token rows of 48, 3 draws; layer 11 is 0.35 for every row draw: Q2_K's error there is a third
     # as harmful as noise of its norm, interval [0.30, 0.40]; layer 8 went from 0.46 to 1.22 between two row draws).
     # So the band only checks the control's scale: KL is quadratic in the error, so a control whose norm were off by
-    # 2.3x would put the ratio outside (1/5, 5). By structure it separates: the error's RMS over 16-weight groups follows
+    # 2.3x would put the ratio outside (1/5, 5). By structure it separates: the error's RMS over 16-weight groups
+    # follows
     # the group's max |w| (Q2_K's sub-block scale), r 0.52-0.62 pooled over the three projections (z 211-252), while the
     # control's |z| <= 1.8 (null: N(0, 1)).
     row = by[f"layers.{k}.mlp"]
@@ -119,7 +120,8 @@ def test_two_replaced_mlps_add_up(packs, rows, rng_seed_module, tmp_path):
     print(f"layers {a} and {b}: KL {ka:.6g} + {kb:.6g} = {ka + kb:.6g} vs both {whole:.6g}: additivity "
           f"{res.summary['additivity']:.4f}")
     assert res.summary["additivity"] == pytest.approx((ka + kb) / whole, rel=1e-12)
-    # Measured (sum of the two layers' KL) / (both at once) on this machine: 0.950-1.054 over 31 random seeds (26 pairs a,
+    # Measured (sum of the two layers' KL) / (both at once) on this machine: 0.950-1.054 over 31 random seeds (26 pairs
+    # a,
     # b drawn as above), 0.974-1.071 for layers 3 and 14 over 4 other row draws, but 1.242 for seed 229004941 (layers 3
     # and 14; 1.33 reported from another run): the outlier comes from that seed's 192 random-token positions, not the
     # layer pair. The band is symmetric in log ratio (1/1.5, 1.5) and still fails a ratio of 2 or 0.5.

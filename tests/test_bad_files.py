@@ -16,17 +16,29 @@ def _raw(path, header, data: bytes = b"\0" * 8):
     return path
 
 
-@pytest.mark.parametrize("header,pattern", [
-    ([1, 2, 3], r"header is not a JSON object \(got list\)"),
-    ({"__metadata__": [1], "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, r"__metadata__ is not an object"),
-    ({"w": [0, 8]}, r"header entry is not an object \(got list\) \[tensor 'w'"),
-    ({"w": {"dtype": "F32", "shape": [2]}}, r"header entry lacks data_offsets \[tensor 'w'"),
-    ({"w": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, r"shape '2' is not a list of non-negative integers"),
-    ({"w": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, r"shape \[2.0\] is not a list"),
-    ({"w": {"dtype": 7, "shape": [2], "data_offsets": [0, 8]}}, r"dtype 7 is not a string"),
-    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}, r"data_offsets \[0\] is not two integers"),
-    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}}, r"data_offsets \['0', '8'\] is not two integers"),
-])
+@pytest.mark.parametrize(
+    "header,pattern",
+    [
+        ([1, 2, 3], r"header is not a JSON object \(got list\)"),
+        (
+            {"__metadata__": [1], "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            r"__metadata__ is not an object",
+        ),
+        ({"w": [0, 8]}, r"header entry is not an object \(got list\) \[tensor 'w'"),
+        ({"w": {"dtype": "F32", "shape": [2]}}, r"header entry lacks data_offsets \[tensor 'w'"),
+        (
+            {"w": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}},
+            r"shape '2' is not a list of non-negative integers",
+        ),
+        ({"w": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, r"shape \[2.0\] is not a list"),
+        ({"w": {"dtype": 7, "shape": [2], "data_offsets": [0, 8]}}, r"dtype 7 is not a string"),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}, r"data_offsets \[0\] is not two integers"),
+        (
+            {"w": {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}},
+            r"data_offsets \['0', '8'\] is not two integers",
+        ),
+    ],
+)
 def test_schema_invalid_headers_are_named(tmp_path, header, pattern):
     f = _raw(tmp_path / "bad.safetensors", header)
     with pytest.raises(PackError, match=pattern) as e:
@@ -43,7 +55,9 @@ def test_negative_or_reversed_data_offsets_are_refused_like_safetensors_does(tmp
     with pytest.raises(Exception):   # the reference library refuses the file too
         with safe_open(str(f), "pt") as g:
             g.get_tensor("w")
-    with pytest.raises(PackError, match=r"data_offsets .* are negative or out of order \[tensor 'w', file .*neg\.safetensors\]"):
+    with pytest.raises(
+        PackError, match=r"data_offsets .* are negative or out of order \[tensor 'w', file .*neg\.safetensors\]"
+    ):
         SafetensorsFile(f)
 
 

@@ -28,11 +28,19 @@ def bench(url, model="toy", **kw):
     return asyncio.run(run_bench(BenchConfig(url, model, **kw)))
 
 
-def hand_timed_stream(url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> tuple[float, int]:
+def hand_timed_stream(
+    url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None
+) -> tuple[float, int]:
     """One streamed chat request timed here, independently of fidelity.engine.bench: (decode tok/s after the first chunk,
     chunks)."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, **(extra or {})}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        **(extra or {}),
+    }
     times = []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
@@ -96,7 +104,8 @@ def test_stalled_streams_are_errors_after_bounded_retries_without_hanging(server
 def test_dropped_streams_are_retried_then_reported(server):
     set_plan(server.url, {"stream_drop_after": 4, "stream_fault_attempts": 1})  # each body's first attempt is cut
     doc = bench(server.url, sets=["prose"], max_tokens=10)
-    # the warm-up is retried once; the measured request has the same body, so the server already counts it a second attempt
+    # the warm-up is retried once; the measured request has the same body, so the server already counts it a second
+    # attempt
     assert doc["errors"] == [] and doc["requests"]["retries"] == 1
     set_plan(server.url, {"stream_drop_after": 4})  # every attempt cut
     doc = bench(server.url, sets=["prose"], max_tokens=10, retries=2)
@@ -124,7 +133,8 @@ def test_cli_writes_json_and_exit_2_on_errors(server, tmp_path):
     assert r.returncode == 2 and "error" in r.stdout
 
 
-# ---- a real llama.cpp server ----------------------------------------------------------------------------------------------
+# ---- a real llama.cpp server
+# ----------------------------------------------------------------------------------------------
 
 LLAMA_FLAGS = ["--n_ctx", "2048", "--verbose", "false", "--interrupt_requests", "false"]
 SMOL_EOS = [2, 0]  # <|im_end|>, <|endoftext|>: llama-cpp-python does not honour ignore_eos
@@ -132,8 +142,20 @@ SMOL_EOS = [2, 0]  # <|im_end|>, <|endoftext|>: llama-cpp-python does not honour
 
 def llama_server(model_path, log_dir, threads: int = 1) -> Spawned:
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-           "--n_threads", str(threads), *LLAMA_FLAGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        str(threads),
+        *LLAMA_FLAGS,
+    ]
     return Spawned(cmd, port, timeout_s=180, log=str(log_dir / f"llama-{port}.log"))
 
 
@@ -153,7 +175,9 @@ def test_llama_decode_rate_matches_a_hand_timed_stream(llama):
     print("bench", doc["metrics"]["decode.all"], "hand", hand, chunks)
     assert chunks == 48 and doc["eos"]["stopped_early"] == 0
     assert abs(rate / hand - 1) < 0.2
-    assert doc["usage_check"]["retokenized_minus_chunks"] and all(abs(d) <= 1 for d in doc["usage_check"]["retokenized_minus_chunks"])
+    assert doc["usage_check"]["retokenized_minus_chunks"] and all(
+        abs(d) <= 1 for d in doc["usage_check"]["retokenized_minus_chunks"]
+    )
 
 
 @pytest.mark.slow
@@ -177,10 +201,13 @@ def test_llama_streams_overlap_and_cold_prefill_is_cold(llama):
     assert pf["warm_over_cold"] > 3 and pf["cache_defeated"]
 
 
-# ---- the [speed] gate ---------------------------------------------------------------------------------------------------
+# ---- the [speed] gate
+# ---------------------------------------------------------------------------------------------------
 
 def gate_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_speed_gate_passes_the_same_pace_fails_a_slower_one_errors_on_drops(server, tmp_path):
@@ -200,7 +227,11 @@ def test_speed_gate_passes_the_same_pace_fails_a_slower_one_errors_on_drops(serv
     r = gate_cli(*args, "--json", str(tmp_path / "same.json"))
     same = json.loads((tmp_path / "same.json").read_text())["gates"][0]
     assert r.returncode == 0, r.stdout + r.stderr
-    assert {c["metric"] for c in same["checks"]} == {"decode.code change %", "decode.all change %", "aggregate.2 change %"}
+    assert {c["metric"] for c in same["checks"]} == {
+        "decode.code change %",
+        "decode.all change %",
+        "aggregate.2 change %",
+    }
     for c in same["checks"]:
         m = same["measured"]["metrics"][c["metric"].split()[0]]
         assert c["value"] == pytest.approx(100 * (m["new"] / m["baseline"] - 1))  # the change as the medians give it

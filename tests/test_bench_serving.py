@@ -1,5 +1,6 @@
 """`fidelity bench`'s `serving` block: what the engine states about itself (vLLM's /metrics, llama.cpp's /props and
 /slots) and a local engine's memory, read against the fault server speaking each dialect; absent facts null with a reason."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,11 +40,15 @@ def test_vllm_kv_capacity_spec_acceptance_over_the_bench_alone_and_memory(server
     before = sorted(rng.integers(0, drafts + 1, size=3).tolist(), reverse=True)
     during = sorted(rng.integers(0, drafts + 1, size=3).tolist(), reverse=True)
     # traffic before the bench with another acceptance: the bench must report its own requests' counters only
-    set_plan(server.url, {"engine_facts": "vllm", "kv_cache_tokens": kv, "spec_drafts": drafts, "spec_accepted": before})
+    set_plan(
+        server.url, {"engine_facts": "vllm", "kv_cache_tokens": kv, "spec_drafts": drafts, "spec_accepted": before}
+    )
     for _ in range(3):
         httpx.post(server.url + "/v1/completions", json={"model": "toy", "prompt": "ab", "max_tokens": 2},
                    timeout=30).raise_for_status()
-    set_plan(server.url, {"engine_facts": "vllm", "kv_cache_tokens": kv, "spec_drafts": drafts, "spec_accepted": during})
+    set_plan(
+        server.url, {"engine_facts": "vllm", "kv_cache_tokens": kv, "spec_drafts": drafts, "spec_accepted": during}
+    )
     doc = bench(server.url, server_pid=server.proc.pid)
     assert not doc["errors"]
     sv = doc["serving"]
@@ -114,11 +119,28 @@ def test_ladder_rows_carry_each_rungs_serving_facts(tmp_path, rng_seed):
 
     (tmp_path / "ladder.toml").write_text(
         '[ladder]\nmodel = "toy"\naa = false\n[bench]\nsets = ["code"]\nprompts_per_set = 1\nstreams = [2]\nprefill = []\n'
-        'repeats = 1\nmax_tokens = 8\n' + rung("vllm-like", {"engine_facts": "vllm", "kv_cache_tokens": kv})
-        + rung("plain", {}))
-    r = subprocess.run([sys.executable, "-m", "fidelity", "ladder", str(tmp_path / "ladder.toml"), "--json",
-                        str(tmp_path / "l.json"), "--markdown", str(tmp_path / "l.md"), "--logs", str(tmp_path / "logs")],
-                       capture_output=True, text=True, timeout=300)
+        'repeats = 1\nmax_tokens = 8\n'
+        + rung("vllm-like", {"engine_facts": "vllm", "kv_cache_tokens": kv})
+        + rung("plain", {})
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fidelity",
+            "ladder",
+            str(tmp_path / "ladder.toml"),
+            "--json",
+            str(tmp_path / "l.json"),
+            "--markdown",
+            str(tmp_path / "l.md"),
+            "--logs",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (tmp_path / "l.json").exists(), r.stdout + r.stderr
     by = {x["rung"]: x for x in json.loads((tmp_path / "l.json").read_text())["rungs"]}
     assert by["vllm-like"]["serving"]["kv_cache_tokens"] == kv and by["plain"]["serving"]["kv_cache_tokens"] is None

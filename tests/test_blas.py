@@ -25,8 +25,10 @@ def test_mode_per_cpu(tmp_path):
     assert blas.strict_mode("HygonGenuine", {"avx2", "fma"}) == "AVX2,STRICT"
     assert blas.strict_mode("GenuineIntel", {"sse4_2", "avx"}) is None  # strict mode needs an AVX2 branch
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx2 fma\n\n"
-                    "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx2 fma\n\n"
+        "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n"
+    )
     assert blas.cpu_info(str(info)) == ("AuthenticAMD", {"fpu", "sse2", "avx2", "fma"})
     assert blas.cpu_info(str(tmp_path / "absent")) == ("", set())
 
@@ -57,7 +59,9 @@ print(json.dumps(same))
     env.update(MKL_ENABLE_INSTRUCTIONS="AVX2", PYTHONPATH=str(ROOT))
     if mode:
         env["MKL_CBWR"] = mode
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.splitlines()[-1])
 
@@ -70,7 +74,9 @@ def test_gemms_do_not_depend_on_the_thread_count(rng_seed, tmp_path):
     assert all(gemm_threads(rng_seed, tmp_path, "AVX2,STRICT", fidelity_mode=False))
     # the control: MKL's default mode on the same path (the test can fail: these shapes differed there)
     control = gemm_threads(rng_seed, tmp_path, "AUTO", fidelity_mode=False)
-    print(f"MKL_CBWR=AUTO on the AVX2 path: {control.count(False)} of {len(SHAPES)} shapes differ between 1 and 2 threads")
+    print(
+        f"MKL_CBWR=AUTO on the AVX2 path: {control.count(False)} of {len(SHAPES)} shapes differ between 1 and 2 threads"
+    )
 
 
 # Rows per GEMM from 1 to 40 (routed experts with few tokens, tiny test models) and a few large ones
@@ -105,7 +111,9 @@ print(json.dumps({{"digests": out, "thread_free": thread_free}}))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.splitlines()[-1])
 

@@ -172,8 +172,12 @@ def test_compare_reports_measured_routing_bpw(tmp_path, smollm2_gguf, rng_seed):
                   resume=tmp_path / "passes")
     hf = [sum(c) for c in zip(*(hf_expert_counts(model, torch.tensor([r.tokens]), 2) for r in res.rows))]
     tokens = sum(len(r.tokens) for r in res.rows)
-    share = {f"model.layers.{layer}.mlp.experts.{e}.{w}.weight": c / tokens
-             for layer, want in enumerate(hf) for e, c in enumerate(want) for w in ("gate_proj", "up_proj", "down_proj")}
+    share = {
+        f"model.layers.{layer}.mlp.experts.{e}.{w}.weight": c / tokens
+        for layer, want in enumerate(hf)
+        for e, c in enumerate(want)
+        for w in ("gate_proj", "up_proj", "down_proj")
+    }
     pack = open_pack(tmp_path / "ref")
     bits = res.report["results"][0]["bits_per_weight"]
     assert bits["per_decoded_token_measured"]["bpw"] == pytest.approx(expected_per_token_bpw(pack, share), rel=1e-12)

@@ -42,7 +42,8 @@ def _stratified_var(e: np.ndarray, strata: np.ndarray) -> float:
     return v
 
 
-# ---- statistics the card reads --------------------------------------------------------------------------------------------
+# ---- statistics the card reads
+# --------------------------------------------------------------------------------------------
 
 def test_absolute_nll_on_both_sides_in_every_scope(rng_seed):
     rng = np.random.default_rng(rng_seed)
@@ -63,7 +64,8 @@ def test_absolute_nll_on_both_sides_in_every_scope(rng_seed):
         assert out["domains"][d]["nll_ref_mean"] == pytest.approx(ref_nll[sel].mean(), rel=1e-12)
     eq = o["domains_equal"]
     assert eq["nll_ref_mean"] == pytest.approx(np.mean([ref_nll[finite & (dom == d)].mean() for d in groups.domains]))
-    # the reference's interval: row-bootstrap, so within a third of the stratified linearized t interval written out here
+    # the reference's interval: row-bootstrap, so within a third of the stratified linearized t interval written out
+    # here
     y = np.bincount(groups.row, weights=np.where(finite, ref_nll, 0.0), minlength=groups.n_rows)
     w = np.bincount(groups.row, weights=finite.astype(float), minlength=groups.n_rows)
     r = y.sum() / w.sum()
@@ -149,7 +151,8 @@ def test_a_quantile_without_an_interval_says_why(rng_seed):
     assert "bootstrap replicates cannot resolve the 95% tails at 4 degrees of freedom" in o["kld_p99_ci95_unavailable"]
 
 
-# ---- the card: golden Markdown, and every number against the field it names ----------------------------------------------
+# ---- the card: golden Markdown, and every number against the field it names
+# ----------------------------------------------
 
 INPUTS = ["compare.json", "suite-humaneval+.json", "suite-ifeval.json", "suite-gsm8k.json", "bench-native.json",
           "bench-q4-mix.json", "bench-q3.json"]
@@ -172,7 +175,9 @@ def test_card_equals_the_golden_markdown():
     if got != want:
         import difflib
 
-        diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), "expected_card.md", "rendered"))
+        diff = "".join(
+            difflib.unified_diff(want.splitlines(True), got.splitlines(True), "expected_card.md", "rendered")
+        )
         pytest.fail(f"the card differs from tests/fixtures/card/expected_card.md:\n{diff[:6000]}")
 
 
@@ -241,7 +246,11 @@ def test_derived_numbers_against_the_results():
             assert printed == pytest.approx(change, abs=0.05 + 1e-9), (other, name)
     base = json.loads((FIXTURES / "bench-native.json").read_text())["metrics"]
     new = json.loads((FIXTURES / "bench-q4-mix.json").read_text())["metrics"]
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.split("### Speed")[1].splitlines() if line.startswith("| ")}
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line
+        for line in text.split("### Speed")[1].splitlines()
+        if line.startswith("| ")
+    }
     for key, label in (("decode.code", "decode tok/s, code"), ("ttft_mean.4", "mean TTFT s, 4 streams")):
         change = 100 * (new[key]["median"] / base[key]["median"] - 1)
         if key.startswith("ttft"):      # lower is better: the change is that of its inverse
@@ -280,7 +289,8 @@ def test_cli_writes_the_card_and_refuses_an_unknown_build(tmp_path, capsys):
     assert "q9" in err and "q3, q4-mix, q5" in err
 
 
-# ---- fidelity report: the numbers compare carries, compare's buckets, the floor, the reasons ------------------------------
+# ---- fidelity report: the numbers compare carries, compare's buckets, the floor, the reasons
+# ------------------------------
 
 def test_report_carries_nll_delta_nll_rows_worse_change_and_the_floor(tmp_path):
     from fidelity.report import render

@@ -35,8 +35,11 @@ grep -q "vllm-venv-python -m pip uninstall -q -y torchvision torchaudio torchcod
 def _install(tmp_path: Path, triton: str) -> tuple[subprocess.CompletedProcess, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in {"python": FAKE_PYTHON.replace("{real}", sys.executable),
-                       "apt-get": '#!/bin/bash\necho "apt-get $*" >> "$FAKE_LOG"\n', "venv-python": FAKE_VENV_PYTHON}.items():
+    for name, text in {
+        "python": FAKE_PYTHON.replace("{real}", sys.executable),
+        "apt-get": '#!/bin/bash\necho "apt-get $*" >> "$FAKE_LOG"\n',
+        "venv-python": FAKE_VENV_PYTHON,
+    }.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     log = tmp_path / f"log-{triton}"

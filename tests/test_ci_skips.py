@@ -62,8 +62,12 @@ def test_ci_fails_skips_for_missing_data_tools_and_root(tmp_path):
     assert "FAILED (skipped at collection) test_module_skip.py: FIDELITY_CI is set" in run.stdout, run.stdout[-3000:]
     assert got["test_runs"] == "PASSED" and got["test_xfail"] == "XFAIL", got
     skipped = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert len(skipped) == 3 and any("test_module_skip.py" in s for s in skipped) and any("needs a CUDA device" in s for s in skipped) \
-        and any("full data only:" in s for s in skipped), skipped
+    assert (
+        len(skipped) == 3
+        and any("test_module_skip.py" in s for s in skipped)
+        and any("needs a CUDA device" in s for s in skipped)
+        and any("full data only:" in s for s in skipped)
+    ), skipped
     assert "FIDELITY_CI is set" in run.stdout and "missing data: golden.bin" in run.stdout
 
 

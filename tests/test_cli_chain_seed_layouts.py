@@ -43,8 +43,13 @@ def chain(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("chain")
     cache = EncodingCache(V4_FIXTURES / "tiny_v4_encodings.safetensors")
     v41_native = build_native_v41(V4_FIXTURES / "tiny_v4", root / "v41native")
-    gens = {"v4": {"native": V4_FIXTURES / "tiny_v4", "packs": write_all(V4_FIXTURES / "tiny_v4", root / "v4", V4MiniSpec(), cache)},
-            "v41": {"native": v41_native, "packs": write_all_v41(v41_native, root / "v41", V41_SPEC, cache)}}
+    gens = {
+        "v4": {
+            "native": V4_FIXTURES / "tiny_v4",
+            "packs": write_all(V4_FIXTURES / "tiny_v4", root / "v4", V4MiniSpec(), cache),
+        },
+        "v41": {"native": v41_native, "packs": write_all_v41(v41_native, root / "v41", V41_SPEC, cache)},
+    }
     assert cache.misses == 0, "tiny_v4 and its encodings drifted apart: rerun tests/fixtures/v4/make_fixtures.py"
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))

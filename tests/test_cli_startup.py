@@ -39,8 +39,10 @@ print(after_import, 'torch' in sys.modules, 'transformers' in sys.modules, suite
 
 
 def test_open_pack_still_imports_from_the_package():
-    out = run_python("import sys, fidelity; from fidelity import open_pack; import fidelity.packs as p; "
-                     "print(open_pack is p.open_pack is fidelity.open_pack, fidelity.packs is p, 'torch' in sys.modules)")
+    out = run_python(
+        "import sys, fidelity; from fidelity import open_pack; import fidelity.packs as p; "
+        "print(open_pack is p.open_pack is fidelity.open_pack, fidelity.packs is p, 'torch' in sys.modules)"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "True"]
     out = run_python("import fidelity; fidelity.no_such_name")

@@ -1,4 +1,5 @@
 """compare() end to end on tiny Llama packs that carry SmolLM2's real tokenizer (fast), checked against HF transformers."""
+
 import json
 import os
 from pathlib import Path
@@ -27,7 +28,11 @@ def _weights(cfg, gen):
         if name.endswith("norm.weight"):
             out[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
         else:
-            out[name] = torch.randn(shape, generator=gen) / shape[-1] ** 0.5 * (3.0 if "embed" in name or "lm_head" in name else 1.0)
+            out[name] = (
+                torch.randn(shape, generator=gen)
+                / shape[-1] ** 0.5
+                * (3.0 if "embed" in name or "lm_head" in name else 1.0)
+            )
     return out
 
 
@@ -167,8 +172,14 @@ def test_store_equals_live_exactly(tiny, live, tmp_path):
     from fidelity.commands.reference import build_store
     m = build_store(tiny["ref"], tiny["panel"], tmp_path / "store", progress=False)
     assert m["bytes_per_scored_position"] < 2 * VOCAB / 20
-    stored = compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], reference_store=tmp_path / "store",
-                     n_boot=300, progress=False)
+    stored = compare(
+        tiny["ref"],
+        [tiny["small"], tiny["large"]],
+        panel=tiny["panel"],
+        reference_store=tmp_path / "store",
+        n_boot=300,
+        progress=False,
+    )
     a, b = dict(live.report), dict(stored.report)
     a["reference"] = {k: v for k, v in a["reference"].items() if k != "store"}
     b["reference"] = {k: v for k, v in b["reference"].items() if k != "store"}
@@ -197,7 +208,9 @@ def test_interrupted_compare_resumes_without_recomputing_finished_passes(tiny, l
     monkeypatch.setattr(C, "run_reference", lambda *a, **k: references.append(1) or real_reference(*a, **k))
     keep = tmp_path / "passes"
     with pytest.raises(KeyboardInterrupt):
-        compare(tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False, resume=keep)
+        compare(
+            tiny["ref"], [tiny["small"], tiny["large"]], panel=tiny["panel"], n_boot=300, progress=False, resume=keep
+        )
     assert built == ["ref", "small", "large"] and len(references) == 1
     done = sorted(p.name for p in keep.glob("*.done.json"))
     assert len(done) == 3 and "noise-floor.done.json" in done and "reference-store.done.json" in done
@@ -221,7 +234,9 @@ def test_interrupted_compare_resumes_without_recomputing_finished_passes(tiny, l
 
     # a third run reuses everything; another pack in the same folder is measured, not mistaken for a kept one
     built.clear()
-    again = compare(tiny["ref"], [tiny["large"], tiny["small"]], panel=tiny["panel"], n_boot=300, progress=False, resume=keep)
+    again = compare(
+        tiny["ref"], [tiny["large"], tiny["small"]], panel=tiny["panel"], n_boot=300, progress=False, resume=keep
+    )
     assert built == ["ref"] and len(again.report["resumed"]) == 4
     built.clear()
     other = compare(tiny["ref"], [tiny["nan"]], panel=tiny["panel"], n_boot=100, progress=False, resume=keep)
@@ -230,7 +245,9 @@ def test_interrupted_compare_resumes_without_recomputing_finished_passes(tiny, l
 
 def test_resume_folder_refuses_a_damaged_pass_and_ignores_a_stale_one(tiny, tmp_path):
     keep = tmp_path / "passes"
-    compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False, resume=keep)
+    compare(
+        tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False, resume=keep
+    )
     (data,) = keep.glob("pack-*.parquet")
     done = data.with_name(data.name.replace(".parquet", ".done.json"))
     key = json.loads(done.read_text())
@@ -241,9 +258,12 @@ def test_resume_folder_refuses_a_damaged_pass_and_ignores_a_stale_one(tiny, tmp_
     import pyarrow.parquet as pq
     from fidelity.content_hash import tree_digest
     table = pq.read_table(data)
-    pq.write_table(table.slice(1), data)                                 # a table for other positions under its identity
-    with pytest.raises(PackError, match=r"finished pass 'pack-.*changed after it was written .*BLAKE3 checksum differs.*"
-                                        r"delete it to recompute it.*pack-.*\.parquet"):
+    pq.write_table(table.slice(1), data)  # a table for other positions under its identity
+    with pytest.raises(
+        PackError,
+        match=r"finished pass 'pack-.*changed after it was written .*BLAKE3 checksum differs.*"
+        r"delete it to recompute it.*pack-.*\.parquet",
+    ):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
                 resume=keep)
     routing = data.with_name(data.name.replace(".parquet", ".routing.json"))   # the pass's other file, checksummed too
@@ -255,7 +275,9 @@ def test_resume_folder_refuses_a_damaged_pass_and_ignores_a_stale_one(tiny, tmp_
                 resume=keep)
     data.write_bytes(data.read_bytes()[:100])                            # damaged after it was finished
     done.write_text(json.dumps({**key, "checksum": {**tree_digest(data), **tree_digest(routing)}}))
-    with pytest.raises(PackError, match=r"cannot read the finished pass 'pack-.*delete it to recompute.*pack-.*\.parquet"):
+    with pytest.raises(
+        PackError, match=r"cannot read the finished pass 'pack-.*delete it to recompute.*pack-.*\.parquet"
+    ):
         compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], noise_floor=False, n_boot=50, progress=False,
                 resume=keep)
 
@@ -330,8 +352,12 @@ def test_store_topk_check_catches_a_changed_head(tiny, tmp_path):
     hidden[j] = h.tobytes()
     t = t.set_column(t.schema.get_field_index("hidden"), "hidden", pa.array(hidden, pa.binary()))
     pq.write_table(t, store / "records.parquet")
-    with pytest.raises(StoreError, match=r"row 'c1' position \d+: logits re-derived .* do not reproduce the stored top-20"):
-        compare(tiny["ref"], [tiny["small"]], panel=tiny["panel"], reference_store=store, noise_floor=False, progress=False)
+    with pytest.raises(
+        StoreError, match=r"row 'c1' position \d+: logits re-derived .* do not reproduce the stored top-20"
+    ):
+        compare(
+            tiny["ref"], [tiny["small"]], panel=tiny["panel"], reference_store=store, noise_floor=False, progress=False
+        )
 
 
 def test_nan_logits_are_counted_and_reported(tiny):
@@ -357,8 +383,20 @@ def test_cli_writes_json_markdown_and_records(tiny, tmp_path, capsys):
     assert set(rep["reference"]) >= {"path", "fingerprint"}
     for r in rep["results"]:
         assert set(r) >= {"pack", "label", "bpw", "overall", "domains"}
-        assert set(r["overall"]) >= {"kld_mean", "kld_mean_ci95", "kld_domains_equal", "top1", "ppl", "ppl_ref", "kld_median",
-                                     "kld_p99", "kld_p999", "kld_max", "nonfinite", "noise_floor_kld"}
+        assert set(r["overall"]) >= {
+            "kld_mean",
+            "kld_mean_ci95",
+            "kld_domains_equal",
+            "top1",
+            "ppl",
+            "ppl_ref",
+            "kld_median",
+            "kld_p99",
+            "kld_p999",
+            "kld_max",
+            "nonfinite",
+            "noise_floor_kld",
+        }
         for d in r["domains"].values():
             assert set(d) >= {"kld_mean", "kld_mean_ci95", "top1", "ppl", "positions"}
     assert set(rep["paired"][0]) >= {"a", "b", "kld_mean_diff", "ci95", "p_value"}
@@ -380,8 +418,12 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
     from fidelity.packs import open_pack
     from fidelity.panels.panel import load_panel
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p1", "domain": "chat", "prompt": "Say something about rivers."}) + "\n" +
-                       json.dumps({"id": "p2", "domain": "math", "messages": [{"role": "user", "content": "2+2?"}]}) + "\n")
+    prompts.write_text(
+        json.dumps({"id": "p1", "domain": "chat", "prompt": "Say something about rivers."})
+        + "\n"
+        + json.dumps({"id": "p2", "domain": "math", "messages": [{"role": "user", "content": "2+2?"}]})
+        + "\n"
+    )
     panel = build_panel(prompts, tiny["ref"], tmp_path / "built", max_new_tokens=6, progress=False)
     assert load_panel(tmp_path / "built").sha256 == panel.sha256
     tok = tiny["tokenizer"]
@@ -402,7 +444,10 @@ def test_panel_build_answers_are_the_oracles_greedy_tokens(tiny, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "b1", "domain": "x", "messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     from fidelity.panels.panel import PanelError
-    with pytest.raises(PanelError, match=r"bad\.jsonl line 1 \(row 'b1'\): needs a string 'prompt' or 'messages' ending"):
+
+    with pytest.raises(
+        PanelError, match=r"bad\.jsonl line 1 \(row 'b1'\): needs a string 'prompt' or 'messages' ending"
+    ):
         build_panel(bad, tiny["ref"], tmp_path / "nope", progress=False)
 
 

@@ -111,7 +111,11 @@ def fp8_variant(variant: str):
     name = "model.layers.0.mlp.gate_proj.weight"
     if variant == "block_f32":
         q, s = random_fp8(130, 257), torch.rand(2, 3) * 1e-2 + 1e-6
-        return {name: q, name + "_scale_inv": s}, DEEPSEEK_QC, {name: reference(q, expand_grid(s.double(), 130, 257, 128, 128))}
+        return (
+            {name: q, name + "_scale_inv": s},
+            DEEPSEEK_QC,
+            {name: reference(q, expand_grid(s.double(), 130, 257, 128, 128))},
+        )
     if variant.startswith("ue8m0_"):
         q, e = random_fp8(300, 200), torch.randint(100, 140, (3, 2), dtype=torch.uint8)
         e[2, 1] = 0                                                    # 2**-127: an fp32 subnormal
@@ -124,23 +128,36 @@ def fp8_variant(variant: str):
         q = random_fp8(37, 65)
         s = torch.rand(()) + 1e-3 if variant == "tensor" else torch.rand(37) + 1e-3
         s_ref = s.double().reshape(()) if variant == "tensor" else s.double().reshape(-1, 1)
-        return ({name: q, name[: -len(".weight")] + ".weight_scale": s}, {"quant_method": "fp8", "activation_scheme": "static"},
-                {name: reference(q, s_ref)})
+        return (
+            {name: q, name[: -len(".weight")] + ".weight_scale": s},
+            {"quant_method": "fp8", "activation_scheme": "static"},
+            {name: reference(q, s_ref)},
+        )
     if variant == "e5m2_experts":
         q, s = random_fp8(3, 200, 130, dtype=torch.float8_e5m2), torch.rand(3, 2, 2) + 0.5
-        return {name: q, name + "_scale_inv": s}, DEEPSEEK_QC, {name: reference(q, expand_grid(s.double(), 200, 130, 128, 128))}
+        return (
+            {name: q, name + "_scale_inv": s},
+            DEEPSEEK_QC,
+            {name: reference(q, expand_grid(s.double(), 200, 130, 128, 128))},
+        )
     if variant == "block_32x64":
         q, s = random_fp8(100, 70), torch.rand(4, 2)
         return ({name: q, name + "_scale_inv": s}, {**DEEPSEEK_QC, "weight_block_size": [32, 64]},
                 {name: reference(q, expand_grid(s.double(), 100, 70, 32, 64))})
     if variant == "modelopt_pb_wo":
         q, s = random_fp8(200, 256), torch.rand(2, 1, 2, 1) + 0.1
-        return ({name: q, name[: -len(".weight")] + ".weight_scale": s}, {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"},
-                {name: reference(q, expand_grid(s.double().reshape(2, 2), 200, 256, 128, 128))})
+        return (
+            {name: q, name[: -len(".weight")] + ".weight_scale": s},
+            {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"},
+            {name: reference(q, expand_grid(s.double().reshape(2, 2), 200, 256, 128, 128))},
+        )
     if variant == "mxfp8":
         q, e = random_fp8(5, 96), torch.randint(110, 140, (5, 3), dtype=torch.uint8)
-        return ({name: q, name[: -len(".weight")] + ".weight_scale": e}, {"quant_method": "modelopt", "quant_algo": "MXFP8"},
-                {name: reference(q, expand_grid(e.view(torch.float8_e8m0fnu).double(), 5, 96, 1, 32))})
+        return (
+            {name: q, name[: -len(".weight")] + ".weight_scale": e},
+            {"quant_method": "modelopt", "quant_algo": "MXFP8"},
+            {name: reference(q, expand_grid(e.view(torch.float8_e8m0fnu).double(), 5, 96, 1, 32))},
+        )
     raise AssertionError(variant)
 
 
@@ -152,7 +169,9 @@ FP8_VARIANTS = ["block_f32", "ue8m0_F8_E8M0", "ue8m0_U8", "ue8m0_F32", "tensor",
 @pytest.mark.parametrize("variant", FP8_VARIANTS)
 def test_fp8(tmp_path, rng_seed, device, variant):
     tensors, qc, refs = fp8_variant(variant)
-    pack = open_pack(write_pack(tmp_path, tensors, {"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": qc}))
+    pack = open_pack(
+        write_pack(tmp_path, tensors, {"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": qc})
+    )
     check_on(pack, device, refs)
 
 
@@ -185,7 +204,11 @@ def fp4_variant(variant: str):
         ref = (e2m1_by_formula(w) * expand(s.to(torch.float64), 16, cols) * s2.double()).float()
         cfg = {"architectures": ["LlamaForCausalLM"],
                "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}
-        return {name + ".weight": w, name + ".weight_scale": s, name + ".weight_scale_2": s2}, cfg, {name + ".weight": ref}
+        return (
+            {name + ".weight": w, name + ".weight_scale": s, name + ".weight_scale_2": s2},
+            cfg,
+            {name + ".weight": ref},
+        )
     raise AssertionError(variant)
 
 
@@ -241,7 +264,9 @@ def ct_random_module(fmt: str, args: dict, shape, g_idx: bool) -> dict:
         (-(-rows // 128), -(-cols // 128)) if strategy == "block" else (rows, n_groups))
     sd = {"weight_scale": (torch.rand(scale_shape) * 1e-2 + 1e-4).bfloat16()}
     if fmt == "pack-quantized":
-        sd["weight_packed"] = torch.randint(-2**31, 2**31, (rows, -(-cols * bits // 32)), dtype=torch.int64).to(torch.int32)
+        sd["weight_packed"] = torch.randint(-(2**31), 2**31, (rows, -(-cols * bits // 32)), dtype=torch.int64).to(
+            torch.int32
+        )
         sd["weight_shape"] = torch.tensor([rows, cols])
         if not args["symmetric"]:
             if strategy == "tensor":
@@ -280,7 +305,9 @@ def write_ct(path, module: str, sd: dict, fmt: str, args: dict):
 @pytest.mark.parametrize("case", sorted(CT_CASES))
 def test_compressed_tensors(tmp_path, rng_seed, device, case):
     fmt, args, shape, g_idx = CT_CASES[case]
-    pack = open_pack(write_ct(tmp_path, "model.layers.0.mlp.down_proj", ct_random_module(fmt, args, shape, g_idx), fmt, args))
+    pack = open_pack(
+        write_ct(tmp_path, "model.layers.0.mlp.down_proj", ct_random_module(fmt, args, shape, g_idx), fmt, args)
+    )
     assert pack.format == "compressed-tensors"
     check_on(pack, device)
 
@@ -295,7 +322,9 @@ def test_compressed_device_argument_equals_the_library(tmp_path, rng_seed, case)
     w = (torch.randn(shape) * torch.rand(shape[0], 1) * 0.1).bfloat16()
     comp, scheme, stored = compress(w, args, fmt)
     write_ct_pack(tmp_path, {"m": stored}, {"group_0": scheme_json(scheme)}, fmt)
-    assert torch.equal(open_pack(tmp_path).tensor("m.weight", device="cpu"), library_fp32(comp, scheme, stored, fmt).float())
+    assert torch.equal(
+        open_pack(tmp_path).tensor("m.weight", device="cpu"), library_fp32(comp, scheme, stored, fmt).float()
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -320,7 +349,9 @@ def exl3_linear(codebook: str, K: float, signs: str, k_p: int = 256, n_p: int = 
 def write_exl3(path, linears: dict[str, dict], bias: dict | None = None):
     tensors = {f"{base}.{k}": v for base, t in linears.items() for k, v in t.items()}
     tensors.update(bias or {})
-    return write_pack(path, tensors, {"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "exl3"}})
+    return write_pack(
+        path, tensors, {"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "exl3"}}
+    )
 
 
 def exl3_reference(t: dict, codebook: str, K: float) -> torch.Tensor:
@@ -450,7 +481,9 @@ def test_exl3_pack_tensors_decode_each_kind_together(tmp_path, rng_seed, device,
     names = [f"{b}.weight" for b in linears]
     sizes = []
     original = layouts.decode_weights
-    monkeypatch.setattr(layouts, "decode_weights", lambda t, *a, **k: (sizes.append(t.shape[0]), original(t, *a, **k))[1])
+    monkeypatch.setattr(
+        layouts, "decode_weights", lambda t, *a, **k: (sizes.append(t.shape[0]), original(t, *a, **k))[1]
+    )
     before = staging.bytes_sent()
     got = pack.tensors(names, device=device)
     sent = staging.bytes_sent() - before
@@ -535,7 +568,9 @@ def test_v4_and_v41_miniature_layouts_decode_on_the_device_like_the_cpu(tmp_path
     from testkit.minipacks_v41 import V41_SPEC, build_native_v41, write_all_v41
     packs = write_all(open_pack(NATIVE), tmp_path / "v4", SPEC, EncodingCache(ENCODINGS))
     v41 = build_native_v41(NATIVE, tmp_path / "v41native")
-    packs |= {f"v4.1 {k}": v for k, v in write_all_v41(v41, tmp_path / "v41", V41_SPEC, EncodingCache(ENCODINGS)).items()}
+    packs |= {
+        f"v4.1 {k}": v for k, v in write_all_v41(v41, tmp_path / "v41", V41_SPEC, EncodingCache(ENCODINGS)).items()
+    }
     for layout, path in packs.items():
         check_on(open_pack(path), device)
 
@@ -561,8 +596,12 @@ def gguf_stored(qtype: str, rows: int, cols: int, g: torch.Generator) -> np.ndar
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     b = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8, generator=g)
     for off in F16_FIELDS[qtype]:
-        b[..., off:off + 2] = (torch.rand(rows, cols // block, generator=g) * 0.02 + 1e-4).half().view(torch.uint8).view(
-            rows, cols // block, 2)
+        b[..., off : off + 2] = (
+            (torch.rand(rows, cols // block, generator=g) * 0.02 + 1e-4)
+            .half()
+            .view(torch.uint8)
+            .view(rows, cols // block, 2)
+        )
     return b.reshape(rows, -1).numpy()
 
 

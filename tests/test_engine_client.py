@@ -58,7 +58,9 @@ def test_toy_logprobs_match_independent_softmax(faults, rng_seed):
     assert [t.token for t in comp.logprobs[: len(ids)]] == list(prompt)
     assert comp.logprobs[0].logprob is None
     for t in range(1, len(ids)):
-        raw = np.random.default_rng([toy.seed, (ids[t - 2] if t > 1 else -1) + 1, ids[t - 1] + 1]).normal(0, 2.0, len(VOCAB))
+        raw = np.random.default_rng([toy.seed, (ids[t - 2] if t > 1 else -1) + 1, ids[t - 1] + 1]).normal(
+            0, 2.0, len(VOCAB)
+        )
         want = raw[ids[t]] - np.log(np.exp(raw).sum())
         assert comp.logprobs[t].logprob == pytest.approx(want, abs=1e-9)
     assert stats.sent == 1 and stats.retries == 0
@@ -206,22 +208,54 @@ def test_cached_tokens_as_the_engine_states_them(rng_seed):
     usage = {"prompt_tokens": prompt, "completion_tokens": 1}
     assert parse_completion(reply(usage=usage)).cached_tokens is None
     assert parse_completion(reply(usage={**usage, "prompt_tokens_details": None})).cached_tokens is None
-    assert parse_completion(reply(usage={**usage, "prompt_tokens_details": {"cached_tokens": cached}})).cached_tokens == cached
-    assert parse_completion(reply(usage=usage, timings={"cache_n": cached, "prompt_n": prompt - cached})).cached_tokens == cached
+    assert (
+        parse_completion(reply(usage={**usage, "prompt_tokens_details": {"cached_tokens": cached}})).cached_tokens
+        == cached
+    )
+    assert (
+        parse_completion(reply(usage=usage, timings={"cache_n": cached, "prompt_n": prompt - cached})).cached_tokens
+        == cached
+    )
     for bad in (-1, "12", 3.0, True):
-        with pytest.raises(EngineProtocolError, match=r"usage\.prompt_tokens_details\.cached_tokens is not a token count"):
-            parse_completion(reply(usage={**usage, "prompt_tokens_details": {"cached_tokens": bad}}), tag="prefix-cache/x")
-    with pytest.raises(EngineProtocolError, match=rf"timings\.cache_n = {prompt + 1} exceeds the prompt's {prompt} tokens"):
+        with pytest.raises(
+            EngineProtocolError, match=r"usage\.prompt_tokens_details\.cached_tokens is not a token count"
+        ):
+            parse_completion(
+                reply(usage={**usage, "prompt_tokens_details": {"cached_tokens": bad}}), tag="prefix-cache/x"
+            )
+    with pytest.raises(
+        EngineProtocolError, match=rf"timings\.cache_n = {prompt + 1} exceeds the prompt's {prompt} tokens"
+    ):
         parse_completion(reply(usage=usage, timings={"cache_n": prompt + 1}))
 
 
 def test_parse_chat_tool_calls_and_logprobs():
-    reply = {"choices": [{"finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
-        {"id": "c2", "type": "function", "function": {"name": "noop", "arguments": {"x": 1}}}]},
-        "logprobs": {"content": [{"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]}]}}]}
+    reply = {
+        "choices": [
+            {
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+                        },
+                        {"id": "c2", "type": "function", "function": {"name": "noop", "arguments": {"x": 1}}},
+                    ],
+                },
+                "logprobs": {
+                    "content": [{"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]}]
+                },
+            }
+        ]
+    }
     c = parse_chat(reply)
-    assert [t.name for t in c.tool_calls] == ["get_weather", "noop"] and json.loads(c.tool_calls[0].arguments) == {"city": "Paris"}
+    assert [t.name for t in c.tool_calls] == ["get_weather", "noop"] and json.loads(c.tool_calls[0].arguments) == {
+        "city": "Paris"
+    }
     assert json.loads(c.tool_calls[1].arguments) == {"x": 1} and c.logprobs[0].top == {"a": -0.1}
     bad = {"choices": [{"message": {"tool_calls": [{"id": "c3", "function": {"arguments": "{}"}}]}}]}
     with pytest.raises(EngineProtocolError, match=r"tool_calls\[0\] has no function name"):

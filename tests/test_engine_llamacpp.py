@@ -1,4 +1,5 @@
 """Gates against a real engine: llama-cpp-python's OpenAI server on loopback, serving SmolLM2 GGUFs written by write_gguf."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,14 +27,39 @@ CHATS = [
     ("What do bees make?", "Bees make honey."),
     ("Which planet is largest?", "Jupiter is the largest planet."),
 ]
-# these panels have 2 rows and 10-19 scored positions, below oracle-kl's default evidence minimums (3 rows, 20 positions)
+# these panels have 2 rows and 10-19 scored positions, below oracle-kl's default evidence minimums (3 rows, 20
+# positions)
 TWO_ROWS = {"min_rows": 2, "min_positions": 4}
-SERVER_FLAGS = ["--n_ctx", "1024", "--n_threads", "1", "--logits_all", "true", "--verbose", "false", "--type_k", "0", "--type_v", "0"]
+SERVER_FLAGS = [
+    "--n_ctx",
+    "1024",
+    "--n_threads",
+    "1",
+    "--logits_all",
+    "true",
+    "--verbose",
+    "false",
+    "--type_k",
+    "0",
+    "--type_v",
+    "0",
+]
 
 
 def llama_server(model_path, tmp_path) -> Spawned:
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port), *SERVER_FLAGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SERVER_FLAGS,
+    ]
     return Spawned(cmd, port, timeout_s=180, log=str(tmp_path / f"llama-{port}.log"))
 
 
@@ -55,7 +81,9 @@ def chat_rows(tok, seed: int, n: int = 2) -> list[dict]:
     rows = []
     for j, i in enumerate(rng.choice(len(CHATS), size=n, replace=False)):
         q, a = CHATS[i]
-        ids = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=True
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         rows.append({"id": f"chat{i}", "domain": "chat", "tokens": ids})
     return rows
@@ -94,7 +122,9 @@ def full_vocab_kl(model_path, ref, rows, top_k: int, bos: int) -> tuple[float, f
             p = np.exp(lp)
             full.append(float(np.sum(p * (lp - q))))
             # llama-cpp-python names special tokens "" in top_logprobs, so only the actual token's entry keeps its id
-            seen = {int(i) for i in np.argsort(-q)[:top_k] if mappable.get(ref.pieces[i]) == i and i not in ref.special_ids}
+            seen = {
+                int(i) for i in np.argsort(-q)[:top_k] if mappable.get(ref.pieces[i]) == i and i not in ref.special_ids
+            }
             seen.add(r.tokens[t])
             tail = np.array(sorted(set(range(len(q))) - seen))
             pt, qt = p[tail].sum(), np.exp(q[tail]).sum()
@@ -125,24 +155,30 @@ def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path
     assert f32.status == "pass", f32
     assert q2k.status == "fail" and q2k.measured["kl_mean"] > 100 * f32.measured["kl_mean"]
 
-    # the same engines' full-vocabulary distributions in-process: the estimate is the full KL minus the stated gap. The server
+    # the same engines' full-vocabulary distributions in-process: the estimate is the full KL minus the stated gap. The
+    # server
     # rounds logprobs through float32 log-softmax, which puts a floor of a few 1e-6 under the F32 estimate.
     bos = smol["tok"].convert_tokens_to_ids("<|im_start|>")
     rows = [{"tokens": r.tokens} for r in ref.rows]
     full = {}
     for name, res in (("F32", f32), ("Q2_K", q2k)):
         full[name], gap, n = full_vocab_kl(smol[name], ref, rows, s.top_k, bos)
-        print(f"{name}: full-vocab KL {full[name]:.4e}, gate estimate {res.measured['kl_mean']:.4e}, stated gap {gap:.4e}")
+        print(
+            f"{name}: full-vocab KL {full[name]:.4e}, gate estimate {res.measured['kl_mean']:.4e}, stated gap {gap:.4e}"
+        )
         assert res.measured["positions"] == n
         assert res.measured["kl_mean"] <= full[name] * 1.02 + 2e-5
         assert abs(full[name] - gap - res.measured["kl_mean"]) <= 0.02 * full[name] + 2e-5
 
-    # `compare` on the same panel and store: the oracle's exact KL for the Q2_K pack (dequantized, fp32), next to llama.cpp's
+    # `compare` on the same panel and store: the oracle's exact KL for the Q2_K pack (dequantized, fp32), next to
+    # llama.cpp's
     # Q2_K kernels (which also quantize activations): same order, the gate's lower-bound estimate not above either
     cmp = compare(smol["pack"], [open_pack(smol["Q2_K"])], panel=panel.path, reference_store=store, noise_floor=False,
                   n_boot=100, progress=False).report["results"][0]["overall"]
-    print(f"compare Q2_K kld_mean {cmp['kld_mean']:.4e} (scored {cmp.get('positions')}), llama.cpp full {full['Q2_K']:.4e}, "
-          f"gate {q2k.measured['kl_mean']:.4e}")
+    print(
+        f"compare Q2_K kld_mean {cmp['kld_mean']:.4e} (scored {cmp.get('positions')}), llama.cpp full {full['Q2_K']:.4e}, "
+        f"gate {q2k.measured['kl_mean']:.4e}"
+    )
     assert 0.5 < full["Q2_K"] / cmp["kld_mean"] < 2.0
     assert q2k.measured["kl_mean"] <= max(full["Q2_K"], cmp["kld_mean"]) * 1.02
 
@@ -166,7 +202,10 @@ def test_three_gates_on_llamacpp_report_what_they_measure(smollm2_gguf, tmp_path
     assert dvp_no_bos.status == "fail" and dvp_no_bos.measured["max_abs_dlogprob"] > 1.0
     # and names it, with the fix (the BOS prompt_prefix that makes the first run agree)
     assert dvp_no_bos.measured["echo_shift"] == 1 and "echo_shift" not in results["decode_vs_prefill"].measured
-    assert "shifted by +1 position" in dvp_no_bos.notes[0] and "start every prompt with the BOS token" in dvp_no_bos.notes[0]
+    assert (
+        "shifted by +1 position" in dvp_no_bos.notes[0]
+        and "start every prompt with the BOS token" in dvp_no_bos.notes[0]
+    )
 
 
 def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_path):
@@ -176,9 +215,14 @@ def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_
     from fidelity.engine.reference import reference_from_store
     from fidelity.panels.panel import PanelRow, write_panel
 
-    panel = write_panel(tmp_path / "panel", [PanelRow("t0", "text", text="The river flows through the old town towards the sea."),
-                                             PanelRow("t1", "text", text="Bees make honey from the nectar of flowers.")],
-                        name="text-no-bos")
+    panel = write_panel(
+        tmp_path / "panel",
+        [
+            PanelRow("t0", "text", text="The river flows through the old town towards the sea."),
+            PanelRow("t1", "text", text="Bees make honey from the nectar of flowers."),
+        ],
+        name="text-no-bos",
+    )
     build_store(smol["pack"], panel.path, tmp_path / "store", progress=False)
     ref = reference_from_store(tmp_path / "store")  # the pack and panel the store records
     assert all(r.tokens[0] not in ref.special_ids for r in ref.rows)

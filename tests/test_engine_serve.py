@@ -1,4 +1,5 @@
 """`fidelity serve`: the oracle as an OpenAI-compatible engine, checked against transformers and gated against itself."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,7 +53,9 @@ def test_served_logprobs_equal_transformers(served, smol, smollm2_gguf, rng_seed
     ids = tok.encode(text, add_special_tokens=False)
     all_ids = [t.token_id for t in comp.logprobs]
     assert all_ids[: len(ids)] == ids and len(all_ids) == len(ids) + 2
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, torch_dtype=torch.float32
+    )
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([all_ids])).logits[0].double(), -1)
     want = [lp[t - 1, x].item() for t, x in enumerate(all_ids) if t > 0]
@@ -76,10 +79,22 @@ def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, 
     from fidelity.panels.panel import PanelRow, write_panel
 
     pack, tok = smol
-    panel = write_panel(tmp_path / "panel", [
-        PanelRow("fruit", "chat", messages=[{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}]),
-        PanelRow("sum", "math", messages=[{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}]),
-    ], name="serve-gate")
+    panel = write_panel(
+        tmp_path / "panel",
+        [
+            PanelRow(
+                "fruit",
+                "chat",
+                messages=[{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "An apple."}],
+            ),
+            PanelRow(
+                "sum",
+                "math",
+                messages=[{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4."}],
+            ),
+        ],
+        name="serve-gate",
+    )
     store = tmp_path / "store"
     build_store(pack, panel.path, store, progress=False)
     cfg = tmp_path / "gate.toml"
@@ -87,16 +102,41 @@ def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, 
                    'max_tokens = 3\ntop_k = 20\nbatch_sizes = [2]\nlong_prompt_repeats = 2\n'
                    '[oracle-kl]\nmin_rows = 2\nmin_positions = 7\n')   # this panel: 2 rows, 7 scored positions
     js, xml = tmp_path / "gate.json", tmp_path / "gate.xml"
-    r = subprocess.run([sys.executable, "-m", "fidelity", "gate", "--engine", served.url, "--model", "smol", "--reference-store",
-                        str(store), "--reference-pack", str(smollm2_gguf), "--panel", str(panel.path), "--config", str(cfg),
-                        "--json", str(js), "--junit", str(xml)], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fidelity",
+            "gate",
+            "--engine",
+            served.url,
+            "--model",
+            "smol",
+            "--reference-store",
+            str(store),
+            "--reference-pack",
+            str(smollm2_gguf),
+            "--panel",
+            str(panel.path),
+            "--config",
+            str(cfg),
+            "--json",
+            str(js),
+            "--junit",
+            str(xml),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(r.stdout[-3000:], r.stderr[-2000:])
     rep = json.loads(js.read_text())
     assert r.returncode == 0 and [g["status"] for g in rep["gates"]] == ["pass"] * 4
     okl = rep["gates"][0]["measured"]
     scored = json.loads((store / "manifest.json").read_text())["panel"]["scored_positions"]
     # the head computes every position alike (runner.HEAD_ROWS), so serve's logits equal the store's bit for bit; this
-    # also needs equal hidden states: both rows (39 and 42 tokens) run alone in the store as in serve (rows of one length
+    # also needs equal hidden states: both rows (39 and 42 tokens) run alone in the store as in serve (rows of one
+    # length
     # are batched together, and the layers are not batch-invariant)
     assert okl["positions"] == scored and okl["kl_mean"] == 0.0 and okl["top1"] == 1.0
     by = {g["gate"]: g["measured"] for g in rep["gates"]}
@@ -107,8 +147,12 @@ def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, 
 
 def test_chat_tokenize_and_bad_requests(served, smol):
     pack, tok = smol
-    chat = client_run(served.url, lambda c: c.chat([{"role": "user", "content": "Say hi."}], max_tokens=4, logprobs=True,
-                                                   top_logprobs=2, tag="chat"))
+    chat = client_run(
+        served.url,
+        lambda c: c.chat(
+            [{"role": "user", "content": "Say hi."}], max_tokens=4, logprobs=True, top_logprobs=2, tag="chat"
+        ),
+    )
     assert isinstance(chat.content, str) and len(chat.logprobs) == chat.usage["completion_tokens"] <= 4
     ids = client_run(served.url, lambda c: c.tokenize("Hello there, world"))
     assert ids == tok.encode("Hello there, world", add_special_tokens=False)

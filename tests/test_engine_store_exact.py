@@ -41,12 +41,16 @@ def test_head_logits_do_not_depend_on_how_positions_are_grouped(head):
     oracle, hidden, want, g = head
     n = hidden.shape[0]
     for size in (1, 3, 4, 15, 16, 17, HEAD_ROWS - 1, HEAD_ROWS + 1, 2 * HEAD_ROWS + 5):
-        idx = torch.randperm(n, generator=g)[:size].sort().values  # a store's scored positions vs serve's every position
+        idx = (
+            torch.randperm(n, generator=g)[:size].sort().values
+        )  # a store's scored positions vs serve's every position
         assert torch.equal(oracle.apply_head(hidden[idx]), want[idx]), f"{size} positions"
     assert torch.equal(oracle.apply_head(hidden[:40], chunk_positions=5), want[:40])
     assert torch.equal(oracle.apply_head(hidden.reshape(1, n, HIDDEN))[0], want)
     assert torch.equal(torch.cat([c for _, c in oracle.iter_logits(hidden, chunk_positions=HEAD_ROWS + 3)]), want)
-    assert torch.equal(oracle.map_logits(hidden[:30], lambda c: c.max(-1).values, chunk_positions=7), want[:30].max(-1).values)
+    assert torch.equal(
+        oracle.map_logits(hidden[:30], lambda c: c.max(-1).values, chunk_positions=7), want[:30].max(-1).values
+    )
     # the same positions at other offsets inside a block (rows shifted by one)
     assert torch.equal(oracle.apply_head(torch.cat([hidden[:1] * 0, hidden]))[1:], want)
     # independent check of the values themselves (float64 reference; the head sums 576 float32 products)
@@ -67,10 +71,12 @@ def test_head_logits_do_not_depend_on_threads_or_process(head, tmp_path, rng_see
     assert torch.equal(one, want[:5]) and torch.equal(two, want[:5])
     # a fresh process with one thread, other groupings (as `fidelity gate` re-derives a store built by another process)
     torch.save(hidden, tmp_path / "hidden.pt")
-    script = (f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); torch.set_num_threads(1)\n"
-              f"from tests.test_engine_store_exact import head_oracle\n"
-              f"o, h = head_oracle({rng_seed % 1000}), torch.load({str(tmp_path / 'hidden.pt')!r})\n"
-              f"torch.save([o.apply_head(h[:3]), o.apply_head(h[7:7 + 20]), o.apply_head(h)], {str(tmp_path / 'out.pt')!r})\n")
+    script = (
+        f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); torch.set_num_threads(1)\n"
+        f"from tests.test_engine_store_exact import head_oracle\n"
+        f"o, h = head_oracle({rng_seed % 1000}), torch.load({str(tmp_path / 'hidden.pt')!r})\n"
+        f"torch.save([o.apply_head(h[:3]), o.apply_head(h[7:7 + 20]), o.apply_head(h)], {str(tmp_path / 'out.pt')!r})\n"
+    )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -81,7 +87,9 @@ def test_head_logits_do_not_depend_on_threads_or_process(head, tmp_path, rng_see
 def _run(logits: torch.Tensor, k: int = 20) -> ReferenceRun:
     from fidelity.measuring.metrics import topk_logprobs
     n = logits.shape[0]
-    row = TokenizedRow("row-7", "chat", tokens=list(range(100, 100 + n + 3)), scored=[False, False] + [True] * n + [False])
+    row = TokenizedRow(
+        "row-7", "chat", tokens=list(range(100, 100 + n + 3)), scored=[False, False] + [True] * n + [False]
+    )
     ids, lps = topk_logprobs(logits, k)
     return ReferenceRun([row], [torch.zeros(n, 4)], [torch.tensor(row.tokens[2:2 + n])], [(ids, lps)],
                         built_with={**numerics(), "threads": 17})
@@ -110,7 +118,9 @@ def test_store_refusal_names_position_rank_token_and_size(rng_seed):
     want = float(ref.topk[0][1][3, rank])
     have = float(changed[3, int(ref.topk[0][0][3, rank])] - lse)
     assert f"stored log-prob {want:.9g}, re-derived {have:.9g}" in msg and f"|diff| {abs(have - want):.3g}" in msg
-    assert "1 of 6 scored positions of this row differ" in msg and "the same logits give the same log-probs again" in msg
+    assert (
+        "1 of 6 scored positions of this row differ" in msg and "the same logits give the same log-probs again" in msg
+    )
     assert f"threads=17 (now {torch.get_num_threads()})" in msg
 
 

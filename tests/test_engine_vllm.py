@@ -66,7 +66,9 @@ def test_oracle_kl_passes_on_prompt_logprobs_that_equal_the_oracles(served, gate
     # tokens of probability > 1e-3)
     worst, worst_likely = 0.0, 0.0
     for row in ref.rows:
-        pl = completion(served.url, prompt=row.tokens, max_tokens=1, prompt_logprobs=TOP_K)["choices"][0]["prompt_logprobs"]
+        pl = completion(served.url, prompt=row.tokens, max_tokens=1, prompt_logprobs=TOP_K)["choices"][0][
+            "prompt_logprobs"
+        ]
         assert len(pl) == len(row.tokens) and pl[0] is None
         for j, t in enumerate(row.scored):
             entry = {int(k): v for k, v in pl[t].items()}
@@ -187,8 +189,10 @@ def test_the_prefix_cache_gate_reads_vllms_cache(prefix_gate):
     full 128-token blocks of its prompt but one, and no cold request read any."""
     g, _, queries, hits = prefix_gate
     m = g["measured"]
-    print(f"during the prefix-cache gate: {queries:g} tokens looked up in vLLM's prefix cache, {hits:g} found; the gate: "
-          f"{m}")
+    print(
+        f"during the prefix-cache gate: {queries:g} tokens looked up in vLLM's prefix cache, {hits:g} found; the gate: "
+        f"{m}"
+    )
     assert g["status"] == "pass" and m["cache"] == "hit" and m["cache_hit_cases"] == m["cases"] == 4
     assert hits > 0 and hits == m["cached_tokens_total"]
     for r in g["worst"]:
@@ -239,8 +243,27 @@ def test_bench_decode_speed_per_set_agrees_with_vllms_own_decode_time(served):
              "vllm:request_decode_time_seconds_count")
     before = [metric_sum(served.url, n) for n in names]
     out = served.work / "bench-decode.json"
-    r = fidelity_cli("bench", "--engine", served.url, "--model", MODEL, "--sets", "code,prose", "--streams", "",
-                     "--prefill", "", "--repeats", "1", "--max-tokens", "48", "--prompts-per-set", "1", "--json", str(out))
+    r = fidelity_cli(
+        "bench",
+        "--engine",
+        served.url,
+        "--model",
+        MODEL,
+        "--sets",
+        "code,prose",
+        "--streams",
+        "",
+        "--prefill",
+        "",
+        "--repeats",
+        "1",
+        "--max-tokens",
+        "48",
+        "--prompts-per-set",
+        "1",
+        "--json",
+        str(out),
+    )
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stderr
     after = [metric_sum(served.url, n) for n in names]
@@ -293,8 +316,22 @@ def test_panel_build_answers_are_vllms_greedy_answers(served):
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "domain": "chat", "prompt": q}) + "\n"
                                for i, q in enumerate(questions)))
     out = served.work / "built-panel"
-    r = fidelity_cli("panel", "build", "--prompts", str(prompts), "--engine", served.url, "--model", MODEL, "-o", str(out),
-                     "--max-new-tokens", "24", "--concurrency", "1")
+    r = fidelity_cli(
+        "panel",
+        "build",
+        "--prompts",
+        str(prompts),
+        "--engine",
+        served.url,
+        "--model",
+        MODEL,
+        "-o",
+        str(out),
+        "--max-new-tokens",
+        "24",
+        "--concurrency",
+        "1",
+    )
     print(r.stdout[-1500:])
     assert r.returncode == 0, r.stderr
     panel = load_panel(out)

@@ -72,18 +72,24 @@ def test_oracle_kl_fails_on_the_lossy_weights_by_the_kl_transformers_gives(lossy
             full.append(float(np.sum(np.exp(lp) * (lp - lq))))
             seen = np.union1d(np.argsort(-lq)[:TOP_K], [row.tokens[t]])
             p, q = np.exp(lp[seen]), np.exp(lq[seen])
-            estimate.append(float(np.sum(p * (lp[seen] - lq[seen])) + (1 - p.sum()) * np.log((1 - p.sum()) / (1 - q.sum()))))
+            estimate.append(
+                float(np.sum(p * (lp[seen] - lq[seen])) + (1 - p.sum()) * np.log((1 - p.sum()) / (1 - q.sum())))
+            )
     m = g["measured"]
-    print(f"gate KL {m['kl_mean']:.4f} (top-{TOP_K} estimator, reference tail mass mean {m['ref_tail_mass_mean']:.3f}), "
-          f"the same estimator from transformers {np.mean(estimate):.4f}, full-vocabulary KL {np.mean(full):.4f}, "
-          f"top-1 {m['top1']:.3f}")
+    print(
+        f"gate KL {m['kl_mean']:.4f} (top-{TOP_K} estimator, reference tail mass mean {m['ref_tail_mass_mean']:.3f}), "
+        f"the same estimator from transformers {np.mean(estimate):.4f}, full-vocabulary KL {np.mean(full):.4f}, "
+        f"top-1 {m['top1']:.3f}"
+    )
     assert m["positions"] == len(full) and m["kl_mean"] > 100 * 1e-3
     # vLLM's fp32 logprobs are transformers' to ~1e-4: the same number, and a lower bound of the full KL
     assert abs(m["kl_mean"] / np.mean(estimate) - 1) < 0.01
     assert m["kl_mean"] <= np.mean(full) * 1.001 + 1e-4
 
 
-def greedy_speculation(target, draft, prompt_ids: list[int], max_tokens: int, k: int) -> tuple[list[int], int, list[int]]:
+def greedy_speculation(
+    target, draft, prompt_ids: list[int], max_tokens: int, k: int
+) -> tuple[list[int], int, list[int]]:
     """Greedy draft-and-verify as vLLM runs it: the first token from the prefill, then per step the draft model
     proposes k tokens greedily, the target keeps the longest prefix equal to its own greedy choices plus its next
     token. Returns (tokens, drafts, accepted per draft position)."""

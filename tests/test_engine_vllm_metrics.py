@@ -44,7 +44,9 @@ def test_facts_and_speculative_acceptance(rng_seed):
              f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {3 * drafts}',
              f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {sum(per)}']
     # positions out of order in the text, as a label says which is which
-    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {per[i]}' for i in (2, 0, 1)]
+    lines += [
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {per[i]}' for i in (2, 0, 1)
+    ]
     f = facts_from_metrics(parse_prometheus("\n".join(lines)))
     assert (f.kv_cache_tokens, f.kv_cache_bytes, f.block_size, f.kv_blocks) == (46592, 2**31, 128, 364)
     assert (f.prefix_cache_hits, f.prefix_cache_queries) == (256.0, 421.0)

@@ -248,7 +248,9 @@ def test_rows_decode_where_asked_from_stored_bytes(tmp_path, rng_seed, device, k
 
 
 def test_quantised_table_refused_naming_it(tmp_path):
-    write_safetensors(tmp_path / "q.safetensors", {"layers.3.engram.embed.weight": torch.zeros(4, 8, dtype=torch.int16)})
+    write_safetensors(
+        tmp_path / "q.safetensors", {"layers.3.engram.embed.weight": torch.zeros(4, 8, dtype=torch.int16)}
+    )
     with pytest.raises(PackError) as e:
         RowTable([(tmp_path / "q.safetensors", "layers.3.engram.embed.weight")])
     assert "layers.3.engram.embed.weight" in str(e.value) and "q.safetensors" in str(e.value)

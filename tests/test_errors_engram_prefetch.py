@@ -142,5 +142,7 @@ def test_row_outside_the_table_is_the_one_named(tmp_path, rng_seed, where):
     table = RowTable([(tmp_path / "t.safetensors", TABLE)])
     step = int(torch.randint(0, 9, (1,), generator=g))
     wrong = -1 - step if where == "negative" else rows + step
-    with pytest.raises(PackError, match=rf"^Engram row {wrong} outside the table's {rows} rows \[file .*t\.safetensors"):
+    with pytest.raises(
+        PackError, match=rf"^Engram row {wrong} outside the table's {rows} rows \[file .*t\.safetensors"
+    ):
         table.rows(torch.tensor([[1, wrong], [rows - 1, 0]]))

@@ -147,7 +147,9 @@ def test_legacy_sign_bitfield(rng_seed):
 def test_bad_trellis_width_names_tensor_and_file(width, needle):
     tr = torch.zeros((8, 8, width), dtype=torch.int16)
     with pytest.raises(PackError, match=needle) as e:
-        codec.decode_weight(tr, torch.ones(128).half(), torch.ones(128).half(), "3inst", file="x.safetensors", tensor="a.trellis")
+        codec.decode_weight(
+            tr, torch.ones(128).half(), torch.ones(128).half(), "3inst", file="x.safetensors", tensor="a.trellis"
+        )
     assert "a.trellis" in str(e.value) and "x.safetensors" in str(e.value)
 
 

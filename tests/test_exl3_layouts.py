@@ -90,7 +90,12 @@ def test_layout_opens_and_every_tensor_decodes(packs, native, layout):
         assert s.format == "exl3" and s.dtype.startswith(f"exl3 K={K:g} {SPEC.codebook}"), (name, s.dtype)
         # the values: bit for bit the standard layout's decode (test_each_layout_decodes_as_the_standard_layout...)
         assert torch.equal(got, standard_decode(raw, name, tuple(ref.shape))), name
-    assert n_exl3 == {"exllamav3": 29, "cuda-exl3": 12, "deepseek_v41_exl3": 30, "exl3-expert-packs": 12, "exl3-mixed": 12}[layout]
+    assert (
+        n_exl3
+        == {"exllamav3": 29, "cuda-exl3": 12, "deepseek_v41_exl3": 30, "exl3-expert-packs": 12, "exl3-mixed": 12}[
+            layout
+        ]
+    )
     bpw = pack.bits_per_weight()
     assert "routed_experts" in bpw.rows
 
@@ -199,15 +204,26 @@ def _set_digit(digits: str, expert: int, k: int) -> str:
 
 
 K_DISAGREEMENTS = {
-    "exllamav3": ("quantization_config.json",
-                  lambda d: d["tensor_storage"]["model.layers.1.mlp.experts.2.up_proj"].__setitem__("bits_per_weight", 5),
-                  r"states K=5 but .* implies K=4.*experts\.2\.up_proj\.trellis.*model\.safetensors"),
-    "cuda-exl3": ("quantization_config.json", lambda d: d["expert_bits"].__setitem__("1", 4),
-                  r"expert_bits\[1\] states K=4 but .* implies K=3.*layers\.1\.ffn\.experts\.0\.w1\.trellis.*model-00002-of-00002"),
-    "deepseek_v41_exl3": ("exl3_moe_plan.json", lambda d: d["layers"].__setitem__("1", _set_digit(d["layers"]["1"], 2, 7)),
-                          r"expert plan .* states K=7 but .* implies K=4.*experts\.2\.w1\.trellis.*model-exl3-L01-p1"),
-    "exl3-expert-packs": ("exl3_moe_plan.json", lambda d: d["layers"][1].__setitem__("k", _set_digit(d["layers"][1]["k"], 0, 8)),
-                          r"states K=8 but .* implies K=2.*experts\.0\.w1\.trellis.*model-experts-L01"),
+    "exllamav3": (
+        "quantization_config.json",
+        lambda d: d["tensor_storage"]["model.layers.1.mlp.experts.2.up_proj"].__setitem__("bits_per_weight", 5),
+        r"states K=5 but .* implies K=4.*experts\.2\.up_proj\.trellis.*model\.safetensors",
+    ),
+    "cuda-exl3": (
+        "quantization_config.json",
+        lambda d: d["expert_bits"].__setitem__("1", 4),
+        r"expert_bits\[1\] states K=4 but .* implies K=3.*layers\.1\.ffn\.experts\.0\.w1\.trellis.*model-00002-of-00002",
+    ),
+    "deepseek_v41_exl3": (
+        "exl3_moe_plan.json",
+        lambda d: d["layers"].__setitem__("1", _set_digit(d["layers"]["1"], 2, 7)),
+        r"expert plan .* states K=7 but .* implies K=4.*experts\.2\.w1\.trellis.*model-exl3-L01-p1",
+    ),
+    "exl3-expert-packs": (
+        "exl3_moe_plan.json",
+        lambda d: d["layers"][1].__setitem__("k", _set_digit(d["layers"][1]["k"], 0, 8)),
+        r"states K=8 but .* implies K=2.*experts\.0\.w1\.trellis.*model-experts-L01",
+    ),
 }
 
 
@@ -223,23 +239,35 @@ def test_stated_k_disagreeing_with_trellis_is_caught(packs, tmp_path, layout):
 def test_mixed_k_reads_k_from_each_trellis(packs, tmp_path):
     pack = open_pack(packs["exl3-mixed"])
     for e in range(4):
-        assert pack.storage(f"model.layers.1.mlp.experts.{e}.gate_proj.weight").dtype == f"exl3 K={SPEC.expert_bits(e)} mul1"
+        assert (
+            pack.storage(f"model.layers.1.mlp.experts.{e}.gate_proj.weight").dtype
+            == f"exl3 K={SPEC.expert_bits(e)} mul1"
+        )
     dst = _copy(packs["exl3-mixed"], tmp_path / "mixed")
     ts = load_file(dst / "model.safetensors")
     ts["layers.1.ffn.experts.3.w2.trellis"] = ts["layers.1.ffn.experts.3.w2.trellis"][..., :72].contiguous()
     save_file(ts, str(dst / "model.safetensors"))
-    with pytest.raises(PackError, match=r"last dim 72 is not divisible by 16.*experts\.3\.w2\.trellis.*model\.safetensors"):
+    with pytest.raises(
+        PackError, match=r"last dim 72 is not divisible by 16.*experts\.3\.w2\.trellis.*model\.safetensors"
+    ):
         open_pack(dst)
 
 
 # -- bad plans and tensors -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout,edit,needle", [
-    ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "234"), r"layers\[1\] lists 3 experts.*n_routed_experts=4"),
-    ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "23456"), r"layers\[1\] lists 5 experts"),
-    ("deepseek_v41_exl3", lambda d: d["layers"].pop("1"), r"no entry for layers 1.*experts\.0\.w1"),
-    ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "2349"), r"K digits outside 1\.\.8"),
-    ("exl3-expert-packs", lambda d: d["layers"][1].__setitem__("k", "23"), r"layers\[1\] lists 2 experts"),
-])
+@pytest.mark.parametrize(
+    "layout,edit,needle",
+    [
+        (
+            "deepseek_v41_exl3",
+            lambda d: d["layers"].__setitem__("1", "234"),
+            r"layers\[1\] lists 3 experts.*n_routed_experts=4",
+        ),
+        ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "23456"), r"layers\[1\] lists 5 experts"),
+        ("deepseek_v41_exl3", lambda d: d["layers"].pop("1"), r"no entry for layers 1.*experts\.0\.w1"),
+        ("deepseek_v41_exl3", lambda d: d["layers"].__setitem__("1", "2349"), r"K digits outside 1\.\.8"),
+        ("exl3-expert-packs", lambda d: d["layers"][1].__setitem__("k", "23"), r"layers\[1\] lists 2 experts"),
+    ],
+)
 def test_bad_plan_names_plan_file_and_item(packs, tmp_path, layout, edit, needle):
     dst = _copy(packs[layout], tmp_path / layout)
     _edit_json(dst / "exl3_moe_plan.json", edit)
@@ -340,7 +368,9 @@ def test_oracle_runs_on_every_layout(packs, native, rng_seed):
         folder.mkdir()
         save_file({n: pack.tensor(n).contiguous() for n in pack.names() if n != "engram.tables.0.weight"},
                   str(folder / "model.safetensors"))
-        (folder / "config.json").write_text(json.dumps({k: v for k, v in pack.config.items() if k != "quantization_config"}))
+        (folder / "config.json").write_text(
+            json.dumps({k: v for k, v in pack.config.items() if k != "quantization_config"})
+        )
         decoded = open_pack(folder)
         assert torch.equal(got, Oracle(decoded).logits(ids)), layout
         assert not torch.equal(got, ref), layout
@@ -351,5 +381,7 @@ def test_cuda_exl3_per_expert_bits_list(packs, tmp_path):
     _edit_json(dst / "quantization_config.json", lambda d: d["expert_bits"].__setitem__("1", [3, 3, 3, 3]))
     assert open_pack(dst).storage("model.layers.1.mlp.experts.3.gate_proj.weight").dtype == "exl3 K=3 mul1"
     _edit_json(dst / "quantization_config.json", lambda d: d["expert_bits"].__setitem__("1", [3, 3, 6, 3]))
-    with pytest.raises(PackError, match=r"expert_bits\[1\]\[2\] states K=6 but .* implies K=3.*experts\.2\.w1\.trellis"):
+    with pytest.raises(
+        PackError, match=r"expert_bits\[1\]\[2\] states K=6 but .* implies K=3.*experts\.2\.w1\.trellis"
+    ):
         open_pack(dst)

@@ -89,7 +89,9 @@ def test_stated_bits_disagreeing_with_trellis(golden_models, tmp_path):
     q = json.loads((dst / "quantization_config.json").read_text())
     q["tensor_storage"]["model.layers.1.mlp.up_proj"]["bits_per_weight"] = 5
     (dst / "quantization_config.json").write_text(json.dumps(q))
-    with pytest.raises(PackError, match=r"states K=5 .* implies K=4.*model\.layers\.1\.mlp\.up_proj\.trellis.*model\.safetensors"):
+    with pytest.raises(
+        PackError, match=r"states K=5 .* implies K=4.*model\.layers\.1\.mlp\.up_proj\.trellis.*model\.safetensors"
+    ):
         open_pack(dst)
 
 

@@ -147,7 +147,9 @@ def test_budget_through_the_prefetcher_and_kept_layers(tmp_path, rng_seed, monke
     first = everything.last_forward["experts"]
     assert torch.equal(everything.logits(tokens), want)
     second = everything.last_forward["experts"]
-    assert second["decodes"] == second["used"] == 0 and 0 < second["kept_bytes"] == first["kept_bytes"] <= n_experts * one
+    assert (
+        second["decodes"] == second["used"] == 0 and 0 < second["kept_bytes"] == first["kept_bytes"] <= n_experts * one
+    )
 
 
 def test_the_budget_is_validated_and_settable(tmp_path, rng_seed, monkeypatch, calls):
@@ -218,15 +220,25 @@ def test_activation_budget_counts_routed_experts_within_the_expert_budget(tmp_pa
         layer_bytes.append(4 * sum(math.prod(pack.storage(n).shape) for n in names))
         experts = [n for n in names if ".mlp.experts." in n]
         routed_bytes.append(4 * sum(math.prod(pack.storage(n).shape) for n in experts))
-        assert len(experts) == (0 if i in cfg["mlp_only_layers"] else 3 * (cfg.get("num_experts") or cfg["num_local_experts"]))
-    bounded = [total if budget is None else total - routed + min(routed, budget + max(one, min(budget, moe.READ_AHEAD_BYTES)))
-               for total, routed in zip(layer_bytes, routed_bytes)]
+        assert len(experts) == (
+            0 if i in cfg["mlp_only_layers"] else 3 * (cfg.get("num_experts") or cfg["num_local_experts"])
+        )
+    bounded = [
+        total if budget is None else total - routed + min(routed, budget + max(one, min(budget, moe.READ_AHEAD_BYTES)))
+        for total, routed in zip(layer_bytes, routed_bytes)
+    ]
     assert [oracle._resident_layer_bytes(i) for i in range(len(bounded))] == bounded
     free, cached, T = 10 * 2**30, 3 * 2**30 + 4096, 37
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
     # torch's allocator holds `cached` bytes reserved and unused (a previous pass's freed blocks): free for it too
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"reserved_bytes.all.current": 5 * 2**30,
-                                                                         "allocated_bytes.all.current": 5 * 2**30 - cached})
+    monkeypatch.setattr(
+        torch.cuda,
+        "memory_stats",
+        lambda device=None: {
+            "reserved_bytes.all.current": 5 * 2**30,
+            "allocated_bytes.all.current": 5 * 2**30 - cached,
+        },
+    )
     integrated = [False]
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: types.SimpleNamespace(is_integrated=integrated[0]))

@@ -1,5 +1,6 @@
 """Gates and `fidelity gate` against the fault-injecting loopback server: errors are errors (exit 2), perturbed engines are caught
 by the amount they are perturbed, the top-k KL estimator against an exact full-vocabulary KL, and resume after a kill."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,9 @@ def server():
 
 
 def gate_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_one(url, fn, *args, concurrency=4, **kw):
@@ -68,7 +71,20 @@ def test_unreachable_or_failing_engine_is_exit_2_not_pass_or_fail(server, tmp_pa
     log = tmp_path / "req.jsonl"
     set_plan(server.url, {"fail_attempts": 1000}, str(log))
     js, xml = tmp_path / "g.json", tmp_path / "g.xml"
-    r = gate_cli("--engine", server.url, "--model", "toy", "--only", THREE, "--retries", "2", "--json", str(js), "--junit", str(xml))
+    r = gate_cli(
+        "--engine",
+        server.url,
+        "--model",
+        "toy",
+        "--only",
+        THREE,
+        "--retries",
+        "2",
+        "--json",
+        str(js),
+        "--junit",
+        str(xml),
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     rep = json.loads(js.read_text())
     assert [g["status"] for g in rep["gates"]] == ["error"] * 3
@@ -85,7 +101,9 @@ def test_unreachable_or_failing_engine_is_exit_2_not_pass_or_fail(server, tmp_pa
 @pytest.mark.slow
 def test_timeouts_are_errors(server, tmp_path):
     set_plan(server.url, {"slow_s": 3})
-    r = gate_cli("--engine", server.url, "--model", "toy", "--only", "prefix-cache", "--timeout", "0.5", "--retries", "1")
+    r = gate_cli(
+        "--engine", server.url, "--model", "toy", "--only", "prefix-cache", "--timeout", "0.5", "--retries", "1"
+    )
     assert r.returncode == 2 and "timed out" in r.stdout.replace("\n", " ")
 
 
@@ -135,9 +153,15 @@ def test_oracle_kl_estimator_against_exact_full_vocab_kl(server, rng_seed, k, vl
     res = run_one(server.url, oracle_kl, ref, GateSettings(top_k=k, prompt_logprobs=vllm), prompt_as="ids")
     assert res.status == "fail"
     sign = np.where(np.arange(len(VOCAB)) % 2 == 0, 1.0, -1.0)
-    exact = [exact_kl(r.logprobs[j], log_softmax(r.logprobs[j] + delta * sign)) for r in ref.rows for j in range(len(r.scored))]
+    exact = [
+        exact_kl(r.logprobs[j], log_softmax(r.logprobs[j] + delta * sign))
+        for r in ref.rows
+        for j in range(len(r.scored))
+    ]
     assert res.measured["positions"] == len(exact)
-    assert res.worst[0]["kl"] == res.measured["kl_max"] and {"row", "position", "token", "engine_top1"} <= set(res.worst[0])
+    assert res.worst[0]["kl"] == res.measured["kl_max"] and {"row", "position", "token", "engine_top1"} <= set(
+        res.worst[0]
+    )
     if k == len(VOCAB):  # full distributions: the estimator is the full KL
         assert res.measured["kl_mean"] == pytest.approx(np.mean(exact), rel=1e-9)
         assert res.measured["ref_tail_mass_max"] < 1e-9
@@ -170,8 +194,11 @@ def test_shifted_echo_is_named_with_the_fix_to_try(server, rng_seed):
     assert kl.status == "fail" and kl.measured["echo_shift"] == 1 and kl.measured["kl_mean"] > 0.1
     note = kl.notes[0]
     # shifted by one, the entries are the toy model's exact distributions: KL 0 there
-    assert re.search(r"shifted by \+1 position: the entry for each token holds the distribution of the token 1 after it "
-                     r"\(against the reference: mean KL [0-9.e-]+ as returned, 0 shifted by \+1\)", note), note
+    assert re.search(
+        r"shifted by \+1 position: the entry for each token holds the distribution of the token 1 after it "
+        r"\(against the reference: mean KL [0-9.e-]+ as returned, 0 shifted by \+1\)",
+        note,
+    ), note
     assert "start every prompt with the BOS token" in note and "prompt_logprobs" in note
     assert f"Confirmed by the engine itself: its next-token logprobs after row {ref.rows[0].id}" in note
     assert dvp.status == "fail" and dvp.measured["echo_shift"] == 1 and "shifted by +1" in dvp.notes[0]
@@ -258,7 +285,11 @@ def test_oracle_kl_without_a_usable_reference_could_not_run(server, tmp_path):
     rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}))
     assert rep["exit_code"] == 2 and "needs --reference-store" in rep["gates"][0]["error"]
     rep = asyncio.run(run_gates(server.url, "toy", ["oracle-kl"], {}, store=str(tmp_path / "nowhere")))
-    assert rep["exit_code"] == 2 and "not a reference store" in rep["gates"][0]["error"] and "nowhere" in rep["gates"][0]["error"]
+    assert (
+        rep["exit_code"] == 2
+        and "not a reference store" in rep["gates"][0]["error"]
+        and "nowhere" in rep["gates"][0]["error"]
+    )
 
 
 @pytest.mark.slow

@@ -21,7 +21,11 @@ def assert_same_as_gguf_py(path):
     assert ours.alignment == ref.alignment and ours.data_offset == ref.data_offset
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
     for a, b in zip(ours.tensors, ref.tensors):
-        assert a.tensor_type == b.tensor_type and a.shape.tolist() == b.shape.tolist() and a.shape.dtype == b.shape.dtype.newbyteorder("=")
+        assert (
+            a.tensor_type == b.tensor_type
+            and a.shape.tolist() == b.shape.tolist()
+            and a.shape.dtype == b.shape.dtype.newbyteorder("=")
+        )
         assert (a.n_elements, a.n_bytes, a.data_offset) == (b.n_elements, b.n_bytes, b.data_offset), a.name
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
         assert a.data.tobytes() == b.data.tobytes(), a.name

@@ -83,9 +83,27 @@ def test_fidelity_gate_against_a_dripping_engine_exits_2(server, tmp_path):
     js = tmp_path / "g.json"
     t0 = time.monotonic()
     try:
-        r = subprocess.run([sys.executable, "-m", "fidelity", "gate", "--engine", server.url, "--model", "toy", "--only",
-                            "batch-invariance", "--timeout", "2", "--json", str(js)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fidelity",
+                "gate",
+                "--engine",
+                server.url,
+                "--model",
+                "toy",
+                "--only",
+                "batch-invariance",
+                "--timeout",
+                "2",
+                "--json",
+                str(js),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("fidelity gate still running after 120 s against an engine that drips its replies")
     took = time.monotonic() - t0
@@ -115,7 +133,8 @@ def test_the_bench_stream_reader_keeps_one_deadline_over_its_retries(server):
     assert sent == 1 and 2.0 <= took < 3.5, (sent, took)
 
 
-# ---- minimum evidence ---------------------------------------------------------------------------------------------------
+# ---- minimum evidence
+# ---------------------------------------------------------------------------------------------------
 
 def _gate(url, fn, *args, **kw):
     async def go():
@@ -158,7 +177,10 @@ def test_prefix_cache_minimums_from_its_section(server, rng_seed):
     s = GateSettings(prompts=_texts(rng_seed, 2, 10), max_tokens=2, long_prompt_repeats=2)
     assert _gate(server.url, prefix_cache, s).status == "pass"
     res = _gate(server.url, prefix_cache, s, {"min_rows": 4})
-    assert res.status == "error" and "in 3 cases were compared; a verdict needs at least 4 positions and 4 cases" in res.error
+    assert (
+        res.status == "error"
+        and "in 3 cases were compared; a verdict needs at least 4 positions and 4 cases" in res.error
+    )
 
 
 def test_gate_toml_sets_the_minimums_and_refuses_bad_ones(server, tmp_path, monkeypatch, capsys, rng_seed):
@@ -175,7 +197,9 @@ def test_gate_toml_sets_the_minimums_and_refuses_bad_ones(server, tmp_path, monk
     cfg.write_text("[oracle-kl]\nmin_rows = 4\n")
     assert main(args) == 2
     (g,) = json.loads(js.read_text())["gates"]
-    assert g["status"] == "error" and "33 scored positions in 3 panel rows" in g["error"] and "4 panel rows" in g["error"]
+    assert (
+        g["status"] == "error" and "33 scored positions in 3 panel rows" in g["error"] and "4 panel rows" in g["error"]
+    )
     cfg.write_text("[oracle-kl]\nmin_rows = 3\n")
     assert main(args) == 0
     for bad in ("0", "2.5", "true"):

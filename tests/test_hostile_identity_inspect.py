@@ -106,9 +106,14 @@ def test_compare_out_measures_a_pack_edited_in_place_instead_of_reusing_its_kept
     monkeypatch.setattr(content_hash, "RACY_NS", 0)
     root, tok, gen = tiny_setting(tmp_path_factory, smollm2_gguf, "edited")
     _, _, packs = noisy_packs(root, tok, gen, {"small": 0.01})
-    panel = write_panel(root / "panel", [PanelRow("t1", "text", text="The river flows through the old town to the sea."),
-                                         PanelRow("t2", "text", text="def square(x):\n    return x * x\n")],
-                        name="edit-test").path
+    panel = write_panel(
+        root / "panel",
+        [
+            PanelRow("t1", "text", text="The river flows through the old town to the sea."),
+            PanelRow("t2", "text", text="def square(x):\n    return x * x\n"),
+        ],
+        name="edit-test",
+    ).path
 
     def run(out: Path, json_path: Path) -> dict:
         assert main(["compare", str(packs["ref"]), str(packs["small"]), "--panel", str(panel), "--out", str(out),

@@ -161,9 +161,11 @@ def test_panel_build_from_an_engine_answering_a_lone_surrogate(stub, tmp_path, r
 def test_a_panel_row_with_a_lone_surrogate_round_trips_and_tokenizing_it_names_the_row(tmp_path, rng_seed):
     rng = np.random.default_rng(rng_seed)
     text, reply = _hostile(rng), _hostile(rng)
-    rows = [PanelRow("t", "text", text=text),
-            PanelRow("c", "chat", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}]),
-            PanelRow("ok", "text", text="plain é\u2028line\x85end")]
+    rows = [
+        PanelRow("t", "text", text=text),
+        PanelRow("c", "chat", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}]),
+        PanelRow("ok", "text", text="plain é\u2028line\x85end"),
+    ]
     folder = write_panel(tmp_path / "p", rows, name="p")
     back = load_panel(tmp_path / "p")
     assert [r.to_json() for r in back.rows] == [r.to_json() for r in rows]
@@ -200,8 +202,12 @@ def test_identity_hashes_take_any_text_and_keep_every_valid_texts_hash(rng_seed)
     canon = json.dumps({"path": "/v1/x", "body": {"p": valid}, "tag": "t"}, sort_keys=True, separators=(",", ":"),
                        ensure_ascii=False)
     assert request_key("/v1/x", {"p": valid}, "t") == hashlib.sha256(canon.encode("utf-8")).hexdigest()
-    assert prompt_hash({"prompt": valid}) == hashlib.sha256(json.dumps(
-        {"messages": None, "prompt": valid, "tools": None}, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+    assert (
+        prompt_hash({"prompt": valid})
+        == hashlib.sha256(
+            json.dumps({"messages": None, "prompt": valid, "tools": None}, sort_keys=True, ensure_ascii=False).encode()
+        ).hexdigest()[:16]
+    )
     # lone surrogates hash, and differently from each other and from any valid text (no collision with U+FFFD either)
     keys = {request_key("/v1/x", {"p": valid + s}) for s in LONE + ["\ufffd", ""]}
     hashes = {prompt_hash({"prompt": valid + s}) for s in LONE + ["\ufffd", ""]}
@@ -274,7 +280,8 @@ except FidelityError as e:
     assert Journal(path).get("k1") == {"text": "after"}
 
 
-# -- compare on tiny packs: a full disk while keeping a pass, an edited routing.json ------------------------------------
+# -- compare on tiny packs: a full disk while keeping a pass, an edited routing.json
+# ------------------------------------
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory, smollm2_gguf):
     from test_compare import noisy_packs, tiny_setting
@@ -359,7 +366,9 @@ def test_a_flipped_bit_in_a_gate_journal_is_asked_again_not_measured(fault_serve
     assert chr(data[at]).isdigit()
     data[at] ^= 0x01                                        # 0<->1, 2<->3, ...: still a number, a different one
     journal.write_bytes(bytes(data))
-    with pytest.warns(UserWarning, match=rf"journal {journal}: line\(s\) {kl_line + 1} changed after they were written"):
+    with pytest.warns(
+        UserWarning, match=rf"journal {journal}: line\(s\) {kl_line + 1} changed after they were written"
+    ):
         rc, js, _ = _gate_cli(tmp_path, monkeypatch, fault_server.url, texts, journal)
     rep = json.loads(js.read_text())
     assert rc == 0 and rep["client"]["sent"] >= 1          # the changed line was asked again

@@ -33,8 +33,15 @@ def test_nonfinite_numbers_become_null_at_any_depth(rng_seed):
 
 def test_numpy_and_torch_scalars_are_numbers_not_strings(rng_seed):
     x = float(np.random.default_rng(rng_seed).normal())
-    doc = {"f32": np.float32(x), "i64": np.int64(7), "t": torch.tensor(x, dtype=torch.float64), "bad32": np.float32("nan"),
-           "tbad": torch.tensor(float("inf")), "b": np.bool_(True), "path": __import__("pathlib").Path("/x")}
+    doc = {
+        "f32": np.float32(x),
+        "i64": np.int64(7),
+        "t": torch.tensor(x, dtype=torch.float64),
+        "bad32": np.float32("nan"),
+        "tbad": torch.tensor(float("inf")),
+        "b": np.bool_(True),
+        "path": __import__("pathlib").Path("/x"),
+    }
     back = strict_loads(json_out.dumps(doc))
     assert back["f32"] == float(np.float32(x)) and isinstance(back["f32"], float)
     assert back["i64"] == 7 and back["t"] == x

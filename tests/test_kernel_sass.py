@@ -33,8 +33,12 @@ def _fingerprint(source: Path) -> str:
 def test_default_metric_kernel_compiles_for_sm90_without_spills(tmp_path):
     from fidelity.measuring.metrics import MetricKernel
     kernel = MetricKernel()
-    assert (kernel.block, kernel.topk, kernel.shift, kernel.prefetch) == \
-        (512, "fused-top2", "fixed", 2)                 # the variant the script calls default (with the kernel's switches)
+    assert (kernel.block, kernel.topk, kernel.shift, kernel.prefetch) == (
+        512,
+        "fused-top2",
+        "fixed",
+        2,
+    )  # the variant the script calls default (with the kernel's switches)
     source = ROOT / "fidelity" / "measuring" / "metrics_triton.py"
     got = _fingerprint(source)
     assert " LOCAL:0 " in got, got

@@ -27,10 +27,13 @@ def ladder_cli(path, tmp_path, timeout=600):
 
 
 def test_toy_ladder_accepts_the_faster_rung_and_rejects_slower_and_gate_failing_ones(tmp_path):
-    head = ('[ladder]\nmodel = "toy"\nonly = ["batch-invariance"]\n'
-            '[bench]\nsets = ["code"]\nprompts_per_set = 1\nstreams = [3]\nprefill = [200]\nrepeats = 2\nmax_tokens = 20\n'
-            '[accept]\naggregate_streams = 3\n')
-    # "faster" also answers its first token sooner (latency 0.035 s vs 0.05 s): with equal latencies its prefill change is
+    head = (
+        '[ladder]\nmodel = "toy"\nonly = ["batch-invariance"]\n'
+        '[bench]\nsets = ["code"]\nprompts_per_set = 1\nstreams = [3]\nprefill = [200]\nrepeats = 2\nmax_tokens = 20\n'
+        '[accept]\naggregate_streams = 3\n'
+    )
+    # "faster" also answers its first token sooner (latency 0.035 s vs 0.05 s): with equal latencies its prefill change
+    # is
     # pure timing noise, which on a loaded 2-core machine once exceeded the A/A spread (-13.1 % vs a 6.7 % margin)
     rungs = [toy_rung("base", 0.02), toy_rung("faster", 0.01, {"latency_s": 0.035}), toy_rung("slower", 0.04),
              # faster still, but its kernels depend on the batch: batch-invariance fails, so it is rejected
@@ -45,12 +48,17 @@ def test_toy_ladder_accepts_the_faster_rung_and_rejects_slower_and_gate_failing_
     assert by["faster"]["verdict"] == "accepted" and by["faster"]["against"] == "base"
     assert by["slower"]["verdict"] == "rejected" and by["slower"]["against"] == "faster"
     assert "no gain" in by["slower"]["reason"]
-    assert by["fast-but-wrong"]["verdict"] == "rejected" and "gates fail: batch-invariance" in by["fast-but-wrong"]["reason"]
+    assert (
+        by["fast-but-wrong"]["verdict"] == "rejected"
+        and "gates fail: batch-invariance" in by["fast-but-wrong"]["reason"]
+    )
     assert doc["best"] == "faster"
     # the deltas are the medians' ratios, against the best rung at that time
     for name, against in (("faster", "base"), ("slower", "faster"), ("fast-but-wrong", "faster")):
         d = by[name]["deltas"]["decode.all"]
-        assert d["change_pct"] == pytest.approx(100 * (by[name]["metrics"]["decode.all"] / by[against]["metrics"]["decode.all"] - 1))
+        assert d["change_pct"] == pytest.approx(
+            100 * (by[name]["metrics"]["decode.all"] / by[against]["metrics"]["decode.all"] - 1)
+        )
     ranked = sorted(by.values(), key=lambda x: x["rank"])
     assert [x["rung"] for x in ranked] == sorted(by, key=lambda n: -by[n]["metrics"]["decode.all"])
     assert ranked[0]["rung"] == "fast-but-wrong" and ranked[-1]["rung"] == "slower"
@@ -111,15 +119,18 @@ def test_llama_threads_ladder_ranks_as_measured_and_rejects_a_rung_whose_gates_f
 
     # decode-vs-prefill without a BOS prefix: llama-cpp-python 0.3.x echoes prompt logprobs one position early, which
     # this gate fails by whole nats (tests/test_engine_llamacpp.py); the rung is the threads-2 engine itself
-    (tmp_path / "dvp.toml").write_text('[settings]\nprompts = ["The capital of France is", "Bees make"]\nmax_tokens = 4\n'
-                                       'top_k = 3\n')
-    text = ('[ladder]\nmodel = "smol"\n'
-            '[bench]\nsets = ["prose"]\nprompts_per_set = 1\nstreams = [2]\nprefill = [256]\nrepeats = 2\nmax_tokens = 32\n'
-            'suppress_ids = [2, 0]\n[accept]\naggregate_streams = 2\n'
-            f'[[rung]]\nname = "threads-1"\ncommand = {json.dumps(cmd(1))}\n'
-            f'[[rung]]\nname = "threads-2"\ncommand = {json.dumps(cmd(2))}\n'
-            f'[[rung]]\nname = "threads-2-gated"\ncommand = {json.dumps(cmd(2))}\ngates = "dvp.toml"\n'
-            'only = ["decode-vs-prefill"]\n')
+    (tmp_path / "dvp.toml").write_text(
+        '[settings]\nprompts = ["The capital of France is", "Bees make"]\nmax_tokens = 4\ntop_k = 3\n'
+    )
+    text = (
+        '[ladder]\nmodel = "smol"\n'
+        '[bench]\nsets = ["prose"]\nprompts_per_set = 1\nstreams = [2]\nprefill = [256]\nrepeats = 2\nmax_tokens = 32\n'
+        'suppress_ids = [2, 0]\n[accept]\naggregate_streams = 2\n'
+        f'[[rung]]\nname = "threads-1"\ncommand = {json.dumps(cmd(1))}\n'
+        f'[[rung]]\nname = "threads-2"\ncommand = {json.dumps(cmd(2))}\n'
+        f'[[rung]]\nname = "threads-2-gated"\ncommand = {json.dumps(cmd(2))}\ngates = "dvp.toml"\n'
+        'only = ["decode-vs-prefill"]\n'
+    )
     (tmp_path / "ladder.toml").write_text(text)
     r, doc = ladder_cli(tmp_path / "ladder.toml", tmp_path, timeout=900)
     print(r.stdout[-3000:])
@@ -137,7 +148,9 @@ def test_llama_threads_ladder_ranks_as_measured_and_rejects_a_rung_whose_gates_f
     p_loss = -100 * (two["metrics"]["prefill.256"] / one["metrics"]["prefill.256"] - 1)
     expect = (s_gain > margin("decode.all") or a_gain > margin("aggregate.2")) and \
         p_loss <= max(5.0, two["deltas"]["prefill.256"]["spread_pct"])
-    print(f"threads 2 vs 1: decode {s_gain:+.1f} %, aggregate {a_gain:+.1f} %, prefill loss {p_loss:.1f} %: {two['verdict']}")
+    print(
+        f"threads 2 vs 1: decode {s_gain:+.1f} %, aggregate {a_gain:+.1f} %, prefill loss {p_loss:.1f} %: {two['verdict']}"
+    )
     assert two["verdict"] == ("accepted" if expect else "rejected")
     assert gated["verdict"] == "rejected" and "gates fail: decode-vs-prefill" in gated["reason"]
     dvp = gated["gate_results"]["gates"][0]

@@ -29,9 +29,11 @@ def _assert_matches_scipy(pm, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor,
         np.testing.assert_allclose(getattr(pm, k).numpy(), ref[k], rtol=kl_rtol, atol=KL_ATOL, err_msg=k)
     for k in ("ref_nll", "pack_nll"):
         np.testing.assert_allclose(getattr(pm, k).numpy(), ref[k], rtol=1e-12, atol=1e-11, err_msg=k)
-    assert np.array_equal(pm.ref_margin.numpy(), ref["ref_margin"])      # a difference of two float32s: exact in float64
+    assert np.array_equal(pm.ref_margin.numpy(), ref["ref_margin"])  # a difference of two float32s: exact in float64
     np.testing.assert_allclose(pm.ref_pmax.numpy(), ref["ref_pmax"], rtol=1e-12)
-    assert np.array_equal(pm.ref_top1.numpy(), ref["ref_top1"]) and np.array_equal(pm.pack_top1.numpy(), ref["pack_top1"])
+    assert np.array_equal(pm.ref_top1.numpy(), ref["ref_top1"]) and np.array_equal(
+        pm.pack_top1.numpy(), ref["pack_top1"]
+    )
     assert np.array_equal(pm.topk_match.numpy(), ref["topk_match"])
     assert pm.finite.all()
 

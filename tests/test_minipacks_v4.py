@@ -138,7 +138,9 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
             pack.tensor("engram.tables.0.weight")
     expert_err: dict[int, list[float]] = {}
     kinds = {}
-    raw = raw_tensors(packs[layout])  # EXL3 values: bit for bit exl3.decode_weight of the stored pieces (standard layout)
+    raw = raw_tensors(
+        packs[layout]
+    )  # EXL3 values: bit for bit exl3.decode_weight of the stored pieces (standard layout)
     for name in native.names():
         want = native.tensor(name)
         got = pack.tensor(stored_name(layout, name))
@@ -164,7 +166,9 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
     for name, kind in kinds.items():
         if kind == "expert":
             _, layer, e = routed_expert(name)
-            assert {Path(f).name for f in pack.storage(stored_name(layout, name)).files} == {EXPERT_FILE[layout](layer, e)}
+            assert {Path(f).name for f in pack.storage(stored_name(layout, name)).files} == {
+                EXPERT_FILE[layout](layer, e)
+            }
     if expert_err:
         mean = {K: sum(v) / len(v) for K, v in sorted(expert_err.items())}
         print(f"{layout}: EXL3 expert relative error by K {mean}")
@@ -181,8 +185,9 @@ def test_layout_opens_and_every_tensor_decodes(native, packs, layout):
 @pytest.mark.slow
 def test_compare_cli_end_to_end(packs, tmp_path, rng_seed):
     words = ["pack", "trellis", "expert", "window", "sparse", "token", "scale", "hyper", "stream", "drift", "K", "bits"]
-    report, kl = compare_cli_kl(NATIVE, packs, LAYOUTS, words, rows=6, words_per_row=12, bootstrap=200, tmp_path=tmp_path,
-                                seed=rng_seed)
+    report, kl = compare_cli_kl(
+        NATIVE, packs, LAYOUTS, words, rows=6, words_per_row=12, bootstrap=200, tmp_path=tmp_path, seed=rng_seed
+    )
     assert report["panel"]["scored_positions"] > 6 * 40      # byte-level tokens: ~70 per row
     print("compare KL (nats/token):", {k: f"{v:.4g}" for k, v in kl.items()})
     print("bpw (EXL3 experts are 64x64 padded to 128x128):", {r["label"]: r["bpw"] for r in report["results"]})

@@ -103,8 +103,9 @@ def test_layout_opens_engram_rows_exact_and_oracle_runs(native, packs, layout, r
 @pytest.mark.slow
 def test_compare_cli_end_to_end(native, packs, tmp_path, rng_seed):
     words = ["engram", "pool", "index", "window", "Sparse", "Token", "scale", "hyper", "stream", "drift", "K", "bits"]
-    report, kl = compare_cli_kl(native, packs, COMPARED, words, rows=4, words_per_row=10, bootstrap=100, tmp_path=tmp_path,
-                                seed=rng_seed)
+    report, kl = compare_cli_kl(
+        native, packs, COMPARED, words, rows=4, words_per_row=10, bootstrap=100, tmp_path=tmp_path, seed=rng_seed
+    )
     assert report["panel"]["scored_positions"] > 4 * 30
     print("V4.1 compare KL (nats/token):", {k: f"{v:.4g}" for k, v in kl.items()})
     assert set(kl) == set(COMPARED) and all(math.isfinite(v) and v > 0 for v in kl.values())

@@ -220,10 +220,18 @@ def test_results_are_written_before_anything_is_printed(packs, tmp_path, monkeyp
 def test_two_compares_into_one_out_folder_the_second_is_refused(packs, tmp_path, capsys):
     from fidelity.cli import main
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom fidelity.commands.compare import OutLock\n"
-                               "held = OutLock(sys.argv[1]).__enter__()\nprint('locked', flush=True)\ntime.sleep(120)\n",
-                               str(out)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom fidelity.commands.compare import OutLock\n"
+            "held = OutLock(sys.argv[1]).__enter__()\nprint('locked', flush=True)\ntime.sleep(120)\n",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         rc = main(["compare", str(packs["ref"]), str(packs["small"]), "--panel", str(packs["panel"]),

@@ -139,7 +139,9 @@ def test_a_layer_without_declared_roles_is_refused_by_name(tmp_path, monkeypatch
     from fidelity.oracle.llama import DecoderLayer
     pack = open_pack(_tiny_llama(tmp_path / "llama", torch.Generator().manual_seed(rng_seed)))
     monkeypatch.delattr(DecoderLayer, "SUB_BLOCKS")
-    with pytest.raises(ConfigError, match=r"layer class fidelity\.oracle\.llama\.DecoderLayer: it declares no SUB_BLOCKS"):
+    with pytest.raises(
+        ConfigError, match=r"layer class fidelity\.oracle\.llama\.DecoderLayer: it declares no SUB_BLOCKS"
+    ):
         C.perturbed_oracle(pack).hidden_states([[1, 2, 3]], progress=False)
     monkeypatch.setattr(DecoderLayer, "SUB_BLOCKS", {"attention": "attn", "mlp": "feed_forward"}, raising=False)
     with pytest.raises(ConfigError, match=r"DecoderLayer: roles \['mlp'\] are not declared"):

@@ -26,8 +26,13 @@ WORDS = ["engram", "pool", "index", "window", "Sparse", "Token", "scale", "hyper
 def minis(tmp_path_factory):
     root = tmp_path_factory.mktemp("v41numerics")
     native = build_native_v41(V4_FIXTURES / "tiny_v4", root / "native")
-    packs = write_all_v41(native, root / "packs", V41_SPEC, EncodingCache(V4_FIXTURES / "tiny_v4_encodings.safetensors"),
-                          layouts=("fp8-mxfp4",))
+    packs = write_all_v41(
+        native,
+        root / "packs",
+        V41_SPEC,
+        EncodingCache(V4_FIXTURES / "tiny_v4_encodings.safetensors"),
+        layouts=("fp8-mxfp4",),
+    )
     return native, packs["fp8-mxfp4"]
 
 

@@ -116,9 +116,13 @@ def test_nccl_compare_cli_equals_one_gpu_and_resumes(cli_packs):
     common = [str(ref), str(pack), "--panel", str(panel), "--bootstrap", "200", "--seed", "3", "--device", "cuda"]
     assert main(["compare", *common, "--json", str(root / "cuda_one.json")]) == 0
     for name in ("cuda_two", "cuda_three"):
-        done = torchrun(["compare", *common, "--json", str(root / f"{name}.json"), "--out", str(root / "cuda_out")], root)
+        done = torchrun(
+            ["compare", *common, "--json", str(root / f"{name}.json"), "--out", str(root / "cuda_out")], root
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-    one, two, three = (json.loads(without_command_line(root / f"{n}.json")) for n in ("cuda_one", "cuda_two", "cuda_three"))
+    one, two, three = (
+        json.loads(without_command_line(root / f"{n}.json")) for n in ("cuda_one", "cuda_two", "cuda_three")
+    )
     assert two == one and two["resumed"] == []
     assert three.pop("resumed") == ["reference", "noise-floor", f"pack-{open_pack(pack).fingerprint()}"]
     one.pop("resumed")

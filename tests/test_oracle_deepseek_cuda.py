@@ -86,7 +86,9 @@ def test_v41_cuda_equals_cpu(v41_packs, layout, dtype, rng_seed):
     cfg = pack.config
     ratio = min(r for r in cfg["compress_ratios"] if r)
     T = 8 * cfg["index_topk"] * max(cfg["compress_ratios"]) + 4 * cfg["sliding_window"] + 7
-    assert T // ratio >= 4 * cfg["index_topk"] and T // ratio > cfg["candidate_topk_blocks"] * cfg["candidate_block_size"]
+    assert (
+        T // ratio >= 4 * cfg["index_topk"] and T // ratio > cfg["candidate_topk_blocks"] * cfg["candidate_block_size"]
+    )
     assert cuda_vs_cpu(pack, long_rows(cfg["vocab_size"], T, rng_seed), dtype, f"V4.1 {layout}") <= LIMIT[dtype]
 
 
@@ -113,10 +115,15 @@ def test_deepseek_numerics_cuda_equals_cpu(v4_packs, v41_packs, arch, layout, rn
     dtype = torch.float64
     pack = open_pack((v4_packs if arch == "V4" else v41_packs)[layout])
     tokens = long_rows(pack.config["vocab_size"], 103, rng_seed)
-    cpu, gpu = Oracle(pack, dtype=dtype, numerics="deepseek"), Oracle(pack, device="cuda", dtype=dtype, numerics="deepseek")
+    cpu, gpu = (
+        Oracle(pack, dtype=dtype, numerics="deepseek"),
+        Oracle(pack, device="cuda", dtype=dtype, numerics="deepseek"),
+    )
     want, got = cpu.logits(tokens), gpu.logits(tokens)
     exact = Oracle(pack, dtype=dtype).logits(tokens)
     gap = ((got - want).abs().max() / want.abs().max()).item()
     effect = ((want - exact).abs().max() / exact.abs().max()).item()
-    print(f"{arch} {layout} {cpu.family.numerics_label} {str(dtype)[6:]}: CUDA vs CPU {gap:.3g}, rounding moves {effect:.3g}")
+    print(
+        f"{arch} {layout} {cpu.family.numerics_label} {str(dtype)[6:]}: CUDA vs CPU {gap:.3g}, rounding moves {effect:.3g}"
+    )
     assert gap <= LIMIT[dtype] and effect > 1e-4

@@ -108,7 +108,10 @@ def run_layers_on_meta(monkeypatch, oracle: Oracle, T: int) -> list:
     """Every layer of the oracle's family built on the meta device and run on meta activations; routed experts (whose
     grouping reads the routing) are replaced by a device-following stand-in. Returns the layers' outputs."""
     from fidelity.oracle import moe
-    monkeypatch.setattr(moe.RoutedExperts, "__call__", lambda self, x, indices, weights: x * weights.sum(-1, keepdim=True))
+
+    monkeypatch.setattr(
+        moe.RoutedExperts, "__call__", lambda self, x, indices, weights: x * weights.sum(-1, keepdim=True)
+    )
     fam, fetch = oracle.family, meta_fetch(oracle.pack)
     tokens = torch.zeros(2, T, dtype=torch.long, device="meta")
     x = fam.embed_hook(torch.empty(2, T, fam.hidden_size, device="meta"))

@@ -35,12 +35,22 @@ BASE = dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_
 CASES = {
     "mixed-default-rope": {},
     "yarn-compress-csa2-hca5-tied": dict(
-        tie_word_embeddings=True, compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 5}, index_topk=4,
-        hc_mult=2, sliding_window=7, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
-                     "compressed_sparse_attention"],
-        rope_parameters=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32,
-                             beta_slow=1)),
+        tie_word_embeddings=True,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 5},
+        index_topk=4,
+        hc_mult=2,
+        sliding_window=7,
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        layer_types=[
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "sliding_attention",
+            "compressed_sparse_attention",
+        ],
+        rope_parameters=dict(
+            rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1
+        ),
+    ),
 }
 
 

@@ -57,17 +57,34 @@ def shape_of(name: str, cfg: dict) -> tuple:
     D, Q, R = cfg["head_dim"], cfg["q_lora_rank"], cfg["o_lora_rank"]
     if tail.startswith("hc_"):
         return {"fn": ((2 + HC) * HC, HC * H), "base": ((2 + HC) * HC,), "scale": (3,)}[tail.rsplit("_", 1)[1]]
-    table = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,), "attn.wq_a.weight": (Q, H), "attn.q_norm.weight": (Q,),
-             "attn.wq_b.weight": (HEADS * D, Q), "attn.wkv.weight": (D, H), "attn.kv_norm.weight": (D,),
-             "attn.wo_a.weight": (G * R, HEADS * D // G), "attn.wo_b.weight": (H, G * R), "attn.attn_sink": (HEADS,),
-             "attn.compressor.wkv.weight": (D, H), "attn.compressor.wgate.weight": (D, H),
-             "attn.compressor.norm.weight": (D,), "attn.compressor.ape": (cfg["compress_ratios"][layer or 0], D),
-             "attn.indexer.wk.weight": (ID, D), "attn.indexer.k_norm.weight": (ID,),
-             "attn.indexer.wq_b.weight": (IH * ID, Q), "attn.indexer.weights_proj.weight": (IH, H),
-             "ffn.gate.weight": (E, H), "ffn.gate.bias": (E,),
-             "engram.wkv.weight": ((HC + 1) * H, (cfg.get("engram_max_ngram_size", 3) - 1) * cfg.get("engram_n_heads", 2)
-                                   * cfg.get("engram_head_dim", 8)),
-             "engram.k_weight": (HC * H,), "engram.q_weight": (HC * H,)}
+    table = {
+        "attn_norm.weight": (H,),
+        "ffn_norm.weight": (H,),
+        "attn.wq_a.weight": (Q, H),
+        "attn.q_norm.weight": (Q,),
+        "attn.wq_b.weight": (HEADS * D, Q),
+        "attn.wkv.weight": (D, H),
+        "attn.kv_norm.weight": (D,),
+        "attn.wo_a.weight": (G * R, HEADS * D // G),
+        "attn.wo_b.weight": (H, G * R),
+        "attn.attn_sink": (HEADS,),
+        "attn.compressor.wkv.weight": (D, H),
+        "attn.compressor.wgate.weight": (D, H),
+        "attn.compressor.norm.weight": (D,),
+        "attn.compressor.ape": (cfg["compress_ratios"][layer or 0], D),
+        "attn.indexer.wk.weight": (ID, D),
+        "attn.indexer.k_norm.weight": (ID,),
+        "attn.indexer.wq_b.weight": (IH * ID, Q),
+        "attn.indexer.weights_proj.weight": (IH, H),
+        "ffn.gate.weight": (E, H),
+        "ffn.gate.bias": (E,),
+        "engram.wkv.weight": (
+            (HC + 1) * H,
+            (cfg.get("engram_max_ngram_size", 3) - 1) * cfg.get("engram_n_heads", 2) * cfg.get("engram_head_dim", 8),
+        ),
+        "engram.k_weight": (HC * H,),
+        "engram.q_weight": (HC * H,),
+    }
     if tail in table:
         return table[tail]
     if ".experts." in tail or ".shared_experts." in tail:
@@ -154,7 +171,9 @@ def naive_pool(w: dict, p: str, x: torch.Tensor, ratio: int, theta: float):
         latent = rms(kv.sum(0), w[f"{p}.compressor.norm.weight"])
         entries.append(rotate(latent, win * ratio, theta))
         if f"{p}.indexer.wk.weight" in w:
-            keys.append(rotate(rms(w[f"{p}.indexer.wk.weight"] @ latent, w[f"{p}.indexer.k_norm.weight"]), win * ratio, theta))
+            keys.append(
+                rotate(rms(w[f"{p}.indexer.wk.weight"] @ latent, w[f"{p}.indexer.k_norm.weight"]), win * ratio, theta)
+            )
     return torch.stack(entries), (torch.stack(keys) if keys else None)
 
 
@@ -244,7 +263,9 @@ def capture_attention(monkeypatch) -> list:
 
     def record(self, x, rope, state):
         y = original(self, x, rope, state)
-        calls.append((self.layer, x.clone(), y.clone(), state, None if state.selection is None else state.selection.clone()))
+        calls.append(
+            (self.layer, x.clone(), y.clone(), state, None if state.selection is None else state.selection.clone())
+        )
         return y
 
     monkeypatch.setattr(v41.Attention, "__call__", record)
@@ -290,7 +311,9 @@ def test_every_attention_layer_matches_query_by_query_formulation(tmp_path, rng_
                 last = chosen
             assert chosen == last, f"layer {layer}: reuses the last index source's choice"
             visible = chosen
-        want = naive_attention(w, p, x[0], ratio, cfg["sliding_window"], theta_c if ratio else theta_main, entries, visible)
+        want = naive_attention(
+            w, p, x[0], ratio, cfg["sliding_window"], theta_c if ratio else theta_main, entries, visible
+        )
         delta = (y[0] - want).abs().max().item()
         worst = max(worst, delta)
         assert delta < 1e-4, f"layer {layer}: attention output off by {delta:.3g}"
@@ -336,7 +359,10 @@ def test_self_owned_pools_reduce_to_v4(tmp_path, rng_seed):
     root41 = tmp_path / "v41"
     shutil.copytree(root4, root41)
     (root41 / "config.json").write_text(json.dumps(v41cfg))
-    assert {n for n in v4_names if ".compressor.ape" in n} == {"layers.1.attn.compressor.ape", "layers.2.attn.compressor.ape"}
+    assert {n for n in v4_names if ".compressor.ape" in n} == {
+        "layers.1.attn.compressor.ape",
+        "layers.2.attn.compressor.ape",
+    }
     tokens = random_tokens(torch.Generator().manual_seed(rng_seed), 2, 30)
     want = Oracle(open_pack(root4)).logits(tokens)
     oracle = Oracle(open_pack(root41))
@@ -437,7 +463,10 @@ def test_v41_deepseek_numerics_round_where_the_reference_does(tmp_path, rng_seed
         monkeypatch.setattr(quant, fn, (lambda key, real: lambda x, block, *a: (
             seen[key].append((block, out := real(x, block, *a))), out)[1])(key, real))
     oracle = Oracle(pack, numerics="deepseek")
-    assert "V4.1" in oracle.family.numerics_label and "fp8-e4m3/32 (whole post-RoPE vector)" in oracle.family.numerics_label
+    assert (
+        "V4.1" in oracle.family.numerics_label
+        and "fp8-e4m3/32 (whole post-RoPE vector)" in oracle.family.numerics_label
+    )
     calls = capture_attention(monkeypatch)
     rounded = oracle.logits(tokens)
     assert (rounded - exact).abs().max() > 1e-4
@@ -592,10 +621,14 @@ def test_engram_gate_floors_a_zero_dot_like_the_reference(tmp_path, rng_seed):
                    hidden_size=H, eps=1e-6)
     write_safetensors(tmp_path / "t.safetensors", {"table": torch.randn(7, 4, generator=g)})
     wkv = torch.randn((HC + 1) * H, 4, generator=g)
-    layer = EngramLayer(a, RowTable([(tmp_path / "t.safetensors", "table")]), wkv, torch.ones(HC * H), torch.zeros(HC * H))
+    layer = EngramLayer(
+        a, RowTable([(tmp_path / "t.safetensors", "table")]), wkv, torch.ones(HC * H), torch.zeros(HC * H)
+    )
     streams, ids = torch.randn(1, 5, HC, H, generator=g), torch.randint(0, 7, (1, 5), generator=g)
     got = layer(streams, ids) - streams
-    rows = layer.table.rows(torch.remainder(ids * 3 ^ torch.cat((torch.zeros(1, 1, dtype=torch.long), ids[:, :-1]), 1) * 5, 7))
+    rows = layer.table.rows(
+        torch.remainder(ids * 3 ^ torch.cat((torch.zeros(1, 1, dtype=torch.long), ids[:, :-1]), 1) * 5, 7)
+    )
     values = (rows @ wkv.T)[..., HC * H:]
     assert torch.allclose(got, torch.sigmoid(torch.tensor(1e-3)) * values.unsqueeze(-2).expand_as(got), atol=1e-6)
     assert not torch.allclose(got, 0.5 * values.unsqueeze(-2).expand_as(got), atol=1e-6)
@@ -616,8 +649,12 @@ def test_oracle_with_multi_gb_fp8_engram_table_reads_only_rows_touched(tmp_path,
     rows, dim = cfg["engram_num_embeddings"][0], 64
     root = write_pack(tmp_path / "p", cfg, rng_seed, tables=False)
     weight, scale = "layers.0.engram.embed.weight", "layers.0.engram.embed.scale"
-    header = json.dumps({weight: {"dtype": "F8_E4M3", "shape": [rows, dim], "data_offsets": [0, rows * dim]},
-                         scale: {"dtype": "F8_E8M0", "shape": [rows, 2], "data_offsets": [rows * dim, rows * (dim + 2)]}})
+    header = json.dumps(
+        {
+            weight: {"dtype": "F8_E4M3", "shape": [rows, dim], "data_offsets": [0, rows * dim]},
+            scale: {"dtype": "F8_E8M0", "shape": [rows, 2], "data_offsets": [rows * dim, rows * (dim + 2)]},
+        }
+    )
     header = header.encode() + b" " * (-len(header) % 8)
     path, start = root / "model-engram.safetensors", 8 + len(header)
     with open(path, "wb") as f:
@@ -719,7 +756,9 @@ def test_fp8_engram_rows_with_bad_scales_are_named(tmp_path, rng_seed):
     from fidelity.oracle.deepseek.engram import RowTable
     g = torch.Generator().manual_seed(rng_seed)
     values = torch.randn(10, 8, generator=g).to(torch.float8_e4m3fn)
-    write_safetensors(tmp_path / "int.safetensors", {"t.weight": values, "t.scale": torch.ones(10, 1, dtype=torch.int32)})
+    write_safetensors(
+        tmp_path / "int.safetensors", {"t.weight": values, "t.scale": torch.ones(10, 1, dtype=torch.int32)}
+    )
     with pytest.raises(PackError, match=r"scale dtype I32 is not a float or e8m0 type") as err:
         RowTable([(tmp_path / "int.safetensors", "t.weight")], [(tmp_path / "int.safetensors", "t.scale", (1, 8))])
     assert "t.scale" in str(err.value) and "int.safetensors" in str(err.value)

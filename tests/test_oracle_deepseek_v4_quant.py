@@ -71,7 +71,10 @@ def test_indexer_fp4_with_power_of_two_scales_and_the_hadamard_rotation(rng_seed
     import numpy as np
     from scipy.linalg import hadamard
     g = torch.Generator().manual_seed(rng_seed)
-    x = torch.randn(5, 64, generator=g, dtype=torch.float64) * torch.tensor([1e-30, 1e-3, 1.0, 7.0, 1e4]).double()[:, None]
+    x = (
+        torch.randn(5, 64, generator=g, dtype=torch.float64)
+        * torch.tensor([1e-30, 1e-3, 1.0, 7.0, 1e4]).double()[:, None]
+    )
     got = fake_fp4_pow2_scales(x, 32)
     for r in range(5):
         for b in range(2):

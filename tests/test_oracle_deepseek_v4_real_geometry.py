@@ -12,8 +12,10 @@ from fidelity import open_pack
 from fidelity.oracle import Oracle
 from _deepseek_configs import build_v4, reference_ties_to_lower_index  # noqa: F401 (autouse: the indexer's exact-0 ties)
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not hasattr(T, "DeepseekV4Config"), reason="missing tool: transformers without DeepSeek-V4")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(T, "DeepseekV4Config"), reason="missing tool: transformers without DeepSeek-V4"),
+]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 REAL_GEOMETRY = dict(
@@ -40,5 +42,7 @@ def test_real_attention_geometry_long_row_matches_transformers(tmp_path, rng_see
         want = model(input_ids=tokens.to(DEVICE), use_cache=False).logits.float().cpu()
     got = Oracle(open_pack(tmp_path / "v4"), device=DEVICE).logits(tokens)
     delta = (got - want).abs().max().item()
-    print(f"V4 real geometry on {DEVICE}, T={T_len}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
+    print(
+        f"V4 real geometry on {DEVICE}, T={T_len}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}"
+    )
     assert delta <= 1e-4

@@ -5,7 +5,9 @@ from __future__ import annotations
 from _peak_rss import run_child
 
 HIDDEN, INNER, HEADS, ROWS, LENGTH = 1536, 4096, 16, 2, 64
-SCRIPT = f"HIDDEN, INNER, HEADS, ROWS, LENGTH = {HIDDEN}, {INNER}, {HEADS}, {ROWS}, {LENGTH}\n" + r"""
+SCRIPT = (
+    f"HIDDEN, INNER, HEADS, ROWS, LENGTH = {HIDDEN}, {INNER}, {HEADS}, {ROWS}, {LENGTH}\n"
+    + r"""
 import json, sys, torch
 torch.set_num_threads(1)
 from fidelity.oracle import Oracle
@@ -24,6 +26,7 @@ print(json.dumps({"base": base, "peak": peak, "reset": reset, "finite": bool(tor
                   "largest_layer": max(pack.layer_bytes(i) for i in range(cfg["num_hidden_layers"])),
                   "total": pack.total_bytes(), "logits_bytes": logits.numel() * 4}))
 """
+)
 
 
 def test_streaming_peak_rss_is_about_one_layer(rng_seed):

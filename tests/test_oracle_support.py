@@ -52,8 +52,21 @@ def compare_cli_kl(native: Path, packs: dict[str, Path], labels: list[str], word
 
     panel = write_word_panel(tmp_path / "panel.jsonl", words, rows=rows, words_per_row=words_per_row, seed=seed)
     out = tmp_path / "report.json"
-    rc = main(["compare", str(native), *(str(packs[lab]) for lab in labels), *(a for lab in labels for a in ("--label", lab)),
-               "--panel", str(panel), "--json", str(out), "--no-noise-floor", "--bootstrap", str(bootstrap)])
+    rc = main(
+        [
+            "compare",
+            str(native),
+            *(str(packs[lab]) for lab in labels),
+            *(a for lab in labels for a in ("--label", lab)),
+            "--panel",
+            str(panel),
+            "--json",
+            str(out),
+            "--no-noise-floor",
+            "--bootstrap",
+            str(bootstrap),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     return report, {r["label"]: r["overall"]["kld_mean"] for r in report["results"]}

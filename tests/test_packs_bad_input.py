@@ -55,8 +55,11 @@ def test_embed_tokens_disagreeing_with_vocab_size(tmp_path):
     t = llama_tensors()
     t["model.embed_tokens.weight"] = torch.randn(49, 16)
     pack = write_pack(tmp_path, t, CFG)
-    with pytest.raises(PackError, match=r"\[49, 16\] disagrees with .*config\.json: vocab_size x hidden_size = \[50, 16\]"
-                                        r".*embed_tokens\.weight.*model\.safetensors") as e:
+    with pytest.raises(
+        PackError,
+        match=r"\[49, 16\] disagrees with .*config\.json: vocab_size x hidden_size = \[50, 16\]"
+        r".*embed_tokens\.weight.*model\.safetensors",
+    ) as e:
         check_against_config(pack)
     assert e.value.tensor == "model.embed_tokens.weight"
     assert any("embed_tokens" in p for p in inspect_pack(str(tmp_path))["problems"])
@@ -89,7 +92,9 @@ def test_quantized_tensor_shape_checked_in_logical_form(tmp_path):
     t = llama_tensors()
     t["lm_head.weight"] = torch.randn(48, 16).to(torch.float8_e4m3fn)
     t["lm_head.weight_scale_inv"] = torch.ones(1, 1)
-    pack = write_pack(tmp_path, t, dict(CFG, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
+    pack = write_pack(
+        tmp_path, t, dict(CFG, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    )
     assert [e.tensor for e in config_problems(pack)] == ["lm_head.weight"]
 
 
@@ -102,7 +107,10 @@ def test_unknown_quant_method_names_config_file(tmp_path, method):
 
 
 def test_scale_of_an_integer_type(tmp_path):
-    t = {"a.weight": torch.randn(4, 4).to(torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(1, 1, dtype=torch.int32)}
+    t = {
+        "a.weight": torch.randn(4, 4).to(torch.float8_e4m3fn),
+        "a.weight_scale_inv": torch.ones(1, 1, dtype=torch.int32),
+    }
     write_safetensors(tmp_path / "model.safetensors", t)
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(PackError, match=r"scale dtype I32.*a\.weight_scale_inv.*model\.safetensors"):

@@ -88,26 +88,63 @@ def scheme_json(scheme) -> dict:
 
 INT = dict(type="int")
 CASES = {
-    "int4_group_sym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=True, strategy="group", group_size=32), (70, 160)),
-    "int4_group_asym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=False, strategy="group", group_size=64), (37, 192)),
+    "int4_group_sym": (
+        "pack-quantized",
+        dict(num_bits=4, **INT, symmetric=True, strategy="group", group_size=32),
+        (70, 160),
+    ),
+    "int4_group_asym": (
+        "pack-quantized",
+        dict(num_bits=4, **INT, symmetric=False, strategy="group", group_size=64),
+        (37, 192),
+    ),
     "int8_channel_sym": ("pack-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (45, 100)),
-    "int4_channel_asym": ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="channel"), (37, 99)),
+    "int4_channel_asym": (
+        "pack-quantized",
+        dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
+        (37, 99),
+    ),
     "int4_tensor_asym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=False, strategy="tensor"), (9, 24)),
-    "int3_group_asym": ("pack-quantized", dict(num_bits=3, **INT, symmetric=False, strategy="group", group_size=16),
-                        (29, 80)),
+    "int3_group_asym": (
+        "pack-quantized",
+        dict(num_bits=3, **INT, symmetric=False, strategy="group", group_size=16),
+        (29, 80),
+    ),
     "int8_naive_channel": ("int-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (33, 70)),
-    "int8_naive_group_asym": ("int-quantized", dict(num_bits=8, **INT, symmetric=False, strategy="group", group_size=16),
-                              (19, 48)),
+    "int8_naive_group_asym": (
+        "int-quantized",
+        dict(num_bits=8, **INT, symmetric=False, strategy="group", group_size=16),
+        (19, 48),
+    ),
     "fp8_tensor": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), (23, 41)),
-    "fp8_block": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="block",
-                                          block_structure=[128, 128]), (300, 200)),
+    "fp8_block": (
+        "float-quantized",
+        dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+        (300, 200),
+    ),
     "fp8_channel": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="channel"), (31, 64)),
-    "mxfp8": ("mxfp8-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32,
-                                      scale_dtype=torch.uint8), (10, 96)),
-    "nvfp4": ("nvfp4-pack-quantized", dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group",
-                                           group_size=16, scale_dtype=torch.float8_e4m3fn), (37, 48)),
-    "mxfp4": ("mxfp4-pack-quantized", dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
-                                           scale_dtype=torch.uint8), (21, 96)),
+    "mxfp8": (
+        "mxfp8-quantized",
+        dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8),
+        (10, 96),
+    ),
+    "nvfp4": (
+        "nvfp4-pack-quantized",
+        dict(
+            num_bits=4,
+            type="float",
+            symmetric=True,
+            strategy="tensor_group",
+            group_size=16,
+            scale_dtype=torch.float8_e4m3fn,
+        ),
+        (37, 48),
+    ),
+    "mxfp4": (
+        "mxfp4-pack-quantized",
+        dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8),
+        (21, 96),
+    ),
 }
 
 
@@ -157,8 +194,10 @@ def test_g_idx_of_minus_one_means_column_order(tmp_path, rng_seed):
     comp, scheme, stored = compress(torch.randn(8, 64).bfloat16(), args, fmt)
     stored = dict(stored, weight_g_idx=torch.full((64,), -1, dtype=torch.int32))
     write_ct_pack(tmp_path, {"m": stored}, {"group_0": scheme_json(scheme)}, fmt)
-    assert torch.equal(open_pack(tmp_path).tensor("m.weight"), library_fp32(comp, scheme, {k: v for k, v in stored.items()
-                                                                                        if k != "weight_g_idx"}, fmt))
+    assert torch.equal(
+        open_pack(tmp_path).tensor("m.weight"),
+        library_fp32(comp, scheme, {k: v for k, v in stored.items() if k != "weight_g_idx"}, fmt),
+    )
 
 
 def test_mixed_precision_schemes_matched_by_regex_targets(tmp_path, rng_seed):
@@ -170,7 +209,9 @@ def test_mixed_precision_schemes_matched_by_regex_targets(tmp_path, rng_seed):
                   {"group_0": g4, "group_1": g8}, "mixed-precision")
     pack = open_pack(tmp_path)
     assert torch.equal(pack.tensor("model.layers.0.mlp.up_proj.weight"), library_fp32(c4, s4, st4, "pack-quantized"))
-    assert torch.equal(pack.tensor("model.layers.0.self_attn.o_proj.weight"), library_fp32(c8, s8, st8, "float-quantized"))
+    assert torch.equal(
+        pack.tensor("model.layers.0.self_attn.o_proj.weight"), library_fp32(c8, s8, st8, "float-quantized")
+    )
     assert pack.storage("model.layers.0.self_attn.o_proj.weight").format == "fp8_e4m3"
     rep = inspect_pack(str(tmp_path), decode=True)
     assert {r["format"] for r in rep["storage"]} == {"int4-pack-quantized", "fp8_e4m3"} and rep["problems"] == []

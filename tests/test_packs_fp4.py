@@ -41,8 +41,12 @@ def write_pack(path, tensors, config):
     (path / "config.json").write_text(json.dumps(config))
 
 
-GPT_OSS_CFG = {"architectures": ["GptOssForCausalLM"], "num_local_experts": 3, "num_experts_per_tok": 2,
-               "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.mlp.router"]}}
+GPT_OSS_CFG = {
+    "architectures": ["GptOssForCausalLM"],
+    "num_local_experts": 3,
+    "num_experts_per_tok": 2,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.mlp.router"]},
+}
 
 
 @pytest.mark.parametrize("scale_dtype", ["U8", "F8_E8M0"])
@@ -77,7 +81,10 @@ def test_gpt_oss_gate_up_interleave_matches_hf_layout(tmp_path, rng_seed):
     ts = gpt_oss_tensors(E, hidden, inter, "U8")
     write_pack(tmp_path, ts, GPT_OSS_CFG)
     w = open_pack(tmp_path).tensor("model.layers.0.mlp.experts.gate_up_proj")
-    blocks, exps = ts["model.layers.0.mlp.experts.gate_up_proj_blocks"], ts["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    blocks, exps = (
+        ts["model.layers.0.mlp.experts.gate_up_proj_blocks"],
+        ts["model.layers.0.mlp.experts.gate_up_proj_scales"],
+    )
     row = 2 * 7 + 1  # up-projection row 7 of expert 1
     q = e2m1_by_formula(blocks[1, row]).reshape(-1) * expand(torch.pow(2.0, exps[1, row].double() - 127), 32, hidden)
     assert torch.equal(w[1, :, 1::2][:, 7], q.float())
@@ -119,8 +126,9 @@ def test_modelopt_nvfp4_from_hf_quant_config_json(tmp_path, rng_seed):
     s2 = torch.tensor([0.25])
     write_safetensors(tmp_path / "model.safetensors", {"e.weight": w, "e.weight_scale": s, "e.weight_scale_2": s2})
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
-                                                               "quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    (tmp_path / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}})
+    )
     pack = open_pack(tmp_path)
     assert pack.format == "modelopt"
     ref = (e2m1_by_formula(w) * expand(s.to(torch.float64), 16, 16) * 0.25).float()

@@ -157,7 +157,9 @@ def test_inspect_reports_fp8_storage(tmp_path):
 def test_wrong_block_grid_names_scale_tensor_and_file(tmp_path):
     name = "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"
     write_pack(tmp_path, {name: random_fp8(576, 256), name + "_scale_inv": torch.rand(4, 2)}, DEEPSEEK_QC)
-    with pytest.raises(PackError, match=r"wrong grid.*\[5, 2\].*kv_a_proj_with_mqa\.weight_scale_inv.*model\.safetensors"):
+    with pytest.raises(
+        PackError, match=r"wrong grid.*\[5, 2\].*kv_a_proj_with_mqa\.weight_scale_inv.*model\.safetensors"
+    ):
         open_pack(tmp_path)
 
 
@@ -179,7 +181,9 @@ def test_nan_in_scales_names_tensor_and_file(tmp_path, bad):
 
 def test_ue8m0_declared_but_scales_not_powers_of_two(tmp_path):
     s = torch.tensor([[0.5, 0.75]])
-    write_pack(tmp_path, {"a.weight": random_fp8(16, 200), "a.weight_scale_inv": s}, {**DEEPSEEK_QC, "scale_fmt": "ue8m0"})
+    write_pack(
+        tmp_path, {"a.weight": random_fp8(16, 200), "a.weight_scale_inv": s}, {**DEEPSEEK_QC, "scale_fmt": "ue8m0"}
+    )
     with pytest.raises(PackError, match=r"powers of two.*a\.weight_scale_inv"):
         open_pack(tmp_path).tensor("a.weight")
 

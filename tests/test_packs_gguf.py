@@ -80,8 +80,12 @@ def test_llama_q_k_rows_unpermuted_as_transformers_does(tmp_path, rng_seed):
     want_q = hf.process(q, "blk.0.attn_q.weight").weights
     want_k = hf.process(gguf.quants.dequantize(k_bytes, gguf.GGMLQuantizationType.Q8_0), "blk.0.attn_k.weight").weights
     assert not np.array_equal(want_q, q)  # the permutation is not the identity for these shapes
-    assert torch.equal(pack.tensor("model.layers.0.self_attn.q_proj.weight"), torch.from_numpy(np.ascontiguousarray(want_q)))
-    assert torch.equal(pack.tensor("model.layers.0.self_attn.k_proj.weight"), torch.from_numpy(np.ascontiguousarray(want_k)))
+    assert torch.equal(
+        pack.tensor("model.layers.0.self_attn.q_proj.weight"), torch.from_numpy(np.ascontiguousarray(want_q))
+    )
+    assert torch.equal(
+        pack.tensor("model.layers.0.self_attn.k_proj.weight"), torch.from_numpy(np.ascontiguousarray(want_k))
+    )
 
 
 def test_qwen3moe_experts_split_one_tensor_each(tmp_path, rng_seed):
@@ -90,9 +94,12 @@ def test_qwen3moe_experts_split_one_tensor_each(tmp_path, rng_seed):
     stacked = np.stack([_random_rows(rng, inter, hidden) for _ in range(n_exp)])
     stored = quantize_array(stacked, "Q4_K")
     router = rng.standard_normal((n_exp, hidden)).astype(np.float32)
-    path = write_gguf_tensors(tmp_path / "m.gguf", "qwen3moe",
-                              HPARAMS | {"expert_count": n_exp, "expert_used_count": 2, "expert_feed_forward_length": inter},
-                              {"blk.0.ffn_gate_exps.weight": (stored, "Q4_K"), "blk.0.ffn_gate_inp.weight": (router, "F32")})
+    path = write_gguf_tensors(
+        tmp_path / "m.gguf",
+        "qwen3moe",
+        HPARAMS | {"expert_count": n_exp, "expert_used_count": 2, "expert_feed_forward_length": inter},
+        {"blk.0.ffn_gate_exps.weight": (stored, "Q4_K"), "blk.0.ffn_gate_inp.weight": (router, "F32")},
+    )
     pack = open_pack(path)
     reference = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType.Q4_K)
     for e in range(n_exp):
@@ -112,10 +119,15 @@ def test_config_agrees_with_transformers_gguf_config(tmp_path, rng_seed, arch):
 
     rng = np.random.default_rng(rng_seed)
     n_kv = int(rng.choice([1, 2, 4]))
-    hp = HPARAMS | {"block_count": int(rng.integers(1, 40)), "context_length": int(rng.choice([2048, 32768])),
-                    "feed_forward_length": int(rng.integers(64, 4096)), "attention.head_count_kv": n_kv,
-                    "attention.layer_norm_rms_epsilon": float(rng.choice([1e-5, 1e-6])),
-                    "rope.freq_base": float(rng.choice([10000.0, 500000.0])), "vocab_size": int(rng.integers(100, 200000))}
+    hp = HPARAMS | {
+        "block_count": int(rng.integers(1, 40)),
+        "context_length": int(rng.choice([2048, 32768])),
+        "feed_forward_length": int(rng.integers(64, 4096)),
+        "attention.head_count_kv": n_kv,
+        "attention.layer_norm_rms_epsilon": float(rng.choice([1e-5, 1e-6])),
+        "rope.freq_base": float(rng.choice([10000.0, 500000.0])),
+        "vocab_size": int(rng.integers(100, 200000)),
+    }
     if arch in ("qwen3", "qwen3moe"):  # Qwen3 head_dim is not hidden/heads in general; llama.cpp stores it
         hp |= {"attention.key_length": 24, "attention.value_length": 24}
     if arch == "qwen3moe":
@@ -134,7 +146,10 @@ def test_config_agrees_with_transformers_gguf_config(tmp_path, rng_seed, arch):
         assert ours[key] == theirs[key], key
     assert ours["rope_theta"] == theirs["rope_parameters"]["rope_theta"]
     # transformers maps head_dim for llama (rope.dimension_count) and qwen3moe (key_length) only
-    assert ours["head_dim"] == {"llama": theirs.get("head_dim"), "qwen2": 64 // 4, "qwen3": 24, "qwen3moe": theirs.get("head_dim")}[arch]
+    assert (
+        ours["head_dim"]
+        == {"llama": theirs.get("head_dim"), "qwen2": 64 // 4, "qwen3": 24, "qwen3moe": theirs.get("head_dim")}[arch]
+    )
     assert ours["model_type"] == theirs["model_type"]
     if arch == "qwen3moe":
         assert (ours["num_experts"], ours["num_experts_per_tok"]) == \
@@ -164,7 +179,9 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path, rng_seed):
     factor, theta, head_dim = float(rng.choice([8.0, 16.0, 32.0])), 500000.0, 16
     scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
-    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=head_dim, rope_theta=theta, rope_scaling=dict(scaling))
+    hf = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=head_dim, rope_theta=theta, rope_scaling=dict(scaling)
+    )
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
     factors = (plain / scaled).numpy().astype(np.float32)  # what llama.cpp's converter stores as rope_freqs
@@ -183,7 +200,9 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path, rng_seed):
 # -- bad input ----------------------------------------------------------------------------------------------------
 def _small(tmp_path, name="s.gguf", arch="qwen3", qtype="Q8_0"):
     w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
-    return write_gguf_tensors(tmp_path / name, arch, HPARAMS, {"blk.0.ffn_up.weight": (quantize_array(w, qtype), qtype)})
+    return write_gguf_tensors(
+        tmp_path / name, arch, HPARAMS, {"blk.0.ffn_up.weight": (quantize_array(w, qtype), qtype)}
+    )
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.995])

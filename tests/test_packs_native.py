@@ -141,7 +141,11 @@ def test_tied_embedding_is_reported_as_head_and_counted_once(tmp_path):
 
 def test_fingerprint_sees_content_changes(tmp_path, rng_seed):
     w = torch.randn(300, 200)
-    for name, t in (("a", w), ("b", w.clone()), ("c", torch.where(torch.arange(w.numel()).view_as(w) == 12345, w + 1, w))):
+    for name, t in (
+        ("a", w),
+        ("b", w.clone()),
+        ("c", torch.where(torch.arange(w.numel()).view_as(w) == 12345, w + 1, w)),
+    ):
         (tmp_path / name).mkdir()
         write_safetensors(tmp_path / name / "model.safetensors", {"x.weight": t})
     fa, fb, fc = (open_pack(tmp_path / n).fingerprint() for n in "abc")

@@ -145,7 +145,9 @@ def test_write_gguf_reopens_to_the_reference_dequantization(tmp_path, rng_seed, 
             gguf.quants.dequantize(quantize_array(source.numpy(), qtype.name), qtype), dtype=np.float32))
         assert torch.equal(back.tensor(name), want.reshape(source.shape)), name
     kinds = {back.storage(n).dtype for n in back.names()}
-    assert {"Q8_0": {"Q8_0"}, "Q4_K_M": {"Q4_K", "Q6_K"}, "Q2_K": {"Q2_K", "Q3_K"}, "IQ4_XS": {"IQ4_XS"}}[ftype] <= kinds
+    assert {"Q8_0": {"Q8_0"}, "Q4_K_M": {"Q4_K", "Q6_K"}, "Q2_K": {"Q2_K", "Q3_K"}, "IQ4_XS": {"IQ4_XS"}}[
+        ftype
+    ] <= kinds
 
 
 def test_write_gguf_bad_requests_name_what_is_wrong(tmp_path):
@@ -249,7 +251,11 @@ def _save_tokenizer(root: Path, kind: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = ["the quick brown fox jumps over the lazy dog", "pack fidelity: 4-bit grids drift", "KL divergence 0.013"] * 20
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "pack fidelity: 4-bit grids drift",
+        "KL divergence 0.013",
+    ] * 20
     if kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -4,7 +4,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fidelity.panels.panel import (PanelError, PanelRow, load_hf_panel, load_panel, render_chat, tokenize_row, write_panel)
+from fidelity.panels.panel import (
+    PanelError,
+    PanelRow,
+    load_hf_panel,
+    load_panel,
+    render_chat,
+    tokenize_row,
+    write_panel,
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,9 @@ def test_bad_rows_are_named(tmp_path, tokenizer):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "ok", "domain": "a", "text": "x y"}) + "\n" +
                    json.dumps({"id": "d7", "domain": ["code"], "text": "x y"}) + "\n")
-    with pytest.raises(PanelError, match=r"bad\.jsonl line 2 \(row 'd7'\): field 'domain' must be a non-empty string, got list"):
+    with pytest.raises(
+        PanelError, match=r"bad\.jsonl line 2 \(row 'd7'\): field 'domain' must be a non-empty string, got list"
+    ):
         load_panel(bad)
     bad.write_text(json.dumps({"id": "u1", "domain": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(PanelError, match=r"line 1 \(row 'u1'\): a chat row needs an assistant message"):

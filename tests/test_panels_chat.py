@@ -39,11 +39,24 @@ TOOL_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}},
-         {"type": "function", "function": {"name": "get_time", "description": "Local time of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+]
 CITIES = ["Paris", "Lima", "Oslo", "Kyoto", "Accra", "Quito", "Perth"]
 
 
@@ -205,15 +218,22 @@ def test_bad_conversations_are_named(rng_seed, change, message):
 def test_bad_token_rows_are_named(tool_tok, tmp_path):
     n = len(tool_tok)
     bad = tmp_path / "bad.jsonl"
-    cases = [({"tokens": [1, 2, n + 5, 3], "scored": [0, 1, 1, 1]},
-              rf"row 'r1' \(d\): tokens\[2\] = {n + 5} is outside the pack's vocabulary of {n} ids"),
-             ({"tokens": [1, 2, 3], "scored": [0, 1]}, r"line 1 \(row 'r1'\): 'scored' must have one flag per token "
-                                                        r"\(3\), got 2 entries"),
-             ({"tokens": [1, 2, 3], "scored": [1, 1, 1]}, r"scored\[0\] is true"),
-             ({"tokens": [1, -2, 3], "score_from": 1}, r"tokens\[1\] is -2, not a token id"),
-             ({"tokens": [1, 2, 3], "score_from": 3}, r"'score_from' must be an integer from 1 to 2"),
-             ({"tokens": [1, 2], "scored": [0, 1], "score_from": 1}, r"exactly one of 'scored' .* or 'score_from'"),
-             ({"tokens": [1, 2], "text": "hi"}, r"exactly one of 'messages' \(chat\), 'text' \(plain text\) or 'tokens'")]
+    cases = [
+        (
+            {"tokens": [1, 2, n + 5, 3], "scored": [0, 1, 1, 1]},
+            rf"row 'r1' \(d\): tokens\[2\] = {n + 5} is outside the pack's vocabulary of {n} ids",
+        ),
+        (
+            {"tokens": [1, 2, 3], "scored": [0, 1]},
+            r"line 1 \(row 'r1'\): 'scored' must have one flag per token "
+            r"\(3\), got 2 entries",
+        ),
+        ({"tokens": [1, 2, 3], "scored": [1, 1, 1]}, r"scored\[0\] is true"),
+        ({"tokens": [1, -2, 3], "score_from": 1}, r"tokens\[1\] is -2, not a token id"),
+        ({"tokens": [1, 2, 3], "score_from": 3}, r"'score_from' must be an integer from 1 to 2"),
+        ({"tokens": [1, 2], "scored": [0, 1], "score_from": 1}, r"exactly one of 'scored' .* or 'score_from'"),
+        ({"tokens": [1, 2], "text": "hi"}, r"exactly one of 'messages' \(chat\), 'text' \(plain text\) or 'tokens'"),
+    ]
     for body, message in cases:
         bad.write_text(json.dumps({"id": "r1", "domain": "d", **body}) + "\n")
         with pytest.raises(PanelError, match=message):
@@ -236,7 +256,8 @@ def test_template_without_reasoning_or_prefix_rendering_is_an_error_naming_the_r
         render_chat(row, drops)
 
 
-# ---- a pack whose chat format is code (DeepSeek's encoding/*.py), rendered only with --trust-pack-code -----------------
+# ---- a pack whose chat format is code (DeepSeek's encoding/*.py), rendered only with --trust-pack-code
+# -----------------
 
 TOY_ENCODER = '''
 import json
@@ -292,9 +313,22 @@ def test_pack_encoder_code_runs_only_when_trusted_and_gives_token_exact_rows(tmp
     toy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(toy)
     m = obj["messages"]
-    wire = toy.encode_messages([{**m[0], "tools": TOOLS}, {"role": "user", "content": "".join(p["text"] for p in m[1]["content"])},
-                                {"role": "assistant", "content": "", "reasoning_content": m[2]["reasoning_content"],
-                                 "tool_calls": m[2]["tool_calls"]}, m[3], m[4], m[5]], thinking_mode="thinking")
+    wire = toy.encode_messages(
+        [
+            {**m[0], "tools": TOOLS},
+            {"role": "user", "content": "".join(p["text"] for p in m[1]["content"])},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": m[2]["reasoning_content"],
+                "tool_calls": m[2]["tool_calls"],
+            },
+            m[3],
+            m[4],
+            m[5],
+        ],
+        thinking_mode="thinking",
+    )
     assert row.tokens == smol_tok(wire, add_special_tokens=False)["input_ids"]
     calls = "".join(f"<call {c['function']['name']}>{c['function']['arguments']}</call>" for c in m[2]["tool_calls"])
     want = f"{m[2]['reasoning_content']}</think>{calls}<|im_end|></think>{m[5]['content']}<|im_end|>"

@@ -87,7 +87,8 @@ def test_bad_prompts_and_settings_are_named(tmp_path):
         build_panel_from_engine(bad, "http://127.0.0.1:9", "m", tmp_path / "o", EngineSettings(thinking="maybe"))
 
 
-# ---- a real llama.cpp server ------------------------------------------------------------------------------------------
+# ---- a real llama.cpp server
+# ------------------------------------------------------------------------------------------
 
 SERVER_FLAGS = ["--n_ctx", "1024", "--n_threads", "1", "--verbose", "false"]
 

@@ -45,7 +45,9 @@ def test_from_text_rows_have_exactly_n_tokens_from_each_source(tmp_path, tok, rn
     n, rows = int(rng.integers(24, 64)), 3
     docs = {k: documents(rng, 12) for k in ("txt", "jsonl", "parquet", "hf")}
     (tmp_path / "a.txt").write_text("\n\n".join(docs["txt"]))
-    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(docs["jsonl"])))
+    (tmp_path / "b.jsonl").write_text(
+        "".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(docs["jsonl"]))
+    )
     pq.write_table(pa.table({"body": docs["parquet"]}), tmp_path / "c.parquet")
     (tmp_path / "hfdir").mkdir()
     (tmp_path / "hfdir" / "train.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs["hf"]))
@@ -88,8 +90,16 @@ def chat_panel(tmp_path, rng, planted: str | None = None) -> Path:
         question = " ".join(rng.choice(WORDS, 14))
         if planted is not None and i == 3:
             question = f"Please help. {planted} Thanks."
-        rows.append(PanelRow(f"r{i}", "chat", messages=[{"role": "user", "content": question},
-                                                        {"role": "assistant", "content": " ".join(rng.choice(WORDS, 9))}]))
+        rows.append(
+            PanelRow(
+                f"r{i}",
+                "chat",
+                messages=[
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": " ".join(rng.choice(WORDS, 9))},
+                ],
+            )
+        )
     rows.append(PanelRow("t0", "text", text=" ".join(rng.choice(WORDS, 30))))
     return write_panel(tmp_path / ("dirty" if planted else "clean"), rows, name="p").path
 
@@ -133,8 +143,9 @@ def test_check_against_humaneval_and_token_rows(tmp_path, tok, rng_seed):
     start = int(rng.integers(0, len(words) - 10))
     snippet = " ".join(words[start:start + 10])
     ids = tok("Here is some code: " + snippet + " and more.", add_special_tokens=False)["input_ids"]
-    panel = write_panel(tmp_path / "tok", [PanelRow("k1", "code", tokens=ids, scored=[False] + [True] * (len(ids) - 1))],
-                        name="tok")
+    panel = write_panel(
+        tmp_path / "tok", [PanelRow("k1", "code", tokens=ids, scored=[False] + [True] * (len(ids) - 1))], name="tok"
+    )
     with pytest.raises(PanelError, match=r"row 'k1' is token-exact: pass --pack"):
         check_panel(panel.path, ["suite:humaneval"], n=8)
     found = check_panel(panel.path, ["suite:humaneval"], n=8, tokenizer=tok)

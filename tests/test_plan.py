@@ -435,7 +435,8 @@ def test_cli_on_a_qwen3_moe_with_the_rate_model(tmp_path, rng_seed):
     rows.write_text(json.dumps([rng.integers(0, 97, 30).tolist() for _ in range(6)]))
     out = tmp_path / "plan"
     t0 = time.perf_counter()
-    # K2 everywhere is 8 * (128 * 128 * 2 / 8 + 4 * 128 + 4) / (20 * 48) bits per weight of a [20, 48] or [48, 20] matrix
+    # K2 everywhere is 8 * (128 * 128 * 2 / 8 + 4 * 128 + 4) / (20 * 48) bits per weight of a [20, 48] or [48, 20]
+    # matrix
     k2 = 8 * (128 * 128 * 2 / 8 + 4 * 128 + 4) / (20 * 48)
     assert cli(["plan", str(pack.path), "--rows", str(rows), "--budget", repr(k2), "--per-decoded-token",
                 "--candidates", "1-3", "--keep-super-experts", "3", "--measure", "1", "-o", str(out)]) == 0

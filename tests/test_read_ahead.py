@@ -133,7 +133,9 @@ def test_read_ahead_leaves_nothing_behind_and_batches_are_bounded(v4_packs, rng_
     experts = moe.RoutedExperts(4, lambda e: (f"g{e}", f"u{e}", f"d{e}"), fetch, "silu")
     monkeypatch.setattr(experts, "weight_names", lambda e: [f"g{e}.weight", f"u{e}.weight", f"d{e}.weight"])
     monkeypatch.setattr(experts, "decoded_bytes", lambda e: 1)
-    monkeypatch.setattr(fetch, "read_many", lambda names, **where: {n: torch.full((2, 3), float(len(n))) for n in names})
+    monkeypatch.setattr(
+        fetch, "read_many", lambda names, **where: {n: torch.full((2, 3), float(len(n))) for n in names}
+    )
     monkeypatch.setattr(experts, "decode", lambda e: (fetch(f"g{e}.weight"), fetch(f"u{e}.weight")))
     decoded = experts.read_ahead([0, 1])
     assert sorted(decoded) == [0, 1] and fetch.ready == {"x": fetch.ready["x"]}

@@ -33,7 +33,12 @@ def test_realscale_pipeline_smoke_builds_every_layer_and_prefetch_changes_nothin
         import realscale
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert realscale.main(["--smoke", "--device", "cpu", "--layers", "3", "--eager-experts", "--skip-head", "--out", str(tmp_path)]) == 0
+    assert (
+        realscale.main(
+            ["--smoke", "--device", "cpu", "--layers", "3", "--eager-experts", "--skip-head", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     r = json.loads((tmp_path / "realscale.json").read_text())
     assert r["layers"] == [] and [x["arch"] for x in r["pipeline"]] == ["v4", "v41"]
     for p in r["pipeline"]:

@@ -59,10 +59,14 @@ def test_gates_are_the_kinds_that_run_them_in_the_gate_commands_order():
     from fidelity.registry import GATES
 
     # written out here: the gate command's table before the registry replaced it, in the order `fidelity gate` runs them
-    expected = [("oracle-kl", "fidelity.engine.gates.oracle_kl"), ("batch-invariance", "fidelity.engine.gates.invariance"),
-                ("decode-vs-prefill", "fidelity.engine.gates.invariance"),
-                ("prefix-cache", "fidelity.engine.gates.invariance"),
-                ("speed", "fidelity.engine.bench"), ("suite", "fidelity.suites.gate")]
+    expected = [
+        ("oracle-kl", "fidelity.engine.gates.oracle_kl"),
+        ("batch-invariance", "fidelity.engine.gates.invariance"),
+        ("decode-vs-prefill", "fidelity.engine.gates.invariance"),
+        ("prefix-cache", "fidelity.engine.gates.invariance"),
+        ("speed", "fidelity.engine.bench"),
+        ("suite", "fidelity.suites.gate"),
+    ]
     assert [(name, kind.run.__module__) for name, kind in GATES.items()] == expected
     assert select_gates(None) == ["oracle-kl", "batch-invariance", "decode-vs-prefill", "prefix-cache"]
     cfg = {"suite": {"humaneval": {"baseline": "a"}, "mmlu": {"baseline": "b"}}, "speed": {"baseline": "c"}}
@@ -71,12 +75,18 @@ def test_gates_are_the_kinds_that_run_them_in_the_gate_commands_order():
 
 
 def test_a_registry_of_named_modules_keeps_registration_order(tmp_path, monkeypatch):
-    (tmp_path / "regorder_a.py").write_text("from fidelity.registry import Registry\n"
-                                            "THINGS = Registry('thing', modules=('regorder_a', 'regorder_b', 'regorder_c'))\n"
-                                            "@THINGS.register('zeta')\ndef zeta(): ...\n")
-    (tmp_path / "regorder_b.py").write_text("from regorder_a import THINGS\n@THINGS.register('alpha')\ndef alpha(): ...\n")
-    (tmp_path / "regorder_c.py").write_text("from regorder_a import THINGS\n@THINGS.register('gamma')\ndef gamma(): ...\n"
-                                            "@THINGS.register('beta')\ndef beta(): ...\n")
+    (tmp_path / "regorder_a.py").write_text(
+        "from fidelity.registry import Registry\n"
+        "THINGS = Registry('thing', modules=('regorder_a', 'regorder_b', 'regorder_c'))\n"
+        "@THINGS.register('zeta')\ndef zeta(): ...\n"
+    )
+    (tmp_path / "regorder_b.py").write_text(
+        "from regorder_a import THINGS\n@THINGS.register('alpha')\ndef alpha(): ...\n"
+    )
+    (tmp_path / "regorder_c.py").write_text(
+        "from regorder_a import THINGS\n@THINGS.register('gamma')\ndef gamma(): ...\n"
+        "@THINGS.register('beta')\ndef beta(): ...\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         import regorder_c  # imported before regorder_b: the module list still decides the order
@@ -105,9 +115,16 @@ def test_suites_are_the_factories_the_if_chain_called_and_listing_them_imports_n
     from pathlib import Path
 
     # written out here: make_suite's if-chain before the registry replaced it
-    expected = {"humaneval": "humaneval.humaneval", "humaneval+": "humaneval.humaneval_plus", "mbpp+": "humaneval.mbpp_plus",
-                "ifeval": "ifeval.IFEval", "mmlu": "mmlu.MMLU", "gsm8k": "gsm8k.GSM8K", "needle": "needle.Needle",
-                "toolcall": "toolcall.ToolCall"}
+    expected = {
+        "humaneval": "humaneval.humaneval",
+        "humaneval+": "humaneval.humaneval_plus",
+        "mbpp+": "humaneval.mbpp_plus",
+        "ifeval": "ifeval.IFEval",
+        "mmlu": "mmlu.MMLU",
+        "gsm8k": "gsm8k.GSM8K",
+        "needle": "needle.Needle",
+        "toolcall": "toolcall.ToolCall",
+    }
     code = ("import sys; from fidelity.registry import SUITES; names = list(SUITES); "
             "print(','.join(names), any(m in sys.modules for m in SUITES.declared_names().values()))")
     root = Path(__file__).resolve().parents[1]

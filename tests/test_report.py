@@ -1,4 +1,5 @@
 """`fidelity report`: numbers on the page equal the results', groups by panel, self-contained HTML checked in headless Chromium."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ from scipy import stats
 from fidelity.cli import main as cli_main
 from fidelity.report import ReportInputError, render
 
-# ---- a small real computation in compare's output shape (JSON + per-position records) ---------------------------------------
+# ---- a small real computation in compare's output shape (JSON + per-position records)
+# ---------------------------------------
 
 DOMAINS = ("code", "math", "chat")
 
@@ -44,7 +46,13 @@ def _buckets(kl: np.ndarray, pmax: np.ndarray, edges=(0.0, 0.25, 0.5, 0.75, 0.95
     out = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         m = (pmax >= lo) & ((pmax < hi) if hi < 1.0 else (pmax <= hi))
-        out.append({"ref_confidence": [lo, hi], "positions": int(m.sum()), "kld_mean": float(kl[m].mean()) if m.any() else None})
+        out.append(
+            {
+                "ref_confidence": [lo, hi],
+                "positions": int(m.sum()),
+                "kld_mean": float(kl[m].mean()) if m.any() else None,
+            }
+        )
     return out
 
 
@@ -80,13 +88,21 @@ def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel
         # the reference store's records (fidelity.measuring.store layout): every token; top-K and NLL on scored ones
         (folder / "reference").mkdir()
         flat_scored = scored.reshape(-1).numpy()
-        pd.DataFrame({"row_id": np.repeat(row_ids, T), "domain": np.repeat(domains, T), "position": np.tile(np.arange(T), R),
-                      "token": tokens.reshape(-1).numpy(), "scored": flat_scored,
-                      "nll": np.where(flat_scored, nll_ref.reshape(-1).numpy(), np.nan),
-                      "topk_ids": [x if f else None for x, f in zip(ref_top_ids.reshape(-1, K).numpy(), flat_scored)],
-                      "topk_logprobs": [x if f else None for x, f in zip(ref_top_lp.reshape(-1, K).numpy(), flat_scored)]}
-                     ).to_parquet(folder / "reference" / "records.parquet")
-        (folder / "reference" / "manifest.json").write_text(json.dumps({"panel": {"name": panel_name, "sha256": sha}, "top_k": K}))
+        pd.DataFrame(
+            {
+                "row_id": np.repeat(row_ids, T),
+                "domain": np.repeat(domains, T),
+                "position": np.tile(np.arange(T), R),
+                "token": tokens.reshape(-1).numpy(),
+                "scored": flat_scored,
+                "nll": np.where(flat_scored, nll_ref.reshape(-1).numpy(), np.nan),
+                "topk_ids": [x if f else None for x, f in zip(ref_top_ids.reshape(-1, K).numpy(), flat_scored)],
+                "topk_logprobs": [x if f else None for x, f in zip(ref_top_lp.reshape(-1, K).numpy(), flat_scored)],
+            }
+        ).to_parquet(folder / "reference" / "records.parquet")
+        (folder / "reference" / "manifest.json").write_text(
+            json.dumps({"panel": {"name": panel_name, "sha256": sha}, "top_k": K})
+        )
     if write_records:
         (folder / "tokens.json").write_text(json.dumps({i: f"w{i} " for i in range(V)}))
     for label, bpw, scale in packs:
@@ -102,44 +118,82 @@ def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel
         domain_blocks = {}
         for d in domain_names:
             m = dom == d
-            domain_blocks[d] = {"kld_mean": float(kl[m][s[m]].mean()), "kld_mean_ci95": _bootstrap_ci(row_mean[m], ones[m], gen),
-                                "top1": float(top1[m][s[m]].float().mean()), "ppl": float(nll[m][s[m]].mean().exp()),
-                                "positions": int(s[m].sum())}
-        overall = {"kld_mean": float(kls.mean()), "kld_mean_ci95": _bootstrap_ci(row_mean, ones, gen),
-                   "kld_domains_equal": float(np.mean([b["kld_mean"] for b in domain_blocks.values()])),
-                   "top1": float(top1[scored].float().mean()), "ppl": float(nll[scored].mean().exp()),
-                   "ppl_ref": float(nll_ref[scored].mean().exp()), "kld_median": float(np.median(kls)),
-                   "kld_p99": float(np.quantile(kls, 0.99)), "kld_p999": float(np.quantile(kls, 0.999)), "kld_max": float(kls.max()),
-                   "nonfinite": 0, "noise_floor_kld": noise_floor, "positions": int(kls.size),
-                   "kld_by_ref_confidence": _buckets(kls, ref_lp.exp().amax(-1)[scored].numpy())}
-        results.append({"pack": f"/packs/{label}", "label": label, "bpw": bpw, "overall": overall, "domains": domain_blocks})
-        if write_records:     # compare's `<label>.parquet`: scored positions only, fidelity.measuring.metrics.PositionMetrics columns
+            domain_blocks[d] = {
+                "kld_mean": float(kl[m][s[m]].mean()),
+                "kld_mean_ci95": _bootstrap_ci(row_mean[m], ones[m], gen),
+                "top1": float(top1[m][s[m]].float().mean()),
+                "ppl": float(nll[m][s[m]].mean().exp()),
+                "positions": int(s[m].sum()),
+            }
+        overall = {
+            "kld_mean": float(kls.mean()),
+            "kld_mean_ci95": _bootstrap_ci(row_mean, ones, gen),
+            "kld_domains_equal": float(np.mean([b["kld_mean"] for b in domain_blocks.values()])),
+            "top1": float(top1[scored].float().mean()),
+            "ppl": float(nll[scored].mean().exp()),
+            "ppl_ref": float(nll_ref[scored].mean().exp()),
+            "kld_median": float(np.median(kls)),
+            "kld_p99": float(np.quantile(kls, 0.99)),
+            "kld_p999": float(np.quantile(kls, 0.999)),
+            "kld_max": float(kls.max()),
+            "nonfinite": 0,
+            "noise_floor_kld": noise_floor,
+            "positions": int(kls.size),
+            "kld_by_ref_confidence": _buckets(kls, ref_lp.exp().amax(-1)[scored].numpy()),
+        }
+        results.append(
+            {"pack": f"/packs/{label}", "label": label, "bpw": bpw, "overall": overall, "domains": domain_blocks}
+        )
+        if (
+            write_records
+        ):  # compare's `<label>.parquet`: scored positions only, fidelity.measuring.metrics.PositionMetrics columns
             sel = scored.reshape(-1).numpy()
             ref_top2 = ref_lp.topk(2, -1).values
-            pd.DataFrame({"row_id": np.repeat(row_ids, T)[sel], "domain": np.repeat(domains, T)[sel],
-                          "position": np.tile(np.arange(T), R)[sel], "token": tokens.reshape(-1).numpy()[sel],
-                          "kld": kl.reshape(-1).numpy()[sel], "ref_top1": ref_lp.argmax(-1).reshape(-1).numpy()[sel],
-                          "pack_top1": lp.argmax(-1).reshape(-1).numpy()[sel],
-                          "ref_margin": (ref_top2[..., 0] - ref_top2[..., 1]).reshape(-1).numpy()[sel],
-                          "ref_pmax": ref_lp.exp().amax(-1).reshape(-1).numpy()[sel], "ref_nll": nll_ref.reshape(-1).numpy()[sel],
-                          "pack_nll": nll.reshape(-1).numpy()[sel], "finite": np.ones(int(sel.sum()), bool)}
-                         ).to_parquet(folder / f"{label}.parquet")
+            pd.DataFrame(
+                {
+                    "row_id": np.repeat(row_ids, T)[sel],
+                    "domain": np.repeat(domains, T)[sel],
+                    "position": np.tile(np.arange(T), R)[sel],
+                    "token": tokens.reshape(-1).numpy()[sel],
+                    "kld": kl.reshape(-1).numpy()[sel],
+                    "ref_top1": ref_lp.argmax(-1).reshape(-1).numpy()[sel],
+                    "pack_top1": lp.argmax(-1).reshape(-1).numpy()[sel],
+                    "ref_margin": (ref_top2[..., 0] - ref_top2[..., 1]).reshape(-1).numpy()[sel],
+                    "ref_pmax": ref_lp.exp().amax(-1).reshape(-1).numpy()[sel],
+                    "ref_nll": nll_ref.reshape(-1).numpy()[sel],
+                    "pack_nll": nll.reshape(-1).numpy()[sel],
+                    "finite": np.ones(int(sel.sum()), bool),
+                }
+            ).to_parquet(folder / f"{label}.parquet")
     paired = []
     labels = [p[0] for p in packs]
     for i in range(len(labels)):
         for j in range(i + 1, len(labels)):
             d = per_row_kl[labels[i]] - per_row_kl[labels[j]]
-            paired.append({"a": labels[i], "b": labels[j], "kld_mean_diff": float(d.mean()),
-                           "ci95": _bootstrap_ci(d, np.ones(R), gen), "p_value": float(stats.ttest_1samp(d, 0.0).pvalue)})
-    data = {"panel": {"name": panel_name, "sha256": sha, "rows": R, "scored_positions": int(scored.sum())},
-            "reference": {"path": "/packs/native", "fingerprint": "ref0fingerprint"}, "results": results, "paired": paired,
-            "fidelity_version": "0.1.0", "command_line": "fidelity compare /packs/native " + " ".join(f"/packs/{x}" for x in labels)}
+            paired.append(
+                {
+                    "a": labels[i],
+                    "b": labels[j],
+                    "kld_mean_diff": float(d.mean()),
+                    "ci95": _bootstrap_ci(d, np.ones(R), gen),
+                    "p_value": float(stats.ttest_1samp(d, 0.0).pvalue),
+                }
+            )
+    data = {
+        "panel": {"name": panel_name, "sha256": sha, "rows": R, "scored_positions": int(scored.sum())},
+        "reference": {"path": "/packs/native", "fingerprint": "ref0fingerprint"},
+        "results": results,
+        "paired": paired,
+        "fidelity_version": "0.1.0",
+        "command_line": "fidelity compare /packs/native " + " ".join(f"/packs/{x}" for x in labels),
+    }
     (folder / "compare.json").write_text(json.dumps(data))
     return data, Truth(kl=truth_kl, scored=scored, ref_top1_prob=ref_lp.exp().amax(-1), ref_top_id=ref_lp.argmax(-1),
                        row_ids=row_ids, domains=domains, tokens=tokens)
 
 
-# ---- Markdown: parse the numbers back ---------------------------------------------------------------------------------------
+# ---- Markdown: parse the numbers back
+# ---------------------------------------------------------------------------------------
 
 def md_tables(md: str) -> dict[str, list[dict[str, str]]]:
     """Every Markdown table under its heading: heading -> rows as {header: cell}."""
@@ -206,9 +260,16 @@ def test_summary_numbers_equal_the_json(tmp_path, run_a):
         # the fixture's domains-equal KLD has no interval and no recorded reason: a mark that the note explains
         assert row["KLD domains equal"].endswith("¹")
         assert "¹ no interval: the result does not say why" in rep.summary_md.read_text()
-        for header, key in (("KLD domains equal", "kld_domains_equal"), ("PPL", "ppl"), ("PPL ref", "ppl_ref"),
-                            ("KL median", "kld_median"), ("KL p99", "kld_p99"), ("KL p99.9", "kld_p999"), ("KL max", "kld_max"),
-                            ("bpw", None)):
+        for header, key in (
+            ("KLD domains equal", "kld_domains_equal"),
+            ("PPL", "ppl"),
+            ("PPL ref", "ppl_ref"),
+            ("KL median", "kld_median"),
+            ("KL p99", "kld_p99"),
+            ("KL p99.9", "kld_p999"),
+            ("KL max", "kld_max"),
+            ("bpw", None),
+        ):
             close_to_printed(row[header].rstrip("¹"), o[key] if key else res["bpw"])
         assert abs(float(row["top-1"].rstrip("%")) / 100 - o["top1"]) <= 0.5e-4 + 1e-12
         ratio = o["kld_mean"] / o["noise_floor_kld"]
@@ -309,7 +370,9 @@ def test_json_records_folder_and_store_given_separately(tmp_path, rng_seed):
     other.mkdir()
     (other / "records.parquet").write_bytes((tmp_path / "store" / "records.parquet").read_bytes())
     (other / "manifest.json").write_text(json.dumps({"panel": {"sha256": "e" * 64}}))
-    with pytest.raises(ReportInputError, match="other_store: reference store for panel sha256 eeeeeeeeeeee matches no compare"):
+    with pytest.raises(
+        ReportInputError, match="other_store: reference store for panel sha256 eeeeeeeeeeee matches no compare"
+    ):
         render([tmp_path / "compare.json", other], tmp_path / "out2")
 
 
@@ -337,14 +400,18 @@ def test_grouping_by_panel_and_reference(tmp_path, rng_seed):
     same panel is a separate group too."""
     from fidelity.report import load_inputs
 
-    odd, _ = make_compare_run(tmp_path / "odd", rng_seed, panel_name="other", packs=(("q3", 3.5, 0.9),), write_records=False)
+    odd, _ = make_compare_run(
+        tmp_path / "odd", rng_seed, panel_name="other", packs=(("q3", 3.5, 0.9),), write_records=False
+    )
     main, _ = make_compare_run(tmp_path / "main", rng_seed + 1, write_records=False)
     other_ref = {**main, "reference": {"path": "/packs/bf16", "fingerprint": "bf16fingerprint"}}
     inputs = load_inputs([odd, main, other_ref])
     assert [([p.label for p in g.packs], g.reference["fingerprint"]) for g in inputs.groups] == [
         (["q8", "q4"], "ref0fingerprint"), (["q8", "q4"], "bf16fingerprint"), (["q3"], "ref0fingerprint")]
     assert inputs.groups[0].warning is None
-    assert "reference 'bf16fingerprint' differs" in inputs.groups[1].warning and "<result 3>" in inputs.groups[1].warning
+    assert (
+        "reference 'bf16fingerprint' differs" in inputs.groups[1].warning and "<result 3>" in inputs.groups[1].warning
+    )
     assert "panel 'other'" in inputs.groups[2].warning and "<result 1>" in inputs.groups[2].warning
 
 
@@ -385,7 +452,9 @@ def _suite_compare_json(tmp_path: Path, seed: int) -> dict:
         d = tmp_path / "suite" / name
         d.mkdir(parents=True)
         records.write_manifest(d, {"suite": "humaneval", "metric": "passed", "data": {"sha256": "x"}})
-        recs = [records.Record(f"t{i}", bool(p), None, f"h{i}", "{}", "", "", "", "", 0.1) for i, p in enumerate(passed)]
+        recs = [
+            records.Record(f"t{i}", bool(p), None, f"h{i}", "{}", "", "", "", "", 0.1) for i, p in enumerate(passed)
+        ]
         recs[5] = records.Record("t5", None, None, "h5", "{}", "", "", "", "HTTP 503", 0.1) if name == "q4" else recs[5]
         records.write_records(d / "records.parquet", recs)
         runs.append(d)
@@ -397,12 +466,21 @@ def _gate_json(seed: int) -> dict:
     gates = pytest.importorskip("fidelity.engine.gates.settings")
     rng = np.random.default_rng(seed)
     kl = float(rng.uniform(0.001, 0.1))
-    results = [gates.GateResult("oracle-kl", "fail" if kl > 0.02 else "pass", checks=[gates.Check("kl_mean", kl, "<=", 0.02)],
-                                measured={"kl_mean": kl}),
-               gates.GateResult("batch-invariance", "pass", checks=[gates.Check("identical_fraction", 1.0, ">=", 1.0)],
-                                worst=[{"prompt": i, "identical": True, "max_abs_dlogprob": float(rng.uniform(0, 1e-6))}
-                                       for i in range(2)]),
-               gates.GateResult("prefix-cache", "error", error="connection refused")]
+    results = [
+        gates.GateResult(
+            "oracle-kl",
+            "fail" if kl > 0.02 else "pass",
+            checks=[gates.Check("kl_mean", kl, "<=", 0.02)],
+            measured={"kl_mean": kl},
+        ),
+        gates.GateResult(
+            "batch-invariance",
+            "pass",
+            checks=[gates.Check("identical_fraction", 1.0, ">=", 1.0)],
+            worst=[{"prompt": i, "identical": True, "max_abs_dlogprob": float(rng.uniform(0, 1e-6))} for i in range(2)],
+        ),
+        gates.GateResult("prefix-cache", "error", error="connection refused"),
+    ]
     return {"engine": "http://127.0.0.1:8000", "gates": [r.to_dict() for r in results]}
 
 
@@ -411,10 +489,17 @@ def test_suite_and_gate_tables(tmp_path, run_a, rng_seed):
     gate = _gate_json(rng_seed)
     (tmp_path / "suite.json").write_text(json.dumps(suite))
     (tmp_path / "gate.json").write_text(json.dumps(gate))
-    rep = render([tmp_path / "run_a" / "compare.json", tmp_path / "suite.json", tmp_path / "gate.json"], tmp_path / "out")
+    rep = render(
+        [tmp_path / "run_a" / "compare.json", tmp_path / "suite.json", tmp_path / "gate.json"], tmp_path / "out"
+    )
     t = md_tables(rep.summary_md.read_text())
     s = t["Suites, candidate (B) paired against the reference build (A)"][0]
-    assert (s["suite"], s["candidate"], int(s["items"]), s["verdict"]) == ("humaneval", "q4", suite["n_items"], suite["verdict"])
+    assert (s["suite"], s["candidate"], int(s["items"]), s["verdict"]) == (
+        "humaneval",
+        "q4",
+        suite["n_items"],
+        suite["verdict"],
+    )
     assert int(s["A✓ B✗"]) == suite["flips_a_to_b"] and int(s["A✗ B✓"]) == suite["flips_b_to_a"]
     close_to_printed(s["p-value"], suite["p_value"], sig=3)
     assert abs(float(s["pass rate B"].rstrip("%")) / 100 - suite["pass_rate_b"]) <= 0.5e-4 + 1e-12
@@ -428,7 +513,9 @@ def test_suite_and_gate_tables(tmp_path, run_a, rng_seed):
         "oracle-kl", gate["gates"][0]["status"], "<= 0.02", "pass" if kl_check["passed"] else "fail")
     close_to_printed(kl["measured"], kl_check["value"])
     assert any(r["gate"] == "batch-invariance" and r["check status"] == "pass" for r in g)
-    assert any(r["gate"] == "prefix-cache" and r["gate status"] == "error" and "connection refused" in r["measured"] for r in g)
+    assert any(
+        r["gate"] == "prefix-cache" and r["gate status"] == "error" and "connection refused" in r["measured"] for r in g
+    )
     prov = {r["what"]: r["value"] for r in t["Provenance"]}
     assert prov["suite humaneval"] == f"A {suite['a']} · B {suite['b']} · from suite.json"
     worst = t["Worst examples: batch-invariance"]
@@ -451,7 +538,17 @@ def test_gate_and_suite_json_without_a_compare_result(tmp_path):
 @pytest.mark.slow
 def test_cli_writes_the_report(tmp_path, run_a, capsys):
     make_compare_run(tmp_path / "b", 7, panel_name="other", packs=(("q3", 3.5, 0.9),))
-    rc = cli_main(["report", str(tmp_path / "run_a"), str(tmp_path / "b" / "compare.json"), "-o", str(tmp_path / "out"), "--worst", "2"])
+    rc = cli_main(
+        [
+            "report",
+            str(tmp_path / "run_a"),
+            str(tmp_path / "b" / "compare.json"),
+            "-o",
+            str(tmp_path / "out"),
+            "--worst",
+            "2",
+        ]
+    )
     assert rc == 0
     err = capsys.readouterr().err
     assert "warning:" in err and "panel 'other'" in err
@@ -460,8 +557,18 @@ def test_cli_writes_the_report(tmp_path, run_a, capsys):
     assert len(list((tmp_path / "out").glob("*.png"))) == 4 + 4
 
 
-@pytest.mark.parametrize("case", ["missing", "not_json", "unknown_kind", "no_sha", "folder_without_json", "records_without_columns",
-                                  "store_of_another_panel"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "not_json",
+        "unknown_kind",
+        "no_sha",
+        "folder_without_json",
+        "records_without_columns",
+        "store_of_another_panel",
+    ],
+)
 def test_bad_input_names_the_file(tmp_path, run_a, case, capsys):
     data, _ = run_a
     if case == "missing":

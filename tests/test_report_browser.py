@@ -22,11 +22,24 @@ from fidelity.report import render
 from test_report import make_compare_run
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions", "--mute-audio",
-         "--disable-dev-shm-usage"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--mute-audio",
+    "--disable-dev-shm-usage",
+]
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="missing tool: chromium is not installed (apt-get install chromium)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="missing tool: chromium is not installed (apt-get install chromium)"),
+]
 
 
 @dataclass
@@ -125,25 +138,45 @@ def open_page(path: Path, tmp: Path) -> PageCheck:
         session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             browser.send(f"{domain}.enable", session=session)
-        browser.send("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 900, "deviceScaleFactor": 1, "mobile": False},
-                     session=session)
+        browser.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1280, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+            session=session,
+        )
         events: list[dict] = []
         url = path.resolve().as_uri()
         browser.send("Page.navigate", {"url": url}, session=session)
         browser.wait_event("Page.loadEventFired", events)
-        images = browser.send("Runtime.evaluate", {"returnByValue": True, "expression": """
+        images = browser.send(
+            "Runtime.evaluate",
+            {
+                "returnByValue": True,
+                "expression": """
             Array.from(document.images).map(i => ({src: i.getAttribute('src').slice(0, 40), complete: i.complete,
-                                                   width: i.naturalWidth, height: i.naturalHeight}))"""}, session=session)
+                                                   width: i.naturalWidth, height: i.naturalHeight}))""",
+            },
+            session=session,
+        )
         size = browser.send("Page.getLayoutMetrics", session=session)["cssContentSize"]
-        shot = browser.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
-                                                       "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"],
-                                                                "scale": 1}}, session=session)
-        browser.send("Runtime.evaluate", {"expression": "1"}, session=session)      # flush events queued before the screenshot
+        shot = browser.send(
+            "Page.captureScreenshot",
+            {
+                "format": "png",
+                "captureBeyondViewport": True,
+                "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1},
+            },
+            session=session,
+        )
+        browser.send(
+            "Runtime.evaluate", {"expression": "1"}, session=session
+        )  # flush events queued before the screenshot
         while not browser.events.empty():
             events.append(browser.events.get())
     finally:
         browser.close()
-    check = PageCheck(images=images["result"]["value"], console_errors=[], requests=[], screenshot=base64.b64decode(shot["data"]))
+    check = PageCheck(
+        images=images["result"]["value"], console_errors=[], requests=[], screenshot=base64.b64decode(shot["data"])
+    )
     for ev in events:
         method, p = ev.get("method"), ev.get("params", {})
         if method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
@@ -181,7 +214,7 @@ def test_report_opens_in_chromium_with_every_figure(tmp_path, rng_seed):
     assert check.requests == [rep.index_html.resolve().as_uri()]
     assert check.failed == []
     shot = _decoded(check.screenshot)
-    assert shot.shape[1] >= 1200 and shot.shape[0] > 2000          # the whole page (less a scrollbar), not a blank viewport
+    assert shot.shape[1] >= 1200 and shot.shape[0] > 2000  # the whole page (less a scrollbar), not a blank viewport
     assert shot[..., :3].std() > 0.05
 
 

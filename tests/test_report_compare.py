@@ -23,8 +23,10 @@ T = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-WORDS = ("the a cat dog sat on mat ran fast slow red blue green big small house tree river code def return if else for in "
-         "print x y z one two three four plus minus equals hello world please thanks answer question is was and or not").split()
+WORDS = (
+    "the a cat dog sat on mat ran fast slow red blue green big small house tree river code def return if else for in "
+    "print x y z one two three four plus minus equals hello world please thanks answer question is was and or not"
+).split()
 DOMAINS = ("code", "math", "chat")
 
 
@@ -68,16 +70,28 @@ def real_run(tmp_path_factory) -> RealRun:
     print(f"random seed {seed}")
     base = tmp_path_factory.mktemp("real_compare")
     tok = _tokenizer()
-    cfg = T.LlamaConfig(vocab_size=len(WORDS) + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = T.LlamaConfig(
+        vocab_size=len(WORDS) + 1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     native = T.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in native.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.3)                      # sharper distributions than HF's init, so confidence buckets fill
-    models = {"native": native, "q8": _perturbed(native, cfg, 0.01, seed + 1), "q4": _perturbed(native, cfg, 0.05, seed + 2)}
+                p.normal_(0, 0.3)  # sharper distributions than HF's init, so confidence buckets fill
+    models = {
+        "native": native,
+        "q8": _perturbed(native, cfg, 0.01, seed + 1),
+        "q4": _perturbed(native, cfg, 0.05, seed + 2),
+    }
     for label, m in models.items():
         m.save_pretrained(base / label)
         tok.save_pretrained(base / label)
@@ -87,7 +101,10 @@ def real_run(tmp_path_factory) -> RealRun:
     write_panel(base / "panel", rows, name="tiny-words")
     out = base / "run"
     packs = [str(base / x) for x in ("native", "q8", "q4")]
-    assert cli_main(["reference", packs[0], "--panel", str(base / "panel"), "-o", str(base / "store"), "--top-k", "5"]) == 0
+    assert (
+        cli_main(["reference", packs[0], "--panel", str(base / "panel"), "-o", str(base / "store"), "--top-k", "5"])
+        == 0
+    )
     assert cli_main(["compare", *packs, "--panel", str(base / "panel"), "--reference-store", str(base / "store"),
                      "--bootstrap", "200", "--json", str(base / "compare.json"), "--out", str(out)]) == 0
     token_rows = [(r.id, r.domain, tok(r.text)["input_ids"]) for r in rows]
@@ -119,8 +136,9 @@ def test_report_numbers_equal_an_independent_computation(real_run, tmp_path):
     assert cli_main(["report", str(real_run.base / "compare.json"), str(real_run.out), "-o", str(tmp_path / "report"),
                      "--panel", str(real_run.panel), "--worst", "2"]) == 0
     rep = render([real_run.base / "compare.json", real_run.out], tmp_path / "report", panel=real_run.panel, worst=2)
-    assert (tmp_path / "report" / "summary.md").read_text().split("## Provenance")[0] == rep.summary_md.read_text().split(
-        "## Provenance")[0]
+    assert (tmp_path / "report" / "summary.md").read_text().split("## Provenance")[
+        0
+    ] == rep.summary_md.read_text().split("## Provenance")[0]
     md = rep.summary_md.read_text()
     t = md_tables(md)
     overall = overall_rows(t)

@@ -1,4 +1,5 @@
 """The report of a real `fidelity gate --json` run against the loopback fault server (one gate perturbed so it fails)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,25 @@ def test_gate_json_from_a_real_gate_run(tmp_path, rng_seed):
     delta = 0.02 + 0.1 * (rng_seed % 1000) / 1000
     with faults.spawn_fault_server({"perturb_prefill": delta}) as srv:
         out = tmp_path / "gate.json"
-        r = subprocess.run([sys.executable, "-m", "fidelity", "gate", "--engine", srv.url, "--model", "toy", "--only",
-                            "batch-invariance,decode-vs-prefill", "--json", str(out)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fidelity",
+                "gate",
+                "--engine",
+                srv.url,
+                "--model",
+                "toy",
+                "--only",
+                "batch-invariance,decode-vs-prefill",
+                "--json",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert r.returncode == 1, r.stdout + r.stderr              # decode-vs-prefill fails on the perturbed prefill
     gate = json.loads(out.read_text())
     rep = render([out], tmp_path / "report")

@@ -51,7 +51,9 @@ def test_a_misspelt_key_is_an_error_not_a_none(written):
 def test_a_newer_schema_version_is_refused_naming_file_and_versions(written, version):
     data = json.loads(written)
     data["schema_version"] = version
-    with pytest.raises(SchemaVersionError, match=rf"results/new\.json: .*schema_version {version}.*0 to {SCHEMA_VERSION}"):
+    with pytest.raises(
+        SchemaVersionError, match=rf"results/new\.json: .*schema_version {version}.*0 to {SCHEMA_VERSION}"
+    ):
         CompareReport.read(data, "results/new.json")
 
 

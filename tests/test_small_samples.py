@@ -1,6 +1,7 @@
 """Honest small samples (issue 16): with too few rows a 95% interval or p-value is "not available" (null, with the reason),
 never zero-width; with few degrees of freedom the interval is the analytic t interval (checked against scipy's t-test on
 row means), with enough the bootstrap; the p-value never contradicts the interval. Simulated at 1, 2, 3, 5 and 10 rows."""
+
 import numpy as np
 import pytest
 import torch

@@ -46,7 +46,8 @@ def test_a_grace_lets_the_server_shut_down_and_still_kills_a_worker_that_ignores
     for grace in (1.0, 0.0):
         shut, worker_pid = tmp_path / f"shutdown-{grace}", tmp_path / f"worker-{grace}.pid"
         server = tmp_path / "graceful.py"
-        server.write_text(textwrap.dedent(f"""
+        server.write_text(
+            textwrap.dedent(f"""
             import http.server, signal, subprocess, sys
             worker = subprocess.Popen([sys.executable, "-c",
                                        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
@@ -56,7 +57,8 @@ def test_a_grace_lets_the_server_shut_down_and_still_kills_a_worker_that_ignores
                 sys.exit(0)
             signal.signal(signal.SIGTERM, shutdown)
             http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()
-        """))
+        """)
+        )
         port = free_port()
         started = time.monotonic()
         with Spawned([sys.executable, str(server), str(port)], port, ready_path="/", timeout_s=60, grace_s=grace):

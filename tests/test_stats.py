@@ -39,7 +39,9 @@ def test_summary_matches_plain_numpy(rng_seed):
     pack_top1 = np.where(rng.random(n) < 0.8, ref_top1, rng.integers(0, 5, n))
     margin, pmax = rng.exponential(0.5, n), rng.random(n)
     finite = rng.random(n) > 0.01
-    out = summarize(_fake_metrics(kld, ref_nll, pack_nll, ref_top1, pack_top1, margin, pmax, finite), groups, n_boot=200)
+    out = summarize(
+        _fake_metrics(kld, ref_nll, pack_nll, ref_top1, pack_top1, margin, pmax, finite), groups, n_boot=200
+    )
     o, f = out["overall"], finite
     assert o["nonfinite"] == int((~f).sum()) and o["positions"] == int(f.sum())
     assert o["kld_mean"] == pytest.approx(kld[f].mean(), rel=1e-12)
@@ -128,7 +130,11 @@ def test_new_numbers_match_pandas_and_scipy(rng_seed):
     assert eq["rms_delta_p"] == pytest.approx(np.sqrt(equal), rel=1e-10)      # RMS of the domains-equal mixture
     for k in range(1, TOPK + 1):
         pooled, per, equal = _scopes(df, f"top{k}")
-        assert o["topk_agreement"][k - 1] == {"k": k, "value": pytest.approx(pooled, rel=1e-12), "ci95": o["topk_agreement"][k - 1]["ci95"]}
+        assert o["topk_agreement"][k - 1] == {
+            "k": k,
+            "value": pytest.approx(pooled, rel=1e-12),
+            "ci95": o["topk_agreement"][k - 1]["ci95"],
+        }
         assert eq["topk_agreement"][k - 1]["value"] == pytest.approx(equal, rel=1e-12)
         for d, v in per.items():
             assert out["domains"][d]["topk_agreement"][k - 1]["value"] == pytest.approx(v, rel=1e-12)
@@ -149,7 +155,9 @@ def test_new_numbers_match_pandas_and_scipy(rng_seed):
         got = out["domains"][d]["rows_worse"]
         assert (got["worse"], got["better"]) == ((rm > 0).sum(), (rm < 0).sum())
         assert got["sign_test_p"] == pytest.approx(sign_test(rm.to_numpy(), 0)[1], rel=1e-9)
-    assert eq["rows_worse_share"] == pytest.approx(np.mean([(row_mean[row_dom == d] > 0).mean() for d in groups.domains]))
+    assert eq["rows_worse_share"] == pytest.approx(
+        np.mean([(row_mean[row_dom == d] > 0).mean() for d in groups.domains])
+    )
     # quantiles: numpy's percentile pooled and per domain; domains-equal: the inverted-CDF quantile with each position
     # weighing 1 / (its domain's positions), in exact rational arithmetic (floats misjudge a cumulative weight that
     # lands exactly on the target, which 1/n weights do)
@@ -234,7 +242,7 @@ def _simulate(rng, reps, rows_per_domain=30):
     row_domain = np.repeat(np.arange(nd), rows_per_domain)
     mu = np.log(np.array([0.01, 0.02, 0.04, 0.03]))
     row_sd, pos_sd, max_len = 0.3, 0.5, 40
-    truth = np.mean(np.exp(mu + (row_sd ** 2 + pos_sd ** 2) / 2))   # every domain has the same length law: pooled = equal
+    truth = np.mean(np.exp(mu + (row_sd**2 + pos_sd**2) / 2))  # every domain has the same length law: pooled = equal
     lens = rng.integers(10, max_len, (reps, n_rows))
     u = rng.normal(0, row_sd, (reps, n_rows, 1))
     e = rng.normal(0, pos_sd, (reps, n_rows, max_len))

@@ -69,8 +69,12 @@ class FakeEngine:
             msg["reasoning_content"] = " ".join(["think"] * n)
             if self.usage_reasoning:
                 usage["completion_tokens_details"] = {"reasoning_tokens": n}
-        reply = {"choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls" if msg.get("tool_calls") else "stop"}],
-                 "usage": usage}
+        reply = {
+            "choices": [
+                {"index": 0, "message": msg, "finish_reason": "tool_calls" if msg.get("tool_calls") else "stop"}
+            ],
+            "usage": usage,
+        }
         return 200, reply
 
 
@@ -107,9 +111,11 @@ def fake():
     srv.shutdown()
 
 
-# ---- thinking -----------------------------------------------------------------------------------------------------------
+# ---- thinking
+# -----------------------------------------------------------------------------------------------------------
 
-# DeepSeek-V3.1's chat template decides thinking from the `thinking` variable alone (its switch, as in its tokenizer_config)
+# DeepSeek-V3.1's chat template decides thinking from the `thinking` variable alone (its switch, as in its
+# tokenizer_config)
 V31_SWITCH = ("{% if not thinking is defined %}{% set thinking = false %}{% endif %}"
               "{% for m in messages %}{{ '<｜User｜>' + m['content'] }}{% endfor %}"
               "{% if add_generation_prompt %}{% if not thinking %}{{ '<｜Assistant｜></think>' }}"
@@ -141,11 +147,13 @@ def test_thinking_on_off_through_the_deepseek_v41_encoder():
     kw = {on: request_body(make_suite("needle", lengths=[512], depths=[0.5], seeds=1), Item("x", "hi"),
                            Settings(thinking=on), "m")["chat_template_kwargs"] for on in (True, False)}
     tok_dir = Path(__file__).parent / "fixtures" / "v4" / "tiny_v4"
-    script = ("import json, sys\nfrom vllm.tokenizers.deepseek_v41 import DeepseekV41Tokenizer\n"
-              f"tok = DeepseekV41Tokenizer.from_pretrained({str(tok_dir)!r})\n"
-              "msgs = [{'role': 'user', 'content': 'hi'}]\n"
-              "out = {k: tok.apply_chat_template(msgs, tokenize=False, **v) for k, v in json.loads(sys.argv[1]).items()}\n"
-              "print(json.dumps(out))")
+    script = (
+        "import json, sys\nfrom vllm.tokenizers.deepseek_v41 import DeepseekV41Tokenizer\n"
+        f"tok = DeepseekV41Tokenizer.from_pretrained({str(tok_dir)!r})\n"
+        "msgs = [{'role': 'user', 'content': 'hi'}]\n"
+        "out = {k: tok.apply_chat_template(msgs, tokenize=False, **v) for k, v in json.loads(sys.argv[1]).items()}\n"
+        "print(json.dumps(out))"
+    )
     run = subprocess.run([str(py), "-c", script, json.dumps({"on": kw[True], "off": kw[False]})], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -154,7 +162,8 @@ def test_thinking_on_off_through_the_deepseek_v41_encoder():
     assert out["off"] == "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>", out
 
 
-# ---- needle ---------------------------------------------------------------------------------------------------------------
+# ---- needle
+# ---------------------------------------------------------------------------------------------------------------
 
 def expected_needle(run_dir: Path) -> dict:
     """(length, depth) -> [passed, items], from the prompts sent, by the fake engine's rule (not the suite's scorer)."""
@@ -180,9 +189,13 @@ def test_needle_grid_with_several_keys_up_to_the_engines_context(fake, tmp_path,
     assert rc == 0, printed
     m = read_manifest(out)
     df = read_records(out)
-    assert m["suite_config"]["lengths"] == [300, 700] and m["suite_config"]["measure"] == "tokenize + template overhead 7"
+    assert (
+        m["suite_config"]["lengths"] == [300, 700] and m["suite_config"]["measure"] == "tokenize + template overhead 7"
+    )
     assert m["data"]["source"].startswith("generated prose, seed 0")
-    assert sorted(set(df["item_id"])) == sorted(f"L{n}-d{d}-s{s}" for n in (300, 700) for d in ("0", "0.5", "1") for s in (0, 1))
+    assert sorted(set(df["item_id"])) == sorted(
+        f"L{n}-d{d}-s{s}" for n in (300, 700) for d in ("0", "0.5", "1") for s in (0, 1)
+    )
     for _, r in df.iterrows():
         prompt = json.loads(r["request"])["messages"][0]["content"]
         det = json.loads(r["details"])
@@ -193,7 +206,9 @@ def test_needle_grid_with_several_keys_up_to_the_engines_context(fake, tmp_path,
     cells = {(c["length"], c["depth"]): [c["passed"], c["items"]] for c in m["summary"]["suite"]["cells"]}
     assert cells == want and 0 < sum(v[0] for v in want.values()) < len(df), want
     keys = m["summary"]["metrics"]["keys"]
-    assert keys["of"] == 2 * len(df) and keys["followed"] == sum(k["found"] for d in df["details"] for k in json.loads(d)["keys"])
+    assert keys["of"] == 2 * len(df) and keys["followed"] == sum(
+        k["found"] for d in df["details"] for k in json.loads(d)["keys"]
+    )
     assert "needle, 2 key(s) per prompt" in printed
     for (n, d), (k, items) in want.items():  # the printed table's row for each length
         assert re.search(rf"^\s+{n}\b.*\b{k}/{items}", printed, re.M), printed
@@ -217,7 +232,8 @@ def test_needle_max_length_needs_a_stated_context(tmp_path):
     assert [it.item_id for it in items] == ["L400-d0.5-s0"] and 380 - 16 <= items[0].data["prompt_tokens"] <= 380
 
 
-# ---- toolcall: BFCL categories and call integrity ------------------------------------------------------------------------
+# ---- toolcall: BFCL categories and call integrity
+# ------------------------------------------------------------------------
 
 def as_text(v):
     return ("true" if v else "false") if isinstance(v, bool) else v if isinstance(v, str) else json.dumps(v)
@@ -240,7 +256,9 @@ def test_bfcl_categories_and_call_integrity_through_a_run(fake, tmp_path, rng_se
         passed = 0
         for j, it in enumerate(picked):
             row, text = row_of(it), it.messages[-1]["content"]
-            mode = 2 if cat == "simple_java" and j % 3 == 0 else j % 3  # Java's long values need a suffix: no right ones
+            mode = (
+                2 if cat == "simple_java" and j % 3 == 0 else j % 3
+            )  # Java's long values need a suffix: no right ones
             if cat in ("irrelevance", "live_irrelevance"):
                 reply = {} if j % 2 == 0 else {"tool_calls": [{"id": "c", "type": "function", "function": {
                     "name": it.tools[0]["function"]["name"], "arguments": "{}"}}]}
@@ -276,7 +294,9 @@ def test_bfcl_categories_and_call_integrity_through_a_run(fake, tmp_path, rng_se
                 passed += opt
             else:  # arguments that are not JSON
                 name = next(iter(row["answer"][0])).replace(".", "_")
-                reply = {"tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": "{oops"}}]}
+                reply = {
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": "{oops"}}]
+                }
                 calls["calls"] += 1
             fake.script[text] = {"content": "", **reply}
         want[cat] = [passed, len(picked)]
@@ -304,7 +324,10 @@ def test_bfcl_categories_and_call_integrity_through_a_run(fake, tmp_path, rng_se
     for cat, (k, n) in want.items():
         g = rep["groups"][cat]
         irr = cat in ("irrelevance", "live_irrelevance")
-        assert (g["items"], g["passed_a"], g["passed_b"]) == (n, k, n if irr else 0), (cat, g)  # no call: irrelevance passes
+        assert (g["items"], g["passed_a"], g["passed_b"]) == (n, k, n if irr else 0), (
+            cat,
+            g,
+        )  # no call: irrelevance passes
         flips = (0, n - k) if irr else (k, 0)
         assert (g["flips_a_to_b"], g["flips_b_to_a"]) == flips
         assert g["p_value"] == pytest.approx(stats.binomtest(max(flips), sum(flips), 0.5).pvalue if sum(flips) else 1.0)
@@ -319,11 +342,19 @@ def test_tools_are_bfcls_convert_to_tool_on_every_item():
 
     src_path = Path(importlib.util.find_spec("bfcl_eval").origin).parent / "model_handler" / "utils.py"
     tree = ast.parse(src_path.read_text())
-    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("_cast_to_openai_type", "convert_to_tool")]
+    keep = [
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("_cast_to_openai_type", "convert_to_tool")
+    ]
     assert len(keep) == 2
     from bfcl_eval.constants.enums import ModelStyle
 
-    ns = {"copy": copy, "re": re, "json": json, "ModelStyle": ModelStyle, "GORILLA_TO_OPENAPI": bfcl().GORILLA_TO_OPENAPI}
+    ns = {
+        "copy": copy,
+        "re": re,
+        "json": json,
+        "ModelStyle": ModelStyle,
+        "GORILLA_TO_OPENAPI": bfcl().GORILLA_TO_OPENAPI,
+    }
     exec(compile(ast.Module(body=keep, type_ignores=[]), str(src_path), "exec"), ns)
     suite = make_suite("toolcall")
     for rid, row in suite._rows.items():
@@ -332,7 +363,8 @@ def test_tools_are_bfcls_convert_to_tool_on_every_item():
         assert to_tools(hinted) == theirs, rid
 
 
-# ---- reasoning length and its paired change ----------------------------------------------------------------------------
+# ---- reasoning length and its paired change
+# ----------------------------------------------------------------------------
 
 def test_reasoning_length_recorded_and_its_paired_change(fake, tmp_path):
     suite = make_suite("needle", lengths=[200], depths=[0.0, 0.5, 1.0], seeds=4)
@@ -368,7 +400,8 @@ def test_reasoning_length_recorded_and_its_paired_change(fake, tmp_path):
     assert compare_runs(tmp_path / "off", tmp_path / "off")["reasoning"]["note"].startswith("no reply")
 
 
-# ---- bench label and failure counts; gate's tokenize probes ---------------------------------------------------------------
+# ---- bench label and failure counts; gate's tokenize probes
+# ---------------------------------------------------------------
 
 def test_bench_label_and_failure_counts_agree(tmp_path, capsys):
     """Old code: with --aa the JSON's errors held both runs' failures, requests.failed (the console's) only the first's."""
@@ -409,7 +442,9 @@ def test_tokenize_route_probes_are_not_request_errors():
         await c.aclose()
         return got, c.stats
 
-    got, st = asyncio.run(go({"/extras/tokenize": (200, {"tokens": [1, 2]}), "/v1/completions": (400, {"error": "bad"})}))
+    got, st = asyncio.run(
+        go({"/extras/tokenize": (200, {"tokens": [1, 2]}), "/v1/completions": (400, {"error": "bad"})})
+    )
     assert got == [[1, 2], [1, 2]] and st.errors == 1 and st.sent == 4  # one probe 404, two tokenizes, the real 400
     got, st = asyncio.run(go({"/v1/completions": (400, {"error": "bad"})}))
     assert got == [None, None] and st.errors == 1 and st.sent == 3  # two probes once, then known absent; the 400

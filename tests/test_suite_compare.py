@@ -1,4 +1,5 @@
 """Paired statistics of `fidelity suite compare` against statsmodels and scipy on the same tables, and the pairing rules."""
+
 import json
 
 import numpy as np
@@ -152,8 +153,12 @@ def test_score_suite_uses_paired_t_and_reports_wilcoxon(tmp_path, rng_seed):
     rng = np.random.default_rng(rng_seed)
     sa = rng.integers(0, 5, size=50) / 4
     sb = np.clip(sa - rng.integers(0, 2, size=50) / 4, 0, 1)
-    ra = make_run(tmp_path / "a", "ifeval", [_record(f"k{i}", score=float(s)) for i, s in enumerate(sa)], metric="score")
-    rb = make_run(tmp_path / "b", "ifeval", [_record(f"k{i}", score=float(s)) for i, s in enumerate(sb)], metric="score")
+    ra = make_run(
+        tmp_path / "a", "ifeval", [_record(f"k{i}", score=float(s)) for i, s in enumerate(sa)], metric="score"
+    )
+    rb = make_run(
+        tmp_path / "b", "ifeval", [_record(f"k{i}", score=float(s)) for i, s in enumerate(sb)], metric="score"
+    )
     rep = compare_runs(ra, rb)
     assert rep["test"] == "paired-t"
     assert rep["p_value"] == pytest.approx(stats.ttest_rel(sa, sb).pvalue if np.any(sa != sb) else 1.0, rel=1e-9)

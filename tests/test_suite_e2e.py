@@ -29,8 +29,23 @@ def llama(smollm2_gguf, tmp_path_factory):
     pytest.importorskip("llama_cpp")
     port = free_port()
     log = tmp_path_factory.mktemp("llama") / "server.log"
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", "2048", "--n_threads", "2", "--verbose", "False"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(smollm2_gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--n_threads",
+        "2",
+        "--verbose",
+        "False",
+    ]
     with Spawned(cmd, port, log=str(log), timeout_s=180) as srv:
         yield srv
 
@@ -39,7 +54,9 @@ def suite_case(name, tmp_path):
     if name == "humaneval":
         return make_suite("humaneval"), Settings(mode="completion", limit=2, max_tokens=40)
     if name == "humaneval+":
-        return make_suite("humaneval+", data=str(evalplus_file(tmp_path, make_suite("humaneval")))), Settings(max_tokens=40)
+        return make_suite("humaneval+", data=str(evalplus_file(tmp_path, make_suite("humaneval")))), Settings(
+            max_tokens=40
+        )
     if name == "mbpp+":
         return make_suite("mbpp+", data=str(mbpp_file(tmp_path))), Settings(max_tokens=40)
     if name == "ifeval":
@@ -61,8 +78,14 @@ def test_suite_runs_end_to_end(llama, tmp_path, name):
     assert summary.errors == 0 and len(df) == summary.items == 2
     assert (df["error"] == "").all() and df["passed"].notna().all()
     assert df["response"].str.len().gt(0).any()
-    assert df["finish_reason"].isin(["stop", "length", "tool_calls"]).all()  # llama-cpp-python's reasons, recorded per item
-    assert m_summary(tmp_path / "run")["cut_by_limit"] == int((df["finish_reason"] == "length").sum()) == summary.cut_by_limit
+    assert (
+        df["finish_reason"].isin(["stop", "length", "tool_calls"]).all()
+    )  # llama-cpp-python's reasons, recorded per item
+    assert (
+        m_summary(tmp_path / "run")["cut_by_limit"]
+        == int((df["finish_reason"] == "length").sum())
+        == summary.cut_by_limit
+    )
     for req in df["request"]:
         body = json.loads(req)
         assert body["temperature"] == 0.0 and body["max_tokens"] == settings.max_tokens
@@ -76,7 +99,11 @@ def test_suite_runs_end_to_end(llama, tmp_path, name):
         assert df["score"].notna().all()
     if name == "humaneval":  # completion mode: the bare prompt, stop markers, prompt + completion executed
         body = json.loads(df["request"][0])
-        assert "messages" not in body and body["prompt"] == suite.problems["HumanEval/0"]["prompt"] and "\ndef " in body["stop"]
+        assert (
+            "messages" not in body
+            and body["prompt"] == suite.problems["HumanEval/0"]["prompt"]
+            and "\ndef " in body["stop"]
+        )
         assert df["extracted"][0] == body["prompt"] + df["response"][0]
 
 

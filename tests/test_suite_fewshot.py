@@ -19,34 +19,88 @@ from fidelity.suites.paired import compare_runs
 from fidelity.suites.runner import Settings, run_suite
 
 MMLU_ROWS = [
-    {"subject": "high_school_mathematics", "split": "dev", "question": "What is 2 + 2?", "choices": ["3", "4", "5", "6"],
-     "answer": 1},
-    {"subject": "high_school_mathematics", "split": "dev", "question": " Which is prime? ", "choices": ["4", "6", "7", "9"],
-     "answer": 2},
-    {"subject": "high_school_mathematics", "question": "What is 3 * 3?", "choices": ["6", "9", "12", "33"], "answer": 1},
-    {"subject": "high_school_mathematics", "question": "What is 10 / 2?", "choices": ["5", "2", "20", "8"], "answer": "A"},
-    {"subject": "world_religions", "split": "dev", "question": "Where is Mecca?", "choices": ["Iraq", "Egypt", "Saudi Arabia",
-     "Jordan"], "answer": 2},
-    {"subject": "world_religions", "split": "dev", "question": "The Torah is sacred in", "choices": ["Judaism", "Jainism",
-     "Shinto", "Sikhism"], "answer": 0},
-    {"subject": "world_religions", "question": "The Vedas belong to", "choices": ["Islam", "Hinduism", "Taoism", "Bahai"],
-     "answer": 1},
-    {"subject": "world_religions", "question": "Zen is a school of", "choices": ["Buddhism", "Islam", "Judaism", "Jainism"],
-     "answer": 0},
-    {"subject": "world_religions", "question": "Who founded Sikhism?", "choices": ["Mahavira", "Laozi", "Moses", "Guru Nanak"],
-     "answer": 3},
+    {
+        "subject": "high_school_mathematics",
+        "split": "dev",
+        "question": "What is 2 + 2?",
+        "choices": ["3", "4", "5", "6"],
+        "answer": 1,
+    },
+    {
+        "subject": "high_school_mathematics",
+        "split": "dev",
+        "question": " Which is prime? ",
+        "choices": ["4", "6", "7", "9"],
+        "answer": 2,
+    },
+    {
+        "subject": "high_school_mathematics",
+        "question": "What is 3 * 3?",
+        "choices": ["6", "9", "12", "33"],
+        "answer": 1,
+    },
+    {
+        "subject": "high_school_mathematics",
+        "question": "What is 10 / 2?",
+        "choices": ["5", "2", "20", "8"],
+        "answer": "A",
+    },
+    {
+        "subject": "world_religions",
+        "split": "dev",
+        "question": "Where is Mecca?",
+        "choices": ["Iraq", "Egypt", "Saudi Arabia", "Jordan"],
+        "answer": 2,
+    },
+    {
+        "subject": "world_religions",
+        "split": "dev",
+        "question": "The Torah is sacred in",
+        "choices": ["Judaism", "Jainism", "Shinto", "Sikhism"],
+        "answer": 0,
+    },
+    {
+        "subject": "world_religions",
+        "question": "The Vedas belong to",
+        "choices": ["Islam", "Hinduism", "Taoism", "Bahai"],
+        "answer": 1,
+    },
+    {
+        "subject": "world_religions",
+        "question": "Zen is a school of",
+        "choices": ["Buddhism", "Islam", "Judaism", "Jainism"],
+        "answer": 0,
+    },
+    {
+        "subject": "world_religions",
+        "question": "Who founded Sikhism?",
+        "choices": ["Mahavira", "Laozi", "Moses", "Guru Nanak"],
+        "answer": 3,
+    },
 ]
 
 GSM8K_ROWS = [
-    {"split": "train", "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
-     "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
-    {"split": "train", "question": "A box holds 12 eggs. How many eggs are in 5 boxes?",
-     "answer": "5 boxes hold 5 * 12 = <<5*12=60>>60 eggs.\n#### 60"},
-    {"split": "train", "question": "Ann earns $1,200 a week. What does she earn in 2 weeks?",
-     "answer": "She earns 2 * 1200 = <<2*1200=2400>>2400 dollars.\n#### 2,400"},
+    {
+        "split": "train",
+        "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+        "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7",
+    },
+    {
+        "split": "train",
+        "question": "A box holds 12 eggs. How many eggs are in 5 boxes?",
+        "answer": "5 boxes hold 5 * 12 = <<5*12=60>>60 eggs.\n#### 60",
+    },
+    {
+        "split": "train",
+        "question": "Ann earns $1,200 a week. What does she earn in 2 weeks?",
+        "answer": "She earns 2 * 1200 = <<2*1200=2400>>2400 dollars.\n#### 2,400",
+    },
     {"question": "Sam reads 20 pages a day. How many pages in 7 days?", "answer": "20 * 7 = <<20*7=140>>140\n#### 140"},
     {"question": "A pen costs $3. How much do 15 pens cost?", "answer": "15 * 3 = <<15*3=45>>45\n#### 45"},
-    {"question": "Lia had 50 stickers and gave away 18. How many are left?", "answer": "50 - 18 = <<50-18=32>>32\n#### 32"},
+    {
+        "question": "Lia had 50 stickers and gave away 18. How many are left?",
+        "answer": "50 - 18 = <<50-18=32>>32\n#### 32",
+    },
     {"question": "A farm has 1200 cows and sells 250. How many remain?", "answer": "1200 - 250 = 950\n#### 950"},
     {"question": "The temperature fell from 5 to -3 degrees. What is the final temperature?", "answer": "#### -3"},
 ]
@@ -106,8 +160,13 @@ def test_mmlu_prompts_equal_lm_eval_fewshot_context(tmp_path, lm_eval_task):
     suite = make_suite("mmlu", data=str(write_jsonl(tmp_path / "mmlu.jsonl", MMLU_ROWS)), shots=2)
     items = suite.load()
     tests = [r for r in MMLU_ROWS if r.get("split") != "dev"]
-    assert [it.item_id for it in items] == ["high_school_mathematics/0", "high_school_mathematics/1", "world_religions/0",
-                                            "world_religions/1", "world_religions/2"]
+    assert [it.item_id for it in items] == [
+        "high_school_mathematics/0",
+        "high_school_mathematics/1",
+        "world_religions/0",
+        "world_religions/1",
+        "world_religions/2",
+    ]
     for item, row in zip(items, tests):
         subject_yaml = lm_eval_yaml("mmlu", "generative", f"mmlu_{row['subject']}.yaml")
         dev = [r for r in MMLU_ROWS if r.get("split") == "dev" and r["subject"] == row["subject"]][:2]
@@ -161,7 +220,9 @@ def test_gsm8k_scoring_equals_lm_eval_filters_and_exact_match(tmp_path, lm_eval_
     metric = cfg["metric_list"][0]
     kw = {k: metric[k] for k in ("regexes_to_ignore", "ignore_case", "ignore_punctuation")}
     strict_f = RegexFilter(filters["strict-match"]["regex_pattern"])
-    flexible_f = RegexFilter(filters["flexible-extract"]["regex_pattern"], group_select=filters["flexible-extract"]["group_select"])
+    flexible_f = RegexFilter(
+        filters["flexible-extract"]["regex_pattern"], group_select=filters["flexible-extract"]["group_select"]
+    )
     suite = make_suite("gsm8k", data=str(write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)), shots=3)
     rng = random.Random(rng_seed)
     checked = {"strict-match": [], "flexible-extract": []}
@@ -189,9 +250,23 @@ def test_mmlu_scoring_equals_lm_eval_get_response_and_extracts_letters(tmp_path,
     metric = template["metric_list"][0]
     suite = make_suite("mmlu", data=str(write_jsonl(tmp_path / "mmlu.jsonl", MMLU_ROWS)), shots=0)
     item = suite.load()[0]  # answer B
-    cases = {"B": "B", " B\nbecause 9": "B", "b.": "B", "(B)": "B", "B) 9": "B", "The answer is (B).": "B",
-             "Answer: B": "B", "**B**": "B", "C": "C", "A dog": None, "9": None, "": None, "The answer is C, not B": "C",
-             "B\n": "B", "  D  ": "D"}
+    cases = {
+        "B": "B",
+        " B\nbecause 9": "B",
+        "b.": "B",
+        "(B)": "B",
+        "B) 9": "B",
+        "The answer is (B).": "B",
+        "Answer: B": "B",
+        "**B**": "B",
+        "C": "C",
+        "A dog": None,
+        "9": None,
+        "": None,
+        "The answer is C, not B": "C",
+        "B\n": "B",
+        "  D  ": "D",
+    }
     for reply, letter in cases.items():
         out = suite.score(item, reply, [])
         resps = [[reply]]
@@ -238,8 +313,12 @@ def test_gsm8k_runs_pool_and_compare_against_numpy(tmp_path):
 def test_hub_path_and_offline_message(monkeypatch):
     import datasets
 
-    hub = {("cais/mmlu", "all", "test"): [dict(MMLU_ROWS[2])], ("cais/mmlu", "all", "dev"): [dict(MMLU_ROWS[0])],
-           ("openai/gsm8k", "main", "test"): [dict(GSM8K_ROWS[3])], ("openai/gsm8k", "main", "train"): [dict(GSM8K_ROWS[0])]}
+    hub = {
+        ("cais/mmlu", "all", "test"): [dict(MMLU_ROWS[2])],
+        ("cais/mmlu", "all", "dev"): [dict(MMLU_ROWS[0])],
+        ("openai/gsm8k", "main", "test"): [dict(GSM8K_ROWS[3])],
+        ("openai/gsm8k", "main", "train"): [dict(GSM8K_ROWS[0])],
+    }
     for r in hub.values():
         r[0].pop("split", None)
     monkeypatch.setattr(datasets, "load_dataset", lambda path, name, split: hub[(path, name, split)])

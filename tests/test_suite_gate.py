@@ -39,7 +39,9 @@ def suite_run(url, out, limit=6):
 
 
 def gate_cli(*args):
-    return subprocess.run([sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_suite_gate_passes_the_same_engine_and_fails_a_significant_paired_drop(server, tmp_path):
@@ -56,8 +58,21 @@ def test_suite_gate_passes_the_same_engine_and_fails_a_significant_paired_drop(s
     table = table.set_column(table.column_names.index("passed"), "passed",
                              __import__("pyarrow").array([True] * table.num_rows))
     pq.write_table(table, good / "records.parquet")
-    base = asyncio.run(run_bench(BenchConfig(server.url, "toy", sets=["code"], prompts_per_set=1, streams=[2], prefill=[],
-                                             repeats=2, max_tokens=16, aa=True)))
+    base = asyncio.run(
+        run_bench(
+            BenchConfig(
+                server.url,
+                "toy",
+                sets=["code"],
+                prompts_per_set=1,
+                streams=[2],
+                prefill=[],
+                repeats=2,
+                max_tokens=16,
+                aa=True,
+            )
+        )
+    )
     (tmp_path / "bench.json").write_text(json.dumps(base))
 
     (tmp_path / "same.toml").write_text('[speed]\nbaseline = "bench.json"\ndrop_max_pct = 25\n'
@@ -87,7 +102,17 @@ def test_suite_gate_passes_the_same_engine_and_fails_a_significant_paired_drop(s
     assert "significant drop points" in fail.get("message")
 
     (tmp_path / "wrong.toml").write_text('[suite.ifeval]\nbaseline = "toy-run"\n')
-    r = gate_cli("--engine", server.url, "--model", "toy", "--config", str(tmp_path / "wrong.toml"), "--only", "suite.ifeval",
-                 "--json", str(tmp_path / "wrong.json"))
+    r = gate_cli(
+        "--engine",
+        server.url,
+        "--model",
+        "toy",
+        "--config",
+        str(tmp_path / "wrong.toml"),
+        "--only",
+        "suite.ifeval",
+        "--json",
+        str(tmp_path / "wrong.json"),
+    )
     g = json.loads((tmp_path / "wrong.json").read_text())["gates"][0]
     assert r.returncode == 2 and "is a 'humaneval' run, not 'ifeval'" in g["error"]

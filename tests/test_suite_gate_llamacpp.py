@@ -52,8 +52,25 @@ def ggufs(smollm2_gguf, tmp_path_factory):
 
 def llama(model_path, log_dir) -> Spawned:
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", "2048", "--n_threads", "2", "--verbose", "false", "--interrupt_requests", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--n_threads",
+        "2",
+        "--verbose",
+        "false",
+        "--interrupt_requests",
+        "false",
+    ]
     return Spawned(cmd, port, timeout_s=180, log=str(log_dir / f"llama-{port}.log"))
 
 
@@ -96,13 +113,35 @@ def test_llama_suite_gates_pass_the_same_q8_server_and_fail_q2k_on_a_significant
     (tmp_path / "q2k.toml").write_text('[suite.humaneval]\nbaseline = "he-q8"\nout = "he-q2k"\n'
                                        '[suite.needle]\nbaseline = "needle-q8"\nout = "needle-q2k"\n')
     with llama(ggufs["Q8_0"], tmp_path) as q8:
-        he = asyncio.run(run_suite(humaneval, tmp_path / "he-q8", engine=q8.url, model="smol", settings=Settings(**HUMANEVAL),
-                                   concurrency=4))
+        he = asyncio.run(
+            run_suite(
+                humaneval,
+                tmp_path / "he-q8",
+                engine=q8.url,
+                model="smol",
+                settings=Settings(**HUMANEVAL),
+                concurrency=4,
+            )
+        )
         nd = asyncio.run(run_suite(make_suite("needle", **NEEDLE), tmp_path / "needle-q8", engine=q8.url, model="smol",
                                    settings=Settings(max_tokens=32), concurrency=4))
         assert he.items == 4 and he.errors == 0 and nd.items == 30 and nd.errors == 0
-        bench = asyncio.run(run_bench(BenchConfig(q8.url, "smol", sets=["code"], prompts_per_set=1, streams=[2], prefill=[],
-                                                  repeats=2, max_tokens=16, suppress_ids=SMOL_EOS, aa=True)))
+        bench = asyncio.run(
+            run_bench(
+                BenchConfig(
+                    q8.url,
+                    "smol",
+                    sets=["code"],
+                    prompts_per_set=1,
+                    streams=[2],
+                    prefill=[],
+                    repeats=2,
+                    max_tokens=16,
+                    suppress_ids=SMOL_EOS,
+                    aa=True,
+                )
+            )
+        )
         (tmp_path / "bench.json").write_text(json.dumps(bench))
         r, same, cases = gate_cli(tmp_path, q8.url, "same.toml", "speed,suite.humaneval,suite.needle", "same")
     print(r.stdout[-2000:])
@@ -110,13 +149,24 @@ def test_llama_suite_gates_pass_the_same_q8_server_and_fail_q2k_on_a_significant
     assert r.returncode == 0, r.stdout + r.stderr
     assert [c.get("name") for c in cases] == ["speed", "suite.humaneval", "suite.needle"]
     assert all(c.find("failure") is None and c.find("error") is None for c in cases)
-    assert same["speed"]["status"] == "pass" and {c["metric"] for c in same["speed"]["checks"]} >= {"decode.all change %"}
+    assert same["speed"]["status"] == "pass" and {c["metric"] for c in same["speed"]["checks"]} >= {
+        "decode.all change %"
+    }
     for name in ("suite.humaneval", "suite.needle"):
         g = same[name]
         b, c, p, n = paired_reference(g)
-        print(name, "same Q8_0 server:", g["measured"]["compare"]["pass_rate_a"], g["measured"]["compare"]["pass_rate_b"], b, c)
+        print(
+            name,
+            "same Q8_0 server:",
+            g["measured"]["compare"]["pass_rate_a"],
+            g["measured"]["compare"]["pass_rate_b"],
+            b,
+            c,
+        )
         assert g["status"] == "pass" and g["measured"]["compare"]["n_items"] == n
-        assert g["measured"]["drop"] == pytest.approx(100 * (b - c) / n) and g["measured"]["p_value"] == pytest.approx(p)
+        assert g["measured"]["drop"] == pytest.approx(100 * (b - c) / n) and g["measured"]["p_value"] == pytest.approx(
+            p
+        )
 
     with llama(ggufs["Q2_K"], tmp_path) as q2:
         r, q2k, cases = gate_cli(tmp_path, q2.url, "q2k.toml", "suite.humaneval,suite.needle", "q2k")

@@ -59,8 +59,9 @@ def test_paired_metric_pooled_counts_is_a_paired_t_on_counts(rng_seed):
     assert out["drop"] == pytest.approx(100 * (ka.sum() - kb.sum()) / n.sum())
     assert "error" in paired_metric(ka, n, kb, n + 1, threshold=1.0, alpha=0.05, aa=False)
     # pooled, not the mean of per-item fractions: 4 of 5 instructions is 0.8, where (1/1 + 3/4) / 2 would be 0.875
-    hand = paired_metric(np.array([1, 3]), np.array([1, 4]), np.array([0, 3]), np.array([1, 4]), threshold=1.0, alpha=0.05,
-                         aa=False)
+    hand = paired_metric(
+        np.array([1, 3]), np.array([1, 4]), np.array([0, 3]), np.array([1, 4]), threshold=1.0, alpha=0.05, aa=False
+    )
     assert (hand["rate_a"], hand["rate_b"]) == (0.8, 0.6)
 
 
@@ -161,7 +162,9 @@ def test_seeded_sample_is_reproducible_recorded_and_in_order(tmp_path, rng_seed)
         asyncio.run(run_suite(Toy(), tmp_path / "d", engine="e", model="m", client=StandIn(),
                               settings=Settings(limit=3, sample=3)))
     with pytest.raises(RunError, match="--sample 41: the suite has 40 items"):
-        asyncio.run(run_suite(Toy(), tmp_path / "e", engine="e", model="m", client=StandIn(), settings=Settings(sample=41)))
+        asyncio.run(
+            run_suite(Toy(), tmp_path / "e", engine="e", model="m", client=StandIn(), settings=Settings(sample=41))
+        )
 
 
 def lm_eval_ifeval_utils():
@@ -196,12 +199,24 @@ def test_ifeval_four_numbers_equal_lm_eval_aggregation(rng_seed):
     for key in rng.sample(sorted(items), 40):
         row = suite._rows[key]
         words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randrange(3, 420)))
-        response = rng.choice(["", words, words.upper(), "*" + words + "*", f'"{words}"', "Title: <<t>>\n" + words,
-                               f"```json\n{{\"a\": \"{words[:40]}\"}}\n```", words + "\n\nP.S. done", key + ", " + words])
+        response = rng.choice(
+            [
+                "",
+                words,
+                words.upper(),
+                "*" + words + "*",
+                f'"{words}"',
+                "Title: <<t>>\n" + words,
+                f"```json\n{{\"a\": \"{words[:40]}\"}}\n```",
+                words + "\n\nP.S. done",
+                key + ", " + words,
+            ]
+        )
         out = suite.score(items[key], response, [])
         records.append(Record(key, out.passed, out.score, "h", "{}", response, "", "", "", 0.0,
                               metrics=json.dumps(metric_counts(out.metrics))))
-        # Some rows' arguments are invalid for their checker (1129: letter "!"), and lm-eval's checker then draws one from
+        # Some rows' arguments are invalid for their checker (1129: letter "!"), and lm-eval's checker then draws one
+        # from
         # Python's global random state; our scorer seeds it with 0 before checking, so lm-eval gets the same seed here.
         random.seed(0)
         results.append(utils.process_results(row, [response]))
@@ -229,11 +244,38 @@ def test_cli_sample_seed_and_console_summary(tmp_path):
     from fidelity.suites import make_suite
 
     with spawn_fault_server() as srv:
-        cmd = [sys.executable, "-m", "fidelity", "suite", "run", "ifeval", "--data", str(SHARED_IFEVAL), "--engine",
-               srv.url, "--model", "toy", "-o", str(tmp_path / "a"), "--sample", "5", "--seed", "3", "--max-tokens", "4"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fidelity",
+            "suite",
+            "run",
+            "ifeval",
+            "--data",
+            str(SHARED_IFEVAL),
+            "--engine",
+            srv.url,
+            "--model",
+            "toy",
+            "-o",
+            str(tmp_path / "a"),
+            "--sample",
+            "5",
+            "--seed",
+            "3",
+            "--max-tokens",
+            "4",
+        ]
         outs = [subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout]
-        asyncio.run(run_suite(make_suite("ifeval", data=str(SHARED_IFEVAL)), tmp_path / "b", engine=srv.url, model="toy",
-                              settings=Settings(sample=5, sample_seed=3, max_tokens=4)))
+        asyncio.run(
+            run_suite(
+                make_suite("ifeval", data=str(SHARED_IFEVAL)),
+                tmp_path / "b",
+                engine=srv.url,
+                model="toy",
+                settings=Settings(sample=5, sample_seed=3, max_tokens=4),
+            )
+        )
     keys = [json.loads(l)["key"] for l in SHARED_IFEVAL.read_text().splitlines() if l.strip()]
     m = read_manifest(tmp_path / "a")
     assert m["items"] == [str(keys[i]) for i in sorted(random.Random(3).sample(range(len(keys)), 5))]

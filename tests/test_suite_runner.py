@@ -1,4 +1,5 @@
 """The suite runner against our fault-injecting loopback server: records, manifest, resume after a kill, engine faults."""
+
 import asyncio
 import json
 import os
@@ -17,8 +18,18 @@ from fidelity.suites.paired import compare_runs
 from fidelity.suites.records import ItemJournal, Record, RunError, read_manifest, read_records
 from fidelity.suites.runner import Settings, run_suite
 
-COLUMNS_BUT_LATENCY = ["item_id", "passed", "score", "prompt_hash", "request", "response", "extracted", "verdict", "error",
-                       "details"]
+COLUMNS_BUT_LATENCY = [
+    "item_id",
+    "passed",
+    "score",
+    "prompt_hash",
+    "request",
+    "response",
+    "extracted",
+    "verdict",
+    "error",
+    "details",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +39,27 @@ def toy():
 
 
 def cli_run(url, out, limit, extra=()):
-    return [sys.executable, "-m", "fidelity", "suite", "run", "humaneval", "--engine", url, "--model", "toy", "-o", str(out),
-            "--limit", str(limit), "--concurrency", "1", "--max-tokens", "24", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "fidelity",
+        "suite",
+        "run",
+        "humaneval",
+        "--engine",
+        url,
+        "--model",
+        "toy",
+        "-o",
+        str(out),
+        "--limit",
+        str(limit),
+        "--concurrency",
+        "1",
+        "--max-tokens",
+        "24",
+        *extra,
+    ]
 
 
 def journal_lines(run_dir: Path) -> list[dict]:
@@ -80,11 +110,17 @@ def test_engine_faults_are_errors_excluded_from_the_test_and_retried_on_resume(t
     df = read_records(tmp_path / "b")
     assert df["error"].str.contains("HTTP 503").all() and df["passed"].isna().all()
     rep = compare_runs(tmp_path / "a", tmp_path / "b")
-    assert rep["errors"] == {"a": 0, "b": 3, "excluded_pairs": 3} and rep["n_items"] == 0 and rep["verdict"] == "no paired items"
+    assert (
+        rep["errors"] == {"a": 0, "b": 3, "excluded_pairs": 3}
+        and rep["n_items"] == 0
+        and rep["verdict"] == "no paired items"
+    )
     set_plan(toy.url, None)
     again = asyncio.run(run_suite(suite, tmp_path / "b", engine=toy.url, model="toy", settings=settings))
     assert again.errors == 0 and again.resumed == 0
-    pd.testing.assert_frame_equal(read_records(tmp_path / "a")[COLUMNS_BUT_LATENCY], read_records(tmp_path / "b")[COLUMNS_BUT_LATENCY])
+    pd.testing.assert_frame_equal(
+        read_records(tmp_path / "a")[COLUMNS_BUT_LATENCY], read_records(tmp_path / "b")[COLUMNS_BUT_LATENCY]
+    )
     rep = compare_runs(tmp_path / "a", tmp_path / "b", aa=True)
     assert rep["n_items"] == 3 and rep["p_value"] == 1.0 and rep["verdict"].startswith("A/A noise floor: 0 of 3")
 
@@ -94,7 +130,9 @@ def test_resume_refuses_other_settings_and_a_corrupt_journal(toy, tmp_path):
     suite = make_suite("humaneval")
     asyncio.run(run_suite(suite, tmp_path / "r", engine=toy.url, model="toy", settings=Settings(limit=2, max_tokens=8)))
     with pytest.raises(RunError, match=r"different 'settings'.*manifest\.json"):
-        asyncio.run(run_suite(suite, tmp_path / "r", engine=toy.url, model="toy", settings=Settings(limit=2, max_tokens=9)))
+        asyncio.run(
+            run_suite(suite, tmp_path / "r", engine=toy.url, model="toy", settings=Settings(limit=2, max_tokens=9))
+        )
     with open(tmp_path / "r" / "records.jsonl", "a") as f:
         f.write('{"item_id": "x"}\n')
     with pytest.raises(RunError, match=r"line 3 is not an item record.*records\.jsonl"):

