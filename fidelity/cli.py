@@ -24,7 +24,10 @@ def _command_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fidelity", description="Measure how far a quantized LLM pack is from its reference, and gate serving engines against an exact fp32 oracle.")
+    parser = argparse.ArgumentParser(
+        prog="fidelity",
+        description="Measure how far a quantized LLM pack is from its reference, and gate serving engines against an exact fp32 oracle.",
+    )
     parser.add_argument("--version", action="version", version=f"fidelity {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, modname in _command_modules():

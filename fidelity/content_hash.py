@@ -162,8 +162,11 @@ def files_digest(files: list[str | Path], manifest_folder: Path | None = None) -
             return "blake3:" + file_digest(p, "blake3")
         got = file_digest(p, "sha256")
         if got != want:
-            raise PackError(f"sha256 {got} differs from {want} in {manifest_folder / MANIFEST}: the file is not the one "
-                            f"the manifest describes", file=p)
+            raise PackError(
+                f"sha256 {got} differs from {want} in {manifest_folder / MANIFEST}: the file is not the one "
+                f"the manifest describes",
+                file=p,
+            )
         return "sha256:" + got
 
     if len(paths) <= 1:

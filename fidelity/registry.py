@@ -46,7 +46,9 @@ class Registry(Mapping):
             for name in names:
                 held = self._entries.get(name)
                 if held is not None and _qualname(held) != _qualname(entry):
-                    raise ValueError(f"{self.kind} {name!r} is registered twice: {_qualname(held)} and {_qualname(entry)}")
+                    raise ValueError(
+                        f"{self.kind} {name!r} is registered twice: {_qualname(held)} and {_qualname(entry)}"
+                    )
                 self._entries[name] = entry
             return entry
 
@@ -105,8 +107,12 @@ class Registry(Mapping):
         if self.modules is None:
             return iter(sorted(self._entries))
         rank = {m: i for i, m in enumerate(self.modules)}
-        module_of = lambda name: getattr(getattr(self._entries[name], "defined_by", self._entries[name]), "__module__", None)
-        return iter(sorted(self._entries, key=lambda name: rank.get(module_of(name), len(rank))))  # stable: as registered
+        module_of = lambda name: getattr(
+            getattr(self._entries[name], "defined_by", self._entries[name]), "__module__", None
+        )
+        return iter(
+            sorted(self._entries, key=lambda name: rank.get(module_of(name), len(rank)))
+        )  # stable: as registered
 
     def __len__(self) -> int:
         if self.declared is not None:
@@ -140,7 +146,8 @@ def _qualname(entry) -> str:
 # config.json "architectures"[0] -> the oracle `Family` class that computes it
 ARCHITECTURES = Registry("architecture", "fidelity.oracle")
 
-# gate.toml section -> the `engine.gates.kinds.GateKind` that runs it; in this order (the order `fidelity gate` runs them)
+# gate.toml section -> the `engine.gates.kinds.GateKind` that runs it; in this order (the order `fidelity gate`
+# runs them)
 GATES = Registry("gate", modules=("fidelity.engine.gates.oracle_kl", "fidelity.engine.gates.invariance",
                                   "fidelity.engine.bench", "fidelity.suites.gate"))
 

@@ -120,9 +120,17 @@ class Attribution:
         return pd.DataFrame(getattr(self, name))
 
     def to_json(self) -> dict:
-        return {"summary": self.summary, "swaps": self.swaps, "layers": self.layers, "layer_streams": self.layer_streams, "tensors": self.tensors,
-                "routing": self.routing, "routing_layers": self.routing_layers, "sensitivity": self.sensitivity,
-                "engram_access": self.engram_access}
+        return {
+            "summary": self.summary,
+            "swaps": self.swaps,
+            "layers": self.layers,
+            "layer_streams": self.layer_streams,
+            "tensors": self.tensors,
+            "routing": self.routing,
+            "routing_layers": self.routing_layers,
+            "sensitivity": self.sensitivity,
+            "engram_access": self.engram_access,
+        }
 
 
 # -- module groups -------------------------------------------------------------------------------------------

@@ -63,11 +63,25 @@ def _oracle(pack, device: str, numerics: str = DEFAULT_NUMERICS, settings=None):
     return parallel.make_oracle(pack, device, settings or parallel.RunSettings(), numerics=numerics)
 
 
-def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, reference_store: str | Path | None = None,
-            device: str = "cpu", labels: list[str] | None = None, noise_floor: bool = True, n_boot: int = 2000,
-            seed: int = 0, truncate: bool = False, progress: bool = True,
-            resume: str | Path | None = None, numerics: str = DEFAULT_NUMERICS,
-            numerics_floor: bool = True, run_settings=None, metric_kernel: MetricKernel = MetricKernel()) -> CompareResult:
+def compare(
+    reference,
+    packs: list,
+    *,
+    panel: Panel | str | Path | None = None,
+    reference_store: str | Path | None = None,
+    device: str = "cpu",
+    labels: list[str] | None = None,
+    noise_floor: bool = True,
+    n_boot: int = 2000,
+    seed: int = 0,
+    truncate: bool = False,
+    progress: bool = True,
+    resume: str | Path | None = None,
+    numerics: str = DEFAULT_NUMERICS,
+    numerics_floor: bool = True,
+    run_settings=None,
+    metric_kernel: MetricKernel = MetricKernel(),
+) -> CompareResult:
     """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default).
     `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest.
     `numerics`: every oracle's ("exact" | "deepseek", fidelity.numerics). `numerics_floor`: where the reference's
@@ -103,20 +117,30 @@ def compare(reference, packs: list, *, panel: Panel | str | Path | None = None, 
         if r["label"] in files:
             r["records"] = files[r["label"]]
     report = {
-        "schema_version": SCHEMA_VERSION,   # fidelity.measuring.result_schema reads it
+        "schema_version": SCHEMA_VERSION,  # fidelity.measuring.result_schema reads it
         "fidelity_version": __version__,
         "direction": "KL(P_reference || Q_pack), nats per scored token",
-        "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(rows), "scored_positions": ref.scored_positions,
-                  "domains": panel.domains, "truncation": truncation},
-        "reference": {"path": str(Path(ref_pack.path).resolve()), "fingerprint": ref_pack.fingerprint(), "format": ref_pack.format,
-                      "store": str(Path(reference_store).resolve()) if reference_store else None},
+        "panel": {
+            "name": panel.name,
+            "sha256": panel.sha256,
+            "rows": len(rows),
+            "scored_positions": ref.scored_positions,
+            "domains": panel.domains,
+            "truncation": truncation,
+        },
+        "reference": {
+            "path": str(Path(ref_pack.path).resolve()),
+            "fingerprint": ref_pack.fingerprint(),
+            "format": ref_pack.format,
+            "store": str(Path(reference_store).resolve()) if reference_store else None,
+        },
         "numerics": numerics,
         "numerics_label": getattr(ref_oracle.family, "numerics_label", numerics),
         "noise_floor": noise,
         "numerics_floor": floor,
         "resumed": keep.reused if keep is not None else [],
         "identity": "fingerprints hash format, config, storage and every byte of every file the tensors are read from "
-                    "(BLAKE3; MANIFEST.sha256 verified where present)",
+        "(BLAKE3; MANIFEST.sha256 verified where present)",
         "results": results,
         "failed": [r["label"] for r in results if r["status"] == "failed"],
         "paired": _paired(metrics, groups, stats),
@@ -145,11 +169,19 @@ def _reference_run(ref_oracle, ref_pack, panel: Panel, rows: list[TokenizedRow],
     if reference_store is None and keep is not None:
         store_path = keep.reference_store()
     if store_path is not None:
-        return load_store(store_path, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp,
-                          oracle=ref_oracle), store_path
+        return load_store(
+            store_path,
+            panel,
+            rows,
+            pack_fingerprint=ref_pack.fingerprint(),
+            tokenizer_fingerprint=tok_fp,
+            oracle=ref_oracle,
+        ), store_path
     ref = run_reference(ref_oracle, rows, progress=progress)
     if keep is not None:
-        keep.save_reference(ref, ref_oracle, panel, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp)
+        keep.save_reference(
+            ref, ref_oracle, panel, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp
+        )
     return ref, None
 
 
@@ -239,7 +271,9 @@ def _measure_pack(run: _Passes, pack, label: str, device: str, numerics: str, gr
     summary = summarize(pm, groups, **stats)
     ov = summary["overall"]
     ov["noise_floor_kld"] = noise["kld_mean"] if noise else None
-    ov["x_noise_floor"] = (ov["kld_mean"] / noise["kld_mean"]) if noise and noise["kld_mean"] and ov["kld_mean"] is not None else None
+    ov["x_noise_floor"] = (
+        (ov["kld_mean"] / noise["kld_mean"]) if noise and noise["kld_mean"] and ov["kld_mean"] is not None else None
+    )
     ov["numerics_floor_kld"] = floor["overall"]["kld_mean"] if floor else None
     counts = run.routing.get(f"pack-{fingerprint}")
     routed = counts is not None and counts.layers

@@ -68,7 +68,9 @@ class PositionMetrics:
 
     @staticmethod
     def concat(parts: list["PositionMetrics"]) -> "PositionMetrics":
-        return PositionMetrics(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(PositionMetrics)})
+        return PositionMetrics(
+            **{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(PositionMetrics)}
+        )
 
     def select(self, index: torch.Tensor) -> "PositionMetrics":
         return PositionMetrics(**{f.name: getattr(self, f.name)[index] for f in fields(PositionMetrics)})
@@ -315,7 +317,9 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
     `copy_elements` logits at a time, so memory beyond the inputs stays flat whatever N is. Logits on another device
     are measured there, by `kernel` (device_metrics_columns)."""
     if ref_logits.shape != pack_logits.shape or ref_logits.dim() != 2:
-        raise ValueError(f"logits must both be [N, V]; got reference {list(ref_logits.shape)} and pack {list(pack_logits.shape)}")
+        raise ValueError(
+            f"logits must both be [N, V]; got reference {list(ref_logits.shape)} and pack {list(pack_logits.shape)}"
+        )
     n, v = ref_logits.shape
     if targets.shape != (n,):
         raise ValueError(f"targets must be [N={n}]; got {list(targets.shape)}")
@@ -327,7 +331,9 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
     if bad.size:
         raise ValueError(f"target token {int(t[bad[0]])} at position {int(bad[0])} is outside the vocabulary of {v}")
     out, top = np.empty((n, 6)), np.empty((n, 3), dtype=np.int64)
-    in_place = all(x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() for x in (ref_logits, pack_logits))
+    in_place = all(
+        x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() for x in (ref_logits, pack_logits)
+    )
     rows = max(n, 1) if in_place else max(1, copy_elements // max(v, 1))
     for s in range(0, n, rows):
         e = min(s + rows, n)
@@ -345,7 +351,9 @@ def position_metrics(ref_logits: torch.Tensor, pack_logits: torch.Tensor, target
 
 
 # -- on the logits' device ----------------------------------------------------------------------------------------
-DEVICE_ROWS_ELEMENTS = 1 << 24   # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
+DEVICE_ROWS_ELEMENTS = 1 << 24  # torch path: logits per side per step (its float64 temporaries are ~6x this, x 8 bytes)
+
+
 def device_backend(device: torch.device | str, kernel: MetricKernel = MetricKernel()) -> str:
     """"triton" or "torch": what measures logits on `device`; `kernel.backend` chooses where it is set."""
     if kernel.backend is not None:
@@ -378,8 +386,10 @@ def device_metrics_columns(ref_logits: torch.Tensor, pack_logits: torch.Tensor, 
                 chosen = None
             except Exception as e:           # a kernel this Triton or GPU cannot build: the torch path, said once
                 _TRITON[:] = [None]
-                warnings.warn(f"fidelity.measuring.metrics: the Triton kernel failed ({type(e).__name__}: {e}); measuring "
-                              f"with the plain torch path from now on")
+                warnings.warn(
+                    f"fidelity.measuring.metrics: the Triton kernel failed ({type(e).__name__}: {e}); measuring "
+                    f"with the plain torch path from now on"
+                )
                 chosen = "torch"
         if chosen == "triton":
             match = torch.empty(n, dtype=torch.int64, device=a.device)

@@ -235,8 +235,9 @@ def top5_kernel(a_ptr, b_ptr, match_ptr, rows_ptr, stride_a, stride_b, V: tl.con
         xb = tl.load(b_row + offs, mask=mask, other=float("-inf"))
         a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_insert(xa, offs, a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4)
         b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_insert(xb, offs, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4)
-    match, _, _, _, _, _ = top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3,
-                                   bi4, V)
+    match, _, _, _, _, _ = top5_match(
+        a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V
+    )
     tl.store(match_ptr + row, match)
 
 
@@ -380,7 +381,9 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
             low_a, low_b = check
             unsure = tl.sum(((low_a != low_a) | (low_b != low_b)).to(tl.int32), 0) > 0
             # (a NaN shift fails both comparisons: measured again too)
-            deep = ~((tl.min(low_a, 0).to(tl.float64) - s_a >= -700.0) & (tl.min(low_b, 0).to(tl.float64) - s_b >= -700.0))
+            deep = ~(
+                (tl.min(low_a, 0).to(tl.float64) - s_a >= -700.0) & (tl.min(low_b, 0).to(tl.float64) - s_b >= -700.0)
+            )
             flags = flags | ((unsure | deep | tiny).to(tl.int32) << 2)
         else:
             bad = tl.sum(check[0], 0)

@@ -190,8 +190,9 @@ class Resume:
         try:
             table = pq.read_table(data)
         except Exception as e:
-            raise ResumeError(f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it",
-                            file=data) from None
+            raise ResumeError(
+                f"cannot read the finished pass {name!r} kept for resuming ({e}); delete it to recompute it", file=data
+            ) from None
         if any(f.name not in table.column_names for f in fields(PositionMetrics)):
             return None     # kept by a version without a metric this one records: recomputed
         if any(table.column(k).to_pylist() != v for k, v in self.positions.items()):
@@ -232,7 +233,9 @@ class Resume:
         self.reused.append("reference")
         return self.store
 
-    def save_reference(self, ref: ReferenceRun, oracle, panel: Panel, *, pack_fingerprint: str, tokenizer_fingerprint: str):
+    def save_reference(
+        self, ref: ReferenceRun, oracle, panel: Panel, *, pack_fingerprint: str, tokenizer_fingerprint: str
+    ):
         def write():
             tmp = self.folder / "reference-store.partial"
             shutil.rmtree(tmp, ignore_errors=True)

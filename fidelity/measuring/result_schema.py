@@ -96,7 +96,7 @@ def _write(value, f):
     return {k: v.to_dict() for k, v in value.items()}
 
 
-# ---- statistics of one pack (fidelity.measuring.stats.summarize) -------------------------------------------------------
+# ---- statistics of one pack (fidelity.measuring.stats.summarize) -----------------------------------------------------
 
 @dataclass
 class RowsWorse(Block):
@@ -250,7 +250,7 @@ class PackReport(Block):
     records: str | None = None
 
 
-# ---- pairs, floors, the document ---------------------------------------------------------------------------------------
+# ---- pairs, floors, the document -------------------------------------------------------------------------------------
 
 @dataclass
 class PairedBlock(Block):
@@ -375,6 +375,8 @@ def check_version(data: dict, source: str) -> int:
         raise SchemaVersionError(f"{source}: schema_version {version!r} is not a version number (this fidelity reads "
                                  f"compare results of schema versions 0 to {SCHEMA_VERSION})")
     if version > SCHEMA_VERSION:
-        raise SchemaVersionError(f"{source}: compare result of schema_version {version}, newer than this fidelity reads "
-                                 f"(0 to {SCHEMA_VERSION}): upgrade fidelity to read it")
+        raise SchemaVersionError(
+            f"{source}: compare result of schema_version {version}, newer than this fidelity reads "
+            f"(0 to {SCHEMA_VERSION}): upgrade fidelity to read it"
+        )
     return version

@@ -48,7 +48,9 @@ class RowGroups:
     def build(cls, row: Sequence[int], row_domain_names: Sequence[str]) -> "RowGroups":
         domains = sorted(set(row_domain_names))
         index = {d: i for i, d in enumerate(domains)}
-        return cls(np.asarray(row, dtype=np.int64), np.array([index[d] for d in row_domain_names], dtype=np.int64), domains)
+        return cls(
+            np.asarray(row, dtype=np.int64), np.array([index[d] for d in row_domain_names], dtype=np.int64), domains
+        )
 
     @property
     def n_rows(self) -> int:
@@ -80,7 +82,9 @@ def bootstrap_counts(row_domain: np.ndarray, n_boot: int, rng: np.random.Generat
     return counts
 
 
-def domain_sums(table: np.ndarray, row_domain: np.ndarray, n_domains: int, counts: np.ndarray | None = None) -> np.ndarray:
+def domain_sums(
+    table: np.ndarray, row_domain: np.ndarray, n_domains: int, counts: np.ndarray | None = None
+) -> np.ndarray:
     """Per-domain sums of a [rows, quantities] table: [domains, quantities], or [n_boot, domains, quantities] when
     `counts` ([n_boot, rows]) weights the rows of each replicate."""
     shape = (n_domains, table.shape[1]) if counts is None else (counts.shape[0], n_domains, table.shape[1])
@@ -507,7 +511,7 @@ def sign_test(worse: int, better: int) -> float | None:
     return float(binomtest(int(worse), int(worse + better), 0.5).pvalue)
 
 
-# ---- scopes and rows worse: the one builder compare's summary and the gates share ---------------------------------------
+# ---- scopes and rows worse: the one builder compare's summary and the gates share ------------------------------------
 
 @dataclass(frozen=True)
 class RowScope:
@@ -559,7 +563,7 @@ def rows_worse(table: dict[str, np.ndarray], scope: RowScope, share: Scopes) -> 
             "share_ci95": e.ci(), "sign_test_p": sign_test(worse, better)}
 
 
-# ---- summarize ----------------------------------------------------------------------------------------------------------
+# ---- summarize -------------------------------------------------------------------------------------------------------
 
 def summarize(pm: PositionMetrics, groups: RowGroups, *, n_boot: int = N_BOOT, seed: int = 0,
               tie_margin: float = TIE_MARGIN, confidence_edges=CONFIDENCE_EDGES) -> dict:
@@ -621,7 +625,8 @@ class _Summary:
                  has_reverse: bool, has_topk: bool, quantiles: dict):
         S = lambda num, den="n", transform=None, bounds=NONNEGATIVE: ratio_scopes(boot, num, den, groups, transform,
                                                                                   bounds=bounds)
-        self.groups, self.table, self.edges, self.has_reverse, self.quantiles = groups, table, edges, has_reverse, quantiles
+        self.groups, self.table, self.edges, self.has_reverse, self.quantiles = (groups, table, edges, has_reverse,
+                                                                                 quantiles)
         self.kld, self.kld_reverse, self.top1 = S("kld"), S("kld_reverse"), S("agree", bounds=SHARE)
         self.dnll, self.ref_nll, self.pack_nll = S("dnll", bounds=SIGNED), S("ref_nll"), S("pack_nll")
         self.dp, self.rms_dp = S("dp", bounds=DELTA_P), S("dp2", transform=np.sqrt, bounds=UNIT)
@@ -636,15 +641,25 @@ class _Summary:
         out = {
             **_ci_dict(pick(self.kld_reverse), "kld_reverse_mean"),
             **_ci_dict(pick(self.dnll), "delta_nll_mean", se=True),
-            **_ci_dict(pick(self.pack_nll), "nll_mean"), **_ci_dict(pick(self.ref_nll), "nll_ref_mean"),
+            **_ci_dict(pick(self.pack_nll), "nll_mean"),
+            **_ci_dict(pick(self.ref_nll), "nll_ref_mean"),
             "rows_worse": rows_worse(self.table, scope, self.worse_share),
-            "topk_agreement": [{"k": k + 1, "value": pick(s).value, "ci95": pick(s).ci()} for k, s in enumerate(self.topk)],
-            **_ci_dict(pick(self.dp), "delta_p_mean"), **_ci_dict(pick(self.rms_dp), "rms_delta_p"),
+            "topk_agreement": [
+                {"k": k + 1, "value": pick(s).value, "ci95": pick(s).ci()} for k, s in enumerate(self.topk)
+            ],
+            **_ci_dict(pick(self.dp), "delta_p_mean"),
+            **_ci_dict(pick(self.rms_dp), "rms_delta_p"),
             "kld_by_ref_confidence": [
-                {"ref_confidence": [edges[b], edges[b + 1]], "positions": scope.total(self.table, f"conf{b}_n"),
-                 "share": pick(share).value, "kld_mean": pick(k_).value, "kld_mean_ci95": pick(k_).ci(),
-                 "kld_reverse_mean": pick(r_).value if self.has_reverse else None}
-                for b, (k_, share, r_) in enumerate(self.confidence)],
+                {
+                    "ref_confidence": [edges[b], edges[b + 1]],
+                    "positions": scope.total(self.table, f"conf{b}_n"),
+                    "share": pick(share).value,
+                    "kld_mean": pick(k_).value,
+                    "kld_mean_ci95": pick(k_).ci(),
+                    "kld_reverse_mean": pick(r_).value if self.has_reverse else None,
+                }
+                for b, (k_, share, r_) in enumerate(self.confidence)
+            ],
             **self.quantiles["overall" if scope.domain is None else scope.domain],
         }
         if not self.has_reverse:
@@ -740,7 +755,7 @@ def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain:
     n_d = np.bincount(d, minlength=len(groups.domains)).astype(float)
     # domains-equal: a position weighs 1 / (its domain's position count), in a replicate its resampled count
     row_pos = np.bincount(r, minlength=groups.n_rows).astype(float)
-    rep_dom = domain_sums(row_pos[:, None], groups.row_domain, len(groups.domains), counts)[..., 0]   # [n_boot, domains]
+    rep_dom = domain_sums(row_pos[:, None], groups.row_domain, len(groups.domains), counts)[..., 0]  # [n_boot, domains]
     with np.errstate(divide="ignore"):
         inv = np.where(rep_dom > 0, 1.0 / np.where(rep_dom > 0, rep_dom, 1.0), 0.0)
         point_w = np.where(n_d[d] > 0, 1.0 / np.maximum(n_d[d], 1.0), 0.0)

@@ -120,17 +120,24 @@ def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, 
     lse = torch.logsumexp(logits.float(), -1)  # as topk_logprobs computes it
     have = float(logits[j, tok].float() - lse[j]) if 0 <= tok < logits.shape[-1] else float("nan")
     ulps = abs(have - want) / abs(float(np.spacing(np.float32(want))))
-    got = (f"re-derived {have:.9g}" if int(got_ids[j, rank]) == tok
-           else f"re-derived rank {rank} is token {int(got_ids[j, rank])} ({float(got_lps[j, rank]):.9g}); token {tok} now {have:.9g}")
+    got = (
+        f"re-derived {have:.9g}"
+        if int(got_ids[j, rank]) == tok
+        else f"re-derived rank {rank} is token {int(got_ids[j, rank])} ({float(got_lps[j, rank]):.9g}); token {tok} now {have:.9g}"
+    )
     dev = float((got_lps[bad] - lps[bad]).abs().max())
-    again_ids, again_lps = _topk_on(logits, k, ref.device)  # tells a store that differs from arithmetic that is not repeatable here
+    again_ids, again_lps = _topk_on(
+        logits, k, ref.device
+    )  # tells a store that differs from arithmetic that is not repeatable here
     if torch.equal(again_ids, got_ids) and torch.equal(again_lps, got_lps):
         repeat = "the same logits give the same log-probs again"
     else:
         same = torch.equal(again_ids[j], ids[j]) and torch.equal(again_lps[j], lps[j])
-        repeat = (f"the same logits give other log-probs on a second pass here (max change "
-                  f"{float((again_lps - got_lps).abs().max()):.3g}; the second pass {'matches' if same else 'differs from'} "
-                  f"the store at this position): this process's arithmetic is not repeatable")
+        repeat = (
+            f"the same logits give other log-probs on a second pass here (max change "
+            f"{float((again_lps - got_lps).abs().max()):.3g}; the second pass {'matches' if same else 'differs from'} "
+            f"the store at this position): this process's arithmetic is not repeatable"
+        )
     env = ""
     if ref.built_with is not None:
         now = numerics(ref.device)
@@ -138,11 +145,13 @@ def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, 
                    if ref.built_with.get(key) != now.get(key)}
         env = (" Store built with " + ", ".join(f"{key}={a} (now {b})" for key, (a, b) in changed.items()) + "."
                if changed else f" Same numerics as the store's build ({ref.built_with}).")
-    return (f"row {row.id!r} position {pos}: logits re-derived from the stored hidden state do not reproduce the stored "
-            f"top-{k}: first at rank {rank}, token {tok} (predicting token {row.tokens[pos + 1]}): stored log-prob "
-            f"{want:.9g}, {got} (|diff| {abs(have - want):.3g}, {ulps:.0f} float32 ulp); {int(bad.sum())} of "
-            f"{len(bad)} scored positions of this row differ, max log-prob deviation {dev:.3g}; {repeat}. The reference "
-            f"pack's head or this machine's matmul differs from the one that built the store.{env}")
+    return (
+        f"row {row.id!r} position {pos}: logits re-derived from the stored hidden state do not reproduce the stored "
+        f"top-{k}: first at rank {rank}, token {tok} (predicting token {row.tokens[pos + 1]}): stored log-prob "
+        f"{want:.9g}, {got} (|diff| {abs(have - want):.3g}, {ulps:.0f} float32 ulp); {int(bad.sum())} of "
+        f"{len(bad)} scored positions of this row differ, max log-prob deviation {dev:.3g}; {repeat}. The reference "
+        f"pack's head or this machine's matmul differs from the one that built the store.{env}"
+    )
 
 
 def head_sha256(oracle) -> str:
@@ -162,7 +171,10 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cols = {k_: [] for k_ in ("row_id", "domain", "position", "token", "scored", "nll", "topk_ids", "topk_logprobs", "hidden")}
+    cols = {
+        k_: []
+        for k_ in ("row_id", "domain", "position", "token", "scored", "nll", "topk_ids", "topk_logprobs", "hidden")
+    }
     for r, h, tgt in zip(ref.rows, ref.hidden, ref.targets):
         if oracle.device.type == "cpu":
             logits = oracle.apply_head(h).float()
@@ -201,12 +213,26 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
     scored = ref.scored_positions
     pack_path = getattr(getattr(oracle, "pack", None), "path", None)
     manifest = {
-        "panel": {"name": panel.name, "sha256": panel.sha256, "rows": len(ref.rows), "scored_positions": scored,
-                  "path": str(Path(panel.path).resolve()) if panel.path else None},
-        "pack_fingerprint": pack_fingerprint, "head_sha256": head_sha256(oracle),
-        "reference_pack": {"path": str(Path(pack_path).resolve()) if pack_path else None, "fingerprint": pack_fingerprint},
-        "tokenizer_fingerprint": tokenizer_fingerprint, "fidelity_version": __version__, "top_k": k, "hidden_size": int(ref.hidden[0].shape[1]) if ref.hidden else 0,
-        "hidden_dtype": "float32", "bytes": nbytes, "bytes_per_scored_position": nbytes / max(scored, 1),
+        "panel": {
+            "name": panel.name,
+            "sha256": panel.sha256,
+            "rows": len(ref.rows),
+            "scored_positions": scored,
+            "path": str(Path(panel.path).resolve()) if panel.path else None,
+        },
+        "pack_fingerprint": pack_fingerprint,
+        "head_sha256": head_sha256(oracle),
+        "reference_pack": {
+            "path": str(Path(pack_path).resolve()) if pack_path else None,
+            "fingerprint": pack_fingerprint,
+        },
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "fidelity_version": __version__,
+        "top_k": k,
+        "hidden_size": int(ref.hidden[0].shape[1]) if ref.hidden else 0,
+        "hidden_dtype": "float32",
+        "bytes": nbytes,
+        "bytes_per_scored_position": nbytes / max(scored, 1),
         "numerics": numerics(oracle.device),
         "oracle_numerics": getattr(oracle, "numerics", "exact"),
     }
@@ -305,7 +331,9 @@ def _check_chunk(ref: ReferenceRun, logits: torch.Tensor, starts, rows, start: i
         a, b = int(lo - starts[i]), int(hi - starts[i])
         if ids is not None:
             want_ids, want_lps = ref.topk[i]
-            if torch.equal(ids[lo - start:hi - start], want_ids[a:b]) and torch.equal(lps[lo - start:hi - start], want_lps[a:b]):
+            if torch.equal(ids[lo - start : hi - start], want_ids[a:b]) and torch.equal(
+                lps[lo - start : hi - start], want_lps[a:b]
+            ):
                 continue
         check_topk(ref, i, logits[lo - start:hi - start], where, first=a)
 
@@ -332,11 +360,15 @@ def load_store(path: str | Path, panel: Panel, rows: list[TokenizedRow], *, pack
     path = Path(path)
     m = read_manifest(path)
     if m["panel"]["sha256"] != panel.sha256:
-        raise StoreError(f"{path}: this store was built for panel {m['panel']['name']!r} (sha256 "
-                         f"{m['panel']['sha256'][:12]}...), not for panel {panel.name!r} (sha256 {panel.sha256[:12]}...)")
+        raise StoreError(
+            f"{path}: this store was built for panel {m['panel']['name']!r} (sha256 "
+            f"{m['panel']['sha256'][:12]}...), not for panel {panel.name!r} (sha256 {panel.sha256[:12]}...)"
+        )
     if m["tokenizer_fingerprint"] != tokenizer_fingerprint:
-        raise StoreError(f"{path}: this store was built with tokenizer {m['tokenizer_fingerprint']}, the reference pack's "
-                         f"tokenizer is {tokenizer_fingerprint}")
+        raise StoreError(
+            f"{path}: this store was built with tokenizer {m['tokenizer_fingerprint']}, the reference pack's "
+            f"tokenizer is {tokenizer_fingerprint}"
+        )
     head = head_sha256(oracle) if oracle is not None else m.get("head_sha256")
     if m["pack_fingerprint"] != pack_fingerprint or m.get("head_sha256") != head:
         raise StoreError(f"{path}: this store was built from reference pack {m['pack_fingerprint']} (head "
@@ -344,8 +376,10 @@ def load_store(path: str | Path, panel: Panel, rows: list[TokenizedRow], *, pack
                          f"give exact logits through the same head")
     stored, running = m.get("oracle_numerics", "exact"), getattr(oracle, "numerics", "exact") if oracle else None
     if running is not None and stored != running:
-        raise StoreError(f"{path}: this store was built under numerics {stored!r}, this run's oracle computes under "
-                         f"{running!r}: build the store again with --numerics {running}, or run with --numerics {stored}")
+        raise StoreError(
+            f"{path}: this store was built under numerics {stored!r}, this run's oracle computes under "
+            f"{running!r}: build the store again with --numerics {running}, or run with --numerics {stored}"
+        )
     table = pq.read_table(path / RECORDS_FILE)
     by_row: dict[str, dict] = {}
     row_ids = table.column("row_id").to_pylist()

@@ -25,7 +25,9 @@ def family_for(config: dict, config_file: str | Path | None = None) -> Family:
     arch = archs[0]
     family = ARCHITECTURES.get(arch)
     if family is None:
-        raise ConfigError(f"architecture {arch!r} is not supported by the oracle; supported: {supported_architectures()}")
+        raise ConfigError(
+            f"architecture {arch!r} is not supported by the oracle; supported: {supported_architectures()}"
+        )
     return family(config)
 
 

@@ -44,7 +44,9 @@ def sliding_windows(cfg: dict, arch: str, n_layers: int) -> list[int | None]:
         types = cfg.get("layer_types")
         if types is None:
             start = cfg.get("max_window_layers", n_layers)
-            types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(n_layers)]
+            types = [
+                "sliding_attention" if window is not None and i >= start else "full_attention" for i in range(n_layers)
+            ]
         return [window if t == "sliding_attention" else None for t in types]
     return [window] * n_layers
 
@@ -69,7 +71,9 @@ class LlamaArgs:
         n_heads = require(cfg, "num_attention_heads", arch)
         head_dim = head_dim_of(cfg)
         bias = bool(cfg.get("attention_bias", False))
-        qkv_bias, o_bias = {"Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False)}.get(arch, (bias, bias))
+        qkv_bias, o_bias = {"Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False)}.get(
+            arch, (bias, bias)
+        )
         n_layers = require(cfg, "num_hidden_layers", arch)
         return cls(
             arch=arch,

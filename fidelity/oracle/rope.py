@@ -98,7 +98,9 @@ def _yarn(a: RopeArgs, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
             attention_factor = yarn_mscale(a.factor)
 
     def correction_dim(rotations: float) -> float:
-        return (a.dim * math.log(a.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(a.theta))
+        return (a.dim * math.log(a.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(a.theta)
+        )
 
     low, high = correction_dim(a.beta_fast), correction_dim(a.beta_slow)
     if a.truncate:
@@ -115,7 +117,9 @@ def _yarn(a: RopeArgs, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def cos_sin(a: RopeArgs, length: int, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    a: RopeArgs, length: int, dtype: torch.dtype = torch.float32, device="cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [length, dim] (the dim/2 frequencies repeated twice, as HF lays them out)."""
     inv_freq, attention_factor = inverse_frequencies(a, dtype)
     positions = torch.arange(length, dtype=dtype)

@@ -41,8 +41,8 @@ WORK_FACTOR = 16
 # the activations' freed blocks back too, and their next allocation faults them in again (SmolLM2-135M, 1024 tokens:
 # 415k page faults and 3.0 s CPU per pass trimming every 14 MiB layer). Layers this large are trimmed after each one.
 TRIM_AFTER_BYTES = 64 * 2**20
-# A routed expert's tensor, in every family's spellings (`...experts.<e>.<matrix>`; shared experts are `shared_experts`):
-# group 1 names the expert.
+# A routed expert's tensor, in every family's spellings (`...experts.<e>.<matrix>`; shared experts are
+# `shared_experts`): group 1 names the expert.
 ROUTED_EXPERT_NAME = re.compile(r"^(.*\.experts\.\d+)\.")
 
 
@@ -138,10 +138,17 @@ class Oracle:
         self.chain = LoadChain() if chain is None else chain
         if not isinstance(self.chain, LoadChain):
             raise FidelityError(f"chain must be a LoadChain, not {type(self.chain).__name__}")
-        self.fetch = Fetch(lambda name, **where: self.pack.tensor(name, **where), self._stored_shape, self.device, dtype,
-                           read_many=(lambda names, **where: self.pack.tensors(names, **where))
-                           if hasattr(self.pack, "tensors") else None,
-                           expert_budget_bytes=expert_budget_bytes, expert_parallel=self.chain.experts)
+        self.fetch = Fetch(
+            lambda name, **where: self.pack.tensor(name, **where),
+            self._stored_shape,
+            self.device,
+            dtype,
+            read_many=(lambda names, **where: self.pack.tensors(names, **where))
+            if hasattr(self.pack, "tensors")
+            else None,
+            expert_budget_bytes=expert_budget_bytes,
+            expert_parallel=self.chain.experts,
+        )
         self._head: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._layers: dict[int, object] = {}
@@ -453,8 +460,13 @@ class Oracle:
             kind = "NaN" if bool(torch.isnan(x[j]).any()) else "Inf"
             pos = int((~torch.isfinite(x[j])).flatten(1).any(dim=-1).nonzero()[0])
             where = "the embeddings" if layer is None else f"layer {layer}"
-            raise NonFiniteActivations(f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})",
-                                       kind=kind, layer=layer, row=rows[j], position=pos)
+            raise NonFiniteActivations(
+                f"{kind} in the activations after {where}, row {rows[j]} (first at position {pos})",
+                kind=kind,
+                layer=layer,
+                row=rows[j],
+                position=pos,
+            )
 
 
 def device_free_bytes(device: torch.device) -> int:

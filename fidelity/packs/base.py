@@ -65,7 +65,9 @@ class LogicalTensor:
     batch: BatchDecode | None = None
 
 
-_NON_LINEAR = re.compile(r"(norm|embed_tokens|wte|tok_embeddings|[._]bias$|e_score_correction_bias|\.gate\.weight$|router)")
+_NON_LINEAR = re.compile(
+    r"(norm|embed_tokens|wte|tok_embeddings|[._]bias$|e_score_correction_bias|\.gate\.weight$|router)"
+)
 
 
 def tensor_role(name: str, shape: tuple[int, ...]) -> str:
@@ -116,7 +118,9 @@ class Pack:
         try:
             return self._entries[name]
         except KeyError:
-            raise PackError(f"pack has no tensor named {name!r} (format {self.format})", file=self.path, tensor=name) from None
+            raise PackError(
+                f"pack has no tensor named {name!r} (format {self.format})", file=self.path, tensor=name
+            ) from None
 
     def storage(self, name: str) -> Storage:
         return self._entry(name).storage
@@ -194,7 +198,9 @@ class Pack:
         unmeasured = 0.0
         names = self.names()
         tied_head = None
-        if not any(tensor_role(n, ()) == "head" for n in names) and self.model_config().get("tie_word_embeddings", True):
+        if not any(tensor_role(n, ()) == "head" for n in names) and self.model_config().get(
+            "tie_word_embeddings", True
+        ):
             tied_head = next((n for n in names if tensor_role(n, self.storage(n).shape) == "embedding"), None)
         for name in names:
             s = self.storage(name)
@@ -229,9 +235,19 @@ class Pack:
                 if routing is not None:
                     add("routed_experts_per_decoded_token_measured", s, measured)
         rep = BitsReport()
-        for cat in ("all_linear", "routed_experts", "dense_linear", "head", "per_decoded_token",
-                    "per_decoded_token_excluding_head", "routed_experts_per_decoded_token", "per_decoded_token_measured",
-                    "per_decoded_token_measured_excluding_head", "routed_experts_per_decoded_token_measured", "total"):
+        for cat in (
+            "all_linear",
+            "routed_experts",
+            "dense_linear",
+            "head",
+            "per_decoded_token",
+            "per_decoded_token_excluding_head",
+            "routed_experts_per_decoded_token",
+            "per_decoded_token_measured",
+            "per_decoded_token_measured_excluding_head",
+            "routed_experts_per_decoded_token_measured",
+            "total",
+        ):
             if cat in sums:
                 p, b = sums[cat]
                 rep.rows[cat] = {"params": p, "bytes": b, "bpw": 8.0 * b / p if p else float("nan")}

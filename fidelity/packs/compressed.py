@@ -85,7 +85,9 @@ def scheme_for(module: str, schemes: list[Scheme]) -> list[Scheme]:
     """Candidate schemes, most specific first: name/regex targets, then class-name targets (e.g. "Linear"), which a
     safetensors file cannot check, so they stand for any module that has quantization parameters."""
     named = [s for s in schemes if any(matches_by_name(module, t) for t in s.targets)]
-    by_class = [s for s in schemes if s not in named and any(not t.startswith("re:") and "." not in t for t in s.targets)]
+    by_class = [
+        s for s in schemes if s not in named and any(not t.startswith("re:") and "." not in t for t in s.targets)
+    ]
     return named + by_class
 
 
@@ -153,7 +155,9 @@ class ModuleParams:
 
     def name(self, p: str) -> str:
         if p not in self.names:
-            raise PackError(f"compressed-tensors module lacks its {p}", file=self.pack.root, tensor=f"{self.module}.{p}")
+            raise PackError(
+                f"compressed-tensors module lacks its {p}", file=self.pack.root, tensor=f"{self.module}.{p}"
+            )
         return self.names[p]
 
     def info(self, p: str):
@@ -305,10 +309,14 @@ def mxfp4_entry(m: ModuleParams, args: WeightArgs) -> LogicalTensor:
     shape = check_group_grid(m.pack, m.name("weight_packed"), m.name("weight_scale"), MX_BLOCK)
 
     def decode(device: torch.device) -> torch.Tensor:
-        return dequantize_mxfp4(m.get("weight_packed", device), read_scales(m.pack, m.name("weight_scale"), device=device))
+        return dequantize_mxfp4(
+            m.get("weight_packed", device), read_scales(m.pack, m.name("weight_scale"), device=device)
+        )
 
     sdtype = m.info("weight_scale").dtype
-    return LogicalTensor(m.storage("mxfp4", f"E2M1 x {sdtype} e8m0 per-32", shape, (1, MX_BLOCK)), decode, on_device=True)
+    return LogicalTensor(
+        m.storage("mxfp4", f"E2M1 x {sdtype} e8m0 per-32", shape, (1, MX_BLOCK)), decode, on_device=True
+    )
 
 
 def stored_format(m: ModuleParams) -> str:

@@ -124,7 +124,9 @@ class SafetensorsPack(Pack):
         self.config_file = cfg_path
         self.config = read_json(cfg_path) if cfg_path.exists() else {}
         self.quant_config = self._quant_config()
-        claimers = list(CLAIMERS.values())  # imports every format module: each adds its quant_method to KNOWN_QUANT_METHODS
+        claimers = list(
+            CLAIMERS.values()
+        )  # imports every format module: each adds its quant_method to KNOWN_QUANT_METHODS
         method = (self.quant_config or {}).get("quant_method")
         if method is not None and method not in KNOWN_QUANT_METHODS:
             raise PackError(f"unknown quant_method {method!r}; supported: {sorted(KNOWN_QUANT_METHODS)}", file=cfg_path)
@@ -137,7 +139,9 @@ class SafetensorsPack(Pack):
                     raise PackError("two stored tensors decode to the same logical name", file=root, tensor=name)
                 self._entries[name] = entry
         if pool:
-            raise PackError(f"{len(pool)} stored tensors no format module understands, e.g. {sorted(pool)[:3]}", file=root)
+            raise PackError(
+                f"{len(pool)} stored tensors no format module understands, e.g. {sorted(pool)[:3]}", file=root
+            )
 
     def _quant_config(self) -> dict | None:
         qc = self.config.get("quantization_config")

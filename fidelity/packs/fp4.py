@@ -124,7 +124,9 @@ def modelopt_nvfp4_entry(pack: SafetensorsPack, weight: str, scale: str, scale_2
     raw = pack.raw
     info, sinfo, ginfo = raw.info(weight), raw.info(scale), raw.info(scale_2)
     if sinfo.dtype != "F8_E4M3":
-        raise PackError(f"NVFP4 block scales must be F8_E4M3, got {sinfo.dtype}", file=raw.file_path(scale), tensor=scale)
+        raise PackError(
+            f"NVFP4 block scales must be F8_E4M3, got {sinfo.dtype}", file=raw.file_path(scale), tensor=scale
+        )
     if len(ginfo.shape) > 1 or (ginfo.shape and ginfo.shape[0] != 1):
         raise PackError(f"NVFP4 weight_scale_2 must be a single value, got shape {list(ginfo.shape)}",
                         file=raw.file_path(scale_2), tensor=scale_2)

@@ -38,7 +38,9 @@ def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def read_scales(pack: SafetensorsPack, name: str, *, power_of_two: bool = False, device: torch.device = CPU) -> torch.Tensor:
+def read_scales(
+    pack: SafetensorsPack, name: str, *, power_of_two: bool = False, device: torch.device = CPU
+) -> torch.Tensor:
     """A stored scale tensor as exact fp32 on `device`. NaN/inf scales (or e8m0's NaN code 255) are errors naming the
     tensor."""
     raw = pack.raw
@@ -184,8 +186,9 @@ def claim(pack: SafetensorsPack, pool: set) -> dict[str, LogicalTensor]:
             continue
         base = name[: -len(".weight")]
         # `.scale` is DeepSeek's official naming (inference/convert.py), a multiplier on the 128x128 grid like _inv
-        scale_name = next((f"{base}.{s}" for s in ("weight_scale_inv", "weight_scale", "scale") if f"{base}.{s}" in pool),
-                          None)
+        scale_name = next(
+            (f"{base}.{s}" for s in ("weight_scale_inv", "weight_scale", "scale") if f"{base}.{s}" in pool), None
+        )
         if scale_name is None:
             continue
         absent = absent_entry(pack, name, (name, scale_name))

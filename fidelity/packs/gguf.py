@@ -356,7 +356,9 @@ class GGUFPack(Pack):
         try:
             self.reader = GGUFFile(self.path)
         except Exception as e:  # ValueError names what is malformed; numpy/OS errors on unreadable files
-            raise PackError(f"cannot read GGUF file ({type(e).__name__}: {e}); truncated or corrupt?", file=self.path) from None
+            raise PackError(
+                f"cannot read GGUF file ({type(e).__name__}: {e}); truncated or corrupt?", file=self.path
+            ) from None
         r = self.reader
         self.arch = str(field_value(r, "general.architecture", ""))
         if self.arch not in ARCHITECTURES:
@@ -383,8 +385,12 @@ class GGUFPack(Pack):
                 raise PackError(f"no Hugging Face name for GGUF tensor of architecture {self.arch!r}",
                                 file=self.path, tensor=t.name)
             if t.tensor_type.name not in ok_types:
-                raise PackError(f"GGUF tensor type {t.tensor_type.name} is not supported (gguf-py cannot dequantize it; "
-                                f"supported: {sorted(ok_types)})", file=self.path, tensor=t.name)
+                raise PackError(
+                    f"GGUF tensor type {t.tensor_type.name} is not supported (gguf-py cannot dequantize it; "
+                    f"supported: {sorted(ok_types)})",
+                    file=self.path,
+                    tensor=t.name,
+                )
             self._check_extent(t, file_size)
             if base.endswith("_exps"):  # stacked experts [E, out, in] -> one HF tensor per expert
                 stem, proj = hf_base.rsplit(".", 1)

@@ -155,7 +155,9 @@ class GGUFFile:
         try:
             return str(self._buf[start:self._off], "utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{what}: the string at byte {start} is not UTF-8 ({e.reason} at its byte {e.start})") from None
+            raise ValueError(
+                f"{what}: the string at byte {start} is not UTF-8 ({e.reason} at its byte {e.start})"
+            ) from None
 
     def _value_type(self, what: str) -> GGUFValueType:
         at = self._off

@@ -36,9 +36,13 @@ def _entry(pack: SafetensorsPack, name: str) -> LogicalTensor:
 
     if info.dtype in _NEEDS_SCALES and name.endswith(".weight") and len(info.shape) >= 2:
         def refuse():
-            raise PackError(f"a {info.dtype} weight that no format module claimed: its scales (e.g. .weight_scale_inv, "
-                            f".weight_scale, .scale) are missing or in a layout we do not know, so its stored codes are "
-                            f"not its values", file=raw.file_path(name), tensor=name)
+            raise PackError(
+                f"a {info.dtype} weight that no format module claimed: its scales (e.g. .weight_scale_inv, "
+                f".weight_scale, .scale) are missing or in a layout we do not know, so its stored codes are "
+                f"not its values",
+                file=raw.file_path(name),
+                tensor=name,
+            )
 
         return LogicalTensor(Storage(name, "unclaimed", info.dtype, info.shape, info.nbytes, files=raw.files_of(name),
                                      raw=(name,)), refuse)
@@ -48,12 +52,17 @@ def _entry(pack: SafetensorsPack, name: str) -> LogicalTensor:
         if info.dtype == "F64":
             f = t.to(torch.float32)
             if not torch.equal(f.to(torch.float64), t):
-                raise PackError("float64 tensor is not representable in float32 exactly", file=raw.file_path(name), tensor=name)
+                raise PackError(
+                    "float64 tensor is not representable in float32 exactly", file=raw.file_path(name), tensor=name
+                )
             return f
         return t.to(torch.float32)
 
     fmt = _FLOAT_FORMAT.get(info.dtype, info.dtype.lower())
-    return LogicalTensor(Storage(name, fmt, info.dtype, info.shape, info.nbytes, files=raw.files_of(name), raw=(name,)), decode,
-                         on_device=True)
+    return LogicalTensor(
+        Storage(name, fmt, info.dtype, info.shape, info.nbytes, files=raw.files_of(name), raw=(name,)),
+        decode,
+        on_device=True,
+    )
 
 

@@ -52,8 +52,12 @@ class OverlayPack(Pack):
                                 file=_file_of(overlay, name), tensor=name)
             new, old = overlay.storage(name), base.storage(name)
             if tuple(new.shape) != tuple(old.shape):
-                raise PackError(f"overlay shape {list(new.shape)} in {_file_of(overlay, name)} differs from the base's "
-                                f"{list(old.shape)} in {_file_of(base, name)}", file=_file_of(overlay, name), tensor=name)
+                raise PackError(
+                    f"overlay shape {list(new.shape)} in {_file_of(overlay, name)} differs from the base's "
+                    f"{list(old.shape)} in {_file_of(base, name)}",
+                    file=_file_of(overlay, name),
+                    tensor=name,
+                )
             self._entries[name] = _forward(overlay, name)
             self._origin[name] = "overlay"
 

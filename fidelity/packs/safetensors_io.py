@@ -84,7 +84,9 @@ class SafetensorsFile:
             if e - b != expected:
                 raise PackError(
                     f"header says dtype {dtype} shape {list(shape)} ({expected} bytes) but its data span is {e - b} bytes",
-                    file=self.path, tensor=name)
+                    file=self.path,
+                    tensor=name,
+                )
             if data_start + e > size:
                 raise PackError(
                     f"truncated file: tensor data ends at byte {data_start + e} but the file has {size} bytes",
@@ -139,7 +141,9 @@ def _entry(h, path: Path, name: str) -> tuple[str, tuple[int, ...], tuple[int, i
     return dtype, tuple(shape), (b, e)
 
 
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None):
+def write_safetensors(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+):
     """Write tensors with the reference `safetensors` library (contiguous CPU copies)."""
     from safetensors.torch import save_file
 

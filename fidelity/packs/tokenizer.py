@@ -36,8 +36,12 @@ def _load(pack: Pack):
         if template and not tok.chat_template:
             tok.chat_template = template
         return tok
-    if not any((source / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
-        raise PackError("no tokenizer files (tokenizer.json / tokenizer.model / vocab.json) in the pack folder", file=source)
+    if not any(
+        (source / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    ):
+        raise PackError(
+            "no tokenizer files (tokenizer.json / tokenizer.model / vocab.json) in the pack folder", file=source
+        )
     try:
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as e:

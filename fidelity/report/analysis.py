@@ -1,4 +1,5 @@
 """Numbers the report derives from per-position records: KL quantiles, KL by reference confidence, worst positions and rows."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,8 +64,15 @@ def kl_by_confidence(df: pd.DataFrame, edges=CONFIDENCE_EDGES) -> pd.DataFrame |
     rows = []
     for b in range(len(edges) - 1):
         m = idx == b
-        rows.append({"bucket": f"[{edges[b]:g}, {edges[b + 1]:g}{']' if b == len(edges) - 2 else ')'}", "lo": edges[b],
-                     "hi": edges[b + 1], "positions": int(m.sum()), "kld_mean": float(kl[m].mean()) if m.any() else float("nan")})
+        rows.append(
+            {
+                "bucket": f"[{edges[b]:g}, {edges[b + 1]:g}{']' if b == len(edges) - 2 else ')'}",
+                "lo": edges[b],
+                "hi": edges[b + 1],
+                "positions": int(m.sum()),
+                "kld_mean": float(kl[m].mean()) if m.any() else float("nan"),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -77,8 +85,15 @@ def confidence_from_json(buckets) -> pd.DataFrame | None:
     for i, b in enumerate(buckets):
         lo, hi = b.ref_confidence
         last = i == len(buckets) - 1
-        rows.append({"bucket": f"[{lo:g}, {hi:g}{']' if last else ')'}", "lo": lo, "hi": hi, "positions": int(b.positions),
-                     "kld_mean": float("nan") if b.kld_mean is None else float(b.kld_mean)})
+        rows.append(
+            {
+                "bucket": f"[{lo:g}, {hi:g}{']' if last else ')'}",
+                "lo": lo,
+                "hi": hi,
+                "positions": int(b.positions),
+                "kld_mean": float("nan") if b.kld_mean is None else float(b.kld_mean),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -98,7 +113,11 @@ class WorstPosition:
 
 def visible(text: str) -> str:
     """Whitespace a reader would not see, made visible (for token lists and a highlighted whitespace token)."""
-    return text.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "␣") if text.strip() == "" or text != text.strip() else text
+    return (
+        text.replace("\n", "⏎").replace("\t", "⇥").replace(" ", "␣")
+        if text.strip() == "" or text != text.strip()
+        else text
+    )
 
 
 class TokenText:
@@ -151,13 +170,27 @@ def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, co
         row = by_row[r["row_id"]]
         pos = row["position"].to_numpy()
         toks = row["token"].to_numpy()
-        out.append(WorstPosition(
-            label=label, row_id=str(r["row_id"]), domain=str(r.get("domain", "")), position=int(r["position"]), kl=float(r["kl"]),
-            **dict(zip(("before", "token", "after"), text.around(toks[(pos < r["position"]) & (pos >= r["position"] - context)],
-                                                                 int(r["token"]),
-                                                                 toks[(pos > r["position"]) & (pos <= r["position"] + after)]))),
-            reference_top=_top(r, "ref_top_ids", "ref_top_logprobs", "ref_top1", text, k) or [],
-            pack_top=_top(r, "top_ids", "top_logprobs", "pack_top1", text, k)))
+        out.append(
+            WorstPosition(
+                label=label,
+                row_id=str(r["row_id"]),
+                domain=str(r.get("domain", "")),
+                position=int(r["position"]),
+                kl=float(r["kl"]),
+                **dict(
+                    zip(
+                        ("before", "token", "after"),
+                        text.around(
+                            toks[(pos < r["position"]) & (pos >= r["position"] - context)],
+                            int(r["token"]),
+                            toks[(pos > r["position"]) & (pos <= r["position"] + after)],
+                        ),
+                    )
+                ),
+                reference_top=_top(r, "ref_top_ids", "ref_top_logprobs", "ref_top1", text, k) or [],
+                pack_top=_top(r, "top_ids", "top_logprobs", "pack_top1", text, k),
+            )
+        )
     return out
 
 

@@ -28,23 +28,48 @@ def attribution_tables(doc: dict, top: int = 20) -> list[Table]:
         ["additivity (sum of parts / whole)", num(s["additivity"])], ["scored positions", num(s["scored_positions"])],
         ["module groups", str(s["modules"])]], classes=["left"])]
     swaps = sorted(doc["swaps"], key=lambda r: -r["kld_mean"])[:top]
-    out.append(Table(f"Largest groups (of {len(doc['swaps'])})", ["group", "KL", "share", "noise-control KL", "x noise",
-                                                                 "95 % CI", "by KL", "error ~ |w| r (z)",
-                                                                 "control z", "x activation noise",
-                                                                 "weight error ‖ΔW‖"],
-                     [[r["group"], num(r["kld_mean"]), f"{100 * r['share']:.1f} %", num(r.get("noise_kld_mean")),
-                       num(r.get("x_noise")),
-                       f"{num(r['x_noise_ci'][0])}–{num(r['x_noise_ci'][1])}" if r.get("x_noise_ci") else "—",
-                       r.get("kl_vs_noise") or "—",
-                       f"{num(r['err_scale_corr'])} ({num(r['err_scale_z'])})" if r.get("err_scale_corr") is not None
-                       else "—", num(r.get("noise_err_scale_z")), num(r.get("x_act")), num(r["weight_err_norm"])]
-                      for r in swaps],
-                     note="KL of the reference with only that group's tensors from the pack; the noise control "
-                          "replaces them by isotropic noise of the same Frobenius norm (CI: rows and draws "
-                          "bootstrapped). By KL the two are often not separable; the error's structure is: r of "
-                          "the error's RMS against max |w| over 16-weight groups, z ~ N(0, 1) for noise. x activation noise: "
-                          "KL / KL of exllamav3's control (noise of the error's per-position norm at the layer's "
-                          "output), when measured."))
+    out.append(
+        Table(
+            f"Largest groups (of {len(doc['swaps'])})",
+            [
+                "group",
+                "KL",
+                "share",
+                "noise-control KL",
+                "x noise",
+                "95 % CI",
+                "by KL",
+                "error ~ |w| r (z)",
+                "control z",
+                "x activation noise",
+                "weight error ‖ΔW‖",
+            ],
+            [
+                [
+                    r["group"],
+                    num(r["kld_mean"]),
+                    f"{100 * r['share']:.1f} %",
+                    num(r.get("noise_kld_mean")),
+                    num(r.get("x_noise")),
+                    f"{num(r['x_noise_ci'][0])}–{num(r['x_noise_ci'][1])}" if r.get("x_noise_ci") else "—",
+                    r.get("kl_vs_noise") or "—",
+                    f"{num(r['err_scale_corr'])} ({num(r['err_scale_z'])})"
+                    if r.get("err_scale_corr") is not None
+                    else "—",
+                    num(r.get("noise_err_scale_z")),
+                    num(r.get("x_act")),
+                    num(r["weight_err_norm"]),
+                ]
+                for r in swaps
+            ],
+            note="KL of the reference with only that group's tensors from the pack; the noise control "
+            "replaces them by isotropic noise of the same Frobenius norm (CI: rows and draws "
+            "bootstrapped). By KL the two are often not separable; the error's structure is: r of "
+            "the error's RMS against max |w| over 16-weight groups, z ~ N(0, 1) for noise. x activation noise: "
+            "KL / KL of exllamav3's control (noise of the error's per-position norm at the layer's "
+            "output), when measured.",
+        )
+    )
     out.append(Table("Layer divergence", ["where", "relative Frobenius error", "cosine", "SQNR dB"],
                      [[r["where"], num(r["rel_fro"]), num(r["cosine"], 6), num(r["sqnr_db"])] for r in doc["layers"]]))
     if doc.get("layer_streams"):
@@ -66,12 +91,24 @@ def attribution_tables(doc: dict, top: int = 20) -> list[Table]:
                            num(r["loglog_slope"])] for r in doc["sensitivity"]]))
     if doc.get("engram_access"):
         from ..measuring.engram_access import coverage_rows
-        out.append(Table("Engram row access (coverage: top N rows' share of lookups)",
-                         ["layer", "lookups", "distinct rows", "table rows", "top N rows", "share of lookups"],
-                         [[str(r["layer"]), num(r["lookups"]), num(r["distinct_rows"]), num(r["table_rows"]),
-                           num(r["n"]) + (f" ({r['of']})" if r["of"] else ""),
-                           f"{100 * r['share']:.2f} %"] for r in coverage_rows(doc["engram_access"])],
-                         note="counted on the reference's pass: rows hash token ids only, so the pack reads the same rows."))
+        out.append(
+            Table(
+                "Engram row access (coverage: top N rows' share of lookups)",
+                ["layer", "lookups", "distinct rows", "table rows", "top N rows", "share of lookups"],
+                [
+                    [
+                        str(r["layer"]),
+                        num(r["lookups"]),
+                        num(r["distinct_rows"]),
+                        num(r["table_rows"]),
+                        num(r["n"]) + (f" ({r['of']})" if r["of"] else ""),
+                        f"{100 * r['share']:.2f} %",
+                    ]
+                    for r in coverage_rows(doc["engram_access"])
+                ],
+                note="counted on the reference's pass: rows hash token ids only, so the pack reads the same rows.",
+            )
+        )
     return out
 
 
@@ -149,9 +186,17 @@ def draw_engram_coverage(doc: dict, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-FIGURES = (("attribution_layers", draw_layer_bars, "swap-one-in KL per layer, stacked by block"),
-           ("attribution_routing", draw_routing_heatmap, "routed-energy share per layer and expert, reference and pack"),
-           ("attribution_sensitivity", draw_sensitivity, "per-layer sensitivity: KL per unit eps² of noise at the "
-                                                          "layer's MLP / routed output"),
-           ("attribution_engram_coverage", draw_engram_coverage, "Engram row access: share of each table's lookups "
-                                                                  "served by its top N rows"))
+FIGURES = (
+    ("attribution_layers", draw_layer_bars, "swap-one-in KL per layer, stacked by block"),
+    ("attribution_routing", draw_routing_heatmap, "routed-energy share per layer and expert, reference and pack"),
+    (
+        "attribution_sensitivity",
+        draw_sensitivity,
+        "per-layer sensitivity: KL per unit eps² of noise at the layer's MLP / routed output",
+    ),
+    (
+        "attribution_engram_coverage",
+        draw_engram_coverage,
+        "Engram row access: share of each table's lookups served by its top N rows",
+    ),
+)

@@ -38,7 +38,7 @@ class CardError(ReportInputError):
     """What the card is asked for is not in the results given (a --build no result holds)."""
 
 
-# ---- numbers and where they come from -----------------------------------------------------------------------------------
+# ---- numbers and where they come from --------------------------------------------------------------------------------
 
 def pointer(*path) -> str:
     """RFC 6901 JSON Pointer in its URI-fragment form (`~0`, `~1`, percent-encoding); no `--` (it would end the comment)."""
@@ -107,7 +107,7 @@ def get(block: dict, *path):
     return block
 
 
-# ---- compare: quality vs native, and against the other builds -------------------------------------------------------------
+# ---- compare: quality vs native, and against the other builds --------------------------------------------------------
 
 @dataclass
 class Located:
@@ -173,11 +173,13 @@ def _quality_table(g: Group, located: list[Located], this: str) -> list[str]:
     n_dom = len(g.packs[0].domains) if g.packs else 0
     out = _table(head, rows)
     out.append("")
-    out.append(f"KLD: KL(native ‖ build) in nats, the mean over {_scored(g)} scored positions; in parentheses the mean of "
-               f"the {n_dom} domains' means (domains weighted equally). Top-1 agreement: the share of positions where "
-               "both argmax tokens match. NLL: −log p of the panel's next token, nats per position. Paired ΔNLL: NLL "
-               "build − native on the same positions ± its row-bootstrap standard error. Rows worse: panel rows whose "
-               "mean NLL rose, of the rows scored." + _reasons_note(reasons))
+    out.append(
+        f"KLD: KL(native ‖ build) in nats, the mean over {_scored(g)} scored positions; in parentheses the mean of "
+        f"the {n_dom} domains' means (domains weighted equally). Top-1 agreement: the share of positions where "
+        "both argmax tokens match. NLL: −log p of the panel's next token, nats per position. Paired ΔNLL: NLL "
+        "build − native on the same positions ± its row-bootstrap standard error. Rows worse: panel rows whose "
+        "mean NLL rose, of the rows scored." + _reasons_note(reasons)
+    )
     return out
 
 
@@ -287,8 +289,11 @@ def _pair_section(g: Group, pair: Pair) -> list[str]:
     eq_text = ""
     if eq_d is not None:
         eq_closer = (eq_d < 0) == pair.this_is_a
-        eq_text = (" and with the domains weighted equally" if eq_closer else
-                   "; with the domains weighted equally it is farther") + note(f"sign of {pair.at('domains_equal', 'diff')}")
+        eq_text = (
+            " and with the domains weighted equally"
+            if eq_closer
+            else "; with the domains weighted equally it is farther"
+        ) + note(f"sign of {pair.at('domains_equal', 'diff')}")
     line = (f"Against **{other}**: {this} is closer to native on {len(closer)}{count} of the {len(domains)} domains"
             f"{eq_text}")
     if significant:
@@ -302,9 +307,15 @@ def _pair_section(g: Group, pair: Pair) -> list[str]:
     for name in domains:
         v = domains[name]
         rows_n = pair.this.pack.domains[name].rows if name in pair.this.pack.domains else None
-        rows.append([f"{escape(name)}" + (f" ({rows_n} rows)" if rows_n is not None else ""),
-                     _kl_top1(pair.this, name), _kl_top1(pair.other, name), _change(pair, v, ("domains", name), reasons),
-                     _p(pair, v, ("domains", name), holm=True, reasons=reasons)])
+        rows.append(
+            [
+                f"{escape(name)}" + (f" ({rows_n} rows)" if rows_n is not None else ""),
+                _kl_top1(pair.this, name),
+                _kl_top1(pair.other, name),
+                _change(pair, v, ("domains", name), reasons),
+                _p(pair, v, ("domains", name), holm=True, reasons=reasons),
+            ]
+        )
     rows.append(["all positions", _kl_top1(pair.this, None), _kl_top1(pair.other, None), _change(pair, k, (), reasons),
                  _p(pair, k, (), holm=False, reasons=reasons)])
     if eq is not None:
@@ -312,10 +323,14 @@ def _pair_section(g: Group, pair: Pair) -> list[str]:
                      _change(pair, eq, ("domains_equal",), reasons), _p(pair, eq, ("domains_equal",), False, reasons)])
     out += _table(["domain", f"{this}: KL · top-1", f"{other}: KL · top-1", "change in KL [95% CI]",
                    "paired p (Holm)"], rows)
-    out += ["", f"Change in KL: 100 × ({this} − {other}) ÷ {other}, on the positions finite in both, with its 95% row-"
-                "bootstrap interval (the analytic one on log ratio where the bootstrap cannot resolve a domain's tails). "
-                "Paired p: the per-row KL difference is 0, read off the same bootstrap, Holm-corrected across the "
-                "domains; one at the bootstrap's floor prints as \"< floor\"." + _reasons_note(reasons), ""]
+    out += [
+        "",
+        f"Change in KL: 100 × ({this} − {other}) ÷ {other}, on the positions finite in both, with its 95% row-"
+        "bootstrap interval (the analytic one on log ratio where the bootstrap cannot resolve a domain's tails). "
+        "Paired p: the per-row KL difference is 0, read off the same bootstrap, Holm-corrected across the "
+        "domains; one at the bootstrap's floor prints as \"< floor\"." + _reasons_note(reasons),
+        "",
+    ]
     return out
 
 
@@ -393,10 +408,18 @@ def _group_sections(g: Group, index: int, names: dict[str, str], build: str | No
     return out, this_label
 
 
-# ---- suites ---------------------------------------------------------------------------------------------------------------
+# ---- suites ----------------------------------------------------------------------------------------------------------
 
-SUITE_NAMES = {"humaneval": "HumanEval", "humaneval+": "HumanEval+", "mbpp+": "MBPP+", "ifeval": "IFEval", "mmlu": "MMLU",
-               "gsm8k": "GSM8K", "needle": "Needle", "toolcall": "Tool calls"}
+SUITE_NAMES = {
+    "humaneval": "HumanEval",
+    "humaneval+": "HumanEval+",
+    "mbpp+": "MBPP+",
+    "ifeval": "IFEval",
+    "mmlu": "MMLU",
+    "gsm8k": "GSM8K",
+    "needle": "Needle",
+    "toolcall": "Tool calls",
+}
 # the metrics a seed card prints on one row, and what it calls them
 SUITE_PAIRS = {"humaneval+": (("base", "plus"), "base / plus"), "humaneval": (("base", "plus"), "base / plus"),
                "mbpp+": (("base", "plus"), "base / plus"),
@@ -478,8 +501,16 @@ def _suite_rows(suites: list[tuple[str, object]], names: dict[str, str]) -> tupl
             rows.append([name, items_cell, " / ".join(_rate(b, "b", src, p) for _, b, p in blocks) or "—",
                          " / ".join(_rate(b, "a", src, p) for _, b, p in blocks) or "—",
                          " / ".join(_difference(b, src, p) for _, b, p in blocks) or "—", verdict_cell])
-            items.append({"item": it, "name": name, "suite": SUITE_NAMES.get(suite, suite), "blocks": blocks, "src": src,
-                          "path": path})
+            items.append(
+                {
+                    "item": it,
+                    "name": name,
+                    "suite": SUITE_NAMES.get(suite, suite),
+                    "blocks": blocks,
+                    "src": src,
+                    "path": path,
+                }
+            )
     return rows, items
 
 
@@ -524,7 +555,7 @@ def _suite_section(suites, names: dict[str, str]) -> list[str]:
     return out
 
 
-# ---- speed ----------------------------------------------------------------------------------------------------------------
+# ---- speed -----------------------------------------------------------------------------------------------------------
 
 def _bench_label(source: str, doc: dict) -> str:
     return str(doc.get("label") or get(doc, "settings", "label") or Path(source).stem)
@@ -565,24 +596,44 @@ def _speed_section(speed: list[tuple[str, dict]], names: dict[str, str]) -> list
             if j:
                 c = compare_bench(base, d, [key])[key]
                 if c["change_pct"] is not None:
-                    formula = (f"100 × ({base_src.at('metrics', key, 'median')} ÷ {src.at('metrics', key, 'median')} − 1)"
-                               if key.startswith("ttft") else
-                               f"100 × ({src.at('metrics', key, 'median')} ÷ {base_src.at('metrics', key, 'median')} − 1)")
+                    formula = (
+                        f"100 × ({base_src.at('metrics', key, 'median')} ÷ {src.at('metrics', key, 'median')} − 1)"
+                        if key.startswith("ttft")
+                        else f"100 × ({src.at('metrics', key, 'median')} ÷ {base_src.at('metrics', key, 'median')} − 1)"
+                    )
                     cell += f" ({_pct1(c['change_pct'])}{note(formula)} ± {c['spread_pct']:.1f})"
             row.append(cell)
         rows.append(row)
-    rows.append(["failed requests"] + [str(Num(str(get(d, "requests", "failed") if get(d, "requests", "failed") is not None
-                                                    else len(d.get("errors", []))),
-                                               src.at("requests", "failed") if get(d, "requests", "failed") is not None
-                                               else src.at("errors")))
-                                       for src, d in benches])
+    rows.append(
+        ["failed requests"]
+        + [
+            str(
+                Num(
+                    str(
+                        get(d, "requests", "failed")
+                        if get(d, "requests", "failed") is not None
+                        else len(d.get("errors", []))
+                    ),
+                    src.at("requests", "failed") if get(d, "requests", "failed") is not None else src.at("errors"),
+                )
+            )
+            for src, d in benches
+        ]
+    )
     rows += _serving_rows(benches)
-    settings = "; ".join(f"{lab}: {get(d, 'settings', 'repeats')} repeats, {get(d, 'settings', 'max_tokens')} tokens per "
-                         f"reply{', A/A measured' if d.get('aa') else ''}" for lab, (_, d) in zip(labels, benches))
+    settings = "; ".join(
+        f"{lab}: {get(d, 'settings', 'repeats')} repeats, {get(d, 'settings', 'max_tokens')} tokens per "
+        f"reply{', A/A measured' if d.get('aa') else ''}"
+        for lab, (_, d) in zip(labels, benches)
+    )
     out = ["### Speed", ""] + _table(["metric"] + labels, rows)
-    out += ["", f"Medians over repeats (`fidelity bench`). In parentheses: the change against {labels[0]} (positive = "
-                "faster; TTFT counted as its inverse) ± the run-to-run spread a change must exceed (the A/A spread where "
-                f"measured, else the repeats'). {settings}.", ""]
+    out += [
+        "",
+        f"Medians over repeats (`fidelity bench`). In parentheses: the change against {labels[0]} (positive = "
+        "faster; TTFT counted as its inverse) ± the run-to-run spread a change must exceed (the A/A spread where "
+        f"measured, else the repeats'). {settings}.",
+        "",
+    ]
     return out
 
 
@@ -606,7 +657,7 @@ def _serving_rows(benches) -> list[list[str]]:
     return rows
 
 
-# ---- methods --------------------------------------------------------------------------------------------------------------
+# ---- methods ---------------------------------------------------------------------------------------------------------
 
 def _methods(groups: list[Group], names: dict[str, str]) -> list[str]:
     out = ["### Methods", ""]
@@ -640,24 +691,30 @@ def _methods(groups: list[Group], names: dict[str, str]) -> list[str]:
                 share = 100 * o.top1
                 line += f", top-1 {Num(f'{share:.2f}%', src.at('numerics_floor', 'overall', 'top1'))}"
         elif "numerics_floor" not in report.absent:
-            line += "; numerics floor: none (the reference's family defines one numerics only, or it was not asked for)" \
-                    + note(src.at("numerics_floor"))
+            line += (
+                "; numerics floor: none (the reference's family defines one numerics only, or it was not asked for)"
+                + note(src.at("numerics_floor"))
+            )
         else:
             line += "; numerics floor: not recorded (a compare before it existed)"
         out.append(line + ".")
         nf = report.noise_floor
         if nf is not None and nf.kld_mean is not None:
-            out.append(f"- Noise floor (the reference re-run with about one bf16 rounding step of seeded noise on every "
-                       f"module output): KLD {Num(fixed(nf.kld_mean), src.at('noise_floor', 'kld_mean'))}.")
+            out.append(
+                f"- Noise floor (the reference re-run with about one bf16 rounding step of seeded noise on every "
+                f"module output): KLD {Num(fixed(nf.kld_mean), src.at('noise_floor', 'kld_mean'))}."
+            )
         else:
             out.append("- Noise floor: not measured.")
         reps = next(((r.overall.bootstrap_replicates, loc_src, ("results", r.index, "overall", "bootstrap_replicates"))
                      for loc_src, r in ((src, r) for r in run.results) if r.overall.bootstrap_replicates), None)
         boot = (f"{Num(f'{reps[0]:,}', reps[1].at(*reps[2]))} replicates" if reps else "replicate count not recorded")
-        out.append(f"- Uncertainty: 95% intervals by a bootstrap over panel rows stratified by domain ({boot}, expanded "
-                   "percentile; the analytic interval on the quantity's own scale where the replicates cannot resolve "
-                   "the tails; none under 3 rows). Paired p-values are read off the same bootstrap, Holm-corrected across "
-                   "domains.")
+        out.append(
+            f"- Uncertainty: 95% intervals by a bootstrap over panel rows stratified by domain ({boot}, expanded "
+            "percentile; the analytic interval on the quantity's own scale where the replicates cannot resolve "
+            "the tails; none under 3 rows). Paired p-values are read off the same bootstrap, Holm-corrected across "
+            "domains."
+        )
         version = report.fidelity_version
         if version:
             out.append(f"- Measured with fidelity {Num(escape(str(version)), src.at('fidelity_version'))}.")
@@ -668,7 +725,7 @@ def _maybe(v, at: str) -> str:
     return "?" if v is None else str(Num(f"{v:,}" if isinstance(v, int) else str(v), at))
 
 
-# ---- the card -------------------------------------------------------------------------------------------------------------
+# ---- the card --------------------------------------------------------------------------------------------------------
 
 @dataclass
 class Card:
@@ -703,9 +760,12 @@ def card_markdown(results, *, build: str | None = None, title: str = "Fidelity t
     out += _speed_section(inputs.speed, names)
     if inputs.groups:
         out += _methods([g for g in inputs.groups if g.packs], names)
-    out.append("Every number above is followed, in this file's source, by an HTML comment naming the result file and the "
-               "JSON Pointer of its field (or the formula over such fields); written by `fidelity card`"
-               + (f": `{escape(command_line)}`" if command_line else "") + ".")
+    out.append(
+        "Every number above is followed, in this file's source, by an HTML comment naming the result file and the "
+        "JSON Pointer of its field (or the formula over such fields); written by `fidelity card`"
+        + (f": `{escape(command_line)}`" if command_line else "")
+        + "."
+    )
     return "\n".join(out).rstrip() + "\n", this, warnings
 
 

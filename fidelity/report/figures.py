@@ -58,12 +58,17 @@ def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
     for i, p in enumerate(packs):
         blocks = [p.domains.get(d, Scope()) for d in cats[:-2]]
         mean = [b.kld_mean for b in blocks] + [p.overall.kld_mean, p.overall.kld_domains_equal]
-        cis = [_ci(b, "kld_mean_ci95") for b in blocks] + [_ci(p.overall, "kld_mean_ci95"), _ci(p.overall, "kld_domains_equal_ci95")]
+        cis = [_ci(b, "kld_mean_ci95") for b in blocks] + [
+            _ci(p.overall, "kld_mean_ci95"),
+            _ci(p.overall, "kld_domains_equal_ci95"),
+        ]
         y = np.arange(len(cats)) + (i - (len(packs) - 1) / 2) * height
         m = np.array([np.nan if v is None else float(v) for v in mean])
         lo = np.array([m[j] - c[0] if c else 0.0 for j, c in enumerate(cis)])
         hi = np.array([c[1] - m[j] if c else 0.0 for j, c in enumerate(cis)])
-        ax.errorbar(m, y, xerr=[lo, hi], fmt="o", color=_color(i), ecolor=_color(i), elinewidth=1.2, capsize=3, label=p.label)
+        ax.errorbar(
+            m, y, xerr=[lo, hi], fmt="o", color=_color(i), ecolor=_color(i), elinewidth=1.2, capsize=3, label=p.label
+        )
         values += [v for v in m if np.isfinite(v)]
     ax.set_yticks(np.arange(len(cats)), cats)
     ax.invert_yaxis()
@@ -94,7 +99,9 @@ def kld_vs_bpw(packs: list[PackResult], path: Path, title: str) -> Path | None:
         err = [[k - ci[0]], [ci[1] - k]] if ci and k is not None else None
         ax_kl.errorbar([p.bpw], [k], yerr=err, fmt="o", color=_color(packs.index(p)), capsize=3, label=p.label)
         if p.overall.kld_domains_equal is not None:
-            ax_kl.plot([p.bpw], [p.overall.kld_domains_equal], marker="D", mfc="none", color=_color(packs.index(p)), ls="none")
+            ax_kl.plot(
+                [p.bpw], [p.overall.kld_domains_equal], marker="D", mfc="none", color=_color(packs.index(p)), ls="none"
+            )
         ax_kl.annotate(p.label, (p.bpw, k), textcoords="offset points", xytext=(5, 4), fontsize=8)
         t1 = p.overall.top1
         if t1 is not None:
@@ -103,8 +110,15 @@ def kld_vs_bpw(packs: list[PackResult], path: Path, title: str) -> Path | None:
                            xytext=(5, 4), fontsize=8)
     for f in floors:
         ax_kl.axhline(f, color="grey", ls="--", lw=1)
-        ax_kl.annotate(f"noise floor {f:.3g}", (0.01, f), xycoords=("axes fraction", "data"), textcoords="offset points",
-                       xytext=(0, 3), fontsize=8, color="grey")
+        ax_kl.annotate(
+            f"noise floor {f:.3g}",
+            (0.01, f),
+            xycoords=("axes fraction", "data"),
+            textcoords="offset points",
+            xytext=(0, 3),
+            fontsize=8,
+            color="grey",
+        )
     ax_kl.set_yscale("log")
     ax_t1.set_yscale("log")
     for ax in (ax_kl, ax_t1):
@@ -139,7 +153,9 @@ def kl_distribution(samples: dict[str, np.ndarray], quantiles: dict[str, dict], 
                 label=None if label in samples else label)
     for k, s in marks.items():
         ax.axhline(s, color="grey", lw=0.6, ls=":")
-        ax.annotate(k, (0.995, s), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=8, color="grey")
+        ax.annotate(
+            k, (0.995, s), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=8, color="grey"
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel(f"per-position {KL_LABEL}")

@@ -1,4 +1,5 @@
 """Read what `fidelity report` is given: compare JSON or run folders, suite-compare JSON, gate JSON; group compare results by panel."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,15 @@ import numpy as np
 import pandas as pd
 
 from ..errors import FidelityError
-from ..measuring.result_schema import (CompareReport, PairedDifference, PanelInfo, ReferenceInfo, SchemaVersionError, Scope,
-                                       check_version)
+from ..measuring.result_schema import (
+    CompareReport,
+    PairedDifference,
+    PanelInfo,
+    ReferenceInfo,
+    SchemaVersionError,
+    Scope,
+    check_version,
+)
 
 
 class ReportInputError(FidelityError):
@@ -48,9 +56,11 @@ class CompareRun:
     reference: ReferenceInfo
     results: list[PackResult]
     paired: list[PairedDifference]
-    report: CompareReport                        # the whole document: version, command line (`extra`), floors
-    positions: pd.DataFrame | None = None        # reference store: every token: row_id, domain, position, token, scored, ref_top_*
-    pack_positions: dict[str, pd.DataFrame] = field(default_factory=dict)   # label -> scored positions: row_id, position, token, kl, ...
+    report: CompareReport  # the whole document: version, command line (`extra`), floors
+    positions: pd.DataFrame | None = None
+    pack_positions: dict[str, pd.DataFrame] = field(
+        default_factory=dict
+    )  # label -> scored positions: row_id, position, token, kl, ...
     token_text: dict[int, str] | None = None      # token id -> text, when the run folder stored it
     warnings: list[str] = field(default_factory=list)   # non-finite numbers, packs that failed in that run
 
@@ -127,8 +137,10 @@ def classify(data, source: str) -> str:
             return "gate"
         if "suite" in data or "suites" in data:
             return "suite"
-    raise ReportInputError(f"{source}: not a compare, suite-compare or gate result, nor a bench or ladder (expected keys "
-                           f"'panel'+'results', 'suite'/'suites', 'gates' or kind fidelity-bench/fidelity-ladder; found {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__})")
+    raise ReportInputError(
+        f"{source}: not a compare, suite-compare or gate result, nor a bench or ladder (expected keys "
+        f"'panel'+'results', 'suite'/'suites', 'gates' or kind fidelity-bench/fidelity-ladder; found {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__})"
+    )
 
 
 def _bpw(value) -> float | None:
@@ -156,8 +168,11 @@ def _check_block(block, where: str, source: str, warnings: list[str]) -> dict:
         if k.endswith("_ci95") or k == "ci95":
             if v is None:
                 continue
-            if not (isinstance(v, list) and len(v) == 2 and all(x is None or (isinstance(x, (int, float))
-                                                                               and not isinstance(x, bool)) for x in v)):
+            if not (
+                isinstance(v, list)
+                and len(v) == 2
+                and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in v)
+            ):
                 raise ReportInputError(f"{source}: {item} must be null or [low, high] numbers, got {v!r}")
             if any(x is not None and not math.isfinite(x) for x in v):
                 warnings.append(f"{source}: {item} is {v} (not finite)")
@@ -195,11 +210,15 @@ def _compare_run(data: dict, source: str) -> CompareRun:
         if not isinstance(r, dict):
             raise ReportInputError(f"{source}: results[{i}] is not an object (got {type(r).__name__})")
         if r.get("status") == "failed":
-            warnings.append(f"{source}: pack {r.get('label') or r.get('pack')!r} failed in that run and has no numbers: "
-                            f"{r.get('error')}")
+            warnings.append(
+                f"{source}: pack {r.get('label') or r.get('pack')!r} failed in that run and has no numbers: "
+                f"{r.get('error')}"
+            )
             continue
         if "overall" not in r:
-            raise ReportInputError(f"{source}: results[{i}] ({r.get('label') or r.get('pack')!r}) has no 'overall' block")
+            raise ReportInputError(
+                f"{source}: results[{i}] ({r.get('label') or r.get('pack')!r}) has no 'overall' block"
+            )
         label = str(r.get("label") or Path(str(r.get("pack", f"pack{i}"))).name)
         _check_block(r["overall"], f"results[{i}] ({label}).overall", source, warnings)
         domains = r.get("domains") or {}
@@ -213,7 +232,9 @@ def _compare_run(data: dict, source: str) -> CompareRun:
         try:
             bpw = _bpw(bpw)
         except (TypeError, ValueError, AttributeError):
-            raise ReportInputError(f"{source}: results[{i}] ({label}).bpw is not a number or a bits table: {bpw!r}") from None
+            raise ReportInputError(
+                f"{source}: results[{i}] ({label}).bpw is not a number or a bits table: {bpw!r}"
+            ) from None
         measured.append((i, label, bpw))
     paired = data.get("paired") or []
     if not isinstance(paired, list):
@@ -237,7 +258,7 @@ def _compare_run(data: dict, source: str) -> CompareRun:
                       results=results, paired=report.paired or [], report=report, warnings=warnings)
 
 
-# ---- run folders -------------------------------------------------------------------------------------------------------
+# ---- run folders -----------------------------------------------------------------------------------------------------
 
 def _find_compare_json(folder: Path) -> Path | None:
     for name in ("compare.json", "result.json", "results.json"):
@@ -265,8 +286,12 @@ def _reference_store(run: CompareRun, folder: Path | None) -> Path | None:
     or its passes/reference-store, or where the JSON's reference.store says."""
     recorded = run.local_path(run.reference.store)
     candidates = [recorded] if recorded is not None else []
-    if folder is not None:   # passes/reference-store: the reference `compare --out` keeps for resuming
-        candidates += [folder, *sorted(p for p in folder.iterdir() if p.is_dir()), folder / "passes" / "reference-store"]
+    if folder is not None:  # passes/reference-store: the reference `compare --out` keeps for resuming
+        candidates += [
+            folder,
+            *sorted(p for p in folder.iterdir() if p.is_dir()),
+            folder / "passes" / "reference-store",
+        ]
     return next((c for c in candidates if c.is_dir() and _is_store(c)), None)
 
 
@@ -296,7 +321,9 @@ def _attach_records(run: CompareRun, folder: Path | None, store: Path | None = N
         missing = {"row_id", "position", "token", "scored"} - set(ref.columns)
         if missing:
             raise ReportInputError(f"{store / 'records.parquet'}: reference records lack columns {sorted(missing)}")
-        run.positions = ref.rename(columns={"topk_ids": "ref_top_ids", "topk_logprobs": "ref_top_logprobs", "nll": "ref_nll"})
+        run.positions = ref.rename(
+            columns={"topk_ids": "ref_top_ids", "topk_logprobs": "ref_top_logprobs", "nll": "ref_nll"}
+        )
     vocab = folder / "tokens.json" if folder is not None else None
     if vocab is not None and vocab.is_file():
         run.token_text = {int(k): v for k, v in _read_json(vocab).items()}
@@ -316,8 +343,10 @@ def load_compare(item, source: str | None = None) -> CompareRun:
     if path.is_dir():
         j = _find_compare_json(path)
         if j is None:
-            raise ReportInputError(f"{path}: run folder has no compare JSON (looked for compare.json or any *.json with "
-                                   "'panel' and 'results')")
+            raise ReportInputError(
+                f"{path}: run folder has no compare JSON (looked for compare.json or any *.json with "
+                "'panel' and 'results')"
+            )
         run = _compare_run(_read_json(j), str(path))
         _attach_records(run, path)
         return run
@@ -334,8 +363,10 @@ def _attach_folder(folder: Path, runs: list[CompareRun]):
         for r in matched:
             _attach_records(r, None, store=folder)
         if not matched:
-            raise ReportInputError(f"{folder}: reference store for panel sha256 {str(sha)[:12]} matches no compare result given "
-                                   "without records of its own")
+            raise ReportInputError(
+                f"{folder}: reference store for panel sha256 {str(sha)[:12]} matches no compare result given "
+                "without records of its own"
+            )
         return
     names = {p.stem for p in folder.glob("*.parquet")}
     if not names:
@@ -344,11 +375,13 @@ def _attach_folder(folder: Path, runs: list[CompareRun]):
         if not r.pack_positions and any(res.label in names for res in r.results):
             _attach_records(r, folder)
             return
-    raise ReportInputError(f"{folder}: its per-position records ({', '.join(sorted(names))}) match the labels of no compare "
-                           "result given; pass the compare JSON too (`fidelity compare --json`)")
+    raise ReportInputError(
+        f"{folder}: its per-position records ({', '.join(sorted(names))}) match the labels of no compare "
+        "result given; pass the compare JSON too (`fidelity compare --json`)"
+    )
 
 
-# ---- grouping ---------------------------------------------------------------------------------------------------------
+# ---- grouping --------------------------------------------------------------------------------------------------------
 
 def _unique_labels(runs: list[CompareRun]):
     """The same label from two files would be merged in a plot; tell them apart by file name (and a number if that is the
@@ -444,7 +477,9 @@ def load_inputs(items) -> Inputs:
         if not run.pack_positions:
             _attach_records(run, folder)
     if not (runs or suites or gates or speed or attributions):
-        raise ReportInputError("nothing to report: give at least one compare, suite-compare, gate, bench, ladder or attribute result")
+        raise ReportInputError(
+            "nothing to report: give at least one compare, suite-compare, gate, bench, ladder or attribute result"
+        )
     groups, warnings = group_runs(runs)
     warnings = [w for r in runs for w in r.warnings] + warnings
     return Inputs(groups=groups, suites=suites, gates=gates, warnings=warnings, speed=speed, attributions=attributions)

@@ -26,9 +26,14 @@ def _token(text: str, prob: float | None) -> str:
 def worst_table(worst) -> str:
     if not worst:
         return ""
-    lines = ["### Worst positions (highest KL)", "",
-             "The token in **bold** is the one predicted at that position.", "",
-             "| pack | row | domain | pos | KL | text | reference top | pack top |", "|---|---|---|---:|---:|---|---|---|"]
+    lines = [
+        "### Worst positions (highest KL)",
+        "",
+        "The token in **bold** is the one predicted at that position.",
+        "",
+        "| pack | row | domain | pos | KL | text | reference top | pack top |",
+        "|---|---|---|---:|---:|---|---|---|",
+    ]
     for w in worst:
         ref = ", ".join(_token(t, p) for t, p in w.reference_top[:3]) or "—"
         pack = ", ".join(_token(t, p) for t, p in (w.pack_top or [])[:3]) or "—"
@@ -40,8 +45,13 @@ def worst_table(worst) -> str:
 
 def summary(title: str, warnings: list[str], groups: list, suites: Table | None, gates: Table | None, provenance: Table,
             gate_worst: list[Table] = (), speed: list[Table] = (), attributions: list = ()) -> str:
-    out = [f"# {title}", "", "KL is KL(reference ‖ pack) in nats over scored positions (full vocabulary); 95% CIs are bootstrap "
-           "intervals over panel rows.", ""]
+    out = [
+        f"# {title}",
+        "",
+        "KL is KL(reference ‖ pack) in nats over scored positions (full vocabulary); 95% CIs are bootstrap "
+        "intervals over panel rows.",
+        "",
+    ]
     out += [f"> **Warning:** {escape(w)}\n" for w in warnings]
     for g in groups:
         out += [f"## {g.heading}", ""]
@@ -61,7 +71,9 @@ def summary(title: str, warnings: list[str], groups: list, suites: Table | None,
         out.append(worst_table(g.worst))
         out += [table(t) for t in g.worst_rows]
     for a in attributions:
-        out += [f"## {a.heading}", ""] + [table(t) for t in a.tables] + [f"![{f.caption}]({f.name})\n" for f in a.figures]
+        out += (
+            [f"## {a.heading}", ""] + [table(t) for t in a.tables] + [f"![{f.caption}]({f.name})\n" for f in a.figures]
+        )
     if suites:
         out.append(table(suites, 2))
     if gates:

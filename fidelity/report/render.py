@@ -101,9 +101,15 @@ def _panel_positions(panel_source, group: Group, tokenizer) -> tuple[pd.DataFram
         return None, (f"panel {panel_source} (sha256 {panel.sha256[:12]}) is not the panel of this group "
                       f"(sha256 {str(group.panel.sha256)[:12]}); not used for context")
     rows = tokenize_panel(panel, tokenizer)
-    return pd.DataFrame({"row_id": [r.id for r in rows for _ in r.tokens], "domain": [r.domain for r in rows for _ in r.tokens],
-                         "position": [t for r in rows for t in range(len(r.tokens))],
-                         "token": [t for r in rows for t in r.tokens], "scored": [s for r in rows for s in r.scored]}), None
+    return pd.DataFrame(
+        {
+            "row_id": [r.id for r in rows for _ in r.tokens],
+            "domain": [r.domain for r in rows for _ in r.tokens],
+            "position": [t for r in rows for t in range(len(r.tokens))],
+            "token": [t for r in rows for t in r.tokens],
+            "scored": [s for r in rows for s in r.scored],
+        }
+    ), None
 
 
 def _auto(tokenizer) -> bool:
@@ -158,7 +164,9 @@ def _from_records(d: _Distributions, view: GroupView, run, res, df, text: analys
 def _panel_context(g: Group, view: GroupView, panel_source, tokenizer):
     """Runs with pack records but no reference store get every token of their rows from the panel, when we have it and the
     reference tokenizer. Returns the tokenizer (resolved from "auto" if it had to be)."""
-    panel_source = panel_source or next((p for p in (r.local_path(g.panel.extra.get("path")) for r in g.runs) if p), None)
+    panel_source = panel_source or next(
+        (p for p in (r.local_path(g.panel.extra.get("path")) for r in g.runs) if p), None
+    )
     if not panel_source or not Path(panel_source).exists() or \
             not any(r.positions is None and r.pack_positions for r in g.runs):
         return tokenizer
@@ -187,12 +195,24 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
     view = GroupView(heading=heading, warning=g.warning, overall=tables.overall_table(g), tails=tables.tails_table(g),
                      domain_tables=tables.per_domain_tables(g), paired=tables.paired_table(g),
                      likelihood=tables.likelihood_table(g), paired_domains=tables.paired_domains_table(g))
-    view.figures_top = [f for f in (
-        _figure(out, f"per_domain_kld{suffix}.png", f"KLD per domain, pooled and domains weighted equally, 95% CI ({panel})",
-                lambda p: figures.per_domain_kld(packs, p, f"KLD per domain — panel {panel}")),
-        _figure(out, f"kld_vs_bpw{suffix}.png", f"KLD and top-1 disagreement against bits per weight, noise floor dashed ({panel})",
-                lambda p: figures.kld_vs_bpw(packs, p, f"Packs against bits per weight — panel {panel}")),
-    ) if f]
+    view.figures_top = [
+        f
+        for f in (
+            _figure(
+                out,
+                f"per_domain_kld{suffix}.png",
+                f"KLD per domain, pooled and domains weighted equally, 95% CI ({panel})",
+                lambda p: figures.per_domain_kld(packs, p, f"KLD per domain — panel {panel}"),
+            ),
+            _figure(
+                out,
+                f"kld_vs_bpw{suffix}.png",
+                f"KLD and top-1 disagreement against bits per weight, noise floor dashed ({panel})",
+                lambda p: figures.kld_vs_bpw(packs, p, f"Packs against bits per weight — panel {panel}"),
+            ),
+        )
+        if f
+    ]
 
     tokenizer = _panel_context(g, view, panel_source, tokenizer)
     d = _Distributions()
@@ -206,12 +226,28 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
                 tokenizer = _reference_tokenizer(g)         # loaded once per group, only when records need text
             text = analysis.TokenText(None if _auto(tokenizer) else tokenizer, run.token_text)
             _from_records(d, view, run, res, df, text, n_worst)
-    view.figures_records = [f for f in (
-        _figure(out, f"kl_distribution{suffix}.png", f"Per-position KL distribution to p99.9 ({panel})",
-                lambda p: figures.kl_distribution(d.samples, d.quantiles, colors, p, f"KL distribution — panel {panel}")),
-        _figure(out, f"kl_by_confidence{suffix}.png", f"Mean KL by reference confidence ({panel})",
-                lambda p: figures.kl_by_confidence(d.confidence, colors, p, f"KL by reference confidence — panel {panel}")),
-    ) if f]
+    view.figures_records = [
+        f
+        for f in (
+            _figure(
+                out,
+                f"kl_distribution{suffix}.png",
+                f"Per-position KL distribution to p99.9 ({panel})",
+                lambda p: figures.kl_distribution(
+                    d.samples, d.quantiles, colors, p, f"KL distribution — panel {panel}"
+                ),
+            ),
+            _figure(
+                out,
+                f"kl_by_confidence{suffix}.png",
+                f"Mean KL by reference confidence ({panel})",
+                lambda p: figures.kl_by_confidence(
+                    d.confidence, colors, p, f"KL by reference confidence — panel {panel}"
+                ),
+            ),
+        )
+        if f
+    ]
     view.quantiles = tables.quantile_table(g, d.quantiles)
     view.confidence = tables.confidence_table(d.confidence)
     _notes(view, g, d)
@@ -220,15 +256,19 @@ def _group_view(g: Group, index: int, out: Path, tokenizer, n_worst: int, panel_
 
 def _notes(view: GroupView, g: Group, d: _Distributions):
     if d.without_records:
-        view.notes.append(f"No per-position records for {', '.join(d.without_records)}: give the `fidelity compare --out` "
-                          "folder with the JSON to see the full KL distribution and the worst positions (the distribution "
-                          "shows compare's quantiles as dots).")
+        view.notes.append(
+            f"No per-position records for {', '.join(d.without_records)}: give the `fidelity compare --out` "
+            "folder with the JSON to see the full KL distribution and the worst positions (the distribution "
+            "shows compare's quantiles as dots)."
+        )
     if d.top1_only and view.worst:
         context = "" if all(r.positions is not None for r in g.runs) else \
             ", and scored tokens only as context (give --panel for the prompt text)"
-        view.notes.append(f"Worst positions of {', '.join(d.top1_only)}: the reference's and the pack's top-1 only{context}; "
-                          "put the reference store (`fidelity reference`) in the run folder, or keep the JSON's "
-                          "reference.store path readable, for the top-K lists.")
+        view.notes.append(
+            f"Worst positions of {', '.join(d.top1_only)}: the reference's and the pack's top-1 only{context}; "
+            "put the reference store (`fidelity reference`) in the run folder, or keep the JSON's "
+            "reference.store path readable, for the top-K lists."
+        )
     if view.worst and all(w.token.startswith("⟨") for w in view.worst):
         view.notes.append("Token text is shown as ⟨id⟩: the reference pack's tokenizer was not available here.")
 
@@ -254,9 +294,17 @@ def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto"
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.globals.update(num=tables.num, status_class=_status_class)
-    html = env.from_string(INDEX_HTML).render(title=title, warnings=inputs.warnings, groups=views, suites=suites, gates=gates,
-                                              gate_worst=gate_worst, speed=speed, provenance=provenance,
-                                              attributions=attributions)
+    html = env.from_string(INDEX_HTML).render(
+        title=title,
+        warnings=inputs.warnings,
+        groups=views,
+        suites=suites,
+        gates=gates,
+        gate_worst=gate_worst,
+        speed=speed,
+        provenance=provenance,
+        attributions=attributions,
+    )
     index = out / "index.html"
     index.write_text(html, encoding="utf-8")
     summary = out / "summary.md"
@@ -264,7 +312,9 @@ def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto"
                                         attributions), encoding="utf-8")
     figs = [f.path for v in views for f in v.figures_top + v.figures_records] + \
         [f.path for a in attributions for f in a.figures]
-    return Report(out_dir=out, index_html=index, summary_md=summary, figures=figs, warnings=inputs.warnings, groups=views)
+    return Report(
+        out_dir=out, index_html=index, summary_md=summary, figures=figs, warnings=inputs.warnings, groups=views
+    )
 
 
 def _attribution_view(source: str, doc: dict, index: int, out: Path):

@@ -156,9 +156,11 @@ def likelihood_table(g: Group) -> Table:
                      with_ci(o, "nll_mean", "nll_mean_ci95", reasons),
                      with_ci(o, "delta_nll_mean", "delta_nll_mean_ci95", reasons), num(o.delta_nll_mean_se),
                      worse, share, sign_p, with_ci(o, "kld_reverse_mean", "kld_reverse_mean_ci95", reasons)])
-    note = ("NLL: mean −log p of the true next token, nats per scored position (reference / pack); ΔNLL = pack − reference, "
-            "SE its row-bootstrap standard error; rows worse: rows whose mean NLL rose, of the rows scored, with the "
-            "two-sided sign test of worse against better rows.")
+    note = (
+        "NLL: mean −log p of the true next token, nats per scored position (reference / pack); ΔNLL = pack − reference, "
+        "SE its row-bootstrap standard error; rows worse: rows whose mean NLL rose, of the rows scored, with the "
+        "two-sided sign test of worse against better rows."
+    )
     return Table("Likelihood: NLL, ΔNLL, rows worse",
                  ["pack", "NLL reference", "NLL pack", "ΔNLL [95% CI]", "ΔNLL SE", "rows worse", "share worse [95% CI]",
                   "sign test p", "KLD(pack‖ref) [95% CI]"], rows, f"{note} {reasons.note()}".strip())
@@ -168,7 +170,9 @@ def tails_table(g: Group) -> Table:
     """Perplexities and the KL tail compare measured on all scored positions (the overall table's second half)."""
     rows = [[p.label, num(p.overall.ppl), num(p.overall.ppl_ref), num(p.overall.kld_median),
              num(p.overall.kld_p99), num(p.overall.kld_p999), num(p.overall.kld_max)] for p in g.packs]
-    return Table("Perplexity and KL tail", ["pack", "PPL", "PPL ref", "KL median", "KL p99", "KL p99.9", "KL max"], rows)
+    return Table(
+        "Perplexity and KL tail", ["pack", "PPL", "PPL ref", "KL median", "KL p99", "KL p99.9", "KL max"], rows
+    )
 
 
 def domain_table(g: Group, key: str, title: str, fmt, reasons: Reasons | None = None) -> Table:
@@ -183,10 +187,13 @@ def domain_table(g: Group, key: str, title: str, fmt, reasons: Reasons | None = 
 
 def per_domain_tables(g: Group) -> list[Table]:
     reasons = Reasons()
-    return [domain_table(g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, k + "_ci95", reasons),
-                         reasons),
-            domain_table(g, "top1", "Top-1 agreement per domain", lambda b, k: pct(getattr(b, k))),
-            domain_table(g, "ppl", "Perplexity per domain", lambda b, k: num(getattr(b, k)))]
+    return [
+        domain_table(
+            g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, k + "_ci95", reasons), reasons
+        ),
+        domain_table(g, "top1", "Top-1 agreement per domain", lambda b, k: pct(getattr(b, k))),
+        domain_table(g, "ppl", "Perplexity per domain", lambda b, k: num(getattr(b, k))),
+    ]
 
 
 def _paired_cells(v: PairedBlock, reasons: Reasons) -> list[str]:
@@ -220,10 +227,13 @@ def paired_table(g: Group) -> Table | None:
         rows.append([a, b, *_paired_cells(k, reasons)])
     if not rows:
         return None
-    return Table("Paired, pack A vs pack B (per-row KL difference)",
-                 ["A", "B", "KLD mean A − B [95% CI]", "change % [95% CI]", "p-value"], rows,
-                 "Negative: A is closer to the reference than B. Change % = 100 (A − B) / B. A p-value at the bootstrap's "
-                 "floor (no replicate beyond 0) prints as \"< floor\". " + reasons.note())
+    return Table(
+        "Paired, pack A vs pack B (per-row KL difference)",
+        ["A", "B", "KLD mean A − B [95% CI]", "change % [95% CI]", "p-value"],
+        rows,
+        "Negative: A is closer to the reference than B. Change % = 100 (A − B) / B. A p-value at the bootstrap's "
+        "floor (no replicate beyond 0) prints as \"< floor\". " + reasons.note(),
+    )
 
 
 def paired_domains_table(g: Group) -> Table | None:
@@ -252,8 +262,18 @@ def quantile_table(g: Group, quantiles: dict[str, dict]) -> Table:
     headers = ["pack", "positions", "mean", "median", "p90", "p99", "p99.9", "max"]
     rows = []
     for label, q in quantiles.items():
-        rows.append([label, num(q.get("positions")), num(q.get("mean")), num(q.get("p50")), num(q.get("p90")), num(q.get("p99")),
-                     num(q.get("p99.9")), num(q.get("max"))])
+        rows.append(
+            [
+                label,
+                num(q.get("positions")),
+                num(q.get("mean")),
+                num(q.get("p50")),
+                num(q.get("p90")),
+                num(q.get("p99")),
+                num(q.get("p99.9")),
+                num(q.get("max")),
+            ]
+        )
     return Table("KL distribution per pack", headers, rows)
 
 
@@ -266,15 +286,33 @@ def confidence_table(tables: dict) -> Table | None:
     for i, b in enumerate(first["bucket"]):
         rows.append([b, num(int(first["positions"].iloc[i]))] + [
             num(tables[lb]["kld_mean"].iloc[i]) if tables[lb]["positions"].iloc[i] else "—" for lb in labels])
-    return Table("Mean KL by reference confidence (reference probability of its top token)", ["bucket", "positions"] + labels, rows)
+    return Table(
+        "Mean KL by reference confidence (reference probability of its top token)",
+        ["bucket", "positions"] + labels,
+        rows,
+    )
 
 
-# ---- suites and gates: the JSON of `fidelity suite compare` and `fidelity gate`, read generously ------------------------------
+# ---- suites and gates: the JSON of `fidelity suite compare` and `fidelity gate`, read generously ---------------------
 
-_SUITE_COLUMNS = [("suite", "suite"), ("mode", "mode"), ("b", "candidate"), ("n_items", "items"), ("pass_rate_a", "pass rate A"),
-                  ("pass_rate_b", "pass rate B"), ("score.score_a", "score A"), ("score.score_b", "score B"), ("drop", "drop (points)"),
-                  ("flips_a_to_b", "A✓ B✗"), ("flips_b_to_a", "A✗ B✓"), ("passed.flip_rate", "flip rate"), ("test", "test"), ("p_value", "p-value"),
-                  ("excluded", "excluded / unpaired"), ("verdict", "verdict")]
+_SUITE_COLUMNS = [
+    ("suite", "suite"),
+    ("mode", "mode"),
+    ("b", "candidate"),
+    ("n_items", "items"),
+    ("pass_rate_a", "pass rate A"),
+    ("pass_rate_b", "pass rate B"),
+    ("score.score_a", "score A"),
+    ("score.score_b", "score B"),
+    ("drop", "drop (points)"),
+    ("flips_a_to_b", "A✓ B✗"),
+    ("flips_b_to_a", "A✗ B✓"),
+    ("passed.flip_rate", "flip rate"),
+    ("test", "test"),
+    ("p_value", "p-value"),
+    ("excluded", "excluded / unpaired"),
+    ("verdict", "verdict"),
+]
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -338,11 +376,15 @@ def suite_table(entries: list[tuple[str, dict]]) -> Table | None:
                 row.append(_cell(v))
         rows.append(row)
     notes = sorted({f["warning"] for f in flat if f.get("warning")})
-    return Table("Suites, candidate (B) paired against the reference build (A)", [h for _, h in cols], rows,
-                 note=" ".join(notes) + (" " if notes else "") + "A drop counts in percentage points; the verdict fails a "
-                 "candidate when the drop is larger than the threshold at p below alpha. Rows 'suite · metric' are the "
-                 "suite's named metrics (pooled: items = trials; instruction-level rows count items worse / better).",
-                 status_columns=tuple(i for i, (k, _) in enumerate(cols) if k == "verdict"))
+    return Table(
+        "Suites, candidate (B) paired against the reference build (A)",
+        [h for _, h in cols],
+        rows,
+        note=" ".join(notes) + (" " if notes else "") + "A drop counts in percentage points; the verdict fails a "
+        "candidate when the drop is larger than the threshold at p below alpha. Rows 'suite · metric' are the "
+        "suite's named metrics (pooled: items = trials; instruction-level rows count items worse / better).",
+        status_columns=tuple(i for i, (k, _) in enumerate(cols) if k == "verdict"),
+    )
 
 
 def _gate_list(data) -> list[dict]:
@@ -388,8 +430,13 @@ def gate_table(entries: list[tuple[str, dict]]) -> Table | None:
                 rows.append([name, status, "—", "—", "—", "—"])
     if not rows:
         return None
-    runs = [f"{d['engine']}" + (f" ({d['model']})" if d.get("model") else "") + (f": {d['status']}" if d.get("status") else "")
-            for _, d in entries if isinstance(d, dict) and d.get("engine")]
+    runs = [
+        f"{d['engine']}"
+        + (f" ({d['model']})" if d.get("model") else "")
+        + (f": {d['status']}" if d.get("status") else "")
+        for _, d in entries
+        if isinstance(d, dict) and d.get("engine")
+    ]
     return Table("Engine gates", ["gate", "gate status", "check", "measured", "threshold", "check status"], rows,
                  note="; ".join(runs), status_columns=(1, 5), classes=["left"])
 
@@ -436,7 +483,12 @@ def provenance_table(groups: list[Group], report_meta: dict, suites=(), gates=()
             rows.append([f"group {i}: {Path(run.source).name}", f"fidelity {ver or '?'} · command: {cmd or '—'}"])
     for source, data in suites:
         for it in _suite_items(data):
-            rows.append([f"suite {it.get('suite', '?')}", f"A {it.get('a', '?')} · B {it.get('b', '?')} · from {Path(source).name}"])
+            rows.append(
+                [
+                    f"suite {it.get('suite', '?')}",
+                    f"A {it.get('a', '?')} · B {it.get('b', '?')} · from {Path(source).name}",
+                ]
+            )
     for source, data in gates:
         d = data if isinstance(data, dict) else {}
         rows.append(["gates", f"engine {d.get('engine', '?')} · model {d.get('model', '?')} · reference store "
@@ -446,7 +498,7 @@ def provenance_table(groups: list[Group], report_meta: dict, suites=(), gates=()
     return Table("Provenance", ["what", "value"], rows, classes=["left"])
 
 
-# ---- speed: `fidelity bench --json` and `fidelity ladder --json` --------------------------------------------------------------
+# ---- speed: `fidelity bench --json` and `fidelity ladder --json` -----------------------------------------------------
 
 def speed_tables(entries: list[tuple[str, dict]]) -> list[Table]:
     """One table per bench (metric medians, spreads, the A/A spread) and per ladder (rungs, deltas, verdicts)."""
@@ -464,10 +516,25 @@ def speed_tables(entries: list[tuple[str, dict]]) -> list[Table]:
         else:
             rows = []
             for r in d["rungs"]:
-                deltas = "; ".join(f"{m} {v['change_pct']:+.1f} % (± {v['spread_pct']:.1f})" for m, v in r["deltas"].items()
-                                   if v.get("change_pct") is not None) or "—"
-                rows.append([r["rung"], str(r.get("rank", "—")), num(r["metrics"].get(d["accept"]["single_stream_metric"])),
-                             deltas, r["gates"], r["verdict"], r["reason"]])
+                deltas = (
+                    "; ".join(
+                        f"{m} {v['change_pct']:+.1f} % (± {v['spread_pct']:.1f})"
+                        for m, v in r["deltas"].items()
+                        if v.get("change_pct") is not None
+                    )
+                    or "—"
+                )
+                rows.append(
+                    [
+                        r["rung"],
+                        str(r.get("rank", "—")),
+                        num(r["metrics"].get(d["accept"]["single_stream_metric"])),
+                        deltas,
+                        r["gates"],
+                        r["verdict"],
+                        r["reason"],
+                    ]
+                )
             out.append(Table(f"Tuning ladder ({d.get('model')}): best {d.get('best')}",
                              ["rung", "rank", f"{d['accept']['single_stream_metric']} tok/s", "deltas vs best before",
                               "gates", "verdict", "reason"], rows, note=source, status_columns=(4,), classes=["left"]))

@@ -158,9 +158,11 @@ class DeepSeekRounding:
         compressed = (f"compressed KV fp4-e2m1/{self.compressed_fp4_block} e4m3 scales" if self.compressed_fp4_block
                       else f"compressed KV fp8-e4m3/{self.window_kv_block}")
         index = ("hadamard + " if self.index_hadamard else "") + f"fp4-e2m1/{self.index_block}"
-        return (f"deepseek ({self.version} inference/model.py): window KV fp8-e4m3/{self.window_kv_block} ({kv}), "
-                f"{compressed}, indexer q/k {index}, linear inputs fp8-e4m3/{self.act_block} where the stored weight is "
-                f"FP8/FP4; ue8m0 scales")
+        return (
+            f"deepseek ({self.version} inference/model.py): window KV fp8-e4m3/{self.window_kv_block} ({kv}), "
+            f"{compressed}, indexer q/k {index}, linear inputs fp8-e4m3/{self.act_block} where the stored weight is "
+            f"FP8/FP4; ue8m0 scales"
+        )
 
     def linear_input(self, official_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The rounding of the input of the linear whose weight is `official_name` (identity where none)."""

@@ -133,7 +133,9 @@ class DeepseekV32Family(DeepseekV3Family):
         self.index = IndexerArgs.from_config(config)
         n = self.args.n_layers
         dense = self.args.first_k_dense_replace
-        self.mlp_types = list(config.get("mlp_layer_types") or ["dense"] * min(dense, n) + ["sparse"] * max(0, n - dense))
+        self.mlp_types = list(
+            config.get("mlp_layer_types") or ["dense"] * min(dense, n) + ["sparse"] * max(0, n - dense)
+        )
         if len(self.mlp_types) != n or set(self.mlp_types) - {"dense", "sparse"}:
             raise ConfigError(f"config.json of {ARCH}: mlp_layer_types must list 'dense'/'sparse' for each of the "
                               f"{n} layers, got {self.mlp_types}")

@@ -97,7 +97,9 @@ class Prefetcher:
         """Layer i's tensors this process decodes: under sharded loads not the shares other ranks read, under expert
         parallelism not the experts other ranks own."""
         oracle, pack = self.oracle, self.oracle.pack
-        names = [n for n in oracle.family.layer_names(i) if n in pack and pack.storage(n).nbytes <= STAGE_MAX_TENSOR_BYTES]
+        names = [
+            n for n in oracle.family.layer_names(i) if n in pack and pack.storage(n).nbytes <= STAGE_MAX_TENSOR_BYTES
+        ]
         sharded = oracle.shards
         if sharded is not None:
             shared, owners = sharded.plan(i)
@@ -108,7 +110,9 @@ class Prefetcher:
             experts = {n: e[2] for n in names if (e := routed_expert(n)) is not None}
             if experts:
                 n_experts = max(experts.values()) + 1
-                names = [n for n in names if n not in experts or parallel.owner(experts[n], n_experts) == parallel.group.rank]
+                names = [
+                    n for n in names if n not in experts or parallel.owner(experts[n], n_experts) == parallel.group.rank
+                ]
         return names
 
     def within_budget(self, names: list[str]) -> tuple[list[str], int]:

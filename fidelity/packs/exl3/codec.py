@@ -130,7 +130,9 @@ class Bitrate:
 def bitrate_from_trellis(shape: tuple[int, ...], codebook: str, *, file=None, tensor=None) -> Bitrate:
     """K from the trellis shape alone, validated: [k/16, n/16, 16*K] (16*KA + 8 for half-integer K, mul1 only)."""
     if len(shape) != 3:
-        raise PackError(f"EXL3 trellis must have 3 dims [k/16, n/16, 16*K], got shape {list(shape)}", file=file, tensor=tensor)
+        raise PackError(
+            f"EXL3 trellis must have 3 dims [k/16, n/16, 16*K], got shape {list(shape)}", file=file, tensor=tensor
+        )
     width = shape[-1]
     if width % 16 == 0:
         K = width // 16
@@ -277,7 +279,8 @@ def _rotate_back_f64(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> t
 # Triton kernel, decode_triton.py: the sums as balanced int8 digits on integer tensor cores, exact). The same bits every
 # way; int64 and int8 need no float64 matmul (consumer cards, GB10: float64 at 1/64 of the fp32 rate), only elementwise
 # float64 (one conversion, two scalings per weight). int8 is the default on CUDA GPUs with int8 tensor cores in Triton
-# (compute capability 8.0 and up) where Triton is installed; FIDELITY_EXL3_SUMS=float64|int64|int8 overrides the default.
+# (compute capability 8.0 and up) where Triton is installed; FIDELITY_EXL3_SUMS=float64|int64|int8 overrides
+# the default.
 HADAMARD_SUMS = ("float64", "int64", "int8")
 INT_SHIFT = 24
 FAST_FLOAT64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}   # P100, V100, A100, H100/H200, B200 (compute capability)
@@ -399,8 +402,17 @@ def unpack_sign_bits(bitfield: torch.Tensor) -> torch.Tensor:
     return (1 - 2 * b).flatten().to(torch.float16)
 
 
-def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str = "3inst", *,
-                  shape: tuple[int, int] | None = None, file=None, tensor=None, sums: str | None = None) -> torch.Tensor:
+def decode_weight(
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str = "3inst",
+    *,
+    shape: tuple[int, int] | None = None,
+    file=None,
+    tensor=None,
+    sums: str | None = None,
+) -> torch.Tensor:
     """The torch weight [out, in] float32 of an EXL3 linear, on the trellis' device; `shape` = logical (out, in) cuts
     the padding off. `sums`: "float64", "int64" or "int8" Hadamard sums (bit-identical results; default
     `default_sums`)."""
@@ -418,8 +430,17 @@ def decode_weight(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, c
     return w_t if (out, inp) == (n_p, k_p) else w_t[:out, :inp].contiguous()
 
 
-def decode_weights(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str = "3inst", *,
-                   shape: tuple[int, int] | None = None, files=None, tensors=None, sums: str | None = None) -> torch.Tensor:
+def decode_weights(
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: str = "3inst",
+    *,
+    shape: tuple[int, int] | None = None,
+    files=None,
+    tensors=None,
+    sums: str | None = None,
+) -> torch.Tensor:
     """E linears of one codebook, rate and shape at once: trellis [E, kt, nt, words], suh [E, k_p], svh [E, n_p] ->
     float32 [E, out, in], each matrix bit for bit `decode_weight`'s (sums "int8": one kernel launch for all; the
     others decode one by one). `files` / `tensors`: per matrix, for errors."""
@@ -454,7 +475,9 @@ def _checked_decode(trellis, suh, svh, codebook, shape, file, tensor, sums) -> t
                         file=file, tensor=tensor)
     out, inp = shape if shape is not None else (n_p, k_p)
     if out > n_p or inp > k_p:
-        raise PackError(f"logical shape [{out}, {inp}] exceeds the padded EXL3 weight [{n_p}, {k_p}]", file=file, tensor=tensor)
+        raise PackError(
+            f"logical shape [{out}, {inp}] exceeds the padded EXL3 weight [{n_p}, {k_p}]", file=file, tensor=tensor
+        )
     sums = sums or default_sums(trellis.device)
     if sums not in HADAMARD_SUMS:
         raise ValueError(f"Hadamard sums {sums!r}: expected one of {HADAMARD_SUMS}")

@@ -72,7 +72,11 @@ def _params(official_prefix: str, hf_prefix: str, modules: dict[str, str], param
 
 
 # official -> HF: whole names, names inside layer L, names inside routed expert E; the inverse is derived below
-_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
 _IN_LAYER = (_params("", "", _LAYER_NORMS, ("weight",)) | _params("attn.", "self_attn.", _ATTN)
              | _params("ffn.", "mlp.", _MLP) | _params("ffn.shared_experts.", "mlp.shared_experts.", _MLP)
              | {"ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias"})
@@ -157,12 +161,18 @@ def logical_shape(hf_name: str, config: dict, padded: tuple[int, int]) -> tuple[
         "k_proj": (kv_heads * head_dim if kv_heads and head_dim else None, hidden),
         "v_proj": (kv_heads * head_dim if kv_heads and head_dim else None, hidden),
         "o_proj": (hidden, heads * (v_head if mla else head_dim) if heads and (v_head or head_dim) else None),
-        "gate_proj": (ff, hidden), "up_proj": (ff, hidden), "down_proj": (hidden, ff),
+        "gate_proj": (ff, hidden),
+        "up_proj": (ff, hidden),
+        "down_proj": (hidden, ff),
         "q_a_proj": (c.get("q_lora_rank"), hidden),
         "q_b_proj": (heads * qk_head if heads and qk_head else None, c.get("q_lora_rank")),
         "kv_a_proj_with_mqa": ((c.get("kv_lora_rank") or 0) + (c.get("qk_rope_head_dim") or 0) or None, hidden),
-        "kv_b_proj": (heads * ((c.get("qk_nope_head_dim") or 0) + (v_head or 0)) if heads else None, c.get("kv_lora_rank")),
-        "lm_head": (c.get("vocab_size"), hidden), "head": (c.get("vocab_size"), hidden),
+        "kv_b_proj": (
+            heads * ((c.get("qk_nope_head_dim") or 0) + (v_head or 0)) if heads else None,
+            c.get("kv_lora_rank"),
+        ),
+        "lm_head": (c.get("vocab_size"), hidden),
+        "head": (c.get("vocab_size"), hidden),
     }
     if c.get("o_groups") and not mla:
         # DeepSeek-V4 (no kv LoRA): one shared KV head of head_dim (RoPE part included), grouped low-rank output
@@ -185,7 +195,11 @@ def logical_shape(hf_name: str, config: dict, padded: tuple[int, int]) -> tuple[
     if shape is None or None in shape:
         return padded
     out, inp = int(shape[0]), int(shape[1])
-    if (_round_up(out), _round_up(inp)) != (_round_up(padded[0]), _round_up(padded[1])) or out > padded[0] or inp > padded[1]:
+    if (
+        (_round_up(out), _round_up(inp)) != (_round_up(padded[0]), _round_up(padded[1]))
+        or out > padded[0]
+        or inp > padded[1]
+    ):
         return padded       # the config does not describe this tensor (e.g. another architecture's field names)
     return out, inp
 
@@ -248,8 +262,12 @@ def check_linear(pack, lin: StoredLinear, stated_k: tuple[float, str] | None) ->
         if dense in lin.parts:
             shape = raw.info(lin.parts[dense]).shape
             if shape != (want,):
-                raise PackError(f"EXL3 {dense} has shape {list(shape)}; the trellis {list(info.shape)} needs [{want}] "
-                                f"({side} features, padded)", file=raw.file_path(lin.parts[dense]), tensor=lin.parts[dense])
+                raise PackError(
+                    f"EXL3 {dense} has shape {list(shape)}; the trellis {list(info.shape)} needs [{want}] "
+                    f"({side} features, padded)",
+                    file=raw.file_path(lin.parts[dense]),
+                    tensor=lin.parts[dense],
+                )
         elif bits in lin.parts:
             shape = raw.info(lin.parts[bits]).shape
             if shape != (want // 16,):
@@ -360,7 +378,9 @@ def _digits_plan(plan_path: Path, entries: dict[tuple[str, int], str], n_experts
                             file=plan_path, tensor=item)
         bad = [ch for ch in digits if ch not in "12345678"]
         if bad:
-            raise PackError(f"plan entry {item} has K digits outside 1..8: {sorted(set(bad))}", file=plan_path, tensor=item)
+            raise PackError(
+                f"plan entry {item} has K digits outside 1..8: {sorted(set(bad))}", file=plan_path, tensor=item
+            )
     return entries
 
 
@@ -413,8 +433,12 @@ def detect_layout(pack, pool: set) -> Layout | None:
             if e is None or e[0] != "layers":
                 return None
             if e[1] not in bits:
-                raise PackError(f"quantization_config.json expert_bits has no entry for layer {e[1]}, whose routed experts "
-                                f"are EXL3", file=qc_path, tensor=base)
+                raise PackError(
+                    f"quantization_config.json expert_bits has no entry for layer {e[1]}, whose routed experts "
+                    f"are EXL3",
+                    file=qc_path,
+                    tensor=base,
+                )
             entry = bits[e[1]]
             if isinstance(entry, (list, str)):          # one K per expert instead of one per layer
                 if e[2] >= len(entry):
@@ -437,7 +461,9 @@ def detect_layout(pack, pool: set) -> Layout | None:
             if entry is None:
                 continue
             if not isinstance(entry, dict) or "k" not in entry:
-                raise PackError(f"plan entry layers[{layer}] has no 'k' string", file=plan_path, tensor=f"layers[{layer}]")
+                raise PackError(
+                    f"plan entry layers[{layer}] has no 'k' string", file=plan_path, tensor=f"layers[{layer}]"
+                )
             entries[("layers", layer)] = entry["k"]
         _digits_plan(plan_path, entries, _n_experts(pack, pack.root / "config.json"))
         return Layout("exl3-expert-packs", True, _plan_stated_k(plan_path, entries, "expert plan"), qc or None)
@@ -531,8 +557,11 @@ def _stacked_slices(pack, base: str, parts: list[tuple[int, CheckedLinear]]) -> 
                         file=pack.raw.file_path(first.lin.trellis), tensor=base)
     shapes = [_slice_shape(pack, c) for _, c in parts]
     if len(set(shapes)) != 1:
-        raise PackError(f"head-group slices of {base} differ in shape: {shapes}", file=pack.raw.file_path(first.lin.trellis),
-                        tensor=base)
+        raise PackError(
+            f"head-group slices of {base} differ in shape: {shapes}",
+            file=pack.raw.file_path(first.lin.trellis),
+            tensor=base,
+        )
     rows, cols = shapes[0]
     checked = [c for _, c in parts]
     rates = sorted({f"{c.rate.K:g}" for c in checked})
@@ -540,8 +569,11 @@ def _stacked_slices(pack, base: str, parts: list[tuple[int, CheckedLinear]]) -> 
                       (rows * len(parts), cols), sum(c.nbytes for c in checked), block=(16, 16),
                       files=tuple(sorted({f for c in checked for f in c.files})),
                       raw=tuple(n for c in checked for s, n in c.lin.parts.items() if s != "bias"))
-    return LogicalTensor(storage, lambda device: torch.cat([linear_weight(pack, c, (rows, cols), device) for c in checked],
-                                                           dim=0), on_device=True)
+    return LogicalTensor(
+        storage,
+        lambda device: torch.cat([linear_weight(pack, c, (rows, cols), device) for c in checked], dim=0),
+        on_device=True,
+    )
 
 
 def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTensor]:
@@ -557,7 +589,9 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
     out = {}
     for name in sorted(n for n in pool if n.endswith(".weight")):
         base = name[: -len(".weight")]
-        scale = next((f"{base}.{s}" for s in ("scale", "weight_scale_inv", "weight_scale") if f"{base}.{s}" in pool), None)
+        scale = next(
+            (f"{base}.{s}" for s in ("scale", "weight_scale_inv", "weight_scale") if f"{base}.{s}" in pool), None
+        )
         if scale is None:
             continue
         logical = official_to_hf(name)
@@ -570,8 +604,12 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
         elif raw.info(name).dtype in ("I8", "U8") and raw.info(scale).dtype in fp8.E8M0_DTYPES:
             out[logical] = _mxfp4_entry(pack, name, scale, logical)
         else:
-            raise PackError(f"scaled weight of dtype {raw.info(name).dtype} with {raw.info(scale).dtype} scales: neither "
-                            f"FP8 e4m3/e5m2 nor MXFP4 (int8/uint8 + e8m0)", file=raw.file_path(name), tensor=name)
+            raise PackError(
+                f"scaled weight of dtype {raw.info(name).dtype} with {raw.info(scale).dtype} scales: neither "
+                f"FP8 e4m3/e5m2 nor MXFP4 (int8/uint8 + e8m0)",
+                file=raw.file_path(name),
+                tensor=name,
+            )
     for name in sorted(pool):
         logical = official_to_hf(name)
         entry = native._entry(pack, name)
