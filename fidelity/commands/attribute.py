@@ -29,13 +29,20 @@ def add_arguments(p: argparse.ArgumentParser):
                         "default), or each routed expert alone")
     p.add_argument("--groups", help="comma-separated group names to measure (default: all)")
     p.add_argument("--no-noise-control", action="store_true", help="skip the isotropic-noise control")
-    p.add_argument("--noise-repeats", type=int, default=1, help="isotropic-noise draws per group (default 1; >= 2 gives x_noise's bootstrap interval)")
+    p.add_argument(
+        "--noise-repeats",
+        type=int,
+        default=1,
+        help="isotropic-noise draws per group (default 1; >= 2 gives x_noise's bootstrap interval)",
+    )
     p.add_argument("--activation-control", action="store_true",
                    help="also exllamav3's control: noise of the real error's per-position norm at the group's layer "
                         "output (one-layer groups)")
     p.add_argument("--no-sensitivity", action="store_true", help="skip the per-layer noise sensitivity")
     p.add_argument("--sensitivity-layers", help="comma-separated layer indices for the sensitivity (default all)")
-    p.add_argument("--noise-levels", default=None, help="comma-separated relative noise RMS levels (default 2^-10,2^-8,2^-6)")
+    p.add_argument(
+        "--noise-levels", default=None, help="comma-separated relative noise RMS levels (default 2^-10,2^-8,2^-6)"
+    )
     p.add_argument("--super-expert-share", type=float, default=None, help="routed-energy share of a super expert (0.2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")

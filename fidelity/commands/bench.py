@@ -35,8 +35,12 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--engine", required=True, help="base URL of the OpenAI-compatible engine")
     p.add_argument("--model", required=True, help="model name to send")
     p.add_argument("--label", help="the build's name, recorded in the JSON (`label`) and shown by card / report")
-    p.add_argument("--sets", default=None, help=f"built-in prompt sets for single-stream decode (default {','.join(SETS)}; "
-                                               f"with --prompts: none unless named; empty: none)")
+    p.add_argument(
+        "--sets",
+        default=None,
+        help=f"built-in prompt sets for single-stream decode (default {','.join(SETS)}; "
+        f"with --prompts: none unless named; empty: none)",
+    )
     p.add_argument("--prompts", help='your own prompt sets, measured like the built-in ones: JSON lines {"set": name, '
                                      '"prompt": text}; each set gets its decode tok/s (decode.NAME)')
     p.add_argument("--streams", default="1,2,4,8", help="concurrency levels for aggregate tok/s (empty: none)")
@@ -60,11 +64,23 @@ def config_from_args(args) -> BenchConfig:
     custom = read_prompt_sets(args.prompts) if args.prompts else {}
     sets = args.sets if args.sets is not None else ("" if custom else ",".join(SETS))
     return BenchConfig(
-        args.engine, args.model, sets=[s.strip() for s in sets.split(",") if s.strip()], custom_sets=custom,
-        streams=_ints(args.streams, "--streams"), prefill=[parse_length(x) for x in args.prefill.split(",") if x.strip()],
-        repeats=args.repeats, max_tokens=args.max_tokens, prompts_per_set=args.prompts_per_set,
-        suppress_ids=_ints(args.suppress_ids, "--suppress-ids"), aa=args.aa, timeout_s=args.timeout, stall_s=args.stall,
-        retries=args.retries, seed=args.seed, server_pid=args.pid)
+        args.engine,
+        args.model,
+        sets=[s.strip() for s in sets.split(",") if s.strip()],
+        custom_sets=custom,
+        streams=_ints(args.streams, "--streams"),
+        prefill=[parse_length(x) for x in args.prefill.split(",") if x.strip()],
+        repeats=args.repeats,
+        max_tokens=args.max_tokens,
+        prompts_per_set=args.prompts_per_set,
+        suppress_ids=_ints(args.suppress_ids, "--suppress-ids"),
+        aa=args.aa,
+        timeout_s=args.timeout,
+        stall_s=args.stall,
+        retries=args.retries,
+        seed=args.seed,
+        server_pid=args.pid,
+    )
 
 
 def bench_table(doc: dict, title: str | None = None):
@@ -89,17 +105,23 @@ def print_report(doc: dict):
     con.print(bench_table(doc))
     for n, lv in doc["streams"].items():
         tt = lv["ttft"]
-        con.print(f"{n} streams: TTFT mean {tt['mean'] or 0:.3f} s, p50 {tt['p50'] or 0:.3f} s, p90 {tt['p90'] or 0:.3f} s; "
-                  f"in flight together {lv['max_in_flight']}, overlapping {lv['overlap']}")
+        con.print(
+            f"{n} streams: TTFT mean {tt['mean'] or 0:.3f} s, p50 {tt['p50'] or 0:.3f} s, p90 {tt['p90'] or 0:.3f} s; "
+            f"in flight together {lv['max_in_flight']}, overlapping {lv['overlap']}"
+        )
     for n, pf in doc["prefill"].items():
         g = lambda x, spec: "-" if x is None else format(x, spec)
-        con.print(f"prefill {n}: {g(pf['prompt_tokens'], '.0f')} prompt tokens, second cold "
-                  f"{g(pf['second_cold_gain_pct'], '+.1f')} % vs first, engine cached {pf['engine_cached_tokens'] or '-'}, "
-                  f"warm/cold {g(pf['warm_over_cold'], '.1f')}x, cache defeated: {pf['cache_defeated']}")
+        con.print(
+            f"prefill {n}: {g(pf['prompt_tokens'], '.0f')} prompt tokens, second cold "
+            f"{g(pf['second_cold_gain_pct'], '+.1f')} % vs first, engine cached {pf['engine_cached_tokens'] or '-'}, "
+            f"warm/cold {g(pf['warm_over_cold'], '.1f')}x, cache defeated: {pf['cache_defeated']}"
+        )
     eos = doc["eos"]
     if eos["stopped_early"]:
-        con.print(f"[yellow]{eos['stopped_early']} of {eos['of']} requests stopped before {doc['settings']['max_tokens']} "
-                  f"tokens (the engine did not honour ignore_eos; --suppress-ids may help)[/yellow]")
+        con.print(
+            f"[yellow]{eos['stopped_early']} of {eos['of']} requests stopped before {doc['settings']['max_tokens']} "
+            f"tokens (the engine did not honour ignore_eos; --suppress-ids may help)[/yellow]"
+        )
     for note in doc["usage_check"]["notes"]:
         con.print(f"[dim]usage: {note}[/dim]")
     rq = doc["requests"]
@@ -122,13 +144,17 @@ def serving_lines(sv: dict | None) -> list[str]:
            + fact("kv_cache_tokens", f"{sv['kv_cache_tokens']} tokens" + (f" ({gib(sv['kv_cache_bytes'])})"
                                                                             if sv.get("kv_cache_bytes") else ""))]
     if sv.get("llama_cpp"):
-        out.append(f"  llama.cpp: {sv['llama_cpp']['slots']} slot(s) of {sv['llama_cpp']['n_ctx_per_slot']} tokens context")
+        out.append(
+            f"  llama.cpp: {sv['llama_cpp']['slots']} slot(s) of {sv['llama_cpp']['n_ctx_per_slot']} tokens context"
+        )
     sd = sv.get("spec_decode")
     if sd:
         per = ", ".join("-" if a is None else f"{a:.3f}" for a in sd["acceptance_per_position"] or [])
         g = lambda x: "-" if x is None else f"{x:.3f}"
-        out.append(f"  speculative decoding: mean accepted length {g(sd['mean_accepted_length'])}, first-draft acceptance "
-                   f"{g(sd['first_draft_acceptance'])}, per position [{per}] over {sd['drafts']:.0f} drafts")
+        out.append(
+            f"  speculative decoding: mean accepted length {g(sd['mean_accepted_length'])}, first-draft acceptance "
+            f"{g(sd['first_draft_acceptance'])}, per position [{per}] over {sd['drafts']:.0f} drafts"
+        )
     else:
         out.append(f"  speculative decoding: - ({why.get('spec_decode', 'not stated')})")
     mem = fact("memory_pss_bytes", f"{gib(sv['memory_pss_bytes'])} PSS over {sv.get('memory_processes')} process(es)"

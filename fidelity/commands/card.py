@@ -15,7 +15,9 @@ def add_arguments(p: argparse.ArgumentParser):
     add_results_arguments(p, results_help="compare JSON or a `compare --out` folder, suite-compare JSON, bench JSON "
                                           "(any order, any mix); the first bench is the one the others' %% changes "
                                           "are against", out_help="output folder for card.md")
-    p.add_argument("--build", help="the label of the build the card is about (default: the first build of the main panel)")
+    p.add_argument(
+        "--build", help="the label of the build the card is about (default: the first build of the main panel)"
+    )
     p.add_argument("--title", default="Fidelity to the original model", help="the section's heading")
 
 

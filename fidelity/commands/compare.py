@@ -23,19 +23,31 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--label", action="append", help="display label per pack, in order (repeat)")
     p.add_argument("--json", dest="json_out", help="write the full report as JSON")
     p.add_argument("--markdown", help="write the tables as Markdown")
-    p.add_argument("--out", help="folder for per-position records (one Parquet file per pack); finished passes are kept "
-                                 "in OUT/passes so a rerun after an interruption resumes (see --resume)")
-    p.add_argument("--resume", help="folder keeping every finished pass (reference, noise floor, each pack); a rerun with "
-                                    "the same folder recomputes only unfinished ones (default: OUT/passes with --out)")
+    p.add_argument(
+        "--out",
+        help="folder for per-position records (one Parquet file per pack); finished passes are kept "
+        "in OUT/passes so a rerun after an interruption resumes (see --resume)",
+    )
+    p.add_argument(
+        "--resume",
+        help="folder keeping every finished pass (reference, noise floor, each pack); a rerun with "
+        "the same folder recomputes only unfinished ones (default: OUT/passes with --out)",
+    )
     p.add_argument("--no-noise-floor", action="store_true", help="skip the perturbed reference run")
     add_numerics_argument(p)
     p.add_argument("--no-numerics-floor", action="store_true",
                    help="skip the numerics floor (DeepSeek V4/V4.1: the reference under the other numerics)")
-    p.add_argument("--truncate", action="store_true", help="truncate rows longer than the model's context instead of failing")
+    p.add_argument(
+        "--truncate", action="store_true", help="truncate rows longer than the model's context instead of failing"
+    )
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--full", action="store_true", help="also print KLD quantiles, top-K agreement, delta p, KLD by "
-                                                       "reference confidence, bpw rows and per-domain paired differences")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="also print KLD quantiles, top-K agreement, delta p, KLD by "
+        "reference confidence, bpw rows and per-domain paired differences",
+    )
     p.add_argument("--parallel", choices=("rows", "experts"), default="rows",
                    help="under torchrun: split panel rows (default) or MoE experts across ranks")
 
@@ -118,12 +130,22 @@ def _full_tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     dist, agree, conf, bits, paired = [], [], [], [], []
     for r in measured(result):
         for name, d in _scopes(r):
-            dist.append([r["label"], name] + [f"{fmt(d.get(k))} {fmt_ci(d.get(k + '_ci95'))}"
-                                              for k in ("kld_median", "kld_p90", "kld_p99", "kld_p999")]
-                        + [fmt(d.get("kld_max")), f"{fmt(d.get('kld_reverse_mean'))} {fmt_ci(d.get('kld_reverse_mean_ci95'))}"])
-            agree.append([r["label"], name] + [f"{pct(t['value'])} {pct_ci(t['ci95'])}" for t in d.get("topk_agreement", [])]
-                         + [f"{pct(d.get('delta_p_mean'), '.3f')} {pct_ci(d.get('delta_p_mean_ci95'), '.3f')}",
-                            f"{pct(d.get('rms_delta_p'), '.3f')} {pct_ci(d.get('rms_delta_p_ci95'), '.3f')}"])
+            dist.append(
+                [r["label"], name]
+                + [
+                    f"{fmt(d.get(k))} {fmt_ci(d.get(k + '_ci95'))}"
+                    for k in ("kld_median", "kld_p90", "kld_p99", "kld_p999")
+                ]
+                + [fmt(d.get("kld_max")), f"{fmt(d.get('kld_reverse_mean'))} {fmt_ci(d.get('kld_reverse_mean_ci95'))}"]
+            )
+            agree.append(
+                [r["label"], name]
+                + [f"{pct(t['value'])} {pct_ci(t['ci95'])}" for t in d.get("topk_agreement", [])]
+                + [
+                    f"{pct(d.get('delta_p_mean'), '.3f')} {pct_ci(d.get('delta_p_mean_ci95'), '.3f')}",
+                    f"{pct(d.get('rms_delta_p'), '.3f')} {pct_ci(d.get('rms_delta_p_ci95'), '.3f')}",
+                ]
+            )
             for b in d.get("kld_by_ref_confidence", []):
                 lo, hi = b["ref_confidence"]
                 conf.append([r["label"], name, f"[{lo:g}, {hi:g}{']' if hi >= 1 else ')'}", str(b.get("positions", "")),
@@ -136,20 +158,36 @@ def _full_tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             m = d.get(metric)
             if not m:
                 continue
-            scopes = [(n, v) for n, v in m["domains"].items()] + [("[b]overall[/b]", m), ("[b]domains equal[/b]", m["domains_equal"])]
+            scopes = [(n, v) for n, v in m["domains"].items()] + [
+                ("[b]overall[/b]", m),
+                ("[b]domains equal[/b]", m["domains_equal"]),
+            ]
             for name, v in scopes:
                 paired.append([d["a"], d["b"], title, name, fmt(v["diff"], ".5f"), fmt_ci(v["diff_ci95"], ".5f"),
                                fmt(v["relative_change_pct"], "+.1f"), fmt_ci(v["relative_change_pct_ci95"], "+.1f"),
                                fmt(v["p_value"], ".3g"), fmt(v.get("p_holm"), ".3g")])
     return [
-        ("KLD distribution (95% CI)", ["pack", "domain", "median", "p90", "p99", "p99.9", "max", "KLD(pack‖ref)"], dist),
-        ("agreement (%, 95% CI): top-K lists equal, Δp = p_pack - p_ref of the true token",
-         ["pack", "domain"] + [f"top-{k}" for k in range(1, 6)] + ["mean Δp", "RMS Δp"], agree),
-        ("KLD by reference top-1 probability", ["pack", "domain", "ref p(top-1)", "positions", "share %", "KLD mean",
-                                                "KLD(pack‖ref)"], conf),
+        (
+            "KLD distribution (95% CI)",
+            ["pack", "domain", "median", "p90", "p99", "p99.9", "max", "KLD(pack‖ref)"],
+            dist,
+        ),
+        (
+            "agreement (%, 95% CI): top-K lists equal, Δp = p_pack - p_ref of the true token",
+            ["pack", "domain"] + [f"top-{k}" for k in range(1, 6)] + ["mean Δp", "RMS Δp"],
+            agree,
+        ),
+        (
+            "KLD by reference top-1 probability",
+            ["pack", "domain", "ref p(top-1)", "positions", "share %", "KLD mean", "KLD(pack‖ref)"],
+            conf,
+        ),
         ("bits per weight", ["pack", "category", "params", "bytes", "bpw"], bits),
-        ("paired: A - B on the same positions, per domain (Holm across domains)",
-         ["a", "b", "metric", "domain", "A - B", "95% CI", "change %", "95% CI", "p", "p Holm"], paired),
+        (
+            "paired: A - B on the same positions, per domain (Holm across domains)",
+            ["a", "b", "metric", "domain", "A - B", "95% CI", "change %", "95% CI", "p", "p Holm"],
+            paired,
+        ),
     ]
 
 
@@ -330,8 +368,10 @@ class OutLock:
             self._file.seek(0)
             holder = self._file.read().strip() or "another process"
             self._file.close()
-            raise FidelityError(f"{self.folder} is in use by another fidelity compare ({holder}); wait for it to finish "
-                                f"or give another --out / --resume folder") from None
+            raise FidelityError(
+                f"{self.folder} is in use by another fidelity compare ({holder}); wait for it to finish "
+                f"or give another --out / --resume folder"
+            ) from None
         self._file.seek(0)
         self._file.truncate()
         self._file.write(f"pid {os.getpid()}\n")

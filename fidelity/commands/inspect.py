@@ -14,7 +14,9 @@ from rich.table import Table
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("pack", help="pack folder, .safetensors or .gguf file")
     p.add_argument("--json", dest="json_out", help="also write the report as JSON to this file")
-    p.add_argument("--decode", action="store_true", help="decode every tensor and check it is finite (reads the whole pack)")
+    p.add_argument(
+        "--decode", action="store_true", help="decode every tensor and check it is finite (reads the whole pack)"
+    )
 
 
 def inspect_pack(path: str, decode: bool = False) -> dict:

@@ -17,9 +17,15 @@ from ..panels.panel import PanelError, PanelRow, load_panel, write_panel
 def add_arguments(p: argparse.ArgumentParser):
     from .compare import add_numerics_argument
     sub = p.add_subparsers(dest="panel_command", metavar="ACTION", required=True)
-    b = sub.add_parser("build", help="answer prompts through a served model (--engine) or the reference oracle (--pack)")
-    b.add_argument("--prompts", required=True, help='jsonl: {"id", "domain", "prompt"} or {"id", "domain", "messages", '
-                                                    '"tools"?} per line (OpenAI chat format, ending with a user or tool turn)')
+    b = sub.add_parser(
+        "build", help="answer prompts through a served model (--engine) or the reference oracle (--pack)"
+    )
+    b.add_argument(
+        "--prompts",
+        required=True,
+        help='jsonl: {"id", "domain", "prompt"} or {"id", "domain", "messages", '
+        '"tools"?} per line (OpenAI chat format, ending with a user or tool turn)',
+    )
     who = b.add_mutually_exclusive_group(required=True)
     who.add_argument("--pack", help="the reference pack that answers (its oracle decides every token; small models)")
     who.add_argument("--engine", help="URL of an OpenAI-compatible server running the native model")
@@ -27,8 +33,11 @@ def add_arguments(p: argparse.ArgumentParser):
     b.add_argument("-o", "--out", required=True, help="panel folder to write")
     b.add_argument("--name", help="panel name (default: the folder name)")
     b.add_argument("--description", default="")
-    b.add_argument("--max-new-tokens", type=int, help="answer length limit (default 64 with --pack, 2048 with --engine); "
-                                                     "answers cut by it are marked truncated")
+    b.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="answer length limit (default 64 with --pack, 2048 with --engine); answers cut by it are marked truncated",
+    )
     b.add_argument("--temperature", type=float, default=0.0, help="with --engine: 0 is greedy (default)")
     b.add_argument("--seed", type=int, help="with --engine: the sampling seed sent with each request")
     b.add_argument("--thinking", choices=["on", "off"], help="with --engine: the chat template's thinking switch "
@@ -38,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser):
     b.add_argument("--no-score-reasoning", action="store_true", help="rows score content and tool calls, not reasoning")
     b.add_argument("--license", default="CC0-1.0", help="license of the prompts (answers are model outputs)")
     add_numerics_argument(b)
-    m = sub.add_parser("manifest", help="recompute a panel folder's manifest (sha256, row counts) after editing panel.jsonl")
+    m = sub.add_parser(
+        "manifest", help="recompute a panel folder's manifest (sha256, row counts) after editing panel.jsonl"
+    )
     m.add_argument("folder")
     t = sub.add_parser("from-text", help="fixed-length token rows cut from text sources (one domain per source)")
     t.add_argument("sources", nargs="+", metavar="SOURCE", help=".txt, .jsonl, .parquet or hf:NAME[:SPLIT]")
@@ -54,10 +65,17 @@ def add_arguments(p: argparse.ArgumentParser):
     t.add_argument("--license", default="see the source", help="license of the texts")
     c = sub.add_parser("check", help="rows sharing a word n-gram with calibration or benchmark texts (exit 1 if any)")
     c.add_argument("panel")
-    c.add_argument("--against", nargs="+", required=True, metavar="FILE",
-                   help=".txt, .jsonl(.gz), .json, .parquet, a folder of those, or suite:NAME (fidelity's suites' prompts)")
+    c.add_argument(
+        "--against",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help=".txt, .jsonl(.gz), .json, .parquet, a folder of those, or suite:NAME (fidelity's suites' prompts)",
+    )
     c.add_argument("--ngram", type=int, default=8)
-    c.add_argument("--field", action="append", help="only these fields of .jsonl/.json/.parquet records (default: every string)")
+    c.add_argument(
+        "--field", action="append", help="only these fields of .jsonl/.json/.parquet records (default: every string)"
+    )
     c.add_argument("--pack", help="tokenizer to decode token-exact rows with")
     c.add_argument("--json", help="write the findings as JSON here")
     e = sub.add_parser("encode", help="token-exact rows from chat rows rendered by the pack's own encoding/*.py code")
@@ -95,7 +113,9 @@ class GreedyAnswerer:
         self.draft = (AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
                       if transformers_has(pack.config) else None)
         self.max_new = max_new_tokens
-        self.stop = {t for t in (self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")) if t is not None and t >= 0}
+        self.stop = {
+            t for t in (self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")) if t is not None and t >= 0
+        }
 
     def _draft(self, ids: list[int], n: int) -> list[int]:
         if self.draft is None:
@@ -165,10 +185,15 @@ def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, 
         answer = {"role": "assistant", "content": text, **({"truncated": True} if cut_short else {})}
         rows.append(PanelRow(p.id, p.domain, messages=p.messages + [answer], tools=p.tools,
                              score_reasoning=score_reasoning))
-    sources = [{"part": "prompts", "source": str(Path(prompts).name), "license": license},
-               {"part": "answers", "source": f"greedy answers of the reference pack (fingerprint {pack.fingerprint()}, "
-                                             f"max {max_new_tokens} new tokens) through the fidelity oracle (numerics {numerics})",
-                "license": "model output"}]
+    sources = [
+        {"part": "prompts", "source": str(Path(prompts).name), "license": license},
+        {
+            "part": "answers",
+            "source": f"greedy answers of the reference pack (fingerprint {pack.fingerprint()}, "
+            f"max {max_new_tokens} new tokens) through the fidelity oracle (numerics {numerics})",
+            "license": "model output",
+        },
+    ]
     return write_panel(out, rows, name=name or Path(out).name, description=description, sources=sources,
                        extra={"answers": {"pack_fingerprint": pack.fingerprint(), "max_new_tokens": max_new_tokens,
                                           "oracle_corrections": corrected, "numerics": numerics}})
@@ -226,7 +251,9 @@ def run(args) -> int:
         old = load_panel(Path(args.folder) / "panel.jsonl")
         manifest_path = Path(args.folder) / "manifest.json"
         keep = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-        extra = {k: v for k, v in keep.items() if k not in ("name", "description", "sources", "rows", "domains", "sha256")}
+        extra = {
+            k: v for k, v in keep.items() if k not in ("name", "description", "sources", "rows", "domains", "sha256")
+        }
         panel = write_panel(args.folder, old.rows, name=keep.get("name", Path(args.folder).name),
                             description=keep.get("description", ""), sources=keep.get("sources", []), extra=extra)
     con.print(f"wrote {panel.path}: {len(panel.rows)} rows in {len(panel.domains)} domains, sha256 {panel.sha256[:12]}")

@@ -20,8 +20,18 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="under torchrun: split panel rows (default) or MoE experts across ranks")
 
 
-def build_store(pack, panel, out, *, top_k: int = 20, device: str = "cpu", truncate: bool = False, progress: bool = True,
-                numerics: str = "exact", settings=None):
+def build_store(
+    pack,
+    panel,
+    out,
+    *,
+    top_k: int = 20,
+    device: str = "cpu",
+    truncate: bool = False,
+    progress: bool = True,
+    numerics: str = "exact",
+    settings=None,
+):
     """`settings`: the oracle's parallel.RunSettings (None: the defaults)."""
     from ..measuring.compare import _oracle, prepare
     from ..measuring.store import run_reference, write_store

@@ -14,13 +14,20 @@ from ._results import add_results_arguments, print_warnings
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    add_results_arguments(p, results_help="compare JSON (records next to it are picked up), a `compare --out` folder, a "
-                                          "reference store folder, suite-compare JSON, gate JSON (any order, any mix)",
-                          out_help="output folder for index.html, summary.md and the PNG figures")
+    add_results_arguments(
+        p,
+        results_help="compare JSON (records next to it are picked up), a `compare --out` folder, a "
+        "reference store folder, suite-compare JSON, gate JSON (any order, any mix)",
+        out_help="output folder for index.html, summary.md and the PNG figures",
+    )
     p.add_argument("--title", default="Fidelity report")
     p.add_argument("--worst", type=int, default=8, help="worst positions shown per pack (default 8)")
-    p.add_argument("--panel", help="the panel folder the results were measured on: full text around the worst positions")
-    p.add_argument("--token-ids", action="store_true", help="show token ids instead of loading the reference pack's tokenizer")
+    p.add_argument(
+        "--panel", help="the panel folder the results were measured on: full text around the worst positions"
+    )
+    p.add_argument(
+        "--token-ids", action="store_true", help="show token ids instead of loading the reference pack's tokenizer"
+    )
 
 
 def run(args) -> int:
@@ -34,8 +41,15 @@ def run(args) -> int:
 
     argv = ["fidelity", "report", *args.results, "-o", args.out, "--title", args.title, "--worst", str(args.worst)]
     argv += (["--panel", args.panel] if args.panel else []) + (["--token-ids"] if args.token_ids else [])
-    rep = render(args.results, args.out, title=args.title, worst=args.worst, tokenizer=None if args.token_ids else "auto",
-                 panel=args.panel, command_line=shlex.join(argv))
+    rep = render(
+        args.results,
+        args.out,
+        title=args.title,
+        worst=args.worst,
+        tokenizer=None if args.token_ids else "auto",
+        panel=args.panel,
+        command_line=shlex.join(argv),
+    )
     print_warnings(rep.warnings)
     print(f"wrote {rep.index_html}, {rep.summary_md} and {len(rep.figures)} figure(s) in {rep.out_dir}")
     return 0

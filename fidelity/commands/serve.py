@@ -1,4 +1,5 @@
 """Serve a pack through the fp32 oracle as an OpenAI-compatible endpoint (completions with echo/logprobs, chat, tokenize)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,10 @@ def run(args) -> int:
     pack = open_pack(args.pack)
 
     def ready(httpd, engine):
-        print(f"fidelity serve: {engine.model_name} ({pack.format}) on http://{args.host}:{httpd.server_address[1]}", flush=True)
+        print(
+            f"fidelity serve: {engine.model_name} ({pack.format}) on http://{args.host}:{httpd.server_address[1]}",
+            flush=True,
+        )
 
     serve(pack, host=args.host, port=args.port, model_name=args.model_name, device=args.device, ready=ready,
           numerics=args.numerics, activation_budget=args.environment.device_activations_bytes)

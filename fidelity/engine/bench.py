@@ -120,7 +120,8 @@ class BenchConfig:
     max_tokens: int = 384
     prompts_per_set: int | None = None  # None: all of the set's prompts
     ignore_eos: bool = True
-    suppress_ids: list[int] = field(default_factory=list)  # token ids pushed down by logit_bias -100 (EOS, where ignore_eos is not honoured)
+    # token ids pushed down by logit_bias -100 (EOS, where ignore_eos is not honoured)
+    suppress_ids: list[int] = field(default_factory=list)
     warmup: int = 1
     aa: bool = False
     timeout_s: float = 600.0  # a whole request: every attempt and backoff
@@ -128,7 +129,8 @@ class BenchConfig:
     retries: int = 2
     backoff_s: float = 0.5
     seed: int | None = None  # nonces and prompt order; None: fresh
-    server_pid: int | None = None  # a local engine's process: its process group's memory goes into `serving`; not a setting
+    # a local engine's process: its process group's memory goes into `serving`; not a setting
+    server_pid: int | None = None
     progress: object = None  # callable(str) told each phase as it starts (the CLI prints to stderr); not a setting
 
     def check(self):
@@ -145,7 +147,18 @@ class BenchConfig:
     def settings(self) -> dict:
         """What a speed baseline must match to be compared (the gate re-runs with these)."""
         d = asdict(self)
-        for k in ("url", "model", "aa", "seed", "timeout_s", "stall_s", "retries", "backoff_s", "progress", "server_pid"):
+        for k in (
+            "url",
+            "model",
+            "aa",
+            "seed",
+            "timeout_s",
+            "stall_s",
+            "retries",
+            "backoff_s",
+            "progress",
+            "server_pid",
+        ):
             d.pop(k)
         # a user's sets by content: a baseline measured on other prompts under the same names does not match
         d["custom_sets"] = {name: hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
@@ -245,7 +258,9 @@ class Streamer:
         async with self.http.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode("utf-8", "replace")[:300]
-                raise StreamError(f"HTTP {r.status_code}: {text}", retryable=r.status_code >= 500 or r.status_code == 429)
+                raise StreamError(
+                    f"HTTP {r.status_code}: {text}", retryable=r.status_code >= 500 or r.status_code == 429
+                )
             done = False
             async for line in r.aiter_lines():
                 now = time.monotonic()
@@ -273,14 +288,17 @@ class Streamer:
             if not done:
                 raise StreamError(f"stream ended before [DONE] after {s.tokens} token chunks")
             if s.finish_reason is None:  # llama-cpp-python cuts a stream this way when another request arrives
-                raise StreamError(f"stream ended ([DONE]) without a finish_reason after {s.tokens} token chunks: the engine "
-                                  f"cut it (llama-cpp-python: start it with --interrupt_requests false)", retryable=False)
+                raise StreamError(
+                    f"stream ended ([DONE]) without a finish_reason after {s.tokens} token chunks: the engine "
+                    f"cut it (llama-cpp-python: start it with --interrupt_requests false)",
+                    retryable=False,
+                )
         s.t_end = time.monotonic()
         if not s.token_times:
             raise StreamError("stream finished without any token", retryable=False)
 
 
-# ---- statistics ---------------------------------------------------------------------------------------------------------
+# ---- statistics ------------------------------------------------------------------------------------------------------
 
 def summary(values: list[float], unit: str) -> dict:
     v = [x for x in values if x is not None and math.isfinite(x)]
@@ -303,7 +321,12 @@ def ttft_stats(samples: list[Sample]) -> dict:
     t = [s.ttft for s in samples if s.ok and s.ttft is not None]
     if not t:
         return {"mean": None, "p50": None, "p90": None, "n": 0}
-    return {"mean": float(np.mean(t)), "p50": float(np.percentile(t, 50)), "p90": float(np.percentile(t, 90)), "n": len(t)}
+    return {
+        "mean": float(np.mean(t)),
+        "p50": float(np.percentile(t, 50)),
+        "p90": float(np.percentile(t, 90)),
+        "n": len(t),
+    }
 
 
 def intervals(samples: list[Sample]) -> list[list[float]]:
@@ -323,7 +346,7 @@ def max_in_flight(samples: list[Sample]) -> int:
     return best
 
 
-# ---- the bench ----------------------------------------------------------------------------------------------------------
+# ---- the bench -------------------------------------------------------------------------------------------------------
 
 class Bench:
     def __init__(self, cfg: BenchConfig):
@@ -338,8 +361,14 @@ class Bench:
         self.counter = 0
 
     def chat_body(self, prompt: str) -> dict:
-        body = {"model": self.cfg.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": self.cfg.max_tokens,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.cfg.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.cfg.ignore_eos:
             body["ignore_eos"] = True
         if self.cfg.suppress_ids:
@@ -429,7 +458,9 @@ class Bench:
     async def usage_check(self, client: EngineClient, samples: list[Sample]) -> dict:
         """Our token counts against the engine's usage and against its tokenizer over the returned text."""
         gen = [s for s in samples if s.ok and not s.tag.startswith("prefill")]
-        engine_diff = [s.usage["completion_tokens"] - s.tokens for s in gen if s.usage.get("completion_tokens") is not None]
+        engine_diff = [
+            s.usage["completion_tokens"] - s.tokens for s in gen if s.usage.get("completion_tokens") is not None
+        ]
         retok = []
         for s in gen[:8]:  # a few suffice to see whether one chunk is one token
             try:
@@ -440,14 +471,18 @@ class Bench:
                 break
             retok.append(len(ids) - s.tokens)
         pre = [s for s in samples if s.ok and s.tag.startswith("prefill") and s.prompt_tokens is not None]
-        prompt_diff = [s.usage["prompt_tokens"] - s.prompt_tokens for s in pre if s.usage.get("prompt_tokens") is not None]
+        prompt_diff = [
+            s.usage["prompt_tokens"] - s.prompt_tokens for s in pre if s.usage.get("prompt_tokens") is not None
+        ]
         notes = []
         if not engine_diff:
             notes.append("the engine reported no usage in its streams (stream_options.include_usage ignored)")
         elif any(abs(d) > 1 for d in engine_diff):
-            notes.append(f"the engine counts other token numbers than the chunks we saw in {sum(abs(d) > 1 for d in engine_diff)} "
-                         f"of {len(engine_diff)} requests (max difference {max(engine_diff, key=abs)}): chunks may carry "
-                         f"several tokens, rates use the chunks")
+            notes.append(
+                f"the engine counts other token numbers than the chunks we saw in {sum(abs(d) > 1 for d in engine_diff)} "
+                f"of {len(engine_diff)} requests (max difference {max(engine_diff, key=abs)}): chunks may carry "
+                f"several tokens, rates use the chunks"
+            )
         return {"requests_with_usage": len(engine_diff), "completion_minus_chunks": engine_diff[:50],
                 "completion_mismatches": sum(abs(d) > 1 for d in engine_diff),
                 "retokenized_minus_chunks": retok, "prompt_usage_minus_ours": prompt_diff[:50],
@@ -463,7 +498,9 @@ class Bench:
             per_set[name] = {"requests": sum(len(rep[name]) for rep in decode),
                              "tokens": [sum(s.tokens for s in rep[name] if s.ok) for rep in decode]}
         if decode:
-            metrics["decode.all"] = summary([pooled_decode_rate([s for v in rep.values() for s in v]) for rep in decode], "tok/s")
+            metrics["decode.all"] = summary(
+                [pooled_decode_rate([s for v in rep.values() for s in v]) for rep in decode], "tok/s"
+            )
         level_doc = {}
         for n, reps in levels.items():
             agg, overlap, inflight = [], [], []
@@ -477,8 +514,13 @@ class Bench:
             all_s = [s for b in reps for s in b]
             t = ttft_stats(all_s)
             metrics[f"ttft_mean.{n}"] = summary([ttft_stats(b)["mean"] for b in reps], "s")
-            level_doc[str(n)] = {"ttft": t, "overlap": overlap, "max_in_flight": inflight,
-                                 "per_stream_decode": pooled_decode_rate(all_s), "intervals": [intervals(b) for b in reps]}
+            level_doc[str(n)] = {
+                "ttft": t,
+                "overlap": overlap,
+                "max_in_flight": inflight,
+                "per_stream_decode": pooled_decode_rate(all_s),
+                "intervals": [intervals(b) for b in reps],
+            }
         prefill_doc = {}
         for n, reps in prefill.items():
             first, second, warm, cached, lengths = [], [], [], [], []
@@ -497,8 +539,9 @@ class Bench:
             second_gain = float(np.median([100.0 * (b / a - 1) for a, b in pairs])) if pairs else None
             spread = cold["spread_pct"] or 0.0
             prompt_len = float(np.median([x for x in lengths if x])) if any(lengths) else None
-            # a prefix-cache hit makes the second cold several times faster (see warm_over_cold); timing noise on a busy
-            # machine reaches tens of percent, so only a gain beyond both the spread and CACHE_HIT_GAIN_PCT counts as a hit
+            # a prefix-cache hit makes the second cold several times faster (see warm_over_cold); timing noise on a
+            # busy machine reaches tens of percent, so only a gain beyond both the spread and CACHE_HIT_GAIN_PCT
+            # counts as a hit
             cache_ok = (second_gain is None or second_gain <= max(spread, CACHE_HIT_GAIN_PCT)) and \
                        all(c <= max(4, 0.01 * (prompt_len or 0)) for c in cached)
             warm_med = summary(warm, "tok/s")["median"]
@@ -510,13 +553,30 @@ class Bench:
         gen = [s for s in measured if s.ok and not s.tag.startswith("prefill")]
         early = [s.tag for s in gen if s.tokens < cfg.max_tokens and s.finish_reason != "length"]
         errors = [{"tag": s.tag, "error": s.error, "attempts": s.attempts} for s in measured if not s.ok]
-        return {"kind": "fidelity-bench", "version": 1, "engine": cfg.url, "model": cfg.model, "settings": cfg.settings(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": round(time.time() - started, 3),
-                "metrics": metrics, "decode": per_set, "streams": level_doc, "prefill": prefill_doc, "usage_check": usage,
-                "eos": {"ignore_eos_sent": cfg.ignore_eos, "stopped_early": len(early), "of": len(gen), "tags": early[:20],
-                        "tokens_min": min((s.tokens for s in gen), default=None)},
-                "warmup": [{"tag": s.tag, "ok": s.ok, "tokens": s.tokens} for s in warmups],
-                "errors": errors, "requests": {"sent": st.sent, "retries": st.retried, "failed": len(errors)}}
+        return {
+            "kind": "fidelity-bench",
+            "version": 1,
+            "engine": cfg.url,
+            "model": cfg.model,
+            "settings": cfg.settings(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "seconds": round(time.time() - started, 3),
+            "metrics": metrics,
+            "decode": per_set,
+            "streams": level_doc,
+            "prefill": prefill_doc,
+            "usage_check": usage,
+            "eos": {
+                "ignore_eos_sent": cfg.ignore_eos,
+                "stopped_early": len(early),
+                "of": len(gen),
+                "tags": early[:20],
+                "tokens_min": min((s.tokens for s in gen), default=None),
+            },
+            "warmup": [{"tag": s.tag, "ok": s.ok, "tokens": s.tokens} for s in warmups],
+            "errors": errors,
+            "requests": {"sent": st.sent, "retries": st.retried, "failed": len(errors)},
+        }
 
 
 def aa_spread(a: dict, b: dict) -> dict:
@@ -525,7 +585,9 @@ def aa_spread(a: dict, b: dict) -> dict:
     for k, ma in a["metrics"].items():
         mb = b["metrics"].get(k) or {}
         if ma.get("median") and mb.get("median"):
-            out[k] = max(100.0 * abs(mb["median"] / ma["median"] - 1), ma.get("spread_pct") or 0.0, mb.get("spread_pct") or 0.0)
+            out[k] = max(
+                100.0 * abs(mb["median"] / ma["median"] - 1), ma.get("spread_pct") or 0.0, mb.get("spread_pct") or 0.0
+            )
     return out
 
 
@@ -534,8 +596,10 @@ async def run_bench(cfg: BenchConfig) -> dict:
     doc = await Bench(cfg).run_once()
     if cfg.aa:
         second = await Bench(cfg).run_once()
-        doc["aa"] = {"spread_pct": aa_spread(doc, second), "second": {"metrics": second["metrics"], "errors": second["errors"],
-                                                                      "requests": second["requests"]}}
+        doc["aa"] = {
+            "spread_pct": aa_spread(doc, second),
+            "second": {"metrics": second["metrics"], "errors": second["errors"], "requests": second["requests"]},
+        }
         # the document's errors are both runs' failed requests, so its request counts are both runs' too
         doc["errors"] += second["errors"]
         doc["requests"] = {k: doc["requests"][k] + second["requests"][k] for k in ("sent", "retries", "failed")}
@@ -544,7 +608,7 @@ async def run_bench(cfg: BenchConfig) -> dict:
     return doc
 
 
-# ---- what the engine states about itself (after the timed runs) --------------------------------------------------------
+# ---- what the engine states about itself (after the timed runs) ------------------------------------------------------
 
 def is_loopback(url: str) -> bool:
     import ipaddress
@@ -616,14 +680,19 @@ def serving_block(cfg: BenchConfig, before: dict, after: dict) -> dict:
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
         if isinstance(slots, list) and slots and all(isinstance(x, dict) and "n_ctx" in x for x in slots):
             n_ctx = {x["n_ctx"] for x in slots}.pop() if len({x["n_ctx"] for x in slots}) == 1 else None
-        out["llama_cpp"] = {"n_ctx_per_slot": n_ctx, "slots": len(slots) if isinstance(slots, list) else props.get("total_slots")}
+        out["llama_cpp"] = {
+            "n_ctx_per_slot": n_ctx,
+            "slots": len(slots) if isinstance(slots, list) else props.get("total_slots"),
+        }
         why["kv_cache_tokens"] = ("llama.cpp states each slot's context (llama_cpp.n_ctx_per_slot), not the KV cache's "
                                   "size (slots may share one unified cache)")
         why["spec_decode"] = "llama.cpp states no speculative-decoding counters on /props or /slots"
     else:
         why["kv_cache_tokens"] = why["spec_decode"] = f"the engine states no serving facts ({none_said})"
     if not is_loopback(cfg.url):
-        why["memory_pss_bytes"] = why["mem_available_bytes"] = f"the engine is not on this host ({cfg.url} is not loopback)"
+        why["memory_pss_bytes"] = why["mem_available_bytes"] = (
+            f"the engine is not on this host ({cfg.url} is not loopback)"
+        )
         return {**out, "null_reasons": why}
     from .spawn import group_members
     from .vllm import mem_available_bytes, processes_pss_bytes
@@ -638,8 +707,10 @@ def serving_block(cfg: BenchConfig, before: dict, after: dict) -> dict:
         why["memory_pss_bytes"] = f"process {cfg.server_pid} does not exist"
         return {**out, "null_reasons": why}
     if group == os.getpgrp():
-        why["memory_pss_bytes"] = (f"process {cfg.server_pid} is in fidelity's own process group {group}: its memory would "
-                                   f"count fidelity's (start the server in a session of its own, e.g. setsid)")
+        why["memory_pss_bytes"] = (
+            f"process {cfg.server_pid} is in fidelity's own process group {group}: its memory would "
+            f"count fidelity's (start the server in a session of its own, e.g. setsid)"
+        )
         return {**out, "null_reasons": why}
     members = group_members(group)
     out.update(memory_pss_bytes=processes_pss_bytes(members), memory_processes=len(members), memory_process_group=group)
@@ -654,7 +725,7 @@ def spread_of(doc: dict, metric: str) -> float:
     return float((doc["metrics"].get(metric) or {}).get("spread_pct") or 0.0)
 
 
-# ---- comparing two bench documents (the [speed] gate and the ladder) ------------------------------------------------------
+# ---- comparing two bench documents (the [speed] gate and the ladder) -------------------------------------------------
 
 def throughput_metrics(doc: dict) -> list[str]:
     """The higher-is-better metrics of a document: decode, aggregate and prefill tok/s."""
@@ -671,7 +742,12 @@ def compare_bench(base: dict, new: dict, metrics: list[str] | None = None) -> di
         change = None
         if b and n:
             change = 100.0 * (b / n - 1) if m.startswith("ttft") else 100.0 * (n / b - 1)
-        out[m] = {"baseline": b, "new": n, "change_pct": change, "spread_pct": max(spread_of(base, m), spread_of(new, m))}
+        out[m] = {
+            "baseline": b,
+            "new": n,
+            "change_pct": change,
+            "spread_pct": max(spread_of(base, m), spread_of(new, m)),
+        }
     return out
 
 
@@ -726,8 +802,12 @@ async def speed_gate(url: str, model: str, section: dict, *, config_dir=None):
     over = {"repeats": int(section["repeats"])} if "repeats" in section else {}
     new = await run_bench(bench_config_from(base, url, model, **over))
     rows = compare_bench(base, new, section.get("metrics"))
-    measured = {"baseline": str(path), "drop_max_pct": drop_max, "metrics": rows,
-                "bench": {k: new[k] for k in ("metrics", "streams", "prefill", "eos", "usage_check", "requests", "errors")}}
+    measured = {
+        "baseline": str(path),
+        "drop_max_pct": drop_max,
+        "metrics": rows,
+        "bench": {k: new[k] for k in ("metrics", "streams", "prefill", "eos", "usage_check", "requests", "errors")},
+    }
     notes = [] if base.get("aa") else ["the baseline has no A/A spread (bench --aa): the repeats' spread is used"]
     if new["errors"]:
         return GateResult("speed", "error", measured=measured, notes=notes,

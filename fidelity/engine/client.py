@@ -60,7 +60,8 @@ class ClientConfig:
     url: str  # base URL, with or without a trailing /v1
     model: str
     concurrency: int = 4
-    timeout_s: float = 120.0  # one request's deadline: every attempt, read and backoff (the wait for a slot not counted)
+    # one request's deadline: every attempt, read and backoff (the wait for a slot not counted)
+    timeout_s: float = 120.0
     retries: int = 3  # extra attempts after the first, while the deadline allows
     stall_s: float | None = None  # an attempt with no byte for this long is given up (and retried); None: the deadline
     backoff_s: float = 0.5  # first retry delay; doubles each attempt, with jitter
@@ -173,7 +174,7 @@ class EngineClient:
         if self.journal:
             self.journal.close()
 
-    # ---- the one path every request takes -------------------------------------------------------------------------------
+    # ---- the one path every request takes ----------------------------------------------------------------------------
 
     async def post(self, path: str, body: dict, *, tag: str = "", journal: bool = True, check=None,
                    route_probe: bool = False) -> dict:
@@ -228,12 +229,18 @@ class EngineClient:
         tried, slot = _Attempts(), _Slot(self._sem)
         await slot.take()
         try:
-            return await asyncio.wait_for(self._attempts(method, path, body, tag, url, tried, slot), self.config.timeout_s)
+            return await asyncio.wait_for(
+                self._attempts(method, path, body, tag, url, tried, slot), self.config.timeout_s
+            )
         except asyncio.TimeoutError:
             self.stats.errors += 1
-            raise EngineError(f"timed out: no complete answer within the request's deadline of {self.config.timeout_s:g} s "
-                              f"(retries included; --timeout / timeout_s) after {tried.count} attempt(s); "
-                              f"last: {tried.last}", url=url, tag=tag) from None
+            raise EngineError(
+                f"timed out: no complete answer within the request's deadline of {self.config.timeout_s:g} s "
+                f"(retries included; --timeout / timeout_s) after {tried.count} attempt(s); "
+                f"last: {tried.last}",
+                url=url,
+                tag=tag,
+            ) from None
         except EngineHTTPError as e:
             if not (route_probe and e.status in ROUTE_ABSENT):
                 self.stats.errors += 1
@@ -266,7 +273,9 @@ class EngineClient:
                 tried.last = f"HTTP {r.status_code}: {r.text[:200]}"
                 continue
             if r.status_code >= 400:  # counted in stats.errors by _send, unless a route probe's "no such route"
-                raise EngineHTTPError(f"engine answered HTTP {r.status_code}: {r.text[:300]}", status=r.status_code, url=url, tag=tag)
+                raise EngineHTTPError(
+                    f"engine answered HTTP {r.status_code}: {r.text[:300]}", status=r.status_code, url=url, tag=tag
+                )
             try:
                 return r.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -278,7 +287,7 @@ class EngineClient:
     async def get(self, path: str, *, tag: str = "") -> dict:
         return await self._send("GET", path, None, tag)
 
-    # ---- endpoints ------------------------------------------------------------------------------------------------------
+    # ---- endpoints ---------------------------------------------------------------------------------------------------
 
     async def models(self) -> list[str]:
         reply = await self.get("/v1/models")
@@ -291,14 +300,37 @@ class EngineClient:
         """`/v1/completions`. `prompt` is text or token ids (not every server accepts ids). `prompt_logprobs` is vLLM's extension.
         `validate(completion)` raises EngineProtocolError for a reply the caller cannot use (ids outside its vocabulary):
         it is raised here and the reply is not journaled."""
-        body = {"model": self.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                **_given(logprobs=logprobs, echo=True if echo else None, prompt_logprobs=prompt_logprobs, stop=stop or None, seed=seed),
-                **(extra or {})}
+        body = {
+            "model": self.config.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            **_given(
+                logprobs=logprobs,
+                echo=True if echo else None,
+                prompt_logprobs=prompt_logprobs,
+                stop=stop or None,
+                seed=seed,
+            ),
+            **(extra or {}),
+        }
         return await self._call("/v1/completions", body, parse_completion, tag, validate)
 
-    async def chat(self, messages: list[dict], *, max_tokens: int = 256, temperature: float = 0.0, tools: list[dict] | None = None,
-                   tool_choice: str | dict | None = None, logprobs: bool = False, top_logprobs: int | None = None,
-                   stop: list[str] | None = None, seed: int | None = None, extra: dict | None = None, tag: str = "") -> ChatCompletion:
+    async def chat(
+        self,
+        messages: list[dict],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        extra: dict | None = None,
+        tag: str = "",
+    ) -> ChatCompletion:
         """`/v1/chat/completions`, tools included."""
         body = {"model": self.config.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 **_given(tools=tools or None, tool_choice=tool_choice, logprobs=True if logprobs else None,
@@ -326,7 +358,9 @@ class EngineClient:
                                               f"{str(reply)[:200]}", url=self.config.base + route, tag="tokenize")
 
             try:
-                reply = await self.post(route, body, tag="tokenize", check=check, route_probe=self._tokenize_route is None)
+                reply = await self.post(
+                    route, body, tag="tokenize", check=check, route_probe=self._tokenize_route is None
+                )
             except EngineHTTPError as e:
                 if e.status in ROUTE_ABSENT:
                     continue
@@ -343,7 +377,7 @@ def _given(**fields) -> dict:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-# ---- parsing (pure functions, also used by tests on canned replies) ------------------------------------------------------
+# ---- parsing (pure functions, also used by tests on canned replies) --------------------------------------------------
 
 def _choice(reply: dict, url: str, tag: str) -> dict:
     choices = reply.get("choices") if isinstance(reply, dict) else None
@@ -411,8 +445,9 @@ def parse_vllm_prompt_logprobs(pl: list, url: str = "", tag: str = "") -> list[T
         ids, text = {}, {}
         for k, v in pos.items():
             if not (isinstance(k, str) and k.isascii() and k.isdigit()):
-                raise EngineProtocolError(f"prompt_logprobs[{i}] has key {k!r}, not a token id (a non-negative integer)",
-                                          url=url, tag=tag)
+                raise EngineProtocolError(
+                    f"prompt_logprobs[{i}] has key {k!r}, not a token id (a non-negative integer)", url=url, tag=tag
+                )
             lp = v.get("logprob") if isinstance(v, dict) else v
             ids[int(k)] = _number(lp, f"prompt_logprobs[{i}][{k}]", url, tag)
             if isinstance(v, dict) and v.get("decoded_token") is not None:
@@ -466,17 +501,34 @@ def parse_chat(reply: dict, url: str = "", tag: str = "") -> ChatCompletion:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise EngineProtocolError(f"tool_calls[{i}] has no function name", url=url, tag=tag)
         args = fn.get("arguments", "")
-        calls.append(ToolCall(id=tc.get("id"), name=fn["name"], arguments=args if isinstance(args, str) else json.dumps(args)))
+        calls.append(
+            ToolCall(id=tc.get("id"), name=fn["name"], arguments=args if isinstance(args, str) else json.dumps(args))
+        )
     logprobs = None
     content_lp = (ch.get("logprobs") or {}).get("content") if isinstance(ch.get("logprobs"), dict) else None
     if content_lp is not None:
         logprobs = []
         for i, t in enumerate(content_lp):
-            top = {a["token"]: _number(a.get("logprob"), f"content[{i}].top_logprobs", url, tag) for a in t.get("top_logprobs") or []}
-            logprobs.append(TokenLogprob(token=t.get("token", ""), logprob=_number(t.get("logprob"), f"content[{i}].logprob", url, tag),
-                                         top=top, token_id=_token_id(t.get("token", ""))))
-    return ChatCompletion(content=msg.get("content"), tool_calls=calls, finish_reason=ch.get("finish_reason"), logprobs=logprobs,
-                          usage=reply.get("usage") or {}, raw=reply)
+            top = {
+                a["token"]: _number(a.get("logprob"), f"content[{i}].top_logprobs", url, tag)
+                for a in t.get("top_logprobs") or []
+            }
+            logprobs.append(
+                TokenLogprob(
+                    token=t.get("token", ""),
+                    logprob=_number(t.get("logprob"), f"content[{i}].logprob", url, tag),
+                    top=top,
+                    token_id=_token_id(t.get("token", "")),
+                )
+            )
+    return ChatCompletion(
+        content=msg.get("content"),
+        tool_calls=calls,
+        finish_reason=ch.get("finish_reason"),
+        logprobs=logprobs,
+        usage=reply.get("usage") or {},
+        raw=reply,
+    )
 
 
 async def gather_bounded(coros, *, return_exceptions: bool = False):

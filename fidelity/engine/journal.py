@@ -40,7 +40,9 @@ def read_journal_lines(path: Path) -> list[tuple[int, bytes]]:
 def request_key(path: str, body: dict, tag: str = "") -> str:
     """Stable key of one logical request. `tag` separates identical bodies that must be sent separately (e.g. the same
     prompt alone and inside a concurrent batch)."""
-    canon = json.dumps({"path": path, "body": body, "tag": tag}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canon = json.dumps(
+        {"path": path, "body": body, "tag": tag}, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
     return hashlib.sha256(hash_bytes(canon)).hexdigest()
 
 

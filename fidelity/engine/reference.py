@@ -27,7 +27,8 @@ class Reference:
     rows: list[ReferenceRow]
     pieces: list[str]  # decoded text of each token id alone (what engines put in `top_logprobs` keys)
     detokenize: Callable[[list[int]], str]  # ids -> text with special tokens kept, for engines that only take text
-    special_ids: set[int] = field(default_factory=set)  # tokens an engine may leave out of its echo (llama-cpp-python drops BOS)
+    # tokens an engine may leave out of its echo (llama-cpp-python drops BOS)
+    special_ids: set[int] = field(default_factory=set)
 
     def piece_ids(self) -> dict[str, int]:
         """Unambiguous text -> id. Left out (their mass goes to the tail bucket): pieces several ids decode to, and pieces that
@@ -77,9 +78,17 @@ def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
             raise FidelityError(f"reference row {r['id']!r}: scored positions must lie in 1..{len(r['tokens']) - 1}")
         logits = oracle.apply_head(h[torch.tensor(scored) - 1])
         lp = torch.log_softmax(logits.double(), dim=-1).numpy()
-        out.append(ReferenceRow(id=str(r["id"]), domain=str(r.get("domain", "")), tokens=list(r["tokens"]), scored=scored, logprobs=lp))
-    return Reference(rows=out, pieces=token_pieces(tok, oracle.family.vocab_size),
-                     detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False), special_ids=set(tok.all_special_ids))
+        out.append(
+            ReferenceRow(
+                id=str(r["id"]), domain=str(r.get("domain", "")), tokens=list(r["tokens"]), scored=scored, logprobs=lp
+            )
+        )
+    return Reference(
+        rows=out,
+        pieces=token_pieces(tok, oracle.family.vocab_size),
+        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        special_ids=set(tok.all_special_ids),
+    )
 
 
 def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per_domain: int | None = None,
@@ -102,17 +111,23 @@ def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per
             raise FidelityError(f"reading reference store {store_dir} needs the reference pack it was built from "
                                 f"(--reference-pack): its manifest records no pack path")
         if not Path(stored_pack).exists():
-            raise FidelityError(f"reference store {store_dir} was built from reference pack {stored_pack}, which is not "
-                                f"there any more: pass the pack's new place with --reference-pack")
+            raise FidelityError(
+                f"reference store {store_dir} was built from reference pack {stored_pack}, which is not "
+                f"there any more: pass the pack's new place with --reference-pack"
+            )
         reference_pack = stored_pack
     if panel is None and stored_panel is not None:
         if not Path(stored_panel).exists():
-            raise FidelityError(f"reference store {store_dir} was built on panel {stored_panel}, which is not there any "
-                                f"more: pass the panel's new place with --panel")
+            raise FidelityError(
+                f"reference store {store_dir} was built on panel {stored_panel}, which is not there any "
+                f"more: pass the panel's new place with --panel"
+            )
         panel = stored_panel
     ref_pack, panel, rows, tok_fp = prepare(reference_pack, panel)
-    oracle = _oracle(ref_pack, device, read_manifest(store_dir).get("oracle_numerics", "exact"))   # the store's own
-    run = load_store(store_dir, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp, oracle=oracle)
+    oracle = _oracle(ref_pack, device, read_manifest(store_dir).get("oracle_numerics", "exact"))  # the store's own
+    run = load_store(
+        store_dir, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp, oracle=oracle
+    )
     keep, seen = [], {}
     for i, r in enumerate(run.rows):
         if rows_per_domain is None or seen.get(r.domain, 0) < rows_per_domain:
@@ -127,5 +142,9 @@ def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per
         out.append(ReferenceRow(id=r.id, domain=r.domain, tokens=list(r.tokens), scored=scored,
                                 logprobs=torch.log_softmax(logits.double(), dim=-1).numpy()))
     tok = load_tokenizer(ref_pack)
-    return Reference(rows=out, pieces=token_pieces(tok, oracle.family.vocab_size),
-                     detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False), special_ids=set(tok.all_special_ids))
+    return Reference(
+        rows=out,
+        pieces=token_pieces(tok, oracle.family.vocab_size),
+        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        special_ids=set(tok.all_special_ids),
+    )

@@ -116,7 +116,9 @@ class OracleEngine:
     def _name(self, tok: int, as_ids: bool) -> str:
         return f"token_id:{tok}" if as_ids else self.pieces[tok]
 
-    def legacy_logprobs(self, rows: list[tuple[int, torch.Tensor | None]], k: int, as_ids: bool, text_start: int = 0) -> dict:
+    def legacy_logprobs(
+        self, rows: list[tuple[int, torch.Tensor | None]], k: int, as_ids: bool, text_start: int = 0
+    ) -> dict:
         tokens, values, tops, offsets, off = [], [], [], [], text_start
         for tok, lp in rows:
             tokens.append(self._name(tok, as_ids))
@@ -148,8 +150,14 @@ class OracleEngine:
         with self.lock:
             need_prompt = (echo and k is not None) or req.get("prompt_logprobs") is not None
             prompt_lp = self.logprobs(ids) if need_prompt else None
-            gen, finish = self.generate(ids, max_tokens, float(req.get("temperature", 1.0) or 0.0), req.get("seed"), stop,
-                                        first=prompt_lp[-1] if prompt_lp is not None else None)
+            gen, finish = self.generate(
+                ids,
+                max_tokens,
+                float(req.get("temperature", 1.0) or 0.0),
+                req.get("seed"),
+                stop,
+                first=prompt_lp[-1] if prompt_lp is not None else None,
+            )
         text = self.tokenizer.decode([s.token for s in gen])
         prompt_text = self.tokenizer.decode(ids)
         choice = {"index": 0, "text": (prompt_text if echo else "") + text, "finish_reason": finish, "logprobs": None}
@@ -165,19 +173,30 @@ class OracleEngine:
                 entry = {}
                 if pk > 0:
                     v, i = torch.topk(lp, min(pk, lp.numel()))
-                    entry = {str(idx): {"logprob": val, "decoded_token": self.pieces[idx]} for val, idx in zip(v.tolist(), i.tolist())}
+                    entry = {
+                        str(idx): {"logprob": val, "decoded_token": self.pieces[idx]}
+                        for val, idx in zip(v.tolist(), i.tolist())
+                    }
                 entry.setdefault(str(ids[t]), {"logprob": float(lp[ids[t]]), "decoded_token": self.pieces[ids[t]]})
                 pl.append(entry)
             choice["prompt_logprobs"] = pl
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)}}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)},
+        }
 
     def chat(self, req: dict) -> dict:
         messages = req.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=req.get("tools"), add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=req.get("tools"), add_generation_prompt=True, tokenize=False
+            )
         except Exception as e:
             raise BadRequest(f"the chat template failed on these messages: {type(e).__name__}: {e}")
         ids = self.encode(text)
@@ -185,15 +204,22 @@ class OracleEngine:
         stop = req.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         with self.lock:
-            gen, finish = self.generate(ids, max_tokens, float(req.get("temperature", 1.0) or 0.0), req.get("seed"), stop)
+            gen, finish = self.generate(
+                ids, max_tokens, float(req.get("temperature", 1.0) or 0.0), req.get("seed"), stop
+            )
         toks = [s.token for s in gen if s.token not in self.eos]
         content = self.tokenizer.decode(toks, skip_special_tokens=True)
         calls = []
         for i, m in enumerate(re.finditer(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", content, re.S)):
             try:
                 obj = json.loads(m.group(1))
-                calls.append({"id": f"call_{i}", "type": "function",
-                              "function": {"name": str(obj.get("name")), "arguments": json.dumps(obj.get("arguments", {}))}})
+                calls.append(
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {"name": str(obj.get("name")), "arguments": json.dumps(obj.get("arguments", {}))},
+                    }
+                )
             except json.JSONDecodeError:
                 pass
         msg = {"role": "assistant", "content": content if not calls else None}
@@ -209,18 +235,29 @@ class OracleEngine:
                 if k:
                     v, i = torch.topk(s.logprobs, k)
                     top = [{"token": self.pieces[idx], "logprob": val} for val, idx in zip(v.tolist(), i.tolist())]
-                content_lp.append({"token": self.pieces[s.token], "logprob": float(s.logprobs[s.token]), "top_logprobs": top})
+                content_lp.append(
+                    {"token": self.pieces[s.token], "logprob": float(s.logprobs[s.token]), "top_logprobs": top}
+                )
             choice["logprobs"] = {"content": content_lp}
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)}}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)},
+        }
 
     def tokenize(self, req: dict) -> dict:
         text = req.get("prompt", req.get("content", req.get("input")))
         if not isinstance(text, str):
             raise BadRequest("tokenize needs 'prompt' (or 'content') text")
         ids = self.tokenizer.encode(text, add_special_tokens=bool(req.get("add_special_tokens", False)))
-        return {"tokens": ids, "count": len(ids), "max_model_len": int(self.pack.config.get("max_position_embeddings", 0) or 0)}
+        return {
+            "tokens": ids,
+            "count": len(ids),
+            "max_model_len": int(self.pack.config.get("max_position_embeddings", 0) or 0),
+        }
 
     def detokenize(self, req: dict) -> dict:
         return {"prompt": self.tokenizer.decode(self.encode(req.get("tokens") or []))}
@@ -250,7 +287,10 @@ def make_handler(engine: OracleEngine):
 
         def do_GET(self):
             if self.path.split("?")[0] in ("/v1/models", "/models"):
-                return self.send_json(200, {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "fidelity"}]})
+                return self.send_json(
+                    200,
+                    {"object": "list", "data": [{"id": engine.model_name, "object": "model", "owned_by": "fidelity"}]},
+                )
             if self.path.split("?")[0] == "/health":
                 return self.send_json(200, {"status": "ok"})
             self.send_json(404, {"error": {"message": f"no route {self.path}"}})
@@ -278,8 +318,16 @@ def make_handler(engine: OracleEngine):
     return Handler
 
 
-def serve(pack, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, device: str = "cpu", ready=None,
-          numerics: str = "exact", activation_budget: int | None = None):
+def serve(
+    pack,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str | None = None,
+    device: str = "cpu",
+    ready=None,
+    numerics: str = "exact",
+    activation_budget: int | None = None,
+):
     engine = OracleEngine(pack, model_name=model_name, device=device, numerics=numerics,
                           activation_budget=activation_budget)
     httpd = ThreadingHTTPServer((host, port), make_handler(engine))

@@ -33,7 +33,8 @@ class VllmServe:
     dtype: str = "float32"
     max_logprobs: int = 20  # oracle-kl's top_k may not exceed it
     prefix_caching: bool = True
-    prompt_tokens_details: bool = True  # usage.prompt_tokens_details.cached_tokens: bench checks its cold prefills with it
+    # usage.prompt_tokens_details.cached_tokens: bench checks its cold prefills with it
+    prompt_tokens_details: bool = True
     enforce_eager: bool = False  # no torch.compile: ~20 s to start instead of ~80 s on 2 cores, other numerics
     kv_cache_gib: float | None = None  # VLLM_CPU_KVCACHE_SPACE (the CPU build's KV cache size)
     speculative: dict | None = None  # --speculative-config, e.g. {"model": DRAFT_FOLDER, "num_speculative_tokens": 3}
@@ -122,11 +123,15 @@ class SpecDecode:
         """Mean accepted length (tokens per target step: accepted / drafts + the target's own token), first-draft
         acceptance and acceptance per position (accepted at position i / drafts), draft-token acceptance rate."""
         d = self.drafts
-        return {"drafts": d, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
-                "mean_accepted_length": 1 + self.accepted / d if d else None,
-                "first_draft_acceptance": self.accepted_per_position[0] / d if d and self.accepted_per_position else None,
-                "acceptance_per_position": [a / d for a in self.accepted_per_position] if d else None,
-                "draft_acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else None}
+        return {
+            "drafts": d,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "mean_accepted_length": 1 + self.accepted / d if d else None,
+            "first_draft_acceptance": self.accepted_per_position[0] / d if d and self.accepted_per_position else None,
+            "acceptance_per_position": [a / d for a in self.accepted_per_position] if d else None,
+            "draft_acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else None,
+        }
 
 
 @dataclass
@@ -163,12 +168,16 @@ def facts_from_metrics(samples: list[Sample]) -> ServingFacts:
                           _one(samples, "vllm:spec_decode_num_accepted_tokens_total") or 0.0,
                           [per[i] for i in sorted(per)])
     return ServingFacts(
-        kv_cache_tokens=_int_label(cache, "kv_cache_size_tokens"), kv_cache_bytes=_int_label(cache, "kv_cache_memory_bytes"),
-        block_size=_int_label(cache, "block_size"), kv_blocks=_int_label(cache, "num_gpu_blocks"),
+        kv_cache_tokens=_int_label(cache, "kv_cache_size_tokens"),
+        kv_cache_bytes=_int_label(cache, "kv_cache_memory_bytes"),
+        block_size=_int_label(cache, "block_size"),
+        kv_blocks=_int_label(cache, "num_gpu_blocks"),
         prefix_cache_queries=_one(samples, "vllm:prefix_cache_queries_total"),
         prefix_cache_hits=_one(samples, "vllm:prefix_cache_hits_total"),
         prompt_tokens=_one(samples, "vllm:prompt_tokens_total"),
-        generation_tokens=_one(samples, "vllm:generation_tokens_total"), spec_decode=spec)
+        generation_tokens=_one(samples, "vllm:generation_tokens_total"),
+        spec_decode=spec,
+    )
 
 
 def read_facts(url: str, timeout_s: float = 10.0) -> ServingFacts:

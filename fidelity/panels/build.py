@@ -82,9 +82,18 @@ def request_messages(messages: list[dict]) -> list[dict]:
     for m in messages:
         m = {k: v for k, v in m.items() if k != "truncated"}
         if m.get("tool_calls"):
-            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": c["function"]["arguments"]
-                                if isinstance(c["function"]["arguments"], str) else json.dumps(c["function"]["arguments"])}}
-                               for c in m["tool_calls"]]
+            m["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": c["function"]["arguments"]
+                        if isinstance(c["function"]["arguments"], str)
+                        else json.dumps(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
         out.append(m)
     return out
 
@@ -98,13 +107,21 @@ def answer_message(prompt: Prompt, reply, where: str) -> dict:
     if isinstance(reasoning, str) and reasoning:
         msg["reasoning_content"] = reasoning
     if reply.tool_calls:
-        msg["tool_calls"] = [{"id": c.id or f"{prompt.id}-call{j}", "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}} for j, c in enumerate(reply.tool_calls)]
+        msg["tool_calls"] = [
+            {
+                "id": c.id or f"{prompt.id}-call{j}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for j, c in enumerate(reply.tool_calls)
+        ]
     if not (msg["content"] or msg.get("tool_calls") or msg.get("reasoning_content")):
         raise PanelError(f"{where}: the engine answered with nothing (finish_reason {reply.finish_reason!r})")
     if reply.finish_reason == "length":
         if msg.get("tool_calls"):
-            raise PanelError(f"{where}: the engine stopped at the token limit inside a tool call; raise --max-new-tokens")
+            raise PanelError(
+                f"{where}: the engine stopped at the token limit inside a tool call; raise --max-new-tokens"
+            )
         msg["truncated"] = True
     return msg
 
@@ -122,9 +139,15 @@ async def _answer_all(prompts: list[Prompt], url: str, model: str, settings: Eng
     async with EngineClient(cfg) as client:
         async def one(p: Prompt):
             try:
-                reply = await client.chat(request_messages(p.messages), tools=p.tools, max_tokens=settings.max_new_tokens,
-                                          temperature=settings.temperature, seed=settings.seed, extra=extra,
-                                          tag=f"panel:{p.id}")
+                reply = await client.chat(
+                    request_messages(p.messages),
+                    tools=p.tools,
+                    max_tokens=settings.max_new_tokens,
+                    temperature=settings.temperature,
+                    seed=settings.seed,
+                    extra=extra,
+                    tag=f"panel:{p.id}",
+                )
             except EngineError as e:
                 raise PanelError(f"row {p.id!r} ({p.domain}): the engine failed: {e}; the answers so far are kept in "
                                  f"{journal} and a rerun of the same command resumes from them") from None
@@ -158,18 +181,28 @@ def build_panel_from_engine(prompts: str | Path, url: str, model: str, out: str 
         answer = answer_message(p, reply, where)
         reasons[str(reply.finish_reason)] += 1
         served.add(reply.raw.get("model"))
-        obj = {"id": p.id, "domain": p.domain, "messages": p.messages + [answer], **({"tools": p.tools} if p.tools else {}),
-               **({"chat_template_kwargs": settings.template_kwargs()} if settings.thinking else {}),
-               **({} if score_reasoning else {"score_reasoning": False})}
+        obj = {
+            "id": p.id,
+            "domain": p.domain,
+            "messages": p.messages + [answer],
+            **({"tools": p.tools} if p.tools else {}),
+            **({"chat_template_kwargs": settings.template_kwargs()} if settings.thinking else {}),
+            **({} if score_reasoning else {"score_reasoning": False}),
+        }
         rows.append(parse_row(obj, f"answer of {where}"))
     truncated = sum(1 for r in rows if r.messages[-1].get("truncated"))
     answers = {"engine": url, "model": model, "served_model": sorted(m for m in served if m),
                "settings": asdict(settings), "finish_reasons": dict(reasons), "truncated_rows": truncated,
                "requests": {"sent": stats.sent, "from_journal": stats.journal_hits, "journal": JOURNAL_FILE}}
-    sources = [{"part": "prompts", "source": Path(prompts).name, "license": license},
-               {"part": "answers", "source": f"answers of {model} served at {url} "
-                                             f"({'greedy' if settings.temperature == 0 else f'temperature {settings.temperature:g}'}, "
-                                             f"max {settings.max_new_tokens} new tokens, thinking {settings.thinking or 'engine default'})",
-                "license": "model output"}]
+    sources = [
+        {"part": "prompts", "source": Path(prompts).name, "license": license},
+        {
+            "part": "answers",
+            "source": f"answers of {model} served at {url} "
+            f"({'greedy' if settings.temperature == 0 else f'temperature {settings.temperature:g}'}, "
+            f"max {settings.max_new_tokens} new tokens, thinking {settings.thinking or 'engine default'})",
+            "license": "model output",
+        },
+    ]
     return write_panel(out, rows, name=name or out.name, description=description, sources=sources,
                        extra={"answers": answers})

@@ -124,7 +124,9 @@ def against_texts(source: str, fields: list[str] | None = None) -> Iterator[tupl
     elif path.suffix == ".txt":
         yield str(path), path.read_text(encoding="utf-8")
     else:
-        raise PanelError(f"{path}: check against .txt, .jsonl(.gz), .json, .parquet files, folders of them, or suite:NAME")
+        raise PanelError(
+            f"{path}: check against .txt, .jsonl(.gz), .json, .parquet files, folders of them, or suite:NAME"
+        )
 
 
 def row_parts(row, tokenizer) -> Iterator[tuple[str, str]]:

@@ -28,7 +28,9 @@ def find_encoder(pack_dir: str | Path, *, trust_pack_code: bool = False):
     folder = Path(pack_dir).expanduser() / "encoding"
     files = sorted(folder.glob("*.py")) if folder.is_dir() else []
     if not files:
-        raise PanelError(f"{Path(pack_dir)}: no encoding/*.py in the pack folder (its chat format is its chat template)")
+        raise PanelError(
+            f"{Path(pack_dir)}: no encoding/*.py in the pack folder (its chat format is its chat template)"
+        )
     if not trust_pack_code:
         raise PanelError(f"{folder}: rendering through {', '.join(f.name for f in files)} runs the pack's own Python "
                          f"code; pass --trust-pack-code (trust_pack_code=True) if you trust this pack")

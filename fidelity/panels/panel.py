@@ -86,7 +86,9 @@ class Panel:
             if seen.get(r.domain, 0) < per_domain:
                 rows.append(r)
                 seen[r.domain] = seen.get(r.domain, 0) + 1
-        return Panel(f"{self.name}[{per_domain}/domain]", rows, rows_sha256(rows), self.description, self.sources, self.path)
+        return Panel(
+            f"{self.name}[{per_domain}/domain]", rows, rows_sha256(rows), self.description, self.sources, self.path
+        )
 
 
 @dataclass
@@ -373,8 +375,17 @@ def _load_folder(path: Path) -> Panel:
                  manifest.get("sources", []), path)
 
 
-def load_hf_panel(name: str, *, split: str = "train", data_files=None, id_field: str = "id", domain_field: str = "domain",
-                  messages_field: str = "messages", text_field: str = "text", **load_kwargs) -> Panel:
+def load_hf_panel(
+    name: str,
+    *,
+    split: str = "train",
+    data_files=None,
+    id_field: str = "id",
+    domain_field: str = "domain",
+    messages_field: str = "messages",
+    text_field: str = "text",
+    **load_kwargs,
+) -> Panel:
     """Rows from `datasets.load_dataset(name, split=split, data_files=...)`: a hub dataset id, or a builder such as
     "json" / "parquet" with local `data_files`. Field names map the dataset's columns onto a panel row."""
     try:
@@ -446,8 +457,10 @@ def tokenize_row(row: PanelRow, tokenizer, *, max_len: int | None = None, trunca
     truncated, tokens_cut, scored_cut = False, 0, 0
     if max_len is not None and len(tokens) > max_len:
         if not truncate:
-            raise PanelError(f"row {row.id!r} ({row.domain}) is {len(tokens)} tokens, longer than the model's context "
-                             f"of {max_len}; shorten it or pass truncate=True (--truncate) to score its first {max_len}")
+            raise PanelError(
+                f"row {row.id!r} ({row.domain}) is {len(tokens)} tokens, longer than the model's context "
+                f"of {max_len}; shorten it or pass truncate=True (--truncate) to score its first {max_len}"
+            )
         tokens_cut, scored_cut = len(tokens) - max_len, sum(scored[max_len:])
         tokens, scored, truncated = tokens[:max_len], scored[:max_len], True
     out = TokenizedRow(row.id, row.domain, tokens, scored, truncated, tokens_cut, scored_cut)
@@ -507,8 +520,10 @@ def template_messages(row: PanelRow, template: str) -> list[dict]:
             msg["tool_calls"] = calls
         if m.get("reasoning_content"):
             if key is None:
-                raise PanelError(f"row {row.id!r}: message {i} has reasoning_content, but the pack's chat template reads "
-                                 f"no reasoning (neither 'reasoning_content' nor 'thinking'), so it cannot be rendered")
+                raise PanelError(
+                    f"row {row.id!r}: message {i} has reasoning_content, but the pack's chat template reads "
+                    f"no reasoning (neither 'reasoning_content' nor 'thinking'), so it cannot be rendered"
+                )
             msg[key] = m["reasoning_content"]
         if m["role"] == "tool":
             msg["tool_call_id"] = m["tool_call_id"]

@@ -28,9 +28,13 @@ def iter_documents(source: str, field: str = "text") -> Iterator[str]:
         try:
             ds = datasets.load_dataset(name, split=split or "train")
         except Exception as e:
-            raise PanelError(f"datasets cannot load {name!r} (split {split or 'train'!r}): {type(e).__name__}: {e}") from None
+            raise PanelError(
+                f"datasets cannot load {name!r} (split {split or 'train'!r}): {type(e).__name__}: {e}"
+            ) from None
         if field not in ds.column_names:
-            raise PanelError(f"{source}: no field {field!r} (fields: {', '.join(ds.column_names)}); choose one with --field")
+            raise PanelError(
+                f"{source}: no field {field!r} (fields: {', '.join(ds.column_names)}); choose one with --field"
+            )
         for i, rec in enumerate(ds):
             yield _text(rec.get(field), f"{source} row {i}", field)
         return
@@ -49,7 +53,9 @@ def iter_documents(source: str, field: str = "text") -> Iterator[str]:
 
         table = pq.read_table(path)
         if field not in table.column_names:
-            raise PanelError(f"{path}: no column {field!r} (columns: {', '.join(table.column_names)}); choose one with --field")
+            raise PanelError(
+                f"{path}: no column {field!r} (columns: {', '.join(table.column_names)}); choose one with --field"
+            )
         for i, value in enumerate(table.column(field).to_pylist()):
             yield _text(value, f"{path} row {i}", field)
     else:

@@ -69,7 +69,15 @@ def encode(obj, depth=0):
     if isinstance(obj, Decimal):
         return {"D": Decimal.__str__(obj)}  # exact: every digit, the exponent, the sign of zero, NaN payloads
     if isinstance(obj, (list, tuple, set, frozenset)):
-        tag = "l" if isinstance(obj, list) else "t" if isinstance(obj, tuple) else "f" if isinstance(obj, frozenset) else "s"
+        tag = (
+            "l"
+            if isinstance(obj, list)
+            else "t"
+            if isinstance(obj, tuple)
+            else "f"
+            if isinstance(obj, frozenset)
+            else "s"
+        )
         return {tag: [encode(x, depth + 1) for x in obj]}
     if isinstance(obj, dict):
         return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in obj.items()]}

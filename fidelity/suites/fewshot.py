@@ -30,7 +30,9 @@ def chat_messages(description: str, shots: list[tuple[str, str]], question: str)
     return [{"role": "system", "content": description}, user] if description else [user]
 
 
-def exact_match(prediction: str, reference: str, *, regexes_to_ignore=(), ignore_case=False, ignore_punctuation=False) -> bool:
+def exact_match(
+    prediction: str, reference: str, *, regexes_to_ignore=(), ignore_case=False, ignore_punctuation=False
+) -> bool:
     """lm-eval's `exact_match` (HF evaluate's): each regex removed from both sides in order, then lower case, then ASCII
     punctuation removed; no whitespace stripping."""
     for pattern in regexes_to_ignore:
@@ -83,7 +85,9 @@ def hub_rows(suite: str, path: str, name: str, splits: dict[str, str]) -> tuple[
         for tag, split in splits.items():
             rows += [{**dict(r), "split": tag} for r in datasets.load_dataset(path, name, split=split)]
     except Exception as e:  # offline, or no `datasets`
-        raise ConfigError(f"{suite}: cannot load {path} ({type(e).__name__}: {str(e)[:200]}); pass a local jsonl with --data")
+        raise ConfigError(
+            f"{suite}: cannot load {path} ({type(e).__name__}: {str(e)[:200]}); pass a local jsonl with --data"
+        )
     blob = "\n".join(json.dumps(r, sort_keys=True) for r in rows).encode()
     return rows, {"source": f"hf:{path}/{name}", "sha256": hashlib.sha256(blob).hexdigest(), "rows": len(rows)}
 

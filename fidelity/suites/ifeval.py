@@ -57,8 +57,10 @@ def load_checkers():
 
     spec = importlib.util.find_spec("lm_eval")
     if spec is None:
-        raise ConfigError("ifeval needs lm-eval's instruction checkers: pip install --no-deps lm-eval==0.4.13 langdetect "
-                          "immutabledict nltk (see .ci/install-test-deps)")
+        raise ConfigError(
+            "ifeval needs lm-eval's instruction checkers: pip install --no-deps lm-eval==0.4.13 langdetect "
+            "immutabledict nltk (see .ci/install-test-deps)"
+        )
     folder = Path(spec.submodule_search_locations[0]) / "tasks" / "ifeval"
     created = []
     for pkg, path in (("lm_eval.tasks", folder.parent), ("lm_eval.tasks.ifeval", folder)):
@@ -139,14 +141,24 @@ def score_response(row: dict, response: str) -> Outcome:
     followed = strict.follow_instruction_list
     failed = [i for i, ok in zip(row["instruction_id_list"], followed) if not ok]
     loose_followed = loose.follow_instruction_list
-    return Outcome(extracted=response, passed=bool(strict.follow_all_instructions), score=sum(followed) / len(followed),
-                   verdict="all instructions followed" if not failed else "not followed: " + ", ".join(failed),
-                   details={"strict": list(followed), "loose": list(loose.follow_instruction_list),
-                            "prompt_loose": bool(loose.follow_all_instructions), "instructions": row["instruction_id_list"]},
-                   metrics={"prompt_level_strict_acc": bool(strict.follow_all_instructions),
-                            "inst_level_strict_acc": (sum(followed), len(followed)),
-                            "prompt_level_loose_acc": bool(loose.follow_all_instructions),
-                            "inst_level_loose_acc": (sum(loose_followed), len(loose_followed))})
+    return Outcome(
+        extracted=response,
+        passed=bool(strict.follow_all_instructions),
+        score=sum(followed) / len(followed),
+        verdict="all instructions followed" if not failed else "not followed: " + ", ".join(failed),
+        details={
+            "strict": list(followed),
+            "loose": list(loose.follow_instruction_list),
+            "prompt_loose": bool(loose.follow_all_instructions),
+            "instructions": row["instruction_id_list"],
+        },
+        metrics={
+            "prompt_level_strict_acc": bool(strict.follow_all_instructions),
+            "inst_level_strict_acc": (sum(followed), len(followed)),
+            "prompt_level_loose_acc": bool(loose.follow_all_instructions),
+            "inst_level_loose_acc": (sum(loose_followed), len(loose_followed)),
+        },
+    )
 
 
 REQUIRED = ("key", "prompt", "instruction_id_list", "kwargs")
@@ -194,11 +206,17 @@ class IFEval(Suite):
 
                     ds = datasets.load_dataset("google/IFEval", split="train")
                 except Exception as e:  # offline, or no `datasets`
-                    raise ConfigError(f"ifeval: cannot load google/IFEval ({type(e).__name__}: {str(e)[:200]}); pass a local "
-                                      f"input_data.jsonl with --data")
+                    raise ConfigError(
+                        f"ifeval: cannot load google/IFEval ({type(e).__name__}: {str(e)[:200]}); pass a local "
+                        f"input_data.jsonl with --data"
+                    )
                 rows = [dict(r) for r in ds]
                 blob = "\n".join(json.dumps(r, sort_keys=True) for r in rows).encode()
-                self._source = {"source": "hf:google/IFEval", "sha256": hashlib.sha256(blob).hexdigest(), "prompts": len(rows)}
+                self._source = {
+                    "source": "hf:google/IFEval",
+                    "sha256": hashlib.sha256(blob).hexdigest(),
+                    "prompts": len(rows),
+                }
                 where = "google/IFEval"
             _check_rows(rows, where)
             for r in rows:  # the HF copy fills absent arguments with None; the checkers want them absent

@@ -71,7 +71,9 @@ class MMLU(FewshotSuite):
             where = "cais/mmlu"
         for i, r in enumerate(rows):
             if not (isinstance(r["choices"], list) and len(r["choices"]) == 4):
-                raise ConfigError(f"mmlu: {where} row {i + 1} (subject {r['subject']!r}) has {len(r['choices'])} choices, not 4")
+                raise ConfigError(
+                    f"mmlu: {where} row {i + 1} (subject {r['subject']!r}) has {len(r['choices'])} choices, not 4"
+                )
             r["letter"] = _letter(r["answer"], f"{where} row {i + 1}")
         return rows, source, where
 

@@ -35,37 +35,176 @@ from ..errors import ConfigError
 from ..registry import SUITES
 from .runner import Item, Outcome, Settings, Suite
 
-STDLIB_MODULES = ["argparse", "asyncio.events", "collections", "csv", "decimal", "difflib", "email.message", "json", "logging",
-                  "pickle", "re", "string", "textwrap", "unittest.case", "zipfile", "tarfile", "subprocess", "threading",
-                  "typing", "pathlib", "functools", "itertools", "heapq", "bisect", "shutil", "tempfile", "socket", "ssl",
-                  "sqlite3", "datetime", "calendar", "random", "statistics", "fractions", "inspect", "dataclasses", "enum",
-                  "contextlib", "io", "os", "codecs", "locale", "gettext", "http.client", "urllib.parse", "xml.dom.minidom"]
-KEYS_A = ["amber", "silent", "northern", "velvet", "hollow", "crimson", "gentle", "rapid", "frozen", "golden", "quiet", "bitter"]
-KEYS_B = ["harbor", "lantern", "meadow", "falcon", "orchard", "glacier", "compass", "violin", "canyon", "beacon", "ember", "willow"]
+STDLIB_MODULES = [
+    "argparse",
+    "asyncio.events",
+    "collections",
+    "csv",
+    "decimal",
+    "difflib",
+    "email.message",
+    "json",
+    "logging",
+    "pickle",
+    "re",
+    "string",
+    "textwrap",
+    "unittest.case",
+    "zipfile",
+    "tarfile",
+    "subprocess",
+    "threading",
+    "typing",
+    "pathlib",
+    "functools",
+    "itertools",
+    "heapq",
+    "bisect",
+    "shutil",
+    "tempfile",
+    "socket",
+    "ssl",
+    "sqlite3",
+    "datetime",
+    "calendar",
+    "random",
+    "statistics",
+    "fractions",
+    "inspect",
+    "dataclasses",
+    "enum",
+    "contextlib",
+    "io",
+    "os",
+    "codecs",
+    "locale",
+    "gettext",
+    "http.client",
+    "urllib.parse",
+    "xml.dom.minidom",
+]
+KEYS_A = [
+    "amber",
+    "silent",
+    "northern",
+    "velvet",
+    "hollow",
+    "crimson",
+    "gentle",
+    "rapid",
+    "frozen",
+    "golden",
+    "quiet",
+    "bitter",
+]
+KEYS_B = [
+    "harbor",
+    "lantern",
+    "meadow",
+    "falcon",
+    "orchard",
+    "glacier",
+    "compass",
+    "violin",
+    "canyon",
+    "beacon",
+    "ember",
+    "willow",
+]
 INTRO = "Below is a long text. Somewhere in it is a special magic number. Read it and answer the question after it.\n\n"
-INTRO_KEYS = ("Below is a long text. Somewhere in it are {n} special magic numbers, each for its own key. Read it and answer "
-              "the question after it.\n\n")
+INTRO_KEYS = (
+    "Below is a long text. Somewhere in it are {n} special magic numbers, each for its own key. Read it and answer "
+    "the question after it.\n\n"
+)
 GENERATOR_VERSION = 1  # bump when generated_haystack's output changes (the manifest records it)
-SUBJECTS = ["the old miller", "a young clerk", "the river pilot", "our neighbour", "the night watchman", "a travelling "
-            "painter", "the harbour master", "an elderly weaver", "the village teacher", "a quiet gardener", "the baker's "
-            "daughter", "a visiting surveyor", "the lighthouse keeper", "the orchard keeper", "a wandering fiddler",
-            "the ferry captain", "the town archivist", "a patient shepherd", "the glassblower", "the station porter"]
+SUBJECTS = [
+    "the old miller",
+    "a young clerk",
+    "the river pilot",
+    "our neighbour",
+    "the night watchman",
+    "a travelling painter",
+    "the harbour master",
+    "an elderly weaver",
+    "the village teacher",
+    "a quiet gardener",
+    "the baker's daughter",
+    "a visiting surveyor",
+    "the lighthouse keeper",
+    "the orchard keeper",
+    "a wandering fiddler",
+    "the ferry captain",
+    "the town archivist",
+    "a patient shepherd",
+    "the glassblower",
+    "the station porter",
+]
 VERBS = ["carried", "mended", "painted", "counted", "described", "remembered", "polished", "measured", "gathered",
          "followed", "studied", "folded", "repaired", "sketched", "weighed", "sorted", "admired", "questioned",
          "borrowed", "returned"]
-OBJECTS = ["a basket of pears", "the broken lantern", "an old map of the coast", "the copper kettle", "a bundle of letters",
-           "the heavy oak door", "a jar of honey", "the faded banner", "a crate of apples", "the worn saddle",
-           "a ledger of accounts", "the silver buttons", "a coil of rope", "the brass compass", "a sack of flour",
-           "the painted shutters", "a roll of linen", "the iron gate", "a box of candles", "the wooden sled"]
-PLACES = ["near the mill", "by the stone bridge", "behind the chapel", "along the canal", "at the edge of the forest",
-          "inside the granary", "under the market arches", "beside the well", "on the hill road", "in the walled garden",
-          "across the meadow", "at the ferry landing", "past the customs house", "below the ridge", "in the boathouse"]
-TIMES = ["before dawn", "in the late afternoon", "after the first frost", "during the spring fair", "on a windy evening",
-         "at midsummer", "when the bells rang", "after the long rain", "early one morning", "as the tide turned"]
-REMARKS = ["Nobody thought much of it at the time.", "The weather had been mild for weeks.", "It was a small thing, but it "
-           "was remembered.", "Later that week the roads were closed.", "The story was told differently by everyone.",
-           "Some said it happened every year.", "The market was busier than usual.", "Nothing else of note occurred.",
-           "A few people stopped to watch.", "The lamps were lit early that day."]
+OBJECTS = [
+    "a basket of pears",
+    "the broken lantern",
+    "an old map of the coast",
+    "the copper kettle",
+    "a bundle of letters",
+    "the heavy oak door",
+    "a jar of honey",
+    "the faded banner",
+    "a crate of apples",
+    "the worn saddle",
+    "a ledger of accounts",
+    "the silver buttons",
+    "a coil of rope",
+    "the brass compass",
+    "a sack of flour",
+    "the painted shutters",
+    "a roll of linen",
+    "the iron gate",
+    "a box of candles",
+    "the wooden sled",
+]
+PLACES = [
+    "near the mill",
+    "by the stone bridge",
+    "behind the chapel",
+    "along the canal",
+    "at the edge of the forest",
+    "inside the granary",
+    "under the market arches",
+    "beside the well",
+    "on the hill road",
+    "in the walled garden",
+    "across the meadow",
+    "at the ferry landing",
+    "past the customs house",
+    "below the ridge",
+    "in the boathouse",
+]
+TIMES = [
+    "before dawn",
+    "in the late afternoon",
+    "after the first frost",
+    "during the spring fair",
+    "on a windy evening",
+    "at midsummer",
+    "when the bells rang",
+    "after the long rain",
+    "early one morning",
+    "as the tide turned",
+]
+REMARKS = [
+    "Nobody thought much of it at the time.",
+    "The weather had been mild for weeks.",
+    "It was a small thing, but it was remembered.",
+    "Later that week the roads were closed.",
+    "The story was told differently by everyone.",
+    "Some said it happened every year.",
+    "The market was busier than usual.",
+    "Nothing else of note occurred.",
+    "A few people stopped to watch.",
+    "The lamps were lit early that day.",
+]
 
 
 def stdlib_haystack() -> str:
@@ -78,7 +217,11 @@ def stdlib_haystack() -> str:
         docs = [inspect.getdoc(mod) or ""]
         for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
             obj = getattr(mod, attr, None)
-            if not attr.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == mod.__name__:
+            if (
+                not attr.startswith("_")
+                and (inspect.isclass(obj) or inspect.isfunction(obj))
+                and obj.__module__ == mod.__name__
+            ):
                 docs.append(inspect.getdoc(obj) or "")
         parts.extend(d for d in docs if len(d) > 80)
     return _clean("\n\n".join(parts))
@@ -170,8 +313,10 @@ def build_multi_prompt(filler: str, needles: list[tuple[str, str]], depths: list
     body = insert_at_depths(filler, [(needle_sentence(k, v), d) for (k, v), d in zip(needles, depths)])
     keys = [k for k, _ in needles]
     asked = ", ".join(keys[:-1]) + f" and {keys[-1]}"
-    return (f"{INTRO_KEYS.format(n=len(needles))}{body}\n\nWhat are the special magic numbers for {asked} mentioned in the "
-            f"text above? Answer with one line per key: the key, a colon, and its number.")
+    return (
+        f"{INTRO_KEYS.format(n=len(needles))}{body}\n\nWhat are the special magic numbers for {asked} mentioned in the "
+        f"text above? Answer with one line per key: the key, a colon, and its number."
+    )
 
 
 def _numbers(text: str) -> list[str]:
@@ -244,11 +389,22 @@ class Needle(Suite):
     default_max_tokens = 24
     group_by = "cell"
 
-    def __init__(self, data: str | None = None, lengths=(1024, 2048), depths=(0.0, 0.5, 1.0), seeds: int = 2, keys: int = 1,
-                 haystack: str = "stdlib", haystack_seed: int = 0, context: int | None = None,
-                 tokenizer: str | None = None):
+    def __init__(
+        self,
+        data: str | None = None,
+        lengths=(1024, 2048),
+        depths=(0.0, 0.5, 1.0),
+        seeds: int = 2,
+        keys: int = 1,
+        haystack: str = "stdlib",
+        haystack_seed: int = 0,
+        context: int | None = None,
+        tokenizer: str | None = None,
+    ):
         self.data, self.kind, self.haystack_seed = data, haystack, int(haystack_seed)
-        self.lengths = [x if x == "max" else int(x) for x in (parse_lengths(lengths) if isinstance(lengths, str) else lengths)]
+        self.lengths = [
+            x if x == "max" else int(x) for x in (parse_lengths(lengths) if isinstance(lengths, str) else lengths)
+        ]
         self.depths, self.seeds, self.keys = [float(d) for d in depths], int(seeds), int(keys)
         self.context, self.tokenizer = context, tokenizer
         if any(not 0 <= d <= 1 for d in self.depths):
@@ -273,7 +429,11 @@ class Needle(Suite):
             src = "python stdlib docstrings"
         else:
             src = f"generated prose, seed {self.haystack_seed} (generator v{GENERATOR_VERSION})"
-        text = self.haystack[: self.used_chars] if self.kind == "generated" and not self.data and self.used_chars else self.haystack
+        text = (
+            self.haystack[: self.used_chars]
+            if self.kind == "generated" and not self.data and self.used_chars
+            else self.haystack
+        )
         return {"source": src, "sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text)}
 
     def config(self) -> dict:
@@ -310,7 +470,9 @@ class Needle(Suite):
         for it in items:
             d = it.data
             pairs = needles_for(d["seed"] * 7919 + d["length"] * 31 + int(d["depth"] * 1000), self.haystack, self.keys)
-            d["needles"] = [{"key": k, "value": v, "depth": kd} for (k, v), kd in zip(pairs, key_depths(d["depth"], self.keys))]
+            d["needles"] = [
+                {"key": k, "value": v, "depth": kd} for (k, v), kd in zip(pairs, key_depths(d["depth"], self.keys))
+            ]
             d["key"], d["value"] = pairs[0]
             it.prompt = build_multi_prompt(fillers[d["length"]], pairs, [n["depth"] for n in d["needles"]])
             d["prompt_tokens"] = await counter.count(it.prompt) if counter.cheap else None
@@ -324,7 +486,9 @@ class Needle(Suite):
         """Longest haystack prefix whose prompt, needles included, fits in `budget` tokens (bisection on characters);
         a generated haystack grows until it is long enough."""
         if budget < 64:
-            raise ConfigError(f"needle: a context length leaves only {budget} tokens for the prompt after the answer's room")
+            raise ConfigError(
+                f"needle: a context length leaves only {budget} tokens for the prompt after the answer's room"
+            )
         whole = await counter.count(self._probe(len(self.haystack)))
         while whole <= budget and self.kind == "generated" and not self.data:
             self.haystack = generated_haystack(self.haystack_seed, 2 * len(self.haystack))
@@ -362,8 +526,11 @@ class Needle(Suite):
         if len(needles) == 1:
             verdict = "found" if ok else f"expected {needles[0]['value']}, answered {got[0] or 'no number'}"
         else:
-            missed = [f"{n['key']}: expected {n['value']}, answered {g or 'no number'}" for g, n, f in zip(got, needles, found)
-                      if not f]
+            missed = [
+                f"{n['key']}: expected {n['value']}, answered {g or 'no number'}"
+                for g, n, f in zip(got, needles, found)
+                if not f
+            ]
             verdict = f"found all {len(needles)} keys" if ok else "; ".join(missed)
         return Outcome(extracted=",".join(got), passed=ok, verdict=verdict, metrics={"keys": (sum(found), len(found))},
                        details={"length": d["length"], "depth": d["depth"], "cell": f"L{d['length']} d{d['depth']:g}",

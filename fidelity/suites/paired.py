@@ -21,7 +21,9 @@ from scipy import stats
 
 from .records import RunError, read_manifest, read_records
 
-EXACT_MAX_DISCORDANT = 25  # below this many discordant pairs McNemar uses the exact binomial test, else the mid-p version
+EXACT_MAX_DISCORDANT = (
+    25  # below this many discordant pairs McNemar uses the exact binomial test, else the mid-p version
+)
 
 
 @dataclass
@@ -101,8 +103,16 @@ def _pairs(a, b):
     changed = both["prompt_hash_a"] != both["prompt_hash_b"]
     err_a, err_b = both["error_a"].astype(bool), both["error_b"].astype(bool)
     usable = both[~changed & ~err_a & ~err_b]
-    report = {"only_in_a": only_a, "only_in_b": only_b, "prompt_changed": sorted(both.loc[changed, "item_id"]),
-              "errors": {"a": int(err_a.sum()), "b": int(err_b.sum()), "excluded_pairs": int((~changed & (err_a | err_b)).sum())}}
+    report = {
+        "only_in_a": only_a,
+        "only_in_b": only_b,
+        "prompt_changed": sorted(both.loc[changed, "item_id"]),
+        "errors": {
+            "a": int(err_a.sum()),
+            "b": int(err_b.sum()),
+            "excluded_pairs": int((~changed & (err_a | err_b)).sum()),
+        },
+    }
     return usable, report
 
 
@@ -219,11 +229,20 @@ def paired_reasoning(usable) -> dict | None:
         unit, key = "characters", "chars"
     a = np.array([x[key] for x, _ in both], dtype=np.float64)
     b = np.array([y[key] for _, y in both], dtype=np.float64)
-    out = {"unit": unit, "items": len(both), "with_reasoning_a": int((a > 0).sum()), "with_reasoning_b": int((b > 0).sum()),
-           "mean_a": float(a.mean()), "mean_b": float(b.mean())}
+    out = {
+        "unit": unit,
+        "items": len(both),
+        "with_reasoning_a": int((a > 0).sum()),
+        "with_reasoning_b": int((b > 0).sum()),
+        "mean_a": float(a.mean()),
+        "mean_b": float(b.mean()),
+    }
     if not (a > 0).any() and not (b > 0).any():
-        return {**out, "note": "no reply on either side carried separated reasoning (thinking off, or the engine has no "
-                               "reasoning parser and left it in the content)"}
+        return {
+            **out,
+            "note": "no reply on either side carried separated reasoning (thinking off, or the engine has no "
+            "reasoning parser and left it in the content)",
+        }
     d = b - a
     t, w = paired_t(d), wilcoxon(d)
     pct = 100.0 * (out["mean_b"] / out["mean_a"] - 1) if out["mean_a"] > 0 else None
@@ -245,7 +264,10 @@ def compare_runs(run_a: str | Path, run_b: str | Path, *, threshold_points: floa
                  aa: bool = False, exact_max: int = EXACT_MAX_DISCORDANT) -> dict:
     ma, mb = read_manifest(run_a), read_manifest(run_b)
     if ma.get("suite") != mb.get("suite"):
-        raise RunError(f"runs are of different suites: {ma.get('suite')!r} vs {mb.get('suite')!r}", file=Path(run_b) / "manifest.json")
+        raise RunError(
+            f"runs are of different suites: {ma.get('suite')!r} vs {mb.get('suite')!r}",
+            file=Path(run_b) / "manifest.json",
+        )
     usable, report = _pairs(read_records(run_a), read_records(run_b))
     n = len(usable)
     out = {"suite": ma["suite"], "a": str(run_a), "b": str(run_b), "mode": "A/A" if aa else "A/B", "n_items": n,

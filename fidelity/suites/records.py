@@ -53,10 +53,23 @@ class Record:
 NEW_COLUMNS = {"finish_reason": "", "metrics": "{}", "lone_surrogates": False}
 
 
-SCHEMA = pa.schema([("item_id", pa.string()), ("passed", pa.bool_()), ("score", pa.float64()), ("prompt_hash", pa.string()),
-                    ("request", pa.string()), ("response", pa.string()), ("extracted", pa.string()), ("verdict", pa.string()),
-                    ("error", pa.string()), ("latency_s", pa.float64()), ("details", pa.string()),
-                    ("finish_reason", pa.string()), ("metrics", pa.string())])
+SCHEMA = pa.schema(
+    [
+        ("item_id", pa.string()),
+        ("passed", pa.bool_()),
+        ("score", pa.float64()),
+        ("prompt_hash", pa.string()),
+        ("request", pa.string()),
+        ("response", pa.string()),
+        ("extracted", pa.string()),
+        ("verdict", pa.string()),
+        ("error", pa.string()),
+        ("latency_s", pa.float64()),
+        ("details", pa.string()),
+        ("finish_reason", pa.string()),
+        ("metrics", pa.string()),
+    ]
+)
 TEXT_COLUMNS = [f.name for f in SCHEMA if f.type == pa.string()]
 PARQUET_SCHEMA = SCHEMA.append(pa.field("lone_surrogates", pa.bool_()))  # the records' columns and the escape mark
 

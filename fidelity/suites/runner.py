@@ -1,4 +1,5 @@
 """Runs one suite against an OpenAI-compatible engine: items → requests (greedy by default) → scored records, resumable."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,8 @@ class Outcome:
     score: float | None = None
     verdict: str = ""
     details: dict = field(default_factory=dict)
-    # named metrics: name -> bool (one trial) or (followed, of) (IFEval's instructions of one prompt); summaries pool them
-    # over items as sum(followed) / sum(of), the way evalplus and lm-eval aggregate
+    # named metrics: name -> bool (one trial) or (followed, of) (IFEval's instructions of one prompt); summaries pool
+    # them over items as sum(followed) / sum(of), the way evalplus and lm-eval aggregate
     metrics: dict = field(default_factory=dict)
 
 
@@ -56,7 +57,8 @@ class Settings:
     mode: str = "chat"  # "chat" or "completion"
     max_tokens: int | None = None  # None: the suite's default
     temperature: float = 0.0
-    thinking: bool | None = None  # both template keys (`chat_options.thinking_template_kwargs`); None: the template's default
+    # both template keys (`chat_options.thinking_template_kwargs`); None: the template's default
+    thinking: bool | None = None
     limit: int | None = None  # the first N items
     seed: int = 0  # the engine's sampling seed (sent with every request)
     sample: int | None = None  # a random subset of N items, drawn with `sample_seed`, kept in dataset order
@@ -164,7 +166,9 @@ async def _ask(client, body: dict, tag: str):
     return chat.content or "", calls, getattr(chat, "finish_reason", None) or "", chat
 
 
-def manifest_for(suite: Suite, settings: Settings, engine: str, model: str, items: list[Item], isolation: str | None) -> dict:
+def manifest_for(
+    suite: Suite, settings: Settings, engine: str, model: str, items: list[Item], isolation: str | None
+) -> dict:
     return {"suite": suite.name, "metric": suite.metric, "data": suite.source(), "suite_config": suite.config(),
             "engine": engine, "model": model, "settings": asdict(settings), "items": [it.item_id for it in items],
             "sandbox": isolation, "unsafe_no_sandbox": bool(isolation and isolation.startswith("UNSAFE")),
@@ -193,11 +197,13 @@ class RunSummary:
     errors: int
     passed: int | None
     mean_score: float | None
-    metrics: dict = field(default_factory=dict)  # name -> {"followed", "of", "rate"} pooled over the items without error
+    # name -> {"followed", "of", "rate"} pooled over the items without error
+    metrics: dict = field(default_factory=dict)
     finish_reasons: dict = field(default_factory=dict)  # finish_reason -> items ("" where the engine gave none)
     cut_by_limit: int = 0  # items whose reply ended at the token limit (finish_reason "length")
     reasoning: dict | None = None  # `reasoning_summary` (None in completion mode)
-    suite: dict = field(default_factory=dict)  # `Suite.summarize`: needle's length x depth grid, toolcall's integrity, ...
+    # `Suite.summarize`: needle's length x depth grid, toolcall's integrity, ...
+    suite: dict = field(default_factory=dict)
 
 
 def pooled_metrics(records: list[Record]) -> dict:
@@ -228,10 +234,16 @@ def reasoning_summary(records: list[Record]) -> dict | None:
     if not rs:
         return None
     tokens = [r["tokens"] for r in rs if r.get("tokens") is not None]
-    return {"items": len(rs), "with_reasoning": sum(r["chars"] > 0 for r in rs), "chars_mean": sum(r["chars"] for r in rs) / len(rs),
-            "tokens_items": len(tokens), "tokens_total": sum(tokens), "tokens_mean": sum(tokens) / len(tokens) if tokens else None,
-            "tokens_median": float(statistics.median(tokens)) if tokens else None,
-            "tokens_from": dict(Counter(r.get("tokens_from") for r in rs))}
+    return {
+        "items": len(rs),
+        "with_reasoning": sum(r["chars"] > 0 for r in rs),
+        "chars_mean": sum(r["chars"] for r in rs) / len(rs),
+        "tokens_items": len(tokens),
+        "tokens_total": sum(tokens),
+        "tokens_mean": sum(tokens) / len(tokens) if tokens else None,
+        "tokens_median": float(statistics.median(tokens)) if tokens else None,
+        "tokens_from": dict(Counter(r.get("tokens_from") for r in rs)),
+    }
 
 
 def run_summary(records: list[Record], suite: Suite | None = None) -> dict:
@@ -290,8 +302,18 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
             try:
                 text, calls, finish, chat = await _ask(client, body, tag=f"{suite.name}:{item.item_id}")
             except EngineError as e:
-                rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), "", "", "engine error", str(e),
-                             time.monotonic() - t0)
+                rec = Record(
+                    item.item_id,
+                    None,
+                    None,
+                    prompt_hash(body),
+                    json.dumps(body),
+                    "",
+                    "",
+                    "engine error",
+                    str(e),
+                    time.monotonic() - t0,
+                )
             else:
                 latency = time.monotonic() - t0
                 reasoning = await reasoning_length(client, chat) if chat is not None else None
@@ -299,8 +321,19 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
                 try:
                     out = await asyncio.to_thread(suite.score, item, text, calls)
                 except Exception as e:  # a scorer bug must not sink the run nor count against the model
-                    rec = Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), response, "", "scorer error",
-                                 f"scorer error: {type(e).__name__}: {e}", latency, finish_reason=finish)
+                    rec = Record(
+                        item.item_id,
+                        None,
+                        None,
+                        prompt_hash(body),
+                        json.dumps(body),
+                        response,
+                        "",
+                        "scorer error",
+                        f"scorer error: {type(e).__name__}: {e}",
+                        latency,
+                        finish_reason=finish,
+                    )
                 else:
                     details = {**out.details, "reasoning": reasoning} if reasoning is not None else out.details
                     rec = Record(item.item_id, out.passed, out.score, prompt_hash(body), json.dumps(body), response,

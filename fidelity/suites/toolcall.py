@@ -92,8 +92,10 @@ def bfcl():
             from bfcl_eval.eval_checker.ast_eval import ast_checker as checker
             from bfcl_eval import utils
         except ImportError as e:
-            raise ConfigError(f"toolcall needs bfcl-eval's data and checker: pip install --no-deps bfcl-eval==2026.3.23 "
-                              f"(see .ci/install-test-deps): {e}")
+            raise ConfigError(
+                f"toolcall needs bfcl-eval's data and checker: pip install --no-deps bfcl-eval==2026.3.23 "
+                f"(see .ci/install-test-deps): {e}"
+            )
         finally:
             for name, mod in saved.items():
                 if mod is not None:
@@ -256,7 +258,9 @@ class ToolCall(Suite):
             if not rid or not r.get("question") or "function" not in r:
                 raise ConfigError(f"toolcall: {path}: row {rid!r} lacks id/question/function")
             if len(r["question"]) != 1:
-                raise ConfigError(f"toolcall: {path}: row {rid!r} is multi-turn; only single-turn categories are supported")
+                raise ConfigError(
+                    f"toolcall: {path}: row {rid!r} is multi-turn; only single-turn categories are supported"
+                )
             for f in r["function"]:
                 if "name" not in f or "parameters" not in f:
                     raise ConfigError(f"toolcall: {path}: row {rid!r} has a function without name/parameters")
@@ -298,7 +302,10 @@ class ToolCall(Suite):
             names += bool(matches)
             for answer in matches:
                 doc = b.find_description(row["function"], next(iter(answer)))
-                if doc is not None and b.simple_function_checker(doc, call, answer, language_of(cat), MODEL_NAME)["valid"]:
+                if (
+                    doc is not None
+                    and b.simple_function_checker(doc, call, answer, language_of(cat), MODEL_NAME)["valid"]
+                ):
                     args_ok += 1
                     break
         return names, args_ok
@@ -314,10 +321,16 @@ class ToolCall(Suite):
         if cat in NO_ANSWER:
             called = decoded is not None and not b.is_empty_output(decoded)
             if cat == "live_relevance":
-                return called, "called a function" if called else f"no call decodes ({decode_error or 'empty calls'})", \
-                    {} if called else {"error_type": "relevance_error:decoder_failed"}
-            return not called, "no call, as none fits" if not called else f"called {len(decoded)} function(s) though none " \
-                "fits", {} if not called else {"error_type": "irrelevance_error:decoder_success"}
+                return (
+                    called,
+                    "called a function" if called else f"no call decodes ({decode_error or 'empty calls'})",
+                    {} if called else {"error_type": "relevance_error:decoder_failed"},
+                )
+            return (
+                not called,
+                "no call, as none fits" if not called else f"called {len(decoded)} function(s) though none fits",
+                {} if not called else {"error_type": "irrelevance_error:decoder_success"},
+            )
         if decoded is None:
             return False, decode_error, {"error_type": "ast_decoder:decoder_failed"}
         if not b.is_function_calling_format_output(decoded):

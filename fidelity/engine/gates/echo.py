@@ -23,6 +23,7 @@ SAME_ENGINE_KL = 1e-3  # an engine's two answers for one context differ by less 
 
 class EchoedRow:
     """A panel row as oracle-kl sent it and the engine echoed it back: `where` maps a reference position to its entry."""
+
     row_id: str
     prompt: list[int] | str
     echoed: list[TokenLogprob | None]
@@ -38,7 +39,9 @@ async def diagnose_echo(client: EngineClient, probe: EchoedRow | None, top_k: in
     own = {}
     if probe is not None:
         echoed = probe.echoed
-        nxt = await client.completion(probe.prompt, max_tokens=1, logprobs=top_k, tag=f"oracle-kl/next-token/{probe.row_id}")
+        nxt = await client.completion(
+            probe.prompt, max_tokens=1, logprobs=top_k, tag=f"oracle-kl/next-token/{probe.row_id}"
+        )
         after = probe.where[max(probe.where)] + 1  # where the echo should hold the distribution after the row
         if nxt.logprobs and nxt.logprobs[0].top:
             own = {k: [topk_kl(nxt.logprobs[0].top, echoed[after - k].top)] for k in (0, *ECHO_SHIFTS)
@@ -48,11 +51,16 @@ async def diagnose_echo(client: EngineClient, probe: EchoedRow | None, top_k: in
         return
     shift = d or own_d
     result.measured["echo_shift"] = shift
-    note = misalignment_note(shift, means if d else own_means,
-                             "against the reference" if d else f"row {probe.row_id}: the engine's own next-token answer")
+    note = misalignment_note(
+        shift,
+        means if d else own_means,
+        "against the reference" if d else f"row {probe.row_id}: the engine's own next-token answer",
+    )
     if d and own_d == d:
-        note += (f" Confirmed by the engine itself: its next-token logprobs after row {probe.row_id} are the echo's entry "
-                 f"{d} position{'s' * (abs(d) > 1)} {'earlier' if d > 0 else 'later'}.")
+        note += (
+            f" Confirmed by the engine itself: its next-token logprobs after row {probe.row_id} are the echo's entry "
+            f"{d} position{'s' * (abs(d) > 1)} {'earlier' if d > 0 else 'later'}."
+        )
     result.notes.insert(0, note)
 
 
@@ -73,16 +81,20 @@ def echo_shift(kl_by_shift: dict[int, list[float]]) -> tuple[int, dict[int, floa
 def misalignment_note(d: int, means: dict[int, float], what: str) -> str:
     which = "after" if d > 0 else "before"
     n = abs(d)
-    fix = ("llama-cpp-python does this when a prompt does not start with BOS. Fix to try: start every prompt with the BOS "
-           "token (gate.toml [settings] prompt_prefix = the BOS text; for oracle-kl a panel and store whose rows begin "
-           "with BOS), or gate an engine that returns prompt_logprobs by id ([settings] prompt_logprobs = true, vLLM)"
-           if d == 1 else
-           "Fix to try: check how the engine builds echo logprobs (the entry for a token must hold the distribution that "
-           "predicted it), or use prompt_logprobs ([settings] prompt_logprobs = true, vLLM)")
+    fix = (
+        "llama-cpp-python does this when a prompt does not start with BOS. Fix to try: start every prompt with the BOS "
+        "token (gate.toml [settings] prompt_prefix = the BOS text; for oracle-kl a panel and store whose rows begin "
+        "with BOS), or gate an engine that returns prompt_logprobs by id ([settings] prompt_logprobs = true, vLLM)"
+        if d == 1
+        else "Fix to try: check how the engine builds echo logprobs (the entry for a token must hold the distribution that "
+        "predicted it), or use prompt_logprobs ([settings] prompt_logprobs = true, vLLM)"
+    )
     returned = f"{means[0]:.4g}" if 0 in means else "no entry"
-    return (f"echo misalignment: the engine's echo logprobs are shifted by {d:+d} position{'s' * (n > 1)}: the entry for "
-            f"each token holds the distribution of the token {n} {which} it ({what}: mean KL {returned} as returned, "
-            f"{means[d]:.4g} shifted by {d:+d}); the measurement above compares misaligned positions. {fix}")
+    return (
+        f"echo misalignment: the engine's echo logprobs are shifted by {d:+d} position{'s' * (n > 1)}: the entry for "
+        f"each token holds the distribution of the token {n} {which} it ({what}: mean KL {returned} as returned, "
+        f"{means[d]:.4g} shifted by {d:+d}); the measurement above compares misaligned positions. {fix}"
+    )
 
 
 def oracle_echo_shifts(row: ReferenceRow, echoed: list, where: dict[int, int], piece_ids: dict[str, int],

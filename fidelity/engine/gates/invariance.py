@@ -21,16 +21,20 @@ from .settings import (GateResult, GateSettings, coverage_error, gate_thresholds
                        verdict)
 
 
-# ---- batch-invariance ---------------------------------------------------------------------------------------------------
+# ---- batch-invariance ------------------------------------------------------------------------------------------------
 
 async def batch_invariance(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
     prompts = [s.prompt_prefix + p for p in s.prompts]
     notes = []
     if client.config.concurrency < max(s.batch_sizes):
-        notes.append(f"client concurrency {client.config.concurrency} < batch size {max(s.batch_sizes)}: batches are smaller than asked")
+        notes.append(
+            f"client concurrency {client.config.concurrency} < batch size {max(s.batch_sizes)}: batches are smaller than asked"
+        )
 
     async def one(i: int, tag: str) -> Completion:
-        c = await client.completion(prompts[i], max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"batch-invariance/{tag}/{i}")
+        c = await client.completion(
+            prompts[i], max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"batch-invariance/{tag}/{i}"
+        )
         need_logprobs(c, f"prompt {i}")
         return c
 
@@ -68,7 +72,7 @@ async def _run_batch_invariance(call: GateCall, name: str, thresholds: dict | No
     return await run_gate(name, batch_invariance, call.client, call.settings, thresholds)
 
 
-# ---- decode-vs-prefill --------------------------------------------------------------------------------------------------
+# ---- decode-vs-prefill -----------------------------------------------------------------------------------------------
 
 
 async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
@@ -78,7 +82,9 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
     flush_prompt = s.prompt_prefix + "Unrelated text to evict single-entry caches."
 
     async def generate(i: int) -> Completion:
-        gen = await client.completion(prompts[i], max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"decode-vs-prefill/gen/{i}")
+        gen = await client.completion(
+            prompts[i], max_tokens=s.max_tokens, logprobs=s.top_k, tag=f"decode-vs-prefill/gen/{i}"
+        )
         need_logprobs(gen, f"prompt {i} generation")
         return gen
 
@@ -96,7 +102,9 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
     rows, notes = [], []
     for i, gen, decoded, prefilled in done:
         if [t.token for t in prefilled] != [t.token for t in decoded]:
-            notes.append(f"prompt {i}: prompt+generation re-tokenizes differently; compared up to the first differing token")
+            notes.append(
+                f"prompt {i}: prompt+generation re-tokenizes differently; compared up to the first differing token"
+            )
         d = compare_positions(decoded, prefilled)
         deltas = [abs(a.logprob - b.logprob) for a, b in zip(decoded, prefilled)
                   if a.token == b.token and a.logprob is not None and b.logprob is not None]
@@ -110,7 +118,9 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
         return short
     n = sum(r["positions"] for r in rows)
     if n == 0:
-        return GateResult("decode-vs-prefill", "error", error="no generated position could be aligned with its prefill", notes=notes)
+        return GateResult(
+            "decode-vs-prefill", "error", error="no generated position could be aligned with its prefill", notes=notes
+        )
     few = too_little_evidence("decode-vs-prefill", sum(r["positions"] > 0 for r in rows), n, thresholds,
                               "aligned generated positions")
     if few:
@@ -120,8 +130,13 @@ async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: d
                 "kl_mean": float(sum(r["kl_mean"] * r["positions"] for r in rows) / n), "positions": n}
     scored = [r for r in rows if r["positions"]]
     worst_prompt = max(scored, key=lambda r: r["kl_mean"])        # self-consistency "worst mean": per prompt
-    measured.update({"worst_prompt_kl_mean": worst_prompt["kl_mean"], "worst_prompt": worst_prompt["prompt"],
-                     "prompts": [{k: r[k] for k in ("prompt", "positions", "kl_mean", "max_abs_dlogprob")} for r in rows]})
+    measured.update(
+        {
+            "worst_prompt_kl_mean": worst_prompt["kl_mean"],
+            "worst_prompt": worst_prompt["prompt"],
+            "prompts": [{k: r[k] for k in ("prompt", "positions", "kl_mean", "max_abs_dlogprob")} for r in rows],
+        }
+    )
     worst = sorted(rows, key=lambda r: -r["max_abs_dlogprob"])[: s.worst]
     th = gate_thresholds("decode-vs-prefill", thresholds)
     result = verdict("decode-vs-prefill", threshold_checks(th, measured), measured=measured, worst=worst, notes=notes)
@@ -158,7 +173,7 @@ async def _run_decode_vs_prefill(call: GateCall, name: str, thresholds: dict | N
     return await run_gate(name, decode_vs_prefill, call.client, call.settings, thresholds)
 
 
-# ---- prefix-cache -------------------------------------------------------------------------------------------------------
+# ---- prefix-cache ----------------------------------------------------------------------------------------------------
 
 
 PREFIX_CACHE_NOTE = ("cold: each case's first request (its prompts begin with a nonce of their own, so nothing cached "

@@ -8,8 +8,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...measuring.stats import (NONNEGATIVE, SHARE, SIGNED, UNIT, RatioBootstrap, RowGroups, add_rows_worse, ratio_scopes,
-                                row_scopes, rows_worse, rows_worse_share)
+from ...measuring.stats import (
+    NONNEGATIVE,
+    SHARE,
+    SIGNED,
+    UNIT,
+    RatioBootstrap,
+    RowGroups,
+    add_rows_worse,
+    ratio_scopes,
+    row_scopes,
+    rows_worse,
+    rows_worse_share,
+)
 from ..client import Completion, EngineClient, EngineError, EngineProtocolError, TokenLogprob
 from ..reference import Reference, ReferenceRow
 from .echo import EchoedRow, diagnose_echo, oracle_echo_shifts
@@ -67,13 +78,14 @@ async def _run_oracle_kl(call: GateCall, name: str, thresholds: dict | None) -> 
     return await run_gate(name, oracle_kl, call.client, ref, call.settings, thresholds, prompt_as=call.prompt_as)
 
 
-# ---- one row ------------------------------------------------------------------------------------------------------------
+# ---- one row ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class ScoredRow:
     """One panel row as the engine answered it: its compared positions, one record per position for the gate's worst
     list (row, position, token, KL, both top-1s), its KLs per echo shift and the echo itself (for the echo diagnosis)."""
+
     row: ReferenceRow
     positions: list[PositionKL]
     records: list[dict]
@@ -176,7 +188,9 @@ def _same_token(tl: TokenLogprob | None, tok: int, ref: Reference) -> bool:
     return tl.token == piece or "\ufffd" in piece or (tok in ref.special_ids and tl.token == "")
 
 
-def align_echo(row: ReferenceRow, echoed: list[TokenLogprob | None], ref: Reference, generated: int = 0) -> dict[int, int]:
+def align_echo(
+    row: ReferenceRow, echoed: list[TokenLogprob | None], ref: Reference, generated: int = 0
+) -> dict[int, int]:
     """Reference position -> index in the engine's echo, whose last `generated` entries (at most) are generated tokens.
     Engines may leave special tokens out (a leading BOS, or every BOS); any other difference means the engine saw other
     tokens, which is an error, not a measurement."""
@@ -189,15 +203,21 @@ def align_echo(row: ReferenceRow, echoed: list[TokenLogprob | None], ref: Refere
             continue
         else:
             got = echoed[e].token if e < len(echoed) and echoed[e] is not None else "<end of echo>"
-            raise EngineError(f"row {row.id} position {t}: engine echoed {got!r}, the reference has {ref.pieces[tok]!r} "
-                              f"(the engine tokenized the row differently)", tag=f"oracle-kl/{row.id}")
+            raise EngineError(
+                f"row {row.id} position {t}: engine echoed {got!r}, the reference has {ref.pieces[tok]!r} "
+                f"(the engine tokenized the row differently)",
+                tag=f"oracle-kl/{row.id}",
+            )
     if not 0 <= len(echoed) - e <= generated:
-        raise EngineError(f"row {row.id}: engine echoed {len(echoed)} tokens ({generated} generated), {e} matched the reference row of "
-                          f"{len(row.tokens)}", tag=f"oracle-kl/{row.id}")
+        raise EngineError(
+            f"row {row.id}: engine echoed {len(echoed)} tokens ({generated} generated), {e} matched the reference row of "
+            f"{len(row.tokens)}",
+            tag=f"oracle-kl/{row.id}",
+        )
     return where
 
 
-# ---- the gate's numbers -------------------------------------------------------------------------------------------------
+# ---- the gate's numbers ----------------------------------------------------------------------------------------------
 
 
 def oracle_kl_measured(answered: list[ScoredRow], covered: list[tuple[str, int, int]], s: GateSettings) -> dict:
@@ -208,12 +228,20 @@ def oracle_kl_measured(answered: list[ScoredRow], covered: list[tuple[str, int, 
     kl = np.array([p.kl for p in all_pos])
     tail = np.array([p.tail_mass for p in all_pos])
     told = [p.top1_agree for p in all_pos if p.top1_agree is not None]
-    measured = {"kl_mean": float(kl.mean()), "top1": float(np.mean(told)) if told else float("nan"),
-                "top1_undecidable": len(all_pos) - len(told),
-                "kl_max": float(kl.max()), "kl_p99": float(np.quantile(kl, 0.99)), "positions": len(all_pos), "rows": len(rows),
-                "coverage": len(all_pos) / sum(e for _, _, e in covered),
-                "ref_tail_mass_mean": float(tail.mean()), "ref_tail_mass_max": float(tail.max()), "top_k": s.top_k,
-                "estimator": ESTIMATOR}
+    measured = {
+        "kl_mean": float(kl.mean()),
+        "top1": float(np.mean(told)) if told else float("nan"),
+        "top1_undecidable": len(all_pos) - len(told),
+        "kl_max": float(kl.max()),
+        "kl_p99": float(np.quantile(kl, 0.99)),
+        "positions": len(all_pos),
+        "rows": len(rows),
+        "coverage": len(all_pos) / sum(e for _, _, e in covered),
+        "ref_tail_mass_mean": float(tail.mean()),
+        "ref_tail_mass_max": float(tail.max()),
+        "top_k": s.top_k,
+        "estimator": ESTIMATOR,
+    }
     measured["rows_worst"] = sorted(rows, key=lambda r: -r["kl_mean"])[: s.worst]
     measured.update(oracle_kl_statistics([(r.row, r.positions) for r in answered], n_boot=s.bootstrap))
     return measured
@@ -222,17 +250,27 @@ def oracle_kl_measured(answered: list[ScoredRow], covered: list[tuple[str, int, 
 def _row_summary(r: ScoredRow) -> dict:
     per = r.positions
     told = [p.top1_agree for p in per if p.top1_agree is not None]
-    return {"row": r.row.id, "domain": r.row.domain, "positions": len(per), "kl_mean": float(np.mean([p.kl for p in per])),
-            "kl_max": max(p.kl for p in per), "top1": float(np.mean(told)) if told else None,
-            "tail_mass_max": max(p.tail_mass for p in per)}
+    return {
+        "row": r.row.id,
+        "domain": r.row.domain,
+        "positions": len(per),
+        "kl_mean": float(np.mean([p.kl for p in per])),
+        "kl_max": max(p.kl for p in per),
+        "top1": float(np.mean(told)) if told else None,
+        "tail_mass_max": max(p.tail_mass for p in per),
+    }
 
 
-def oracle_kl_statistics(by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_boot: int = 2000, seed: int = 0) -> dict:
+def oracle_kl_statistics(
+    by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_boot: int = 2000, seed: int = 0
+) -> dict:
     """oracle-kl's numbers with compare's statistics (fidelity.measuring.stats: row-bootstrap 95% intervals stratified by
     domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1 agreement
     (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's, ΔNLL
     (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
-    groups = RowGroups.build(np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row])
+    groups = RowGroups.build(
+        np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row]
+    )
     pos = [p for _, per in by_row for p in per]
     told = np.array([np.nan if p.top1_agree is None else float(p.top1_agree) for p in pos])
     eng, ref_nll = np.array([p.engine_nll for p in pos]), np.array([p.ref_nll for p in pos])

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     # mean KL(reference || engine) in nats over scored positions (top-k estimator, see oracle_kl), and top-1 agreement
     "oracle-kl": {"kl_mean_max": 1e-3, "top1_min": 0.95},
-    # fraction of (prompt, batch size) pairs whose greedy continuation equals the alone one; max |delta logprob| on equal tokens
+    # fraction of (prompt, batch size) pairs whose greedy continuation equals the alone one; max |delta
+    # logprob| on equal tokens
     "batch-invariance": {"identical_min": 1.0, "max_abs_dlogprob_max": 1e-5},
     # generated tokens' logprobs from decode vs from prefill (echo): max |delta| and mean KL over the returned top-k
     "decode-vs-prefill": {"max_abs_dlogprob_max": 1e-3, "kl_mean_max": 1e-5},
@@ -92,7 +93,8 @@ class GateSettings:
     worst: int = 5
     prompt_logprobs: bool = False  # oracle-kl: ask for vLLM's prompt_logprobs (token ids) instead of echo + logprobs
     bootstrap: int = 2000  # oracle-kl: row-bootstrap replicates of its per-domain intervals
-    min_coverage: float = 0.99  # fraction of positions that must carry logprobs (oracle-kl: of scored positions compared)
+    # fraction of positions that must carry logprobs (oracle-kl: of scored positions compared)
+    min_coverage: float = 0.99
 
 
 def verdict(name: str, checks: list[Check], **kw) -> GateResult:
