@@ -2,9 +2,9 @@
 per-layer sensitivity, on the streamed oracle.
 
 Definitions: fidelity/attribute.py's docstring (also in the JSON's summary.definitions). Tables go to the console,
-`--json F` writes the whole document, `--out DIR` one parquet file per table (swaps, layers, layer_streams, tensors, routing,
-routing_layers, sensitivity, and engram_access: the V4.1 Engram row-access ledger, one row per table and coverage
-point); the ledger is also in the JSON and a console line."""
+`--json F` writes the whole document, `--out DIR` one parquet file per table (swaps, layers, layer_streams, tensors,
+routing, routing_layers, sensitivity, and engram_access: the V4.1 Engram row-access ledger, one row per table and
+coverage point); the ledger is also in the JSON and a console line."""
 from __future__ import annotations
 
 import argparse

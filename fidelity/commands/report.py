@@ -1,10 +1,12 @@
 """Write an HTML page (self-contained), PNG figures and a Markdown summary from compare, suite-compare and gate results.
 
-Typical use: `fidelity compare NATIVE Q8 Q4 --json run/compare.json --out run`, then `fidelity report run/compare.json -o report`.
+Typical use: `fidelity compare NATIVE Q8 Q4 --json run/compare.json --out run`, then `fidelity report run/compare.json
+-o report`.
 
-Compare results from another panel (or against another reference) than the main group are shown as a separate group with a
-warning, never in the same plot. The worst positions need per-position records (`compare --out`); the reference's top-K
-lists there come from a reference store (`fidelity reference`, used by `compare --reference-store` or given here)."""
+Compare results from another panel (or against another reference) than the main group are shown as a separate group with
+a warning, never in the same plot. The worst positions need per-position records (`compare --out`); the reference's
+top-K lists there come from a reference store (`fidelity reference`, used by `compare --reference-store` or given
+here)."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
-"""Serve a pack through the fp32 oracle as an OpenAI-compatible endpoint (completions with echo/logprobs, chat, tokenize)."""
+"""Serve a pack through the fp32 oracle as an OpenAI-compatible endpoint (completions with echo/logprobs, chat,
+tokenize)."""
 
 from __future__ import annotations
 

@@ -1,42 +1,44 @@
-"""Serving speed of an OpenAI-compatible engine: decode tok/s per prompt set, aggregate tok/s per concurrency level, TTFT,
-cold prefill tok/s per prompt length, and (A/A mode) the run-to-run spread that any speed verdict must exceed.
+"""Serving speed of an OpenAI-compatible engine: decode tok/s per prompt set, aggregate tok/s per concurrency level,
+TTFT, cold prefill tok/s per prompt length, and (A/A mode) the run-to-run spread that any speed verdict must exceed.
 
     doc = asyncio.run(run_bench(BenchConfig(url, model="m", streams=[1, 2, 4], prefill=[3000], repeats=3)))
     doc["metrics"]["decode.all"]["median"]          # tok/s; every metric has median/min/max/spread_pct/values
 
 Every request is streamed (`"stream": true`) and each content chunk's arrival time is kept:
 
-- decode tok/s of one request = (tokens - 1) / (last token time - first token time): the time to the first token (queueing and
-  prefill) is left out. Per set and repeat the rate is pooled (all the set's tokens over all its decode time); the metric is
-  the median over repeats with the spread `spread_pct` = 100 (max - min) / (2 median), i.e. "± x %".
-- aggregate tok/s at N streams = all tokens of N concurrent requests / (last token of any - first send). Each level records
-  whether its requests were really in flight together (`overlap`: the last one was sent before the first one finished,
-  `max_in_flight`). TTFT mean / p50 / p90 come over all requests of a level.
-- cold prefill tok/s at length L = prompt tokens / TTFT of a `/v1/completions` request with max_tokens=1 whose prompt starts
-  with a fresh random nonce, so no prefix cache can hold any of it but the BOS. The defeat is checked three ways: the
-  engine's own cached-token count where it reports one (vLLM/OpenAI `usage.prompt_tokens_details.cached_tokens`, llama.cpp's
-  `timings.cache_n`) must be ~0; each repeat's second cold request must not be faster than its first beyond the spread; and a
-  warm repeat of the same prompt is timed for contrast (`warm_over_cold`: an engine with a prefix cache answers it much faster).
+- decode tok/s of one request = (tokens - 1) / (last token time - first token time): the time to the first token
+  (queueing and prefill) is left out. Per set and repeat the rate is pooled (all the set's tokens over all its decode
+  time); the metric is the median over repeats with the spread `spread_pct` = 100 (max - min) / (2 median), i.e. "± x
+  %".
+- aggregate tok/s at N streams = all tokens of N concurrent requests / (last token of any - first send). Each level
+  records whether its requests were really in flight together (`overlap`: the last one was sent before the first one
+  finished, `max_in_flight`). TTFT mean / p50 / p90 come over all requests of a level.
+- cold prefill tok/s at length L = prompt tokens / TTFT of a `/v1/completions` request with max_tokens=1 whose prompt
+  starts with a fresh random nonce, so no prefix cache can hold any of it but the BOS. The defeat is checked three ways:
+  the engine's own cached-token count where it reports one (vLLM/OpenAI `usage.prompt_tokens_details.cached_tokens`,
+  llama.cpp's `timings.cache_n`) must be ~0; each repeat's second cold request must not be faster than its first beyond
+  the spread; and a warm repeat of the same prompt is timed for contrast (`warm_over_cold`: an engine with a prefix
+  cache answers it much faster).
 - token counts: what we saw arrive (content chunks) against the engine's `usage` (asked for with
-  `stream_options.include_usage`) and, after timing, the engine's tokenizer over the returned text; mismatches are reported
-  (`usage_check`), rates use the chunks we saw.
+  `stream_options.include_usage`) and, after timing, the engine's tokenizer over the returned text; mismatches are
+  reported (`usage_check`), rates use the chunks we saw.
 - generation length is fixed (`max_tokens`) and `ignore_eos` is sent (llama.cpp's server, vLLM and SGLang honour it;
   llama-cpp-python ignores it: `suppress_ids` sends `logit_bias` -100 for the given ids, e.g. the EOS); where the engine
   stops early anyway the number of such requests is reported under `eos`.
-- one warm-up request (not measured) precedes the measurements; `aa=True` runs the whole bench twice and reports per metric
-  the relative difference between the two runs (`aa.spread_pct`, at least the within-run spread).
+- one warm-up request (not measured) precedes the measurements; `aa=True` runs the whole bench twice and reports per
+  metric the relative difference between the two runs (`aa.spread_pct`, at least the within-run spread).
 
 Faults: a request whose connection fails, stalls (no byte for `stall_s`), answers 5xx/429, or whose stream ends before
-`[DONE]` is retried at most `retries` times with backoff and then recorded in `errors`; `timeout_s` bounds the request in
-all, its retries and backoff included. Metrics come from the requests that finished, and a metric with none is null.
+`[DONE]` is retried at most `retries` times with backoff and then recorded in `errors`; `timeout_s` bounds the request
+in all, its retries and backoff included. Metrics come from the requests that finished, and a metric with none is null.
 Nothing waits without a bound.
 
-Why our client and not guidellm (checked 2026-12-01): guidellm 0.8.1 resolves from PyPI here but pulls transformers 5.24,
-datasets 5.x, sanic and uvloop into the environment (transformers and datasets are pinned for the rest of fidelity); and its
-profiles (synchronous, concurrent, sweep) measure TTFT, inter-token latency and output throughput of synthetic prompts, but not
-a cold prefill whose cache defeat is checked against the engine's own cached-token counts, nor our token-count cross-check,
-nor the A/A spread the speed gate and the ladder decide against. What we need from a load generator is an SSE reader with
-timestamps, which httpx gives in a few lines.
+Why our client and not guidellm (checked 2026-12-01): guidellm 0.8.1 resolves from PyPI here but pulls transformers
+5.24, datasets 5.x, sanic and uvloop into the environment (transformers and datasets are pinned for the rest of
+fidelity); and its profiles (synchronous, concurrent, sweep) measure TTFT, inter-token latency and output throughput of
+synthetic prompts, but not a cold prefill whose cache defeat is checked against the engine's own cached-token counts,
+nor our token-count cross-check, nor the A/A spread the speed gate and the ladder decide against. What we need from a
+load generator is an SSE reader with timestamps, which httpx gives in a few lines.
 """
 from __future__ import annotations
 
@@ -395,7 +397,8 @@ class Bench:
         return list(await asyncio.gather(*(self.chat(st, p, f"streams:{n}:r{repeat}") for p in batch)))
 
     async def prefill_prompt(self, client: EngineClient, length: int) -> tuple[str, int | None]:
-        """A prompt of about `length` tokens (the engine's tokenizer; the filler text repeated) starting with a fresh nonce."""
+        """A prompt of about `length` tokens (the engine's tokenizer; the filler text repeated) starting with a fresh
+        nonce."""
         nonce = f"[{self.rng.getrandbits(64):016x}] "
         text = nonce + (self.filler + " ") * 2
         ids = await client.tokenize(text)
@@ -479,7 +482,8 @@ class Bench:
             notes.append("the engine reported no usage in its streams (stream_options.include_usage ignored)")
         elif any(abs(d) > 1 for d in engine_diff):
             notes.append(
-                f"the engine counts other token numbers than the chunks we saw in {sum(abs(d) > 1 for d in engine_diff)} "
+                f"the engine counts other token numbers than the chunks we saw in "
+                f"{sum(abs(d) > 1 for d in engine_diff)} "
                 f"of {len(engine_diff)} requests (max difference {max(engine_diff, key=abs)}): chunks may carry "
                 f"several tokens, rates use the chunks"
             )
@@ -657,9 +661,9 @@ def engine_facts(url: str, timeout_s: float) -> dict:
 
 
 def serving_block(cfg: BenchConfig, before: dict, after: dict) -> dict:
-    """The bench JSON's `serving`: KV capacity, speculative-decoding acceptance over the bench's own requests (warm-ups and
-    A/A runs included: the counters after minus before), a local engine's memory and the host's MemAvailable, read after
-    the timed runs. A fact the engine does not state is null, its reason in `null_reasons`."""
+    """The bench JSON's `serving`: KV capacity, speculative-decoding acceptance over the bench's own requests (warm-ups
+    and A/A runs included: the counters after minus before), a local engine's memory and the host's MemAvailable, read
+    after the timed runs. A fact the engine does not state is null, its reason in `null_reasons`."""
     out = {"engine": after["engine"], "kv_cache_tokens": None, "kv_cache_bytes": None, "kv_block_size": None,
            "spec_decode": None, "memory_pss_bytes": None, "memory_processes": None, "mem_available_bytes": None}
     why = {}
@@ -718,7 +722,8 @@ def serving_block(cfg: BenchConfig, before: dict, after: dict) -> dict:
 
 
 def spread_of(doc: dict, metric: str) -> float:
-    """The run-to-run spread (%) a change of `metric` must exceed: the A/A spread when the document has one, else the repeats'."""
+    """The run-to-run spread (%) a change of `metric` must exceed: the A/A spread when the document has one, else the
+    repeats'."""
     aa = (doc.get("aa") or {}).get("spread_pct") or {}
     if metric in aa:
         return float(aa[metric])
@@ -733,8 +738,8 @@ def throughput_metrics(doc: dict) -> list[str]:
 
 
 def compare_bench(base: dict, new: dict, metrics: list[str] | None = None) -> dict[str, dict]:
-    """Per metric: baseline and new medians, change % (positive = faster; TTFT counted as its inverse, lower is better) and
-    the spread a change must exceed (the larger of the two documents' A/A or repeat spreads)."""
+    """Per metric: baseline and new medians, change % (positive = faster; TTFT counted as its inverse, lower is better)
+    and the spread a change must exceed (the larger of the two documents' A/A or repeat spreads)."""
     out = {}
     for m in metrics or throughput_metrics(base):
         b = (base["metrics"].get(m) or {}).get("median")

@@ -6,10 +6,11 @@
         chat = await c.chat([{"role": "user", "content": "hi"}], tools=[...])
         ids = await c.tokenize("The cat")                   # None when the server offers no tokenize endpoint
 
-Every call goes through one bounded-concurrency, bounded-retry path: connection errors, timeouts, 5xx, 429 and 200 replies whose
-body is not JSON are retried with exponential backoff; other 4xx are not. After the last attempt an `EngineError` is raised (the gate
-reports it as "could not run", never as a pass or a fail). A well-formed reply that breaks the protocol (lists of different lengths,
-missing fields) raises `EngineProtocolError` without retry. With a journal, finished requests are answered from it without sending.
+Every call goes through one bounded-concurrency, bounded-retry path: connection errors, timeouts, 5xx, 429 and 200
+replies whose body is not JSON are retried with exponential backoff; other 4xx are not. After the last attempt an
+`EngineError` is raised (the gate reports it as "could not run", never as a pass or a fail). A well-formed reply that
+breaks the protocol (lists of different lengths, missing fields) raises `EngineProtocolError` without retry. With a
+journal, finished requests are answered from it without sending.
 
 `ClientConfig.timeout_s` is each request's deadline, all of it: from the moment the request gets its concurrency slot
 to its parsed reply, every attempt, read and backoff included. A socket timeout (`stall_s`) bounds one read only, so an
@@ -52,7 +53,8 @@ class EngineHTTPError(EngineError):
 
 
 class EngineProtocolError(EngineError):
-    """The engine answered 200 but the body is not what the OpenAI protocol says (bad JSON, missing or inconsistent fields)."""
+    """The engine answered 200 but the body is not what the OpenAI protocol says (bad JSON, missing or inconsistent
+    fields)."""
 
 
 @dataclass
@@ -77,9 +79,9 @@ class ClientConfig:
 
 @dataclass
 class TokenLogprob:
-    """One position. `top` maps the engine's token text to logprob; `top_ids` maps token id to logprob where the engine gives
-    ids (vLLM prompt_logprobs, `token_id:N` tokens, `fidelity serve`). `logprob` is None where the engine gives none (the first
-    echoed token)."""
+    """One position. `top` maps the engine's token text to logprob; `top_ids` maps token id to logprob where the engine
+    gives ids (vLLM prompt_logprobs, `token_id:N` tokens, `fidelity serve`). `logprob` is None where the engine gives
+    none (the first echoed token)."""
 
     token: str
     logprob: float | None
@@ -180,8 +182,8 @@ class EngineClient:
                    route_probe: bool = False) -> dict:
         """POST `body` (JSON) to `path`; returns the parsed JSON reply, from the journal when it already holds it.
         `check(reply)` raises EngineProtocolError for a reply that breaks the protocol: such a reply is never journaled
-        (and one found in an older journal is asked for again). `route_probe`: the request asks whether the route exists,
-        so a 404 / 405 / 422 answer (raised as EngineHTTPError) is an answer, not counted in `stats.errors`."""
+        (and one found in an older journal is asked for again). `route_probe`: the request asks whether the route
+        exists, so a 404 / 405 / 422 answer (raised as EngineHTTPError) is an answer, not counted in `stats.errors`."""
         return (await self._post(path, body, tag, journal, check, route_probe))[0]
 
     async def _post(self, path: str, body: dict, tag: str, journal: bool = True, check=None,
@@ -297,9 +299,9 @@ class EngineClient:
                          logprobs: int | None = None, echo: bool = False, prompt_logprobs: int | None = None,
                          stop: list[str] | None = None, seed: int | None = None, extra: dict | None = None,
                          tag: str = "", validate=None) -> Completion:
-        """`/v1/completions`. `prompt` is text or token ids (not every server accepts ids). `prompt_logprobs` is vLLM's extension.
-        `validate(completion)` raises EngineProtocolError for a reply the caller cannot use (ids outside its vocabulary):
-        it is raised here and the reply is not journaled."""
+        """`/v1/completions`. `prompt` is text or token ids (not every server accepts ids). `prompt_logprobs` is vLLM's
+        extension. `validate(completion)` raises EngineProtocolError for a reply the caller cannot use (ids outside its
+        vocabulary): it is raised here and the reply is not journaled."""
         body = {
             "model": self.config.model,
             "prompt": prompt,
@@ -339,8 +341,8 @@ class EngineClient:
         return await self._call("/v1/chat/completions", body, parse_chat, tag)
 
     async def tokenize(self, text: str, *, add_special: bool = True) -> list[int] | None:
-        """Token ids from the server's tokenizer, or None when it offers no tokenize endpoint. Tries vLLM/SGLang `/tokenize`,
-        llama.cpp's `/tokenize` and llama-cpp-python's `/extras/tokenize`."""
+        """Token ids from the server's tokenizer, or None when it offers no tokenize endpoint. Tries vLLM/SGLang
+        `/tokenize`, llama.cpp's `/tokenize` and llama-cpp-python's `/extras/tokenize`."""
         if self._tokenize_route == "":
             return None  # probed before: the server has none
         routes = [self._tokenize_route] if self._tokenize_route else ["/tokenize", "/extras/tokenize"]
@@ -432,7 +434,8 @@ def parse_legacy_logprobs(lp: dict, url: str = "", tag: str = "") -> list[TokenL
 
 
 def parse_vllm_prompt_logprobs(pl: list, url: str = "", tag: str = "") -> list[TokenLogprob | None]:
-    """vLLM's `prompt_logprobs`: per prompt token None or {"id": {"logprob", "rank", "decoded_token"}} (or {"id": logprob})."""
+    """vLLM's `prompt_logprobs`: per prompt token None or {"id": {"logprob", "rank", "decoded_token"}} (or {"id":
+    logprob})."""
     if not isinstance(pl, list):
         raise EngineProtocolError("prompt_logprobs is not a list", url=url, tag=tag)
     out: list[TokenLogprob | None] = []

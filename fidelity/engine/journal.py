@@ -1,15 +1,17 @@
 """Per-request journal: an append-only JSONL file of finished requests keyed by a hash of (path, body, tag).
 
-An interrupted run that reopens the same journal gets every finished response back without re-sending it. Only successful
-responses are journaled; a request that failed is sent again on resume. A line cut short by a kill is ignored on load.
+An interrupted run that reopens the same journal gets every finished response back without re-sending it. Only
+successful responses are journaled; a request that failed is sent again on resume. A line cut short by a kill is ignored
+on load.
 
 Every line carries a checksum of its record (`"checksum": "sha256:..."`, over the record's compact JSON), so a line that
-changed after it was written (a flipped bit in a journaled logprob) is never used. A journal is a cache of work that can be
-done again, so such a line is not refused: its work is done again (the request sent, the item run) and a warning names
-the file and the lines; a later line for the same request replaces it. A line with no checksum (written before there
-were checksums) is treated the same way. A line that is not UTF-8, not JSON or not a record is refused, naming the file
-and line: the file is not a journal, or is damaged beyond one record. Text holding a lone surrogate is written with
-\\uXXXX escapes and the line marked `"lone_surrogates": true` (`fidelity.lone_surrogates`); it reads back to the same str.
+changed after it was written (a flipped bit in a journaled logprob) is never used. A journal is a cache of work that can
+be done again, so such a line is not refused: its work is done again (the request sent, the item run) and a warning
+names the file and the lines; a later line for the same request replaces it. A line with no checksum (written before
+there were checksums) is treated the same way. A line that is not UTF-8, not JSON or not a record is refused, naming the
+file and line: the file is not a journal, or is damaged beyond one record. Text holding a lone surrogate is written with
+\\uXXXX escapes and the line marked `"lone_surrogates": true` (`fidelity.lone_surrogates`); it reads back to the same
+str.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def record_checksum(record: dict) -> str:
 
 
 def journal_line(record: dict) -> bytes:
-    """One line (newline included) holding `record`, its checksum, and the lone-surrogate mark where its text needed it."""
+    """One line (newline included) holding `record`, its checksum, and the lone-surrogate mark where its text needed
+    it."""
     checksum = record_checksum(record)
     data, escaped = json_bytes({**record, CHECKSUM: checksum})
     if escaped:
@@ -66,7 +69,8 @@ class AppendOnlyJsonl:
     """An append-only JSONL file of finished work, one fsync'ed line per unit (`journal_line`): on open every earlier
     line is checked by `_record(lineno, obj)` (which refuses one that is not a record through `_bad_line`), and kept by
     `_keep(record)` when its checksum holds (see the module docstring); `_append(record)` adds a line, safe across
-    threads. A write that fails (a full disk) leaves no part of its line behind and is a FidelityError naming the file."""
+    threads. A write that fails (a full disk) leaves no part of its line behind and is a FidelityError naming the
+    file."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

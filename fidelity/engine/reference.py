@@ -1,5 +1,5 @@
-"""Gate references (`Reference`: the oracle's full log-distributions on panel rows, `ReferenceRow`s, and the token pieces),
-either from a reference store written by `fidelity reference` or computed live from a pack."""
+"""Gate references (`Reference`: the oracle's full log-distributions on panel rows, `ReferenceRow`s, and the token
+pieces), either from a reference store written by `fidelity reference` or computed live from a pack."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,8 +31,9 @@ class Reference:
     special_ids: set[int] = field(default_factory=set)
 
     def piece_ids(self) -> dict[str, int]:
-        """Unambiguous text -> id. Left out (their mass goes to the tail bucket): pieces several ids decode to, and pieces that
-        engines render differently (partial UTF-8 bytes: U+FFFD here, "" in llama-cpp-python; "" for special tokens)."""
+        """Unambiguous text -> id. Left out (their mass goes to the tail bucket): pieces several ids decode to, and
+        pieces that engines render differently (partial UTF-8 bytes: U+FFFD here, "" in llama-cpp-python; "" for special
+        tokens)."""
         seen: dict[str, int] = {}
         for i, p in enumerate(self.pieces):
             seen[p] = -1 if p in seen else i
@@ -61,8 +62,8 @@ def token_pieces(tokenizer, vocab: int) -> list[str]:
 
 
 def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
-    """rows: [{"id", "domain", "tokens": [...], "scored": [positions]}] (scored defaults to every position after the first).
-    Runs the fp32 oracle on `pack` and keeps the full log-distributions of the scored positions."""
+    """rows: [{"id", "domain", "tokens": [...], "scored": [positions]}] (scored defaults to every position after the
+    first). Runs the fp32 oracle on `pack` and keeps the full log-distributions of the scored positions."""
     import torch
 
     from ..oracle import Oracle
@@ -93,10 +94,10 @@ def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
 
 def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per_domain: int | None = None,
                          device: str = "cpu") -> Reference:
-    """A reference store (from `fidelity reference`) as a gate Reference. The store keeps final hidden states; the reference
-    pack's head turns them back into the exact full-vocabulary distributions (checked against the stored top-K). The store is
-    refused for another panel, pack or tokenizer. `reference_pack` and `panel` default to the paths the store's manifest
-    records. `rows_per_domain` keeps the first N rows of each domain."""
+    """A reference store (from `fidelity reference`) as a gate Reference. The store keeps final hidden states; the
+    reference pack's head turns them back into the exact full-vocabulary distributions (checked against the stored
+    top-K). The store is refused for another panel, pack or tokenizer. `reference_pack` and `panel` default to the paths
+    the store's manifest records. `rows_per_domain` keeps the first N rows of each domain."""
     from pathlib import Path
 
     import torch

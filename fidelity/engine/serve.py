@@ -1,11 +1,12 @@
 """An OpenAI-compatible endpoint computed by the fp32 oracle itself: the exact model as an engine, for gates and suites.
 
 Routes: GET /v1/models; POST /v1/completions (text or token-id prompts, echo, logprobs up to the vocabulary size, vLLM's
-prompt_logprobs and return_tokens_as_token_ids, stop, greedy or seeded sampling); POST /v1/chat/completions (the pack's chat
-template, tools passed to it, Hermes-style <tool_call> blocks parsed into tool_calls, logprobs); POST /tokenize; POST /detokenize.
+prompt_logprobs and return_tokens_as_token_ids, stop, greedy or seeded sampling); POST /v1/chat/completions (the pack's
+chat template, tools passed to it, Hermes-style <tool_call> blocks parsed into tool_calls, logprobs); POST /tokenize;
+POST /detokenize.
 
-Requests are computed one at a time, each as a batch of one, without a KV cache (every step re-runs the whole sequence): slow,
-but batch-invariant and cache-independent by construction, and exact to the oracle's fp32.
+Requests are computed one at a time, each as a batch of one, without a KV cache (every step re-runs the whole sequence):
+slow, but batch-invariant and cache-independent by construction, and exact to the oracle's fp32.
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class OracleEngine:
 
     def generate(self, ids: list[int], max_tokens: int, temperature: float, seed: int | None, stop: list[str],
                  first: torch.Tensor | None = None) -> tuple[list[Step], str]:
-        """`first`: the next-token distribution after `ids` when the caller already computed it (the prompt's last row)."""
+        """`first`: the next-token distribution after `ids` when the caller already computed it (the prompt's last
+        row)."""
         gen: list[Step] = []
         g = torch.Generator().manual_seed(seed if seed is not None else 0)
         finish = "length"

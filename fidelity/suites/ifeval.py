@@ -1,30 +1,33 @@
-"""IFEval (Zhou et al. 2023): verifiable instructions, scored by lm-eval's instruction checkers (`lm_eval.tasks.ifeval`).
+"""IFEval (Zhou et al. 2023): verifiable instructions, scored by lm-eval's instruction checkers
+(`lm_eval.tasks.ifeval`).
 
 Records: `passed` = prompt-level strict (every instruction followed), `score` = this prompt's fraction of instructions
-followed (strict); `details` has the loose variants (the response also tried without its first/last line and without '*'),
-as lm-eval computes them. The four official numbers are the record's metrics, named as lm-eval names them:
+followed (strict); `details` has the loose variants (the response also tried without its first/last line and without
+'*'), as lm-eval computes them. The four official numbers are the record's metrics, named as lm-eval names them:
 prompt_level_{strict,loose}_acc (a mean over prompts) and inst_level_{strict,loose}_acc, pooled over all instructions of
 all prompts (lm-eval's `agg_inst_level_acc`), not the mean of the per-prompt fractions.
 
 Differences from the official scorer, on purpose, so runs are deterministic and work offline:
 - `langdetect` is seeded (DetectorFactory.seed = 0) while a response is checked; the official scorer leaves it unseeded,
   so its language checks can vary from run to run on short or mixed-language answers.
-- Python's `random` is seeded with 0 before each response is checked. Two of the 541 prompts (keys 1122 and 1129) ask for a
-  "letter" `#` or `!`, which `keywords:letter_frequency` refuses and replaces with a letter drawn at random: the official
-  scorer's verdict on that instruction changes from run to run, ours is the same every run (and equals lm-eval's when
-  lm-eval's random state is seeded the same way). The checkers draw from the global `random` and read langdetect's
-  class attribute (no generator can be handed to them), so both are set for the check alone: the caller's random state
-  and langdetect seed are put back after it (`_checkers_seeded`).
-- Sentence counting uses nltk's Punkt English model when its data is installed; otherwise (the default offline, where the
-  scorer would try `nltk.download("punkt_tab")`) an untrained `PunktSentenceTokenizer`, which knows no English abbreviations:
-  "Dr. Smith arrived." counts as two sentences instead of one. Only the `length_constraints:number_sentences` instruction
-  uses it. In the same mode `nltk.word_tokenize` (used by `change_case:capital_word_frequency`) tokenizes the whole text as
-  one line instead of sentence by sentence: a sentence-final period can stay attached to a word ("DONE." is one token), which
-  does not change whether the word is all capitals. The manifest records which splitter was used.
-- The checkers' modules are loaded straight from lm-eval's files, without importing the rest of lm-eval (which needs its full
-  dependency set); the checking code itself is lm-eval's, unchanged.
+- Python's `random` is seeded with 0 before each response is checked. Two of the 541 prompts (keys 1122 and 1129) ask
+  for a "letter" `#` or `!`, which `keywords:letter_frequency` refuses and replaces with a letter drawn at random: the
+  official scorer's verdict on that instruction changes from run to run, ours is the same every run (and equals
+  lm-eval's when lm-eval's random state is seeded the same way). The checkers draw from the global `random` and read
+  langdetect's class attribute (no generator can be handed to them), so both are set for the check alone: the caller's
+  random state and langdetect seed are put back after it (`_checkers_seeded`).
+- Sentence counting uses nltk's Punkt English model when its data is installed; otherwise (the default offline, where
+  the scorer would try `nltk.download("punkt_tab")`) an untrained `PunktSentenceTokenizer`, which knows no English
+  abbreviations: "Dr. Smith arrived." counts as two sentences instead of one. Only the
+  `length_constraints:number_sentences` instruction uses it. In the same mode `nltk.word_tokenize` (used by
+  `change_case:capital_word_frequency`) tokenizes the whole text as one line instead of sentence by sentence: a
+  sentence-final period can stay attached to a word ("DONE." is one token), which does not change whether the word is
+  all capitals. The manifest records which splitter was used.
+- The checkers' modules are loaded straight from lm-eval's files, without importing the rest of lm-eval (which needs its
+  full dependency set); the checking code itself is lm-eval's, unchanged.
 
-Data: `data=` a local jsonl in Google's format (key, prompt, instruction_id_list, kwargs), else `datasets` google/IFEval.
+Data: `data=` a local jsonl in Google's format (key, prompt, instruction_id_list, kwargs), else `datasets`
+google/IFEval.
 """
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ _CHECKERS = None
 
 
 def load_checkers():
-    """lm-eval's `instructions_util`, `instructions`, `instructions_registry` and `utils` modules of the ifeval task, plus
-    the name of the sentence splitter in use."""
+    """lm-eval's `instructions_util`, `instructions`, `instructions_registry` and `utils` modules of the ifeval task,
+    plus the name of the sentence splitter in use."""
     global _CHECKERS
     if _CHECKERS is not None:
         return _CHECKERS

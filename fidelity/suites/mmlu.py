@@ -3,8 +3,8 @@ multiple choice questions (with answers) about {subject}.", the first `shots` (d
 split with their answer letters, then the question, "A. ...\\nB. ...\\nC. ...\\nD. ...\\nAnswer:"; generation stops at a
 newline (lm-eval's `until`, sent in both modes).
 
-Metrics, each per item and pooled: "exact_match" = lm-eval's mmlu_generative score (its `get_response` filter: the reply's
-first line, whitespace stripped; then exact match ignoring case and punctuation against the letter) = `passed`;
+Metrics, each per item and pooled: "exact_match" = lm-eval's mmlu_generative score (its `get_response` filter: the
+reply's first line, whitespace stripped; then exact match ignoring case and punctuation against the letter) = `passed`;
 "letter" = our letter extraction for chat answers that say more than the letter: "answer is (B)" / "Answer: B", else a
 letter (either case) opening the reply followed by ".", ")", ":", a newline or the end ("B. 4", "(B)", "b."), else None
 ("A dog" is no answer).

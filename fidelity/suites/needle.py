@@ -1,22 +1,22 @@
-"""Needle in a haystack: facts ("the special magic number for <key> is <7 digits>") hidden at given depths of filler text
-that fills a given context length, then asked for. Our own generator, deterministic given the engine's tokenizer.
+"""Needle in a haystack: facts ("the special magic number for <key> is <7 digits>") hidden at given depths of filler
+text that fills a given context length, then asked for. Our own generator, deterministic given the engine's tokenizer.
 
 - Haystack: by default generated prose (`generated_haystack`: seeded sentences from fixed word lists, no digits, as long
   as the largest length needs; deterministic from `haystack_seed`, nothing downloaded); `haystack="stdlib"`: the
-  docstrings of a fixed list of Python standard-library modules (~54K tokens); `data=` a folder (its .txt/.md/.rst files,
-  sorted by name, concatenated). The manifest records the source and the sha256 of the text used.
-- Needle values are drawn from a seeded generator and redrawn until they occur nowhere in the haystack, so only the needle can
-  supply the answer.
+  docstrings of a fixed list of Python standard-library modules (~54K tokens); `data=` a folder (its .txt/.md/.rst
+  files, sorted by name, concatenated). The manifest records the source and the sha256 of the text used.
+- Needle values are drawn from a seeded generator and redrawn until they occur nowhere in the haystack, so only the
+  needle can supply the answer.
 - Keys: `keys=K` needles per prompt, all asked for in one question. The cell's depth places the first; needle j sits at
   depth + j / K (wrapped into [0, 1]), so K keys spread over the context. The item passes when every key's number is
   right; the named metric `keys` counts the keys found.
-- Lengths are in the engine's own tokens: measured with its tokenize endpoint (plus the chat template's overhead, measured
-  once from `usage.prompt_tokens`), else with the pack's tokenizer (`tokenizer=` a pack folder, same overhead), else from
-  `usage.prompt_tokens` of probe requests (max_tokens=1). The filler is bisected so that prompt + `max_tokens` (the room
-  reserved for the answer) fits the length. A length "max" is the engine's context: `context=`, else what the engine
-  states (vLLM's `max_model_len` in /v1/models, llama.cpp's `n_ctx` in /props).
-- Grid: lengths x depths x seeds; item ids `L{length}-d{depth}-s{seed}`; `summarize` gives the pass rate per length x depth
-  cell (and per key depth when K > 1), `suite compare` a McNemar test per cell.
+- Lengths are in the engine's own tokens: measured with its tokenize endpoint (plus the chat template's overhead,
+  measured once from `usage.prompt_tokens`), else with the pack's tokenizer (`tokenizer=` a pack folder, same overhead),
+  else from `usage.prompt_tokens` of probe requests (max_tokens=1). The filler is bisected so that prompt + `max_tokens`
+  (the room reserved for the answer) fits the length. A length "max" is the engine's context: `context=`, else what the
+  engine states (vLLM's `max_model_len` in /v1/models, llama.cpp's `n_ctx` in /props).
+- Grid: lengths x depths x seeds; item ids `L{length}-d{depth}-s{seed}`; `summarize` gives the pass rate per length x
+  depth cell (and per key depth when K > 1), `suite compare` a McNemar test per cell.
 - Scoring: one key: the first number in the answer (digit groups joined, so "1,234,567" reads 1234567) must equal the
   needle exactly. Several keys: each key's number is the first number after the key's name on its line; where the answer
   names no key at all, the numbers in order of the keys asked.
@@ -238,7 +238,8 @@ def generated_haystack(seed: int, chars: int) -> str:
             if rng.random() < 0.2:
                 sentences.append(rng.choice(REMARKS))
                 continue
-            s = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(PLACES)} {rng.choice(TIMES)}."
+            s = (f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} "
+                 f"{rng.choice(PLACES)} {rng.choice(TIMES)}.")
             sentences.append(s[0].upper() + s[1:])
         paragraphs.append(" ".join(sentences))
         size += len(paragraphs[-1]) + 2
@@ -303,7 +304,8 @@ def needle_sentence(key: str, value: str) -> str:
 
 def build_prompt(filler: str, key: str, value: str, depth: float) -> str:
     body = insert_at_depth(filler, needle_sentence(key, value), depth)
-    return f"{INTRO}{body}\n\nWhat is the special magic number for {key} mentioned in the text above? Answer with the number only."
+    return (f"{INTRO}{body}\n\nWhat is the special magic number for {key} mentioned in the text above? "
+            f"Answer with the number only.")
 
 
 def build_multi_prompt(filler: str, needles: list[tuple[str, str]], depths: list[float]) -> str:

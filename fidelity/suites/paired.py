@@ -2,12 +2,13 @@
 (statsmodels' and scipy's tests; what is ours is the pairing, the policy around degenerate cases and the verdict).
 
 Run A is the reference (native), run B the candidate. The verdict rule: B fails when its drop from A is larger than
-`threshold_points` percentage points *and* the paired test says p < `alpha`. Items are paired by `item_id` and only where both
-runs sent the same prompt (same prompt hash); anything else is reported, never silently dropped. Items with an engine error on
-either side are excluded from the test and counted. Each named metric of the records (evalplus base / plus, IFEval's four)
-gets its own paired test (`paired_metric`); the verdict is the suite's primary metric's. Suites that group their items
-(the manifest's `group_by`: toolcall's BFCL category, needle's length x depth cell) get a McNemar test per group
-(`groups`), and chat runs whose records carry a reasoning length get its paired change (`reasoning`, B - A).
+`threshold_points` percentage points *and* the paired test says p < `alpha`. Items are paired by `item_id` and only
+where both runs sent the same prompt (same prompt hash); anything else is reported, never silently dropped. Items with
+an engine error on either side are excluded from the test and counted. Each named metric of the records (evalplus base /
+plus, IFEval's four) gets its own paired test (`paired_metric`); the verdict is the suite's primary metric's. Suites
+that group their items (the manifest's `group_by`: toolcall's BFCL category, needle's length x depth cell) get a McNemar
+test per group (`groups`), and chat runs whose records carry a reasoning length get its paired change (`reasoning`,
+B - A).
 """
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ def paired_metric(ka: np.ndarray, na: np.ndarray, kb: np.ndarray, nb: np.ndarray
     same prompts). Rates are pooled, sum(k) / sum(n). One trial per item (evalplus base / plus, IFEval prompt-level):
     McNemar on the discordant items. Several (IFEval instruction-level): the pooled difference is
     sum(ka - kb) / sum(n) = mean(ka - kb) * items / sum(n), so the paired t test and Wilcoxon of the per-item count
-    differences test it, items (not instructions) being the independent units, and the t interval of the mean scales to it."""
+    differences test it, items (not instructions) being the independent units, and the t interval of the mean scales to
+    it."""
     ka, na, kb, nb = (np.asarray(x, dtype=np.int64) for x in (ka, na, kb, nb))
     if not np.array_equal(na, nb):
         bad = int(np.flatnonzero(na != nb)[0])

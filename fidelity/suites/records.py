@@ -1,9 +1,9 @@
-"""A suite run's folder: `manifest.json` (what was run against what), `records.jsonl` (the item journal: one line per finished
-item, fsync'ed, so a killed run resumes without losing or repeating an item), `requests.jsonl` (the engine client's request
-journal) and `records.parquet` (the final per-item table, written from the journal in dataset order). Both journals
-checksum every line (`fidelity.engine.journal`). Text holding a lone surrogate (an engine's "\\ud800") round-trips: the
-journal line is written in \\uXXXX escapes, and in records.parquet, whose strings must be UTF-8, the row is marked
-`lone_surrogates` and its string columns hold JSON string escapes, which `read_records` decodes."""
+"""A suite run's folder: `manifest.json` (what was run against what), `records.jsonl` (the item journal: one line per
+finished item, fsync'ed, so a killed run resumes without losing or repeating an item), `requests.jsonl` (the engine
+client's request journal) and `records.parquet` (the final per-item table, written from the journal in dataset order).
+Both journals checksum every line (`fidelity.engine.journal`). Text holding a lone surrogate (an engine's "\\ud800")
+round-trips: the journal line is written in \\uXXXX escapes, and in records.parquet, whose strings must be UTF-8, the
+row is marked `lone_surrogates` and its string columns hold JSON string escapes, which `read_records` decodes."""
 from __future__ import annotations
 
 import hashlib
@@ -89,8 +89,8 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 class ItemJournal(AppendOnlyJsonl):
-    """Append-only JSONL of finished `Record`s. The last line, if a kill cut it short, is dropped on open. A later line for
-    the same item (an engine error retried on resume) replaces the earlier one."""
+    """Append-only JSONL of finished `Record`s. The last line, if a kill cut it short, is dropped on open. A later line
+    for the same item (an engine error retried on resume) replaces the earlier one."""
 
     def __init__(self, path: str | os.PathLike):
         self.records: dict[str, Record] = {}

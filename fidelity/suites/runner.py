@@ -1,4 +1,5 @@
-"""Runs one suite against an OpenAI-compatible engine: items → requests (greedy by default) → scored records, resumable."""
+"""Runs one suite against an OpenAI-compatible engine: items → requests (greedy by default) → scored records,
+resumable."""
 
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ def request_body(suite: Suite, item: Item, settings: Settings, model: str) -> di
 async def reasoning_length(client, reply) -> dict:
     """A chat reply's reasoning length: `chars` of its reasoning text (`reasoning_content` / `reasoning`; 0 when the
     reply has none), `tokens` from the engine's usage (`completion_tokens_details.reasoning_tokens`), else the engine's
-    own tokenizer on the text, else None, and `tokens_from` saying which. An engine without a reasoning parser leaves the
-    reasoning inside the content: `field` is then None and the length 0 says "none separated", not "no thinking"."""
+    own tokenizer on the text, else None, and `tokens_from` saying which. An engine without a reasoning parser leaves
+    the reasoning inside the content: `field` is then None and the length 0 says "none separated", not "no thinking"."""
     raw = getattr(reply, "raw", None) or {}
     text = reply_reasoning(raw)
     msg = ((raw.get("choices") or [{}])[0].get("message") or {}) if isinstance(raw, dict) else {}
@@ -261,8 +262,8 @@ def run_summary(records: list[Record], suite: Suite | None = None) -> dict:
 async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: str, settings: Settings | None = None,
                     concurrency: int = 4, client=None, retry_errors: bool = True, progress=None,
                     client_options: dict | None = None) -> RunSummary:
-    """Runs (or resumes) `suite` into `run_dir`. `client` defaults to an `EngineClient` with its request journal in the run
-    folder (`client_options`: more `ClientConfig` fields, e.g. retries); tests pass a stand-in with the same
+    """Runs (or resumes) `suite` into `run_dir`. `client` defaults to an `EngineClient` with its request journal in the
+    run folder (`client_options`: more `ClientConfig` fields, e.g. retries); tests pass a stand-in with the same
     `chat`/`completion` methods. Items whose engine request failed are recorded as errors, and sent again on resume when
     `retry_errors`."""
     settings = settings or Settings()

@@ -4,18 +4,19 @@ sends them to a function-calling model, judged by BFCL's own checkers, with per-
 Categories (`V3_SINGLE_TURN`, equal to bfcl-eval's `SINGLE_TURN_CATEGORY`): simple_python, simple_java,
 simple_javascript, multiple, parallel, parallel_multiple, irrelevance (non-live) and live_simple, live_multiple,
 live_parallel, live_parallel_multiple, live_irrelevance, live_relevance: 3,641 items. Not covered (`NOT_COVERED`): BFCL
-v3's multi-turn categories (multi_turn_base, _miss_func, _miss_param, _long_context: 800 items, data in the wheel) need a
-conversation loop that executes each call against BFCL's simulated APIs between turns, which this one-request-per-item
+v3's multi-turn categories (multi_turn_base, _miss_func, _miss_param, _long_context: 800 items, data in the wheel) need
+a conversation loop that executes each call against BFCL's simulated APIs between turns, which this one-request-per-item
 runner does not drive; v3's executable categories (exec_simple, exec_multiple, exec_parallel, exec_parallel_multiple,
 rest, sql, chatable) lie in the wheel's `data/unused_datasets` and bfcl-eval 2026.3.23 has no checker for them.
 
 As BFCL does for an OpenAI-style function-calling model: each function's description gets the language hint and Java /
 JavaScript parameters become strings (bfcl-eval's own `_func_doc_language_specific_pre_processing`), Gorilla types are
 cast to JSON-schema types and dots in names become underscores (`to_tools`, BFCL's `convert_to_tool` for
-OPENAI_COMPLETIONS, written out here because its module imports tree-sitter and tenacity; a test compares the two on every
-item). A reply's calls are decoded as BFCL decodes them ([{name: json.loads(arguments)}]; no tool call leaves the text,
-which does not decode), then: AST categories through `ast_checker` with the original function docs and the category's
-language; irrelevance / live_irrelevance pass when no call decodes (or only empty ones), live_relevance when one does.
+OPENAI_COMPLETIONS, written out here because its module imports tree-sitter and tenacity; a test compares the two on
+every item). A reply's calls are decoded as BFCL decodes them ([{name: json.loads(arguments)}]; no tool call leaves the
+text, which does not decode), then: AST categories through `ast_checker` with the original function docs and the
+category's language; irrelevance / live_irrelevance pass when no call decodes (or only empty ones), live_relevance when
+one does.
 
 Integrity (per call, recorded and summarized, never changing BFCL's verdict): arguments are a JSON object (well formed),
 the name is one the answer expects (right function; for live_relevance one of the offered tools; for irrelevance none is

@@ -1,7 +1,7 @@
 """Echo diagnosis: when oracle-kl or decode-vs-prefill fails, is the engine's echo shifted (entry t holding the
 distribution of position t + d)? oracle-kl checks against the reference and against the engine's own next-token answer
-after a row (`diagnose_echo`), decode-vs-prefill against the decode's own logprobs; a fitting shift is named first in the
-notes (`measured["echo_shift"]`) with the fix to try (llama-cpp-python shifts by +1 for prompts without BOS)."""
+after a row (`diagnose_echo`), decode-vs-prefill against the decode's own logprobs; a fitting shift is named first in
+the notes (`measured["echo_shift"]`) with the fix to try (llama-cpp-python shifts by +1 for prompts without BOS)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +22,8 @@ SAME_ENGINE_KL = 1e-3  # an engine's two answers for one context differ by less 
 
 
 class EchoedRow:
-    """A panel row as oracle-kl sent it and the engine echoed it back: `where` maps a reference position to its entry."""
+    """A panel row as oracle-kl sent it and the engine echoed it back: `where` maps a reference position to its
+    entry."""
 
     row_id: str
     prompt: list[int] | str
@@ -32,9 +33,9 @@ class EchoedRow:
 
 async def diagnose_echo(client: EngineClient, probe: EchoedRow | None, top_k: int, shift_kl: dict[int, list[float]],
                         result: GateResult) -> None:
-    """A failed oracle-kl: is the echo misaligned? Against the reference (`shift_kl`: entry t vs the reference at t + d),
-    and against the engine itself: its own next-token answer after the whole `probe` row must be the echo's entry after
-    the row's last token."""
+    """A failed oracle-kl: is the echo misaligned? Against the reference (`shift_kl`: entry t vs the reference at t +
+    d), and against the engine itself: its own next-token answer after the whole `probe` row must be the echo's entry
+    after the row's last token."""
     d, means = echo_shift(shift_kl)
     own = {}
     if probe is not None:
@@ -86,8 +87,8 @@ def misalignment_note(d: int, means: dict[int, float], what: str) -> str:
         "token (gate.toml [settings] prompt_prefix = the BOS text; for oracle-kl a panel and store whose rows begin "
         "with BOS), or gate an engine that returns prompt_logprobs by id ([settings] prompt_logprobs = true, vLLM)"
         if d == 1
-        else "Fix to try: check how the engine builds echo logprobs (the entry for a token must hold the distribution that "
-        "predicted it), or use prompt_logprobs ([settings] prompt_logprobs = true, vLLM)"
+        else "Fix to try: check how the engine builds echo logprobs (the entry for a token must hold the distribution "
+        "that predicted it), or use prompt_logprobs ([settings] prompt_logprobs = true, vLLM)"
     )
     returned = f"{means[0]:.4g}" if 0 in means else "no entry"
     return (

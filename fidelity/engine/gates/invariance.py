@@ -1,8 +1,9 @@
 """The self-consistency gates: the engine against itself, no reference needed.
 
-- batch-invariance: each prompt alone vs inside concurrent batches; greedy continuations and per-token logprobs must be equal.
-- decode-vs-prefill: greedy generation with logprobs vs the same tokens prefilled with `echo` (a failure checks whether the
-  echo is shifted against the decode's own logprobs, `echo.py`).
+- batch-invariance: each prompt alone vs inside concurrent batches; greedy continuations and per-token logprobs must be
+  equal.
+- decode-vs-prefill: greedy generation with logprobs vs the same tokens prefilled with `echo` (a failure checks whether
+  the echo is shifted against the decode's own logprobs, `echo.py`).
 - prefix-cache: a long prompt cold vs warm, and a shared prefix with different suffixes cold vs warm (generated tokens,
   no echo), with the engine's own count of cached prompt tokens where it states one.
 """
@@ -28,7 +29,8 @@ async def batch_invariance(client: EngineClient, s: GateSettings, thresholds: di
     notes = []
     if client.config.concurrency < max(s.batch_sizes):
         notes.append(
-            f"client concurrency {client.config.concurrency} < batch size {max(s.batch_sizes)}: batches are smaller than asked"
+            f"client concurrency {client.config.concurrency} < batch size {max(s.batch_sizes)}: batches are smaller "
+            f"than asked"
         )
 
     async def one(i: int, tag: str) -> Completion:
@@ -76,8 +78,8 @@ async def _run_batch_invariance(call: GateCall, name: str, thresholds: dict | No
 
 
 async def decode_vs_prefill(client: EngineClient, s: GateSettings, thresholds: dict | None = None) -> GateResult:
-    """Generations run concurrently; each prefill then runs alone right after an unrelated flush request, so an engine with a
-    single-entry prefix cache recomputes the prompt instead of replaying the decode's own cache."""
+    """Generations run concurrently; each prefill then runs alone right after an unrelated flush request, so an engine
+    with a single-entry prefix cache recomputes the prompt instead of replaying the decode's own cache."""
     prompts = [s.prompt_prefix + p for p in s.prompts]
     flush_prompt = s.prompt_prefix + "Unrelated text to evict single-entry caches."
 
@@ -154,8 +156,8 @@ def _prefilled_span(pre: Completion, decoded: list[TokenLogprob]) -> list[TokenL
 
 
 def _prefilled_start(pre: Completion, decoded: list[TokenLogprob]) -> int:
-    """Where the generated tokens start in the echo: it ends with the prompt+generation, then (usually) the one token the
-    prefill request generated, which some engines leave out; take the placement whose tokens match."""
+    """Where the generated tokens start in the echo: it ends with the prompt+generation, then (usually) the one token
+    the prefill request generated, which some engines leave out; take the placement whose tokens match."""
     echo, n = pre.logprobs, len(decoded)
     n_gen = int(pre.usage.get("completion_tokens", 1))
     want = [t.token for t in decoded]

@@ -11,8 +11,9 @@ from ..client import Completion, EngineError, TokenLogprob
 
 
 def topk_kl(p_top: dict[str, float], q_top: dict[str, float]) -> float:
-    """KL(p || q) between two top-k lists coarsened onto (keys both return) + one tail bucket. Both distributions are known
-    exactly on that partition, so this is an exact KL of the coarsened pair and a lower bound of the full-vocabulary KL."""
+    """KL(p || q) between two top-k lists coarsened onto (keys both return) + one tail bucket. Both distributions are
+    known exactly on that partition, so this is an exact KL of the coarsened pair and a lower bound of the
+    full-vocabulary KL."""
     common = [k for k in p_top if k in q_top and p_top[k] is not None and q_top[k] is not None]
     lp = np.array([p_top[k] for k in common], dtype=np.float64)
     lq = np.array([q_top[k] for k in common], dtype=np.float64)
@@ -65,19 +66,22 @@ def need_logprobs(c: Completion, what: str):
 
 
 class PositionKL:
-    kl: float  # KL(ref || engine) on the partition {engine's returned ids} + one tail bucket: a lower bound of the full KL
-    tail_mass: float  # reference probability outside the engine's returned ids: the full KL exceeds `kl` by tail_mass * KL(tails)
+    # KL(ref || engine) on the partition {engine's returned ids} + one tail bucket: a lower bound of the full KL
+    kl: float
+    # reference probability outside the engine's returned ids: the full KL exceeds `kl` by tail_mass * KL(tails)
+    tail_mass: float
     top1_agree: bool | None  # None: the engine's text-keyed answer cannot tell
     engine_nll: float = math.nan  # -log q_engine(true token), from the engine's logprob of it
     ref_nll: float = math.nan  # -log p_ref(true token)
 
 
 def position_kl(ref_lp: np.ndarray, engine: dict[int, float]) -> PositionKL:
-    """The top-k estimator. The engine gives log q for a set E of ids (its top-k and the actual token); the reference gives
-    log p for every id. On the partition {x} for x in E, plus T = everything else, both distributions are known exactly, so
-    KL_E = sum_E p log(p/q) + p(T) log(p(T)/q(T)) is exact for the coarsened pair and, by the data-processing inequality, never
-    above the full-vocabulary KL. The gap is p(T) * KL(p|T || q|T): it is small when p(T) is, and p(T) is reported with it.
-    When the engine returns the full distribution, T is empty and KL_E is the full KL."""
+    """The top-k estimator. The engine gives log q for a set E of ids (its top-k and the actual token); the reference
+    gives log p for every id. On the partition {x} for x in E, plus T = everything else, both distributions are known
+    exactly, so KL_E = sum_E p log(p/q) + p(T) log(p(T)/q(T)) is exact for the coarsened pair and, by the
+    data-processing inequality, never above the full-vocabulary KL. The gap is p(T) * KL(p|T || q|T): it is small when
+    p(T) is, and p(T) is reported with it. When the engine returns the full distribution, T is empty and KL_E is the
+    full KL."""
     ids = np.fromiter(engine.keys(), dtype=np.int64)
     lq = np.fromiter(engine.values(), dtype=np.float64)
     lp = ref_lp[ids].astype(np.float64)

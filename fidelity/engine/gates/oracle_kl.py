@@ -35,8 +35,8 @@ ESTIMATOR = ("KL(ref||engine) on engine top-k ids + one tail bucket: a lower bou
 
 async def oracle_kl(client: EngineClient, ref: Reference, s: GateSettings, thresholds: dict | None = None,
                     prompt_as: str = "auto") -> GateResult:
-    """prompt_as: "ids" sends token ids, "text" the detokenized row, "auto" text when the engine's tokenizer gives back exactly the
-    reference ids, else ids."""
+    """prompt_as: "ids" sends token ids, "text" the detokenized row, "auto" text when the engine's tokenizer gives back
+    exactly the reference ids, else ids."""
     piece_ids, ambiguous = ref.piece_ids(), ref.ambiguous_texts()
     scored = await asyncio.gather(*(score_row(client, ref, row, s, prompt_as, piece_ids=piece_ids, ambiguous=ambiguous)
                                     for row in ref.rows))
@@ -84,7 +84,8 @@ async def _run_oracle_kl(call: GateCall, name: str, thresholds: dict | None) -> 
 @dataclass
 class ScoredRow:
     """One panel row as the engine answered it: its compared positions, one record per position for the gate's worst
-    list (row, position, token, KL, both top-1s), its KLs per echo shift and the echo itself (for the echo diagnosis)."""
+    list (row, position, token, KL, both top-1s), its KLs per echo shift and the echo itself (for the echo
+    diagnosis)."""
 
     row: ReferenceRow
     positions: list[PositionKL]
@@ -96,8 +97,8 @@ class ScoredRow:
 async def score_row(client: EngineClient, ref: Reference, row: ReferenceRow, s: GateSettings, prompt_as: str, *,
                     piece_ids: dict[str, int], ambiguous: set[str]) -> ScoredRow:
     """Ask the engine for its logprobs of one row's tokens, align them with the reference, and score each scored
-    position the engine gave a logprob for (`piece_ids` / `ambiguous`: the reference's text keys, `Reference.piece_ids()`
-    and `.ambiguous_texts()`)."""
+    position the engine gave a logprob for (`piece_ids` / `ambiguous`: the reference's text keys,
+    `Reference.piece_ids()` and `.ambiguous_texts()`)."""
     prompt = await _row_prompt(client, row, ref, prompt_as)
     echoed, where = await _prompt_logprobs(client, ref, row, prompt, s)
     positions, records = [], []
@@ -166,8 +167,9 @@ async def _row_prompt(client: EngineClient, row: ReferenceRow, ref: Reference, m
 
 
 def _top1_agree(tl: TokenLogprob, ref_lp: np.ndarray, ref: Reference, ambiguous: set[str]) -> bool | None:
-    """Engine top-1 vs reference top-1: by id when the engine gives ids, else by text; None (not counted) when the text cannot
-    tell (either top-1 is a text several ids share: text-keyed top lists also lose entries to such collisions)."""
+    """Engine top-1 vs reference top-1: by id when the engine gives ids, else by text; None (not counted) when the text
+    cannot tell (either top-1 is a text several ids share: text-keyed top lists also lose entries to such
+    collisions)."""
     best = int(np.argmax(ref_lp))
     if tl.top_ids:
         return max(tl.top_ids, key=tl.top_ids.get) == best
@@ -210,8 +212,8 @@ def align_echo(
             )
     if not 0 <= len(echoed) - e <= generated:
         raise EngineError(
-            f"row {row.id}: engine echoed {len(echoed)} tokens ({generated} generated), {e} matched the reference row of "
-            f"{len(row.tokens)}",
+            f"row {row.id}: engine echoed {len(echoed)} tokens ({generated} generated), {e} matched the reference row "
+            f"of {len(row.tokens)}",
             tag=f"oracle-kl/{row.id}",
         )
     return where
@@ -264,10 +266,10 @@ def _row_summary(r: ScoredRow) -> dict:
 def oracle_kl_statistics(
     by_row: list[tuple[ReferenceRow, list[PositionKL]]], n_boot: int = 2000, seed: int = 0
 ) -> dict:
-    """oracle-kl's numbers with compare's statistics (fidelity.measuring.stats: row-bootstrap 95% intervals stratified by
-    domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1 agreement
-    (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's, ΔNLL
-    (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
+    """oracle-kl's numbers with compare's statistics (fidelity.measuring.stats: row-bootstrap 95% intervals stratified
+    by domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1
+    agreement (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's,
+    ΔNLL (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
     groups = RowGroups.build(
         np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row]
     )

@@ -1,8 +1,8 @@
-"""What every gate shares: default thresholds and the evidence a verdict needs, `GateSettings` ([settings] of gate.toml),
-`GateResult` with its `Check`s, and the could-not-run results for too little evidence or coverage.
+"""What every gate shares: default thresholds and the evidence a verdict needs, `GateSettings` ([settings] of
+gate.toml), `GateResult` with its `Check`s, and the could-not-run results for too little evidence or coverage.
 
-Default thresholds (`DEFAULT_THRESHOLDS`, overridden per gate from TOML) assume the engine serves the reference weights in fp32/fp16
-and claims determinism; a bf16 or quantized engine should raise `kl_mean_max` in its gate.toml.
+Default thresholds (`DEFAULT_THRESHOLDS`, overridden per gate from TOML) assume the engine serves the reference weights
+in fp32/fp16 and claims determinism; a bf16 or quantized engine should raise `kl_mean_max` in its gate.toml.
 """
 from __future__ import annotations
 
