@@ -1,4 +1,5 @@
-"""fidelity: measure how far a quantized LLM pack is from its reference, and whether an engine computes the model right."""
+"""fidelity: measure how far a quantized LLM pack is from its reference, and whether an engine computes the model
+right."""
 
 from __future__ import annotations
 

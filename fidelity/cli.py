@@ -26,7 +26,8 @@ def _command_modules():
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fidelity",
-        description="Measure how far a quantized LLM pack is from its reference, and gate serving engines against an exact fp32 oracle.",
+        description="Measure how far a quantized LLM pack is from its reference, and gate serving engines against an "
+        "exact fp32 oracle.",
     )
     parser.add_argument("--version", action="version", version=f"fidelity {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -4,10 +4,10 @@
     class LlamaFamily(Family): ...
 
 A `Registry` is a read-only mapping name -> entry. On first lookup it imports every module of its package and of
-its subpackages, so a new module is found without an import list; the entries' modules stay unimported until something asks. Where order matters
-(gates run in a fixed order, format claimers claim in one), the registry names its modules instead: entries iterate
-in the order of their modules in that list (within a module, as registered), whatever order the modules were imported
-in; otherwise entries iterate by name.
+its subpackages, so a new module is found without an import list; the entries' modules stay unimported until something
+asks. Where order matters (gates run in a fixed order, format claimers claim in one), the registry names its modules
+instead: entries iterate in the order of their modules in that list (within a module, as registered), whatever order the
+modules were imported in; otherwise entries iterate by name.
 
 A registry whose names must be known without importing its modules (the CLI lists the suites for its parser and must
 start in milliseconds) is `declared`: its names are read from the source, from the decorators `@SUITES.register("a")`

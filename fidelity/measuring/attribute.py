@@ -7,10 +7,11 @@ Reported (definitions once, here):
 - swap-one-in (exllamav3 `model_diff_attrib`'s): for each module group, the reference with only that group's tensors
   read from the pack (groups name tensors as the reference's oracle reads them, `tensors[].pack_tensor` as the pack's
   does: each family resolves its own pack's names, paired in order; a V4.1 Engram table, `layers.L.engram.embed`,
-  belongs to its layer's `engram` group); the whole pack is the pack's own oracle, as compare runs it; `kld_mean` = mean over scored positions of KL(P_ref || Q_variant) (nats, `fidelity.measuring.metrics`),
-  `share` = its KL / the sum over groups, `additivity` = sum of the groups' KL / the whole pack's KL. The noise control
-  replaces each of the group's tensors W by W + N with N isotropic Gaussian scaled to exactly ||W_pack - W_ref||_F
-  (`noise_kld_each` per draw, `noise_kld_mean` their mean, `x_noise` = kld_mean / noise_kld_mean).
+  belongs to its layer's `engram` group); the whole pack is the pack's own oracle, as compare runs it; `kld_mean` = mean
+  over scored positions of KL(P_ref || Q_variant) (nats, `fidelity.measuring.metrics`), `share` = its KL / the sum over
+  groups, `additivity` = sum of the groups' KL / the whole pack's KL. The noise control replaces each of the group's
+  tensors W by W + N with N isotropic Gaussian scaled to exactly ||W_pack - W_ref||_F (`noise_kld_each` per draw,
+  `noise_kld_mean` their mean, `x_noise` = kld_mean / noise_kld_mean).
   `x_noise_ci`: a 95 % percentile bootstrap interval of x_noise, resampling rows (paired: the same rows for the pack
   and the control) and the control's draws (needs >= 2 of each); `kl_vs_noise` says "more harmful" / "less harmful"
   when the interval lies above / below 1, "not separable" when it holds 1.

@@ -2,10 +2,11 @@
 
 The reference pack is run through the exact fp32 oracle (or read from a reference store); every candidate pack is run
 through the same oracle code on the same tokens; per position the full-vocabulary KL(P_ref || Q_pack), top-1 agreement
-and true-token NLLs are computed (`fidelity.measuring.metrics`) and summarised with row-bootstrap CIs (`fidelity.measuring.stats`). Every pair
-of candidates is compared on the same positions. A noise floor (the reference re-run with a tiny seeded perturbation of
-every attention and MLP output, about one bf16 rounding step: `noise_floor.py`) says what KL means "indistinguishable
-from the reference". The run's passes are kept for resuming, and their records written, by `passes.py`.
+and true-token NLLs are computed (`fidelity.measuring.metrics`) and summarised with row-bootstrap CIs
+(`fidelity.measuring.stats`). Every pair of candidates is compared on the same positions. A noise floor (the reference
+re-run with a tiny seeded perturbation of every attention and MLP output, about one bf16 rounding step:
+`noise_floor.py`) says what KL means "indistinguishable from the reference". The run's passes are kept for resuming, and
+their records written, by `passes.py`.
 """
 from __future__ import annotations
 

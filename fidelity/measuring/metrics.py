@@ -1,12 +1,13 @@
 """Per-position fidelity metrics between a reference distribution P and a pack's distribution Q, full vocabulary.
 
-Direction: `kld` is always KL(P_ref || Q_pack) = sum_v p_ref(v) * (log p_ref(v) - log q_pack(v)), the expected extra nats a
-sampler pays for drawing from the pack when the reference is the truth (llama.cpp's KLD). `kld_reverse` is KL(Q_pack || P_ref).
+Direction: `kld` is always KL(P_ref || Q_pack) = sum_v p_ref(v) * (log p_ref(v) - log q_pack(v)), the expected extra
+nats a sampler pays for drawing from the pack when the reference is the truth (llama.cpp's KLD). `kld_reverse` is
+KL(Q_pack || P_ref).
 
-The kernel reads each logit from memory once. A row is walked in blocks small enough to stay in L1: a vectorised max over
-the block, then one exp per logit per side against running shifts s_a, s_b (the maxima so far; online logsumexp: a block
-that raises a maximum rescales the sums before it). With a = reference, b = pack logits and d = (a - s_a) - (b - s_b),
-it accumulates in float64
+The kernel reads each logit from memory once. A row is walked in blocks small enough to stay in L1: a vectorised max
+over the block, then one exp per logit per side against running shifts s_a, s_b (the maxima so far; online logsumexp: a
+block that raises a maximum rescales the sums before it). With a = reference, b = pack logits and
+d = (a - s_a) - (b - s_b), it accumulates in float64
     z_a = sum exp(a - s_a),  z_b = sum exp(b - s_b),  k_a = sum exp(a - s_a) d,  k_b = sum exp(b - s_b) d
 and with c = log(z_a / z_b) = lse(a) - lse(b) - (s_a - s_b): KL(P||Q) = k_a / z_a - c, KL(Q||P) = c - k_b / z_b.
 Everything after the float32 inputs is float64, exp included (a polynomial good to ~2e-16), so the KL is right to ~1e-14
@@ -104,9 +105,9 @@ _EXP_TAYLOR = tuple(1 / math.factorial(k) for k in range(13, -1, -1))     # 1/13
 
 @numba.njit(inline="always", fastmath=_FAST)
 def _exp_nonpositive(x):
-    """exp(x) in float64 for x <= 0, vectorisable (numba calls libm's scalar exp otherwise). x = k ln2 + r, |r| <= ln2/2,
-    exp(r) by its Taylor series to r^13 (truncation < 4.2e-18 relative: to r^10 it was 2.2e-13 at |r| = ln2/2, up to
-    3e-13 measured against libm), times 2^k built in the exponent bits. x is clamped at
+    """exp(x) in float64 for x <= 0, vectorisable (numba calls libm's scalar exp otherwise). x = k ln2 + r,
+    |r| <= ln2/2, exp(r) by its Taylor series to r^13 (truncation < 4.2e-18 relative: to r^10 it was 2.2e-13 at
+    |r| = ln2/2, up to 3e-13 measured against libm), times 2^k built in the exponent bits. x is clamped at
     -700 (NaN included), so k stays a small integer and exp > 0: a -inf or NaN logit reaches the sums through
     exp(..) * d as inf or NaN instead of vanishing."""
     x = x if x > -700.0 else -700.0

@@ -1,8 +1,8 @@
 """The Triton kernel behind `fidelity.measuring.metrics` on CUDA (imported only when Triton is there): one program per
-position walks both rows of logits once, as the CPU kernel does (see fidelity/measuring/metrics.py), with per-lane float64
-sums under one shift per row and side, combined at the end. The shift is the CPU kernel's running maximum (FIXED_SHIFT
-off: a cross-lane maximum and a possible rescale per block) or the first block's maximum kept for the whole row
-(FIXED_SHIFT: 1.5x faster on an H200; rows far above it are flagged for a running-shift pass). Its exp is the CPU
+position walks both rows of logits once, as the CPU kernel does (see fidelity/measuring/metrics.py), with per-lane
+float64 sums under one shift per row and side, combined at the end. The shift is the CPU kernel's running maximum
+(FIXED_SHIFT off: a cross-lane maximum and a possible rescale per block) or the first block's maximum kept for the whole
+row (FIXED_SHIFT: 1.5x faster on an H200; rows far above it are flagged for a running-shift pass). Its exp is the CPU
 kernel's with a table: x = (64 k + j) ln2/64 + r, |r| <= ln2/128, exp(r) by Taylor to r^5 (4e-17), times 2^(j/64)
 from the table with k added to its exponent bits (EXP_BITS 8, the default: 256 entries, |r| <= ln2/512, Taylor to r^4);
 <= 1.5 ulp of numpy's exp. Constants come in as a float64 tensor: Triton would type a Python float as float32. By
@@ -294,10 +294,10 @@ def rows_kernel(a_ptr, b_ptr, t_ptr, out_ptr, top_ptr, match_ptr, retry_ptr, con
     """One position per program. Each lane keeps its LISTS (2 or 5) best logits per side with their indices (LISTS 1:
     its best with its index and its runner-up's value alone), from which the row's best, runner-up and (MATCH) top-5
     prefix come at the end. retry_ptr bit 0: the row lies too far above its fixed shift, or the shift is 2^24 or more
-    (measure it again with the running shift); bit 1 (LISTS 1, 2): its top-5 prefix needs the exact lists of top5_kernel; bit 2 (CONVERT): a
-    logit is not finite, or a shift lies within 2^-60 of zero, where f64_bits_of_f32 may differ from the conversion
-    (measure it again without CONVERT); LEAN (with CONVERT): also a logit more than 700 below its side's shift, which
-    the unclamped exp cannot take."""
+    (measure it again with the running shift); bit 1 (LISTS 1, 2): its top-5 prefix needs the exact lists of
+    top5_kernel; bit 2 (CONVERT): a logit is not finite, or a shift lies within 2^-60 of zero, where f64_bits_of_f32 may
+    differ from the conversion (measure it again without CONVERT); LEAN (with CONVERT): also a logit more than 700 below
+    its side's shift, which the unclamped exp cannot take."""
     # CONVERT's check holds for one shift per row and side (the running shift passes through others)
     tl.static_assert(FIXED_SHIFT or not CONVERT)
     tl.static_assert(CONVERT or not LEAN)

@@ -27,8 +27,8 @@ REF_LOGITS_CACHE_BYTES = 1 << 30
 
 
 def reference_logits_cache(ref: ReferenceRun, ref_oracle, budget: int | None = None) -> dict | None:
-    """An empty {row index: reference logits} for compare's passes to fill and reuse, or None when the reference's logits
-    of every scored position would take more than `budget` bytes (or live on a device)."""
+    """An empty {row index: reference logits} for compare's passes to fill and reuse, or None when the reference's
+    logits of every scored position would take more than `budget` bytes (or live on a device)."""
     budget = REF_LOGITS_CACHE_BYTES if budget is None else budget
     if ref_oracle.device.type != "cpu":
         return None
@@ -97,12 +97,12 @@ def records_names(labels: list[str]) -> dict[str, str]:
 class Resume:
     """compare's finished passes kept in a folder, so a rerun after a kill recomputes only what was unfinished.
 
-    Per pass (each pack, the noise floor): `<name>.parquet` (its per-position records, as compare's `write_records` writes them),
-    for a pack `<name>.routing.json` (its measured expert routing), and `<name>.done.json`, written after them, holding
-    what the numbers depend on (panel, tokenization, reference and pack fingerprints, device, noise seed, library
-    version) and a BLAKE3 checksum of every file of the pass; a pass is reused only when that identity matches exactly,
-    and one whose files no longer match their checksum (or with a file the checksum does not list) is refused, naming
-    the file. A file that cannot be written (a full disk) stops the run with a `WriteError` naming it.
+    Per pass (each pack, the noise floor): `<name>.parquet` (its per-position records, as compare's `write_records`
+    writes them), for a pack `<name>.routing.json` (its measured expert routing), and `<name>.done.json`, written after
+    them, holding what the numbers depend on (panel, tokenization, reference and pack fingerprints, device, noise seed,
+    library version) and a BLAKE3 checksum of every file of the pass; a pass is reused only when that identity matches
+    exactly, and one whose files no longer match their checksum (or with a file the checksum does not list) is refused,
+    naming the file. A file that cannot be written (a full disk) stops the run with a `WriteError` naming it.
     The reference run is kept as a reference store (`reference-store/`), which is re-verified when read back: its
     top-K must be reproduced bit for bit from its hidden states on this machine. Under torchrun rank 0 writes and
     decides; every rank must see the folder."""

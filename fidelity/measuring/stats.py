@@ -1,9 +1,10 @@
 """Summaries of per-position metrics with honest uncertainty.
 
 Positions within one panel row (a conversation) are correlated, so the unit of resampling is the row: every 95% interval
-here is a percentile bootstrap over rows, stratified by domain (each replicate redraws each domain's rows with replacement,
-keeping the panel's domain mix; Rao-Wu rescaled so small domains do not shrink the variance). Every statistic is a ratio of per-row sums, so a replicate is a matrix product of resample
-counts with a [rows, quantities] table and thousands of replicates cost milliseconds.
+here is a percentile bootstrap over rows, stratified by domain (each replicate redraws each domain's rows with
+replacement, keeping the panel's domain mix; Rao-Wu rescaled so small domains do not shrink the variance). Every
+statistic is a ratio of per-row sums, so a replicate is a matrix product of resample counts with a [rows, quantities]
+table and thousands of replicates cost milliseconds.
 
 Small samples are honest: a 95% interval or p-value over fewer than MIN_ROWS rows (a domain's own, or the panel's), or
 over a domain of one row (its variance is unknown), is reported as not available (null, with the reason) rather than as
@@ -68,8 +69,9 @@ class RowGroups:
 
 def bootstrap_counts(row_domain: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """[n_boot, rows] weight of each row in each replicate. Each domain's n rows are redrawn among themselves: n - 1
-    draws with replacement, weighted n / (n - 1) (Rao & Wu's rescaling bootstrap; plain n-of-n draws shrink a variance by
-    (n - 1) / n per domain, which undercovers with a dozen rows per domain). A domain of one row contributes no variance."""
+    draws with replacement, weighted n / (n - 1) (Rao & Wu's rescaling bootstrap; plain n-of-n draws shrink a variance
+    by (n - 1) / n per domain, which undercovers with a dozen rows per domain). A domain of one row contributes no
+    variance."""
     counts = np.zeros((n_boot, len(row_domain)))
     for d in np.unique(row_domain):
         members = np.flatnonzero(row_domain == d)
@@ -192,7 +194,8 @@ class RatioBootstrap:
 
 
 def _stratified_var(e: np.ndarray, strata: np.ndarray) -> float:
-    """sum over strata of n_h / (n_h - 1) * sum_i (e_i - mean_h)^2: the with-replacement variance of a stratified total."""
+    """sum over strata of n_h / (n_h - 1) * sum_i (e_i - mean_h)^2: the with-replacement variance of a stratified
+    total."""
     v = 0.0
     for h in np.unique(strata):
         x = e[strata == h]
@@ -217,7 +220,8 @@ def not_available(groups: RowGroups, domain: int | None = None) -> str | None:
                     f"needs at least {MIN_ROWS}")
         return None
     if groups.n_rows < MIN_ROWS:
-        return f"{groups.n_rows} row{'s' if groups.n_rows != 1 else ''}; a 95% interval or p-value needs at least {MIN_ROWS}"
+        return (f"{groups.n_rows} row{'s' if groups.n_rows != 1 else ''}; a 95% interval or p-value needs at least "
+                f"{MIN_ROWS}")
     single = [groups.domains[i] for i in np.flatnonzero(counts == 1)]
     if single:
         return (f"domain{'s' if len(single) > 1 else ''} {', '.join(map(repr, single))} "
@@ -256,7 +260,8 @@ class Interval:
     """A 95% interval with the p-value of "the statistic is 0" read off the same construction, or the reason neither is
     available. `method`: "bootstrap" (expanded percentile, order statistics), "t" (linearized, t with `dof`), "t-log" /
     "t-logit" (the same on the log / logit scale of the distance to the range's ends) or "wilson" (Wilson's score
-    interval at the effective sample size: design effect from the linearized SE, degrees of freedom as Korn & Graubard)."""
+    interval at the effective sample size: design effect from the linearized SE, degrees of freedom as Korn &
+    Graubard)."""
 
     ci: list[float] | None
     p_value: float | None
@@ -503,7 +508,8 @@ def _ci_dict(e: Estimate, key: str, se: bool = False) -> dict:
 
 
 def sign_test(worse: int, better: int) -> float | None:
-    """Two-sided sign test (scipy.stats.binomtest) of rows that got worse against rows that got better; ties left out."""
+    """Two-sided sign test (scipy.stats.binomtest) of rows that got worse against rows that got better; ties left
+    out."""
     from scipy.stats import binomtest
 
     if worse + better == 0:
@@ -542,7 +548,8 @@ def row_scopes(groups: RowGroups) -> tuple[RowScope, list[RowScope], RowScope]:
 
 def add_rows_worse(table: dict[str, np.ndarray], n: str, dnll: str) -> None:
     """Per-row columns of rows worse, added to a table of per-row sums: `row_scored` (the row has a position counted in
-    `n`), `row_worse` / `row_better` (its summed NLL change `dnll` rose / fell; a scored row with no change is neither)."""
+    `n`), `row_worse` / `row_better` (its summed NLL change `dnll` rose / fell; a scored row with no change is
+    neither)."""
     scored = table[n] > 0
     table["row_scored"] = scored.astype(float)
     table["row_worse"] = (scored & (table[dnll] > 0)).astype(float)

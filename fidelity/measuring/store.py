@@ -6,10 +6,11 @@ that distribution. Re-applying the reference pack's head to the hidden state giv
 logits (checked against the stored top-K every time they are re-derived). Per scored position it keeps 4·hidden bytes
 (+ 8·K for the top-K) where llama.cpp's KLD base file keeps 2·vocab (uint16 logits): ~1/40 of it for SmolLM2-135M
 (vocab 49152, hidden 576), ~1/15 for Llama-3-8B (128256, 4096), ~1/9 for DeepSeek-V3 (129280, 7168), before parquet's
-compression. Re-derived logits are bit-exact only through the same reference pack on the same torch, BLAS and CPU code path.
-`manifest.json` pins the panel (sha256), the reference pack (fingerprint), the tokenizer (fingerprint) and the library
-version; a store is refused for any other panel, pack or tokenizer. It also records where the panel and the reference pack
-were read from (`panel.path`, `reference_pack.path`, absolute), so readers can default to them (`stored_sources`).
+compression. Re-derived logits are bit-exact only through the same reference pack on the same torch, BLAS and CPU code
+path. `manifest.json` pins the panel (sha256), the reference pack (fingerprint), the tokenizer (fingerprint) and the
+library version; a store is refused for any other panel, pack or tokenizer. It also records where the panel and the
+reference pack were read from (`panel.path`, `reference_pack.path`, absolute), so readers can default to them
+(`stored_sources`).
 """
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, 
     got = (
         f"re-derived {have:.9g}"
         if int(got_ids[j, rank]) == tok
-        else f"re-derived rank {rank} is token {int(got_ids[j, rank])} ({float(got_lps[j, rank]):.9g}); token {tok} now {have:.9g}"
+        else f"re-derived rank {rank} is token {int(got_ids[j, rank])} ({float(got_lps[j, rank]):.9g}); "
+        f"token {tok} now {have:.9g}"
     )
     dev = float((got_lps[bad] - lps[bad]).abs().max())
     again_ids, again_lps = _topk_on(
@@ -163,7 +165,8 @@ def head_sha256(oracle) -> str:
 
 def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *, pack_fingerprint: str,
                 tokenizer_fingerprint: str, k: int = TOP_K) -> dict:
-    """Write records.parquet + manifest.json; the reference NLL and top-K come from the same head the store re-applies."""
+    """Write records.parquet + manifest.json; the reference NLL and top-K come from the same head the store
+    re-applies."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

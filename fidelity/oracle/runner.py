@@ -112,9 +112,10 @@ class Oracle:
     `fidelity.oracle.parallel.load_chain` gives the one a run uses).
     `expert_budget_bytes`: None keeps every decoded routed expert for its layer's lifetime; an int >= 0 keeps at most
     that many bytes of decoded routed-expert weights per layer (in the oracle's dtype; first fit in the order experts
-    are first used), the others are decoded for each call (together, within min(budget, moe.READ_AHEAD_BYTES)) and freed after it. Same numbers either way; a budget trades
-    memory for repeated decodes (`last_forward["experts"]` counts them). Settable later (`oracle.expert_budget_bytes =
-    n`): layers built from then on use it (a layer kept by keep_weights keeps what it kept; `release()` drops it).
+    are first used), the others are decoded for each call (together, within min(budget, moe.READ_AHEAD_BYTES)) and freed
+    after it. Same numbers either way; a budget trades memory for repeated decodes (`last_forward["experts"]` counts
+    them). Settable later (`oracle.expert_budget_bytes = n`): layers built from then on use it (a layer kept by
+    keep_weights keeps what it kept; `release()` drops it).
     `numerics`: "exact" (default: fp32/fp64 math, what transformers computes) or "deepseek" (DeepSeek-V4/V4.1 only: the
     rounding DeepSeek's own inference/model.py applies, fidelity/oracle/deepseek/quant.py); fixed for the oracle's life.
     """
@@ -402,7 +403,8 @@ class Oracle:
 
     def map_logits(self, hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
                    chunk_positions: int | None = None) -> torch.Tensor:
-        """fn(logits chunk [n, vocab]) -> [n, ...] per chunk; results concatenated and shaped like hidden's leading dims."""
+        """fn(logits chunk [n, vocab]) -> [n, ...] per chunk; results concatenated and shaped like hidden's leading
+        dims."""
         parts = [fn(chunk).cpu() for _, chunk in self.iter_logits(hidden, chunk_positions)]
         out = torch.cat(parts) if parts else torch.empty(0)
         return out.reshape(*hidden.shape[:-1], *out.shape[1:])

@@ -83,7 +83,8 @@ class SafetensorsFile:
             expected = math.prod(shape) * DTYPES[dtype][1]
             if e - b != expected:
                 raise PackError(
-                    f"header says dtype {dtype} shape {list(shape)} ({expected} bytes) but its data span is {e - b} bytes",
+                    f"header says dtype {dtype} shape {list(shape)} ({expected} bytes) "
+                    f"but its data span is {e - b} bytes",
                     file=self.path,
                     tensor=name,
                 )

@@ -3,7 +3,8 @@
 Every format decodes where the oracle runs: the host reads a tensor's stored bytes (a memory-mapped view), sends those
 bytes, not fp32 values, and the decode runs in torch on the target device. On the CPU nothing moves: decoders get the
 memory-mapped view itself, as they always did. To a CUDA device the bytes go through pinned host memory, so the copy is
-plain DMA on the current stream that overlaps kernels running on other streams (layer prefetch, `fidelity.oracle.parallel`).
+plain DMA on the current stream that overlaps kernels running on other streams (layer prefetch,
+`fidelity.oracle.parallel`).
 
 `stage_bytes` / `staged` let a prefetcher read a layer's stored bytes ahead into (pinned) host buffers; a decoder that
 asks for a stored tensor then finds it there instead of touching the file again.

@@ -1,4 +1,5 @@
-"""Reports people look at: `render(results, out_dir)` writes a self-contained index.html, PNG figures and a Markdown summary."""
+"""Reports people look at: `render(results, out_dir)` writes a self-contained index.html, PNG figures and a Markdown
+summary."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Numbers the report derives from per-position records: KL quantiles, KL by reference confidence, worst positions and rows."""
+"""Numbers the report derives from per-position records: KL quantiles, KL by reference confidence, worst positions and
+rows."""
 
 from __future__ import annotations
 
@@ -138,7 +139,8 @@ class TokenText:
         return "".join(f"⟨{i}⟩" for i in ids)
 
     def around(self, before, token: int, after) -> tuple[str, str, str]:
-        """Text before, of, and after `token`, decoded together so word boundaries and spaces come out as in the full text."""
+        """Text before, of, and after `token`, decoded together so word boundaries and spaces come out as in the full
+        text."""
         head = self.text(before)
         with_token = self.text([*before, token])
         tok = with_token[len(head):] if with_token.startswith(head) else self.text([token])
@@ -148,7 +150,8 @@ class TokenText:
 
 
 def _top(r, ids_key: str, lp_key: str, top1_key: str, text: TokenText, k: int) -> list[tuple[str, float | None]] | None:
-    """Most likely tokens at a position: from stored top-K (with probabilities) or just the argmax id (probability unknown)."""
+    """Most likely tokens at a position: from stored top-K (with probabilities) or just the argmax id (probability
+    unknown)."""
     if ids_key in r.index and lp_key in r.index and r[ids_key] is not None:
         ids, lps = r[ids_key], np.asarray(r[lp_key], dtype=np.float64)
         return [(text.piece(int(ids[j])), float(np.exp(lps[j]))) for j in np.argsort(-lps)[:k]]
@@ -159,7 +162,8 @@ def _top(r, ids_key: str, lp_key: str, top1_key: str, text: TokenText, k: int) -
 
 def worst_positions(run: CompareRun, label: str, text: TokenText, n: int = 8, context: int = 24, after: int = 4,
                     k: int = 5) -> list[WorstPosition]:
-    """The n highest-KL scored positions with the text around them; the token at `position` is the one being predicted."""
+    """The n highest-KL scored positions with the text around them; the token at `position` is the one being
+    predicted."""
     df = scored_kl(run, label)
     if df is None or df.empty:
         return []

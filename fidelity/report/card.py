@@ -1,7 +1,8 @@
-"""`fidelity card`: a model-card section in Markdown, every table the seed cards print filled from fidelity's results alone.
+"""`fidelity card`: a model-card section in Markdown, every table the seed cards print filled from fidelity's results
+alone.
 
-Sections, each from what `fidelity report` reads (`inputs.load_inputs`: compare JSON or `compare --out` folders grouped by
-panel, suite-compare JSON, bench JSON):
+Sections, each from what `fidelity report` reads (`inputs.load_inputs`: compare JSON or `compare --out` folders grouped
+by panel, suite-compare JSON, bench JSON):
 
 - quality vs native: per build KLD (domains equal in parentheses) with its CI, top-1, PPL and NLL native -> build,
   paired ΔNLL ± SE, rows worse (seed 000's pre-serving table, seed 001's Results);
@@ -12,12 +13,13 @@ panel, suite-compare JSON, bench JSON):
 - speed: one column per labelled bench, % change against the first with the spread a change must exceed (seed 002);
 - methods: panel, reference, numerics and its floor, noise floor, bootstrap.
 
-Every number is followed by an HTML comment naming where it comes from: `<!-- compare.json#/results/0/overall/kld_mean -->`
-(the file as given, then an RFC 6901 JSON Pointer in its URI-fragment form), or, for a number the card derives (a count,
-a % change of two benches), the formula over such pointers. Why comments: Hugging Face renders model cards as Markdown
-with HTML comments dropped (its own model-card template is full of them), as GitHub does, so the card reads as the seed
-cards do while its source keeps the trail from each number to its field; footnotes or links on every number would
-bury the tables, and neither the Hub nor GitHub can open a JSON Pointer anyway.
+Every number is followed by an HTML comment naming where it comes from:
+`<!-- compare.json#/results/0/overall/kld_mean -->` (the file as given, then an RFC 6901 JSON Pointer in its
+URI-fragment form), or, for a number the card derives (a count, a % change of two benches), the formula over such
+pointers. Why comments: Hugging Face renders model cards as Markdown with HTML comments dropped (its own model-card
+template is full of them), as GitHub does, so the card reads as the seed cards do while its source keeps the trail from
+each number to its field; footnotes or links on every number would bury the tables, and neither the Hub nor GitHub can
+open a JSON Pointer anyway.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ class CardError(ReportInputError):
 # ---- numbers and where they come from --------------------------------------------------------------------------------
 
 def pointer(*path) -> str:
-    """RFC 6901 JSON Pointer in its URI-fragment form (`~0`, `~1`, percent-encoding); no `--` (it would end the comment)."""
+    """RFC 6901 JSON Pointer in its URI-fragment form (`~0`, `~1`, percent-encoding); no `--` (it would end the
+    comment)."""
     raw = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
     return urllib.parse.quote(raw, safe="/~!$&'()*+,;=:@").replace("--", "-%2D")
 
@@ -122,7 +125,8 @@ class Located:
 
 
 def _sources(items) -> dict[str, str]:
-    """Input -> the name the card gives it: the file name (a folder: folder/compare.json), the path given where names clash."""
+    """Input -> the name the card gives it: the file name (a folder: folder/compare.json), the path given where names
+    clash."""
     from .inputs import _find_compare_json
 
     names = {}
@@ -263,8 +267,8 @@ def _pct1(x: float) -> str:
 
 
 def _closer(pair: Pair) -> tuple[list[str], list[str], list[str]]:
-    """Domains where this build is closer to native (its KL lower on the positions finite in both), those where the other
-    is, and those where this build is closer at Holm p < 0.05."""
+    """Domains where this build is closer to native (its KL lower on the positions finite in both), those where the
+    other is, and those where this build is closer at Holm p < 0.05."""
     closer, farther, significant = [], [], []
     for name, v in (pair.entry.kld.domains or {}).items():
         d = v.diff
@@ -463,7 +467,8 @@ def _rate(b: dict, side: str, src: Source, path: tuple) -> str:
 
 
 def _difference(b: dict, src: Source, path: tuple) -> str:
-    """B − A: questions gained or lost where each item is one question (McNemar), points otherwise; with the paired p."""
+    """B − A: questions gained or lost where each item is one question (McNemar), points otherwise; with the paired
+    p."""
     p = b.get("p_value")
     p_text = f"p {Num(p_value(p), src.at(*path, 'p_value'))}" if p is not None else "no test"
     if "flips_a_to_b" in b and "flips_b_to_a" in b and b.get("test", "").startswith(("mcnemar", "no discordant")):
@@ -737,8 +742,8 @@ class Card:
 
 def card_markdown(results, *, build: str | None = None, title: str = "Fidelity to the original model",
                   command_line: str | None = None) -> tuple[str, str | None, list[str]]:
-    """The card's Markdown for `results` (what `fidelity report` takes); `build`: the label of this card's build (default:
-    the first build of the main group). Returns (markdown, the build's label, warnings)."""
+    """The card's Markdown for `results` (what `fidelity report` takes); `build`: the label of this card's build
+    (default: the first build of the main group). Returns (markdown, the build's label, warnings)."""
     items = [results] if isinstance(results, (str, Path, dict)) else list(results)
     inputs = load_inputs(items)
     names = _sources([i for i in items if isinstance(i, (str, Path))])

@@ -49,7 +49,8 @@ def domain_rows(packs: list[PackResult]) -> list[str]:
 
 
 def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
-    """KLD mean per domain as points with 95% CI whiskers (honest on a log axis, unlike bars), then pooled and domains-equal rows."""
+    """KLD mean per domain as points with 95% CI whiskers (honest on a log axis, unlike bars), then pooled and
+    domains-equal rows."""
     cats = domain_rows(packs) + ["pooled (all positions)", "domains weighted equally"]
     height = 0.8 / max(len(packs), 1)
     fig = Figure(figsize=(8.5, 1.2 + len(cats) * (0.3 + 0.12 * len(packs))))
@@ -83,7 +84,8 @@ def per_domain_kld(packs: list[PackResult], path: Path, title: str) -> Path:
 
 
 def kld_vs_bpw(packs: list[PackResult], path: Path, title: str) -> Path | None:
-    """KLD and top-1 disagreement against bits per weight, both log-scaled, with the noise floor drawn on the KLD panel."""
+    """KLD and top-1 disagreement against bits per weight, both log-scaled, with the noise floor drawn on the KLD
+    panel."""
     with_bpw = [p for p in packs if p.bpw is not None and p.overall.kld_mean is not None]
     if not with_bpw:
         return None
@@ -135,7 +137,8 @@ def kld_vs_bpw(packs: list[PackResult], path: Path, title: str) -> Path | None:
 
 def kl_distribution(samples: dict[str, np.ndarray], quantiles: dict[str, dict], colors: dict[str, int], path: Path,
                     title: str) -> Path | None:
-    """Survival function P(KL > x) per pack down to 1e-3 (p99.9) from per-position KL; JSON quantiles as markers otherwise."""
+    """Survival function P(KL > x) per pack down to 1e-3 (p99.9) from per-position KL; JSON quantiles as markers
+    otherwise."""
     if not samples and not quantiles:
         return None
     fig = Figure(figsize=(8.5, 4.5))

@@ -1,4 +1,5 @@
-"""Read what `fidelity report` is given: compare JSON or run folders, suite-compare JSON, gate JSON; group compare results by panel."""
+"""Read what `fidelity report` is given: compare JSON or run folders, suite-compare JSON, gate JSON; group compare
+results by panel."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class CompareRun:
     warnings: list[str] = field(default_factory=list)   # non-finite numbers, packs that failed in that run
 
     def local_path(self, value) -> Path | None:
-        """A path the compare run recorded, as readable here: absolute, or relative to the result's folder or to the cwd."""
+        """A path the compare run recorded, as readable here: absolute, or relative to the result's folder or to the
+        cwd."""
         if not value:
             return None
         p = Path(str(value))
@@ -139,7 +141,8 @@ def classify(data, source: str) -> str:
             return "suite"
     raise ReportInputError(
         f"{source}: not a compare, suite-compare or gate result, nor a bench or ladder (expected keys "
-        f"'panel'+'results', 'suite'/'suites', 'gates' or kind fidelity-bench/fidelity-ladder; found {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__})"
+        f"'panel'+'results', 'suite'/'suites', 'gates' or kind fidelity-bench/fidelity-ladder; "
+        f"found {sorted(data)[:8] if isinstance(data, dict) else type(data).__name__})"
     )
 
 
@@ -296,9 +299,10 @@ def _reference_store(run: CompareRun, folder: Path | None) -> Path | None:
 
 
 def _attach_records(run: CompareRun, folder: Path | None, store: Path | None = None):
-    """Per-position records of a `compare --out` folder: `<label>.parquet` per pack (row_id, domain, position, token, kld,
-    ref_top1, pack_top1, ref_pmax, finite, ...), and the reference store's records (every token of every row, the reference
-    top-K) when the folder holds or names one: then the worst positions get full text and the reference's top tokens."""
+    """Per-position records of a `compare --out` folder: `<label>.parquet` per pack (row_id, domain, position, token,
+    kld, ref_top1, pack_top1, ref_pmax, finite, ...), and the reference store's records (every token of every row, the
+    reference top-K) when the folder holds or names one: then the worst positions get full text and the reference's top
+    tokens."""
     for res in run.results if folder is not None else []:
         named = [folder / Path(res.records).name] if res.records else []
         path = next((p for p in (*named, folder / f"{res.label}.parquet", folder / f"pack-{res.label}.parquet")
@@ -336,7 +340,8 @@ def _has_columns(store: Path) -> bool:
 
 
 def load_compare(item, source: str | None = None) -> CompareRun:
-    """A compare JSON file (its folder's `<label>.parquet` records are picked up), a run folder holding one, or a dict."""
+    """A compare JSON file (its folder's `<label>.parquet` records are picked up), a run folder holding one, or a
+    dict."""
     if isinstance(item, dict):
         return _compare_run(item, source or "<dict>")
     path = Path(item)
@@ -356,7 +361,8 @@ def load_compare(item, source: str | None = None) -> CompareRun:
 
 
 def _attach_folder(folder: Path, runs: list[CompareRun]):
-    """A folder given without a compare JSON: a reference store, or `compare --out` records for a compare JSON given too."""
+    """A folder given without a compare JSON: a reference store, or `compare --out` records for a compare JSON given
+    too."""
     if _is_store(folder):
         sha = (_read_json(folder / "manifest.json").get("panel") or {}).get("sha256")
         matched = [r for r in runs if r.panel.sha256 == sha and r.positions is None]
@@ -384,8 +390,8 @@ def _attach_folder(folder: Path, runs: list[CompareRun]):
 # ---- grouping --------------------------------------------------------------------------------------------------------
 
 def _unique_labels(runs: list[CompareRun]):
-    """The same label from two files would be merged in a plot; tell them apart by file name (and a number if that is the
-    same too, e.g. one file given twice)."""
+    """The same label from two files would be merged in a plot; tell them apart by file name (and a number if that is
+    the same too, e.g. one file given twice)."""
     counts: dict[str, int] = {}
     for run in runs:
         for res in run.results:
@@ -405,8 +411,8 @@ def _unique_labels(runs: list[CompareRun]):
 
 
 def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
-    """Group by (panel sha256, reference fingerprint). The main group is the one with the most packs (first seen on a tie);
-    every other group carries a warning naming its files and what differs."""
+    """Group by (panel sha256, reference fingerprint). The main group is the one with the most packs (first seen on a
+    tie); every other group carries a warning naming its files and what differs."""
     order: list[tuple[str, str]] = []
     by_key: dict[tuple[str, str], list[CompareRun]] = {}
     for run in runs:
@@ -429,7 +435,8 @@ def group_runs(runs: list[CompareRun]) -> tuple[list[Group], list[str]]:
             else:
                 why = (f"reference {g.reference.fingerprint!r} differs from the main group's reference "
                        f"{first.reference.fingerprint!r}")
-            g.warning = f"{files}: {why}; its numbers are not comparable and are shown as a separate group, never in the same plot."
+            g.warning = (f"{files}: {why}; its numbers are not comparable and are shown as a separate group, "
+                         "never in the same plot.")
             warnings.append(g.warning)
         groups.append(g)
     return groups, warnings

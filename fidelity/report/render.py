@@ -78,7 +78,8 @@ class Report:
 
 
 def _reference_tokenizer(group: Group):
-    """The reference pack's own tokenizer, when its path is readable here; None otherwise (token ids are shown instead)."""
+    """The reference pack's own tokenizer, when its path is readable here; None otherwise (token ids are shown
+    instead)."""
     path = next((p for p in (r.local_path(group.reference.path) for r in group.runs) if p is not None), None)
     if path is None:
         return None
@@ -162,8 +163,8 @@ def _from_records(d: _Distributions, view: GroupView, run, res, df, text: analys
 
 
 def _panel_context(g: Group, view: GroupView, panel_source, tokenizer):
-    """Runs with pack records but no reference store get every token of their rows from the panel, when we have it and the
-    reference tokenizer. Returns the tokenizer (resolved from "auto" if it had to be)."""
+    """Runs with pack records but no reference store get every token of their rows from the panel, when we have it and
+    the reference tokenizer. Returns the tokenizer (resolved from "auto" if it had to be)."""
     panel_source = panel_source or next(
         (p for p in (r.local_path(g.panel.extra.get("path")) for r in g.runs) if p), None
     )
@@ -275,8 +276,9 @@ def _notes(view: GroupView, g: Group, d: _Distributions):
 
 def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto", worst: int = 8, panel=None,
            command_line: str | None = None) -> Report:
-    """Write index.html, the PNG figures and summary.md for `results` (paths to compare JSON / run folders, suite-compare and gate
-    JSON, or loaded dicts) into `out_dir`. `tokenizer`: "auto" loads the reference pack's when readable, None shows token ids.
+    """Write index.html, the PNG figures and summary.md for `results` (paths to compare JSON / run folders,
+    suite-compare and gate JSON, or loaded dicts) into `out_dir`. `tokenizer`: "auto" loads the reference pack's when
+    readable, None shows token ids.
     `panel`: the panel folder the results were measured on, for the full text around the worst positions."""
     if isinstance(results, (str, Path, dict)):
         results = [results]

@@ -157,7 +157,8 @@ def likelihood_table(g: Group) -> Table:
                      with_ci(o, "delta_nll_mean", "delta_nll_mean_ci95", reasons), num(o.delta_nll_mean_se),
                      worse, share, sign_p, with_ci(o, "kld_reverse_mean", "kld_reverse_mean_ci95", reasons)])
     note = (
-        "NLL: mean −log p of the true next token, nats per scored position (reference / pack); ΔNLL = pack − reference, "
+        "NLL: mean −log p of the true next token, nats per scored position (reference / pack); "
+        "ΔNLL = pack − reference, "
         "SE its row-bootstrap standard error; rows worse: rows whose mean NLL rose, of the rows scored, with the "
         "two-sided sign test of worse against better rows."
     )
@@ -408,7 +409,8 @@ def _gate_status(gt: dict) -> str:
 
 
 def gate_table(entries: list[tuple[str, dict]]) -> Table | None:
-    """One line per check: measured value against its threshold, from GateResult.to_dict() (`checks`) or measured/thresholds."""
+    """One line per check: measured value against its threshold, from GateResult.to_dict() (`checks`) or
+    measured/thresholds."""
     rows = []
     for _, data in entries:
         for gt in _gate_list(data):

@@ -84,4 +84,4 @@ position {{ w.position }} · KL {{ num(w.kl) }}</div>
 {{ table(provenance, 2) }}
 </body>
 </html>
-"""
+"""  # noqa: E501 (the page template, kept byte for byte: long lines are the HTML it emits)

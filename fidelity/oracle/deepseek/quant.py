@@ -1,16 +1,17 @@
-"""DeepSeek's reference rounding: what DeepSeek's own `inference/model.py` rounds, for the oracle's `numerics="deepseek"`.
+"""DeepSeek's reference rounding: what DeepSeek's own `inference/model.py` rounds, for the oracle's
+`numerics="deepseek"`.
 
-The oracle's default numerics, "exact", is pure fp32 (or fp64), which is what transformers computes. DeepSeek's reference
-code (the one every seed card measures against) also rounds some activations to FP8/FP4 and back, where its trained
-model expects them rounded (quantisation-aware training). Under "deepseek" the oracle does what model.py does, no more
-and no less (quantise then dequantise, in the oracle's dtype):
+The oracle's default numerics, "exact", is pure fp32 (or fp64), which is what transformers computes. DeepSeek's
+reference code (the one every seed card measures against) also rounds some activations to FP8/FP4 and back, where its
+trained model expects them rounded (quantisation-aware training). Under "deepseek" the oracle does what model.py does,
+no more and no less (quantise then dequantise, in the oracle's dtype):
 
 | where | V4 (V4-Flash) | V4.1 |
 | --- | --- | --- |
 | window KV | FP8 e4m3, its non-rotary dims, blocks of 64 | FP8 e4m3, the whole post-RoPE vector, blocks of 32 |
-| compressed KV | as the window KV (non-rotary dims, 64) | FP4 e2m1, the whole post-RoPE latent, blocks of 16, e4m3 scales |
+| compressed KV | as the window KV (non-rotary dims, 64) | FP4 e2m1, whole post-RoPE latent, blocks of 16, e4m3 scales |
 | indexer queries and keys | Hadamard rotation, then FP4 e2m1, blocks of 32 | FP4 e2m1, blocks of 32 (no rotation) |
-| a linear's input | FP8 e4m3 in blocks of 128 where that linear's stored weight is FP8 or FP4 | the same, blocks of 32 |
+| a linear's input | FP8 e4m3 in blocks of 128 where the linear's stored weight is FP8 or FP4 | the same, blocks of 32 |
 
 FP8 scales and the indexer's FP4 scales are powers of two (ue8m0: 2^ceil(log2(amax * (1 / max))), amax floored at
 1e-4 for FP8 and 6 * 2^-126 for FP4); the compressed KV's FP4 scales are amax / 6 rounded to e4m3 (amax floored at
@@ -67,8 +68,8 @@ def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
 
 
 def _blocked(x: torch.Tensor, block: int, rounding: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Applies `rounding` to blocks of `block` along the last dim; a last dim that is not a multiple of the block ends in
-    a shorter block (zero padding, which changes no block's maximum)."""
+    """Applies `rounding` to blocks of `block` along the last dim; a last dim that is not a multiple of the block ends
+    in a shorter block (zero padding, which changes no block's maximum)."""
     if block <= 0:
         raise ConfigError(f"rounding block size must be positive, got {block}")
     n = x.shape[-1]

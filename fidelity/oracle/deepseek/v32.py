@@ -1,5 +1,5 @@
-"""DeepSeek-V3.2: DeepSeek-V3 (MLA, sigmoid group-limited MoE) plus DeepSeek Sparse Attention. Every attention layer has a
-lightning indexer that scores each query against every earlier token and keeps the `index_topk` best; the MLA then
+"""DeepSeek-V3.2: DeepSeek-V3 (MLA, sigmoid group-limited MoE) plus DeepSeek Sparse Attention. Every attention layer has
+a lightning indexer that scores each query against every earlier token and keeps the `index_topk` best; the MLA then
 attends only to those (and never to the future). With a context of at most `index_topk` tokens every earlier token is
 kept, so the layer is plain causal MLA and the indexer is not computed.
 

@@ -114,7 +114,8 @@ class Group:
     def checkpoint(self, what: str, channel: str = "main") -> None:
         """Wait until every rank reaches this point. Raises RankFailed naming a rank that posted an error, stopped its
         heartbeat for `stale_s` seconds, or (with `timeout_s`) did not arrive in time. Each channel counts its own
-        checkpoints (the prefetch thread's layer exchanges use their own, so they never interleave with the main one's)."""
+        checkpoints (the prefetch thread's layer exchanges use their own, so they never interleave with the main
+        one's)."""
         step = self._steps[channel] = self._steps.get(channel, 0) + 1
         place = (step,) if channel == "main" else (channel, step)
         here = [self._key("at", *place, r) for r in range(self.world_size)]

@@ -62,9 +62,9 @@ class Prefetcher:
     read from the memory-mapped files into host memory, pinned for CUDA, by `pack.stage`), then build (the rest of the
     chain, `oracle.build_layer`: cache, shards, read, decode, layer transforms; each tensor decodes from the staged
     bytes on the oracle's device, on a side stream on CUDA). Experts decode when a token first routes to them, on the
-    compute thread, from bytes already staged (a MoE call's new experts in batches, RoutedExperts.read_ahead). A layer's staged bytes are released once the next layer is handed out
-    (the last layer's when the next pass starts). Device-independent: the CPU runs the same steps (no pinning, no
-    streams). `timeline` records a LayerTiming per load.
+    compute thread, from bytes already staged (a MoE call's new experts in batches, RoutedExperts.read_ahead). A layer's
+    staged bytes are released once the next layer is handed out (the last layer's when the next pass starts).
+    Device-independent: the CPU runs the same steps (no pinning, no streams). `timeline` records a LayerTiming per load.
 
     Host memory: at most two layers' staged bytes are held (the computing layer's, whose experts still decode from
     them, and the next one's), and together they never exceed `budget_bytes` (default, and where `load_chain` passes

@@ -15,8 +15,8 @@ Format facts (checked bit for bit against exllamav3 1.6.5's CUDA kernels, see te
   r, column c of the tile (rows index the input dimension) by the tensor-core permutation: lane = t // 8, j = t % 8,
   r = 2*(lane % 4) + (j & 1) + 8*((j >> 1) & 1), c = lane // 4 + 8*(j >> 2).
 - W [k, n] = diag(suh) . H . Q . H . diag(svh) with H block-diagonal 128x128 Sylvester Hadamard / sqrt(128); the torch
-  weight is W^T [out, in] with the padding cut off. We rebuild W exactly in float64 (every Hadamard sum of fp16 values is
-  exact in float64) and round once to float32.
+  weight is W^T [out, in] with the padding cut off. We rebuild W exactly in float64 (every Hadamard sum of fp16 values
+  is exact in float64) and round once to float32.
 """
 from __future__ import annotations
 

@@ -8,28 +8,29 @@ model config implies (see `logical_shape`). Layouts:
 
 1. `exllamav3` - a standard exllamav3 checkpoint: `quantization_config.quant_method == "exl3"`, Hugging Face names. The
    stated K is `quantization_config.json`'s `tensor_storage[module].bits_per_weight` where present.
-2. `cuda-exl3` - DeepSeek official names (`layers.L.ffn.experts.E.w1/w3/w2.{trellis,suh,svh,mul1}`) inside release-numbered
-   shards (`model-0000i-of-0000n.safetensors` + index) next to untouched official tensors (FP8 e4m3 weights with
-   `.scale` or `.weight_scale_inv` block scales, MXFP4 int8 [out, in/2] with e8m0 `.scale` [out, in/32], bf16 norms...). `quantization_config.json` =
-   `{"quant_method": "exl3", "format": "cuda-exl3", "expert_bits": {"<L>": K, ...}, "original_quantization_config":
-   {...the official fp8 block...}}`; config.json carries no quantization_config. Stated K: expert_bits[L] for every
-   routed expert of layer L (or expert_bits[L][E] when a layer lists one K per expert; a layer with EXL3 experts but
-   no entry is an error).
+2. `cuda-exl3` - DeepSeek official names (`layers.L.ffn.experts.E.w1/w3/w2.{trellis,suh,svh,mul1}`) inside
+   release-numbered shards (`model-0000i-of-0000n.safetensors` + index) next to untouched official tensors (FP8 e4m3
+   weights with `.scale` or `.weight_scale_inv` block scales, MXFP4 int8 [out, in/2] with e8m0 `.scale` [out, in/32],
+   bf16 norms...). `quantization_config.json` = `{"quant_method": "exl3", "format": "cuda-exl3",
+   "expert_bits": {"<L>": K, ...}, "original_quantization_config": {...the official fp8 block...}}`; config.json carries
+   no quantization_config. Stated K: expert_bits[L] for every routed expert of layer L (or expert_bits[L][E] when a
+   layer lists one K per expert; a layer with EXL3 experts but no entry is an error).
 3. `deepseek_v41_exl3` - config.json `quantization_config = {"quant_method": "deepseek_v41_exl3", "exl3_moe": {"plan":
    "exl3_moe_plan.json", "codebook": ..., "parts": 2}, ...}`. `exl3_moe_plan.json` = `{"layers": {"<L>": "<one digit per
-   expert = its K>"}, "drafter": {"layers": {"<i>": "<digits>"}}}` (drafter = `mtp.<i>.ffn.experts.*`). Routed experts of
-   layer L live in `model-exl3-L<LL>-p0.safetensors` (experts 0..E/2-1) and `-p1` (the rest); other EXL3 linears
+   expert = its K>"}, "drafter": {"layers": {"<i>": "<digits>"}}}` (drafter = `mtp.<i>.ffn.experts.*`). Routed experts
+   of layer L live in `model-exl3-L<LL>-p0.safetensors` (experts 0..E/2-1) and `-p1` (the rest); other EXL3 linears
    (attention, dense MLPs, shared experts) in `model-exl3-dense.safetensors`; the head `head.{trellis,...}` in
    `model-exl3-head.safetensors`; everything else (norms, embeddings, router) in `model-rest.safetensors`. `wo_a`
    (grouped low-rank output) is stored as head-group slices `layers.L.attn.wo_a.<g>.{trellis,...}`, g = 0..o_groups-1,
    each an EXL3 linear [o_lora_rank, in/o_groups]; the logical `layers.L.attn.wo_a.weight` stacks them along the
    output dim.
 4. `expert-packs` - `model-experts-L<NN>.safetensors` per MoE layer holding its routed experts (official names),
-   `exl3_moe_plan.json` = `{"layers": [null | {"k": "<one digit per expert>"}, ...]}` indexed by layer; dense tensors from
-   the official shards listed in `model.safetensors.index.json`, which may name shards that are absent (e.g. Engram
+   `exl3_moe_plan.json` = `{"layers": [null | {"k": "<one digit per expert>"}, ...]}` indexed by layer; dense tensors
+   from the official shards listed in `model.safetensors.index.json`, which may name shards that are absent (e.g. Engram
    tables): an absent shard is an error only when one of its tensors is requested.
-5. `exl3-mixed` - self-describing mixed-K: official names, EXL3 routed experts at any K per expert, no plan and no stated
-   K (K comes from each trellis alone); any pack holding `.trellis` tensors that none of the above claims lands here.
+5. `exl3-mixed` - self-describing mixed-K: official names, EXL3 routed experts at any K per expert, no plan and no
+   stated K (K comes from each trellis alone); any pack holding `.trellis` tensors that none of the above claims lands
+   here.
 
 Plans must list exactly `n_routed_experts` digits per layer. In every layout a tensor with a part in a shard that the
 index names but that is absent is an error only when requested. The pack's `format` becomes the layout's name
@@ -578,8 +579,8 @@ def _stacked_slices(pack, base: str, parts: list[tuple[int, CheckedLinear]]) -> 
 
 def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTensor]:
     """Every other tensor of an official-named pack, renamed to HF: scaled weights (`.weight` + `.scale` or
-    `.weight_scale_inv`: FP8 e4m3 with block scales, or MXFP4 packed int8/uint8 with per-32 e8m0 scales), the rest native.
-    A tensor with a part in an absent shard is absent (an error only when requested)."""
+    `.weight_scale_inv`: FP8 e4m3 with block scales, or MXFP4 packed int8/uint8 with per-32 e8m0 scales), the rest
+    native. A tensor with a part in an absent shard is absent (an error only when requested)."""
     from .. import fp8, native
 
     qc = layout.original_quant_config or {}
