@@ -1,6 +1,6 @@
 """fidelity/environment.py reads the FIDELITY_* variables once, for the command line: each variable's value, the
 defaults of an empty environment (the library's own defaults, exactly), a value it cannot read named with its variable,
-and no other module of the package reading a FIDELITY_* variable (but the three not yet passed in, listed)."""
+and no other module of the package reading a FIDELITY_* variable (but the two not yet passed in, listed)."""
 from __future__ import annotations
 
 import ast
@@ -15,10 +15,8 @@ from fidelity.oracle.parallel import RunSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 # library modules that still read their variable where it is used (not yet passed in from the command line):
-# the content-hash cache folder (Pack.fingerprint has no settings), the EXL3 Hadamard sums (decoded inside a pack),
-# the sandbox's bwrap (the gate's [suite.*] sections build suites without the command's objects)
-STILL_READ_IN_PLACE = {"fidelity/content_hash.py": {"FIDELITY_CACHE"}, "fidelity/packs/exl3/codec.py": {"SUMS_ENV"},
-                       "fidelity/suites/sandbox.py": {"FIDELITY_BWRAP"}}
+# the content-hash cache folder (Pack.fingerprint has no settings), the EXL3 Hadamard sums (decoded inside a pack)
+STILL_READ_IN_PLACE = {"fidelity/content_hash.py": {"FIDELITY_CACHE"}, "fidelity/packs/exl3/codec.py": {"SUMS_ENV"}}
 
 
 def test_an_empty_environment_gives_the_librarys_defaults():

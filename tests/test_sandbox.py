@@ -154,16 +154,15 @@ def test_without_bubblewrap_the_run_refuses_before_anything_runs(tmp_path):
 
 
 def test_python_api_raises_without_bubblewrap(monkeypatch, tmp_path):
-    monkeypatch.setenv("FIDELITY_BWRAP", str(tmp_path / "none"))
+    none = str(tmp_path / "none")
     for f in (sb.find_bwrap, sb.require_sandbox):
         f.cache_clear()
     try:
         with pytest.raises(sb.SandboxUnavailable, match="no usable bubblewrap.*--unsafe-no-sandbox"):
-            make_code_suite("humaneval")
+            make_code_suite("humaneval", bwrap=none)
         with pytest.raises(sb.SandboxUnavailable):
-            sb.Sandbox()
+            sb.Sandbox(bwrap=none)
     finally:
-        monkeypatch.delenv("FIDELITY_BWRAP")
         for f in (sb.find_bwrap, sb.require_sandbox):
             f.cache_clear()
 
@@ -311,7 +310,7 @@ def test_a_sandbox_that_fails_to_start_is_not_the_models_failure(tmp_path, monke
     fake = tmp_path / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Resource temporarily unavailable' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(sb, "find_bwrap", lambda: (str(fake), "0.11.0"))
+    monkeypatch.setattr(sb, "find_bwrap", lambda path=None: (str(fake), "0.11.0"))
     with pytest.raises(sb.SandboxError, match="judge sandbox did not start.*Resource temporarily unavailable"):
         suite.check("t/0", "def answer():\n    return 42\n")
     summary = asyncio.run(run_suite(suite, tmp_path / "run", engine="stub", model="stub", settings=Settings(),

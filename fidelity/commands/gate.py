@@ -164,7 +164,8 @@ def run(args) -> int:
     report = asyncio.run(run_gates(args.engine, args.model, names, cfg, store=args.reference_store,
                                    reference_pack=args.reference_pack, panel=args.panel, rows_per_domain=args.rows_per_domain,
                                    journal=args.journal,
-                                   timeout=args.timeout, retries=args.retries, concurrency=args.concurrency))
+                                   timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
+                                   bwrap=args.environment.bwrap))
     report["seconds"] = round(time.time() - t0, 3)
     print_summary(report)
     if args.json_out:

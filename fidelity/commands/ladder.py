@@ -53,7 +53,8 @@ def run(args) -> int:
     ladder = load_ladder(args.ladder)
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fidelity-ladder-"))
     con = Console()
-    doc = asyncio.run(run_ladder(ladder, logs, progress=lambda r: con.print(f"{r['rung']}: {r['verdict']} ({r['reason']})")))
+    doc = asyncio.run(run_ladder(ladder, logs, progress=lambda r: con.print(f"{r['rung']}: {r['verdict']} ({r['reason']})"),
+                                 bwrap=args.environment.bwrap))
     con.print(console_table(doc))
     if args.json_out:
         Path(args.json_out).write_text(json_out.dumps(doc, indent=2))

@@ -25,6 +25,8 @@ from rich.console import Console
 from .. import json_out
 from ..errors import ConfigError
 
+CODE_SUITES = ("humaneval", "humaneval+", "mbpp+")   # the suites that run generated code in the sandbox
+
 
 def add_arguments(p: argparse.ArgumentParser):
     from ..registry import SUITES
@@ -97,9 +99,11 @@ def _suite_options(args) -> dict:
     if args.suite == "toolcall" and args.categories:
         opts["categories"] = args.categories.split(",")
     if args.unsafe_no_sandbox:
-        if args.suite not in ("humaneval", "humaneval+", "mbpp+"):
+        if args.suite not in CODE_SUITES:
             raise ConfigError(f"--unsafe-no-sandbox is for the code suites; {args.suite} runs no generated code")
         opts["unsafe_no_sandbox"] = True
+    if args.suite in CODE_SUITES and args.environment.bwrap:
+        opts["bwrap"] = args.environment.bwrap       # FIDELITY_BWRAP
     return opts
 
 

@@ -138,7 +138,7 @@ class _Engine:
             self.proc.close()
 
 
-async def _gates(url: str, ladder: Ladder, rung: Rung) -> dict | None:
+async def _gates(url: str, ladder: Ladder, rung: Rung, bwrap: str | None = None) -> dict | None:
     from .gates.config import load_config, run_gates, select_gates
 
     config = rung.gates or ladder.gates
@@ -147,7 +147,7 @@ async def _gates(url: str, ladder: Ladder, rung: Rung) -> dict | None:
         return None
     cfg = load_config(str(ladder.folder / config) if config else None)
     names = select_gates(",".join(only) if only else None, cfg)
-    return await run_gates(url, ladder.model, names, cfg)
+    return await run_gates(url, ladder.model, names, cfg, bwrap=bwrap)
 
 
 def aggregate_level(ladder: Ladder, doc: dict) -> str | None:
@@ -197,7 +197,8 @@ def verdict(ladder: Ladder, best: dict, new: dict, gates: dict | None, aa: dict)
             "against": None, "deltas": rows, "gates": gate_status}
 
 
-async def run_ladder(ladder: Ladder, log_dir: Path, progress=None) -> dict:
+async def run_ladder(ladder: Ladder, log_dir: Path, progress=None, bwrap: str | None = None) -> dict:
+    """`bwrap`: the code suites' bubblewrap for [suite.*] gates (the command line's FIDELITY_BWRAP)."""
     rows, docs, best = [], {}, None
     aa: dict = {}
     for i, rung in enumerate(ladder.rungs):
@@ -205,7 +206,7 @@ async def run_ladder(ladder: Ladder, log_dir: Path, progress=None) -> dict:
             url = engine.url
             cfg = BenchConfig(url, ladder.model, **{**ladder.bench, "aa": ladder.aa and i == 0}, server_pid=engine.pid)
             doc = await run_bench(cfg)
-            gates = await _gates(url, ladder, rung)
+            gates = await _gates(url, ladder, rung, bwrap)
         docs[rung.name] = doc
         if i == 0:
             aa = {m: spread_of(doc, m) for m in doc["metrics"]} if ladder.aa else {}

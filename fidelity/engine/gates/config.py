@@ -79,7 +79,7 @@ def load_reference(store: str, pack: str | None, panel: str | None, rows_per_dom
 async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, store: str | None = None,
                     reference_pack: str | None = None, panel: str | None = None, rows_per_domain: int | None = None,
                     journal: str | None = None, timeout: float | None = None, retries: int | None = None,
-                    concurrency: int | None = None) -> dict:
+                    concurrency: int | None = None, bwrap: str | None = None) -> dict:
     st = dict(cfg.get("settings", {}))
     prompt_as = st.pop("prompt_as", "auto")
     client_kw = {k: st.pop(k) for k in list(st) if k in CLIENT_KEYS}
@@ -90,7 +90,7 @@ async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, sto
     results = []
     async with EngineClient(ClientConfig(engine, model=model, **client_kw)) as client:
         call = GateCall(engine, model, client, settings, prompt_as, cfg.get("_dir"), journal, store,
-                        lambda: load_reference(store, reference_pack, panel, rows_per_domain))
+                        lambda: load_reference(store, reference_pack, panel, rows_per_domain), bwrap)
         for name in names:
             kind, _, sub = name.partition(".")  # suite.NAME: kind "suite", its table [suite.NAME]
             section = cfg.get(kind)

@@ -41,6 +41,7 @@ class GateCall:
     journal: str | None
     store: str | None  # the reference store (--reference-store); None: not given
     load_reference: Callable[[], Reference]  # reads `store` (oracle-kl only)
+    bwrap: str | None = None  # the code suites' bubblewrap (the command line's FIDELITY_BWRAP; [suite.*] gates)
 
 
 @dataclass(frozen=True)
