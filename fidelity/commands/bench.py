@@ -88,7 +88,9 @@ def config_from_args(args) -> BenchConfig:
 def bench_table(doc: dict, title: str | None = None):
     from rich.table import Table
 
-    f = lambda x, spec=".1f": "-" if x is None else format(x, spec)
+    def f(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
     aa = (doc.get("aa") or {}).get("spread_pct") or {}
     name = f"{doc['label']}: " if doc.get("label") else ""
     t = Table(title=title or f"fidelity bench: {name}{doc['engine']} ({doc['model']})")
@@ -112,7 +114,9 @@ def print_report(doc: dict):
             f"in flight together {lv['max_in_flight']}, overlapping {lv['overlap']}"
         )
     for n, pf in doc["prefill"].items():
-        g = lambda x, spec: "-" if x is None else format(x, spec)
+        def g(x, spec):
+            return "-" if x is None else format(x, spec)
+
         con.print(
             f"prefill {n}: {g(pf['prompt_tokens'], '.0f')} prompt tokens, second cold "
             f"{g(pf['second_cold_gain_pct'], '+.1f')} % vs first, engine cached {pf['engine_cached_tokens'] or '-'}, "
@@ -140,8 +144,13 @@ def serving_lines(sv: dict | None) -> list[str]:
     if not sv:
         return []
     why = sv.get("null_reasons") or {}
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
-    fact = lambda key, text: text if sv.get(key) is not None else f"- ({why.get(key, 'not stated')})"
+
+    def gib(b):
+        return f"{b / 2**30:.2f} GiB"
+
+    def fact(key, text):
+        return text if sv.get(key) is not None else f"- ({why.get(key, 'not stated')})"
+
     out = [f"serving ({sv.get('engine') or 'engine unknown'}): KV capacity "
            + fact("kv_cache_tokens", f"{sv['kv_cache_tokens']} tokens" + (f" ({gib(sv['kv_cache_bytes'])})"
                                                                             if sv.get("kv_cache_bytes") else ""))]
@@ -152,7 +161,10 @@ def serving_lines(sv: dict | None) -> list[str]:
     sd = sv.get("spec_decode")
     if sd:
         per = ", ".join("-" if a is None else f"{a:.3f}" for a in sd["acceptance_per_position"] or [])
-        g = lambda x: "-" if x is None else f"{x:.3f}"
+
+        def g(x):
+            return "-" if x is None else f"{x:.3f}"
+
         out.append(
             f"  speculative decoding: mean accepted length {g(sd['mean_accepted_length'])}, first-draft acceptance "
             f"{g(sd['first_draft_acceptance'])}, per position [{per}] over {sd['drafts']:.0f} drafts"

@@ -291,7 +291,9 @@ def uncertainty_notes(result: dict) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    strip = lambda s: s.replace("[b]", "**").replace("[/b]", "**")
+    def strip(s):
+        return s.replace("[b]", "**").replace("[/b]", "**")
+
     lines = [f"Panel `{result['panel']['name']}` (sha256 `{result['panel']['sha256'][:12]}`), "
              f"{result['panel']['scored_positions']} scored tokens; {result['direction']}. Definitions: fidelity's "
              f"README, \"What compare reports\".", "",

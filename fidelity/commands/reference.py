@@ -59,7 +59,6 @@ def run(args) -> int:
     parallel.finish()
     if m is None:
         return 0
-    v = m["hidden_size"]
     Console().print(f"wrote {args.out}: {m['panel']['scored_positions']} scored positions, {m['bytes'] / 1e6:.2f} MB, "
                     f"{m['bytes_per_scored_position']:.0f} bytes per scored position")
     return 0

@@ -319,6 +319,12 @@ def pooled_decode_rate(samples: list[Sample]) -> float | None:
     return sum(s.tokens - 1 for s in ok) / span if span > 0 else None
 
 
+def prefill_rate(s: Sample) -> float | None:
+    """Prompt tokens (ours, else the engine's usage) over TTFT; None for a failed request or one without either."""
+    tokens = s.prompt_tokens or s.usage.get("prompt_tokens")
+    return tokens / s.ttft if s.ok and s.ttft and tokens else None
+
+
 def ttft_stats(samples: list[Sample]) -> dict:
     t = [s.ttft for s in samples if s.ok and s.ttft is not None]
     if not t:
@@ -530,11 +536,9 @@ class Bench:
             first, second, warm, cached, lengths = [], [], [], [], []
             for rep in reps:
                 c0, c1 = rep["cold"]
-                rate = lambda s: ((s.prompt_tokens or s.usage.get("prompt_tokens")) / s.ttft
-                                  if s.ok and s.ttft and (s.prompt_tokens or s.usage.get("prompt_tokens")) else None)
-                first.append(rate(c0))
-                second.append(rate(c1))
-                warm.append(rate(rep["warm"]))
+                first.append(prefill_rate(c0))
+                second.append(prefill_rate(c1))
+                warm.append(prefill_rate(rep["warm"]))
                 cached += [s.cached_tokens() for s in rep["cold"] if s.ok and s.cached_tokens() is not None]
                 lengths += [s.prompt_tokens or s.usage.get("prompt_tokens") for s in rep["cold"] if s.ok]
             cold = summary([x for pair in zip(first, second) for x in pair], "tok/s")

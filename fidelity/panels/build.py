@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .panel import (Panel, PanelError, PanelRow, iter_jsonl, parse_messages, parse_row, parse_tools,
+from .panel import (Panel, PanelError, iter_jsonl, parse_messages, parse_row, parse_tools,
                                 write_panel)
 
 JOURNAL_FILE = "requests.jsonl"

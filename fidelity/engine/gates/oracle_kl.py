@@ -284,13 +284,20 @@ def oracle_kl_statistics(
     table = {k: groups.row_sums(v) for k, v in cols.items()}
     add_rows_worse(table, "n_nll", "dnll")
     boot = RatioBootstrap.run(table, groups, n_boot, seed)
-    S = lambda num, den, bounds: ratio_scopes(boot, num, den, groups, bounds=bounds)
+
+    def S(num, den, bounds):
+        return ratio_scopes(boot, num, den, groups, bounds=bounds)
+
     kl, top1, tail = S("kl", "n", NONNEGATIVE), S("top1", "n_top1", SHARE), S("tail", "n", UNIT)
     # an engine's logprob may exceed 0 by rounding (the client accepts up to 1e-3): its NLL is not bounded at 0
     eng_nll, r_nll = S("engine_nll", "n_nll", SIGNED), S("ref_nll", "n_nll", NONNEGATIVE)
     dnll, worse = S("dnll", "n_nll", SIGNED), rows_worse_share(boot, groups)
-    exp = lambda v: float(np.exp(v)) if v is not None else None
-    exp_ci = lambda ci: [exp(c) for c in ci] if ci is not None else None
+
+    def exp(v):
+        return float(np.exp(v)) if v is not None else None
+
+    def exp_ci(ci):
+        return [exp(c) for c in ci] if ci is not None else None
 
     def scope(where) -> dict:
         pick = where.pick
