@@ -1,4 +1,5 @@
-"""Gate a running OpenAI-compatible engine: oracle KL, batch invariance, decode vs prefill, prefix cache; exit 0 pass, 1 fail, 2 could not run.
+"""Gate a running OpenAI-compatible engine: oracle KL, batch invariance, decode vs prefill, prefix cache; exit 0 pass, 1
+fail, 2 could not run.
 
 Default thresholds (nats for KL, logprob units for deltas), overridable per gate in --config TOML:
 
@@ -30,7 +31,8 @@ oracle-kl reads the store with the pack it was built from (its head re-derives t
 was built on; both default to the paths the store's manifest records (--reference-pack, --panel override them; another
 pack or panel than the store's is refused); --rows-per-domain N keeps the run short.
 
-Exit code: 1 when any gate failed, else 2 when any gate could not run (engine errors, malformed replies, no reference), else 0.
+Exit code: 1 when any gate failed, else 2 when any gate could not run (engine errors, malformed replies, no reference),
+else 0.
 """
 from __future__ import annotations
 
@@ -51,17 +53,26 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--engine", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name to send in requests")
     p.add_argument("--reference-store", help="reference store folder from `fidelity reference` (needed by oracle-kl)")
-    p.add_argument("--reference-pack", help="the pack the store was built from (its head re-derives the exact distributions; "
-                                            "default: the path the store records)")
+    p.add_argument(
+        "--reference-pack",
+        help="the pack the store was built from (its head re-derives the exact distributions; "
+        "default: the path the store records)",
+    )
     p.add_argument("--panel", help="the panel the store was built on (default: the path the store records)")
     p.add_argument("--rows-per-domain", type=int, help="oracle-kl on the first N rows of each domain only")
     p.add_argument("--config", help="gate.toml with [settings] and per-gate thresholds")
     p.add_argument("--only", help=f"comma-separated subset of: {','.join(always_run_gates())}")
     p.add_argument("--junit", help="write JUnit XML here")
     p.add_argument("--json", dest="json_out", help="write the results as JSON here")
-    p.add_argument("--journal", help="request journal (JSONL): a rerun after an interruption resumes without re-sending")
-    p.add_argument("--timeout", type=float, help="seconds one request may take in all: every attempt, read and backoff "
-                                                  "(default 120; an engine that trickles bytes cannot hold a gate longer)")
+    p.add_argument(
+        "--journal", help="request journal (JSONL): a rerun after an interruption resumes without re-sending"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds one request may take in all: every attempt, read and backoff "
+        "(default 120; an engine that trickles bytes cannot hold a gate longer)",
+    )
     p.add_argument("--retries", type=int, help="extra attempts on 5xx / connection errors / timeouts (default 3)")
     p.add_argument("--concurrency", type=int, help="requests in flight at most (default: the largest batch size)")
 
@@ -76,7 +87,11 @@ def junit_xml(report: dict) -> str:
     for g in gates:
         out.append(f'  <testcase classname="fidelity.gate" name={quoteattr(g["gate"])} time="{g["seconds"]:.3f}">')
         if g["status"] == "fail":
-            bad = "; ".join(f'{c["metric"]}={c["value"]:.6g} not {c["op"]} {c["threshold"]:.6g}' for c in g["checks"] if not c["passed"])
+            bad = "; ".join(
+                f'{c["metric"]}={c["value"]:.6g} not {c["op"]} {c["threshold"]:.6g}'
+                for c in g["checks"]
+                if not c["passed"]
+            )
             out.append(f'    <failure message={quoteattr(bad)}/>')
         elif g["status"] == "error":
             out.append(f'    <error message={quoteattr(g["error"] or "error")}/>')
@@ -161,11 +176,23 @@ def run(args) -> int:
     cfg = load_config(args.config)
     names = select_gates(args.only, cfg)
     t0 = time.time()
-    report = asyncio.run(run_gates(args.engine, args.model, names, cfg, store=args.reference_store,
-                                   reference_pack=args.reference_pack, panel=args.panel, rows_per_domain=args.rows_per_domain,
-                                   journal=args.journal,
-                                   timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
-                                   bwrap=args.environment.bwrap))
+    report = asyncio.run(
+        run_gates(
+            args.engine,
+            args.model,
+            names,
+            cfg,
+            store=args.reference_store,
+            reference_pack=args.reference_pack,
+            panel=args.panel,
+            rows_per_domain=args.rows_per_domain,
+            journal=args.journal,
+            timeout=args.timeout,
+            retries=args.retries,
+            concurrency=args.concurrency,
+            bwrap=args.environment.bwrap,
+        )
+    )
     report["seconds"] = round(time.time() - t0, 3)
     print_summary(report)
     if args.json_out:

@@ -2,9 +2,9 @@
 
   fidelity ladder LADDER.toml [--json F] [--markdown F] [--logs DIR]
 
-The file's format and the accept rule (seed 000's: +3 % single-stream or aggregate, <= 5 % prefill loss, gates pass, each
-margin at least the A/A spread): fidelity/engine/ladder.py. Exit 0 when every rung was benched without failed requests,
-2 otherwise (the table still says what was measured).
+The file's format and the accept rule (seed 000's: +3 % single-stream or aggregate, <= 5 % prefill loss, gates pass,
+each margin at least the A/A spread): fidelity/engine/ladder.py. Exit 0 when every rung was benched without failed
+requests, 2 otherwise (the table still says what was measured).
 """
 from __future__ import annotations
 
@@ -53,8 +53,14 @@ def run(args) -> int:
     ladder = load_ladder(args.ladder)
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="fidelity-ladder-"))
     con = Console()
-    doc = asyncio.run(run_ladder(ladder, logs, progress=lambda r: con.print(f"{r['rung']}: {r['verdict']} ({r['reason']})"),
-                                 bwrap=args.environment.bwrap))
+    doc = asyncio.run(
+        run_ladder(
+            ladder,
+            logs,
+            progress=lambda r: con.print(f"{r['rung']}: {r['verdict']} ({r['reason']})"),
+            bwrap=args.environment.bwrap,
+        )
+    )
     con.print(console_table(doc))
     if args.json_out:
         Path(args.json_out).write_text(json_out.dumps(doc, indent=2))

@@ -1,4 +1,5 @@
-"""Run a benchmark suite (humaneval, humaneval+, mbpp+, ifeval, mmlu, gsm8k, needle, toolcall) against an engine, or compare two runs item by item.
+"""Run a benchmark suite (humaneval, humaneval+, mbpp+, ifeval, mmlu, gsm8k, needle, toolcall) against an engine, or
+compare two runs item by item.
 
   fidelity suite run SUITE --engine URL --model NAME -o RUN_DIR [--limit N | --sample N --seed S] [--concurrency C]
   fidelity suite compare RUN_A RUN_B [--json FILE] [--threshold 1.0] [--alpha 0.05] [--aa]
@@ -12,8 +13,9 @@ group (BFCL category, needle cell) and the paired change in reasoning length.
 Code suites run the generated code in a sandbox (bubblewrap, see README); where none can start, `run` stops with exit
 code 2 and says why, unless --unsafe-no-sandbox is given.
 
-A run folder holds manifest.json, records.parquet and the journals that let a killed run resume. `compare` pairs items, tests
-(McNemar / paired t + Wilcoxon) and applies "fail if the drop is larger than THRESHOLD points at p < ALPHA"; exit code 1 on fail.
+A run folder holds manifest.json, records.parquet and the journals that let a killed run resume. `compare` pairs items,
+tests (McNemar / paired t + Wilcoxon) and applies "fail if the drop is larger than THRESHOLD points at p < ALPHA"; exit
+code 1 on fail.
 """
 from __future__ import annotations
 
@@ -36,43 +38,68 @@ def add_arguments(p: argparse.ArgumentParser):
     r.add_argument("suite", choices=list(SUITES))
     r.add_argument("--engine", required=True, help="base URL of the OpenAI-compatible server")
     r.add_argument("--model", required=True, help="model name to send")
-    r.add_argument("-o", "--out", required=True, help="run folder (resumes if it holds an unfinished run of the same settings)")
+    r.add_argument(
+        "-o", "--out", required=True, help="run folder (resumes if it holds an unfinished run of the same settings)"
+    )
     r.add_argument("--limit", type=int, help="first N items only")
-    r.add_argument("--sample", type=int, help="a random subset of N items (seeded by --seed, kept in dataset order; the "
-                                              "items go into the manifest)")
+    r.add_argument(
+        "--sample",
+        type=int,
+        help="a random subset of N items (seeded by --seed, kept in dataset order; the items go into the manifest)",
+    )
     r.add_argument("--seed", type=int, default=0, help="seed of --sample's subset (default 0)")
     r.add_argument("--concurrency", type=int, default=4)
     r.add_argument("--mode", choices=["chat", "completion"], default="chat")
     r.add_argument("--max-tokens", type=int, help="per-item generation budget (default: the suite's)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) by default")
-    r.add_argument("--thinking", choices=["on", "off"], help="the chat template's thinking switch: chat_template_kwargs "
-                                                               "enable_thinking and thinking (DeepSeek V3.1+) both set")
+    r.add_argument(
+        "--thinking",
+        choices=["on", "off"],
+        help="the chat template's thinking switch: chat_template_kwargs "
+        "enable_thinking and thinking (DeepSeek V3.1+) both set",
+    )
     r.add_argument("--data", help="local data file or folder instead of the default source (see the suite's docs)")
     r.add_argument("--shots", type=int, help="mmlu, gsm8k: few-shot examples per prompt (default 5, as lm-eval)")
-    r.add_argument("--lengths", help="needle: context lengths in the engine's tokens, comma-separated; k = 1024, 'max' = "
-                                     "the engine's context (default 1024,2048)")
+    r.add_argument(
+        "--lengths",
+        help="needle: context lengths in the engine's tokens, comma-separated; k = 1024, 'max' = "
+        "the engine's context (default 1024,2048)",
+    )
     r.add_argument("--depths", help="needle: needle depths in [0, 1], comma-separated (default 0,0.5,1)")
     r.add_argument("--seeds", type=int, help="needle: seeds per (length, depth) cell (default 2)")
     r.add_argument("--keys", type=int, help="needle: needles per prompt, all asked for (default 1)")
-    r.add_argument("--haystack", choices=["generated", "stdlib"], help="needle: filler text, Python docstrings "
-                                                                       "(default) or seeded generated prose (any length); --data a folder")
+    r.add_argument(
+        "--haystack",
+        choices=["generated", "stdlib"],
+        help="needle: filler text, Python docstrings (default) or seeded generated prose (any length); --data a folder",
+    )
     r.add_argument("--haystack-seed", type=int, help="needle: seed of the generated haystack (default 0)")
-    r.add_argument("--context", type=int, help="needle: the engine's context length, for --lengths max where the engine "
-                                               "does not state it")
+    r.add_argument(
+        "--context",
+        type=int,
+        help="needle: the engine's context length, for --lengths max where the engine does not state it",
+    )
     r.add_argument("--tokenizer", help="needle: a pack whose tokenizer counts lengths where the engine has no tokenize "
                                        "endpoint (default: usage.prompt_tokens probes)")
-    r.add_argument("--categories", help="toolcall: BFCL v3 categories, comma-separated (default the 13 single-turn ones)")
-    r.add_argument("--unsafe-no-sandbox", action="store_true",
-                   help="code suites: run the generated code WITHOUT the sandbox, with your rights (recorded in the "
-                        "manifest and reports); only for machines you are willing to lose. Without it a missing sandbox "
-                        "stops the run (exit 2)")
+    r.add_argument(
+        "--categories", help="toolcall: BFCL v3 categories, comma-separated (default the 13 single-turn ones)"
+    )
+    r.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="code suites: run the generated code WITHOUT the sandbox, with your rights (recorded in the "
+        "manifest and reports); only for machines you are willing to lose. Without it a missing sandbox "
+        "stops the run (exit 2)",
+    )
     c = sub.add_parser("compare", help="paired comparison of two runs of one suite")
     c.add_argument("run_a", help="reference run folder (native)")
     c.add_argument("run_b", help="candidate run folder")
     c.add_argument("--json", dest="json_out", help="write the report as JSON to this file")
     c.add_argument("--threshold", type=float, default=1.0, help="largest tolerated drop in points (default 1)")
     c.add_argument("--alpha", type=float, default=0.05)
-    c.add_argument("--aa", action="store_true", help="A/A mode: the same build twice; reports the engine's own noise floor")
+    c.add_argument(
+        "--aa", action="store_true", help="A/A mode: the same build twice; reports the engine's own noise floor"
+    )
 
 
 def _suite_options(args) -> dict:
@@ -152,9 +179,11 @@ def reasoning_lines(r: dict | None) -> list[str]:
         return []
     mean = "-" if r["tokens_mean"] is None else f"{r['tokens_mean']:.1f}"
     med = "-" if r["tokens_median"] is None else f"{r['tokens_median']:g}"
-    return [f"  reasoning: {r['with_reasoning']}/{r['items']} replies carried reasoning; tokens mean {mean}, median {med}, "
-            f"total {r['tokens_total']} (over {r['tokens_items']} items; from {r['tokens_from']}); chars mean "
-            f"{r['chars_mean']:.1f}"]
+    return [
+        f"  reasoning: {r['with_reasoning']}/{r['items']} replies carried reasoning; tokens mean {mean}, median {med}, "
+        f"total {r['tokens_total']} (over {r['tokens_items']} items; from {r['tokens_from']}); chars mean "
+        f"{r['chars_mean']:.1f}"
+    ]
 
 
 def suite_summary_lines(s: dict) -> list[str]:
@@ -163,7 +192,9 @@ def suite_summary_lines(s: dict) -> list[str]:
     if "cells" in s:
         depths, lengths = s["depths"], s["lengths"]
         cell = {(c["length"], c["depth"]): c for c in s["cells"]}
-        out.append(f"  needle, {s['keys_per_prompt']} key(s) per prompt: passed / items per length (rows) x depth (columns)")
+        out.append(
+            f"  needle, {s['keys_per_prompt']} key(s) per prompt: passed / items per length (rows) x depth (columns)"
+        )
         out.append("    " + "length".rjust(8) + "".join(f"{d:>10g}" for d in depths))
         for n in lengths:
             row = "".join(f"{cell[(n, d)]['passed']:>6}/{cell[(n, d)]['items']:<3}" if (n, d) in cell else f"{'-':>10}"
@@ -177,7 +208,10 @@ def suite_summary_lines(s: dict) -> list[str]:
                    f"function, {c['right_arguments']} right arguments")
         for cat, v in s.get("categories", {}).items():
             rate = "-" if v["pass_rate"] is None else f"{100 * v['pass_rate']:.2f}%"
-            out.append(f"    {cat}: {v['passed']}/{v['items']} ({rate})" + (f", {v['errors']} engine errors" if v["errors"] else ""))
+            out.append(
+                f"    {cat}: {v['passed']}/{v['items']} ({rate})"
+                + (f", {v['errors']} engine errors" if v["errors"] else "")
+            )
     return out
 
 
@@ -186,10 +220,12 @@ def compare_command(args) -> int:
 
     rep = compare_runs(args.run_a, args.run_b, threshold_points=args.threshold, alpha=args.alpha, aa=args.aa)
     con = Console()
-    con.print(f"[bold]{rep['suite']}[/bold] {rep['mode']}: {rep['n_items']} paired items "
-              f"(only in A: {len(rep['only_in_a'])}, only in B: {len(rep['only_in_b'])}, prompt changed: "
-              f"{len(rep['prompt_changed'])}, engine errors A/B: {rep['errors']['a']}/{rep['errors']['b']}, excluded pairs: "
-              f"{rep['errors']['excluded_pairs']})")
+    con.print(
+        f"[bold]{rep['suite']}[/bold] {rep['mode']}: {rep['n_items']} paired items "
+        f"(only in A: {len(rep['only_in_a'])}, only in B: {len(rep['only_in_b'])}, prompt changed: "
+        f"{len(rep['prompt_changed'])}, engine errors A/B: {rep['errors']['a']}/{rep['errors']['b']}, excluded pairs: "
+        f"{rep['errors']['excluded_pairs']})"
+    )
     for metric in ("passed", "score"):
         m = rep.get(metric)
         if not m:
@@ -212,21 +248,32 @@ def compare_command(args) -> int:
             extra = f"flips A->B {m['flips_a_to_b']} / B->A {m['flips_b_to_a']}"
         else:
             lo, hi = m["drop_ci95"]
-            extra = (f"95% CI {lo:+.2f}..{hi:+.2f}, items worse/better {m['items_worse']}/{m['items_better']}, Wilcoxon "
-                     f"p={m['wilcoxon']['p_value']:.4g}")
-        con.print(f"  {name}: {m['rate_a']:.4f} -> {m['rate_b']:.4f} (of {m['of']}), drop {m['drop']:+.2f} points, {extra}, "
-                  f"{m['test']} p={m['p_value']:.4g}: {m['verdict']}")
+            extra = (
+                f"95% CI {lo:+.2f}..{hi:+.2f}, items worse/better {m['items_worse']}/{m['items_better']}, Wilcoxon "
+                f"p={m['wilcoxon']['p_value']:.4g}"
+            )
+        con.print(
+            f"  {name}: {m['rate_a']:.4f} -> {m['rate_b']:.4f} (of {m['of']}), drop {m['drop']:+.2f} points, {extra}, "
+            f"{m['test']} p={m['p_value']:.4g}: {m['verdict']}"
+        )
     for g, m in (rep.get("groups") or {}).items():
         con.print(f"  {rep['group_by']} {g}: {m['passed_a']}/{m['items']} -> {m['passed_b']}/{m['items']}, flips A->B "
                   f"{m['flips_a_to_b']} / B->A {m['flips_b_to_a']}, {m['test']} p={m['p_value']:.4g}")
     rs = rep.get("reasoning")
     if rs and "change_mean" in rs:
         lo, hi = rs["change_ci95"]
-        pct = "" if rs["change_pct"] is None else (f", {rs['change_pct']:+.1f}% (95% CI {rs['change_pct_ci95'][0]:+.1f}.."
-                                                   f"{rs['change_pct_ci95'][1]:+.1f}%)")
-        con.print(f"  reasoning {rs['unit']}: mean {rs['mean_a']:.1f} -> {rs['mean_b']:.1f}, change {rs['change_mean']:+.1f} "
-                  f"(95% CI {lo:+.1f}..{hi:+.1f}){pct}, longer/shorter {rs['items_longer']}/{rs['items_shorter']}, "
-                  f"paired-t p={rs['p_value']:.4g}, Wilcoxon p={rs['wilcoxon']['p_value']:.4g}")
+        pct = (
+            ""
+            if rs["change_pct"] is None
+            else (
+                f", {rs['change_pct']:+.1f}% (95% CI {rs['change_pct_ci95'][0]:+.1f}..{rs['change_pct_ci95'][1]:+.1f}%)"
+            )
+        )
+        con.print(
+            f"  reasoning {rs['unit']}: mean {rs['mean_a']:.1f} -> {rs['mean_b']:.1f}, change {rs['change_mean']:+.1f} "
+            f"(95% CI {lo:+.1f}..{hi:+.1f}){pct}, longer/shorter {rs['items_longer']}/{rs['items_shorter']}, "
+            f"paired-t p={rs['p_value']:.4g}, Wilcoxon p={rs['wilcoxon']['p_value']:.4g}"
+        )
     elif rs:
         con.print(f"  reasoning: {rs.get('note')}")
     cut = rep.get("cut_by_limit")

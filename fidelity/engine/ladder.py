@@ -7,13 +7,13 @@ LADDER.toml:
     model = "smol"                 # sent in requests
     gates = "gate.toml"            # gate config for every rung (optional; relative paths from this file's folder)
     only = ["batch-invariance"]    # which gates (default: every gate the config defines, or none without a config)
-    aa = true                      # the first rung is benched twice: its A/A spread is the noise every verdict must exceed
-    start_timeout_s = 300
-    [bench]                        # fidelity bench settings (BenchConfig fields): sets, streams, prefill, repeats, max_tokens...
-    [accept]                       # defaults: seed 000's rule
+    aa = true                      # the first rung is benched twice: its A/A spread is the noise every verdict must
+    exceed start_timeout_s = 300
+    [bench]                        # fidelity bench settings (BenchConfig fields): sets, streams, prefill, repeats,
+    max_tokens... [accept]                       # defaults: seed 000's rule
     single_stream_gain_pct = 3.0   # accept on +3 % single-stream decode...
-    aggregate_gain_pct = 3.0       # ...or +3 % aggregate at `aggregate_streams` (default 6, else the largest level measured)
-    prefill_loss_max_pct = 5.0     # ...with at most 5 % cold prefill loss at every length...
+    aggregate_gain_pct = 3.0       # ...or +3 % aggregate at `aggregate_streams` (default 6, else the largest level
+    measured) prefill_loss_max_pct = 5.0     # ...with at most 5 % cold prefill loss at every length...
                                    # ...and every gate passing. Each margin is max(the number above, the spread).
     [[rung]]
     name = "threads-2"
@@ -23,10 +23,10 @@ LADDER.toml:
     only = ["decode-vs-prefill"]
 
 The first rung is the base (accepted as such). Each later rung is compared with the best accepted rung before it; an
-accepted rung becomes the new best. `{port}` in a command is replaced by a free loopback port; the server is stopped after
-its rung. A gate that fails or cannot run rejects the rung whatever its speed. Each row carries its bench's `serving` facts
-(KV capacity, speculative-decoding acceptance; for a started rung its process group's memory), and the Markdown table
-a KV-capacity and a memory column where any rung has them.
+accepted rung becomes the new best. `{port}` in a command is replaced by a free loopback port; the server is stopped
+after its rung. A gate that fails or cannot run rejects the rung whatever its speed. Each row carries its bench's
+`serving` facts (KV capacity, speculative-decoding acceptance; for a started rung its process group's memory), and the
+Markdown table a KV-capacity and a memory column where any rung has them.
 """
 from __future__ import annotations
 
@@ -90,7 +90,9 @@ def load_ladder(path) -> Ladder:
     try:
         accept = AcceptRule(**cfg.get("accept", {}))
     except TypeError:
-        raise ConfigError(f"ladder {p}: [accept] knows {sorted(AcceptRule.__dataclass_fields__)}; got {sorted(cfg['accept'])}")
+        raise ConfigError(
+            f"ladder {p}: [accept] knows {sorted(AcceptRule.__dataclass_fields__)}; got {sorted(cfg['accept'])}"
+        )
     rungs = []
     for i, r in enumerate(cfg.get("rung", [])):
         where = f"ladder {p}: rung {i + 1} ({r.get('name', 'unnamed')})"
@@ -129,7 +131,9 @@ class _Engine:
         port = free_port()
         cmd = [a.replace("{port}", str(port)) for a in self.rung.command]
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = Spawned(cmd, port, timeout_s=self.ladder.start_timeout_s, log=str(self.log_dir / f"{self.rung.name}.log"))
+        self.proc = Spawned(
+            cmd, port, timeout_s=self.ladder.start_timeout_s, log=str(self.log_dir / f"{self.rung.name}.log")
+        )
         self.url = self.proc.url
         return self
 
@@ -162,7 +166,9 @@ def verdict(ladder: Ladder, best: dict, new: dict, gates: dict | None, aa: dict)
     """Accept or reject `new` against `best` (bench documents) under the ladder's rule; margins against the spread."""
     rule = ladder.accept
     agg = aggregate_level(ladder, best)
-    wanted = [rule.single_stream_metric] + ([agg] if agg else []) + [k for k in best["metrics"] if k.startswith("prefill.")]
+    wanted = (
+        [rule.single_stream_metric] + ([agg] if agg else []) + [k for k in best["metrics"] if k.startswith("prefill.")]
+    )
     rows = compare_bench(best, new, [m for m in wanted if m in best["metrics"]])
     for m, r in rows.items():
         r["spread_pct"] = max(r["spread_pct"], aa.get(m, 0.0))
@@ -182,7 +188,9 @@ def verdict(ladder: Ladder, best: dict, new: dict, gates: dict | None, aa: dict)
     missing = [m for m, r in rows.items() if r["change_pct"] is None]
     gate_status = "none" if gates is None else gates["status"]
     if new["errors"] or missing:
-        reasons.append(f"bench incomplete: {len(new['errors'])} failed request(s)" + (f", no {missing}" if missing else ""))
+        reasons.append(
+            f"bench incomplete: {len(new['errors'])} failed request(s)" + (f", no {missing}" if missing else "")
+        )
     if gate_status in ("fail", "error"):
         bad = [g["gate"] for g in gates["gates"] if g["status"] != "pass"]
         reasons.append(f"gates {gate_status}: {', '.join(bad)}")
@@ -193,8 +201,13 @@ def verdict(ladder: Ladder, best: dict, new: dict, gates: dict | None, aa: dict)
             f"{m} {rows[m]['change_pct']:+.1f} %" for m in (rule.single_stream_metric, agg)
             if m in rows and rows[m]["change_pct"] is not None) + ")")
     accepted = not reasons
-    return {"verdict": "accepted" if accepted else "rejected", "reason": "; ".join(gains) if accepted else "; ".join(reasons),
-            "against": None, "deltas": rows, "gates": gate_status}
+    return {
+        "verdict": "accepted" if accepted else "rejected",
+        "reason": "; ".join(gains) if accepted else "; ".join(reasons),
+        "against": None,
+        "deltas": rows,
+        "gates": gate_status,
+    }
 
 
 async def run_ladder(ladder: Ladder, log_dir: Path, progress=None, bwrap: str | None = None) -> dict:

@@ -1,6 +1,8 @@
-"""`[suite.NAME]` in gate.toml: run a suite against the engine with a stored baseline run's settings and items, then apply
-`suite compare`'s paired verdict (`paired.compare_runs`: McNemar / paired t, fail when the drop exceeds `threshold` points at
-p < `alpha`). The new run goes to `out` (default: next to the journal, else a fresh temporary folder) and resumes there."""
+"""`[suite.NAME]` in gate.toml: run a suite against the engine with a stored baseline run's settings and items, then
+apply `suite compare`'s paired verdict (`paired.compare_runs`: McNemar / paired t, fail when the drop exceeds
+`threshold` points at p < `alpha`). The new run goes to `out` (default: next to the journal, else a fresh temporary
+folder) and resumes there."""
+
 from __future__ import annotations
 
 import hashlib
@@ -69,10 +71,17 @@ async def suite_gate(url: str, model: str, name: str, section: dict, *, config_d
                 "compare": rep}
     notes = [rep["warning"]] if rep.get("warning") else []
     if rep["verdict"] not in ("pass", "fail"):
-        return GateResult(f"suite.{name}", "error", measured=measured, notes=notes,
-                          error=f"no verdict: {rep['verdict']} ({summary.errors} engine errors of {summary.items} items)")
+        return GateResult(
+            f"suite.{name}",
+            "error",
+            measured=measured,
+            notes=notes,
+            error=f"no verdict: {rep['verdict']} ({summary.errors} engine errors of {summary.items} items)",
+        )
     # `suite compare`'s rule as one check: the drop counts where the paired test finds it significant (p < alpha)
     significant = rep["drop"] if rep["p_value"] < alpha else 0.0
     check = Check("significant drop points", significant, "<=", threshold)
     measured.update(drop=rep["drop"], p_value=rep["p_value"], test=rep["test"])
-    return GateResult(f"suite.{name}", "pass" if check.passed else "fail", checks=[check], measured=measured, notes=notes)
+    return GateResult(
+        f"suite.{name}", "pass" if check.passed else "fail", checks=[check], measured=measured, notes=notes
+    )

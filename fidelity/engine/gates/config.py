@@ -43,7 +43,10 @@ def load_config(path: str | None) -> dict:
         if section == "settings":
             bad = set(table) - SETTINGS_KEYS - CLIENT_KEYS
             if bad:
-                raise ConfigError(f"gate config {path}: unknown key(s) {sorted(bad)} in [settings] (known: {sorted(SETTINGS_KEYS | CLIENT_KEYS)})")
+                raise ConfigError(
+                    f"gate config {path}: unknown key(s) {sorted(bad)} in [settings] "
+                    f"(known: {sorted(SETTINGS_KEYS | CLIENT_KEYS)})"
+                )
         elif section in GATES:
             GATES[section].check(path, section, table)
         else:
@@ -96,10 +99,21 @@ async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, sto
             section = cfg.get(kind)
             results.append(await GATES[kind].run(call, name, section[sub] if sub else section))
         stats = client.stats
-    return {"engine": engine, "model": model, "reference_store": store,
-            "reference_numerics": store_numerics(store), "gates": [r.to_dict() for r in results],
-            "client": {"sent": stats.sent, "retries": stats.retries, "journal_hits": stats.journal_hits, "errors": stats.errors},
-            "exit_code": exit_code(results), "status": {0: "pass", 1: "fail", 2: "error"}[exit_code(results)]}
+    return {
+        "engine": engine,
+        "model": model,
+        "reference_store": store,
+        "reference_numerics": store_numerics(store),
+        "gates": [r.to_dict() for r in results],
+        "client": {
+            "sent": stats.sent,
+            "retries": stats.retries,
+            "journal_hits": stats.journal_hits,
+            "errors": stats.errors,
+        },
+        "exit_code": exit_code(results),
+        "status": {0: "pass", 1: "fail", 2: "error"}[exit_code(results)],
+    }
 
 
 def store_numerics(store: str | None) -> str | None:

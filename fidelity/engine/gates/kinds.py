@@ -1,6 +1,6 @@
-"""Gate kinds: each registered in `fidelity.registry.GATES` under its gate.toml section by `@gate_kind` in the module that
-implements it (oracle-kl, the invariance gates, `[speed]` in engine/bench.py, `[suite.NAME]` in suites/gate.py), and
-`run_gate`, which turns a gate that raises into a could-not-run result."""
+"""Gate kinds: each registered in `fidelity.registry.GATES` under its gate.toml section by `@gate_kind` in the module
+that implements it (oracle-kl, the invariance gates, `[speed]` in engine/bench.py, `[suite.NAME]` in suites/gate.py),
+and `run_gate`, which turns a gate that raises into a could-not-run result."""
 from __future__ import annotations
 
 import time
@@ -49,8 +49,8 @@ class GateCall:
 
 class GateKind:
     """One kind of gate. `run(call, name, section)` returns its `GateResult` (section: its gate.toml table, or None);
-    `check(path, section, table)` raises `ConfigError` for a bad table; `names(table)`, when set, makes the kind run only
-    where its section is in the config, as the gates that section defines (`speed`; `suite.NAME`)."""
+    `check(path, section, table)` raises `ConfigError` for a bad table; `names(table)`, when set, makes the kind run
+    only where its section is in the config, as the gates that section defines (`speed`; `suite.NAME`)."""
     run: Callable
     check: Callable[[str, str, object], None]
     names: Callable[[object], list[str]] | None = None
