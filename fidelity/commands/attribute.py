@@ -63,6 +63,7 @@ def read_rows(path: str) -> list:
 
 def run(args) -> int:
     from ..measuring.attribute import NOISE_LEVELS, SUPER_EXPERT_SHARE, Settings, attribute
+    from ..measuring.metrics import MetricKernel
 
     rows = read_rows(args.rows) if args.rows else None
     settings = Settings(
@@ -74,7 +75,8 @@ def run(args) -> int:
         super_expert_share=SUPER_EXPERT_SHARE if args.super_expert_share is None else args.super_expert_share,
         seed=args.seed, numerics=args.numerics)
     res = attribute(args.reference, args.pack, panel=args.panel, rows=rows, settings=settings, device=args.device,
-                    progress=True, activation_budget=args.environment.device_activations_bytes)
+                    progress=True, activation_budget=args.environment.device_activations_bytes,
+                    metric_kernel=MetricKernel(backend=args.environment.metrics_kernel))
     print_tables(res, Console(), top=args.top)
     if args.json_out:
         Path(args.json_out).write_text(json_out.dumps(res.to_json(), indent=1))

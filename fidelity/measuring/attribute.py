@@ -68,7 +68,7 @@ from ..packs import open_pack
 from ..packs.config_check import check_against_config
 from .compare import check_same_vocab, prepare
 from .engram_access import EngramAccess
-from .metrics import position_metrics
+from .metrics import MetricKernel, position_metrics
 from .noise_floor import sub_blocks
 from .routing import RoutingCounts
 from .store import scored_index
@@ -414,8 +414,10 @@ class Trunk:
     """The reference's layers streamed over row batches, each layer's input kept; `run(start, ...)` re-runs from a
     layer on with any layer built from another reader or wrapped."""
 
-    def __init__(self, oracle, rows: list[list[int]], scored: list[torch.Tensor], keep_layers: bool | None):
+    def __init__(self, oracle, rows: list[list[int]], scored: list[torch.Tensor], keep_layers: bool | None,
+                 kernel: MetricKernel = MetricKernel()):
         self.oracle, self.fam, self.ref = oracle, oracle.family, oracle.pack
+        self.kernel = kernel       # measures KL where the logits are on a GPU
         self.taps = OracleTaps()   # the observers of every layer this trunk builds, set for the calls that record
         tokens = [oracle._validate_row(r, i) for i, r in enumerate(rows)]
         self.batches = oracle._batches(tokens)
@@ -557,7 +559,7 @@ class Trunk:
         """(mean KL over the scored positions, each row's sum of KL over its scored positions)."""
         if all(torch.equal(r, q) for r, q in zip(self.ref_logits, logits)):
             return 0.0, np.zeros(self.n_rows)   # the same distributions (exp/log rounding leaves ~1e-16 per position)
-        pm = [position_metrics(r, q, t) for r, q, t in zip(self.ref_logits, logits, self.targets)]
+        pm = [position_metrics(r, q, t, kernel=self.kernel) for r, q, t in zip(self.ref_logits, logits, self.targets)]
         k = torch.cat([p.kld for p in pm])
         sums = torch.zeros(self.n_rows, dtype=torch.float64).index_add_(0, torch.cat(self.row_of), k.double())
         return float(k.mean()), sums.numpy()
@@ -587,10 +589,11 @@ def isotropic_noise(shape, norm: float, seed: int) -> torch.Tensor:
 
 # -- the driver ------------------------------------------------------------------------------------------------
 def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = None, settings: Settings | None = None,
-              device: str = "cpu", progress: bool = False, activation_budget: int | None = None) -> Attribution:
+              device: str = "cpu", progress: bool = False, activation_budget: int | None = None,
+              metric_kernel: MetricKernel = MetricKernel()) -> Attribution:
     """Swap-one-in attribution, layer divergence, routing and sensitivity of `pack` against `reference` (paths or
     packs) on `panel` (its scored positions) or on token `rows` (every position but the last scored).
-    `activation_budget`: both oracles' (Oracle(activation_budget=))."""
+    `activation_budget`: both oracles' (Oracle(activation_budget=)); `metric_kernel`: KL of logits on a GPU."""
     s = settings or Settings()
     ref = reference if hasattr(reference, "names") else open_pack(reference)
     pack = pack if hasattr(pack, "names") else open_pack(pack)
@@ -608,7 +611,7 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
               for i in range(fam.n_layers) if table_name(i) in {n for g in groups.values() for n in g}}
     errors = WeightErrors.measure(ref, pack, fam, names_in_pack, tables, progress)
 
-    trunk = Trunk(oracle, rows, scored, s.keep_layers)
+    trunk = Trunk(oracle, rows, scored, s.keep_layers, metric_kernel)
     moe = any(_routed_experts_class(fam, i) for i in range(fam.n_layers))
     ref_rec, pack_rec = (RoutingRecorder(), RoutingRecorder()) if moe else (None, None)
     access = EngramAccess()
