@@ -4,13 +4,14 @@ clamped-SwiGLU MoE with sqrt-softplus / hash routing, the compressor that pools 
 lightning indexer, the shared-KV sink attention over a sliding window plus compressed entries, and the reference
 roundings' hooks into them (quant.py). The architectures (their args from config.json, layers and families) are
 v4.py and v41.py; what each op computes is described in v4.py's docstring and at the op. `a` is the model's args
-(v4.DeepseekV4Args, or the V4 blocks' args V4.1 reads from its config).
+(v4.DeepseekV4Args, or the V4 blocks' args V4.1 reads from its config). A layer's modules are built from one
+`LayerLoad`: the args, the layer's index, where its tensors come from and the reference rounding.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,39 @@ from ..common import ATTENTION_CHUNK_BYTES, Fetch, GatedMLP, fetch_tensors, rms_
 from ..moe import RoutedExperts
 from ..rope import RopeArgs, inverse_frequencies
 from ..selection import mask_indices, top_k_indices, top_k_mask
-from .quant import identity as no_rounding
+from .quant import DeepSeekRounding, identity as no_rounding
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """What one layer's modules are built from: the model's `args`, the `layer`'s index, the pack's tensors (`fetch`
+    by stored name; `stored_name` maps an official name to the one the pack stores it under; `has` tells whether the
+    pack stores an optional tensor, where a model has those) and DeepSeek's reference `rounding` (quant.py), or None
+    (exact)."""
+    args: Any
+    layer: int
+    fetch: Fetch
+    stored_name: Callable[[str], str]
+    rounding: DeepSeekRounding | None = None
+    has: Callable[[str], bool] | None = None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The official tensor `name`."""
+        return self.fetch(self.stored_name(name))
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        """The official tensor `name`, or None where the pack does not store it."""
+        return self.tensor(name) if self.has(name) else None
+
+    def fetch_into(self, module, tensors: dict[str, str]) -> None:
+        """module.<attribute> = the tensor, for each attribute: official name of `tensors`."""
+        fetch_tensors(module, tensors, self.fetch, self.stored_name)
+
+    def stored_modules(self, modules) -> tuple[str, ...]:
+        """The stored names of official modules (`layers.L.ffn.experts.E.w1`, ...), without `.weight`."""
+        return tuple(self.stored_name(f"{m}.weight")[:-len(".weight")] for m in modules)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,11 +170,14 @@ class ClampedGatedMLP(GatedMLP):
 
 
 class ClampedExperts(RoutedExperts):
-    """Routed clamped-SwiGLU experts; under the reference rounding each expert is weighted inside (before `w2`)."""
+    """A layer's routed clamped-SwiGLU experts; under the reference rounding each expert is weighted inside (before
+    `w2`)."""
 
-    def __init__(self, n_experts, names, fetch, act, limit, rounding=None, official=None):
-        super().__init__(n_experts, names, fetch, act)
-        self.limit, self.rounding, self.official = limit, rounding, official
+    def __init__(self, load: LayerLoad):
+        a, layer = load.args, load.layer
+        self.official = lambda e: expert_modules(layer, f"experts.{e}")
+        super().__init__(a.n_routed_experts, lambda e: load.stored_modules(self.official(e)), load.fetch, a.hidden_act)
+        self.limit, self.rounding = a.swiglu_limit, load.rounding
 
     def decode(self, e: int) -> GatedMLP:
         mlp = ClampedGatedMLP.from_names(self.fetch, *self.names(e), self.act)
@@ -157,19 +191,17 @@ class ClampedExperts(RoutedExperts):
 class MoE:
     """Routed experts (sqrt-softplus scores, selection bias or token hash) plus one shared expert."""
 
-    def __init__(self, a, layer: int, n, fetch: Fetch, rounding=None):
-        """rounding: DeepSeek's reference rounding (quant.DeepSeekRounding), or None (exact)."""
+    def __init__(self, load: LayerLoad):
+        a, layer = load.args, load.layer
         self.a, self.hashed = a, a.hash_layers[layer]
-        fetch_tensors(self, self.tensors(a, layer), fetch, n)
+        load.fetch_into(self, self.tensors(a, layer))
         if self.hashed:
             self.tid2eid = self.tid2eid.round().long()
-        self.experts = ClampedExperts(a.n_routed_experts, lambda e: expert_names(n, layer, e), fetch, a.hidden_act,
-                                      a.swiglu_limit, rounding, lambda e: expert_modules(layer, f"experts.{e}"))
+        self.experts = ClampedExperts(load)
         shared = expert_modules(layer, "shared_experts")
-        self.shared = ClampedGatedMLP.from_names(fetch, *(n(f"{x}.weight")[:-len(".weight")] for x in shared),
-                                                 a.hidden_act)
+        self.shared = ClampedGatedMLP.from_names(load.fetch, *load.stored_modules(shared), a.hidden_act)
         self.shared.limit = a.swiglu_limit
-        self.shared.round_like(rounding, *(f"{x}.weight" for x in shared))
+        self.shared.round_like(load.rounding, *(f"{x}.weight" for x in shared))
 
     @staticmethod
     def tensors(a, layer: int) -> dict[str, str]:
@@ -202,25 +234,21 @@ def expert_modules(layer: int, which: str) -> tuple[str, str, str]:
     return tuple(f"layers.{layer}.ffn.{which}.{w}" for w in ("w1", "w3", "w2"))
 
 
-def expert_names(n, layer: int, e: int) -> tuple[str, str, str]:
-    """(gate, up, down) module names of expert e as stored (without `.weight`)."""
-    return tuple(n(f"{x}.weight")[:-len(".weight")] for x in expert_modules(layer, f"experts.{e}"))
-
-
 class Compressor:
     """Pools every `ratio` tokens into one entry: a softmax over the window (gate + learned position bias `ape`) weighs
     the projected rows, then RMSNorm and RoPE at the window's first position. `overlap` (CSA and the indexer): the
     projections are 2 * width wide; entry w pools window w's second half with window w-1's first half (2 * ratio
     rows)."""
 
-    def __init__(self, prefix: str, n, fetch: Fetch, width: int, ratio: int, overlap: bool, eps: float,
-                 rope: RopeArgs, round_kv=None, rounding=None):
-        """round_kv: the reference rounding of the roped entries (or None); rounding: the reference rounding, whose
-        linear-input rule applies to wkv and wgate."""
-        fetch_tensors(self, self.tensors(prefix), fetch, n)
+    def __init__(self, prefix: str, load: LayerLoad, width: int, ratio: int, overlap: bool, eps: float,
+                 rope: RopeArgs, round_kv=None):
+        """round_kv: the reference rounding of the roped entries (or None); the load's rounding's linear-input rule
+        applies to wkv and wgate."""
+        load.fetch_into(self, self.tensors(prefix))
         self.width, self.ratio, self.overlap, self.eps, self.rope = width, ratio, overlap, eps, rope
         self.round_kv = round_kv or no_rounding
-        self.round_wkv, self.round_wgate = input_rounding(rounding, f"{prefix}.wkv.weight", f"{prefix}.wgate.weight")
+        self.round_wkv, self.round_wgate = input_rounding(load.rounding, f"{prefix}.wkv.weight",
+                                                          f"{prefix}.wgate.weight")
 
     @staticmethod
     def tensors(prefix: str) -> dict[str, str]:
@@ -264,12 +292,13 @@ class Indexer:
     at the compress theta), score[t, w] = sum_h weight_h(x_t) * relu(q_h(t) . k_w) / sqrt(d); each query keeps the
     index_topk best of its finished entries (equal scores: the earlier entries, on every device)."""
 
-    def __init__(self, a, prefix: str, n, fetch: Fetch, ratio: int, rounding=None):
-        self.a = a
+    def __init__(self, prefix: str, load: LayerLoad, ratio: int):
+        self.a = a = load.args
+        rounding = load.rounding
         self.round_qk = rounding.index_qk if rounding is not None else no_rounding
-        self.compressor = Compressor(f"{prefix}.compressor", n, fetch, a.index_head_dim, ratio, True, a.rms_norm_eps,
-                                     a.compress_rope, self.round_qk, rounding)
-        fetch_tensors(self, self.tensors(prefix), fetch, n)
+        self.compressor = Compressor(f"{prefix}.compressor", load, a.index_head_dim, ratio, True, a.rms_norm_eps,
+                                     a.compress_rope, self.round_qk)
+        load.fetch_into(self, self.tensors(prefix))
         self.round_wq_b, self.round_weights = input_rounding(rounding, f"{prefix}.wq_b.weight",
                                                              f"{prefix}.weights_proj.weight")
 
@@ -340,17 +369,18 @@ def attention_tensors(p: str) -> dict[str, str]:
 
 
 class Attention:
-    def __init__(self, a, layer: int, n, fetch: Fetch, rounding=None):
+    def __init__(self, load: LayerLoad):
+        a, layer = load.args, load.layer
         p = f"layers.{layer}.attn"
         self.a, self.kind, self.ratio = a, a.layer_types[layer], a.ratios[layer]
-        self.round = AttentionRounding.of(rounding, p, a.rope_dim)
-        fetch_tensors(self, attention_tensors(p), fetch, n)
+        self.round = AttentionRounding.of(load.rounding, p, a.rope_dim)
+        load.fetch_into(self, attention_tensors(p))
         self.compressor = self.indexer = None
         if self.kind != SLIDING:
-            self.compressor = Compressor(f"{p}.compressor", n, fetch, a.head_dim, self.ratio, self.kind == CSA,
-                                         a.rms_norm_eps, a.compress_rope, self.round.compressed_kv, rounding)
+            self.compressor = Compressor(f"{p}.compressor", load, a.head_dim, self.ratio, self.kind == CSA,
+                                         a.rms_norm_eps, a.compress_rope, self.round.compressed_kv)
         if self.kind == CSA:
-            self.indexer = Indexer(a, f"{p}.indexer", n, fetch, self.ratio, rounding)
+            self.indexer = Indexer(f"{p}.indexer", load, self.ratio)
 
     @staticmethod
     def names(a, layer: int) -> list[str]:
@@ -443,8 +473,9 @@ def hc_names(prefix: str) -> list[str]:
     return [f"{prefix}_{w}" for w in ("fn", "base", "scale")]
 
 
-def hyper_connection(a, prefix: str, n, fetch: Fetch) -> HyperConnection:
-    return HyperConnection(*(fetch(n(x)) for x in hc_names(prefix)), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
+def hyper_connection(prefix: str, load: LayerLoad) -> HyperConnection:
+    a = load.args
+    return HyperConnection(*(load.tensor(x) for x in hc_names(prefix)), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
                            a.rms_norm_eps)
 
 
@@ -455,8 +486,8 @@ def block_input_names(layer: int) -> tuple[dict[str, str], dict[str, str]]:
             {"attn_hc": f"{p}.hc_attn", "ffn_hc": f"{p}.hc_ffn"})
 
 
-def fetch_block_inputs(block, a, layer: int, n, fetch: Fetch) -> None:
-    norms, sites = block_input_names(layer)
+def fetch_block_inputs(block, load: LayerLoad) -> None:
+    norms, sites = block_input_names(load.layer)
     for attr, prefix in sites.items():
-        setattr(block, attr, hyper_connection(a, prefix, n, fetch))
-    fetch_tensors(block, norms, fetch, n)
+        setattr(block, attr, hyper_connection(prefix, load))
+    load.fetch_into(block, norms)

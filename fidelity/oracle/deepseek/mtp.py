@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from ...errors import ConfigError, FidelityError, PackError
 from ..common import ATTENTION_CHUNK_BYTES, OracleTaps, rms_norm
 from .quant import rounds_stored_input
-from .dsv4_ops import (SLIDING, Attention, HyperConnection, MoE, collapse, fetch_block_inputs, hc_names, rope_table,
-                       rope_tail, unweighted_rms_norm)
+from .dsv4_ops import (SLIDING, Attention, HyperConnection, LayerLoad, MoE, collapse, fetch_block_inputs, hc_names,
+                       rope_table, rope_tail, unweighted_rms_norm)
 from .v4 import ARCH, DeepseekV4Family, layer_names, name_candidates
 
 V41_ARCH = "DeepseekV41ForCausalLM"
@@ -161,15 +161,15 @@ def confidence_name(last: int) -> str:
 
 
 class DSparkBlock:
-    """One drafter block; weights loaded through the V4 trunk's own layer pieces (renamed layers.0 -> mtp.i).
-    rounding: the reference rounding with its linear-input rule reading the block's own names, or None (exact)."""
+    """One drafter block; weights loaded through the V4 trunk's own layer pieces as trunk layer 0, whose names the
+    load stores under mtp.i (DSparkDrafter.block_load), its rounding's linear-input rule reading the block's own
+    names."""
 
-    def __init__(self, a, i: int, n, fetch, q_head_norm: bool, carry_pre: bool, rounding=None):
-        rename = lambda name: n(name.replace("layers.0.", f"mtp.{i}.", 1))
-        self.a, self.q_head_norm, self.carry_pre = a, q_head_norm, carry_pre
-        self.attn = Attention(a, 0, rename, fetch, rounding)
-        self.ffn = MoE(a, 0, rename, fetch, rounding)
-        fetch_block_inputs(self, a, 0, rename, fetch)
+    def __init__(self, load: LayerLoad, q_head_norm: bool, carry_pre: bool):
+        self.a, self.q_head_norm, self.carry_pre = load.args, q_head_norm, carry_pre
+        self.attn = Attention(load)
+        self.ffn = MoE(load)
+        fetch_block_inputs(self, load)
 
     def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """main_x [..., T, hidden] -> this block's context rows [..., T, head_dim] (positions 0..T-1), stored as
@@ -335,9 +335,13 @@ class DSparkDrafter:
         return rms_norm(F.linear(taps, fetch(self.n(proj))), fetch(self.n("mtp.0.main_norm.weight")),
                         self.family.rms_norm_eps)
 
+    def block_load(self, i: int) -> LayerLoad:
+        """Block i as trunk layer 0 of the block args: official names `layers.0.*` stored as the pack's `mtp.{i}.*`."""
+        stored_name = lambda name: self.n(name.replace("layers.0.", f"mtp.{i}.", 1))   # noqa: E731
+        return LayerLoad(self.block_args, 0, self.oracle.fetch, stored_name, self.block_rounding(i))
+
     def load_block(self, i: int) -> DSparkBlock:
-        return DSparkBlock(self.block_args, i, self.n, self.oracle.fetch, self.args.q_head_norm, self.args.carry_pre,
-                           self.block_rounding(i))
+        return DSparkBlock(self.block_load(i), self.args.q_head_norm, self.args.carry_pre)
 
     # -- drafting ------------------------------------------------------------------------------------------------
     def draft(self, tokens: torch.Tensor, starts: list[int] | None = None) -> DraftOutput:

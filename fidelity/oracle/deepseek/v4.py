@@ -34,7 +34,7 @@ from ...errors import ConfigError
 from ...registry import ARCHITECTURES
 from ..common import Family, Fetch, require, rms_norm
 from ..rope import RopeArgs
-from .dsv4_ops import (CSA, HCA, ROUTER_SCORES, SLIDING, Attention, HyperConnection, MoE, block_input_names,
+from .dsv4_ops import (CSA, HCA, ROUTER_SCORES, SLIDING, Attention, HyperConnection, LayerLoad, MoE, block_input_names,
                        fetch_block_inputs, hc_names, rope_table, unweighted_rms_norm)
 from .quant import DeepSeekRounding, rounds_stored_input
 
@@ -209,11 +209,11 @@ class DecoderLayer:
     """Both blocks read and write the hc streams through their own hyper-connection."""
     SUB_BLOCKS = {"attention": "attn", "mlp": "ffn"}   # role -> attribute (the noise floor perturbs by role)
 
-    def __init__(self, a: DeepseekV4Args, layer: int, n, fetch: Fetch, rounding=None):
-        self.a = a
-        fetch_block_inputs(self, a, layer, n, fetch)
-        self.attn = Attention(a, layer, n, fetch, rounding)
-        self.ffn = MoE(a, layer, n, fetch, rounding)
+    def __init__(self, load: LayerLoad):
+        self.a = load.args
+        fetch_block_inputs(self, load)
+        self.attn = Attention(load)
+        self.ffn = MoE(load)
 
     def __call__(self, streams: torch.Tensor, rope, tokens: torch.Tensor) -> torch.Tensor:
         eps = self.a.rms_norm_eps
@@ -305,7 +305,7 @@ class DeepseekV4Family(Family):
 
     # -- compute ----------------------------------------------------------------------------------------------
     def load_layer(self, i: int, fetch: Fetch) -> DecoderLayer:
-        return DecoderLayer(self.args, i, self.n, fetch, self.rounding)
+        return DecoderLayer(LayerLoad(self.args, i, fetch, self.n, self.rounding))
 
     def rope_tables(self, length: int, dtype: torch.dtype, device):
         positions = torch.arange(length)

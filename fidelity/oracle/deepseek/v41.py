@@ -36,7 +36,7 @@ collapse.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,12 +44,12 @@ import torch.nn.functional as F
 
 from ...errors import ConfigError, FidelityError, PackError
 from ...registry import ARCHITECTURES
-from ..common import ATTENTION_CHUNK_BYTES, Fetch, fetch_tensors, rms_norm
+from ..common import ATTENTION_CHUNK_BYTES, Fetch, rms_norm
 from ..selection import top_k_mask
 from .quant import DeepSeekRounding, identity as no_rounding
-from .dsv4_ops import (HCA, SLIDING, AttentionRounding, HyperConnection, MoE, attention_tensors, collapse,
-                       fetch_block_inputs, finished_entries, input_rounding, rope_table, rope_tail, sink_attention,
-                       unweighted_rms_norm)
+from .dsv4_ops import (HCA, SLIDING, AttentionRounding, HyperConnection, LayerLoad, MoE, attention_tensors,
+                       collapse, fetch_block_inputs, finished_entries, input_rounding, rope_table, rope_tail,
+                       sink_attention, unweighted_rms_norm)
 from .v4 import DeepseekV4Args, DeepseekV4Family
 from .v4 import layer_names as v4_layer_names
 from .engram import EngramArgs, EngramLayer, RowTable, compressed_token_map
@@ -204,19 +204,19 @@ class PoolCompressor:
     wkv rows (ratio 1: no gate, the row itself), then RMSNorm; `latent` is that, `entries` adds RoPE at the window's
     first position. A pack without `ape` gets no position bias (exllamav3 uses none where the pool has index keys)."""
 
-    def __init__(self, prefix: str, n, fetch: Fetch, has, width: int, ratio: int, eps: float, rope, round_kv,
-                 rounding=None):
-        """round_kv: the reference rounding of the roped entries, or identity; rounding: the reference rounding, whose
-        linear-input rule applies to wkv and wgate."""
+    def __init__(self, prefix: str, load: LayerLoad, width: int, ratio: int, eps: float, rope, round_kv):
+        """round_kv: the reference rounding of the roped entries, or identity; the load's rounding's linear-input rule
+        applies to wkv and wgate."""
         self.wgate = None
-        fetch_tensors(self, self.tensors(prefix, ratio), fetch, n)
-        self.ape = fetch(n(f"{prefix}.ape")) if ratio > 1 and has(f"{prefix}.ape") else None
+        load.fetch_into(self, self.tensors(prefix, ratio))
+        self.ape = load.optional(f"{prefix}.ape") if ratio > 1 else None
         self.width, self.ratio, self.eps, self.rope, self.round_kv = width, ratio, eps, rope, round_kv
-        self.round_wkv, self.round_wgate = input_rounding(rounding, f"{prefix}.wkv.weight", f"{prefix}.wgate.weight")
+        self.round_wkv, self.round_wgate = input_rounding(load.rounding, f"{prefix}.wkv.weight",
+                                                          f"{prefix}.wgate.weight")
 
     @staticmethod
     def tensors(prefix: str, ratio: int) -> dict[str, str]:
-        """Its required tensors (`ape`, optional, is found by `has`)."""
+        """Its required tensors (`ape` is optional: LayerLoad.optional)."""
         return {"wkv": f"{prefix}.wkv.weight", "norm": f"{prefix}.norm.weight",
                 **({"wgate": f"{prefix}.wgate.weight"} if ratio > 1 else {})}
 
@@ -277,7 +277,9 @@ def expand_blocks(drop: torch.Tensor, block: int, W: int) -> torch.Tensor:
 # attention
 # ---------------------------------------------------------------------------------------------------------------------
 class Attention:
-    def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, rounding=None):
+    def __init__(self, load: LayerLoad):
+        """load.args: DeepseekV41Args."""
+        a, layer, rounding = load.args, load.layer, load.rounding
         b = a.base
         p = f"layers.{layer}.attn"
         self.a, self.layer, self.ratio = a, layer, b.ratios[layer]
@@ -288,12 +290,12 @@ class Attention:
         self.round_qk = rounding.index_qk if rounding is not None else no_rounding
         self.round_index_wk, self.round_index_wq_b, self.round_index_weights = input_rounding(
             rounding, *(f"{p}.indexer.{w}.weight" for w in ("wk", "wq_b", "weights_proj")))
-        fetch_tensors(self, attention_tensors(p), fetch, n)
+        load.fetch_into(self, attention_tensors(p))
         self.compressor = self.index_wk = None
         if self.owner == layer:
-            self.compressor = PoolCompressor(f"{p}.compressor", n, fetch, has, b.head_dim, self.ratio, b.rms_norm_eps,
-                                             b.compress_rope, self.round.compressed_kv, rounding)
-        fetch_tensors(self, self.index_tensors(a, layer), fetch, n)
+            self.compressor = PoolCompressor(f"{p}.compressor", load, b.head_dim, self.ratio, b.rms_norm_eps,
+                                             b.compress_rope, self.round.compressed_kv)
+        load.fetch_into(self, self.index_tensors(a, layer))
 
     @staticmethod
     def index_tensors(a: DeepseekV41Args, layer: int) -> dict[str, str]:
@@ -401,13 +403,13 @@ class Attention:
 # ---------------------------------------------------------------------------------------------------------------------
 class DecoderLayer:
     SUB_BLOCKS = {"attention": "attn", "mlp": "ffn"}   # role -> attribute (the noise floor perturbs by role)
-    def __init__(self, a: DeepseekV41Args, layer: int, n, fetch: Fetch, has, engram=None, token_map=None,
-                 rounding=None):
-        b = a.base
-        self.a, self.layer, self.engram, self.token_map = a, layer, engram, token_map
-        fetch_block_inputs(self, b, layer, n, fetch)
-        self.attn = Attention(a, layer, n, fetch, has, rounding)
-        self.ffn = MoE(b, layer, n, fetch, rounding)
+    def __init__(self, load: LayerLoad, engram=None, token_map=None):
+        """load.args: DeepseekV41Args; the hyper-connections and the MoE are V4's, over its base args."""
+        self.a, self.layer, self.engram, self.token_map = load.args, load.layer, engram, token_map
+        v4_load = replace(load, args=load.args.base)
+        fetch_block_inputs(self, v4_load)
+        self.attn = Attention(load)
+        self.ffn = MoE(v4_load)
 
     def mix(self, hc: HyperConnection, streams: torch.Tensor, state: CrossLayerState):
         pre, post, comb = hc.weights(streams)
@@ -518,8 +520,8 @@ class DeepseekV41Family(DeepseekV4Family):
         engram = self.engram(i, fetch) if i in self.v41.engram_layers else None
         if engram is not None and self.rounding is not None:
             engram.act_quant = self.rounding.linear_input(EngramLayer.names(i)[0])   # wkv's input
-        return DecoderLayer(self.v41, i, self.n, fetch, self.has, engram,
-                            self._token_map if engram is not None else None, self.rounding)
+        load = LayerLoad(self.v41, i, fetch, self.n, self.rounding, self.has)
+        return DecoderLayer(load, engram, self._token_map if engram is not None else None)
 
     @staticmethod
     def reference_rounding(rounds_input) -> DeepSeekRounding:
