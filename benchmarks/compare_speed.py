@@ -1,14 +1,15 @@
 """Speed of the compare path and size of the reference store.
 
-    python benchmarks/compare_speed.py                 # kernel only (random logits, vocab 49152), 1 and 2 threads
-    python benchmarks/compare_speed.py --e2e           # also end-to-end compare and store size on SmolLM2 (builds the demo packs)
+    python benchmarks/compare_speed.py        # kernel only (random logits, vocab 49152), 1 and 2 threads
+    python benchmarks/compare_speed.py --e2e  # also end-to-end compare and store size on SmolLM2
+                                              # (builds the demo packs)
 
-1. Full-vocab metric kernel (`fidelity.measuring.metrics.position_metrics` with reverse=True, as `compare` calls it: KL both ways,
-   reference top-1/top-2 margin and confidence, top-1 of both, both NLLs) against what a user would write in torch on
-   the same float32 logits: log_softmax of both, KL = sum(exp(lp) * (lp - lq)), argmax of both, NLL by gather. Same
-   thread count (torch.set_num_threads; the kernel splits rows over the same count), same inputs, repeats interleaved,
-   medians reported with the load average. Both must agree (top-1 equal, KL and NLL within float32 rounding), and both
-   are checked against float64.
+1. Full-vocab metric kernel (`fidelity.measuring.metrics.position_metrics` with reverse=True, as `compare` calls it: KL
+   both ways, reference top-1/top-2 margin and confidence, top-1 of both, both NLLs) against what a user would write in
+   torch on the same float32 logits: log_softmax of both, KL = sum(exp(lp) * (lp - lq)), argmax of both, NLL by gather.
+   Same thread count (torch.set_num_threads; the kernel splits rows over the same count), same inputs, repeats
+   interleaved, medians reported with the load average. Both must agree (top-1 equal, KL and NLL within float32
+   rounding), and both are checked against float64.
 2. End-to-end `compare` positions/s (reference + one pack through the oracle, metrics, bootstrap).
 3. Reference-store bytes per scored position against llama.cpp's `--kl-divergence-base` file (2 bytes x vocab each).
 """
@@ -114,7 +115,8 @@ def main():
                 f"({r['speedup']:.2f}x), in calls of {args.call_positions} {r['calls_pos_per_s']:.0f} pos/s "
                 f"({r['calls_speedup']:.2f}x), naive {r['naive_pos_per_s']:.0f} pos/s; KL mean {r['kld_mean']:.3g}; "
                 f"kernel vs naive max |dKL| {r['max_kl_diff_vs_naive']:.2g}, |dNLL| {r['max_nll_diff_vs_naive']:.2g}, "
-                f"top-1 equal; max |KL - float64|: kernel {r['ours_max_abs_err']:.2g}, naive {r['naive_max_abs_err']:.2g}"
+                f"top-1 equal; max |KL - float64|: kernel {r['ours_max_abs_err']:.2g}, "
+                f"naive {r['naive_max_abs_err']:.2g}"
             )
     if args.e2e:
         e = end_to_end(args.rows_per_domain)

@@ -1,4 +1,5 @@
-"""Compute of one DeepSeek-V4-Flash-geometry oracle layer on the GPU against the fp32 matmul rate measured in the same run.
+"""Compute of one DeepSeek-V4-Flash-geometry oracle layer on the GPU against the fp32 matmul rate measured in the same
+run.
 
 Random fp32 weights are made on the device by name (no pack, no reading: this times the layer's compute only), for
 transformers' DeepseekV4Config defaults (hidden 4096, 64 heads x 512, q/o LoRA 1024 in 8 groups, 256 experts x 2048

@@ -39,8 +39,10 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"exl3 decode {k}x{n} K={K} {args.codebook} on {args.device} ({args.threads} threads, {platform.processor() or platform.machine()}, "
-        f"load avg {load:.1f}): best {min(times):.3f} s, median {sorted(times)[len(times) // 2]:.3f} s, out {tuple(w.shape)}"
+        f"exl3 decode {k}x{n} K={K} {args.codebook} on {args.device} ({args.threads} threads, "
+        f"{platform.processor() or platform.machine()}, "
+        f"load avg {load:.1f}): best {min(times):.3f} s, median {sorted(times)[len(times) // 2]:.3f} s, "
+        f"out {tuple(w.shape)}"
     )
 
 

@@ -4,7 +4,8 @@ For every golden (codebook, K, shape): exllamav3's decoded weight error (its `re
 against ours, both without a Hessian (plain weight MSE, what `encode(w, K, cb)` optimises) and with the same Hessian
 (rebuilt from the golden README's recipe; it reproduces the recorded proxy errors to 4 digits). Ratios ours/exllamav3:
 
-    python benchmarks/exl3_encoder_vs_exllamav3.py [--golden DIR] [--device cuda] [--json out.json] [--only k4.mul1.s256x128]
+    python benchmarks/exl3_encoder_vs_exllamav3.py [--golden DIR] [--device cuda] [--json out.json] \
+        [--only k4.mul1.s256x128]
 """
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ def main() -> None:
             rows.append(row)
             msg = f"{name:22s} mse ours/exl3 {row['ours_mse'] / mse_x:5.3f}"
             if "oursH_proxy" in row:
-                msg += f"  proxy(H) ours/exl3 {row['oursH_proxy'] / proxy_x:5.3f}  mse(H) ours/exl3 {row['oursH_mse'] / mse_x:5.3f}"
+                msg += (
+                    f"  proxy(H) ours/exl3 {row['oursH_proxy'] / proxy_x:5.3f}"
+                    f"  mse(H) ours/exl3 {row['oursH_mse'] / mse_x:5.3f}"
+                )
             print(msg + f"  ({row['t_noH']:.1f}s)", flush=True)
     worst = max(r["ours_mse"] / r["exl3_mse"] for r in rows)
     print(f"worst plain-MSE ratio ours/exllamav3 without a Hessian: {worst:.3f} over {len(rows)} linears")

@@ -543,17 +543,18 @@ def run(src: Path, work: Path, seed: int = TOKENS_SEED, candidate_src: Path | No
 
 def table(r: dict) -> str:
     t, h, e = r["topology"], r["hash_rows"], r["engram_layer"]
+    released = r["released_topology"]
     lines = header("piece (exllamav3's code vs the oracle)", "agreement", "control: exllamav3 with one field changed")
     lines += [
         f"| layer topology ({len(t['oracle']['layers'])} layers: type, ratio, KV pool source/owner, indexer "
         f"full/shared, candidate role + blocks, index_topk, q-head norm, carry_pre, Engram placement) | "
         f"{'equal' if t['layers_equal'] else 'DIFFERENT'} | {t['control']}: "
         f"{'equal (control failed)' if t['control_layers_equal'] else 'differs'} |",
-        f"| the same on DeepSeek-V4.1-Flash's config ({r['released_topology']['layers']} layers: "
-        f"{r['released_topology']['full']} full / {r['released_topology']['shared']} shared indexers, "
-        f"{r['released_topology']['pool_readers']} pool readers, {r['released_topology']['candidate_use']} "
+        f"| the same on DeepSeek-V4.1-Flash's config ({released['layers']} layers: "
+        f"{released['full']} full / {released['shared']} shared indexers, "
+        f"{released['pool_readers']} pool readers, {released['candidate_use']} "
         f"candidate users; 2 x 24 Engram heads) | "
-        f"{'equal' if r['released_topology']['layers_equal'] and r['released_topology']['engram_config_equal'] else 'DIFFERENT'} | |",
+        f"{'equal' if released['layers_equal'] and released['engram_config_equal'] else 'DIFFERENT'} | |",
         f"| Engram head table sizes + hash multipliers | {'equal' if t['engram_config_equal'] else 'DIFFERENT'} | "
         f"{t['engram_control']}: {'equal (control failed)' if t['control_engram_equal'] else 'differs'} |",
         f"| compressed vocabulary ({r['token_map']['size']} -> {r['token_map']['compressed']}) | "

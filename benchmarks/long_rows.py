@@ -1,4 +1,5 @@
-"""Long panel rows through the oracle on the CPU or a GPU (`--device cuda`): peak memory and time of one row of T tokens, against the stated bound.
+"""Long panel rows through the oracle on the CPU or a GPU (`--device cuda`): peak memory and time of one row of T
+tokens, against the stated bound.
 
     python benchmarks/long_rows.py --lengths 2048 8192 32768 --layers 2
     python benchmarks/long_rows.py --device cuda --lengths 32768 131072 262144 --layers 2   # peak = CUDA allocator peak
@@ -105,10 +106,12 @@ def main():
     base = rows[0]
     mib = lambda b: b / 2**20
     print(
-        f"synthetic Llama, SmolLM2-135M geometry, {args.layers} layers, {args.device}, {args.threads} threads; baseline: T = {base['T']}"
+        f"synthetic Llama, SmolLM2-135M geometry, {args.layers} layers, {args.device}, {args.threads} threads; "
+        f"baseline: T = {base['T']}"
     )
     print(
-        "| tokens | peak growth (RSS, or CUDA allocator) | bound | growth / baseline's | forward | head + reduction | per layer and 1k tokens |"
+        "| tokens | peak growth (RSS, or CUDA allocator) | bound | growth / baseline's | forward | head + reduction "
+        "| per layer and 1k tokens |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:

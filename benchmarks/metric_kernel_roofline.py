@@ -1,7 +1,8 @@
 """Where the metric kernel's time goes (issue 24 item 6: ">= 70 % of HBM bandwidth"), on one CUDA device.
 
     python benchmarks/metric_kernel_roofline.py [--positions 8192 --vocab 129280] [--configs 512x4,256x4,...]
-    TRITON_INTERPRET=1 python benchmarks/metric_kernel_roofline.py --device cpu --positions 4 --vocab 1000 --configs 256x4
+    TRITON_INTERPRET=1 python benchmarks/metric_kernel_roofline.py --device cpu --positions 4 --vocab 1000 \
+        --configs 256x4
                                                     # checks the script itself (timings mean nothing)
 
 Times, on the same [N, V] float32 logits of reference and pack (random, 2 x N x V x 4 bytes read):
@@ -11,9 +12,9 @@ Times, on the same [N, V] float32 logits of reference and pack (random, 2 x N x 
 - fp64 math:   the metric kernel's float64 arithmetic per pair of logits (the shift, then its own add_pair_terms: two
                exps, the four sums) on values made from the lane index, nothing loaded: the ALU floor;
 - the library kernel (fidelity.measuring.metrics.triton_rows) at each BLOCK x warps configuration, with 0, 1 and 2
-  blocks loaded ahead of the arithmetic: without top-5 lists, with them fused as lists of 5 per lane ("fused") and as lists of 2 with the
-  exact pass for the rows they cannot answer ("fused-top2"), and its agreement with the float64 torch path (max |KL
-  difference|, top-1 / topk_match equal) and across those variants (bit for bit).
+  blocks loaded ahead of the arithmetic: without top-5 lists, with them fused as lists of 5 per lane ("fused") and as
+  lists of 2 with the exact pass for the rows they cannot answer ("fused-top2"), and its agreement with the float64
+  torch path (max |KL difference|, top-1 / topk_match equal) and across those variants (bit for bit).
 Each is the median of --repeat timed runs after a warm-up. Prints a table against the copy baseline.
 """
 from __future__ import annotations
@@ -259,7 +260,8 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
         f"read; copy baseline {res['copy_GBps']:.0f} GB/s = {nbytes / bw * 1e3:.2f} ms for these bytes"
     )
     print(
-        "| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion[:e6|e8][:lean][:u1|u2]) | metric step with top-5 | max KL diff vs torch "
+        "| variant (BLOCKxWARPS[rREGS]:lists:blocks ahead:conversion[:e6|e8][:lean][:u1|u2]) | metric step with top-5 "
+        "| max KL diff vs torch "
         "| top-1 / topk_match equal torch | bit-identical to the first (max relative difference) |"
     )
     print("| --- | --- | --- | --- | --- |")
@@ -272,7 +274,8 @@ def sweep(args, res, a, b, targets, want, consts, table, sink64, nbytes) -> int:
     for f in floors:
         print(
             f"float64 math alone {f['shape']}: with F2F {cell(f['fp64_math_f2f_e6_ms'])}, with bits "
-            f"{cell(f['fp64_math_bits_e6_ms'])}, with bits and the 256-entry exp table {cell(f['fp64_math_bits_e8_ms'])}"
+            f"{cell(f['fp64_math_bits_e6_ms'])}, with bits and the 256-entry exp table "
+            f"{cell(f['fp64_math_bits_e8_ms'])}"
         )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

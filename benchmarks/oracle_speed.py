@@ -3,7 +3,8 @@
 1. SmolLM2-135M-Instruct (GGUF dequantized to a native fp32 pack): oracle vs HF transformers fp32 forward (sdpa and
    eager attention) on the same rows with the same thread count, in one process. The runs are interleaved
    (oracle, oracle streamed, HF sdpa, HF eager, oracle, ...) so that load from other processes hits all of them alike;
-   each round gives a ratio HF time / oracle time, and the median over rounds is reported, in wall-clock and in CPU time.
+   each round gives a ratio HF time / oracle time, and the median over rounds is reported, in wall-clock and in CPU
+   time.
 2. Peak RSS when streaming a synthetic Llama whose fp32 weights are >= 3x an imposed budget (measured in a subprocess).
 
     python benchmarks/oracle_speed.py [--threads 2] [--rows 4] [--length 256] [--repeats 5]

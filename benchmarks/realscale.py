@@ -7,11 +7,12 @@ the real vocabulary. Everything is built where the script runs (random weights, 
     torchrun --nproc-per-node N benchmarks/realscale.py --parallel experts,rows [--archs v41 --experts 48]
     torchrun --nproc-per-node 2 benchmarks/realscale.py --parallel experts,rows --device cpu --smoke   # gloo, seconds
 
-`--parallel` (under torchrun, or in one process as world size 1): the one layer through fidelity.oracle.parallel's own paths,
+`--parallel` (under torchrun, or in one process as world size 1): the one layer through fidelity.oracle.parallel's own
+paths,
 `make_oracle(pack, settings=RunSettings(parallel="experts"))` (the routed experts split across ranks, per-(token,
-slot) outputs exchanged with one all_reduce) and `parallel="rows"` (row batches dealt to ranks, each layer read 1/N per rank, hidden states
-broadcast), timed against one rank running the plain Oracle on the same rows in the same run, and compared with it by
-torch.equal (see parallel_main).
+slot) outputs exchanged with one all_reduce) and `parallel="rows"` (row batches dealt to ranks, each layer read 1/N per
+rank, hidden states broadcast), timed against one rank running the plain Oracle on the same rows in the same run, and
+compared with it by torch.equal (see parallel_main).
 
 Layers (transformers 5.24 DeepseekV4Config defaults: hidden 4096, 64 heads x 512, q/o LoRA 1024 (8 output groups),
 a CSA layer (ratio 4, indexer 64 x 128, top-512, window 128), 256 routed experts x 2048 for V4-Flash and 384 for
@@ -523,7 +524,8 @@ def bench_pipeline(arch: str, args, device, work: Path) -> dict:
     budget = None if args.activation_gib is None else int(args.activation_gib * 2**30)
 
     def measured_pass(warm_up: list, **options) -> dict:
-        """A fresh oracle: `warm_up` rows first (untimed), then one timed pass over `rows` with each layer's end marked."""
+        """A fresh oracle: `warm_up` rows first (untimed), then one timed pass over `rows` with each layer's end
+        marked."""
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -905,10 +907,10 @@ def parallel_main(args) -> int:
     alone runs the plain Oracle (keep_weights) over the rows: the one-rank time and the result. Then, per mode, every
     rank runs `parallel.make_oracle(pack, device, RunSettings(parallel=mode), keep_weights=True)` on the same rows; the
     N-rank time
-    is the slowest rank's. Each time is the median of --repeat passes after one warm-up pass (which loads the layer and this rank's
-    experts); ranks start each pass together after a checkpoint. Rank 0 compares its last pass with the one-rank
-    result by torch.equal (bit equality holds at one thread count per process: on the CPU every rank and the one-rank
-    run use --threads, torchrun's 1 by default)."""
+    is the slowest rank's. Each time is the median of --repeat passes after one warm-up pass (which loads the layer and
+    this rank's experts); ranks start each pass together after a checkpoint. Rank 0 compares its last pass with the
+    one-rank result by torch.equal (bit equality holds at one thread count per process: on the CPU every rank and the
+    one-rank run use --threads, torchrun's 1 by default)."""
     from fidelity.oracle import parallel
     from fidelity.oracle import runner
     from fidelity.packs.exl3.layouts import routed_expert
@@ -1076,7 +1078,8 @@ def activation_line(a: dict) -> str:
     gib = 2**30
     budget = "all" if a.get("budget_bytes") is None else f"{a['budget_bytes'] / gib:.1f} GiB"
     return (
-        f"; activations: {a.get('offloaded_batches', 0)} of {a.get('offloaded_batches', 0) + a.get('resident_batches', 0)}"
+        f"; activations: {a.get('offloaded_batches', 0)} of "
+        f"{a.get('offloaded_batches', 0) + a.get('resident_batches', 0)}"
         f" batches in host memory ({a.get('host_activation_bytes', 0) / gib:.1f} GiB), device peak "
         f"{a.get('peak_device_activation_bytes', 0) / gib:.1f} GiB of budget {budget}, moved "
         f"{a.get('moved_bytes', 0) / gib:.1f} GiB"
@@ -1154,7 +1157,8 @@ def table(results: dict) -> str:
             )
         for key in [k[:-len("_s")] for k in h if k.startswith("fused_kernel_only") and k.endswith("_s")]:
             lines.append(
-                f"fused Triton kernel alone (KL both ways, top-1/2, NLL; no top-5 lists){key[len('fused_kernel_only') :]}: "
+                f"fused Triton kernel alone (KL both ways, top-1/2, NLL; no top-5 lists)"
+                f"{key[len('fused_kernel_only') :]}: "
                 f"{h[f'{key}_s'] * 1e3:.2f} ms = {100 * h[f'{key}_x_copy_bw']:.0f} % of "
                 f"the measured copy bandwidth"
             )

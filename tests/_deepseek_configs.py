@@ -1,6 +1,6 @@
 """Tiny DeepSeek test models shared by the V3.2 and V4 oracle tests (no tests here): a named variant of a base config
-built into a pack folder, V4's builder, config.json edits for the bad-input tests, and the top-k tie rule the transformers
-references run under (`reference_ties_to_lower_index`, autouse where imported)."""
+built into a pack folder, V4's builder, config.json edits for the bad-input tests, and the top-k tie rule the
+transformers references run under (`reference_ties_to_lower_index`, autouse where imported)."""
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +58,8 @@ def random_v4(config, seed: int):
 def topk_ties_to_lower_index(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
     """torch.topk with equal values ranked by index, lower first (a stable sort): the tie rule of the oracle's
     selection. torch.topk leaves ties to its implementation (the CPU's and CUDA's differ), and DeepSeek's indexer
-    scores tie at exactly 0 wherever every head's relu is 0, so transformers' top-k is only comparable under one rule."""
+    scores tie at exactly 0 wherever every head's relu is 0, so transformers' top-k is only comparable under one
+    rule."""
     order = torch.sort(x, dim=dim, descending=largest, stable=True)
     return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
 
@@ -75,7 +76,8 @@ def float32_casts_kept_float64():
     """transformers' DeepSeek-V4 code casts to float32 inside its forward (RMSNorm, hyper-connections, compressor
     softmax, indexer scores), so a `.double()` model is float32-accurate there (~1e-7 relative from the first layer on).
     Within this context those casts leave float64 tensors float64: a float64 reference for float64 comparisons. The
-    rotary tables keep their float32 angles, as the oracle's `rope_table` does (DeepSeek's reference computes them so)."""
+    rotary tables keep their float32 angles, as the oracle's `rope_table` does (DeepSeek's reference computes them
+    so)."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
     original_float, original_to, original_softmax = torch.Tensor.float, torch.Tensor.to, torch.Tensor.softmax

@@ -121,7 +121,8 @@ def exl3_linears(codebook: str) -> Golden:
 
 
 def exl3_logits() -> Golden:
-    """input_ids [rows, T] and logits [rows, T, 1024] of the golden tiny Llama (the subset: row 0, its first positions)."""
+    """input_ids [rows, T] and logits [rows, T, 1024] of the golden tiny Llama (the subset: row 0, its first
+    positions)."""
     path, full = _exl3("logits.safetensors")
     return _safetensors(path, full)
 

@@ -3,9 +3,11 @@ packs our oracle opens: the dump's parameters written as one native safetensors 
 upstream's `ModelArgs` mapped key by key to our V4.1 config.json.
 
     from _upstream_v41 import GOLDEN, write_upstream_pack
-    folder = write_upstream_pack(GOLDEN / "model_forward.json", tmp_path)                 # the trunk alone
-    folder = write_upstream_pack(GOLDEN / "model_forward.json", tmp_path, with_mtp=True)  # + dspark_forward.json's drafter
-    folder = write_upstream_pack(GOLDEN / "model_forward.json", tmp_path, swiglu_limit=6.0)   # a control: one field changed
+    folder = write_upstream_pack(GOLDEN / "model_forward.json", tmp_path)  # the trunk alone
+    # + dspark_forward.json's drafter:
+    folder = write_upstream_pack(GOLDEN / "model_forward.json", tmp_path, with_mtp=True)
+    # a control: one field changed:
+    folder = write_upstream_pack(GOLDEN / "model_forward.json", tmp_path, swiglu_limit=6.0)
 
 The fixtures are read where they lie, never copied into the repository; tests skip when they are absent (`GOLDEN`).
 """

@@ -55,7 +55,8 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture
 def rng_seed() -> int:
-    """A fresh seed each run (printed on failure), so tests exercise new random inputs; FIDELITY_TEST_SEED=N replays one."""
+    """A fresh seed each run (printed on failure), so tests exercise new random inputs; FIDELITY_TEST_SEED=N replays
+    one."""
     seed = int(os.environ.get("FIDELITY_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"random seed {seed}")
     torch.manual_seed(seed)

@@ -1,5 +1,6 @@
-"""The hostile corpus of tests/test_sandbox_hostile.py: HumanEval-style answers that attack the host or the verdict, each
-with the test its judge runs. Standard library only: the unprivileged run imports it from a copy under a system Python.
+"""The hostile corpus of tests/test_sandbox_hostile.py: HumanEval-style answers that attack the host or the verdict,
+each with the test its judge runs. Standard library only: the unprivileged run imports it from a copy under a system
+Python.
 
 Each attack returns the right answer only if it worked, so "it failed" shows twice: the item does not pass, and what it
 tried to touch outside (a marker file, a listening socket, a process) shows nothing."""
@@ -73,7 +74,8 @@ def corpus(ctx: dict) -> dict[str, tuple[str, str]]:
         ),
         "connect-loopback-tcp": (
             "import socket\n"
-            f"def answer():\n    socket.create_connection(('127.0.0.1', {ctx['tcp_port']}), timeout=2).sendall(b'leak')\n"
+            "def answer():\n"
+            f"    socket.create_connection(('127.0.0.1', {ctx['tcp_port']}), timeout=2).sendall(b'leak')\n"
             "    return 42\n",
             RETURNS_42,
         ),
@@ -206,7 +208,8 @@ def peers(ctx: dict) -> dict[str, tuple[str, str]]:
 
 
 def judge_all(sandbox, items: dict[str, tuple[str, str]], workers: int = 4) -> dict[str, dict]:
-    """Each item through the HumanEval judge of `sandbox`, `workers` at a time; name -> passed, verdict, sandbox labels."""
+    """Each item through the HumanEval judge of `sandbox`, `workers` at a time; name -> passed, verdict, sandbox
+    labels."""
     labels, lock = {}, threading.Lock()
     start = sandbox._start
 

@@ -1,5 +1,5 @@
-"""fidelity.measuring.attribute on tiny random Llamas: swap-one-in KL, layer divergence, weight error and sensitivity against
-HF transformers and numpy written here."""
+"""fidelity.measuring.attribute on tiny random Llamas: swap-one-in KL, layer divergence, weight error and sensitivity
+against HF transformers and numpy written here."""
 from __future__ import annotations
 
 import json
@@ -216,9 +216,9 @@ def numpy_scale_corr(w: np.ndarray, d: np.ndarray, group: int = 16):
 
 
 def test_error_structure_separates_a_scaled_error_from_its_isotropic_control(packs):
-    """The pack's error is w * 0.05 N (it grows with |w|, as a blockwise quantizer's does): err_scale_corr equals numpy's
-    per tensor and pooled per group, is far outside the independence null, and the isotropic control of the same norm is
-    inside it; x_noise_ci is a bootstrap interval around x_noise."""
+    """The pack's error is w * 0.05 N (it grows with |w|, as a blockwise quantizer's does): err_scale_corr equals
+    numpy's per tensor and pooled per group, is far outside the independence null, and the isotropic control of the same
+    norm is inside it; x_noise_ci is a bootstrap interval around x_noise."""
     ref, pack, tokens = packs
     res = attribute(ref, pack, rows=tokens.tolist(), settings=Settings(sensitivity=False, noise_repeats=3,
                                                                        groups=["layers.1.mlp", "layers.2.attention"]))
@@ -252,8 +252,9 @@ def test_error_structure_separates_a_scaled_error_from_its_isotropic_control(pac
 
 
 def test_error_scale_corr_tells_a_blockwise_error_from_noise(rng_seed):
-    """On a 256 x 512 tensor (8192 groups): a blockwise absmax round-to-nearest error (step = the group's max |w| / 2, as
-    a 2-bit quantizer) and a multiplicative one are far outside the independence null; isotropic noise is inside it."""
+    """On a 256 x 512 tensor (8192 groups): a blockwise absmax round-to-nearest error (step = the group's max |w| / 2,
+    as a 2-bit quantizer) and a multiplicative one are far outside the independence null; isotropic noise is inside
+    it."""
     from fidelity.measuring.attribute import error_scale_corr, isotropic_noise
     g = torch.Generator().manual_seed(rng_seed)
     w = torch.randn(256, 512, generator=g, dtype=torch.float64) * torch.rand(256, 1, generator=g, dtype=torch.float64)

@@ -1,5 +1,5 @@
-"""fidelity.measuring.attribute on DeepSeek V3, V3.2, V4 and V4.1 packs in every layout the oracle reads (the five EXL3 seed
-layouts, FP8/MXFP4, native), against independent computations:
+"""fidelity.measuring.attribute on DeepSeek V3, V3.2, V4 and V4.1 packs in every layout the oracle reads (the five EXL3
+seed layouts, FP8/MXFP4, native), against independent computations:
 
 - the whole pack's KL equals KL(P_ref || Q_pack) computed here in float64 numpy from `Oracle(pack).logits` (the pack's
   own oracle: its names, its Engram table);

@@ -1,7 +1,7 @@
-"""fidelity.measuring.attribute's Engram row-access ledger on the tiny V4.1: per-row lookup counts equal a brute-force count of
-the rows recomputed here from the hashing's definition (test_engram.naive_rows: Python ints, position by position),
-lookups = tokens x n-gram lengths x heads, and the coverage curve is the sorted counts' running share (monotone,
-1 at all distinct rows)."""
+"""fidelity.measuring.attribute's Engram row-access ledger on the tiny V4.1: per-row lookup counts equal a brute-force
+count of the rows recomputed here from the hashing's definition (test_engram.naive_rows: Python ints, position by
+position), lookups = tokens x n-gram lengths x heads, and the coverage curve is the sorted counts' running share
+(monotone, 1 at all distinct rows)."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
-"""fidelity.measuring.attribute's routing tables on a tiny Qwen3Moe against HF transformers' own router logits: expert counts,
-routing-weight shares, top-k agreement (a permuted router found, and by how much), routing-weighted bits per weight."""
+"""fidelity.measuring.attribute's routing tables on a tiny Qwen3Moe against HF transformers' own router logits: expert
+counts, routing-weight shares, top-k agreement (a permuted router found, and by how much), routing-weighted bits per
+weight."""
 from __future__ import annotations
 
 import shutil

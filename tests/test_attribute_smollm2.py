@@ -1,5 +1,5 @@
-"""fidelity.measuring.attribute on real SmolLM2-135M-Instruct: overlay packs whose only changes are whole layers' MLPs decoded from
-the Q2_K GGUF (the demo's llama-quantize file type), the rest the native fp32 pack."""
+"""fidelity.measuring.attribute on real SmolLM2-135M-Instruct: overlay packs whose only changes are whole layers' MLPs
+decoded from the Q2_K GGUF (the demo's llama-quantize file type), the rest the native fp32 pack."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
-"""fidelity.measuring.attribute's layer divergence per hyper-connection stream on the tiny DeepSeek-V4 fixture: every layer's
-[B, T, hc, hidden] streams, taken from transformers' DeepseekV4ForCausalLM (forward hooks) for the reference and for
-the pack, give per stream the relative Frobenius error, cosine and SQNR computed here in numpy."""
+"""fidelity.measuring.attribute's layer divergence per hyper-connection stream on the tiny DeepSeek-V4 fixture: every
+layer's [B, T, hc, hidden] streams, taken from transformers' DeepseekV4ForCausalLM (forward hooks) for the reference and
+for the pack, give per stream the relative Frobenius error, cosine and SQNR computed here in numpy."""
 from __future__ import annotations
 
 import shutil

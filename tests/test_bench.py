@@ -1,5 +1,5 @@
-"""`fidelity bench` against the fault server's paced toy stream (rates known by construction, faults injected) and against a
-real llama-cpp-python server serving SmolLM2 (slow)."""
+"""`fidelity bench` against the fault server's paced toy stream (rates known by construction, faults injected) and
+against a real llama-cpp-python server serving SmolLM2 (slow)."""
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +31,8 @@ def bench(url, model="toy", **kw):
 def hand_timed_stream(
     url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None
 ) -> tuple[float, int]:
-    """One streamed chat request timed here, independently of fidelity.engine.bench: (decode tok/s after the first chunk,
-    chunks)."""
+    """One streamed chat request timed here, independently of fidelity.engine.bench: (decode tok/s after the first
+    chunk, chunks)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],

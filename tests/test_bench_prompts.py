@@ -1,6 +1,6 @@
-"""`fidelity bench --prompts FILE`: a user's own prompt sets measured beside (or instead of) the built-in ones, each with
-its decode rate; the sets' content, not only their names, is part of what a speed baseline must match; a bad line is
-refused naming the file and the line."""
+"""`fidelity bench --prompts FILE`: a user's own prompt sets measured beside (or instead of) the built-in ones, each
+with its decode rate; the sets' content, not only their names, is part of what a speed baseline must match; a bad line
+is refused naming the file and the line."""
 from __future__ import annotations
 
 import json

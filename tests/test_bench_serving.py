@@ -1,5 +1,6 @@
 """`fidelity bench`'s `serving` block: what the engine states about itself (vLLM's /metrics, llama.cpp's /props and
-/slots) and a local engine's memory, read against the fault server speaking each dialect; absent facts null with a reason."""
+/slots) and a local engine's memory, read against the fault server speaking each dialect; absent facts null with a
+reason."""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def test_ladder_rows_carry_each_rungs_serving_facts(tmp_path, rng_seed):
         return f'[[rung]]\nname = "{name}"\ncommand = {json.dumps(cmd)}\n'
 
     (tmp_path / "ladder.toml").write_text(
-        '[ladder]\nmodel = "toy"\naa = false\n[bench]\nsets = ["code"]\nprompts_per_set = 1\nstreams = [2]\nprefill = []\n'
+        '[ladder]\nmodel = "toy"\naa = false\n[bench]\nsets = ["code"]\nprompts_per_set = 1\nstreams = [2]\n'
+        'prefill = []\n'
         'repeats = 1\nmax_tokens = 8\n'
         + rung("vllm-like", {"engine_facts": "vllm", "kv_cache_tokens": kv})
         + rung("plain", {})

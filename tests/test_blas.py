@@ -122,7 +122,8 @@ print(json.dumps({{"digests": out, "thread_free": thread_free}}))
 def test_the_claims_scope_same_thread_count_any_process_any_alignment(rng_seed, tmp_path):
     """What the bit-equality claims rest on (DEVELOPERS.md, Tests): at one thread count, a GEMM's bits do not depend on
     the process or on where its operands sit in memory. Across thread counts they may differ on this CPU: on AMD EPYC,
-    under MKL's strict CNR mode, GEMMs with few rows per thread differ between 1 and 2 threads (printed, not asserted)."""
+    under MKL's strict CNR mode, GEMMs with few rows per thread differ between 1 and 2 threads (printed, not
+    asserted)."""
     for threads in (1, 2):
         first, second = gemm_bits(rng_seed, tmp_path, threads), gemm_bits(rng_seed, tmp_path, threads)
         for shape, digests in first["digests"].items():

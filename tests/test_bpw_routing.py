@@ -1,5 +1,5 @@
-"""Bits per weight per decoded token weighted by measured expert routing (fidelity.measuring.routing) against HF's own router,
-and configs nested under `text_config` read like flat ones."""
+"""Bits per weight per decoded token weighted by measured expert routing (fidelity.measuring.routing) against HF's own
+router, and configs nested under `text_config` read like flat ones."""
 import json
 from pathlib import Path
 

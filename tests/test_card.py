@@ -1,5 +1,5 @@
-"""`fidelity card`: the model-card section from fidelity's results alone (golden Markdown, every annotated number equal to
-the JSON field it names), and the statistics it reads that compare did not carry before (absolute NLL per scope, the
+"""`fidelity card`: the model-card section from fidelity's results alone (golden Markdown, every annotated number equal
+to the JSON field it names), and the statistics it reads that compare did not carry before (absolute NLL per scope, the
 relative change's interval where the bootstrap cannot resolve the tails, the p-value floor)."""
 from __future__ import annotations
 
@@ -168,8 +168,8 @@ def _card() -> str:
 
 
 def test_card_equals_the_golden_markdown():
-    """The committed card (tests/fixtures/card/expected_card.md, reviewed by hand) from the committed results; any change
-    to a table, a number's format or a source comment shows here. To change it on purpose: the command in
+    """The committed card (tests/fixtures/card/expected_card.md, reviewed by hand) from the committed results; any
+    change to a table, a number's format or a source comment shows here. To change it on purpose: the command in
     tests/fixtures/card/make_fixtures.py, then review the diff."""
     got, want = _card(), (FIXTURES / "expected_card.md").read_text(encoding="utf-8")
     if got != want:

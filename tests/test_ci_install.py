@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_PYTHON = """#!/bin/bash
 echo "python $*" >> "$FAKE_LOG"
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
-  case "$*" in *triton==*) [ "$FAKE_TRITON" = ok ] || { echo "ERROR: No matching distribution found for triton" >&2; exit 1; };; esac
+  case "$*" in *triton==*) [ "$FAKE_TRITON" = ok ] || {
+    echo "ERROR: No matching distribution found for triton" >&2; exit 1; };; esac
   exit 0
 fi
 if [ "$1" = "-c" ] && [ "$2" = "import triton" ]; then [ "$FAKE_TRITON" = ok ]; exit $?; fi

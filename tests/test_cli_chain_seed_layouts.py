@@ -1,5 +1,5 @@
-"""The whole chain through the CLI on every seed layout of the DeepSeek-V4 and V4.1 mini packs (the five EXL3 layouts and
-FP8/MXFP4): `fidelity panel build` (prompts answered greedily by the native pack's oracle), `fidelity reference`,
+"""The whole chain through the CLI on every seed layout of the DeepSeek-V4 and V4.1 mini packs (the five EXL3 layouts
+and FP8/MXFP4): `fidelity panel build` (prompts answered greedily by the native pack's oracle), `fidelity reference`,
 `fidelity compare` (from the store), `fidelity attribute` and `fidelity report`, each checked against a direct run of
 the oracle: KL(P_ref || Q_pack) and top-1 agreement computed here in float64 numpy from `Oracle(pack).logits` of the
 panel's tokenized rows, per position (the records) and pooled (the JSON); attribute's whole-pack KL equal to compare's;

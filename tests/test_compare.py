@@ -1,4 +1,5 @@
-"""compare() end to end on tiny Llama packs that carry SmolLM2's real tokenizer (fast), checked against HF transformers."""
+"""compare() end to end on tiny Llama packs that carry SmolLM2's real tokenizer (fast), checked against HF
+transformers."""
 
 import json
 import os
@@ -57,8 +58,8 @@ def tiny_setting(tmp_path_factory, smollm2_gguf, name: str):
 
 
 def noisy_packs(root: Path, tok, gen: torch.Generator, noise: dict[str, float]):
-    """(config, reference weights, {"ref": path, name: path…}): a random tiny reference and, per name, a pack whose every
-    weight carries Gaussian noise of `noise[name]` x that tensor's mean |w|."""
+    """(config, reference weights, {"ref": path, name: path…}): a random tiny reference and, per name, a pack whose
+    every weight carries Gaussian noise of `noise[name]` x that tensor's mean |w|."""
     cfg = _config()
     w = _weights(cfg, gen)
     packs = {"ref": _save(root / "ref", cfg, w, tok)}
@@ -338,7 +339,8 @@ def test_gate_reference_defaults_to_the_stores_pack_and_panel(tiny, tmp_path):
 
 
 def test_store_topk_check_catches_a_changed_head(tiny, tmp_path):
-    """Hidden states tampered with in the store no longer reproduce the stored top-K: refused, naming row and position."""
+    """Hidden states tampered with in the store no longer reproduce the stored top-K: refused, naming row and
+    position."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from fidelity.commands.reference import build_store

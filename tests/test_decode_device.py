@@ -315,7 +315,8 @@ def test_compressed_tensors(tmp_path, rng_seed, device, case):
 @pytest.mark.parametrize("case", ["int4_group_asym", "int3_group_asym", "int8_naive_group_asym", "fp8_block", "mxfp8",
                                   "nvfp4", "mxfp4"])
 def test_compressed_device_argument_equals_the_library(tmp_path, rng_seed, case):
-    """On the CPU: compressed-tensors' own dequantize of what its own compressors wrote (tests/test_packs_compressed)."""
+    """On the CPU: compressed-tensors' own dequantize of what its own compressors wrote
+    (tests/test_packs_compressed)."""
     pytest.importorskip("compressed_tensors")
     from test_packs_compressed import CASES, compress, library_fp32, scheme_json, write_ct_pack
     fmt, args, shape = CASES[case]
@@ -874,8 +875,8 @@ def test_prefetch_holds_at_most_its_host_budget(tmp_path, rng_seed, share):
 
 def test_staging_budget_takes_routed_experts_first_and_is_chosen_from_host_memory(monkeypatch):
     """Experts decode on the compute thread, so under a budget they are staged before the rest (the tiny V4 fixture);
-    the default budget is half the host memory available (MemAvailable), RunSettings / FIDELITY_STAGE_BUDGET_BYTES override
-    it, and pinned copies are counted at the power-of-two size torch's pinned allocator reserves."""
+    the default budget is half the host memory available (MemAvailable), RunSettings / FIDELITY_STAGE_BUDGET_BYTES
+    override it, and pinned copies are counted at the power-of-two size torch's pinned allocator reserves."""
     from fidelity.environment import Environment
     from fidelity.oracle import parallel
     from fidelity.errors import FidelityError

@@ -7,7 +7,8 @@ the dump's weights are float32, so no linear input is rounded) and agrees with e
 11 to ~1e-6. Decode positions 12-16 follow from upstream's cache path, which a one-pass forward (and upstream's own
 prefill) never takes: at a decode step that completes no ratio-2 group (12, 14, 16), layer 1's indexer scores its
 queries against the last *published* index keys, which are layer 3's ratio-1 keys (positions 0..), not its own; 13 and
-15 inherit that through the window entries written at 12 and 14. `upstream_decode_path` emulates exactly that, test only.
+15 inherit that through the window entries written at 12 and 14. `upstream_decode_path` emulates exactly that, test
+only.
 """
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ def engram_cases() -> list[dict]:
 
 
 def engram_layer(case: dict, folder, eps: float | None = None) -> EngramLayer:
-    """Our layer on the case's weights; its table stored as BF16 (the dump's table is bf16-valued) and read row by row."""
+    """Our layer on the case's weights; its table stored as BF16 (the dump's table is bf16-valued) and read row by
+    row."""
     hc, dim = case["hc"], case["dim"]
     table = torch.tensor(case["table"]).view(case["rows"], case["headDim"])
     assert torch.equal(table.bfloat16().float(), table)
@@ -79,7 +80,8 @@ def test_engram_layer_reproduces_upstream(engram_cases, name, tmp_path):
 
 @missing(ENGRAM)
 def test_engram_controls_depart(engram_cases, tmp_path):
-    """The bound separates: the normalisation eps 1e-6 -> 1e-2, or the token mask ignored, moves the output far past it."""
+    """The bound separates: the normalisation eps 1e-6 -> 1e-2, or the token mask ignored, moves the output far past
+    it."""
     for case in engram_cases:
         err = engram_error(case, engram_layer(case, tmp_path, eps=1e-2))
         print(f"{case['name']} eps 1e-2: {err:.3g}")
@@ -166,7 +168,8 @@ def test_dspark_acceptance_needs_the_trunks_logits(dspark, dspark_pack):
 @missing(DSPARK)
 @missing(TRUNK)
 def test_dspark_over_our_trunk_at_the_first_decode_position(dspark, dspark_pack):
-    """Our trunk's own taps at seed 11 (where upstream's decode path still equals a one-pass forward): the same drafts."""
+    """Our trunk's own taps at seed 11 (where upstream's decode path still equals a one-pass forward): the same
+    drafts."""
     tokens, _ = upstream_rows(dspark)
     out = DSparkDrafter(Oracle(open_pack(dspark_pack), numerics="deepseek")).draft(tokens, [11])
     errs = dspark_errors(dspark, out)

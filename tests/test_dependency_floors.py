@@ -1,7 +1,7 @@
 """What the transformers floor (5.18, see DEVELOPERS.md "Supported dependency versions") guards: the tokenizer of a
-byte-level BPE GGUF and the tokenizer metadata write_gguf builds from the files write_native saved. transformers 5.0-5.17
-convert such a GGUF Llama-style (byte fallback and SentencePiece decoders, which write_gguf refuses; before 5.6 a BOS
-before every text), take EOS from the BOS id, and cannot read a GGUF that has no BOS id; these tests fail there.
+byte-level BPE GGUF and the tokenizer metadata write_gguf builds from the files write_native saved. transformers
+5.0-5.17 convert such a GGUF Llama-style (byte fallback and SentencePiece decoders, which write_gguf refuses; before 5.6
+a BOS before every text), take EOS from the BOS id, and cannot read a GGUF that has no BOS id; these tests fail there.
 llama.cpp (llama-cpp-python) tokenizes the same GGUF as the independent reference."""
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def test_gguf_tokenizer_encodes_as_llama_cpp_and_keeps_the_special_tokens(smollm
 
 def test_write_gguf_carries_the_saved_gguf_tokenizer(smollm2_gguf, tmp_path, rng_seed):
     """write_native saves load_tokenizer's files; write_gguf rebuilds GGUF metadata from them: the token list, merges,
-    special ids and chat template equal the source GGUF's, and the written GGUF tokenizes as llama.cpp does the source."""
+    special ids and chat template equal the source GGUF's, and the written GGUF tokenizes as llama.cpp does the
+    source."""
     root = tiny_llama(tmp_path / "m", rng_seed, hidden=64, n_head=2, n_kv=1, inter=128, layers=1, vocab=49152)
     load_tokenizer(open_pack(smollm2_gguf)).save_pretrained(str(root))
     path = write_gguf(open_pack(root), tmp_path / "t.gguf", "Q8_0", tokenizer_pre="smollm")

@@ -1,4 +1,5 @@
-"""Gates against a real engine: llama-cpp-python's OpenAI server on loopback, serving SmolLM2 GGUFs written by write_gguf."""
+"""Gates against a real engine: llama-cpp-python's OpenAI server on loopback, serving SmolLM2 GGUFs written by
+write_gguf."""
 
 from __future__ import annotations
 
@@ -110,8 +111,9 @@ def llama_full_logprobs(model_path, rows) -> list[np.ndarray]:
 
 
 def full_vocab_kl(model_path, ref, rows, top_k: int, bos: int) -> tuple[float, float, int]:
-    """Mean full-vocabulary KL(ref || engine) over the positions the gate scores through llama-cpp-python's echo (it skips
-    BOS tokens and gives no logprob for the first echoed one), and the mean of the stated gap tail_mass * KL(tails)."""
+    """Mean full-vocabulary KL(ref || engine) over the positions the gate scores through llama-cpp-python's echo (it
+    skips BOS tokens and gives no logprob for the first echoed one), and the mean of the stated gap tail_mass *
+    KL(tails)."""
     full, gaps = [], []
     mappable = ref.piece_ids()  # text keys the gate can attribute to one id; the rest of the engine's top-k is tail
     for r, lq in zip(ref.rows, llama_full_logprobs(model_path, rows)):
@@ -176,7 +178,8 @@ def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path
     cmp = compare(smol["pack"], [open_pack(smol["Q2_K"])], panel=panel.path, reference_store=store, noise_floor=False,
                   n_boot=100, progress=False).report["results"][0]["overall"]
     print(
-        f"compare Q2_K kld_mean {cmp['kld_mean']:.4e} (scored {cmp.get('positions')}), llama.cpp full {full['Q2_K']:.4e}, "
+        f"compare Q2_K kld_mean {cmp['kld_mean']:.4e} (scored {cmp.get('positions')}), "
+        f"llama.cpp full {full['Q2_K']:.4e}, "
         f"gate {q2k.measured['kl_mean']:.4e}"
     )
     assert 0.5 < full["Q2_K"] / cmp["kld_mean"] < 2.0

@@ -1,4 +1,5 @@
-"""`fidelity serve`: the oracle as an OpenAI-compatible engine, checked against transformers and gated against itself."""
+"""`fidelity serve`: the oracle as an OpenAI-compatible engine, checked against transformers and gated against
+itself."""
 
 from __future__ import annotations
 
@@ -68,9 +69,9 @@ def test_served_logprobs_equal_transformers(served, smol, smollm2_gguf, rng_seed
 
 
 def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, tmp_path):
-    """The whole CLI path: a reference store from `fidelity reference`'s builder, `fidelity gate` against `fidelity serve`.
-    Three processes each compute for the first time here; their first vector-math calls once made this flaky (issue 6,
-    see vector_math.warm_up_vector_math)."""
+    """The whole CLI path: a reference store from `fidelity reference`'s builder, `fidelity gate` against `fidelity
+    serve`. Three processes each compute for the first time here; their first vector-math calls once made this flaky
+    (issue 6, see vector_math.warm_up_vector_math)."""
     import json
     import subprocess
     import xml.etree.ElementTree as ET

@@ -1,6 +1,6 @@
-"""Bad Engram tables and wiring (fidelity.oracle.deepseek.engram, the V4.1 family's table/tokenizer reads) and a failing layer
-load under the prefetcher (fidelity.oracle.parallel.Prefetcher): each error names the layer, tensor and file. Tiny V4.1
-packs from test_oracle_deepseek_v41's `write_pack`."""
+"""Bad Engram tables and wiring (fidelity.oracle.deepseek.engram, the V4.1 family's table/tokenizer reads) and a failing
+layer load under the prefetcher (fidelity.oracle.parallel.Prefetcher): each error names the layer, tensor and file. Tiny
+V4.1 packs from test_oracle_deepseek_v41's `write_pack`."""
 from __future__ import annotations
 
 import pytest

@@ -212,7 +212,8 @@ K_DISAGREEMENTS = {
     "cuda-exl3": (
         "quantization_config.json",
         lambda d: d["expert_bits"].__setitem__("1", 4),
-        r"expert_bits\[1\] states K=4 but .* implies K=3.*layers\.1\.ffn\.experts\.0\.w1\.trellis.*model-00002-of-00002",
+        r"expert_bits\[1\] states K=4 but .* implies K=3.*layers\.1\.ffn\.experts\.0\.w1\.trellis"
+        r".*model-00002-of-00002",
     ),
     "deepseek_v41_exl3": (
         "exl3_moe_plan.json",

@@ -208,7 +208,8 @@ def test_activation_budget_counts_routed_experts_within_the_expert_budget(tmp_pa
                                                                           budget_experts):
     """On a GPU the activation budget is what free memory leaves after two layers' weights and a batch's working
     memory; under an expert budget a layer's routed experts count as at most the budget plus what a call decodes over
-    it at once (one expert, or experts together within min(budget, READ_AHEAD_BYTES)). Computed here from the pack's stored shapes and the config."""
+    it at once (one expert, or experts together within min(budget, READ_AHEAD_BYTES)). Computed here from the pack's
+    stored shapes and the config."""
     _, pack = make_moe(tmp_path, "qwen3moe-renorm-sparse-step", rng_seed)
     cfg = pack.config
     one = expert_bytes(cfg)

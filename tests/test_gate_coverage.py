@@ -1,6 +1,6 @@
-"""Gates never pass on missing data (issue 16): against the fault server, an engine that nulls 90 % of its logprobs makes
-every gate an error naming the rows/prompts short of coverage (not a pass with max |delta| 0); token ids that are not
-ids or lie outside the vocabulary are engine protocol errors (exit 2, JSON and JUnit still written), and the journal
+"""Gates never pass on missing data (issue 16): against the fault server, an engine that nulls 90 % of its logprobs
+makes every gate an error naming the rows/prompts short of coverage (not a pass with max |delta| 0); token ids that are
+not ids or lie outside the vocabulary are engine protocol errors (exit 2, JSON and JUnit still written), and the journal
 keeps only replies that passed validation, so a rerun after the engine is fixed asks again."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Gates and `fidelity gate` against the fault-injecting loopback server: errors are errors (exit 2), perturbed engines are caught
-by the amount they are perturbed, the top-k KL estimator against an exact full-vocabulary KL, and resume after a kill."""
+"""Gates and `fidelity gate` against the fault-injecting loopback server: errors are errors (exit 2), perturbed engines
+are caught by the amount they are perturbed, the top-k KL estimator against an exact full-vocabulary KL, and resume
+after a kill."""
 
 from __future__ import annotations
 
@@ -294,8 +295,8 @@ def test_oracle_kl_without_a_usable_reference_could_not_run(server, tmp_path):
 
 @pytest.mark.slow
 def test_proxy_mode_perturbs_a_real_upstream_by_a_bounded_amount(server, rng_seed):
-    """--upstream: the same faults in front of any engine (here the toy server); +-delta per returned logprob, renormalized
-    within the returned set, so no logprob moves by more than 2 delta."""
+    """--upstream: the same faults in front of any engine (here the toy server); +-delta per returned logprob,
+    renormalized within the returned set, so no logprob moves by more than 2 delta."""
     set_plan(server.url)
     delta = 0.05
     s = GateSettings(prompts=random_texts(rng_seed), max_tokens=4, top_k=8)
@@ -308,8 +309,9 @@ def test_proxy_mode_perturbs_a_real_upstream_by_a_bounded_amount(server, rng_see
 
 
 def test_text_keys_that_several_ids_share_are_never_attributed():
-    """llama-cpp-python renders partial-UTF-8 tokens by dropping the bytes (" \\xe2" -> " ") and special tokens as "", and its
-    text-keyed top lists overwrite colliding keys: such texts must go to the tail bucket and leave top-1 undecided."""
+    """llama-cpp-python renders partial-UTF-8 tokens by dropping the bytes (" \\xe2" -> " ") and special tokens as "",
+    and its text-keyed top lists overwrite colliding keys: such texts must go to the tail bucket and leave top-1
+    undecided."""
     pieces = ["a", " ", " \ufffd", "<|end|>", "b", "b"]
     ref = Reference(rows=[], pieces=pieces, detokenize="".join, special_ids={3})
     assert ref.piece_ids() == {"a": 0, "<|end|>": 3}  # engines that render specials by name still map them

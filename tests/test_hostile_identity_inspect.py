@@ -290,8 +290,8 @@ def test_a_folder_without_config_json_is_named_as_missing_it(tmp_path):
 # -- defect 10: compare --truncate leaves its mark --------------------------------------------------------------------
 @pytest.mark.slow
 def test_compare_truncate_is_recorded_in_the_json_markdown_and_kept_passes(tmp_path_factory, smollm2_gguf, tmp_path):
-    """Rows longer than max_position_embeddings (8 here) cut by --truncate: the JSON's panel block says so, with the rows
-    and tokens cut counted from the tokenizer's own lengths; the kept passes' identity carries the same record."""
+    """Rows longer than max_position_embeddings (8 here) cut by --truncate: the JSON's panel block says so, with the
+    rows and tokens cut counted from the tokenizer's own lengths; the kept passes' identity carries the same record."""
     from fidelity.cli import main
     from fidelity.panels.panel import PanelRow, write_panel
     from test_compare import noisy_packs, tiny_setting

@@ -149,7 +149,8 @@ def test_llama_threads_ladder_ranks_as_measured_and_rejects_a_rung_whose_gates_f
     expect = (s_gain > margin("decode.all") or a_gain > margin("aggregate.2")) and \
         p_loss <= max(5.0, two["deltas"]["prefill.256"]["spread_pct"])
     print(
-        f"threads 2 vs 1: decode {s_gain:+.1f} %, aggregate {a_gain:+.1f} %, prefill loss {p_loss:.1f} %: {two['verdict']}"
+        f"threads 2 vs 1: decode {s_gain:+.1f} %, aggregate {a_gain:+.1f} %, prefill loss {p_loss:.1f} %: "
+        f"{two['verdict']}"
     )
     assert two["verdict"] == ("accepted" if expect else "rejected")
     assert gated["verdict"] == "rejected" and "gates fail: decode-vs-prefill" in gated["reason"]

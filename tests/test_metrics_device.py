@@ -1,8 +1,8 @@
-"""The metrics on the logits' device (fidelity.measuring.metrics.device_metrics_columns: plain torch, and the Triton kernel) agree
-with scipy in float64 and with the CPU kernel to float64 rounding; top-1 ids and margins are the same numbers; compare's
-device head+metrics step (store.device_row_metrics) gives the CPU path's numbers with the logits never leaving the
-device, and re-derives a reference store's top-K there. The torch path runs here on the CPU; the Triton kernel runs in
-Triton's interpreter where Triton is installed, and compiled on CUDA (tests marked `device`)."""
+"""The metrics on the logits' device (fidelity.measuring.metrics.device_metrics_columns: plain torch, and the Triton
+kernel) agree with scipy in float64 and with the CPU kernel to float64 rounding; top-1 ids and margins are the same
+numbers; compare's device head+metrics step (store.device_row_metrics) gives the CPU path's numbers with the logits
+never leaving the device, and re-derives a reference store's top-K there. The torch path runs here on the CPU; the
+Triton kernel runs in Triton's interpreter where Triton is installed, and compiled on CUDA (tests marked `device`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -568,8 +568,8 @@ def test_converted_rows_the_bits_cannot_cover_are_measured_again(rng_seed, devic
     while |s| >= 2^-60, so rows of zeros (a padded vocabulary) and subnormals stay in the fast pass; a row whose shift
     lies nearer zero, or with an inf or NaN, is measured again without the conversion, as is a row whose shift is 2^24
     or more (row 8: the fixed shift's float32 clamp cannot hold it). lean (no clamp before the exp) also sends
-    the rows with a logit more than 700 below its shift (row 3). Every row equals the CPU kernel. (The conversion runs under the fixed shift only: the running one is the
-    fallback.)"""
+    the rows with a logit more than 700 below its shift (row 3). Every row equals the CPU kernel. (The conversion runs
+    under the fixed shift only: the running one is the fallback.)"""
     from fidelity.measuring import metrics
     kernel = variant(convert=True, lean=lean, shift="fixed")
     real = metrics._triton_kernel()

@@ -98,8 +98,8 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
 def mxfp4_reference(w: torch.Tensor) -> torch.Tensor:
-    """OCP MXFP4, element by element: shared scale 2^(floor(log2 amax) - 2) per 32 inputs, nearest e2m1 value with ties to
-    the even code, saturating at 6."""
+    """OCP MXFP4, element by element: shared scale 2^(floor(log2 amax) - 2) per 32 inputs, nearest e2m1 value with ties
+    to the even code, saturating at 6."""
     out = torch.empty_like(w)
     for r in range(w.shape[0]):
         for g in range(0, w.shape[1], 32):

@@ -61,7 +61,8 @@ def _head_float_offset(path: Path) -> tuple[int, int]:
 
 
 def _flip_exponent(path: Path, offset: int):
-    """One byte changed: the exponent byte of the float32 at `offset` (x 2^16 or so), so the pack computes differently."""
+    """One byte changed: the exponent byte of the float32 at `offset` (x 2^16 or so), so the pack computes
+    differently."""
     data = bytearray(path.read_bytes())
     data[offset + 3] = (data[offset + 3] + 8) % 256
     path.write_bytes(bytes(data))

@@ -1,6 +1,6 @@
-"""The compare noise floor perturbs every layer's sub-blocks by declared role (`SUB_BLOCKS`): on the tiny DeepSeek-V4 and
-V4.1 packs it perturbs the MoE (`ffn`) as well as the attention, and a layer class that declares no roles is refused by
-name instead of being left unperturbed."""
+"""The compare noise floor perturbs every layer's sub-blocks by declared role (`SUB_BLOCKS`): on the tiny DeepSeek-V4
+and V4.1 packs it perturbs the MoE (`ffn`) as well as the attention, and a layer class that declares no roles is refused
+by name instead of being left unperturbed."""
 from __future__ import annotations
 
 import json

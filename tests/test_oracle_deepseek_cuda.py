@@ -124,6 +124,7 @@ def test_deepseek_numerics_cuda_equals_cpu(v4_packs, v41_packs, arch, layout, rn
     gap = ((got - want).abs().max() / want.abs().max()).item()
     effect = ((want - exact).abs().max() / exact.abs().max()).item()
     print(
-        f"{arch} {layout} {cpu.family.numerics_label} {str(dtype)[6:]}: CUDA vs CPU {gap:.3g}, rounding moves {effect:.3g}"
+        f"{arch} {layout} {cpu.family.numerics_label} {str(dtype)[6:]}: CUDA vs CPU {gap:.3g}, "
+        f"rounding moves {effect:.3g}"
     )
     assert gap <= LIMIT[dtype] and effect > 1e-4

@@ -392,8 +392,8 @@ def test_rows_batched_together_equal_rows_alone(tmp_path, rng_seed):
 
 
 def test_attribution_reruns_from_any_layer_with_that_layers_pass_state(tmp_path, rng_seed):
-    """fidelity.measuring.attribute re-runs a variant from a layer's kept input with the state the reference pass handed that
-    layer (pools of earlier layers, the last selection and candidate blocks, the carried pre): with every layer the
+    """fidelity.measuring.attribute re-runs a variant from a layer's kept input with the state the reference pass handed
+    that layer (pools of earlier layers, the last selection and candidate blocks, the carried pre): with every layer the
     reference's, a re-run from any layer (or from the final hidden states) gives the reference's logits bit for bit."""
     from fidelity.measuring.attribute import Trunk
     oracle = Oracle(open_pack(write_pack(tmp_path / "p", base_config(), rng_seed)))
@@ -451,7 +451,8 @@ def fp8_block_ok(block: torch.Tensor) -> bool:
 def test_v41_deepseek_numerics_round_where_the_reference_does(tmp_path, rng_seed, monkeypatch):
     """numerics "deepseek" on V4.1: window KV whole-vector fp8 in blocks of 32 with power-of-two scales, pool entries
     whole-vector fp4 (blocks of 16, e4m3 scales), rotary dims included, indexer q/k fp4 (blocks of 32, power-of-two
-    scales); a bf16 pack's linears take their inputs unrounded (the reference's linear() rounds only FP8/FP4 weights)."""
+    scales); a bf16 pack's linears take their inputs unrounded (the reference's linear() rounds only FP8/FP4
+    weights)."""
     from fidelity.oracle.deepseek import quant
     cfg = base_config(head_dim=64, q_lora_rank=32, o_lora_rank=16)
     pack = open_pack(write_pack(tmp_path / "p", cfg, rng_seed))

@@ -2,7 +2,8 @@
 layer-topology, compressed-vocabulary, n-gram hashing and Engram-layer code on the tiny V4.1 pack. Runs where the
 port's sources are present ($FIDELITY_EXLLAMAV3_V41_SRC or .devcarry/v41indep/exl3src; no installable exllamav3 has
 V4.1), skips otherwise; an Ascend port's candidate-block selection and TensorRT-LLM's Engram gate join in where
-their files are present. What it does not compare (attention, mHC, MoE, logits) is listed in the benchmark's docstring."""
+their files are present. What it does not compare (attention, mHC, MoE, logits) is listed in the benchmark's
+docstring."""
 
 from __future__ import annotations
 

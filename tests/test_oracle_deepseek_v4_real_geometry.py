@@ -1,7 +1,7 @@
 """DeepSeek-V4 oracle at the real attention geometry (head_dim 512, 64 rotary dims, sliding window 128, CSA ratio 4 with
 index_topk 512, HCA ratio 128, YaRN factor 16, hc_mult 4, 20 Sinkhorn iterations) on a 2200-token row, against
-transformers fp32 (on the GPU with TF32 off where there is one, else on the CPU). Other sizes are small so the model fits
-a test. Seen on the CPU (2600 tokens): max |dlogit| 5.0e-6 at logit scale 5.8."""
+transformers fp32 (on the GPU with TF32 off where there is one, else on the CPU). Other sizes are small so the model
+fits a test. Seen on the CPU (2600 tokens): max |dlogit| 5.0e-6 at logit scale 5.8."""
 from __future__ import annotations
 
 import pytest
@@ -43,6 +43,7 @@ def test_real_attention_geometry_long_row_matches_transformers(tmp_path, rng_see
     got = Oracle(open_pack(tmp_path / "v4"), device=DEVICE).logits(tokens)
     delta = (got - want).abs().max().item()
     print(
-        f"V4 real geometry on {DEVICE}, T={T_len}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}"
+        f"V4 real geometry on {DEVICE}, T={T_len}: max |dlogit| = {delta:.3g}, "
+        f"logit scale {want.abs().max().item():.3g}"
     )
     assert delta <= 1e-4

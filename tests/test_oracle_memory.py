@@ -13,7 +13,8 @@ torch.set_num_threads(1)
 from fidelity.oracle import Oracle
 from testkit.synthetic import SyntheticPack, llama_config
 
-cfg = llama_config(hidden_size=HIDDEN, intermediate_size=INNER, n_layers=6, vocab_size=2048, n_heads=HEADS, n_kv_heads=4)
+cfg = llama_config(hidden_size=HIDDEN, intermediate_size=INNER, n_layers=6, vocab_size=2048, n_heads=HEADS,
+                   n_kv_heads=4)
 pack = SyntheticPack(cfg, seed=int(sys.argv[1]))
 oracle = Oracle(pack)
 torch.ones(64, 64) @ torch.ones(64, 64)  # thread pools and allocator warm-up before the baseline

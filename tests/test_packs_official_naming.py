@@ -1,5 +1,6 @@
 """DeepSeek's official checkpoint naming (`X.weight` + `X.scale`, inference/convert.py): FP8 block-128 and MXFP4 weights
-decode through the same formulas as their HF-named twins; a scaled type left without scales is refused, never read raw."""
+decode through the same formulas as their HF-named twins; a scaled type left without scales is refused, never read
+raw."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""Overlay packs: overlay tensors replace the base's, everything else comes from the base, and the listing says which."""
+"""Overlay packs: overlay tensors replace the base's, everything else comes from the base, and the listing says
+which."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""Agentic and thinking conversations in the OpenAI chat format: tool calls, tool results, reasoning, multi-part content,
-rendered with a tool-capable chat template; token-exact rows; the errors that name the row."""
+"""Agentic and thinking conversations in the OpenAI chat format: tool calls, tool results, reasoning, multi-part
+content, rendered with a tool-capable chat template; token-exact rows; the errors that name the row."""
 import copy
 import json
 
@@ -28,7 +28,8 @@ TOOL_TEMPLATE = (
     "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n' }}{%- endif %}"
     "{{- message.content }}"
     "{%- for call in message.tool_calls or [] %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + (call.function.arguments | tojson)"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ (call.function.arguments | tojson)"
     " + '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
@@ -272,7 +273,8 @@ def encode_messages(messages, thinking_mode, drop_thinking=True, add_default_bos
     for i, m in enumerate(messages):
         role = m["role"]
         if role == "system":
-            out += "system " + m["content"] + ("\\nTOOLS " + json.dumps(m["tools"]) if m.get("tools") else "") + "<|im_end|>"
+            tools = "\\nTOOLS " + json.dumps(m["tools"]) if m.get("tools") else ""
+            out += "system " + m["content"] + tools + "<|im_end|>"
         elif role == "user":
             out += "<|im_start|>user\\n" + m["content"] + "<|im_end|>"
         elif role == "tool":

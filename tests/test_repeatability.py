@@ -38,7 +38,8 @@ print(json.dumps({
     "logits_equal": torch.equal(first, second),
     "topk_equal": all(torch.equal(a, b) for a, b in zip(first_topk, second_topk)),
     "max_logprob_change": float((first_topk[1] - second_topk[1]).abs().max()),
-    "lse_error_vs_float64": float((first_topk[1].double() - (first[:4].double().gather(1, first_topk[0]) - lse[:, None])).abs().max()),
+    "lse_error_vs_float64": float(
+        (first_topk[1].double() - (first[:4].double().gather(1, first_topk[0]) - lse[:, None])).abs().max()),
 }))
 """
 

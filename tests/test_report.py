@@ -1,4 +1,5 @@
-"""`fidelity report`: numbers on the page equal the results', groups by panel, self-contained HTML checked in headless Chromium."""
+"""`fidelity report`: numbers on the page equal the results', groups by panel, self-contained HTML checked in headless
+Chromium."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def _buckets(kl: np.ndarray, pmax: np.ndarray, edges=(0.0, 0.25, 0.5, 0.75, 0.95
 def make_compare_run(folder: Path, seed: int, *, panel_name: str = "tiny", panel_sha: str | None = None,
                      packs=(("q8", 8.5, 0.15), ("q4", 4.5, 0.6)), rows_per_domain: int = 4, T: int = 24, V: int = 40,
                      write_records: bool = True, store: bool = True, domain_names=DOMAINS) -> tuple[dict, Truth]:
-    """Random reference logits, each pack = reference + Gaussian noise of its scale; KL/top-1/PPL through plain torch."""
+    """Random reference logits, each pack = reference + Gaussian noise of its scale; KL/top-1/PPL through plain
+    torch."""
     g = torch.Generator().manual_seed(seed)
     gen = np.random.default_rng(seed)
     R = rows_per_domain * len(domain_names)
@@ -229,7 +231,8 @@ def overall_rows(t: dict) -> dict[str, dict[str, str]]:
 
 
 def close_to_printed(cell: str, value: float, sig: int = 4):
-    """`cell` is `value` printed with `sig` significant digits: parse it back and allow half a unit in the last digit."""
+    """`cell` is `value` printed with `sig` significant digits: parse it back and allow half a unit in the last
+    digit."""
     parsed = float(cell)
     tol = 0.5 * 10 ** (math.floor(math.log10(abs(value))) - sig + 1) if value else 0.0
     assert abs(parsed - value) <= tol * 1.0001, (cell, value)
@@ -303,7 +306,8 @@ def test_summary_numbers_equal_the_json(tmp_path, run_a):
 
 
 def test_record_derived_numbers_equal_a_direct_computation(tmp_path, run_a):
-    """KL quantiles, KL by confidence bucket and the worst position, from the run folder, against the fixture's own torch tensors."""
+    """KL quantiles, KL by confidence bucket and the worst position, from the run folder, against the fixture's own
+    torch tensors."""
     data, truth = run_a
     rep = render([tmp_path / "run_a"], tmp_path / "out", worst=3)
     t = md_tables(rep.summary_md.read_text())
@@ -335,7 +339,8 @@ def test_record_derived_numbers_equal_a_direct_computation(tmp_path, run_a):
 
 
 def test_worst_positions_without_a_reference_store(tmp_path, rng_seed):
-    """compare's records alone: the worst position is still found; context is the scored tokens, reference shows its top-1."""
+    """compare's records alone: the worst position is still found; context is the scored tokens, reference shows its
+    top-1."""
     _, truth = make_compare_run(tmp_path / "a", rng_seed, store=False, packs=(("q4", 4.5, 0.6),))
     rep = render([tmp_path / "a"], tmp_path / "out", worst=1)
     w = rep.groups[0].worst[0]
@@ -349,7 +354,8 @@ def test_worst_positions_without_a_reference_store(tmp_path, rng_seed):
 
 
 def test_json_records_folder_and_store_given_separately(tmp_path, rng_seed):
-    """`fidelity compare --json X --out DIR` and `fidelity reference -o STORE` leave three places; the report joins them."""
+    """`fidelity compare --json X --out DIR` and `fidelity reference -o STORE` leave three places; the report joins
+    them."""
     data, truth = make_compare_run(tmp_path / "a", rng_seed, packs=(("q4", 4.5, 0.6),))
     (tmp_path / "a" / "compare.json").rename(tmp_path / "compare.json")
     (tmp_path / "a" / "reference").rename(tmp_path / "store")
@@ -428,7 +434,8 @@ def test_same_label_from_two_files_is_kept_apart(tmp_path, rng_seed):
 
 
 def test_a_pack_with_only_non_finite_positions(tmp_path, rng_seed):
-    """NaN logits everywhere: compare reports None means and counts non-finite positions; the page says so, plots skip it."""
+    """NaN logits everywhere: compare reports None means and counts non-finite positions; the page says so, plots skip
+    it."""
     data, _ = make_compare_run(tmp_path / "a", rng_seed, write_records=False)
     broken = data["results"][1]
     n = broken["overall"]["positions"]
@@ -599,7 +606,8 @@ def test_bad_input_names_the_file(tmp_path, run_a, case, capsys):
 
 
 def test_labels_and_text_are_escaped(tmp_path, rng_seed):
-    """Labels and token text are data, never markup: a label that looks like HTML stays text, a '|' keeps Markdown tables whole."""
+    """Labels and token text are data, never markup: a label that looks like HTML stays text, a '|' keeps Markdown
+    tables whole."""
     data, _ = make_compare_run(tmp_path / "a", rng_seed, packs=(("<img src=x>|q4", 4.5, 0.6),), write_records=False)
     rep = render([data], tmp_path / "out")
     html = rep.index_html.read_text()

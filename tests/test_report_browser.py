@@ -1,5 +1,5 @@
-"""Open the report in headless Chromium over the DevTools protocol (on a pipe, no extra packages): every figure decoded, no console
-errors, no request but the page itself; a deliberately broken page proves the checks can fail."""
+"""Open the report in headless Chromium over the DevTools protocol (on a pipe, no extra packages): every figure decoded,
+no console errors, no request but the page itself; a deliberately broken page proves the checks can fail."""
 from __future__ import annotations
 
 import base64
@@ -52,7 +52,8 @@ class PageCheck:
 
 
 class DevTools:
-    """Chromium with `--remote-debugging-pipe`: CDP messages are NUL-terminated JSON, written to its fd 3 and read from its fd 4."""
+    """Chromium with `--remote-debugging-pipe`: CDP messages are NUL-terminated JSON, written to its fd 3 and read from
+    its fd 4."""
 
     def __init__(self, user_data_dir: Path, timeout: float = 60.0):
         self._log = tempfile.TemporaryFile()        # a file, not a pipe: a chatty browser must never block on stderr

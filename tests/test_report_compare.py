@@ -1,5 +1,5 @@
-"""The report of a small real compare run (tiny random Llama vs perturbed copies): its numbers against HF transformers + plain
-torch, computed independently here, and the page opened in headless Chromium."""
+"""The report of a small real compare run (tiny random Llama vs perturbed copies): its numbers against HF transformers +
+plain torch, computed independently here, and the page opened in headless Chromium."""
 from __future__ import annotations
 
 import json
@@ -112,7 +112,8 @@ def real_run(tmp_path_factory) -> RealRun:
 
 
 def independent_kl(run: RealRun, label: str) -> dict:
-    """HF transformers fp32 logits for native and pack; KL(P_ref || Q_pack) in float64 plain torch, per scored position."""
+    """HF transformers fp32 logits for native and pack; KL(P_ref || Q_pack) in float64 plain torch, per scored
+    position."""
     out = {"row": [], "position": [], "kl": [], "pmax": [], "ref_top1": [], "pack_top1": [], "ref_top5": []}
     with torch.no_grad():
         for rid, _, ids in run.rows:
@@ -131,8 +132,8 @@ def independent_kl(run: RealRun, label: str) -> dict:
 
 
 def test_report_numbers_equal_an_independent_computation(real_run, tmp_path):
-    """`fidelity report compare.json RECORDS_DIR` (the compare --out folder): the JSON's numbers printed, the records' KL
-    quantiles / confidence buckets / worst positions against HF transformers logits through plain torch."""
+    """`fidelity report compare.json RECORDS_DIR` (the compare --out folder): the JSON's numbers printed, the records'
+    KL quantiles / confidence buckets / worst positions against HF transformers logits through plain torch."""
     assert cli_main(["report", str(real_run.base / "compare.json"), str(real_run.out), "-o", str(tmp_path / "report"),
                      "--panel", str(real_run.panel), "--worst", "2"]) == 0
     rep = render([real_run.base / "compare.json", real_run.out], tmp_path / "report", panel=real_run.panel, worst=2)

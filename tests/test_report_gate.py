@@ -1,4 +1,5 @@
-"""The report of a real `fidelity gate --json` run against the loopback fault server (one gate perturbed so it fails)."""
+"""The report of a real `fidelity gate --json` run against the loopback fault server (one gate perturbed so it
+fails)."""
 
 from __future__ import annotations
 

@@ -211,8 +211,8 @@ class StubClient:
 
 @pytest.mark.slow
 def test_a_canonical_output_of_2_to_the_20000_is_a_normal_item(tmp_path, working_sandbox):
-    """The canonical solution's 6021-digit output crosses the sandbox: the item is judged (a right answer passes, a wrong
-    one fails), not a scorer error dropped from the pass rate."""
+    """The canonical solution's 6021-digit output crosses the sandbox: the item is judged (a right answer passes, a
+    wrong one fails), not a scorer error dropped from the pass rate."""
     suite = evalplus_suite(tmp_path, [{"task_id": "HumanEval/900", "entry_point": "power", "atol": 0,
                                        "canonical_solution": "    return 2 ** x\n", "base_input": [[20000], [3]],
                                        "plus_input": [[20001]]}])
@@ -250,7 +250,8 @@ def test_fractions_and_decimals_are_judged_as_evalplus_judges_them(tmp_path, wor
         "decimal, 28 digits": "from decimal import Decimal\ndef frac_part(x):\n    return Decimal(x) % 1\n",
         "decimal, rounded": "from decimal import Decimal\ndef frac_part(x):\n    return Decimal(str(x)) % 1\n",
         "float": "def frac_part(x):\n    return x - int(x)\n",
-        "fraction, off by 1e-9": "from fractions import Fraction\ndef frac_part(x):\n    return Fraction(x) % 1 + Fraction(1, 10**9)\n",
+        "fraction, off by 1e-9": "from fractions import Fraction\ndef frac_part(x):\n"
+        "    return Fraction(x) % 1 + Fraction(1, 10**9)\n",
     }
     expected = [x % 1.0 for (x,) in inputs]
     for what, code in answers.items():

@@ -1,7 +1,7 @@
 """The hostile corpus (tests/sandbox_hostile.py) against the real sandbox, as whoever runs the tests through a whole
 humaneval run, and from an unprivileged user's own copy of the sandbox modules (as root: uid 65534 running a system
-Python; otherwise this user, this Python): no item passes but the benign ones, and nothing shows outside — no marker file,
-no connection on the listening sockets, no process of the sandboxes left. Both run as any user."""
+Python; otherwise this user, this Python): no item passes but the benign ones, and nothing shows outside — no marker
+file, no connection on the listening sockets, no process of the sandboxes left. Both run as any user."""
 import asyncio
 import hashlib
 import json
@@ -205,10 +205,10 @@ def world_readable_python() -> str | None:
 
 @pytest.mark.slow
 def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
-    """An unprivileged user runs the corpus through Sandbox.judge (what HumanEval.check calls) from a world-readable copy
-    of the sandbox modules and their two packages: as root, uid 65534 under the system Python; otherwise this user under
-    this Python. bwrap then starts without root, and no cgroup is this user's to make (the rlimit bound, or a refusal
-    of containment="cgroup" that says why)."""
+    """An unprivileged user runs the corpus through Sandbox.judge (what HumanEval.check calls) from a world-readable
+    copy of the sandbox modules and their two packages: as root, uid 65534 under the system Python; otherwise this user
+    under this Python. bwrap then starts without root, and no cgroup is this user's to make (the rlimit bound, or a
+    refusal of containment="cgroup" that says why)."""
     root = os.geteuid() == 0
     python = world_readable_python() if root else sys.executable
     uid = 65534 if root else os.getuid()

@@ -1,6 +1,7 @@
-"""Honest small samples (issue 16): with too few rows a 95% interval or p-value is "not available" (null, with the reason),
-never zero-width; with few degrees of freedom the interval is the analytic t interval (checked against scipy's t-test on
-row means), with enough the bootstrap; the p-value never contradicts the interval. Simulated at 1, 2, 3, 5 and 10 rows."""
+"""Honest small samples (issue 16): with too few rows a 95% interval or p-value is "not available" (null, with the
+reason), never zero-width; with few degrees of freedom the interval is the analytic t interval (checked against scipy's
+t-test on row means), with enough the bootstrap; the p-value never contradicts the interval. Simulated at 1, 2, 3, 5 and
+10 rows."""
 
 import numpy as np
 import pytest
@@ -103,9 +104,9 @@ def _simulate(rng, rows: int, sims: int, n_boot: int, per_row: int = 6):
 
 @pytest.mark.parametrize("rows,method,n_boot", [(3, "t", 200), (5, "t", 200), (10, "bootstrap", 2000)])
 def test_coverage_and_agreement_by_simulation(rows, method, n_boot, rng_seed):
-    """2,000 simulated panels each: coverage sd is 0.49 %, so the bounds 93-97 % sit 4 sd from 95 %. At 10 rows (9 degrees
-    of freedom) 2,000 replicates resolve the expanded tail (about 24 beyond each end), so the bootstrap is used; below,
-    the t interval. Every simulated panel: p < 0.05 exactly when 0 lies outside the interval."""
+    """2,000 simulated panels each: coverage sd is 0.49 %, so the bounds 93-97 % sit 4 sd from 95 %. At 10 rows (9
+    degrees of freedom) 2,000 replicates resolve the expanded tail (about 24 beyond each end), so the bootstrap is used;
+    below, the t interval. Every simulated panel: p < 0.05 exactly when 0 lies outside the interval."""
     rng = np.random.default_rng(rng_seed)
     coverage, contradictions, methods = _simulate(rng, rows, 2000, n_boot=n_boot)
     print(f"{rows} rows: coverage {coverage:.4f} ({methods})")

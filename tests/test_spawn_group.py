@@ -49,14 +49,15 @@ def test_a_grace_lets_the_server_shut_down_and_still_kills_a_worker_that_ignores
         server.write_text(
             textwrap.dedent(f"""
             import http.server, signal, subprocess, sys
-            worker = subprocess.Popen([sys.executable, "-c",
-                                       "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+            worker = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                       "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
             open({str(worker_pid)!r}, "w").write(str(worker.pid))
             def shutdown(*_):
                 open({str(shut)!r}, "w").write("clean")
                 sys.exit(0)
             signal.signal(signal.SIGTERM, shutdown)
-            http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()
+            handler = http.server.SimpleHTTPRequestHandler
+            http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), handler).serve_forever()
         """)
         )
         port = free_port()

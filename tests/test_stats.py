@@ -72,7 +72,8 @@ def test_summary_matches_plain_numpy(rng_seed):
 
 
 def _records(rng, rows_per_domain=12):
-    """Per-position records of a pack on a panel, as a pandas frame (the independent computations below use it alone)."""
+    """Per-position records of a pack on a panel, as a pandas frame (the independent computations below use it
+    alone)."""
     import pandas as pd
 
     groups, lens = _panel(rng, rows_per_domain)
@@ -253,9 +254,9 @@ def _simulate(rng, reps, rows_per_domain=30):
 
 def test_row_bootstrap_covers_where_iid_does_not(rng_seed):
     """The issue's simulation: correlated positions within rows, 95% intervals (KL(P_ref || pack) pooled and
-    domains-equal; KL(pack || P_ref) pooled, drawn alongside from its own law). 16 x 400 repetitions: the intervals cover
-    ~94.05 % here (mean of 20 seeds x 1,600), and with 1,600 repetitions the binomial noise (sd 0.6 %) put a run below 93 %
-    about one time in 15 (seen in CI); at 6,400 (sd 0.3 %) 93 % is 3.5 sd away."""
+    domains-equal; KL(pack || P_ref) pooled, drawn alongside from its own law). 16 x 400 repetitions: the intervals
+    cover ~94.05 % here (mean of 20 seeds x 1,600), and with 1,600 repetitions the binomial noise (sd 0.6 %) put a run
+    below 93 % about one time in 15 (seen in CI); at 6,400 (sd 0.3 %) 93 % is 3.5 sd away."""
     rng = np.random.default_rng(rng_seed)
     reps, chunk = 6400, 800
     boot_hit = iid_hit = equal_hit = reverse_hit = 0

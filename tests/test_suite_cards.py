@@ -137,8 +137,9 @@ def test_thinking_reaches_a_template_that_reads_thinking():
 
 @pytest.mark.slow
 def test_thinking_on_off_through_the_deepseek_v41_encoder():
-    """vLLM's DeepSeek-V4.1 tokenizer (its port of DeepSeek's encoding_dsv41) renders the request's chat_template_kwargs;
-    the mini packs' tokenizer files stand under it (their chat template is a stand-in, the encoder is code)."""
+    """vLLM's DeepSeek-V4.1 tokenizer (its port of DeepSeek's encoding_dsv41) renders the request's
+    chat_template_kwargs; the mini packs' tokenizer files stand under it (their chat template is a stand-in, the encoder
+    is code)."""
     from _vllm import VENV
 
     py = VENV / "bin" / "python"
@@ -404,7 +405,8 @@ def test_reasoning_length_recorded_and_its_paired_change(fake, tmp_path):
 # ---------------------------------------------------------------
 
 def test_bench_label_and_failure_counts_agree(tmp_path, capsys):
-    """Old code: with --aa the JSON's errors held both runs' failures, requests.failed (the console's) only the first's."""
+    """Old code: with --aa the JSON's errors held both runs' failures, requests.failed (the console's) only the
+    first's."""
     from testkit.faults import spawn_fault_server
 
     with spawn_fault_server({"stream_drop_after": 2}) as srv:
@@ -428,8 +430,8 @@ def serve_routes(routes: dict):
 
 
 def test_tokenize_route_probes_are_not_request_errors():
-    """Old code counted the 404 of each probed tokenize route in stats.errors (what `gate` reports as errors), and probed
-    again on every call of a server that has none."""
+    """Old code counted the 404 of each probed tokenize route in stats.errors (what `gate` reports as errors), and
+    probed again on every call of a server that has none."""
     async def go(routes, calls=2):
         c = EngineClient(ClientConfig("http://engine", model="m", retries=0))
         await c._http.aclose()

@@ -1,4 +1,5 @@
-"""Paired statistics of `fidelity suite compare` against statsmodels and scipy on the same tables, and the pairing rules."""
+"""Paired statistics of `fidelity suite compare` against statsmodels and scipy on the same tables, and the pairing
+rules."""
 
 import json
 

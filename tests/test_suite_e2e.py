@@ -1,5 +1,5 @@
-"""Every suite end to end against a real engine: llama-cpp-python's OpenAI server with SmolLM2-135M on loopback, a few items
-each with small budgets; then `suite compare` of two real runs against statsmodels/scipy on the same tables."""
+"""Every suite end to end against a real engine: llama-cpp-python's OpenAI server with SmolLM2-135M on loopback, a few
+items each with small budgets; then `suite compare` of two real runs against statsmodels/scipy on the same tables."""
 import asyncio
 import json
 import sys

@@ -15,9 +15,10 @@ and the paired-drop failure is shown by the same gate machinery on `needle`, whe
   Q8_0-only, 3 Q2_K-only, exact McNemar p = 0.0044;
   these 30 items are the ones used below (~4 s/item on the busy machine, ~2 min per run); length 512 alone (15 items:
   Q8_0 12/15, 10 pairs Q8_0-only, 1 Q2_K-only, p = 0.0117) left too small a margin for another CPU's counts (8 lost and
-  2 gained would give p = 0.11). With 15 items this test reproduced exactly those counts (the gate against the same Q8_0 server: 0 flips on
-  both suites), in 3 min 37 s at load ~10. llama.cpp's kernels differ by CPU: on another code path (AVX-512) the counts
-  may differ a little; p < 0.05 is what is asserted, the gate's p equal to statsmodels' on the two runs' records.
+  2 gained would give p = 0.11). With 15 items this test reproduced exactly those counts (the gate against the same Q8_0
+  server: 0 flips on both suites), in 3 min 37 s at load ~10. llama.cpp's kernels differ by CPU: on another code path
+  (AVX-512) the counts may differ a little; p < 0.05 is what is asserted, the gate's p equal to statsmodels' on the two
+  runs' records.
 """
 from __future__ import annotations
 

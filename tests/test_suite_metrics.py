@@ -1,5 +1,5 @@
-"""Named per-item metrics (evalplus base / plus, IFEval's four), finish_reason, seeded subsets: what the runner records and
-summarizes, and `suite compare`'s paired test per metric, against statsmodels / scipy / numpy on the same tables."""
+"""Named per-item metrics (evalplus base / plus, IFEval's four), finish_reason, seeded subsets: what the runner records
+and summarizes, and `suite compare`'s paired test per metric, against statsmodels / scipy / numpy on the same tables."""
 import asyncio
 import json
 import random
@@ -168,8 +168,8 @@ def test_seeded_sample_is_reproducible_recorded_and_in_order(tmp_path, rng_seed)
 
 
 def lm_eval_ifeval_utils():
-    """lm-eval's own `lm_eval.tasks.ifeval.utils`; with lm-eval installed --no-deps its package import fails (sacrebleu...),
-    so then the same file as the suite loads it (lm-eval's code, unchanged)."""
+    """lm-eval's own `lm_eval.tasks.ifeval.utils`; with lm-eval installed --no-deps its package import fails
+    (sacrebleu...), so then the same file as the suite loads it (lm-eval's code, unchanged)."""
     import importlib
     import importlib.util
 
@@ -231,7 +231,8 @@ def test_ifeval_four_numbers_equal_lm_eval_aggregation(rng_seed):
 
 
 def test_cli_sample_seed_and_console_summary(tmp_path):
-    """`suite run ifeval --sample 5 --seed 3` on the toy engine (every reply ends at max_tokens: finish_reason length)."""
+    """`suite run ifeval --sample 5 --seed 3` on the toy engine (every reply ends at max_tokens: finish_reason
+    length)."""
     import subprocess
     import sys
 

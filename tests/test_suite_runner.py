@@ -1,4 +1,5 @@
-"""The suite runner against our fault-injecting loopback server: records, manifest, resume after a kill, engine faults."""
+"""The suite runner against our fault-injecting loopback server: records, manifest, resume after a kill, engine
+faults."""
 
 import asyncio
 import json

