@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 import zlib
@@ -131,7 +130,9 @@ def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: i
     model = hf_model(cfg, weights, device)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
-        res["hf_sdpa_s"], _ = timed(lambda: model.model(input_ids=tokens.to(device), use_cache=False), repeats)
+        res["hf_sdpa_s"], _ = timed(
+            lambda: model.model(input_ids=tokens.to(device), use_cache=False),  # noqa: F821 (runs before the del)
+            repeats)
         small = tokens[:2, :64]
         hf_logits = model(input_ids=small.to(device), use_cache=False).logits.float().cpu()
     del model
@@ -140,7 +141,9 @@ def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: i
         pack = HostPack(cfg, weights, int8=fmt == "int8")
         for pre in (False, True):
             oracle = Oracle(pack, device=device, chain=LoadChain(prefetch=parallel.Prefetcher if pre else None))
-            seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), repeats)
+            seconds, hidden = timed(
+                lambda: oracle.hidden_states(tokens.tolist(), progress=False),  # noqa: F821 (runs before the del)
+                repeats)
             res[f"oracle_{fmt}{'_prefetch' if pre else ''}_s"] = seconds
         torch.save(torch.stack(hidden).cpu(), WORK / f"{name}_{fmt}_hidden.pt")
         if fmt == "fp32":
@@ -158,7 +161,6 @@ def bench_stack(name: str, cfg: dict, device, rows: int, length: int, repeats: i
 
 def tiny_moe_checks(device) -> dict:
     import tempfile
-    from fidelity import open_pack
     from test_oracle import COMMON, make_moe
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +218,9 @@ def dist_run(args) -> None:
             want = torch.load(want_path) if want_path.exists() else None
             for sharded in (False, True):
                 oracle = parallel.make_oracle(pack, device, parallel.RunSettings(parallel="rows", shard_loads=sharded))
-                seconds, hidden = timed(lambda: oracle.hidden_states(tokens.tolist(), progress=False), args.repeats)
+                seconds, hidden = timed(
+                    lambda: oracle.hidden_states(tokens.tolist(), progress=False),  # noqa: F821 (runs before the del)
+                    args.repeats)
                 key = f"{fmt}_{'sharded' if sharded else 'every_rank_reads_all'}"
                 res[f"{key}_tok_per_s"] = rows * length / seconds
                 res[f"{key}_equal_single_gpu"] = None if want is None else bool(torch.equal(torch.stack(hidden).cpu(),

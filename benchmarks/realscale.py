@@ -37,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -489,7 +490,7 @@ def time_numerics(pack, rows, device, budget, args) -> dict:
         oracle = Oracle(pack, device=device, keep_weights=True, activation_budget=budget,
                         expert_budget_bytes=expert_budget(args), numerics=numerics)
         oracle.hidden_states(rows[:1], progress=False)                       # warm-up, layer built and kept
-        s, hidden = timed(lambda: oracle.hidden_states(rows, progress=False), device)
+        s, hidden = timed(partial(oracle.hidden_states, rows, progress=False), device)
         runs[numerics].append(s)
         outputs[numerics] = torch.cat([h.flatten().double().cpu() for h in hidden])
         oracle.release()

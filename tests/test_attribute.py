@@ -13,7 +13,6 @@ import transformers as T
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file, save_file
 
-from fidelity import open_pack
 from fidelity.measuring.attribute import Settings, attribute, noise_seed
 from fidelity.errors import ConfigError, PackError
 from test_oracle import COMMON, DENSE

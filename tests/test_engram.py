@@ -196,7 +196,7 @@ def test_rows_decode_where_asked_from_stored_bytes(tmp_path, rng_seed, device, k
     rows, dim, n_shards = (96 if dtype.itemsize != 2 else 1024), 64, (3 if "3 shards" in kind else 1)
     values = torch.randn(rows, dim, generator=g) if dtype == torch.float32 else every_code(dtype, rows, dim, g)
     full = torch.ones(rows, dim, dtype=torch.float64)
-    scales = stored_scale = None
+    stored_scale = None
     if "per-row F32" in kind:
         stored_scale = torch.rand(rows, generator=g) * 2 ** float(torch.randint(-30, 30, (1,), generator=g)) + 1e-3
         full = stored_scale.double()[:, None].expand(rows, dim)

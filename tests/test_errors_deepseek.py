@@ -3,7 +3,6 @@ error names the architecture, layer, option or tensor it is about. Tiny packs fr
 test_oracle_deepseek_mtp / test_oracle_deepseek_v41 and the checked-in tiny V4 fixture."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

@@ -90,7 +90,7 @@ def test_budgets_give_the_same_logits_and_the_decodes_the_routing_implies(tmp_pa
         if budget is not None:
             assert e["peak_bytes"] <= budget + together(budget, one) * one and e["kept_bytes"] <= budget
         results[budget] = logits, e
-    (want, none), (zero, z) = results[None], results[0]
+    (want, none), (_, z) = results[None], results[0]
     assert all(torch.equal(want, got) for got, _ in results.values())
     assert none["decodes"] == none["used"]                          # one decode per expert used
     assert z["decodes"] > z["used"] == none["used"] and z["kept_bytes"] == 0 and z["peak_bytes"] == one

@@ -115,7 +115,6 @@ def test_malformed_token_ids_are_protocol_errors_with_json_and_junit(server, tmp
 
 def test_a_bad_reply_left_in_an_old_journal_is_asked_again(server, tmp_path, monkeypatch, rng_seed):
     """Journals written before replies were validated may hold one: it is not replayed."""
-    from fidelity.engine.journal import Journal, request_key
     texts = _texts(rng_seed, 3)
     journal = tmp_path / "journal.jsonl"
     set_plan(server.url)

@@ -76,10 +76,10 @@ def test_oracle_kl_per_domain_matches_the_exact_perturbation(server, rng_seed):
     res = run_one(server.url, oracle_kl, ref, GateSettings(top_k=len(VOCAB), bootstrap=500), prompt_as="ids")
     recs = []
     for r in ref.rows:
-        for j, t in enumerate(r.scored):
+        for j, position in enumerate(r.scored):
             p = r.logprobs[j]
             q = log_softmax(p + delta * SIGN)
-            tok = r.tokens[t]
+            tok = r.tokens[position]
             recs.append({"row": r.id, "domain": r.domain, "kl": float(rel_entr(np.exp(p), np.exp(q)).sum()),
                          "top1": float(np.argmax(p) == np.argmax(q)), "eng": -q[tok], "ref": -p[tok]})
     df = pd.DataFrame(recs)

@@ -24,10 +24,9 @@ import numpy as np
 import pytest
 
 from fidelity.engine.journal import Journal, request_key
-from fidelity.errors import FidelityError
 from fidelity.panels.panel import PanelError, PanelRow, load_panel, rows_sha256, tokenize_row, write_panel
 from fidelity.suites.records import ItemJournal, Record, RunError, prompt_hash, read_records
-from fidelity.suites.runner import Item, Outcome, Settings, Suite, run_suite
+from fidelity.suites.runner import Item, Outcome, Suite, run_suite
 
 LONE = ["\ud800", "\udbff", "\udc00", "\udfff"]  # high and low halves of a UTF-16 pair, each alone
 

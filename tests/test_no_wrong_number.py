@@ -8,12 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from fidelity.measuring.compare import compare
-from fidelity.errors import FidelityError, PackError
+from fidelity.errors import PackError
 from fidelity.panels.panel import PanelRow, write_panel
 from test_compare import _save, noisy_packs, tiny_setting
 

