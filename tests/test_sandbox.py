@@ -28,7 +28,9 @@ from fidelity.suites.runner import Settings, run_suite
 
 REPO = Path(__file__).resolve().parent.parent
 # what bwrap says when the kernel (not our setup) refuses it: no user namespaces, no uid map; only then do tests skip
-KERNEL_FORBIDS = re.compile(r"bwrap: .*(No permissions to create|namespace|uid map|setting up uid|Operation not permitted)")
+KERNEL_FORBIDS = re.compile(
+    r"bwrap: .*(No permissions to create|namespace|uid map|setting up uid|Operation not permitted)"
+)
 
 
 @pytest.fixture
@@ -77,22 +79,46 @@ for path in ('/', '/usr/lib', os.path.dirname(os.__file__)):
 out["seen"] = {p: os.path.exists(p) for p in HOST_PATHS}
 print(json.dumps(out))
 """
-    host_paths = [str(REPO), str(REPO / "README.md"), "/etc/passwd", "/etc/shadow", "/home", "/root/.bashrc", "/var", "/run",
-                  "/usr/bin/sh", "/bin/sh", "/etc", sys.prefix + "/lib/python3.11/site-packages/torch"]
+    host_paths = [
+        str(REPO),
+        str(REPO / "README.md"),
+        "/etc/passwd",
+        "/etc/shadow",
+        "/home",
+        "/root/.bashrc",
+        "/var",
+        "/run",
+        "/usr/bin/sh",
+        "/bin/sh",
+        "/etc",
+        sys.prefix + "/lib/python3.11/site-packages/torch",
+    ]
     res = sb.Sandbox(sb.SandboxLimits(wall_s=20)).run(f"HOST_PATHS = {host_paths!r}\n" + probe)
     assert res.ok, res.stderr
     out = json.loads(res.stdout)
     assert out["ids"] == [65534, 65534, 65534, []] and out["caps"] == [0, 0, 0, 0, 0]
     assert out["seccomp"] == "2" and out["nnp"] == "1"
-    for call in ("unshare_user", "unshare_net", "ptrace_traceme", "kexec_load", "setns", "bpf", "init_module", "mount_remount",
-                 "clone_newns"):
+    for call in (
+        "unshare_user",
+        "unshare_net",
+        "ptrace_traceme",
+        "kexec_load",
+        "setns",
+        "bpf",
+        "init_module",
+        "mount_remount",
+        "clone_newns",
+    ):
         assert out[call] == -1, (call, out[call])  # EPERM from the filter
     for fam in ("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET"):
         assert out[fam] == -97, (fam, out[fam])  # EAFNOSUPPORT
     assert out["socketpair"] == "x" and out["tmp"] == "ok"
     assert all(v == 30 for k, v in out.items() if k.startswith("writable:")), out  # EROFS everywhere but /tmp
     interpreter_tops = {Path(p).parts[1] for p in sb._interpreter_binds()[0]}  # e.g. "root" for a pyenv under /root
-    assert set(out["root"]) <= {"dev", "lib", "lib32", "lib64", "libx32", "proc", "sandbox", "tmp", "usr"} | interpreter_tops
+    assert (
+        set(out["root"])
+        <= {"dev", "lib", "lib32", "lib64", "libx32", "proc", "sandbox", "tmp", "usr"} | interpreter_tops
+    )
     assert out["interfaces"] == ["lo"]  # its own network namespace: a loopback of its own, nothing of the host's
     assert out["pids"] == [1, 2]  # bwrap's init and the program: no host process in sight
     assert not any(out["seen"].values()), out["seen"]
@@ -110,7 +136,9 @@ def test_limits_files_arguments_and_output(working_sandbox):
     assert len(chatty.stdout) < 25_000
     with pytest.raises(ValueError, match="plain names.*'../x'"):
         box.run("pass", files={"../x": "y"})
-    full = sb.Sandbox(sb.SandboxLimits(wall_s=10, tmp_mb=2, file_mb=8)).run("open('/tmp/a', 'wb').write(b'x' * (4 << 20))")
+    full = sb.Sandbox(sb.SandboxLimits(wall_s=10, tmp_mb=2, file_mb=8)).run(
+        "open('/tmp/a', 'wb').write(b'x' * (4 << 20))"
+    )
     assert not full.ok and "No space left on device" in full.stderr
 
 
@@ -146,7 +174,9 @@ def test_without_bubblewrap_the_run_refuses_before_anything_runs(tmp_path):
         assert "user.max_user_namespaces" in denied.stderr
         with pytest.raises(BlockingIOError):
             engine.accept()  # no request went to the engine
-        assert not (tmp_path / "run" / "records.parquet").exists() and not (tmp_path / "run2" / "records.parquet").exists()
+        assert (
+            not (tmp_path / "run" / "records.parquet").exists() and not (tmp_path / "run2" / "records.parquet").exists()
+        )
         wrong_suite = cli(tmp_path / "run3", engine.getsockname()[1], {}, suite="ifeval", extra=["--unsafe-no-sandbox"])
         assert wrong_suite.returncode == 2 and "runs no generated code" in wrong_suite.stderr
     finally:
@@ -189,7 +219,9 @@ def test_unsafe_no_sandbox_is_explicit_and_recorded(tmp_path, working_sandbox):
     assert "run B ran generated code without the sandbox" in rep["warning"]
     from fidelity.report.tables import suite_table
 
-    assert "run B ran generated code without the sandbox" in suite_table([("suite.json", rep)]).note  # the report shows it
+    assert (
+        "run B ran generated code without the sandbox" in suite_table([("suite.json", rep)]).note
+    )  # the report shows it
 
 
 def random_value(rng: random.Random, depth=0):
@@ -199,12 +231,16 @@ def random_value(rng: random.Random, depth=0):
     if k == "int":
         return rng.randint(-10**30, 10**30)
     if k == "big-int":  # past Python's 4300-digit int/str limit, and around the codec's hex threshold
-        return rng.choice([-1, 1]) * rng.choice([rng.getrandbits(rng.randint(13_000, 70_000)), (1 << 2000) - rng.randint(0, 1)])
+        return rng.choice([-1, 1]) * rng.choice(
+            [rng.getrandbits(rng.randint(13_000, 70_000)), (1 << 2000) - rng.randint(0, 1)]
+        )
     if k == "fraction":
         return Fraction(rng.randint(-10**rng.randint(1, 5000), 10**5), rng.randint(1, 10**rng.randint(1, 5000)))
     if k == "decimal":
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6000)))
-        return rng.choice([Decimal(f"{rng.choice('+-')}{digits}E{rng.randint(-10**6, 10**6)}"), Decimal("-0"), Decimal("-Infinity")])
+        return rng.choice(
+            [Decimal(f"{rng.choice('+-')}{digits}E{rng.randint(-(10**6), 10**6)}"), Decimal("-0"), Decimal("-Infinity")]
+        )
     if k == "float":
         return rng.choice([rng.uniform(-1e9, 1e9), math.inf, -math.inf, -0.0])
     if k == "str":
@@ -245,7 +281,9 @@ def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
     decimals = [random_value(rng) for _ in range(200)]
     decimals = [d for d in decimals if type(d) is Decimal] + [Decimal("-0"), Decimal("1.000"), Decimal("sNaN123")]
     back = decode(json.loads(json.dumps(encode(decimals))))
-    assert [d.as_tuple() for d in back] == [d.as_tuple() for d in decimals]  # every digit, the exponent, -0, NaN payloads
+    assert [d.as_tuple() for d in back] == [
+        d.as_tuple() for d in decimals
+    ]  # every digit, the exponent, -0, NaN payloads
     nan = decode(json.loads(json.dumps(encode([math.nan]))))
     assert math.isnan(nan[0])
     arr = np.arange(6, dtype=np.int32).reshape(2, 3)
@@ -261,8 +299,21 @@ def test_codec_round_trips_plain_values_and_refuses_objects(rng_seed):
             encode(bad)
     big = [[rng.randint(-9, 9), [rng.random(), str(i)]] for i in range(20_000)]
     assert decode(json.loads(json.dumps(encode(big)))) == big and encode(big) == {"J": big}  # the plain-JSON path
-    for forged in ({"x": 1}, {"l": [1], "t": [2]}, {"a": ["object", [1], [1]]}, [1, 2], {"J": [{"l": [1]}]}, {"T": [[1]]},
-                   {"q": [1, 0]}, {"q": [1.5, 2]}, {"q": [True, 2]}, {"D": "1.2.3"}, {"D": 5}, {"i": "xyz"}, {"i": 12}):
+    for forged in (
+        {"x": 1},
+        {"l": [1], "t": [2]},
+        {"a": ["object", [1], [1]]},
+        [1, 2],
+        {"J": [{"l": [1]}]},
+        {"T": [[1]]},
+        {"q": [1, 0]},
+        {"q": [1.5, 2]},
+        {"q": [True, 2]},
+        {"D": "1.2.3"},
+        {"D": 5},
+        {"i": "xyz"},
+        {"i": 12},
+    ):
         with pytest.raises(ValueError):
             decode(forged)
 
@@ -276,18 +327,25 @@ def test_evalplus_verdicts_cannot_be_forged_and_canonical_solutions_run_sandboxe
     assert suite.check("HumanEval/2", p["prompt"] + p["canonical_solution"]).passed
     forged = {
         "os._exit(0)": "import os\ndef truncate_number(number):\n    os._exit(0)\n",
-        "a float whose == agrees": ("class Yes(float):\n    def __eq__(self, other):\n        return True\n"
-                                    "    __hash__ = float.__hash__\ndef truncate_number(number):\n    return Yes(-1.0)\n"),
-        "patched numpy and evalplus": ("import numpy as np, evalplus.eval as ev\nnp.allclose = lambda *a, **k: True\n"
-                                       "ev._mapping = {k: 'pass' for k in (0, 1, 2, 3, None)}\n"
-                                       "def truncate_number(number):\n    return -1.0\n"),
-        "printed a passing status": ("import json\nprint(json.dumps({'status': 'pass', 'passed_inputs': 2, 'inputs': 2}))\n"
-                                     "def truncate_number(number):\n    return -1.0\n"),
+        "a float whose == agrees": (
+            "class Yes(float):\n    def __eq__(self, other):\n        return True\n"
+            "    __hash__ = float.__hash__\ndef truncate_number(number):\n    return Yes(-1.0)\n"
+        ),
+        "patched numpy and evalplus": (
+            "import numpy as np, evalplus.eval as ev\nnp.allclose = lambda *a, **k: True\n"
+            "ev._mapping = {k: 'pass' for k in (0, 1, 2, 3, None)}\n"
+            "def truncate_number(number):\n    return -1.0\n"
+        ),
+        "printed a passing status": (
+            "import json\nprint(json.dumps({'status': 'pass', 'passed_inputs': 2, 'inputs': 2}))\n"
+            "def truncate_number(number):\n    return -1.0\n"
+        ),
     }
     for what, code in forged.items():
         out = suite.check("HumanEval/2", code)
         assert not out.passed and out.details["base"]["status"] == "fail", (what, out.verdict)
-    # a canonical solution from a user's --data file is code like any other: it runs in the sandbox, where the host is not
+    # a canonical solution from a user's --data file is code like any other: it runs in the sandbox, where the host is
+    # not
     marker = tmp_path / "canonical-escaped"
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[1]["canonical_solution"] = f"    open({str(marker)!r}, 'w').write('x')\n    return number % 1.0\n"
@@ -305,10 +363,15 @@ def test_a_sandbox_that_fails_to_start_is_not_the_models_failure(tmp_path, monke
                                 "test": "def check(candidate):\n    assert candidate() == 42\n"}) + "\n")
     suite = make_code_suite("humaneval", data=str(data))
     # an answer that pretends the sandbox failed (bwrap's words on stderr, exit 1) is still the model's failure
-    pretend = suite.check("t/0", "import os, sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\nsys.stderr.flush()\nos._exit(1)\n")
+    pretend = suite.check(
+        "t/0",
+        "import os, sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\nsys.stderr.flush()\nos._exit(1)\n",
+    )
     assert pretend.passed is False and ("ended before answering" in pretend.verdict or "is gone" in pretend.verdict)
     fake = tmp_path / "bwrap"
-    fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Resource temporarily unavailable' >&2\nexit 1\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'bwrap: Creating new namespace failed: Resource temporarily unavailable' >&2\nexit 1\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setattr(sb, "find_bwrap", lambda path=None: (str(fake), "0.11.0"))
     with pytest.raises(sb.SandboxError, match="judge sandbox did not start.*Resource temporarily unavailable"):
