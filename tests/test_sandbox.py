@@ -1,6 +1,6 @@
-"""The sandbox from inside (identity, capabilities, seccomp, what the root holds, the limits), its refusal to run without
-bubblewrap (exit 2 from the CLI, SandboxUnavailable from Python), the --unsafe-no-sandbox record, and the codec that
-carries return values to the judge."""
+"""The sandbox from inside (identity, capabilities, seccomp, what the root holds, the limits), its refusal to run
+without bubblewrap (exit 2 from the CLI, SandboxUnavailable from Python), the --unsafe-no-sandbox record, and the codec
+that carries return values to the judge."""
 import asyncio
 import json
 import math
@@ -56,8 +56,9 @@ status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)
 out = {"ids": [os.getuid(), os.geteuid(), os.getgid(), os.getgroups()],
        "caps": [int(status[k], 16) for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")],
        "seccomp": status["Seccomp"].strip(), "nnp": status["NoNewPrivs"].strip(),
-       "unshare_user": call(272, 0x10000000), "unshare_net": call(272, 0x40000000), "ptrace_traceme": call(101, 0, 0, 0, 0),
-       "kexec_load": call(246, 0, 0, 0, 0), "setns": call(308, 0, 0), "bpf": call(321, 0, 0, 0), "init_module": call(175, 0, 0, 0),
+       "unshare_user": call(272, 0x10000000), "unshare_net": call(272, 0x40000000),
+       "ptrace_traceme": call(101, 0, 0, 0, 0), "kexec_load": call(246, 0, 0, 0, 0), "setns": call(308, 0, 0),
+       "bpf": call(321, 0, 0, 0), "init_module": call(175, 0, 0, 0),
        "mount_remount": libc.mount(None, b"/", None, ctypes.c_ulong(32 | 4096), None) and -ctypes.get_errno(),
        "clone_newns": call(56, 0x00020000 | 17, 0, 0, 0, 0), "root": sorted(os.listdir("/")),
        "interfaces": [l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]],
@@ -365,7 +366,8 @@ def test_a_sandbox_that_fails_to_start_is_not_the_models_failure(tmp_path, monke
     # an answer that pretends the sandbox failed (bwrap's words on stderr, exit 1) is still the model's failure
     pretend = suite.check(
         "t/0",
-        "import os, sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\nsys.stderr.flush()\nos._exit(1)\n",
+        "import os, sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\n"
+        "sys.stderr.flush()\nos._exit(1)\n",
     )
     assert pretend.passed is False and ("ended before answering" in pretend.verdict or "is gone" in pretend.verdict)
     fake = tmp_path / "bwrap"
