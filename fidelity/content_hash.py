@@ -27,6 +27,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from blake3 import blake3
 
 from .errors import PackError
 
@@ -70,8 +71,6 @@ def sample_digest(path: Path) -> str:
 
 def _compute(path: Path, algorithm: str) -> str:
     if algorithm == "blake3":
-        from blake3 import blake3
-
         h = blake3(max_threads=blake3.AUTO)
         if path.stat().st_size:
             h.update_mmap(str(path))

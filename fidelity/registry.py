@@ -107,9 +107,10 @@ class Registry(Mapping):
         if self.modules is None:
             return iter(sorted(self._entries))
         rank = {m: i for i, m in enumerate(self.modules)}
-        module_of = lambda name: getattr(
-            getattr(self._entries[name], "defined_by", self._entries[name]), "__module__", None
-        )
+
+        def module_of(name):
+            return getattr(getattr(self._entries[name], "defined_by", self._entries[name]), "__module__", None)
+
         return iter(
             sorted(self._entries, key=lambda name: rank.get(module_of(name), len(rank)))
         )  # stable: as registered

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+import pandas as pd
 
 from ..errors import ConfigError, PackError
 from ..oracle import Oracle
@@ -117,7 +118,6 @@ class Attribution:
     engram_access: list[dict] = field(default_factory=list)     # per Engram table: lookups, coverage curve
 
     def table(self, name: str):
-        import pandas as pd
         return pd.DataFrame(getattr(self, name))
 
     def to_json(self) -> dict:

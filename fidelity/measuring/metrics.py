@@ -509,7 +509,7 @@ def _triton_kernel():
     """The Triton kernel (fidelity/measuring/metrics_triton.py), imported on first use; None without Triton."""
     if not _TRITON:
         try:
-            from .metrics_triton import rows_kernel
+            from .metrics_triton import rows_kernel  # noqa: PLC0415 (Triton, CUDA only)
         except ImportError:
             rows_kernel = None
         _TRITON.append(rows_kernel)
@@ -567,7 +567,7 @@ def triton_rows(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor, out: torch.Te
 def _top5(a: torch.Tensor, b: torch.Tensor, match: torch.Tensor, rows: torch.Tensor | None,
           kernel: MetricKernel) -> None:
     """topk_match of every row (rows None) or of the given rows, by top5_kernel's exact lists."""
-    from .metrics_triton import top5_kernel
+    from .metrics_triton import top5_kernel  # noqa: PLC0415 (Triton, CUDA only)
     count = a.shape[0] if rows is None else len(rows)
     top5_kernel[(count,)](a, b, match, match if rows is None else rows, a.stride(0), b.stride(0), V=a.shape[1],
                           BLOCK=kernel.topk_block, INDIRECT=rows is not None, num_warps=kernel.warps)

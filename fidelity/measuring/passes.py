@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ..content_hash import tree_digest
 from ..errors import FidelityError, PackError
@@ -61,9 +63,6 @@ def position_columns(rows: list[TokenizedRow]) -> dict[str, list]:
 def write_metrics(path: Path, positions: dict[str, list], pm: PositionMetrics) -> Path:
     """`positions` (from `position_columns`) and every metric, atomically (a killed run leaves the old file or none):
     a reader never sees half a table."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     cols = {**positions, **pm.to_numpy()}
     tmp = path.with_name(path.name + ".partial")
     try:
@@ -181,8 +180,6 @@ class Resume:
                             f"checksum differs: {', '.join(bad)}); delete it to recompute it", file=where)
 
     def load(self, name: str, **extra) -> PositionMetrics | None:
-        import pyarrow.parquet as pq
-
         data = self.folder / f"{name}.parquet"
         if not self._finished(name, data, extra):
             return None

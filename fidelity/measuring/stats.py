@@ -104,7 +104,7 @@ def percentile_ci(samples: np.ndarray, level: float = 0.95, dof: int | None = No
     """Percentile interval of bootstrap replicates. With `dof` (independent rows minus domains) it is Hesterberg's
     expanded percentile interval: the tail probability is taken where a t with `dof` degrees of freedom puts `level`,
     since a percentile interval is as narrow as a z interval and undercovers with tens of rows."""
-    from scipy.stats import norm, t
+    from scipy.stats import norm, t  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     tail = (1 - level) / 2
     if dof is not None and dof >= 1:
@@ -120,7 +120,7 @@ def percentile_ci(samples: np.ndarray, level: float = 0.95, dof: int | None = No
 def iid_mean_ci(values: np.ndarray, level: float = 0.95) -> list[float]:
     """Normal interval treating every position as independent (what llama.cpp prints): too narrow when positions within
     a row are correlated. Kept for comparison and for the coverage test."""
-    from scipy.stats import norm
+    from scipy.stats import norm  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     v = np.asarray(values, dtype=np.float64)
     half = norm.ppf(0.5 + level / 2) * v.std(ddof=1) / np.sqrt(len(v))
@@ -177,12 +177,14 @@ class RatioBootstrap:
         return s[..., self.names.index(name)]
 
     def pooled(self, num: str, den: str) -> tuple[float, np.ndarray]:
-        f = lambda s: self._q(s, num).sum(-1) / self._q(s, den).sum(-1)
+        def f(s):
+            return self._q(s, num).sum(-1) / self._q(s, den).sum(-1)
         with np.errstate(invalid="ignore", divide="ignore"):
             return float(f(self.point)), f(self.reps)
 
     def per_domain(self, num: str, den: str) -> tuple[np.ndarray, np.ndarray]:
-        f = lambda s: self._q(s, num) / self._q(s, den)
+        def f(s):
+            return self._q(s, num) / self._q(s, den)
         with np.errstate(invalid="ignore", divide="ignore"):
             return f(self.point), f(self.reps)
 
@@ -205,7 +207,7 @@ def _stratified_var(e: np.ndarray, strata: np.ndarray) -> float:
 
 
 def _expanded_tail(dof: int, level: float = 0.95) -> float:
-    from scipy.stats import norm, t
+    from scipy.stats import norm, t  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     return float(norm.sf(t.isf((1 - level) / 2, dof)))
 
@@ -278,7 +280,7 @@ def interval(est: float | None, reps: np.ndarray, se: Callable[[], float], dof: 
     with z = norm.isf(max(c, 1) / B), c the replicates on the far side of 0, so p < 0.05 exactly when 0 is outside.
     Otherwise the analytic interval of `bounds` (`analytic_interval`). A share at 0 or 1 always takes Wilson's: its
     replicates cannot vary there, and a zero-width interval would claim certainty from a handful of rows."""
-    from scipy.stats import norm, t
+    from scipy.stats import norm, t  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     if reason is not None:
         return Interval(None, None, None, reason)
@@ -319,7 +321,7 @@ def analytic_interval(est: float, se: float, dof: int, bounds: Range = SIGNED, c
     A share: `wilson_interval`. With se 0 (every row alike) or the estimate on an end of its range the interval is
     the point. A null of 0 on an end of the range (KL = 0) has p 0 unless the estimate is 0 (any position above 0
     rules it out), then 1; a null inside the range is tested on the same scale as the interval."""
-    from scipy.stats import t
+    from scipy.stats import t  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     if bounds.counts:
         return wilson_interval(est, se, dof, count, level)
@@ -334,7 +336,9 @@ def analytic_interval(est: float, se: float, dof: int, bounds: Range = SIGNED, c
         slope = 1.0 / (est - lo) if est > lo else np.inf
     else:
         method, scale = "t-logit", (lambda x: np.log(x - lo) - np.log(hi - x))
-        unscale = lambda y: lo + (hi - lo) / (1.0 + np.exp(-y))
+
+        def unscale(y):
+            return lo + (hi - lo) / (1.0 + np.exp(-y))
         slope = (hi - lo) / ((est - lo) * (hi - est)) if lo < est < hi else np.inf
     null_on_end = lo >= 0 or (hi is not None and hi <= 0)
     if se == 0 or not np.isfinite(slope):
@@ -352,7 +356,7 @@ def wilson_interval(est: float, se: float, dof: int, count: float | None, level:
     its width is the t interval's. Their truncation of the design effect at 1 is left out: with 3-10 rows it covered
     0.96-0.999 where this covers 0.946-0.98 (tests/test_stats.py). Never outside [0, 1], and not zero-width at 0 or 1.
     p of "the share is 0": 1 at 0, else 0 (one counted position rules it out)."""
-    from scipy.stats import norm, t
+    from scipy.stats import norm, t  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     if count is None or not count > 0:
         return Interval(None, None, None, "a share needs the number of positions or rows it counts")
@@ -439,8 +443,10 @@ def ratio_scopes(boot: RatioBootstrap, num: str, den: str, groups: RowGroups, tr
     why = not_available(groups)
     se = (lambda g: None) if transform is not None else (lambda g: g)
     dens = boot.point[..., boot.names.index(den)]       # [domains]: what each domain's share counts
-    E = lambda value, reps, dof, reason, lin_se, count: Estimate(_finite(f(value)), f(reps), dof, reason, se(lin_se),
-                                                                 bounds, float(count))
+
+    def E(value, reps, dof, reason, lin_se, count):
+        return Estimate(_finite(f(value)), f(reps), dof, reason, se(lin_se), bounds, float(count))
+
     with np.errstate(invalid="ignore", divide="ignore"):
         est, reps = boot.pooled(num, den)
         d_est, d_reps = boot.per_domain(num, den)
@@ -510,7 +516,7 @@ def _ci_dict(e: Estimate, key: str, se: bool = False) -> dict:
 def sign_test(worse: int, better: int) -> float | None:
     """Two-sided sign test (scipy.stats.binomtest) of rows that got worse against rows that got better; ties left
     out."""
-    from scipy.stats import binomtest
+    from scipy.stats import binomtest  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     if worse + better == 0:
         return None
@@ -598,7 +604,10 @@ def _position_columns(m: dict[str, np.ndarray], tie_margin: float, edges: list[f
     """Per-position quantities summarize sums per row (non-finite positions 0 in every one): the finite count `n`, the
     KLs, top-1 / top-K agreement, NLLs and their change, Δp, near-tie flips, and per reference-confidence bucket."""
     ok = m["finite"]
-    z = lambda x: np.where(ok, x, 0.0)
+
+    def z(x):
+        return np.where(ok, x, 0.0)
+
     ref_p, pack_p = np.exp(-z(m["ref_nll"])), np.exp(-z(m["pack_nll"]))
     agree = (m["ref_top1"] == m["pack_top1"]) & ok
     tie = ok & (z(m["ref_margin"]) < tie_margin)
@@ -630,8 +639,9 @@ class _Summary:
 
     def __init__(self, boot: RatioBootstrap, groups: RowGroups, table: dict[str, np.ndarray], edges: list[float],
                  has_reverse: bool, has_topk: bool, quantiles: dict):
-        S = lambda num, den="n", transform=None, bounds=NONNEGATIVE: ratio_scopes(boot, num, den, groups, transform,
-                                                                                  bounds=bounds)
+        def S(num, den="n", transform=None, bounds=NONNEGATIVE):
+            return ratio_scopes(boot, num, den, groups, transform, bounds=bounds)
+
         self.groups, self.table, self.edges, self.has_reverse, self.quantiles = (groups, table, edges, has_reverse,
                                                                                  quantiles)
         self.kld, self.kld_reverse, self.top1 = S("kld"), S("kld_reverse"), S("agree", bounds=SHARE)
@@ -745,7 +755,9 @@ def _kld_quantiles(kld: np.ndarray, ok: np.ndarray, row: np.ndarray, pos_domain:
     keys = list(KLD_PERCENTILES)
 
     def block(values, point, reps, dof, reason=None):
-        value = lambda j: float(point[j]) if np.isfinite(point[j]) else None
+        def value(j):
+            return float(point[j]) if np.isfinite(point[j]) else None
+
         ivs = [Estimate(value(j), reps[:, j], dof, reason, bounds=NONNEGATIVE).interval() for j in range(len(keys))]
         return {**{k: value(j) for j, k in enumerate(keys)}, **{f"{k}_ci95": iv.ci for k, iv in zip(keys, ivs)},
                 **{f"{k}_ci95_unavailable": iv.reason for k, iv in zip(keys, ivs)}}
@@ -804,7 +816,7 @@ def paired_difference(pm_a: PositionMetrics, pm_b: PositionMetrics, groups: RowG
 
 
 def _paired_block(boot: RatioBootstrap, groups: RowGroups) -> dict:
-    from statsmodels.stats.multitest import multipletests
+    from statsmodels.stats.multitest import multipletests  # noqa: PLC0415 (~2 s, for Holm only)
 
     diff, a, b = (ratio_scopes(boot, k, "n", groups, bounds=bounds)
                   for k, bounds in (("diff", SIGNED), ("a", NONNEGATIVE), ("b", NONNEGATIVE)))
@@ -865,7 +877,7 @@ def domains_equal_ratio_se(boot: RatioBootstrap, num: str, den: str, n: str = "n
 def bootstrap_p_floor(n_reps: int, dof: int) -> float:
     """The smallest p-value `interval` gives from `n_reps` bootstrap replicates at `dof` degrees of freedom (no
     replicate, or one, on the far side of 0): 2 t_dof.sf(norm.isf(1 / n_reps)). A p-value there is "< floor"."""
-    from scipy.stats import norm, t
+    from scipy.stats import norm, t  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     return min(1.0, 2 * float(t.sf(norm.isf(1 / n_reps), dof)))
 
@@ -873,7 +885,7 @@ def bootstrap_p_floor(n_reps: int, dof: int) -> float:
 def bootstrap_p_value(reps: np.ndarray, dof: int | None = None) -> float:
     """Two-sided p-value for "the statistic is 0", read off the replicates the way `percentile_ci` reads its interval
     (0 lies outside the 95% interval exactly when p < 0.05). Its floor is about 1 / (len(reps) + 1)."""
-    from scipy.stats import norm, t
+    from scipy.stats import norm, t  # noqa: PLC0415 (scipy.stats: ~1 s; reports and gates import stats)
 
     if len(reps) == 0 or np.all(reps == 0):
         return 1.0

@@ -18,13 +18,20 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+import re
+import hashlib
 
 import numpy as np
 import torch
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
 
 from .. import __version__
 from ..errors import FidelityError
 from ..panels.panel import Panel, TokenizedRow
+from ..oracle.runner import HEAD_ROWS
+from .metrics import MetricKernel, PositionMetrics, device_metrics_columns, finish_columns, topk_logprobs
 
 RECORDS_FILE = "records.parquet"
 MANIFEST_FILE = "manifest.json"
@@ -72,10 +79,6 @@ def run_reference(oracle, rows: list[TokenizedRow], progress: bool = True) -> Re
 def numerics(device: str | torch.device = "cpu") -> dict:
     """What decides the last float32 bits of the head's logits besides the inputs: recorded in the manifest so a
     re-derivation that disagrees can say what changed."""
-    import re
-
-    from ..oracle.runner import HEAD_ROWS
-
     device = torch.device(device)
     out = {"torch": torch.__version__, "device": device.type, "head_rows": HEAD_ROWS}
     if device.type == "cuda":
@@ -92,8 +95,6 @@ def numerics(device: str | torch.device = "cpu") -> dict:
 
 def _topk_on(logits: torch.Tensor, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """metrics.topk_logprobs computed where the store's top-K was (the oracle's device), returned on the CPU."""
-    from .metrics import topk_logprobs
-
     ids, lps = topk_logprobs(logits.to(device), k)
     return ids.cpu(), lps.cpu()
 
@@ -159,7 +160,6 @@ def _first_mismatch(ref: ReferenceRun, i: int, bad, ids, lps, got_ids, got_lps, 
 def head_sha256(oracle) -> str:
     """Content hash of the float32 head the store's hidden states go through (pack fingerprints describe storage
     only, so two packs of one layout share them)."""
-    import hashlib
     return hashlib.sha256(oracle.head_weight().detach().cpu().float().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
@@ -167,11 +167,6 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
                 tokenizer_fingerprint: str, k: int = TOP_K) -> dict:
     """Write records.parquet + manifest.json; the reference NLL and top-K come from the same head the store
     re-applies."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from .metrics import topk_logprobs
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cols = {
@@ -246,8 +241,6 @@ def write_store(out_dir: str | Path, ref: ReferenceRun, oracle, panel: Panel, *,
 def _device_topk_nll(oracle, hidden: torch.Tensor, targets: torch.Tensor, k: int):
     """A row's top-K and reference NLL with the logits kept on the oracle's device (chunk by chunk): (ids, log-probs,
     NLL) on the CPU."""
-    from .metrics import topk_logprobs
-
     ids, lps, nll = [], [], []
     targets = targets.to(oracle.device)
     for where, logits in oracle.iter_logits(hidden):
@@ -280,11 +273,6 @@ def device_row_metrics(ref: ReferenceRun, ref_oracle, pack_hidden: list[torch.Te
     metrics by metrics.device_metrics_columns (`kernel`: its MetricKernel, None the default); only the per-position
     numbers reach the host. Any device, the CPU
     included (the tests' check of the chunking); compare takes it for non-CPU oracles."""
-    from tqdm.auto import tqdm
-
-    from .metrics import MetricKernel, PositionMetrics, device_metrics_columns, finish_columns
-    from ..oracle.runner import HEAD_ROWS
-
     device = ref_oracle.device
     counts = [len(t) for t in ref.targets]
     total = sum(counts)
@@ -358,8 +346,6 @@ def stored_sources(path: str | Path) -> tuple[str | None, str | None]:
 def load_store(path: str | Path, panel: Panel, rows: list[TokenizedRow], *, pack_fingerprint: str,
                tokenizer_fingerprint: str, oracle=None) -> ReferenceRun:
     """Read a store for `panel` tokenized as `rows`; refuse one built for another panel, pack or tokenizer."""
-    import pyarrow.parquet as pq
-
     path = Path(path)
     m = read_manifest(path)
     if m["panel"]["sha256"] != panel.sha256:

@@ -13,4 +13,4 @@ from .common import Family, OracleTaps
 from .families import ARCHITECTURES, family_for, supported_architectures
 from .runner import LoadChain, Oracle
 
-__all__ = ["Oracle", "OracleTaps", "ARCHITECTURES", "supported_architectures", "family_for", "Family"]
+__all__ = ["Oracle", "LoadChain", "OracleTaps", "ARCHITECTURES", "supported_architectures", "family_for", "Family"]

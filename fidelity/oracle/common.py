@@ -168,7 +168,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
         first = 0 if window is None else max(0, start - window + 1)
-        n, m = end - start, end - first
+        n = end - start
         qi = queries[:, :, :, start:end].reshape(B * Hkv, group * n, D)
         mask = mask_bias(start, end, first, window, group, q.dtype, q.device)
         scores = torch.baddbmm(mask, qi, keys[:, :, first:end], alpha=scale)  # scale * q.k + (0 or -inf)

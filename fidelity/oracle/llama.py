@@ -68,8 +68,8 @@ class LlamaArgs:
     @classmethod
     def from_config(cls, cfg: dict) -> "LlamaArgs":
         arch = cfg["architectures"][0]
-        n_heads = require(cfg, "num_attention_heads", arch)
-        head_dim = head_dim_of(cfg)
+        require(cfg, "num_attention_heads", arch)  # checked first, as before the other keys
+        head_dim_of(cfg)
         bias = bool(cfg.get("attention_bias", False))
         qkv_bias, o_bias = {"Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False)}.get(
             arch, (bias, bias)

@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Callable, Iterator
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,6 @@ def _malloc_trim() -> Callable[[], None]:
     """glibc keeps freed blocks below its (self-raising) mmap threshold in the heap; trimming after each layer hands a
     released layer's memory back to the OS, so peak RSS tracks one layer, not a few."""
     try:
-        import ctypes
         trim = ctypes.CDLL("libc.so.6").malloc_trim
         return lambda: trim(0) and None
     except (OSError, AttributeError):
@@ -236,7 +236,7 @@ class Oracle:
     def drafter(self, **options):
         """The pack's own drafter over this oracle's trunk (DeepSeek-V4/V4.1 DSpark, V3/V3.2 MTP module); the oracle's
         outputs are unchanged. See fidelity.oracle.deepseek.mtp."""
-        from .deepseek.mtp import drafter
+        from .deepseek.mtp import drafter  # noqa: PLC0415 (DeepSeek modules load on demand)
         return drafter(self, **options)
 
     # -- forward -------------------------------------------------------------------------------------------

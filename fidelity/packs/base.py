@@ -12,6 +12,7 @@ import torch
 
 from ..errors import PackError
 from .staging import as_device
+from ..content_hash import files_digest
 
 
 @dataclass(frozen=True)
@@ -269,8 +270,6 @@ class Pack:
         pack is read in full once; files a MANIFEST.sha256 beside them lists are verified against it). Two packs that
         differ in any byte differ here. Cached."""
         if getattr(self, "_fingerprint", None) is None:
-            from ..content_hash import files_digest
-
             h = hashlib.sha256()
             h.update(self.format.encode())
             h.update(json.dumps(self.config, sort_keys=True, default=str).encode())

@@ -23,6 +23,7 @@ from .folder import KNOWN_QUANT_METHODS, SafetensorsPack
 from ..registry import CLAIMERS
 from .fp8 import absent_entry, ceil_div, read_scales
 from .staging import to_device
+from . import fp8
 
 KNOWN_QUANT_METHODS.update({"mxfp4", "modelopt"})
 
@@ -154,8 +155,6 @@ def _check_modelopt_algo(pack: SafetensorsPack):
 
 def mxfp4_entry(pack: SafetensorsPack, name: str, scale: str, logical: str | None = None) -> LogicalTensor:
     """DeepSeek official MXFP4: int8/uint8 [out, in/2] (low nibble = even element) and e8m0 scales [out, in/32]."""
-    from . import fp8
-
     raw = pack.raw
     shape = check_group_grid(pack, name, scale, MX_BLOCK)
     nbytes = raw.info(name).nbytes + raw.info(scale).nbytes

@@ -18,6 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from gguf.quants import _type_traits
 
 from ..errors import PackError
 from .base import LogicalTensor, Pack, Storage
@@ -41,7 +42,6 @@ NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 
 def supported_types() -> set[str]:
     """GGML type names gguf-py can dequantize."""
-    from gguf.quants import _type_traits  # the registry `dequantize` dispatches on
     return {"F32", "F16"} | {t.name for t in _type_traits}
 
 

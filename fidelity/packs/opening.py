@@ -35,7 +35,7 @@ def open_pack(path: str | Path) -> Pack:
         raise PackError("pack path does not exist", file=p)
     if p.is_file():
         if _is_gguf(p):
-            from .gguf import GGUFPack
+            from .gguf import GGUFPack  # noqa: PLC0415 (gguf-py loads only for a GGUF)
             return GGUFPack(p)
         if p.suffix == ".safetensors":
             return SafetensorsPack(p)
@@ -47,6 +47,6 @@ def open_pack(path: str | Path) -> Pack:
     if ggufs and not list(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").exists():
         if len(ggufs) > 1:
             raise PackError(f"folder holds {len(ggufs)} .gguf files; name one", file=p)
-        from .gguf import GGUFPack
+        from .gguf import GGUFPack  # noqa: PLC0415 (gguf-py loads only for a GGUF)
         return GGUFPack(ggufs[0])
     return SafetensorsPack(p)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from ..errors import PackError
 
@@ -129,7 +130,10 @@ def _entry(h, path: Path, name: str) -> tuple[str, tuple[int, ...], tuple[int, i
     if missing:
         raise PackError(f"header entry lacks {', '.join(missing)}", file=path, tensor=name)
     dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
-    is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
     if not isinstance(dtype, str):
         raise PackError(f"header dtype {dtype!r} is not a string", file=path, tensor=name)
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
@@ -146,6 +150,4 @@ def write_safetensors(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
 ):
     """Write tensors with the reference `safetensors` library (contiguous CPU copies)."""
-    from safetensors.torch import save_file
-
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)

@@ -20,7 +20,7 @@ def load_tokenizer(pack: Pack):
 
 
 def _load(pack: Pack):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: ~1 s, loaded on use)
 
     source = pack.tokenizer_source()
     if source is None:

@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 
 from .figures import DPI, _color, _save  # noqa: F401  (DPI: same resolution as the other figures)
 from .tables import Table, num
+from ..measuring.engram_access import coverage_rows
 
 BLOCKS = ("attention", "router", "experts", "shared_experts", "mlp", "other")
 
@@ -90,7 +91,6 @@ def attribution_tables(doc: dict, top: int = 20) -> list[Table]:
                          [[str(r["layer"]), *[num(k) for k in r["kld_mean"]], num(r["dkl_deps2"]),
                            num(r["loglog_slope"])] for r in doc["sensitivity"]]))
     if doc.get("engram_access"):
-        from ..measuring.engram_access import coverage_rows
         out.append(
             Table(
                 "Engram row access (coverage: top N rows' share of lookups)",

@@ -28,10 +28,11 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .inputs import Group, PackResult, ReportInputError, load_inputs
+from .inputs import Group, PackResult, ReportInputError, _find_compare_json, load_inputs
 from .markdown import escape
 from ..measuring.result_schema import PairedBlock, PairedDifference, Scope
 from .tables import Reasons, ceil_significant, interval_reason, known
+from ..engine.bench import compare_bench
 
 MINUS = "−"
 
@@ -127,8 +128,6 @@ class Located:
 def _sources(items) -> dict[str, str]:
     """Input -> the name the card gives it: the file name (a folder: folder/compare.json), the path given where names
     clash."""
-    from .inputs import _find_compare_json
-
     names = {}
     for item in items:
         p = Path(item)
@@ -151,7 +150,10 @@ def _quality_table(g: Group, located: list[Located], this: str) -> list[str]:
     for loc in located:
         o, p = loc.pack.overall, loc.pack
         label = f"**{escape(p.label)}** (this build)" if p.label == this else escape(p.label)
-        at = lambda *k: loc.at("overall", *k)
+
+        def at(*k):
+            return loc.at("overall", *k)
+
         kld = o.kld_mean
         kld_cell = "—" if kld is None else f"{Num(fixed(kld), at('kld_mean'))}"
         if kld is not None and o.kld_domains_equal is not None:
@@ -251,8 +253,13 @@ def _change(pair: Pair, block: PairedBlock, path: tuple, reasons: Reasons) -> st
         else:
             text += reasons.mark(block.relative_change_pct_unavailable or block.unavailable)
         return text
-    inv = lambda x: -100 * x / (100 + x)
-    formula = lambda p: f"−100 × {p} ÷ (100 + {p})"
+
+    def inv(x):
+        return -100 * x / (100 + x)
+
+    def formula(p):
+        return f"−100 × {p} ÷ (100 + {p})"
+
     text = f"{_pct1(inv(r))}{note(formula(at))}"
     if isinstance(ci, list) and None not in ci:
         lo, hi = (pair.at(*path, "relative_change_pct_ci95", k) for k in (1, 0))
@@ -580,8 +587,6 @@ def _metric_name(key: str) -> str:
 
 
 def _speed_section(speed: list[tuple[str, dict]], names: dict[str, str]) -> list[str]:
-    from ..engine.bench import compare_bench
-
     benches = [(Source(names.get(s, Path(s).name)), d) for s, d in speed if d.get("kind") == "fidelity-bench"]
     if not benches:
         return []

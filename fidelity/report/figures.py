@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib import colormaps
 
 from ..measuring.result_schema import Scope
 from .inputs import PackResult
@@ -16,8 +17,6 @@ KL_LABEL = "KL(reference ‖ pack), nats"
 
 
 def _color(i: int):
-    from matplotlib import colormaps
-
     return colormaps["tab10"](i % 10)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 
 from ..errors import FidelityError
 from ..measuring.result_schema import (
@@ -334,8 +335,6 @@ def _attach_records(run: CompareRun, folder: Path | None, store: Path | None = N
 
 
 def _has_columns(store: Path) -> bool:
-    import pyarrow.parquet as pq
-
     return set(REFERENCE_COLUMNS) <= set(pq.read_schema(store / "records.parquet").names)
 
 

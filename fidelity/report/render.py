@@ -15,6 +15,8 @@ from ..errors import FidelityError
 from . import analysis, figures, markdown, tables
 from .inputs import Group, load_inputs
 from .templates import INDEX_HTML
+from ..panels.panel import load_panel, tokenize_panel
+from .attribution import FIGURES, AttributionView, attribution_tables
 
 
 @dataclass
@@ -84,8 +86,8 @@ def _reference_tokenizer(group: Group):
     if path is None:
         return None
     try:
-        from ..packs import open_pack
-        from ..packs.tokenizer import load_tokenizer
+        from ..packs import open_pack  # noqa: PLC0415 (optional: a report needs no packs)
+        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (optional: a report needs no packs)
 
         return load_tokenizer(open_pack(path))
     except (ImportError, FidelityError, OSError, ValueError):
@@ -95,8 +97,6 @@ def _reference_tokenizer(group: Group):
 def _panel_positions(panel_source, group: Group, tokenizer) -> tuple[pd.DataFrame | None, str | None]:
     """Every token of every panel row (row_id, domain, position, token, scored), tokenized as compare did, so the worst
     positions get their prompt text too. The panel must be the one the results were measured on (same sha256)."""
-    from ..panels.panel import load_panel, tokenize_panel
-
     panel = load_panel(panel_source)
     if panel.sha256 != group.panel.sha256:
         return None, (f"panel {panel_source} (sha256 {panel.sha256[:12]}) is not the panel of this group "
@@ -320,8 +320,6 @@ def render(results, out_dir, *, title: str = "Fidelity report", tokenizer="auto"
 
 
 def _attribution_view(source: str, doc: dict, index: int, out: Path):
-    from .attribution import FIGURES, AttributionView, attribution_tables
-
     s = doc["summary"]
     view = AttributionView(f"Attribution {index}: {Path(s.get('pack') or source).name} vs "
                            f"{Path(s.get('reference') or '?').name}", attribution_tables(doc))

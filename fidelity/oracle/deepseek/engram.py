@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, normalizers
 
 from ...errors import ConfigError, PackError
 from ...packs.safetensors_io import DTYPES, SafetensorsFile
 from ...packs.staging import CPU, to_device
 from ..common import rms_norm
+from ...packs.fp8 import DEFAULT_BLOCK, E8M0_DTYPES, FLOAT_SCALE_DTYPES, FP8_DTYPES, e8m0_to_float, scale_layout
 
 ARCH = "DeepseekV41ForCausalLM"
 ROW_DTYPES = ("F32", "F16", "BF16")
@@ -188,7 +190,6 @@ class RowScales:
     def for_rows(self, fd_of, rows: np.ndarray, dim: int, device: torch.device = CPU) -> torch.Tensor:
         """fp32 multipliers [len(rows), dim] on `device` for the given local rows (ascending); each scale row touched is
         read once (nearby ones in one pread) and its stored bytes are converted on `device`."""
-        from ...packs.fp8 import e8m0_to_float
         kind = self.layout.kind
         torch_dtype, size = DTYPES[self.dtype]
         rows = np.asarray(rows, dtype=np.int64)
@@ -222,7 +223,6 @@ class RowTable:
     def __init__(self, shards: list[tuple[str, str]], scales: list[tuple[str, str, tuple | None]] | None = None):
         """shards: (file, tensor name) in row order; scales (FP8 shards only): (file, scale tensor name, block or
         None for DeepSeek's default 128 x 128) per shard."""
-        from ...packs.fp8 import DEFAULT_BLOCK, E8M0_DTYPES, FLOAT_SCALE_DTYPES, FP8_DTYPES, scale_layout
         self.parts = []   # (path, begin, rows, row_bytes, torch dtype, RowScales or None)
         self.dim = None
         for i, (path, name) in enumerate(shards):
@@ -379,7 +379,6 @@ def compressed_token_map(tokenizer_json: str | os.PathLike) -> torch.Tensor:
     """token id -> compressed id: tokens whose decoded text normalises (NFKC, NFD, accents stripped, lower case,
     whitespace runs to one space, then stripped unless the text is only a space) to the same key share an id, in order
     of first appearance; a token that decodes to invalid UTF-8 keys on its own token string."""
-    from tokenizers import Regex, Tokenizer, normalizers
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_json)))
     normalizer = normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),

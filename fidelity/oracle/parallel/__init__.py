@@ -40,6 +40,12 @@ from .prefetch import (STAGE_HOST_FRACTION, STAGE_MAX_TENSOR_BYTES, LayerTiming,
 from .rows import RowParallel, deal
 from .shards import ShardedLoads, deal_tensors
 
+__all__ = [
+    "load_chain", "make_oracle", "ExpertParallel", "Group", "RankFailed", "RunSettings", "current_group", "finish",
+    "is_main", "launched", "local_device", "STAGE_HOST_FRACTION", "STAGE_MAX_TENSOR_BYTES", "LayerTiming",
+    "Prefetcher", "available_host_bytes", "held_host_bytes", "RowParallel", "deal", "ShardedLoads", "deal_tensors",
+]
+
 
 def load_chain(device: str = "cpu", settings: RunSettings = RunSettings(), layer: tuple = ()) -> LoadChain:
     """The load chain a run with `settings` uses: prefetching (unless `settings.prefetch` is off; staging within

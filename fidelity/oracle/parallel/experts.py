@@ -22,7 +22,10 @@ class ExpertParallel:
         g = self.group
         N, k = indices.shape
         slots = x.new_zeros(N, k, x.shape[-1])
-        mine = lambda e: self.owner(e, experts.n_experts) == g.rank
+
+        def mine(e):
+            return self.owner(e, experts.n_experts) == g.rank
+
         # this rank's experts through the one-process grouping (one sort, batched decodes, the budget)
         for e, rows, y in experts.routed_outputs(x, indices, weights, mine):
             slots[rows, (indices[rows] < e).sum(dim=1)] = y     # e's position among each token's experts, ascending

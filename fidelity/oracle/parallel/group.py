@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from ...errors import FidelityError
 
@@ -53,8 +54,6 @@ class Group:
 
     def __init__(self, device: str | torch.device = "cpu", timeout_s: float = 1800.0,
                  settings: RunSettings = RunSettings()):
-        import torch.distributed as dist
-
         self.dist = dist
         self.settings = settings
         try:

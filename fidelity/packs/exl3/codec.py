@@ -313,7 +313,7 @@ def _triton_decode():
     """fidelity.packs.exl3.decode_triton's kernel, imported on first use; None without Triton."""
     if not _TRITON:
         try:
-            from .decode_triton import decode_kernel
+            from .decode_triton import decode_kernel  # noqa: PLC0415 (Triton, CUDA only)
         except ImportError:
             decode_kernel = None
         _TRITON.append(decode_kernel)

@@ -55,6 +55,7 @@ from .codec import HAD, Bitrate, bitrate_from_trellis, decode_weight, decode_wei
 from ..folder import KNOWN_QUANT_METHODS
 from ...registry import CLAIMERS
 from ..staging import CPU, stack_to_device, to_device
+from .. import fp4, fp8, native
 
 PLAN_FILE = "exl3_moe_plan.json"
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
@@ -501,8 +502,6 @@ _WO_A_SLICE = re.compile(r"(.*\.wo_a)\.(\d+)$")
 @CLAIMERS.register("exl3")
 def claim(pack, pool: set) -> dict[str, LogicalTensor]:
     """EXL3 linears of any of the five layouts; for official-named layouts also every other tensor, renamed to HF."""
-    from .. import fp8
-
     layout = detect_layout(pack, pool)
     if layout is None:
         return {}
@@ -581,8 +580,6 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
     """Every other tensor of an official-named pack, renamed to HF: scaled weights (`.weight` + `.scale` or
     `.weight_scale_inv`: FP8 e4m3 with block scales, or MXFP4 packed int8/uint8 with per-32 e8m0 scales), the rest
     native. A tensor with a part in an absent shard is absent (an error only when requested)."""
-    from .. import fp8, native
-
     qc = layout.original_quant_config or {}
     block = tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else fp8.DEFAULT_BLOCK
     power_of_two = qc.get("scale_fmt") == "ue8m0"
@@ -620,8 +617,6 @@ def _claim_official_rest(pack, pool: set, layout: Layout) -> dict[str, LogicalTe
 
 
 def _mxfp4_entry(pack, name: str, scale: str, logical: str) -> LogicalTensor:
-    from .. import fp4
-
     return fp4.mxfp4_entry(pack, name, scale, logical)
 
 
