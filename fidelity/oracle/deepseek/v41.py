@@ -135,7 +135,9 @@ class DeepseekV41Args:
                                       f"{self.kv_source[i]}'s)")
         c = self.candidate_layer
         if c < -1:
-            raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} is neither a layer nor -1 (no filter)")
+            raise ConfigError(
+                f"config.json of {arch}: candidate_source_layer_id {c} is neither a layer nor -1 (no filter)"
+            )
         if c >= 0:
             if c >= len(ratios) or not self.index_source[c]:
                 raise ConfigError(f"config.json of {arch}: candidate_source_layer_id {c} is not an index source layer")
@@ -246,7 +248,9 @@ class PoolCompressor:
         return self.round_kv(rope_tail(latent, cos, sin))
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, finished: torch.Tensor
+) -> torch.Tensor:
     """q [B, t, h, d], keys [B, W, d], head_weights [B, t, h] (already scaled), finished [t, W] ->
     sum_h w_h relu(q_h . k_w) / sqrt(d), -inf where the entry is not finished. [B, t, W]."""
     scores = torch.einsum("bthd,bwd->bthw", q, keys).relu_() * q.shape[-1] ** -0.5
@@ -261,7 +265,9 @@ def candidate_drop(scores: torch.Tensor, query_pos: torch.Tensor, ratio: int, bl
     n_full = W // block
     full = scores[..., :n_full * block].unflatten(-1, (n_full, block)).amax(dim=-1)
     tail = scores[..., n_full * block:]
-    tail_best = tail.amax(dim=-1, keepdim=True) if tail.shape[-1] else full.new_full((*full.shape[:-1], 1), -float("inf"))
+    tail_best = (
+        tail.amax(dim=-1, keepdim=True) if tail.shape[-1] else full.new_full((*full.shape[:-1], 1), -float("inf"))
+    )
     best = torch.cat((full, tail_best), dim=-1)
     newest = (((query_pos + 1) // ratio - 1).clamp(min=0) // block).view(1, -1, 1).expand(best.shape[0], -1, 1)
     best = best.scatter(-1, newest, float("inf"))
@@ -483,8 +489,11 @@ class DeepseekV41Family(DeepseekV4Family):
             root = getattr(self.pack, "root", None) or getattr(self.pack, "path", None)
             path = Path(root) / "tokenizer.json" if root is not None else None
             if path is None or not path.is_file():
-                raise PackError("DeepSeek-V4.1 Engram layers hash the compressed vocabulary, built from tokenizer.json, "
-                                "which the pack lacks", file=path)
+                raise PackError(
+                    "DeepSeek-V4.1 Engram layers hash the compressed vocabulary, built from tokenizer.json, "
+                    "which the pack lacks",
+                    file=path,
+                )
             self._token_map = compressed_token_map(path)
             want = int(self.text.get("engram_compressed_vocab_size") or 0)
             if int(self._token_map.max()) + 1 != want:
