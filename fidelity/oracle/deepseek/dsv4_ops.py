@@ -103,7 +103,8 @@ class HyperConnection:
     norm_eps: float
 
     def __call__(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [B, T, hc, hidden] -> (post [B, T, hc], comb [B, T, hc, hc], collapsed block input [B, T, hidden])."""
+        """streams [B, T, hc, hidden] -> (post [B, T, hc], comb [B, T, hc, hc],
+        collapsed block input [B, T, hidden])."""
         pre, post, comb = self.weights(streams)
         return post, comb, collapse(streams, pre)
 

@@ -59,6 +59,7 @@ from .quant import rounds_stored_input
 from .dsv4_ops import (SLIDING, Attention, HyperConnection, LayerLoad, MoE, collapse, fetch_block_inputs, hc_names,
                        rope_table, rope_tail, unweighted_rms_norm)
 from .v4 import ARCH, DeepseekV4Family, layer_names, name_candidates
+from .v3 import DeepseekV3Family
 
 V41_ARCH = "DeepseekV41ForCausalLM"
 DSPARK_ARCHS = (ARCH, V41_ARCH)
@@ -502,7 +503,6 @@ class NextNDrafter:
     DeepSeek-V3 paper's reading)."""
 
     def __init__(self, oracle, hidden: str = "post_norm"):
-        from .v3 import DeepseekV3Family
         cfg = oracle.pack.config
         arch = (cfg.get("architectures") or ["?"])[0]
         fam = oracle.family

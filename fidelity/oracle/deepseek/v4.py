@@ -37,6 +37,7 @@ from ..rope import RopeArgs
 from .dsv4_ops import (CSA, HCA, ROUTER_SCORES, SLIDING, Attention, HyperConnection, LayerLoad, MoE, block_input_names,
                        fetch_block_inputs, hc_names, rope_table, unweighted_rms_norm)
 from .quant import DeepSeekRounding, rounds_stored_input
+from ...packs.exl3.layouts import official_to_hf
 
 ARCH = "DeepseekV4ForCausalLM"
 DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
@@ -190,7 +191,6 @@ def name_candidates(name: str) -> list[str]:
     """Where a pack may hold the official tensor `name`: as is, under `model.`, as transformers' save_pretrained writes
     V4 (`model.embed_tokens.weight`, `model.hc_head.hc_fn`, `attn.norm` for the attention's `kv_norm`), or under the
     Hugging Face name the EXL3 layouts map official DeepSeek names to."""
-    from ...packs.exl3.layouts import official_to_hf
     saved = {"embed.weight": "model.embed_tokens.weight", "hc_head_fn": "model.hc_head.hc_fn",
              "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
     out = [name, f"model.{name}"]

@@ -193,8 +193,8 @@ class CrossLayerState:
     pre: torch.Tensor | None = None             # [B, T, hc]: the last mHC site's pre
 
     def __copy__(self) -> "CrossLayerState":
-        """The state at this point of the pass, for a re-run from here (fidelity.measuring.attribute): a layer replaces these
-        tensors (writing only into ones it made) and adds its pool to the dict, which is the copy's own."""
+        """The state at this point of the pass, for a re-run from here (fidelity.measuring.attribute): a layer replaces
+        these tensors (writing only into ones it made) and adds its pool to the dict, which is the copy's own."""
         return CrossLayerState(dict(self.pools), self.selection, self.candidates, self.pre)
 
 
