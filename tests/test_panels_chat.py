@@ -170,12 +170,15 @@ def test_token_exact_row_gives_identical_compare_numbers(tmp_path, smollm2_gguf,
     import torch
     from safetensors.torch import save_file
 
+    import fidelity.measuring.compare as C
     import fidelity.packs.tokenizer as T
     from fidelity.measuring.compare import compare
     from fidelity.packs import open_pack
 
     ref = open_pack(smollm2_gguf)
-    monkeypatch.setattr(T, "load_tokenizer", lambda pack: tool_tok)  # the pack's tokenizer with the tool template
+    # the pack's tokenizer with the tool template, wherever compare and the panel code look it up
+    monkeypatch.setattr(T, "load_tokenizer", lambda pack: tool_tok)
+    monkeypatch.setattr(C, "load_tokenizer", lambda pack: tool_tok)
     # a lossy candidate: an overlay of the reference with one projection perturbed
     name = "model.layers.3.mlp.down_proj.weight"
     w = ref.tensor(name)
