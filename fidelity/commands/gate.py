@@ -155,8 +155,12 @@ def oracle_kl_table(st: dict):
     """oracle-kl per domain, overall and domains-equal, with 95% row-bootstrap intervals."""
     from rich.table import Table
 
-    f = lambda x, spec=".4g": "-" if x is None else format(x, spec)
-    ci = lambda c, spec=".4g": "-" if not c or c[0] is None else f"[{format(c[0], spec)}, {format(c[1], spec)}]"
+    def f(x, spec=".4g"):
+        return "-" if x is None else format(x, spec)
+
+    def ci(c, spec=".4g"):
+        return "-" if not c or c[0] is None else f"[{format(c[0], spec)}, {format(c[1], spec)}]"
+
     t = Table(title="oracle-kl by domain (KL(ref||engine), top-k estimator; ΔNLL = engine - reference)")
     for c in ("domain", "positions", "KL mean", "95% CI", "top-1 %", "engine PPL", "ref PPL", "ΔNLL", "95% CI",
               "rows worse"):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -52,13 +53,18 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FidelityError
 from .client import ClientConfig, EngineClient, cached_prompt_tokens
 from .gates.kinds import GateCall, gate_kind, run_gate
+from .gates.settings import Check, GateResult
+from .spawn import group_members
+from .vllm import facts_from_metrics, mem_available_bytes, parse_prometheus, processes_pss_bytes
 
 SETS = ("code", "prose", "structured")
 CACHE_HIT_GAIN_PCT = 50.0  # the second of two cold prefills this much faster than the first reads as a prefix-cache hit
@@ -72,8 +78,6 @@ def load_prompts() -> dict:
 def read_prompt_sets(path) -> dict[str, list[str]]:
     """A user's prompt sets (`bench --prompts FILE`): JSON lines {"set": name, "prompt": text}, one prompt each, in
     order. A line that is not such an object is refused, naming the file and the line."""
-    from pathlib import Path
-
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -619,9 +623,6 @@ async def run_bench(cfg: BenchConfig) -> dict:
 # ---- what the engine states about itself (after the timed runs) ------------------------------------------------------
 
 def is_loopback(url: str) -> bool:
-    import ipaddress
-    from urllib.parse import urlsplit
-
     host = urlsplit(url).hostname or ""
     if host == "localhost":
         return True
@@ -634,9 +635,6 @@ def is_loopback(url: str) -> bool:
 def engine_facts(url: str, timeout_s: float) -> dict:
     """What the engine exposes about itself: vLLM's /metrics (a text with `vllm:` samples) as `ServingFacts`, else
     llama.cpp's /props and /slots; `{"engine": None, "reasons": [...]}` says what was tried and why nothing came."""
-    from ..errors import FidelityError
-    from .vllm import facts_from_metrics, parse_prometheus
-
     base = url.rstrip("/").removesuffix("/v1")
     reasons = []
     try:
@@ -702,9 +700,6 @@ def serving_block(cfg: BenchConfig, before: dict, after: dict) -> dict:
             f"the engine is not on this host ({cfg.url} is not loopback)"
         )
         return {**out, "null_reasons": why}
-    from .spawn import group_members
-    from .vllm import mem_available_bytes, processes_pss_bytes
-
     out["mem_available_bytes"] = mem_available_bytes()
     if cfg.server_pid is None:
         why["memory_pss_bytes"] = "no server process given (bench --pid)"
@@ -767,8 +762,6 @@ def bench_config_from(doc: dict, url: str, model: str, **overrides) -> BenchConf
 
 
 def read_bench(path) -> dict:
-    from pathlib import Path
-
     p = Path(path)
     try:
         doc = json.loads(p.read_text())
@@ -799,10 +792,6 @@ async def _run_speed(call: GateCall, name: str, section: dict):
 async def speed_gate(url: str, model: str, section: dict, *, config_dir=None):
     """The [speed] gate: re-run the baseline's bench against the engine; a metric fails when it drops by more than
     max(drop_max_pct, the spread). Failed requests make the gate an error (no speed verdict on partial data)."""
-    from pathlib import Path
-
-    from .gates.settings import Check, GateResult
-
     path = Path(section["baseline"])
     if config_dir is not None and not path.is_absolute():
         path = Path(config_dir) / path

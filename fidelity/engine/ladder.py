@@ -36,6 +36,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .bench import BenchConfig, compare_bench, run_bench, spread_of
+from .gates.config import load_config, read_toml, run_gates, select_gates
+from .spawn import Spawned, free_port
 
 LADDER_KEYS = {"model", "gates", "only", "aa", "start_timeout_s"}
 RUNG_KEYS = {"name", "command", "url", "gates", "only"}
@@ -73,8 +75,6 @@ class Ladder:
 
 
 def load_ladder(path) -> Ladder:
-    from .gates.config import read_toml
-
     p = Path(path)
     cfg = read_toml(p, "ladder")
     bad = set(cfg) - {"ladder", "bench", "accept", "rung"}
@@ -126,8 +126,6 @@ class _Engine:
         if self.rung.url:
             self.url = self.rung.url
             return self
-        from .spawn import Spawned, free_port
-
         port = free_port()
         cmd = [a.replace("{port}", str(port)) for a in self.rung.command]
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -143,8 +141,6 @@ class _Engine:
 
 
 async def _gates(url: str, ladder: Ladder, rung: Rung, bwrap: str | None = None) -> dict | None:
-    from .gates.config import load_config, run_gates, select_gates
-
     config = rung.gates or ladder.gates
     only = rung.only if rung.only is not None else ladder.only
     if not config and not only:
@@ -248,6 +244,24 @@ async def run_ladder(ladder: Ladder, log_dir: Path, progress=None, bwrap: str | 
             "best": best, "rungs": rows, "benches": docs}
 
 
+def _number(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _delta(r: dict, metric: str) -> str:
+    """A rung's change of `metric` against the baseline, with the spread it must exceed ("" where there is none)."""
+    if metric not in r["deltas"] or r["deltas"][metric]["change_pct"] is None:
+        return ""
+    return f" ({r['deltas'][metric]['change_pct']:+.1f} % ± {r['deltas'][metric]['spread_pct']:.1f})"
+
+
+def _fact(r: dict, key: str) -> str:
+    value = (r.get("serving") or {}).get(key)
+    if value is None:
+        return "-"
+    return f"{value / 2**30:.2f}" if key == "memory_pss_bytes" else str(value)
+
+
 def markdown(doc: dict) -> str:
     metric = doc["accept"]["single_stream_metric"]
     first = doc["rungs"][0]["metrics"]
@@ -256,19 +270,14 @@ def markdown(doc: dict) -> str:
     agg = f"aggregate.{want if want in levels else levels[-1]}" if levels else None
     prefill = [k for k in first if k.startswith("prefill.")]
     cols = [metric] + ([agg] if agg else []) + prefill
-    f = lambda x: "-" if x is None else f"{x:.4g}"
-    d = lambda r, m: "" if m not in r["deltas"] or r["deltas"][m]["change_pct"] is None else \
-        f" ({r['deltas'][m]['change_pct']:+.1f} % ± {r['deltas'][m]['spread_pct']:.1f})"
     # serving facts where any rung has them: KV capacity (tokens) and the started server's memory (PSS, GiB)
     facts = [(k, title) for k, title in (("kv_cache_tokens", "KV tokens"), ("memory_pss_bytes", "memory GiB"))
              if any((r.get("serving") or {}).get(k) is not None for r in doc["rungs"])]
-    fact = lambda r, k: "-" if (r.get("serving") or {}).get(k) is None else \
-        (f"{r['serving'][k] / 2**30:.2f}" if k == "memory_pss_bytes" else str(r["serving"][k]))
     heads = [c + " tok/s" for c in cols] + [title for _, title in facts]
     out = [f"| rung | rank | {' | '.join(heads)} | gates | verdict | reason |",
            "|" + " --- |" * (len(heads) + 5)]
     for r in doc["rungs"]:
-        cells = [f"{f(r['metrics'].get(c))}{d(r, c)}" for c in cols] + [fact(r, k) for k, _ in facts]
+        cells = [f"{_number(r['metrics'].get(c))}{_delta(r, c)}" for c in cols] + [_fact(r, k) for k, _ in facts]
         out.append(f"| {r['rung']} | {r.get('rank', '-')} | {' | '.join(cells)} | {r['gates']} | {r['verdict']} | "
                    f"{r['reason'].replace('|', '/')} |")
     return "\n".join(out) + f"\n\nbest: {doc['best']}\n"

@@ -3,6 +3,7 @@ pieces), either from a reference store written by `fidelity reference` or comput
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -64,10 +65,11 @@ def token_pieces(tokenizer, vocab: int) -> list[str]:
 def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
     """rows: [{"id", "domain", "tokens": [...], "scored": [positions]}] (scored defaults to every position after the
     first). Runs the fp32 oracle on `pack` and keeps the full log-distributions of the scored positions."""
-    import torch
+    # torch, the oracle and the packs load here: the gate's parser imports this module (tests/test_cli_startup.py)
+    import torch  # noqa: PLC0415 (CLI startup)
 
-    from ..oracle import Oracle
-    from ..packs.tokenizer import load_tokenizer
+    from ..oracle import Oracle  # noqa: PLC0415 (CLI startup)
+    from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (CLI startup)
 
     oracle = oracle or Oracle(pack)
     tok = load_tokenizer(pack)
@@ -98,13 +100,11 @@ def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per
     reference pack's head turns them back into the exact full-vocabulary distributions (checked against the stored
     top-K). The store is refused for another panel, pack or tokenizer. `reference_pack` and `panel` default to the paths
     the store's manifest records. `rows_per_domain` keeps the first N rows of each domain."""
-    from pathlib import Path
+    import torch  # noqa: PLC0415 (CLI startup)
 
-    import torch
-
-    from ..measuring.compare import _oracle, prepare
-    from ..packs.tokenizer import load_tokenizer
-    from ..measuring.store import check_topk, load_store, read_manifest, stored_sources
+    from ..measuring.compare import _oracle, prepare  # noqa: PLC0415 (CLI startup)
+    from ..measuring.store import check_topk, load_store, read_manifest, stored_sources  # noqa: PLC0415 (CLI startup)
+    from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (CLI startup)
 
     stored_pack, stored_panel = stored_sources(store_dir)
     if reference_pack is None:

@@ -21,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from ..errors import FidelityError
+from ..oracle import Oracle
+from ..packs.tokenizer import load_tokenizer
 
 
 class CachedPack:
@@ -57,9 +59,6 @@ class Step:
 class OracleEngine:
     def __init__(self, pack, model_name: str | None = None, device: str = "cpu", numerics: str = "exact",
                  activation_budget: int | None = None):
-        from ..oracle import Oracle
-        from ..packs.tokenizer import load_tokenizer
-
         self.pack = pack
         self.oracle = Oracle(CachedPack(pack), device=device, dtype=torch.float32, keep_weights=True, numerics=numerics,
                              activation_budget=activation_budget)

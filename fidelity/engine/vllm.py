@@ -18,6 +18,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
+from ..errors import FidelityError
 from .spawn import Spawned
 
 SHUTDOWN_GRACE_S = 30.0
@@ -79,8 +82,6 @@ _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(?:,|$)'
 def parse_prometheus(text: str) -> list[Sample]:
     """Prometheus text exposition: one `Sample` per sample line (comments and blank lines skipped). A line that is
     not a sample is an error naming its line number, never skipped."""
-    from ..errors import FidelityError
-
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
@@ -182,8 +183,6 @@ def facts_from_metrics(samples: list[Sample]) -> ServingFacts:
 
 def read_facts(url: str, timeout_s: float = 10.0) -> ServingFacts:
     """GET URL/metrics (vLLM's Prometheus endpoint) and read the serving facts from it."""
-    import httpx
-
     r = httpx.get(url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=timeout_s)
     r.raise_for_status()
     return facts_from_metrics(parse_prometheus(r.text))

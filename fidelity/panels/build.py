@@ -15,8 +15,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .panel import (Panel, PanelError, iter_jsonl, parse_messages, parse_row, parse_tools,
-                                write_panel)
+from ..engine.chat_options import thinking_template_kwargs
+from ..engine.client import ClientConfig, EngineClient, EngineError
+from .panel import Panel, PanelError, iter_jsonl, parse_messages, parse_row, parse_tools, write_panel
 
 JOURNAL_FILE = "requests.jsonl"
 
@@ -67,8 +68,6 @@ class EngineSettings:
 
     def template_kwargs(self) -> dict | None:
         """`chat_template_kwargs` for the request (`chat_options.thinking_template_kwargs`: both thinking keys)."""
-        from ..engine.chat_options import thinking_template_kwargs
-
         if self.thinking is None:
             return None
         if self.thinking not in ("on", "off"):
@@ -128,9 +127,7 @@ def answer_message(prompt: Prompt, reply, where: str) -> dict:
 
 async def _answer_all(prompts: list[Prompt], url: str, model: str, settings: EngineSettings, journal: Path,
                       progress: bool):
-    from tqdm.auto import tqdm
-
-    from ..engine.client import ClientConfig, EngineClient, EngineError
+    from tqdm.auto import tqdm  # noqa: PLC0415 (CLI startup: panel's parser imports this module)
 
     cfg = ClientConfig(url, model=model, concurrency=settings.concurrency, timeout_s=settings.timeout_s,
                        retries=settings.retries, journal=journal)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import pyarrow.parquet as pq
+
+from ..suites import make_suite
 from .panel import PanelError, load_panel, message_text
 
 WORD = re.compile(r"\w+")
@@ -81,8 +84,6 @@ def _record_text(rec, fields: list[str] | None) -> str:
 def against_texts(source: str, fields: list[str] | None = None) -> Iterator[tuple[str, str]]:
     """(item name, text) of every text of a calibration or benchmark source."""
     if source.startswith("suite:"):
-        from ..suites import make_suite
-
         name, _, data = source[6:].partition("=")
         for item in make_suite(name, **({"data": data} if data else {})).load():
             text = "\n".join(message_text(m.get("content"), f"{source} item {item.item_id}") for m in item.messages) \
@@ -117,8 +118,6 @@ def against_texts(source: str, fields: list[str] | None = None) -> Iterator[tupl
         for i, rec in enumerate(data if isinstance(data, list) else [data]):
             yield f"{path} item {i}", _record_text(rec, fields)
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         for i, rec in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path} row {i}", _record_text(rec, fields)
     elif path.suffix == ".txt":
@@ -150,8 +149,9 @@ def check_panel(panel, against: list[str], *, n: int = 8, fields: list[str] | No
         raise PanelError(f"--ngram must be at least 1, got {n}")
     panel = panel if hasattr(panel, "rows") else load_panel(panel)
     if tokenizer is None and pack is not None:
-        from ..packs import open_pack
-        from ..packs.tokenizer import load_tokenizer
+        # the packs load torch: only without a tokenizer
+        from ..packs import open_pack  # noqa: PLC0415 (torch)
+        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
 
         tokenizer = load_tokenizer(pack if hasattr(pack, "names") else open_pack(pack))
     index: dict[str, str] = {}  # n-gram -> first source item holding it

@@ -101,8 +101,9 @@ def encode_panel(panel, pack, out: str | Path, *, trust_pack_code: bool = False,
     pack_dir = Path(getattr(pack, "path", pack))
     encode, source = find_encoder(pack_dir, trust_pack_code=trust_pack_code)
     if tokenizer is None:
-        from ..packs import open_pack
-        from ..packs.tokenizer import load_tokenizer
+        # the packs load torch: only without a tokenizer
+        from ..packs import open_pack  # noqa: PLC0415 (torch)
+        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
 
         tokenizer = load_tokenizer(pack if hasattr(pack, "names") else open_pack(pack))
     panel = panel if isinstance(panel, Panel) else load_panel(panel)

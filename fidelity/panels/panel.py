@@ -324,7 +324,7 @@ def read_jsonl(path: Path) -> list[PanelRow]:
 
 
 def read_parquet(path: Path) -> list[PanelRow]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # noqa: PLC0415 (parquet panels only; compare and the CLI import this module)
 
     records = pq.read_table(path).to_pylist()
     return _check_unique([parse_row(_drop_nulls(r), f"{path} row {i}") for i, r in enumerate(records)], path)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+import pyarrow.parquet as pq
+
 from .panel import Panel, PanelError, PanelRow, iter_jsonl, tokenizer_fingerprint, write_panel
 
 SEPARATOR = "\n\n"
@@ -49,8 +51,6 @@ def iter_documents(source: str, field: str = "text") -> Iterator[str]:
                 raise PanelError(f"{path} line {n}: no field {field!r}; choose the text field with --field")
             yield _text(obj[field], f"{path} line {n}", field)
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         table = pq.read_table(path)
         if field not in table.column_names:
             raise PanelError(
@@ -102,8 +102,9 @@ def panel_from_text(sources: list[str], pack, out: str | Path, *, tokens_per_row
                     description: str = "", license: str = "see the source", tokenizer=None) -> Panel:
     """One domain per source. `pack`: a path or Pack whose tokenizer cuts the rows (or pass `tokenizer`)."""
     if tokenizer is None:
-        from ..packs import open_pack
-        from ..packs.tokenizer import load_tokenizer
+        # the packs load torch: only without a tokenizer
+        from ..packs import open_pack  # noqa: PLC0415 (torch)
+        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
 
         tokenizer = load_tokenizer(pack if hasattr(pack, "names") else open_pack(pack))
     if domains and len(domains) != len(sources):

@@ -10,7 +10,9 @@ import tempfile
 from pathlib import Path
 
 from ..engine.gates.kinds import GateCall, gate_kind, run_gate
+from ..engine.gates.settings import Check, GateResult
 from ..errors import ConfigError
+from . import make_suite
 
 SUITE_GATE_KEYS = {"baseline", "suite", "threshold", "alpha", "out", "data", "unsafe_no_sandbox", "concurrency"}
 SUITE_OPTIONS = {"needle": ("lengths", "depths", "seeds"), "toolcall": ("categories",)}
@@ -36,11 +38,10 @@ def _path(p, config_dir) -> Path:
 
 
 async def suite_gate(url: str, model: str, name: str, section: dict, *, config_dir=None, journal=None, bwrap=None):
-    from ..engine.gates.settings import Check, GateResult
-    from . import make_suite
-    from .paired import compare_runs
-    from .records import read_manifest
-    from .runner import Settings, run_suite
+    # scipy and pyarrow load here: gate's parser imports this module (tests/test_cli_startup.py)
+    from .paired import compare_runs  # noqa: PLC0415 (CLI startup)
+    from .records import read_manifest  # noqa: PLC0415 (CLI startup)
+    from .runner import Settings, run_suite  # noqa: PLC0415 (CLI startup)
 
     base = _path(section["baseline"], config_dir)
     manifest = read_manifest(base)

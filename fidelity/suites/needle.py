@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import importlib
+import json
 import random
 import re
 from pathlib import Path
@@ -542,8 +543,6 @@ class Needle(Suite):
     def summarize(self, records: list) -> dict:
         """Pass rate per length x depth cell (an item passes when all its keys are right) and, with several keys, the
         share of keys found per length x the depth each key sat at."""
-        import json
-
         cells: dict[tuple, dict] = {}
         by_key: dict[tuple, list[int]] = {}
         for r in records:
@@ -587,8 +586,9 @@ class TokenCounter:
         if ids is not None:
             method, tokenize = "tokenize", client.tokenize
         elif tokenizer:
-            from ..packs import open_pack
-            from ..packs.tokenizer import load_tokenizer
+            # the packs load torch: only when the engine cannot tokenize
+            from ..packs import open_pack  # noqa: PLC0415 (torch)
+            from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
 
             tok = load_tokenizer(open_pack(tokenizer))
 

