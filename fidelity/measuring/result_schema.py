@@ -2,13 +2,18 @@
 compare writes them, so `to_dict()` gives back the document key for key and a misspelt key in the code that reads a
 result is an AttributeError rather than a silent None.
 
+A block declares its keys in `KEYS`, in order, by family: `keys(type, names)` for plain keys, `estimates(names)` for a
+statistic with its 95% interval (`name`, `name_ci95`; `name_se` too with `se=True`), `one`/`many`/`by_name` for nested
+blocks. The dataclass fields are made from it; `block.estimate("kld_mean")` reads such a family back as an `Estimate`.
+
 `schema_version` (SCHEMA_VERSION) is the first key of a compare result. A file without it is version 0: written by
 fidelity before the version was recorded, in the same layout, and read as such. A file of a version newer than this
 fidelity reads (or not a version at all) is refused, naming the file and both versions.
 
 A block read from a file keeps which keys the file left out (`absent`: an older compare, a hand-made result; they read
 as None and are not written back) and any key this schema does not declare (`extra`, written back after the declared
-ones: `command_line`, `demo_seconds`), so `to_dict(from_dict(x)) == x` for every document this schema reads."""
+ones), so `to_dict(from_dict(x)) == x` for every document this schema reads. What compare writes goes through
+`CompareReport.written`, which refuses an undeclared key other than the commands' `KNOWN_EXTRAS`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -23,26 +28,73 @@ class SchemaVersionError(FidelityError):
     """A compare result of a schema version this fidelity does not read."""
 
 
-def _one(cls) -> Any:
-    return field(default=None, metadata={"block": cls, "shape": "one"})
+class UndeclaredKeyError(FidelityError):
+    """A compare result about to be written holds a key the schema does not declare."""
 
 
-def _list(cls) -> Any:
-    return field(default=None, metadata={"block": cls, "shape": "list"})
+@dataclass(frozen=True)
+class Estimate:
+    """A statistic with its 95% interval (`[lo, hi]` as written, or None) and standard error (None where the block
+    records none)."""
+
+    value: float | None
+    ci95: list | None
+    se: float | None = None
 
 
-def _map(cls) -> Any:
-    return field(default=None, metadata={"block": cls, "shape": "map"})
+@dataclass(frozen=True)
+class Key:
+    """One key of a block: its name and type; `block` and `shape` ("one", "list", "map") for a nested block."""
+
+    name: str
+    type: Any
+    block: Any = None
+    shape: str | None = None
+
+
+SELF = "the block being declared"  # `block` of a key whose value is a block of the declaring class
+
+
+def keys(kind, names: str) -> tuple[Key, ...]:
+    return tuple(Key(n, kind) for n in names.split())
+
+
+def estimates(names: str, se: bool = False) -> tuple[Key, ...]:
+    """For each name: `name`, `name_ci95` (and `name_se` with `se`)."""
+    return tuple(k for n in names.split()
+                 for k in (Key(n, float), Key(f"{n}_ci95", list), *((Key(f"{n}_se", float),) if se else ())))
+
+
+def one(name: str, block) -> Key:
+    return Key(name, block, block, "one")
+
+
+def many(name: str, block) -> Key:
+    return Key(name, list, block, "list")
+
+
+def by_name(name: str, block) -> Key:
+    return Key(name, dict, block, "map")
 
 
 @dataclass
 class Block:
-    """A JSON object of the result. Its dataclass fields (all but `absent` and `extra`) are its keys, in order."""
+    """A JSON object of the result. A subclass lists its keys in `KEYS`; they become its dataclass fields (default
+    None), in order, after `absent` and `extra`."""
 
     absent: frozenset = field(default=frozenset(), repr=False, compare=False, kw_only=True)
     extra: dict = field(default_factory=dict, repr=False, kw_only=True)
 
     _INTERNAL: ClassVar[tuple[str, ...]] = ("absent", "extra")
+    KEYS: ClassVar[tuple[Key, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__annotations__ = {k.name: k.type for k in cls.KEYS}
+        for k in cls.KEYS:
+            nested = {"block": cls if k.block is SELF else k.block, "shape": k.shape} if k.shape else {}
+            setattr(cls, k.name, field(default=None, metadata=nested))
+        dataclass(cls)
 
     @classmethod
     def declared(cls) -> list:
@@ -68,6 +120,34 @@ class Block:
         if key in self._INTERNAL or key not in {f.name for f in self.declared()}:
             raise KeyError(f"{type(self).__name__} has no key {key!r}")
         return getattr(self, key)
+
+    def estimate(self, key: str) -> Estimate:
+        """`key` with its interval (`key_ci95`) and standard error (`key_se`, where the block declares one)."""
+        names = {f.name for f in self.declared()}
+        if key not in names or f"{key}_ci95" not in names:
+            raise KeyError(f"{type(self).__name__} has no estimate {key!r} (a key with its {key}_ci95)")
+        return Estimate(getattr(self, key), getattr(self, f"{key}_ci95"),
+                        getattr(self, f"{key}_se") if f"{key}_se" in names else None)
+
+    def undeclared(self, where: str = "") -> list[str]:
+        """The paths of the keys this schema does not declare, in this block and the blocks in it."""
+        found = [f"{where}.{k}" if where else k for k in self.extra]
+        for f in self.declared():
+            for path, block in _nested(getattr(self, f.name), f, f"{where}.{f.name}" if where else f.name):
+                found += block.undeclared(path)
+        return found
+
+
+def _nested(value, f, where: str) -> list:
+    """The blocks a field's value holds, each with its path."""
+    shape = f.metadata.get("shape")
+    if shape is None or value is None:
+        return []
+    if shape == "one":
+        return [(where, value)]
+    if shape == "list":
+        return [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return [(f"{where}.{k}", v) for k, v in value.items()]
 
 
 def _read(value, f, where: str):
@@ -98,263 +178,118 @@ def _write(value, f):
 
 # ---- statistics of one pack (fidelity.measuring.stats.summarize) -----------------------------------------------------
 
-@dataclass
+KLD_QUANTILES = "kld_median kld_p90 kld_p99 kld_p999"
+# the quantiles' values, their intervals, then why an interval is missing (a quantile has a reason of its own)
+QUANTILE_KEYS = (*keys(float, KLD_QUANTILES), *keys(list, " ".join(f"{q}_ci95" for q in KLD_QUANTILES.split())),
+                 *keys(str, " ".join(f"{q}_ci95_unavailable" for q in KLD_QUANTILES.split())))
+
+
 class RowsWorse(Block):
     """Rows whose mean NLL rose, of the scored rows, with the share's 95% interval and the sign test."""
 
-    rows: int | None = None
-    worse: int | None = None
-    better: int | None = None
-    share: float | None = None
-    share_ci95: list | None = None
-    sign_test_p: float | None = None
+    KEYS = (*keys(int, "rows worse better"), *estimates("share"), *keys(float, "sign_test_p"))
 
 
-@dataclass
 class TopKAgreement(Block):
-    k: int | None = None
-    value: float | None = None
-    ci95: list | None = None
+    KEYS = (*keys(int, "k"), *keys(float, "value"), *keys(list, "ci95"))
 
 
-@dataclass
 class ConfidenceBucket(Block):
     """KL of the positions whose reference top-1 probability lies in `ref_confidence` (domains-equal: kld only)."""
 
-    ref_confidence: list | None = None
-    positions: int | None = None
-    share: float | None = None
-    kld_mean: float | None = None
-    kld_mean_ci95: list | None = None
-    kld_reverse_mean: float | None = None
+    KEYS = (*keys(list, "ref_confidence"), *keys(int, "positions"), *keys(float, "share"), *estimates("kld_mean"),
+            *keys(float, "kld_reverse_mean"))
 
 
-@dataclass
 class DomainsEqual(Block):
-    """The statistics with every domain weighted equally (the mean of the domains' own)."""
+    """The statistics with every domain weighted equally (the mean of the domains' own): the values, then their
+    intervals, then delta NLL's standard error."""
 
-    kld_reverse_mean: float | None = None
-    delta_nll_mean: float | None = None
-    delta_p_mean: float | None = None
-    rms_delta_p: float | None = None
-    nll_mean: float | None = None
-    nll_ref_mean: float | None = None
-    rows_worse_share: float | None = None
-    kld_reverse_mean_ci95: list | None = None
-    delta_nll_mean_ci95: list | None = None
-    delta_p_mean_ci95: list | None = None
-    rms_delta_p_ci95: list | None = None
-    nll_mean_ci95: list | None = None
-    nll_ref_mean_ci95: list | None = None
-    rows_worse_share_ci95: list | None = None
-    delta_nll_mean_se: float | None = None
-    kld_mean: float | None = None
-    kld_mean_ci95: list | None = None
-    top1: float | None = None
-    top1_ci95: list | None = None
-    topk_agreement: list[TopKAgreement] | None = _list(TopKAgreement)
-    kld_by_ref_confidence: list[ConfidenceBucket] | None = _list(ConfidenceBucket)
-    kld_median: float | None = None
-    kld_p90: float | None = None
-    kld_p99: float | None = None
-    kld_p999: float | None = None
-    kld_median_ci95: list | None = None
-    kld_p90_ci95: list | None = None
-    kld_p99_ci95: list | None = None
-    kld_p999_ci95: list | None = None
-    kld_median_ci95_unavailable: str | None = None
-    kld_p90_ci95_unavailable: str | None = None
-    kld_p99_ci95_unavailable: str | None = None
-    kld_p999_ci95_unavailable: str | None = None
+    _MEANS = "kld_reverse_mean delta_nll_mean delta_p_mean rms_delta_p nll_mean nll_ref_mean rows_worse_share"
+    KEYS = (*keys(float, _MEANS), *keys(list, " ".join(f"{m}_ci95" for m in _MEANS.split())),
+            *keys(float, "delta_nll_mean_se"), *estimates("kld_mean top1"),
+            many("topk_agreement", TopKAgreement), many("kld_by_ref_confidence", ConfidenceBucket), *QUANTILE_KEYS)
 
 
-@dataclass
 class Scope(Block):
     """One pack's statistics over one scope: overall (a pack's `overall`, the noise floor: then `domains_equal` and
     the pooled-only keys are there, `rows` is absent) or one domain (`rows` there; the pooled-only keys absent).
     The noise-floor keys (`noise_floor_kld`, ...) are a measured pack's overall only."""
 
-    rows: int | None = None
-    positions: int | None = None
-    nonfinite: int | None = None
-    kld_mean: float | None = None
-    kld_mean_ci95: list | None = None
-    kld_domains_equal: float | None = None
-    kld_domains_equal_ci95: list | None = None
-    top1: float | None = None
-    top1_ci95: list | None = None
-    top1_domains_equal: float | None = None
-    top1_domains_equal_ci95: list | None = None
-    tie_margin: float | None = None
-    top1_flips_clear: int | None = None
-    clear_positions: int | None = None
-    top1_flips_near_tie: int | None = None
-    near_tie_positions: int | None = None
-    ppl: float | None = None
-    ppl_ci95: list | None = None
-    ppl_ref: float | None = None
-    ln_ppl_ratio: float | None = None
-    ln_ppl_ratio_ci95: list | None = None
-    kld_reverse_mean: float | None = None
-    kld_reverse_mean_ci95: list | None = None
-    delta_nll_mean: float | None = None
-    delta_nll_mean_ci95: list | None = None
-    delta_nll_mean_se: float | None = None
-    nll_mean: float | None = None
-    nll_mean_ci95: list | None = None
-    nll_ref_mean: float | None = None
-    nll_ref_mean_ci95: list | None = None
-    rows_worse: RowsWorse | None = _one(RowsWorse)
-    topk_agreement: list[TopKAgreement] | None = _list(TopKAgreement)
-    delta_p_mean: float | None = None
-    delta_p_mean_ci95: list | None = None
-    rms_delta_p: float | None = None
-    rms_delta_p_ci95: list | None = None
-    kld_by_ref_confidence: list[ConfidenceBucket] | None = _list(ConfidenceBucket)
-    kld_median: float | None = None
-    kld_p90: float | None = None
-    kld_p99: float | None = None
-    kld_p999: float | None = None
-    kld_median_ci95: list | None = None
-    kld_p90_ci95: list | None = None
-    kld_p99_ci95: list | None = None
-    kld_p999_ci95: list | None = None
-    kld_median_ci95_unavailable: str | None = None
-    kld_p90_ci95_unavailable: str | None = None
-    kld_p99_ci95_unavailable: str | None = None
-    kld_p999_ci95_unavailable: str | None = None
-    kld_max: float | None = None
-    ci_unavailable: str | None = None
-    bootstrap_replicates: int | None = None
-    domains_equal: DomainsEqual | None = _one(DomainsEqual)
-    noise_floor_kld: float | None = None
-    x_noise_floor: float | None = None
-    numerics_floor_kld: float | None = None
+    KEYS = (
+        *keys(int, "rows positions nonfinite"), *estimates("kld_mean kld_domains_equal top1 top1_domains_equal"),
+        *keys(float, "tie_margin"),
+        *keys(int, "top1_flips_clear clear_positions top1_flips_near_tie near_tie_positions"),
+        *estimates("ppl"), *keys(float, "ppl_ref"), *estimates("ln_ppl_ratio kld_reverse_mean"),
+        *estimates("delta_nll_mean", se=True), *estimates("nll_mean nll_ref_mean"),
+        one("rows_worse", RowsWorse), many("topk_agreement", TopKAgreement), *estimates("delta_p_mean rms_delta_p"),
+        many("kld_by_ref_confidence", ConfidenceBucket), *QUANTILE_KEYS,
+        *keys(float, "kld_max"), *keys(str, "ci_unavailable"), *keys(int, "bootstrap_replicates"),
+        one("domains_equal", DomainsEqual), *keys(float, "noise_floor_kld x_noise_floor numerics_floor_kld"),
+    )
 
 
-@dataclass
 class PackReport(Block):
     """One candidate pack: measured (statistics, bits per weight, routing, records file) or failed (`error`)."""
 
-    pack: str | None = None
-    label: str | None = None
-    format: str | None = None
-    fingerprint: str | None = None
-    status: str | None = None
-    error: str | None = None
-    bpw: float | None = None
-    bits_per_weight: dict | None = None
-    routing: dict | None = None
-    overall: Scope | None = _one(Scope)
-    domains: dict[str, Scope] | None = _map(Scope)
-    records: str | None = None
+    KEYS = (*keys(str, "pack label format fingerprint status error"), *keys(float, "bpw"),
+            *keys(dict, "bits_per_weight routing"), one("overall", Scope), by_name("domains", Scope),
+            *keys(str, "records"))
 
 
 # ---- pairs, floors, the document -------------------------------------------------------------------------------------
 
-@dataclass
 class PairedBlock(Block):
     """Pack A - pack B of one KL on the same positions over one scope (pooled: with `domains` and `domains_equal`;
     a domain: with `p_holm`)."""
 
-    a: float | None = None
-    b: float | None = None
-    diff: float | None = None
-    diff_ci95: list | None = None
-    diff_se: float | None = None
-    relative_change_pct: float | None = None
-    relative_change_pct_ci95: list | None = None
-    relative_change_pct_unavailable: str | None = None
-    p_value: float | None = None
-    p_value_floor: float | None = None
-    method: str | None = None
-    unavailable: str | None = None
-    p_holm: float | None = None
-    domains: dict[str, "PairedBlock"] | None = None
-    domains_equal: "PairedBlock | None" = None
+    KEYS = (*keys(float, "a b"), *estimates("diff", se=True), *estimates("relative_change_pct"),
+            *keys(str, "relative_change_pct_unavailable"), *keys(float, "p_value p_value_floor"),
+            *keys(str, "method unavailable"), *keys(float, "p_holm"), by_name("domains", SELF),
+            one("domains_equal", SELF))
 
 
-# the recursive fields need the class itself
-for _f in fields(PairedBlock):
-    if _f.name in ("domains", "domains_equal"):
-        _f.metadata = {"block": PairedBlock, "shape": "map" if _f.name == "domains" else "one"}
-
-
-@dataclass
 class PairedDifference(Block):
     """Two packs compared on the same positions: KL(P_ref || pack) (`kld`) and KL(pack || P_ref) (`kld_reverse`);
     the top-level numbers are the pooled `kld` ones."""
 
-    a: str | None = None
-    b: str | None = None
-    positions: int | None = None
-    bootstrap_replicates: int | None = None
-    kld: PairedBlock | None = _one(PairedBlock)
-    kld_reverse: PairedBlock | None = _one(PairedBlock)
-    kld_mean_diff: float | None = None
-    ci95: list | None = None
-    p_value: float | None = None
-    method: str | None = None
-    unavailable: str | None = None
+    KEYS = (*keys(str, "a b"), *keys(int, "positions bootstrap_replicates"), one("kld", PairedBlock),
+            one("kld_reverse", PairedBlock), *keys(float, "kld_mean_diff"), *keys(list, "ci95"),
+            *keys(float, "p_value"), *keys(str, "method unavailable"))
 
 
-@dataclass
 class NumericsFloor(Block):
     """KL(reference under its numerics || reference under the other numerics its family defines)."""
 
-    reference_numerics: str | None = None
-    other_numerics: str | None = None
-    direction: str | None = None
-    overall: Scope | None = _one(Scope)
-    domains: dict[str, Scope] | None = _map(Scope)
+    KEYS = (*keys(str, "reference_numerics other_numerics direction"), one("overall", Scope),
+            by_name("domains", Scope))
 
 
-@dataclass
 class Truncation(Block):
-    enabled: bool | None = None
-    max_len: int | None = None
-    rows_cut: int | None = None
-    tokens_cut: int | None = None
-    scored_tokens_cut: int | None = None
-    row_ids: list | None = None
+    KEYS = (*keys(bool, "enabled"), *keys(int, "max_len rows_cut tokens_cut scored_tokens_cut"), *keys(list, "row_ids"))
 
 
-@dataclass
 class PanelInfo(Block):
-    name: str | None = None
-    sha256: str | None = None
-    rows: int | None = None
-    scored_positions: int | None = None
-    domains: dict | None = None
-    truncation: Truncation | None = _one(Truncation)
+    KEYS = (*keys(str, "name sha256"), *keys(int, "rows scored_positions"), *keys(dict, "domains"),
+            one("truncation", Truncation))
 
 
-@dataclass
 class ReferenceInfo(Block):
-    path: str | None = None
-    fingerprint: str | None = None
-    format: str | None = None
-    store: str | None = None
+    KEYS = keys(str, "path fingerprint format store")
 
 
-@dataclass
 class CompareReport(Block):
-    """A compare result (`fidelity compare --json`). Read one with `CompareReport.read(data, source)`."""
+    """A compare result (`fidelity compare --json`). Read one with `CompareReport.read(data, source)`; write one
+    through `CompareReport.written(report)`."""
 
-    schema_version: int | None = None
-    fidelity_version: str | None = None
-    direction: str | None = None
-    panel: PanelInfo | None = _one(PanelInfo)
-    reference: ReferenceInfo | None = _one(ReferenceInfo)
-    numerics: str | None = None
-    numerics_label: str | None = None
-    noise_floor: Scope | None = _one(Scope)
-    numerics_floor: NumericsFloor | None = _one(NumericsFloor)
-    resumed: list | None = None
-    identity: str | None = None
-    results: list[PackReport] | None = _list(PackReport)
-    failed: list | None = None
-    paired: list[PairedDifference] | None = _list(PairedDifference)
+    KEYS = (
+        *keys(int, "schema_version"), *keys(str, "fidelity_version direction"), one("panel", PanelInfo),
+        one("reference", ReferenceInfo), *keys(str, "numerics numerics_label"), one("noise_floor", Scope),
+        one("numerics_floor", NumericsFloor), *keys(list, "resumed"), *keys(str, "identity"),
+        many("results", PackReport), *keys(list, "failed"), many("paired", PairedDifference),
+    )
+    # the keys the commands add to compare's result (the command line; the demo's wall time), kept after the others
+    KNOWN_EXTRAS: ClassVar[tuple[str, ...]] = ("command_line", "demo_seconds")
 
     @property
     def version(self) -> int:
@@ -366,6 +301,20 @@ class CompareReport(Block):
         """A compare result's document, after checking its version (`source` names the file in the error)."""
         check_version(data, source)
         return cls.from_dict(data)
+
+    @classmethod
+    def written(cls, data: dict) -> dict:
+        """The document compare made, as it is written: read through the schema and back, refusing any key the
+        schema does not declare (other than KNOWN_EXTRAS at the top) and any version but this one."""
+        report = cls.from_dict(data)
+        if report.schema_version != SCHEMA_VERSION:
+            raise SchemaVersionError(f"a compare result written now has schema_version {SCHEMA_VERSION}, "
+                                     f"not {report.schema_version!r}")
+        undeclared = [k for k in report.undeclared() if k not in cls.KNOWN_EXTRAS]
+        if undeclared:
+            raise UndeclaredKeyError(f"the compare result holds keys fidelity.measuring.result_schema does not "
+                                     f"declare: {', '.join(undeclared)} (add them to the block's KEYS)")
+        return report.to_dict()
 
 
 def check_version(data: dict, source: str) -> int:
