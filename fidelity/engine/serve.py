@@ -181,14 +181,7 @@ class OracleEngine:
                 entry.setdefault(str(ids[t]), {"logprob": float(lp[ids[t]]), "decoded_token": self.pieces[ids[t]]})
                 pl.append(entry)
             choice["prompt_logprobs"] = pl
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [choice],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen), "total_tokens": len(ids) + len(gen)},
-        }
+        return self._reply("cmpl", "text_completion", choice, ids, gen)
 
     def chat(self, req: dict) -> dict:
         messages = req.get("messages")
@@ -240,9 +233,13 @@ class OracleEngine:
                     {"token": self.pieces[s.token], "logprob": float(s.logprobs[s.token]), "top_logprobs": top}
                 )
             choice["logprobs"] = {"content": content_lp}
+        return self._reply("chatcmpl", "chat.completion", choice, ids, gen)
+
+    def _reply(self, id_prefix: str, kind: str, choice: dict, ids: list, gen: list) -> dict:
+        """The OpenAI response around one choice, with the prompt's and the generation's token counts."""
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [choice],

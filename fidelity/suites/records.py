@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import pyarrow as pa
@@ -53,23 +53,9 @@ class Record:
 NEW_COLUMNS = {"finish_reason": "", "metrics": "{}", "lone_surrogates": False}
 
 
-SCHEMA = pa.schema(
-    [
-        ("item_id", pa.string()),
-        ("passed", pa.bool_()),
-        ("score", pa.float64()),
-        ("prompt_hash", pa.string()),
-        ("request", pa.string()),
-        ("response", pa.string()),
-        ("extracted", pa.string()),
-        ("verdict", pa.string()),
-        ("error", pa.string()),
-        ("latency_s", pa.float64()),
-        ("details", pa.string()),
-        ("finish_reason", pa.string()),
-        ("metrics", pa.string()),
-    ]
-)
+# the columns are Record's fields, in order, as Arrow types
+_ARROW_TYPES = {"str": pa.string(), "bool | None": pa.bool_(), "float | None": pa.float64(), "float": pa.float64()}
+SCHEMA = pa.schema([(f.name, _ARROW_TYPES[f.type]) for f in fields(Record)])
 TEXT_COLUMNS = [f.name for f in SCHEMA if f.type == pa.string()]
 PARQUET_SCHEMA = SCHEMA.append(pa.field("lone_surrogates", pa.bool_()))  # the records' columns and the escape mark
 

@@ -259,6 +259,12 @@ def run_summary(records: list[Record], suite: Suite | None = None) -> dict:
     return out
 
 
+def failed_record(item: Item, body: dict, response: str, verdict: str, error: str, latency: float, **more) -> Record:
+    """An item the engine or the scorer failed on: no pass, no score, the error excluded from the paired tests."""
+    return Record(item.item_id, None, None, prompt_hash(body), json.dumps(body), response, "", verdict, error, latency,
+                  **more)
+
+
 async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: str, settings: Settings | None = None,
                     concurrency: int = 4, client=None, retry_errors: bool = True, progress=None,
                     client_options: dict | None = None) -> RunSummary:
@@ -303,18 +309,7 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
             try:
                 text, calls, finish, chat = await _ask(client, body, tag=f"{suite.name}:{item.item_id}")
             except EngineError as e:
-                rec = Record(
-                    item.item_id,
-                    None,
-                    None,
-                    prompt_hash(body),
-                    json.dumps(body),
-                    "",
-                    "",
-                    "engine error",
-                    str(e),
-                    time.monotonic() - t0,
-                )
+                rec = failed_record(item, body, "", "engine error", str(e), time.monotonic() - t0)
             else:
                 latency = time.monotonic() - t0
                 reasoning = await reasoning_length(client, chat) if chat is not None else None
@@ -322,19 +317,8 @@ async def run_suite(suite: Suite, run_dir: str | Path, *, engine: str, model: st
                 try:
                     out = await asyncio.to_thread(suite.score, item, text, calls)
                 except Exception as e:  # a scorer bug must not sink the run nor count against the model
-                    rec = Record(
-                        item.item_id,
-                        None,
-                        None,
-                        prompt_hash(body),
-                        json.dumps(body),
-                        response,
-                        "",
-                        "scorer error",
-                        f"scorer error: {type(e).__name__}: {e}",
-                        latency,
-                        finish_reason=finish,
-                    )
+                    rec = failed_record(item, body, response, "scorer error", f"scorer error: {type(e).__name__}: {e}",
+                                        latency, finish_reason=finish)
                 else:
                     details = {**out.details, "reasoning": reasoning} if reasoning is not None else out.details
                     rec = Record(item.item_id, out.passed, out.score, prompt_hash(body), json.dumps(body), response,
