@@ -9,7 +9,7 @@ from fidelity import open_pack
 from fidelity.errors import ConfigError, FidelityError, PackError
 from fidelity.oracle import Oracle, supported_architectures
 from fidelity.oracle.llama import MIN_QUERY_BLOCK
-from test_oracle_support import build, hf_logits
+from test_oracle_support import assert_oracle_matches_hf, build, hf_logits
 
 TOL = 1e-4
 
@@ -18,47 +18,20 @@ COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=72, num_hidden_la
               num_key_value_heads=2, head_dim=12, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 DENSE = {
-    "llama-llama3-untied-bias": (
-        T.LlamaConfig,
-        T.LlamaForCausalLM,
-        dict(
-            attention_bias=True,
-            mlp_bias=True,
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=500.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=16,
-            ),
-        ),
-    ),
-    "llama-linear-tied": (
-        T.LlamaConfig,
-        T.LlamaForCausalLM,
-        dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=3.0)),
-    ),
-    "mistral-sliding-window": (
-        T.MistralConfig,
-        T.MistralForCausalLM,
-        dict(sliding_window=5, tie_word_embeddings=False),
-    ),
-    "qwen2-yarn-tied": (
-        T.Qwen2Config,
-        T.Qwen2ForCausalLM,
-        dict(
-            tie_word_embeddings=True,
-            rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=32),
-        ),
-    ),
+    "llama-llama3-untied-bias": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "llama-linear-tied": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=3.0))),
+    "mistral-sliding-window": (T.MistralConfig, T.MistralForCausalLM, dict(
+        sliding_window=5, tie_word_embeddings=False)),
+    "qwen2-yarn-tied": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=32))),
     "qwen3-qknorm-default": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(tie_word_embeddings=False, attention_bias=True)),
-    "qwen2-sliding-from-layer-1": (
-        T.Qwen2Config,
-        T.Qwen2ForCausalLM,
-        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, tie_word_embeddings=False),
-    ),
+    "qwen2-sliding-from-layer-1": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
+        use_sliding_window=True, sliding_window=4, max_window_layers=1, tie_word_embeddings=False)),
 }
 
 
@@ -72,14 +45,8 @@ def make(tmp_path, case: str, seed: int, cases=DENSE):
 @pytest.mark.parametrize("case", sorted(DENSE))
 def test_dense_matches_transformers(tmp_path, rng_seed, case):
     model, pack = make(tmp_path, case, rng_seed)
-    tokens = torch.randint(0, COMMON["vocab_size"], (3, 23))
-    want = hf_logits(model, tokens)
-    got = Oracle(pack).logits(tokens)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    delta = (got - want).abs().max().item()
-    print(f"{case}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
-    assert delta <= TOL
-    assert want.abs().max() > 1.0  # logits of a meaningful size, not a near-zero model
+    got = assert_oracle_matches_hf(model, pack, torch.randint(0, COMMON["vocab_size"], (3, 23)), TOL, case)
+    assert got.dtype == torch.float32
 
 
 def test_variable_length_rows_match_individual_runs(tmp_path, rng_seed):
@@ -210,107 +177,31 @@ def test_token_outside_vocab_names_row_and_position(tmp_path, rng_seed):
 # -- mixture of experts -----------------------------------------------------------------------------------------------
 
 MOE_COMMON = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+# the sizes both DeepSeek-V3 cases share
+DEEPSEEK_V3 = dict(num_attention_heads=4, num_key_value_heads=4, head_dim=None, intermediate_size=44,
+                   moe_intermediate_size=16, kv_lora_rank=20)
 MOE = {
-    "qwen3moe-renorm-sparse-step": (
-        T.Qwen3MoeConfig,
-        T.Qwen3MoeForCausalLM,
-        dict(
-            num_experts=7,
-            num_experts_per_tok=3,
-            moe_intermediate_size=20,
-            intermediate_size=36,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0, original_max_position_embeddings=16),
-        ),
-    ),
-    "qwen3moe-no-renorm-tied": (
-        T.Qwen3MoeConfig,
-        T.Qwen3MoeForCausalLM,
-        dict(
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=20,
-            norm_topk_prob=False,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "mixtral": (
-        T.MixtralConfig,
-        T.MixtralForCausalLM,
-        dict(
-            num_local_experts=5,
-            num_experts_per_tok=2,
-            intermediate_size=28,
-            tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0),
-        ),
-    ),
-    "deepseek-v3-qlora-yarn": (
-        T.DeepseekV3Config,
-        T.DeepseekV3ForCausalLM,
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            head_dim=None,
-            intermediate_size=44,
-            n_routed_experts=12,
-            n_shared_experts=2,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=16,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            q_lora_rank=24,
-            kv_lora_rank=20,
-            qk_nope_head_dim=12,
-            qk_rope_head_dim=8,
-            v_head_dim=10,
-            rope_interleave=True,
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=16,
-                mscale=1.0,
-                mscale_all_dim=0.8,
-                beta_fast=32,
-                beta_slow=1,
-            ),
-        ),
-    ),
-    "deepseek-v3-no-qlora-no-renorm": (
-        T.DeepseekV3Config,
-        T.DeepseekV3ForCausalLM,
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            head_dim=None,
-            intermediate_size=44,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            moe_intermediate_size=16,
-            first_k_dense_replace=0,
-            routed_scaling_factor=1.7,
-            norm_topk_prob=False,
-            q_lora_rank=None,
-            kv_lora_rank=20,
-            qk_nope_head_dim=6,
-            qk_rope_head_dim=4,
-            v_head_dim=14,
-            rope_interleave=False,
-            attention_bias=True,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "qwen3moe-renorm-sparse-step": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+        num_experts=7, num_experts_per_tok=3, moe_intermediate_size=20, intermediate_size=36, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=2.0, original_max_position_embeddings=16))),
+    "qwen3moe-no-renorm-tied": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=20, norm_topk_prob=False,
+        tie_word_embeddings=True)),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(
+        num_local_experts=5, num_experts_per_tok=2, intermediate_size=28, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    "deepseek-v3-qlora-yarn": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK_V3, n_routed_experts=12, n_shared_experts=2, num_experts_per_tok=3, n_group=4, topk_group=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=24, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=10, rope_interleave=True, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
+    "deepseek-v3-no-qlora-no-renorm": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK_V3, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=0, routed_scaling_factor=1.7, norm_topk_prob=False, q_lora_rank=None,
+        qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=14, rope_interleave=False, attention_bias=True,
+        tie_word_embeddings=True)),
 }
 
 
@@ -325,13 +216,7 @@ def make_moe(tmp_path, case: str, seed: int):
 @pytest.mark.parametrize("case", sorted(MOE))
 def test_moe_matches_transformers(tmp_path, rng_seed, case):
     model, pack = make_moe(tmp_path, case, rng_seed)
-    tokens = torch.randint(0, COMMON["vocab_size"], (3, 21))
-    want = hf_logits(model, tokens)
-    got = Oracle(pack).logits(tokens)
-    delta = (got - want).abs().max().item()
-    print(f"{case}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
-    assert got.shape == want.shape and delta <= TOL
-    assert want.abs().max() > 1.0
+    assert_oracle_matches_hf(model, pack, torch.randint(0, COMMON["vocab_size"], (3, 21)), TOL, case)
 
 
 def test_experts_read_only_when_routed(tmp_path, rng_seed):

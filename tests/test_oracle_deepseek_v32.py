@@ -12,7 +12,7 @@ from fidelity import open_pack
 from fidelity.errors import ConfigError
 from fidelity.oracle import Oracle
 from _deepseek_configs import edit_config, make_variant, reference_ties_to_lower_index  # noqa: F401 (autouse)
-from test_oracle_support import build, hf_logits
+from test_oracle_support import assert_oracle_matches_hf, build, hf_logits
 
 TOL = 1e-4
 
@@ -51,12 +51,7 @@ def test_sparse_context_matches_transformers(tmp_path, rng_seed, case):
     model, pack = make(tmp_path, case, rng_seed)
     topk = model.config.index_topk
     tokens = torch.randint(0, BASE["vocab_size"], (2, 4 * topk + 3))
-    want = hf_logits(model, tokens)
-    got = Oracle(pack).logits(tokens)
-    delta = (got - want).abs().max().item()
-    print(f"{case}: T={tokens.shape[1]} topk={topk} max |dlogit| = {delta:.3g}, scale {want.abs().max().item():.3g}")
-    assert got.shape == want.shape and delta <= TOL
-    assert want.abs().max() > 1.0
+    assert_oracle_matches_hf(model, pack, tokens, TOL, f"{case}: T={tokens.shape[1]} topk={topk}")
 
 
 def test_indexer_selection_equals_transformers_and_matters(tmp_path, rng_seed):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from fidelity.oracle import Oracle
 from testkit.synthetic import randomize_weights as randomize
 
 
@@ -28,6 +29,18 @@ def build(config: transformers.PretrainedConfig, model_cls, folder: Path, seed: 
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=tokens, use_cache=False).logits.to(torch.float32)
+
+
+def assert_oracle_matches_hf(model, pack, tokens: torch.Tensor, tol: float, label: str) -> torch.Tensor:
+    """The oracle's logits on `tokens` against the HF model's: the same shape, max |dlogit| <= tol, and HF's logits of a
+    meaningful size (not a near-zero model). Returns the oracle's logits."""
+    want = hf_logits(model, tokens)
+    got = Oracle(pack).logits(tokens)
+    delta = (got - want).abs().max().item()
+    print(f"{label}: max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
+    assert got.shape == want.shape and delta <= tol
+    assert want.abs().max() > 1.0
+    return got
 
 
 def write_word_panel(path: Path, words: list[str], rows: int, words_per_row: int, seed: int) -> Path:

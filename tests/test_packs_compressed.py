@@ -88,34 +88,19 @@ def scheme_json(scheme) -> dict:
 
 INT = dict(type="int")
 CASES = {
-    "int4_group_sym": (
-        "pack-quantized",
-        dict(num_bits=4, **INT, symmetric=True, strategy="group", group_size=32),
-        (70, 160),
-    ),
-    "int4_group_asym": (
-        "pack-quantized",
-        dict(num_bits=4, **INT, symmetric=False, strategy="group", group_size=64),
-        (37, 192),
-    ),
+    "int4_group_sym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=True, strategy="group", group_size=32),
+                       (70, 160)),
+    "int4_group_asym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=False, strategy="group", group_size=64),
+                        (37, 192)),
     "int8_channel_sym": ("pack-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (45, 100)),
-    "int4_channel_asym": (
-        "pack-quantized",
-        dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
-        (37, 99),
-    ),
+    "int4_channel_asym": ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
+                          (37, 99)),
     "int4_tensor_asym": ("pack-quantized", dict(num_bits=4, **INT, symmetric=False, strategy="tensor"), (9, 24)),
-    "int3_group_asym": (
-        "pack-quantized",
-        dict(num_bits=3, **INT, symmetric=False, strategy="group", group_size=16),
-        (29, 80),
-    ),
+    "int3_group_asym": ("pack-quantized", dict(num_bits=3, **INT, symmetric=False, strategy="group", group_size=16),
+                        (29, 80)),
     "int8_naive_channel": ("int-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"), (33, 70)),
-    "int8_naive_group_asym": (
-        "int-quantized",
-        dict(num_bits=8, **INT, symmetric=False, strategy="group", group_size=16),
-        (19, 48),
-    ),
+    "int8_naive_group_asym": ("int-quantized",
+                              dict(num_bits=8, **INT, symmetric=False, strategy="group", group_size=16), (19, 48)),
     "fp8_tensor": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), (23, 41)),
     "fp8_block": (
         "float-quantized",
@@ -130,14 +115,8 @@ CASES = {
     ),
     "nvfp4": (
         "nvfp4-pack-quantized",
-        dict(
-            num_bits=4,
-            type="float",
-            symmetric=True,
-            strategy="tensor_group",
-            group_size=16,
-            scale_dtype=torch.float8_e4m3fn,
-        ),
+        dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+             scale_dtype=torch.float8_e4m3fn),
         (37, 48),
     ),
     "mxfp4": (

@@ -18,89 +18,35 @@ from fidelity.suites import make_suite
 from fidelity.suites.paired import compare_runs
 from fidelity.suites.runner import Settings, run_suite
 
+MATH, RELIGIONS = "high_school_mathematics", "world_religions"
 MMLU_ROWS = [
-    {
-        "subject": "high_school_mathematics",
-        "split": "dev",
-        "question": "What is 2 + 2?",
-        "choices": ["3", "4", "5", "6"],
-        "answer": 1,
-    },
-    {
-        "subject": "high_school_mathematics",
-        "split": "dev",
-        "question": " Which is prime? ",
-        "choices": ["4", "6", "7", "9"],
-        "answer": 2,
-    },
-    {
-        "subject": "high_school_mathematics",
-        "question": "What is 3 * 3?",
-        "choices": ["6", "9", "12", "33"],
-        "answer": 1,
-    },
-    {
-        "subject": "high_school_mathematics",
-        "question": "What is 10 / 2?",
-        "choices": ["5", "2", "20", "8"],
-        "answer": "A",
-    },
-    {
-        "subject": "world_religions",
-        "split": "dev",
-        "question": "Where is Mecca?",
-        "choices": ["Iraq", "Egypt", "Saudi Arabia", "Jordan"],
-        "answer": 2,
-    },
-    {
-        "subject": "world_religions",
-        "split": "dev",
-        "question": "The Torah is sacred in",
-        "choices": ["Judaism", "Jainism", "Shinto", "Sikhism"],
-        "answer": 0,
-    },
-    {
-        "subject": "world_religions",
-        "question": "The Vedas belong to",
-        "choices": ["Islam", "Hinduism", "Taoism", "Bahai"],
-        "answer": 1,
-    },
-    {
-        "subject": "world_religions",
-        "question": "Zen is a school of",
-        "choices": ["Buddhism", "Islam", "Judaism", "Jainism"],
-        "answer": 0,
-    },
-    {
-        "subject": "world_religions",
-        "question": "Who founded Sikhism?",
-        "choices": ["Mahavira", "Laozi", "Moses", "Guru Nanak"],
-        "answer": 3,
-    },
+    {"subject": MATH, "split": "dev", "question": "What is 2 + 2?", "choices": ["3", "4", "5", "6"], "answer": 1},
+    {"subject": MATH, "split": "dev", "question": " Which is prime? ", "choices": ["4", "6", "7", "9"], "answer": 2},
+    {"subject": MATH, "question": "What is 3 * 3?", "choices": ["6", "9", "12", "33"], "answer": 1},
+    {"subject": MATH, "question": "What is 10 / 2?", "choices": ["5", "2", "20", "8"], "answer": "A"},
+    {"subject": RELIGIONS, "split": "dev", "question": "Where is Mecca?",
+     "choices": ["Iraq", "Egypt", "Saudi Arabia", "Jordan"], "answer": 2},
+    {"subject": RELIGIONS, "split": "dev", "question": "The Torah is sacred in",
+     "choices": ["Judaism", "Jainism", "Shinto", "Sikhism"], "answer": 0},
+    {"subject": RELIGIONS, "question": "The Vedas belong to", "choices": ["Islam", "Hinduism", "Taoism", "Bahai"],
+     "answer": 1},
+    {"subject": RELIGIONS, "question": "Zen is a school of", "choices": ["Buddhism", "Islam", "Judaism", "Jainism"],
+     "answer": 0},
+    {"subject": RELIGIONS, "question": "Who founded Sikhism?", "choices": ["Mahavira", "Laozi", "Moses", "Guru Nanak"],
+     "answer": 3},
 ]
 
 GSM8K_ROWS = [
-    {
-        "split": "train",
-        "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
-        "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7",
-    },
-    {
-        "split": "train",
-        "question": "A box holds 12 eggs. How many eggs are in 5 boxes?",
-        "answer": "5 boxes hold 5 * 12 = <<5*12=60>>60 eggs.\n#### 60",
-    },
-    {
-        "split": "train",
-        "question": "Ann earns $1,200 a week. What does she earn in 2 weeks?",
-        "answer": "She earns 2 * 1200 = <<2*1200=2400>>2400 dollars.\n#### 2,400",
-    },
+    {"split": "train", "question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+     "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    {"split": "train", "question": "A box holds 12 eggs. How many eggs are in 5 boxes?",
+     "answer": "5 boxes hold 5 * 12 = <<5*12=60>>60 eggs.\n#### 60"},
+    {"split": "train", "question": "Ann earns $1,200 a week. What does she earn in 2 weeks?",
+     "answer": "She earns 2 * 1200 = <<2*1200=2400>>2400 dollars.\n#### 2,400"},
     {"question": "Sam reads 20 pages a day. How many pages in 7 days?", "answer": "20 * 7 = <<20*7=140>>140\n#### 140"},
     {"question": "A pen costs $3. How much do 15 pens cost?", "answer": "15 * 3 = <<15*3=45>>45\n#### 45"},
-    {
-        "question": "Lia had 50 stickers and gave away 18. How many are left?",
-        "answer": "50 - 18 = <<50-18=32>>32\n#### 32",
-    },
+    {"question": "Lia had 50 stickers and gave away 18. How many are left?",
+     "answer": "50 - 18 = <<50-18=32>>32\n#### 32"},
     {"question": "A farm has 1200 cows and sells 250. How many remain?", "answer": "1200 - 250 = 950\n#### 950"},
     {"question": "The temperature fell from 5 to -3 degrees. What is the final temperature?", "answer": "#### -3"},
 ]
