@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import PackError
 from .base import Pack
+from .opening import open_pack
 
 _CACHE: "weakref.WeakKeyDictionary[Pack, object]" = weakref.WeakKeyDictionary()
 
@@ -17,6 +18,11 @@ def load_tokenizer(pack: Pack):
     if tok is None:
         tok = _CACHE[pack] = _load(pack)
     return tok
+
+
+def tokenizer_of(pack_or_path):
+    """`load_tokenizer` of a Pack, or of the pack at a path (opened here)."""
+    return load_tokenizer(pack_or_path if hasattr(pack_or_path, "names") else open_pack(pack_or_path))
 
 
 def _load(pack: Pack):

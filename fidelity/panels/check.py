@@ -150,10 +150,9 @@ def check_panel(panel, against: list[str], *, n: int = 8, fields: list[str] | No
     panel = panel if hasattr(panel, "rows") else load_panel(panel)
     if tokenizer is None and pack is not None:
         # the packs load torch: only without a tokenizer
-        from ..packs import open_pack  # noqa: PLC0415 (torch)
-        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
+        from ..packs.tokenizer import tokenizer_of  # noqa: PLC0415 (torch)
 
-        tokenizer = load_tokenizer(pack if hasattr(pack, "names") else open_pack(pack))
+        tokenizer = tokenizer_of(pack)
     index: dict[str, str] = {}  # n-gram -> first source item holding it
     read = []
     for source in against:

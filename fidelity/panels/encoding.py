@@ -102,10 +102,9 @@ def encode_panel(panel, pack, out: str | Path, *, trust_pack_code: bool = False,
     encode, source = find_encoder(pack_dir, trust_pack_code=trust_pack_code)
     if tokenizer is None:
         # the packs load torch: only without a tokenizer
-        from ..packs import open_pack  # noqa: PLC0415 (torch)
-        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
+        from ..packs.tokenizer import tokenizer_of  # noqa: PLC0415 (torch)
 
-        tokenizer = load_tokenizer(pack if hasattr(pack, "names") else open_pack(pack))
+        tokenizer = tokenizer_of(pack)
     panel = panel if isinstance(panel, Panel) else load_panel(panel)
     rows = [encode_row(r, encode, tokenizer, encoder_kwargs=encoder_kwargs,
                        score_reasoning=score_reasoning and r.score_reasoning) if r.messages is not None else r

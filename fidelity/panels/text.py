@@ -103,10 +103,9 @@ def panel_from_text(sources: list[str], pack, out: str | Path, *, tokens_per_row
     """One domain per source. `pack`: a path or Pack whose tokenizer cuts the rows (or pass `tokenizer`)."""
     if tokenizer is None:
         # the packs load torch: only without a tokenizer
-        from ..packs import open_pack  # noqa: PLC0415 (torch)
-        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
+        from ..packs.tokenizer import tokenizer_of  # noqa: PLC0415 (torch)
 
-        tokenizer = load_tokenizer(pack if hasattr(pack, "names") else open_pack(pack))
+        tokenizer = tokenizer_of(pack)
     if domains and len(domains) != len(sources):
         raise PanelError(f"{len(sources)} sources but {len(domains)} --domain names: give one per source, in order")
     domains = domains or [Path(s.split(":")[1] if s.startswith("hf:") else s).stem.replace("/", "_") for s in sources]

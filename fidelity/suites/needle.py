@@ -587,10 +587,9 @@ class TokenCounter:
             method, tokenize = "tokenize", client.tokenize
         elif tokenizer:
             # the packs load torch: only when the engine cannot tokenize
-            from ..packs import open_pack  # noqa: PLC0415 (torch)
-            from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (torch)
+            from ..packs.tokenizer import tokenizer_of  # noqa: PLC0415 (torch)
 
-            tok = load_tokenizer(open_pack(tokenizer))
+            tok = tokenizer_of(tokenizer)
 
             async def tokenize(text):
                 return tok(text, add_special_tokens=True)["input_ids"]
