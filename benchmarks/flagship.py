@@ -401,6 +401,7 @@ def head_seconds(positions: int, vocab: int, hidden: int, device) -> dict:
 
 def baseline_child(args, device, work: Path) -> dict:
     from fidelity.oracle.deepseek.engram import compressed_token_map
+    from fidelity.pack_settings import PackSettings
     from fidelity.packs import open_pack
 
     rs.exact_math(device)
@@ -418,10 +419,9 @@ def baseline_child(args, device, work: Path) -> dict:
     head = head_seconds(256 if args.smoke else args.head_positions, args.vocab, hidden, device)
     cache = work / "fingerprint-cache"          # an empty hash cache: the hashing a first CLI run pays
     shutil.rmtree(cache, ignore_errors=True)
-    os.environ["FIDELITY_CACHE"] = str(cache)
     overheads = {}
     for which in ("ref", "pack"):
-        pack = open_pack(work / which)
+        pack = open_pack(work / which, PackSettings(hash_cache=cache / "content-hash"))
         t = time.perf_counter()
         pack.fingerprint()
         overheads[f"fingerprint_{which}_s"] = time.perf_counter() - t

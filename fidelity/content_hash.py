@@ -2,8 +2,9 @@
 
 A pack's identity (`Pack.fingerprint()`) and the checksum of a kept compare pass are hashes of every byte, not of a
 sample: two packs that differ in one byte anywhere never share a result. BLAKE3 (the `blake3` package) hashes a file
-through a memory map on all cores; files are hashed in parallel. Each digest is cached in
-`$FIDELITY_CACHE/content-hash/` (default `~/.cache/fidelity`), so a 500 GB pack is read in full once.
+through a memory map on all cores; files are hashed in parallel. Each digest is cached in a folder the caller names
+(a pack's `PackSettings.hash_cache`; the command line's is `$FIDELITY_CACHE/content-hash/`), by default
+`~/.cache/fidelity/content-hash/`, so a 500 GB pack is read in full once.
 
 A cached digest is used only where the cache can show the bytes are the ones it hashed:
 - the entry is keyed by (path, device, inode, size, mtime_ns, ctime_ns). Tools restore size and mtime after an edit in
@@ -38,8 +39,9 @@ SAMPLE_BLOCKS = 16        # head, tail and 14 spread evenly between
 RACY_NS = 2_000_000_000   # timestamp granularity and clock skew a later edit could hide within
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("FIDELITY_CACHE", Path.home() / ".cache" / "fidelity")) / "content-hash"
+def default_cache_dir() -> Path:
+    """Where digests are cached when the caller names no folder."""
+    return Path.home() / ".cache" / "fidelity" / "content-hash"
 
 
 def _version_key(path: Path, algorithm: str) -> tuple[str, dict]:
@@ -82,10 +84,12 @@ def _compute(path: Path, algorithm: str) -> str:
     return h.hexdigest()
 
 
-def file_digest(path: str | Path, algorithm: str = "blake3", *, cache: bool = True) -> str:
-    """Hex digest of every byte of `path` ("blake3" or "sha256"), from the cache when this version of the file (same
-    device, inode, size, mtime and ctime, the same sampled blocks) was hashed before (see the module's notes).
-    `cache=False` always reads the file (checksums that must catch a byte changed without a new mtime)."""
+def file_digest(path: str | Path, algorithm: str = "blake3", *, cache: bool = True,
+                cache_dir: Path | None = None) -> str:
+    """Hex digest of every byte of `path` ("blake3" or "sha256"), from the cache in `cache_dir` (None:
+    `default_cache_dir()`) when this version of the file (same device, inode, size, mtime and ctime, the same sampled
+    blocks) was hashed before (see the module's notes). `cache=False` always reads the file (checksums that must catch
+    a byte changed without a new mtime)."""
     path = Path(path)
     if not cache:
         try:
@@ -98,7 +102,7 @@ def file_digest(path: str | Path, algorithm: str = "blake3", *, cache: bool = Tr
         sample = sample_digest(path)
     except OSError as e:
         raise PackError(f"cannot read the file to hash it ({e.strerror or e})", file=path) from None
-    entry = cache_dir() / f"{key}.json"
+    entry = (cache_dir if cache_dir is not None else default_cache_dir()) / f"{key}.json"
     try:
         cached = json.loads(entry.read_text())
         if ({k: cached.get(k) for k in ident} == ident and cached.get("sample") == sample
@@ -149,17 +153,18 @@ def read_manifest(folder: Path) -> dict[str, str] | None:
     return out
 
 
-def files_digest(files: list[str | Path], manifest_folder: Path | None = None) -> dict[str, str]:
-    """{file: "algorithm:hex"} of every file, hashed in parallel; files a MANIFEST.sha256 in `manifest_folder` lists
-    are verified against it."""
+def files_digest(files: list[str | Path], manifest_folder: Path | None = None,
+                 cache_dir: Path | None = None) -> dict[str, str]:
+    """{file: "algorithm:hex"} of every file, hashed in parallel (digests cached in `cache_dir`, see `file_digest`);
+    files a MANIFEST.sha256 in `manifest_folder` lists are verified against it."""
     manifest = read_manifest(manifest_folder) if manifest_folder is not None and manifest_folder.is_dir() else None
     paths = [Path(f) for f in files]
 
     def one(p: Path) -> str:
         want = manifest.get(str(p.resolve())) if manifest else None
         if want is None:
-            return "blake3:" + file_digest(p, "blake3")
-        got = file_digest(p, "sha256")
+            return "blake3:" + file_digest(p, "blake3", cache_dir=cache_dir)
+        got = file_digest(p, "sha256", cache_dir=cache_dir)
         if got != want:
             raise PackError(
                 f"sha256 {got} differs from {want} in {manifest_folder / MANIFEST}: the file is not the one "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import ConfigError
+from .pack_settings import PackSettings
 
 # the accepted values (torch-free copies: tests/test_environment.py holds them equal to MetricKernel.CHOICES["backend"]
 # without None and to packs.exl3.codec.HADAMARD_SUMS)
@@ -71,6 +72,10 @@ class Environment:
     def cache_dir(self) -> Path:
         """fidelity's cache folder: FIDELITY_CACHE, else ~/.cache/fidelity."""
         return self.cache if self.cache is not None else Path.home() / ".cache" / "fidelity"
+
+    def pack_settings(self) -> PackSettings:
+        """How `open_pack` opens the command's packs: the content-hash cache in the cache folder, the EXL3 sums."""
+        return PackSettings(hash_cache=self.cache_dir() / "content-hash", exl3_sums=self.exl3_sums)
 
     def run_settings(self) -> dict:
         """The keyword arguments of `fidelity.oracle.parallel.RunSettings` that come from the environment (the

@@ -543,14 +543,9 @@ def test_exl3_integer_codebooks_and_digits():
     assert [codec._digits(b) for b in (127, 128, 127 * 256, 127 * 256 + 1)] == [1, 2, 2, 3]
 
 
-def test_exl3_sums_by_device(monkeypatch):
+def test_exl3_sums_by_device():
+    # FIDELITY_EXL3_SUMS overriding it (and 'fast' refused): tests/test_environment.py, through the command line
     assert codec.default_sums(torch.device("cpu")) == "float64"
-    monkeypatch.setenv(codec.SUMS_ENV, "int64")
-    assert codec.default_sums(torch.device("cpu")) == "int64"
-    monkeypatch.setenv(codec.SUMS_ENV, "fast")
-    with pytest.raises(ValueError, match="FIDELITY_EXL3_SUMS='fast'"):
-        codec.default_sums(torch.device("cpu"))
-    monkeypatch.delenv(codec.SUMS_ENV)
     if HAS_CUDA:
         want = "int8" if HAVE_TRITON and torch.cuda.get_device_capability() >= (8, 0) else None
         assert want is None or codec.default_sums(torch.device("cuda")) == want

@@ -1,22 +1,27 @@
 """fidelity/environment.py reads the FIDELITY_* variables once, for the command line: each variable's value, the
 defaults of an empty environment (the library's own defaults, exactly), a value it cannot read named with its variable,
-and no other module of the package reading a FIDELITY_* variable (but the two not yet passed in, listed)."""
+no other module of the package reading a FIDELITY_* variable, and the packs the command line opens hashing into
+FIDELITY_CACHE and decoding EXL3 with FIDELITY_EXL3_SUMS (PackSettings, passed in)."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
+import torch
+from blake3 import blake3
 
+import _golden
+import fidelity.content_hash as content_hash
 from fidelity.environment import EXL3_SUMS, METRICS_KERNELS, Environment
 from fidelity.errors import ConfigError
 from fidelity.measuring.metrics import MetricKernel
 from fidelity.oracle.parallel import RunSettings
+from fidelity.pack_settings import PackSettings
+from fidelity.packs.exl3 import layouts
 
 ROOT = Path(__file__).resolve().parent.parent
-# library modules that still read their variable where it is used (not yet passed in from the command line):
-# the content-hash cache folder (Pack.fingerprint has no settings), the EXL3 Hadamard sums (decoded inside a pack)
-STILL_READ_IN_PLACE = {"fidelity/content_hash.py": {"FIDELITY_CACHE"}, "fidelity/packs/exl3/codec.py": {"SUMS_ENV"}}
 
 
 def test_an_empty_environment_gives_the_librarys_defaults():
@@ -25,6 +30,7 @@ def test_an_empty_environment_gives_the_librarys_defaults():
     assert RunSettings(**env.run_settings()) == RunSettings()
     assert MetricKernel(backend=env.metrics_kernel) == MetricKernel()
     assert env.cache_dir() == Path.home() / ".cache" / "fidelity"
+    assert env.pack_settings() == PackSettings(hash_cache=content_hash.default_cache_dir())
 
 
 def test_every_variable_is_read(tmp_path):
@@ -95,4 +101,52 @@ def test_no_library_module_reads_a_fidelity_variable():
         names = {n for n in _reads(ast.parse(path.read_text())) if "FIDELITY" in n or n.endswith("_ENV")}
         if names and rel != "fidelity/environment.py":
             reads[rel] = names
-    assert reads == STILL_READ_IN_PLACE
+    assert reads == {}
+
+
+@pytest.fixture
+def exl3_pack(tmp_path_factory):
+    return _golden.exl3_checkpoint("exl3_4p0_mul1", tmp_path_factory.mktemp("exl3"))
+
+
+@pytest.mark.parametrize("set_cache", [True, False], ids=["FIDELITY_CACHE", "unset"])
+def test_the_command_line_caches_pack_digests_in_fidelity_cache(exl3_pack, tmp_path, monkeypatch, set_cache):
+    """`fidelity inspect` fingerprints the pack: each file's digest lands in $FIDELITY_CACHE/content-hash, and only
+    there; unset, in ~/.cache/fidelity/content-hash (HOME moved to the test's folder)."""
+    from fidelity import cli
+    monkeypatch.setattr(content_hash, "RACY_NS", 0)    # the files were just written: cache them anyway
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("FIDELITY_CACHE", raising=False)
+    if set_cache:
+        monkeypatch.setenv("FIDELITY_CACHE", str(tmp_path / "cache"))
+    want = (tmp_path / "cache" if set_cache else tmp_path / "home" / ".cache" / "fidelity") / "content-hash"
+    assert cli.main(["inspect", str(exl3_pack), "--json", str(tmp_path / "inspect.json")]) == 0
+    shards = sorted(exl3_pack.glob("*.safetensors"))
+    entries = [json.loads(p.read_text()) for p in want.glob("*.json")]
+    assert shards and {e["path"]: e["digest"] for e in entries} == {
+        str(p.resolve()): blake3(p.read_bytes()).hexdigest() for p in shards}
+    elsewhere = [p for p in tmp_path.rglob("*.json") if p.parent != want and p.name != "inspect.json"]
+    assert elsewhere == []
+
+
+@pytest.mark.parametrize("sums", ["int64", "float64", None])
+def test_the_command_line_decodes_exl3_with_fidelity_exl3_sums(exl3_pack, monkeypatch, sums):
+    """`fidelity inspect --decode` decodes every EXL3 linear with the sums FIDELITY_EXL3_SUMS names (unset: the
+    device's default, `sums=None`), and the weights are the default decode's, bit for bit."""
+    from fidelity import cli, open_pack
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("sums"))
+        return decode_weight(*args, **kwargs)
+
+    decode_weight = layouts.decode_weight
+    monkeypatch.setattr(layouts, "decode_weight", spy)
+    monkeypatch.delenv("FIDELITY_EXL3_SUMS", raising=False)
+    if sums:
+        monkeypatch.setenv("FIDELITY_EXL3_SUMS", sums)
+    assert cli.main(["inspect", str(exl3_pack), "--decode"]) == 0
+    assert len(seen) == 15 and set(seen) == {sums}
+    forced, default = open_pack(exl3_pack, PackSettings(exl3_sums=sums or "int64")), open_pack(exl3_pack)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(forced.tensor(name), default.tensor(name))

@@ -14,6 +14,7 @@ import torch
 
 import fidelity.content_hash as content_hash
 from fidelity import PackError, open_pack
+from fidelity.pack_settings import PackSettings
 from fidelity.packs.safetensors_io import SafetensorsFile, write_safetensors
 from test_packs_bad_input import CFG, llama_tensors
 
@@ -21,6 +22,7 @@ from test_packs_bad_input import CFG, llama_tensors
 # -- defect 2: a pack edited in place keeps its identity --------------------------------------------------------------
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """The content-hash folder: passed to the library, and the command line's (FIDELITY_CACHE)."""
     folder = tmp_path / "cache"
     monkeypatch.setenv("FIDELITY_CACHE", str(folder))
     return folder / "content-hash"
@@ -55,16 +57,16 @@ def test_a_byte_edited_in_place_with_size_and_mtime_restored_changes_the_fingerp
                                                        for k, v in llama_tensors().items()})
     (tmp_path / "config.json").write_text(json.dumps(CFG))
     shard = tmp_path / "model.safetensors"
-    before = open_pack(tmp_path).fingerprint()
+    before = open_pack(tmp_path, PackSettings(hash_cache=cache)).fingerprint()
     assert len(list(cache.glob("*.json"))) == (1 if racy_ns == 0 else 0)
     info = SafetensorsFile(shard).info("model.layers.1.self_attn.k_proj.weight")
     offset = int(torch.randint(info.begin, info.end, (1,), generator=g))
     old = shard.read_bytes()[offset]
     time.sleep(0.05)   # past the filesystem's timestamp tick: the edit gets a ctime of its own
     edit_in_place(shard, offset, old ^ 0x40)
-    pack = open_pack(tmp_path)
+    pack = open_pack(tmp_path, PackSettings(hash_cache=cache))
     assert pack.fingerprint() != before
-    assert content_hash.file_digest(shard) == fresh_digest(shard)
+    assert content_hash.file_digest(shard, cache_dir=cache) == fresh_digest(shard)
 
 
 def test_a_cache_entry_whose_sampled_blocks_differ_is_not_trusted(tmp_path, cache, monkeypatch, rng_seed):
@@ -75,7 +77,7 @@ def test_a_cache_entry_whose_sampled_blocks_differ_is_not_trusted(tmp_path, cach
     path = tmp_path / "blob.bin"
     path.write_bytes(rng.integers(0, 256, 3 * content_hash.SAMPLE_BLOCKS * content_hash.SAMPLE_BYTES + 17,
                                   dtype=np.uint8).tobytes())
-    first = content_hash.file_digest(path)
+    first = content_hash.file_digest(path, cache_dir=cache)
     (old_entry,) = cache.glob("*.json")
     time.sleep(0.05)
     offset = path.stat().st_size - 1 - int(rng.integers(0, 100))
@@ -83,13 +85,13 @@ def test_a_cache_entry_whose_sampled_blocks_differ_is_not_trusted(tmp_path, cach
     key, ident = content_hash._version_key(path, "blake3")
     forged = {**json.loads(old_entry.read_text()), **ident}
     (cache / f"{key}.json").write_text(json.dumps(forged))
-    assert content_hash.file_digest(path) == fresh_digest(path) != first
+    assert content_hash.file_digest(path, cache_dir=cache) == fresh_digest(path) != first
 
 
 def test_a_file_changed_within_the_racy_window_is_not_cached(tmp_path, cache, rng_seed):
     path = tmp_path / "new.bin"
     path.write_bytes(os.urandom(1000))
-    assert content_hash.file_digest(path) == fresh_digest(path)
+    assert content_hash.file_digest(path, cache_dir=cache) == fresh_digest(path)
     assert not cache.exists() or not list(cache.glob("*.json"))
 
 

@@ -76,7 +76,8 @@ def run(args) -> int:
         seed=args.seed, numerics=args.numerics)
     res = attribute(args.reference, args.pack, panel=args.panel, rows=rows, settings=settings, device=args.device,
                     progress=True, activation_budget=args.environment.device_activations_bytes,
-                    metric_kernel=MetricKernel(backend=args.environment.metrics_kernel))
+                    metric_kernel=MetricKernel(backend=args.environment.metrics_kernel),
+                    pack_settings=args.environment.pack_settings())
     print_tables(res, Console(), top=args.top)
     if args.json_out:
         Path(args.json_out).write_text(json_out.dumps(res.to_json(), indent=1))

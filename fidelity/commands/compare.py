@@ -416,7 +416,8 @@ def run(args) -> int:
                           n_boot=args.bootstrap, seed=args.seed, truncate=args.truncate,
                           progress=parallel.is_main(), resume=resume, numerics=args.numerics,
                           numerics_floor=not args.no_numerics_floor, run_settings=settings,
-                          metric_kernel=MetricKernel(backend=args.environment.metrics_kernel))
+                          metric_kernel=MetricKernel(backend=args.environment.metrics_kernel),
+                          pack_settings=args.environment.pack_settings())
         except BaseException as e:
             parallel.finish(e)
             if parallel.is_main() and isinstance(e, FidelityError):

@@ -15,6 +15,7 @@ from rich.console import Console
 from .. import json_out
 from ..environment import Environment
 from ..errors import FidelityError
+from ..pack_settings import PackSettings
 from ..measuring.result_schema import CompareReport
 
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
@@ -254,7 +255,9 @@ def build_demo_packs(cache: str | Path | None = None, formats=GGUF_TYPES, consol
 
 
 def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, device="cpu", noise_floor=True,
-             progress=True, console: Console | None = None, gguf: Path | None = None):
+             progress=True, console: Console | None = None, gguf: Path | None = None,
+             pack_settings: PackSettings = PackSettings()):
+    """`pack_settings`: how compare opens the demo's packs."""
     from ..measuring.compare import compare
     from ..panels.panel import load_panel
 
@@ -266,7 +269,7 @@ def run_demo(cache=None, panel=None, rows_per_domain=None, formats=GGUF_TYPES, d
         p = p.subset(rows_per_domain)
     labels = list(formats)
     res = compare(packs["native"], [packs[q] for q in formats], panel=p, labels=labels, device=device,
-                  noise_floor=noise_floor, progress=progress)
+                  noise_floor=noise_floor, progress=progress, pack_settings=pack_settings)
     res.report["demo_seconds"] = time.time() - t0
     return res
 
@@ -281,7 +284,7 @@ def run(args) -> int:
         con.print(f"panel: the first {args.rows_per_domain} rows of each domain (--rows-per-domain 0: the whole panel)")
     cache = Path(args.cache) if args.cache else default_cache(args.environment)
     res = run_demo(cache, args.panel, args.rows_per_domain, formats, args.device, not args.no_noise_floor, console=con,
-                   gguf=args.environment.smollm2_gguf)
+                   gguf=args.environment.smollm2_gguf, pack_settings=args.environment.pack_settings())
     print_report(res.report, con)
     (cache / "demo-report.json").write_text(json_out.dumps(CompareReport.written(res.report), indent=2) + "\n")
     write_outputs(res, args)

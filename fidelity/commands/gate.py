@@ -195,6 +195,7 @@ def run(args) -> int:
             retries=args.retries,
             concurrency=args.concurrency,
             bwrap=args.environment.bwrap,
+            pack_settings=args.environment.pack_settings(),
         )
     )
     report["seconds"] = round(time.time() - t0, 3)

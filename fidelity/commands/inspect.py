@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..pack_settings import PackSettings
+
 
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("pack", help="pack folder, .safetensors or .gguf file")
@@ -19,13 +21,14 @@ def add_arguments(p: argparse.ArgumentParser):
     )
 
 
-def inspect_pack(path: str, decode: bool = False) -> dict:
+def inspect_pack(path: str, decode: bool = False, pack_settings: PackSettings = PackSettings()) -> dict:
+    """`pack_settings`: how the pack is opened."""
     import torch
 
     from ..packs import open_pack
     from ..errors import FidelityError
 
-    pack = open_pack(path)
+    pack = open_pack(path, pack_settings)
     kinds = Counter()
     problems = []
     for name in pack.names():
@@ -89,7 +92,7 @@ def required_tensors(pack) -> dict:
 
 
 def run(args) -> int:
-    rep = inspect_pack(args.pack, decode=args.decode)
+    rep = inspect_pack(args.pack, decode=args.decode, pack_settings=args.environment.pack_settings())
     con = Console()
     con.print(f"[bold]{rep['path']}[/bold]  format=[cyan]{rep['format']}[/cyan]  arch={rep['architecture']}  "
               f"tensors={rep['tensors']}  fingerprint={rep['fingerprint']}")

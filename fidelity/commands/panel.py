@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ..pack_settings import PackSettings
 from ..panels.build import read_prompts
 from ..panels.panel import PanelError, PanelRow, load_panel, write_panel
 
@@ -164,13 +165,14 @@ def transformers_has(config: dict) -> bool:
 
 def build_panel(prompts: str | Path, pack_path: str | Path, out: str | Path, *, name: str | None = None,
                 description: str = "", max_new_tokens: int = 64, license: str = "CC0-1.0", progress: bool = True,
-                score_reasoning: bool = True, numerics: str = "exact", activation_budget: int | None = None):
+                score_reasoning: bool = True, numerics: str = "exact", activation_budget: int | None = None,
+                pack_settings: PackSettings = PackSettings()):
     from tqdm.auto import tqdm
 
     from ..packs import open_pack
     from ..panels.panel import template_messages
 
-    pack = open_pack(pack_path)
+    pack = open_pack(pack_path, pack_settings)
     items = read_prompts(prompts)
     answerer = GreedyAnswerer(pack, max_new_tokens=max_new_tokens, numerics=numerics,
                               activation_budget=activation_budget)
@@ -223,7 +225,8 @@ def run(args) -> int:
             panel = build_panel(args.prompts, args.pack, args.out, name=args.name, description=args.description,
                                 max_new_tokens=args.max_new_tokens or 64, license=args.license,
                                 score_reasoning=not args.no_score_reasoning, numerics=args.numerics,
-                                activation_budget=args.environment.device_activations_bytes)
+                                activation_budget=args.environment.device_activations_bytes,
+                                pack_settings=args.environment.pack_settings())
     elif args.panel_command == "from-text":
         from ..panels.text import panel_from_text
 

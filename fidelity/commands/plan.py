@@ -147,7 +147,7 @@ def read_donors(ref, ref_tensors: list, specs: list[str], device: str = "cpu", m
         if label in labels:
             raise ConfigError(f"--donors: label {label!r} names two donors (give LABEL=PATH)")
         labels.add(label)
-        pack = open_pack(path)
+        pack = open_pack(path, ref.settings)   # the reference's settings (the command line's)
         held: dict[tuple[int, int, str], DonorTensor] = {}
         for d in expert_tensors(pack):
             key = (d.layer, d.expert, d.role)
@@ -185,7 +185,7 @@ def run(args) -> int:
                         make_plan, parse_min_k)
     from ..plan_donors import parse_stage_budgets
 
-    ref = open_pack(args.reference)
+    ref = open_pack(args.reference, args.environment.pack_settings())
     if args.attribution:
         if args.panel or args.rows:
             raise ConfigError("--panel / --rows are for the attribute run; --from already gives its result")

@@ -5,6 +5,8 @@ import argparse
 
 from rich.console import Console
 
+from ..pack_settings import PackSettings
+
 
 def add_arguments(p: argparse.ArgumentParser):
     from .compare import add_numerics_argument
@@ -31,12 +33,14 @@ def build_store(
     progress: bool = True,
     numerics: str = "exact",
     settings=None,
+    pack_settings: PackSettings = PackSettings(),
 ):
-    """`settings`: the oracle's parallel.RunSettings (None: the defaults)."""
+    """`settings`: the oracle's parallel.RunSettings (None: the defaults); `pack_settings`: how the pack is
+    opened."""
     from ..measuring.compare import _oracle, prepare
     from ..measuring.store import run_reference, write_store
 
-    ref_pack, panel, rows, tok_fp = prepare(pack, panel, truncate=truncate)
+    ref_pack, panel, rows, tok_fp = prepare(pack, panel, truncate=truncate, pack_settings=pack_settings)
     oracle = _oracle(ref_pack, device, numerics, settings)
     ref = run_reference(oracle, rows, progress=progress)
     from ..oracle import parallel
@@ -52,7 +56,8 @@ def run(args) -> int:
     settings = parallel.RunSettings(parallel=args.parallel, **args.environment.run_settings())
     try:
         m = build_store(args.pack, args.panel, args.out, top_k=args.top_k, device=args.device, truncate=args.truncate,
-                        progress=parallel.is_main(), numerics=args.numerics, settings=settings)
+                        progress=parallel.is_main(), numerics=args.numerics, settings=settings,
+                        pack_settings=args.environment.pack_settings())
     except BaseException as e:
         parallel.finish(e)
         raise

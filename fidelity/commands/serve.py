@@ -20,7 +20,7 @@ def run(args) -> int:
     from ..engine.serve import serve
     from ..packs import open_pack
 
-    pack = open_pack(args.pack)
+    pack = open_pack(args.pack, args.environment.pack_settings())
 
     def ready(httpd, engine):
         print(

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import FidelityError
+from ..pack_settings import PackSettings
 
 
 @dataclass
@@ -95,11 +96,12 @@ def reference_from_oracle(pack, rows: list[dict], *, oracle=None) -> Reference:
 
 
 def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per_domain: int | None = None,
-                         device: str = "cpu") -> Reference:
+                         device: str = "cpu", pack_settings: PackSettings = PackSettings()) -> Reference:
     """A reference store (from `fidelity reference`) as a gate Reference. The store keeps final hidden states; the
     reference pack's head turns them back into the exact full-vocabulary distributions (checked against the stored
     top-K). The store is refused for another panel, pack or tokenizer. `reference_pack` and `panel` default to the paths
-    the store's manifest records. `rows_per_domain` keeps the first N rows of each domain."""
+    the store's manifest records. `rows_per_domain` keeps the first N rows of each domain. `pack_settings`: how the pack
+    is opened."""
     import torch  # noqa: PLC0415 (CLI startup)
 
     from ..measuring.compare import _oracle, prepare  # noqa: PLC0415 (CLI startup)
@@ -124,7 +126,7 @@ def reference_from_store(store_dir, reference_pack=None, panel=None, *, rows_per
                 f"more: pass the panel's new place with --panel"
             )
         panel = stored_panel
-    ref_pack, panel, rows, tok_fp = prepare(reference_pack, panel)
+    ref_pack, panel, rows, tok_fp = prepare(reference_pack, panel, pack_settings=pack_settings)
     oracle = _oracle(ref_pack, device, read_manifest(store_dir).get("oracle_numerics", "exact"))  # the store's own
     run = load_store(
         store_dir, panel, rows, pack_fingerprint=ref_pack.fingerprint(), tokenizer_fingerprint=tok_fp, oracle=oracle

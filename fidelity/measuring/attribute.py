@@ -65,6 +65,7 @@ from ..oracle import Oracle
 from ..oracle.common import Fetch, OracleTaps, layer_call_args, rms_norm
 from ..oracle.deepseek.quant import rounds_stored_input
 from ..oracle.runner import _slice_rope
+from ..pack_settings import PackSettings
 from ..packs import open_pack
 from ..packs.config_check import check_against_config
 from .compare import check_same_vocab, prepare
@@ -590,13 +591,15 @@ def isotropic_noise(shape, norm: float, seed: int) -> torch.Tensor:
 # -- the driver ------------------------------------------------------------------------------------------------
 def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = None, settings: Settings | None = None,
               device: str = "cpu", progress: bool = False, activation_budget: int | None = None,
-              metric_kernel: MetricKernel = MetricKernel()) -> Attribution:
+              metric_kernel: MetricKernel = MetricKernel(),
+              pack_settings: PackSettings = PackSettings()) -> Attribution:
     """Swap-one-in attribution, layer divergence, routing and sensitivity of `pack` against `reference` (paths or
     packs) on `panel` (its scored positions) or on token `rows` (every position but the last scored).
-    `activation_budget`: both oracles' (Oracle(activation_budget=)); `metric_kernel`: KL of logits on a GPU."""
+    `activation_budget`: both oracles' (Oracle(activation_budget=)); `metric_kernel`: KL of logits on a GPU;
+    `pack_settings`: how packs given as paths are opened."""
     s = settings or Settings()
-    ref = reference if hasattr(reference, "names") else open_pack(reference)
-    pack = pack if hasattr(pack, "names") else open_pack(pack)
+    ref = reference if hasattr(reference, "names") else open_pack(reference, pack_settings)
+    pack = pack if hasattr(pack, "names") else open_pack(pack, pack_settings)
     check_against_config(ref)
     check_against_config(pack)
     check_same_vocab(ref, pack)

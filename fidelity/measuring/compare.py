@@ -23,6 +23,7 @@ from .. import __version__
 from ..errors import NonFiniteActivations, PackError
 from ..numerics import DEFAULT_NUMERICS, check_numerics
 from ..oracle import OracleTaps, parallel
+from ..pack_settings import PackSettings
 from ..packs import open_pack
 from ..packs.config_check import check_against_config
 from ..packs.tokenizer import load_tokenizer
@@ -83,14 +84,15 @@ def compare(
     run_settings=None,
     metric_kernel: MetricKernel = MetricKernel(),
 ) -> CompareResult:
+    pack_settings: PackSettings = PackSettings(),
     """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default).
     `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest.
     `numerics`: every oracle's ("exact" | "deepseek", fidelity.numerics). `numerics_floor`: where the reference's
     family defines both, also KL(reference under `numerics` || reference under the other): what the choice alone
     does on this panel. `run_settings`: every oracle's parallel.RunSettings (None: the defaults); `metric_kernel`:
-    how logits on a GPU are measured."""
+    how logits on a GPU are measured; `pack_settings`: how the packs given as paths are opened."""
     run_settings = run_settings or parallel.RunSettings()
-    cand, (ref_pack, panel, rows, tok_fp) = _checked_inputs(reference, packs, panel, truncate, numerics)
+    cand, (ref_pack, panel, rows, tok_fp) = _checked_inputs(reference, packs, panel, truncate, numerics, pack_settings)
     ref_oracle = _oracle(ref_pack, device, numerics, run_settings)
     truncation = truncation_record(rows, truncate, context_length(ref_pack))
     keep = None
@@ -149,13 +151,13 @@ def compare(
     return CompareResult(report, metrics, rows, groups)
 
 
-def _checked_inputs(reference, packs: list, panel, truncate: bool, numerics: str):
+def _checked_inputs(reference, packs: list, panel, truncate: bool, numerics: str, pack_settings: PackSettings):
     """(candidate packs, `prepare`'s tuple), every check that needs no oracle done first: a config its tensors
     contradict would be read wrong (a layer left out...), and KL needs one vocabulary."""
-    cand = [p if hasattr(p, "names") else open_pack(p) for p in packs]
+    cand = [p if hasattr(p, "names") else open_pack(p, pack_settings) for p in packs]
     for p in cand:
         check_against_config(p)
-    prepared = prepare(reference, panel, truncate=truncate)
+    prepared = prepare(reference, panel, truncate=truncate, pack_settings=pack_settings)
     for p in cand:
         check_same_vocab(prepared[0], p)
     check_numerics(numerics)
@@ -375,9 +377,10 @@ def _label(path, labels, i) -> str:
     return p.stem if p.is_file() else p.name
 
 
-def prepare(reference, panel: Panel | str | Path | None, *, truncate: bool = False):
-    """(reference pack, panel, tokenized rows, tokenizer fingerprint)."""
-    ref_pack = reference if hasattr(reference, "names") else open_pack(reference)
+def prepare(reference, panel: Panel | str | Path | None, *, truncate: bool = False,
+            pack_settings: PackSettings = PackSettings()):
+    """(reference pack, panel, tokenized rows, tokenizer fingerprint); a path is opened with `pack_settings`."""
+    ref_pack = reference if hasattr(reference, "names") else open_pack(reference, pack_settings)
     check_against_config(ref_pack)
     panel = panel if isinstance(panel, Panel) else load_panel(panel)
     tok = load_tokenizer(ref_pack)

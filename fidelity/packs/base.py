@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from ..errors import PackError
+from ..pack_settings import PackSettings
 from .staging import as_device
 from ..content_hash import files_digest
 
@@ -98,12 +99,14 @@ class BitsReport:
 
 
 class Pack:
-    """Base class. Subclasses fill `self._entries` (logical name -> LogicalTensor), `self.config`, `self.format`."""
+    """Base class. Subclasses fill `self._entries` (logical name -> LogicalTensor), `self.config`, `self.format`.
+    `settings`: how it hashes its files and decodes (PackSettings)."""
 
     format: str = "unknown"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, settings: PackSettings = PackSettings()):
         self.path = Path(path)
+        self.settings = settings
         self.config: dict = {}
         self.config_file: Path | None = None   # the config.json the config is read from (or was looked for); None: none
         self._entries: dict[str, LogicalTensor] = {}
@@ -281,7 +284,7 @@ class Pack:
             if self.path.is_file():
                 files.add(str(self.path))
             root = self.path if self.path.is_dir() else self.path.parent
-            digests = files_digest(sorted(f for f in files if Path(f).exists()), root)
+            digests = files_digest(sorted(f for f in files if Path(f).exists()), root, self.settings.hash_cache)
             for f in sorted(files):
                 h.update(f"{Path(f).name}|{digests.get(f, 'absent')}".encode())
             self._fingerprint = h.hexdigest()[:32]

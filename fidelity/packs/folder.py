@@ -12,6 +12,7 @@ from ..errors import PackError
 from ..registry import CLAIMERS
 from .base import LogicalTensor, Pack
 from .safetensors_io import RawTensorInfo, SafetensorsFile
+from ..pack_settings import PackSettings
 from .staging import StagedBytes, host_copy
 
 
@@ -93,8 +94,8 @@ def read_json(path: Path) -> dict:
 
 
 class SafetensorsPack(Pack):
-    def __init__(self, path: str | Path):
-        super().__init__(path)
+    def __init__(self, path: str | Path, settings: PackSettings = PackSettings()):
+        super().__init__(path, settings)
         p = self.path
         if p.is_file():
             root, weight_map = p.parent, {n: p.name for n in SafetensorsFile(p).names()}

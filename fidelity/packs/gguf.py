@@ -23,6 +23,7 @@ from gguf.quants import _type_traits
 from ..errors import PackError
 from .base import LogicalTensor, Pack, Storage
 from .gguf_file import GGUFFile
+from ..pack_settings import PackSettings
 from .staging import to_device
 
 # gguf architecture name -> (HF model_type, HF architectures[0])
@@ -351,8 +352,8 @@ class GGUFPack(Pack):
 
     format = "gguf"
 
-    def __init__(self, path: str | Path):
-        super().__init__(path)
+    def __init__(self, path: str | Path, settings: PackSettings = PackSettings()):
+        super().__init__(path, settings)
         try:
             self.reader = GGUFFile(self.path)
         except Exception as e:  # ValueError names what is malformed; numpy/OS errors on unreadable files

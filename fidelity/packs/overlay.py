@@ -17,6 +17,7 @@ from ..errors import PackError
 from .base import LogicalTensor, Pack
 from .folder import SafetensorsPack, read_json
 from .opening import open_pack, register_folder_marker
+from ..pack_settings import PackSettings
 
 MARKER = "fidelity_overlay.json"
 
@@ -24,9 +25,9 @@ MARKER = "fidelity_overlay.json"
 class OverlayFolder(SafetensorsPack):
     """The overlay's own safetensors, falling back to the base's quantization config when it has none."""
 
-    def __init__(self, path: str | Path, fallback_quant_config: dict | None):
+    def __init__(self, path: str | Path, fallback_quant_config: dict | None, settings: PackSettings = PackSettings()):
         self._fallback_quant_config = fallback_quant_config
-        super().__init__(path)
+        super().__init__(path, settings)
 
     def _quant_config(self) -> dict | None:
         return super()._quant_config() or self._fallback_quant_config
@@ -35,11 +36,11 @@ class OverlayFolder(SafetensorsPack):
 class OverlayPack(Pack):
     format = "overlay"
 
-    def __init__(self, base: Pack | str | Path, overlay: Pack | str | Path):
-        base = base if isinstance(base, Pack) else open_pack(base)
+    def __init__(self, base: Pack | str | Path, overlay: Pack | str | Path, settings: PackSettings = PackSettings()):
+        base = base if isinstance(base, Pack) else open_pack(base, settings)
         if not isinstance(overlay, Pack):
-            overlay = OverlayFolder(overlay, getattr(base, "quant_config", None))
-        super().__init__(overlay.path)
+            overlay = OverlayFolder(overlay, getattr(base, "quant_config", None), settings)
+        super().__init__(overlay.path, settings)
         self.base, self.overlay = base, overlay
         self.config = base.config
         self._origin: dict[str, str] = {}
@@ -62,7 +63,7 @@ class OverlayPack(Pack):
             self._origin[name] = "overlay"
 
     @classmethod
-    def from_marker(cls, marker: str | Path) -> "OverlayPack":
+    def from_marker(cls, marker: str | Path, settings: PackSettings = PackSettings()) -> "OverlayPack":
         marker = Path(marker)
         spec = read_json(marker)
         if not isinstance(spec, dict) or not isinstance(spec.get("base"), str):
@@ -74,7 +75,7 @@ class OverlayPack(Pack):
             raise PackError("overlay marker names its own folder as the base", file=marker)
         if not base.exists():
             raise PackError(f"overlay base {base} does not exist", file=marker)
-        return cls(open_pack(base), folder)
+        return cls(open_pack(base, settings), folder, settings)
 
     # -- the listing ------------------------------------------------------------------------------------------------
     def origin(self, name: str) -> str:

@@ -11,6 +11,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ...errors import ConfigError
+from ...pack_settings import PackSettings
 from ...registry import GATES
 from ..client import ClientConfig, EngineClient
 from ..reference import reference_from_store
@@ -75,14 +76,17 @@ def select_gates(only: str | None, cfg: dict | None = None) -> list[str]:
     return names
 
 
-def load_reference(store: str, pack: str | None, panel: str | None, rows_per_domain: int | None):
-    return reference_from_store(store, pack, panel, rows_per_domain=rows_per_domain)
+def load_reference(store: str, pack: str | None, panel: str | None, rows_per_domain: int | None,
+                   pack_settings: PackSettings):
+    return reference_from_store(store, pack, panel, rows_per_domain=rows_per_domain, pack_settings=pack_settings)
 
 
 async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, store: str | None = None,
                     reference_pack: str | None = None, panel: str | None = None, rows_per_domain: int | None = None,
                     journal: str | None = None, timeout: float | None = None, retries: int | None = None,
-                    concurrency: int | None = None, bwrap: str | None = None) -> dict:
+                    concurrency: int | None = None, bwrap: str | None = None,
+                    pack_settings: PackSettings = PackSettings()) -> dict:
+    """`pack_settings`: how the reference store's pack is opened."""
     st = dict(cfg.get("settings", {}))
     prompt_as = st.pop("prompt_as", "auto")
     client_kw = {k: st.pop(k) for k in list(st) if k in CLIENT_KEYS}
@@ -93,7 +97,7 @@ async def run_gates(engine: str, model: str, names: list[str], cfg: dict, *, sto
     results = []
     async with EngineClient(ClientConfig(engine, model=model, **client_kw)) as client:
         call = GateCall(engine, model, client, settings, prompt_as, cfg.get("_dir"), journal, store,
-                        lambda: load_reference(store, reference_pack, panel, rows_per_domain), bwrap)
+                        lambda: load_reference(store, reference_pack, panel, rows_per_domain, pack_settings), bwrap)
         for name in names:
             kind, _, sub = name.partition(".")  # suite.NAME: kind "suite", its table [suite.NAME]
             section = cfg.get(kind)

@@ -279,24 +279,17 @@ def _rotate_back_f64(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> t
 # Triton kernel, decode_triton.py: the sums as balanced int8 digits on integer tensor cores, exact). The same bits every
 # way; int64 and int8 need no float64 matmul (consumer cards, GB10: float64 at 1/64 of the fp32 rate), only elementwise
 # float64 (one conversion, two scalings per weight). int8 is the default on CUDA GPUs with int8 tensor cores in Triton
-# (compute capability 8.0 and up) where Triton is installed; FIDELITY_EXL3_SUMS=float64|int64|int8 overrides
-# the default.
+# (compute capability 8.0 and up) where Triton is installed; a pack's `PackSettings.exl3_sums` (the command line's
+# FIDELITY_EXL3_SUMS) overrides the default.
 HADAMARD_SUMS = ("float64", "int64", "int8")
 INT_SHIFT = 24
 FAST_FLOAT64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}   # P100, V100, A100, H100/H200, B200 (compute capability)
 
 
-SUMS_ENV = "FIDELITY_EXL3_SUMS"
-
-
 def default_sums(device: torch.device) -> str:
     """float64 on the CPU; on CUDA the fused int8 kernel where Triton runs it, else float64 on GPUs with fast float64
-    and int64 elsewhere. FIDELITY_EXL3_SUMS overrides (for a device the choice does not fit, decode_weight says so)."""
-    forced = os.environ.get(SUMS_ENV)
-    if forced:
-        if forced not in HADAMARD_SUMS:
-            raise ValueError(f"{SUMS_ENV}={forced!r}: expected one of {HADAMARD_SUMS}")
-        return forced
+    and int64 elsewhere. A decode's `sums` argument overrides it (for a device the choice does not fit, decode_weight
+    says so)."""
     if device.type == "cpu":
         return "float64"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) and _triton_decode() is not None:

@@ -295,18 +295,19 @@ def _read_scale(pack, lin: StoredLinear, dense: str, bits: str, device: torch.de
 
 
 def linear_weight(pack, c: CheckedLinear, shape: tuple[int, int], device: torch.device = CPU) -> torch.Tensor:
-    """The decoded weight [out, in] on `device` (the stored trellis and scales travel, the decode runs there)."""
+    """The decoded weight [out, in] on `device` (the stored trellis and scales travel, the decode runs there, with the
+    pack's `settings.exl3_sums`)."""
     lin, raw = c.lin, pack.raw
     return decode_weight(to_device(raw.get(lin.trellis), device), _read_scale(pack, lin, "suh", "su", device),
                          _read_scale(pack, lin, "svh", "sv", device), c.codebook, shape=shape,
-                         file=raw.file_path(lin.trellis), tensor=lin.trellis)
+                         file=raw.file_path(lin.trellis), tensor=lin.trellis, sums=pack.settings.exl3_sums)
 
 
 def linear_weights(device: torch.device, parts: list) -> list[torch.Tensor]:
-    """BatchDecode of EXL3 linears of one codebook, trellis shape, scale encoding and logical shape: parts (pack,
+    """BatchDecode of EXL3 linears of one codebook, trellis shape, scale encoding, logical shape and sums: parts (pack,
     CheckedLinear, shape) -> their decoded weights, every stored tensor sent once into one buffer per kind and all
     decoded in one `decode_weights` (one kernel launch with the fused int8 sums), each bit for bit `linear_weight`'s."""
-    _, c0, shape = parts[0]
+    pack0, c0, shape = parts[0]
 
     def scales(dense: str, bits: str) -> torch.Tensor:
         if dense in c0.lin.parts:                   # one encoding per batch: it is part of the kind
@@ -316,7 +317,7 @@ def linear_weights(device: torch.device, parts: list) -> list[torch.Tensor]:
     trellis = stack_to_device([pack.raw.get(c.lin.trellis) for pack, c, _ in parts], device)
     w = decode_weights(trellis, scales("suh", "su"), scales("svh", "sv"), c0.codebook, shape=shape,
                        files=[pack.raw.file_path(c.lin.trellis) for pack, c, _ in parts],
-                       tensors=[c.lin.trellis for _, c, _ in parts])
+                       tensors=[c.lin.trellis for _, c, _ in parts], sums=pack0.settings.exl3_sums)
     return list(w.unbind(0))
 
 
@@ -325,7 +326,8 @@ def linear_entries(pack, c: CheckedLinear, logical: str, shape: tuple[int, int])
     lin, raw = c.lin, pack.raw
     storage = Storage(logical, "exl3", f"exl3 K={c.rate.K:g} {c.codebook}", tuple(shape), c.nbytes,
                       block=(16, 16), files=c.files, raw=tuple(n for s, n in lin.parts.items() if s != "bias"))
-    kind = (c.codebook, pack.raw.info(lin.trellis).shape, tuple(shape), "suh" in lin.parts, "svh" in lin.parts)
+    kind = (c.codebook, pack.raw.info(lin.trellis).shape, tuple(shape), "suh" in lin.parts, "svh" in lin.parts,
+            pack.settings.exl3_sums)
     out = {logical: LogicalTensor(storage, lambda device: linear_weight(pack, c, shape, device), on_device=True,
                                   batch=BatchDecode(linear_weights, kind, (pack, c, shape)))}
     if "bias" in lin.parts:
