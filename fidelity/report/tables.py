@@ -39,8 +39,8 @@ def pct(x) -> str:
     return "—" if x is None else f"{100 * float(x):.2f}%"
 
 
-def ci(block, key: str) -> str:
-    v = getattr(block, key)
+def ci(v) -> str:
+    """An interval as written (`[lo, hi]`), or "" where there is none."""
     if isinstance(v, (list, tuple)) and len(v) == 2:
         return f"[{num(v[0])}, {num(v[1])}]"
     return ""
@@ -74,12 +74,13 @@ def interval_reason(block, ci_key: str) -> str | None:
     return next((getattr(block, k) for k in keys if hasattr(block, k) and getattr(block, k)), None)
 
 
-def with_ci(block, mean_key: str, ci_key: str, reasons: Reasons | None = None) -> str:
-    c = ci(block, ci_key)
-    if not c and reasons is not None and getattr(block, mean_key) is not None:
-        c = reasons.mark(interval_reason(block, ci_key))
-        return f"{num(getattr(block, mean_key))}{c}"
-    return f"{num(getattr(block, mean_key))} {c}".strip()
+def with_ci(block, key: str, reasons: Reasons | None = None) -> str:
+    """The estimate `key` of a result block with its interval; a missing interval gets its reason's mark."""
+    e = block.estimate(key)
+    c = ci(e.ci95)
+    if not c and reasons is not None and e.value is not None:
+        return f"{num(e.value)}{reasons.mark(interval_reason(block, f'{key}_ci95'))}"
+    return f"{num(e.value)} {c}".strip()
 
 
 def ceil_significant(x: float, digits: int = 2) -> float:
@@ -117,8 +118,8 @@ def overall_table(g: Group) -> Table:
     rows, reasons = [], Reasons()
     for p in g.packs:
         o = p.overall
-        row = [p.label, num(p.bpw), with_ci(o, "kld_mean", "kld_mean_ci95", reasons),
-               with_ci(o, "kld_domains_equal", "kld_domains_equal_ci95", reasons), times_floor(o), pct(o.top1),
+        row = [p.label, num(p.bpw), with_ci(o, "kld_mean", reasons),
+               with_ci(o, "kld_domains_equal", reasons), times_floor(o), pct(o.top1),
                num(o.nonfinite)]
         if flips:
             row.insert(6, f"{num(o.top1_flips_clear)} / {num(o.top1_flips_near_tie)}")
@@ -152,10 +153,9 @@ def likelihood_table(g: Group) -> Table:
     for p in g.packs:
         o = p.overall
         worse, share, sign_p = _rows_worse(o)
-        rows.append([p.label, with_ci(o, "nll_ref_mean", "nll_ref_mean_ci95", reasons),
-                     with_ci(o, "nll_mean", "nll_mean_ci95", reasons),
-                     with_ci(o, "delta_nll_mean", "delta_nll_mean_ci95", reasons), num(o.delta_nll_mean_se),
-                     worse, share, sign_p, with_ci(o, "kld_reverse_mean", "kld_reverse_mean_ci95", reasons)])
+        rows.append([p.label, with_ci(o, "nll_ref_mean", reasons), with_ci(o, "nll_mean", reasons),
+                     with_ci(o, "delta_nll_mean", reasons), num(o.delta_nll_mean_se),
+                     worse, share, sign_p, with_ci(o, "kld_reverse_mean", reasons)])
     note = (
         "NLL: mean −log p of the true next token, nats per scored position (reference / pack); "
         "ΔNLL = pack − reference, "
@@ -189,9 +189,7 @@ def domain_table(g: Group, key: str, title: str, fmt, reasons: Reasons | None = 
 def per_domain_tables(g: Group) -> list[Table]:
     reasons = Reasons()
     return [
-        domain_table(
-            g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, k + "_ci95", reasons), reasons
-        ),
+        domain_table(g, "kld_mean", "KLD mean per domain [95% CI]", lambda b, k: with_ci(b, k, reasons), reasons),
         domain_table(g, "top1", "Top-1 agreement per domain", lambda b, k: pct(getattr(b, k))),
         domain_table(g, "ppl", "Perplexity per domain", lambda b, k: num(getattr(b, k))),
     ]
@@ -199,7 +197,7 @@ def per_domain_tables(g: Group) -> list[Table]:
 
 def _paired_cells(v: PairedBlock, reasons: Reasons) -> list[str]:
     """A − B [CI], change % [CI], p (at the bootstrap floor: "< floor") of one scope of a paired block."""
-    diff = with_ci(v, "diff", "diff_ci95", reasons)
+    diff = with_ci(v, "diff", reasons)
     change = num(v.relative_change_pct, 3)
     c = v.relative_change_pct_ci95
     if isinstance(c, (list, tuple)) and len(c) == 2:
