@@ -1,6 +1,6 @@
 """Tiny DeepSeek test models shared by the V3.2 and V4 oracle tests (no tests here): a named variant of a base config
-built into a pack folder, V4's builder, config.json edits for the bad-input tests, and the top-k tie rule the
-transformers references run under (`reference_ties_to_lower_index`, autouse where imported)."""
+built into a pack folder, V4's tiny config and builder, config.json edits for the bad-input tests, and the top-k tie
+rule the transformers references run under (`reference_ties_to_lower_index`, autouse where imported)."""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +23,18 @@ def make_variant(config_cls, build_model: Callable, base: dict, cases: dict, tmp
     folder = tmp_path / case
     model = build_model(config_cls(**{**base, **cases[case], **over}), folder=folder, seed=seed)
     return model, open_pack(folder)
+
+
+def tiny_v4(layer_types: list[str], mlp_layer_types: list[str]) -> dict:
+    """The tiny DeepSeek-V4 config the V4 oracle and drafter tests share, with these attention and MLP layer kinds
+    (one layer each)."""
+    return dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=len(layer_types),
+                num_attention_heads=4, head_dim=16, partial_rotary_factor=0.25, q_lora_rank=12, num_experts_per_tok=2,
+                n_routed_experts=6, hc_mult=3, hc_sinkhorn_iters=5, sliding_window=5, o_groups=2, o_lora_rank=8,
+                index_n_heads=4, index_head_dim=8, index_topk=3, swiglu_limit=0.8, routed_scaling_factor=1.7,
+                rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False, layer_types=layer_types,
+                compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4},
+                mlp_layer_types=mlp_layer_types)
 
 
 def edit_config(folder: Path, **edit) -> Path:

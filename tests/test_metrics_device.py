@@ -428,6 +428,29 @@ def _rows_sent_to_the_exact_pass(metrics, monkeypatch) -> list:
     return sent
 
 
+def _lane_rows_against_the_cpu(rng_seed: int, device: str, kernel, write_rows) -> tuple:
+    """Five reference rows of 3 * TRITON_BLOCK + 19 logits: rows 0, 2 and 3 lifted above the rest by
+    `write_rows(a, top)` (a lane holding several of the top-5), row 1 a copy of row 0 whose pack row starts its list
+    elsewhere, row 4 plain noise. The device's topk_match and top-1 ids equal the CPU kernel's, and rows 0-3 match
+    5, 0, 5, 5 places. Returns (the device's out, the CPU metrics)."""
+    g = torch.Generator().manual_seed(rng_seed)
+    v = 3 * TRITON_BLOCK + 19
+    a = torch.randn(5, v, generator=g)
+    top = float(a.max()) + 1
+    write_rows(a, top)
+    a[1] = a[0]
+    b = a.clone()
+    b[1, 100] = top + 10                          # row 1: the pack's list starts elsewhere
+    b[4] = a[4] + 1e-3 * torch.randn(v, generator=g)
+    t = torch.randint(0, v, (5,), generator=g)
+    out, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), kernel)
+    cpu = position_metrics(a, b, t, reverse=True)
+    assert cpu.topk_match[:4].tolist() == [5, 0, 5, 5]
+    assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
+    assert torch.equal(got[:, 0].cpu(), cpu.ref_top1) and torch.equal(got[:, 1].cpu(), cpu.pack_top1)
+    return out, cpu
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="missing tool: triton")
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA: compiled below")),
                                     pytest.param("cuda", marks=cuda_only)])
@@ -439,26 +462,15 @@ def test_lists_of_two_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     from fidelity.measuring import metrics
     kernel = variant(topk="fused-top2", shift=shift)
     sent = _rows_sent_to_the_exact_pass(metrics, monkeypatch)
-    g = torch.Generator().manual_seed(rng_seed)
     B = TRITON_BLOCK
-    v = 3 * B + 19
-    a = torch.randn(5, v, generator=g)
-    top = float(a.max()) + 1
-    lane = [5, 5 + B, 5 + 2 * B]                 # one lane (index mod BLOCK), three places
-    others = [17, 40, 77]                        # three other lanes
-    a[0, lane + others[:2]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # the lane holds places 1-3
-    a[1] = a[0]
-    a[2, others[:2] + lane] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 3-5
-    a[3, others + lane[:2]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 4-5 only
-    b = a.clone()
-    b[1, 100] = top + 10                          # row 1: the pack's list starts elsewhere
-    b[4] = a[4] + 1e-3 * torch.randn(v, generator=g)
-    t = torch.randint(0, v, (5,), generator=g)
-    _, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), kernel)
-    cpu = position_metrics(a, b, t, reverse=True)
-    assert cpu.topk_match[:4].tolist() == [5, 0, 5, 5]
-    assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
-    assert torch.equal(got[:, 0].cpu(), cpu.ref_top1) and torch.equal(got[:, 1].cpu(), cpu.pack_top1)
+
+    def write_rows(a, top):
+        lane = [5, 5 + B, 5 + 2 * B]                 # one lane (index mod BLOCK), three places
+        others = [17, 40, 77]                        # three other lanes
+        a[0, lane + others[:2]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # the lane holds places 1-3
+        a[2, others[:2] + lane] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 3-5
+        a[3, others + lane[:2]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 4-5 only
+    _lane_rows_against_the_cpu(rng_seed, device, kernel, write_rows)
     assert {0, 2} <= set(sent) and not {1, 3} & set(sent), sent
 
 
@@ -474,27 +486,16 @@ def test_lists_of_one_send_the_rows_they_cannot_answer_to_the_exact_pass(rng_see
     from fidelity.measuring import metrics
     kernel = variant(topk="fused-top1v", shift=shift)
     sent = _rows_sent_to_the_exact_pass(metrics, monkeypatch)
-    g = torch.Generator().manual_seed(rng_seed)
     B = TRITON_BLOCK
-    v = 3 * B + 19
-    a = torch.randn(5, v, generator=g)
-    top = float(a.max()) + 1
-    lane = [5, 5 + 2 * B]                        # one lane (index mod BLOCK), two places
-    others = [17, 40, 77, 301]                   # four other lanes
-    a[0, lane + others[:3]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # the lane holds places 1-2
-    a[1] = a[0]
-    a[2, others[:3] + lane] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 4-5
-    a[3, others + lane] = top + torch.tensor([6.0, 5, 4, 3, 2, 1])       # places 5-6: the 6th is not asked for
-    a[3, 5] = top + 2                                                    # (the lane's best is the 5th)
-    b = a.clone()
-    b[1, 100] = top + 10                          # row 1: the pack's list starts elsewhere
-    b[4] = a[4] + 1e-3 * torch.randn(v, generator=g)
-    t = torch.randint(0, v, (5,), generator=g)
-    out, got = device_metrics_columns(a.to(device), b.to(device), t.to(device), kernel)
-    cpu = position_metrics(a, b, t, reverse=True)
-    assert cpu.topk_match[:4].tolist() == [5, 0, 5, 5]
-    assert torch.equal(got[:, 2].cpu(), cpu.topk_match)
-    assert torch.equal(got[:, 0].cpu(), cpu.ref_top1) and torch.equal(got[:, 1].cpu(), cpu.pack_top1)
+
+    def write_rows(a, top):
+        lane = [5, 5 + 2 * B]                        # one lane (index mod BLOCK), two places
+        others = [17, 40, 77, 301]                   # four other lanes
+        a[0, lane + others[:3]] = top + torch.tensor([5.0, 4, 3, 2, 1])      # the lane holds places 1-2
+        a[2, others[:3] + lane] = top + torch.tensor([5.0, 4, 3, 2, 1])      # places 4-5
+        a[3, others + lane] = top + torch.tensor([6.0, 5, 4, 3, 2, 1])       # places 5-6: the 6th is not asked for
+        a[3, 5] = top + 2                                                    # (the lane's best is the 5th)
+    out, cpu = _lane_rows_against_the_cpu(rng_seed, device, kernel, write_rows)
     assert torch.equal(out[:, 2].cpu(), cpu.ref_margin)       # the runner-up's value without its index
     assert {0, 2} <= set(sent) and not {1, 3} & set(sent), sent
 

@@ -20,17 +20,11 @@ from fidelity.errors import ConfigError, FidelityError, PackError
 from fidelity.oracle import Oracle
 from fidelity.oracle.deepseek.mtp import DSparkDrafter, acceptance
 from testkit.minipacks_v4 import official_name
-from _deepseek_configs import random_v4, reference_ties_to_lower_index  # noqa: F401 (autouse: indexer ties by index)
+from _deepseek_configs import random_v4, reference_ties_to_lower_index, tiny_v4  # noqa: F401 (autouse: ties)
 
 TOL = 1e-4
-TRUNK = dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=4,
-             head_dim=16, partial_rotary_factor=0.25, q_lora_rank=12, num_experts_per_tok=2, n_routed_experts=6,
-             hc_mult=3, hc_sinkhorn_iters=5, sliding_window=5, o_groups=2, o_lora_rank=8, index_n_heads=4,
-             index_head_dim=8, index_topk=3, swiglu_limit=0.8, routed_scaling_factor=1.7, rms_norm_eps=1e-6,
-             max_position_embeddings=4096, tie_word_embeddings=False,
-             layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-             compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4},
-             mlp_layer_types=["hash_moe", "moe", "moe"])
+TRUNK = tiny_v4(["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                ["hash_moe", "moe", "moe"])
 N_BLOCKS, BLOCK, TARGETS, MARKOV_RANK = 2, 4, [0, 2], 6
 NOISE = TRUNK["vocab_size"] - 1
 

@@ -17,20 +17,14 @@ from safetensors.torch import load_file, save_file
 from fidelity import open_pack
 from fidelity.errors import ConfigError, PackError
 from fidelity.oracle import Oracle
-from _deepseek_configs import build_v4, edit_config, make_variant, reference_ties_to_lower_index  # noqa: F401 (autouse)
-from test_oracle_support import hf_logits
+from _deepseek_configs import build_v4, edit_config, make_variant, tiny_v4
+from _deepseek_configs import reference_ties_to_lower_index  # noqa: F401 (autouse)
+from test_oracle_support import assert_oracle_matches_hf, hf_logits
 
 TOL = 1e-4
 
-BASE = dict(vocab_size=61, hidden_size=32, moe_intermediate_size=12, num_hidden_layers=4, num_attention_heads=4,
-            head_dim=16, partial_rotary_factor=0.25, q_lora_rank=12, num_experts_per_tok=2, n_routed_experts=6,
-            hc_mult=3, hc_sinkhorn_iters=5, sliding_window=5, o_groups=2, o_lora_rank=8, index_n_heads=4,
-            index_head_dim=8, index_topk=3, swiglu_limit=0.8, routed_scaling_factor=1.7, rms_norm_eps=1e-6,
-            max_position_embeddings=4096, tie_word_embeddings=False,
-            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                         "compressed_sparse_attention"],
-            compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4},
-            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"])
+BASE = tiny_v4(["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                "compressed_sparse_attention"], ["hash_moe", "hash_moe", "moe", "moe"])
 
 CASES = {
     "mixed-default-rope": {},
@@ -82,12 +76,7 @@ def test_matches_transformers_past_window_and_topk(tmp_path, rng_seed, case):
     T_len = 26
     assert T_len > cfg.sliding_window and T_len // cfg.compress_rates["compressed_sparse_attention"] > cfg.index_topk
     tokens = torch.randint(0, cfg.vocab_size, (2, T_len))
-    want = hf_logits(model, tokens)
-    got = Oracle(pack).logits(tokens)
-    delta = (got - want).abs().max().item()
-    print(f"{case}: T={T_len} max |dlogit| = {delta:.3g}, logit scale {want.abs().max().item():.3g}")
-    assert got.shape == want.shape and delta <= TOL
-    assert want.abs().max() > 1.0
+    assert_oracle_matches_hf(model, pack, tokens, TOL, f"{case}: T={T_len}")
 
 
 def official_name(saved: str) -> str:

@@ -70,16 +70,9 @@ def real_run(tmp_path_factory) -> RealRun:
     print(f"random seed {seed}")
     base = tmp_path_factory.mktemp("real_compare")
     tok = _tokenizer()
-    cfg = T.LlamaConfig(
-        vocab_size=len(WORDS) + 1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    cfg = T.LlamaConfig(vocab_size=len(WORDS) + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        tie_word_embeddings=False)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     native = T.LlamaForCausalLM(cfg).eval()
