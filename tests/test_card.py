@@ -13,7 +13,8 @@ import torch
 from scipy import stats
 
 from fidelity.measuring.metrics import PositionMetrics
-from fidelity.measuring.stats import RowGroups, paired_difference, summarize
+from fidelity.measuring.bootstrap import RowGroups
+from fidelity.measuring.stats import paired_difference, summarize
 
 FIXTURES = Path(__file__).parent / "fixtures" / "card"
 

@@ -9,7 +9,9 @@ import torch
 from scipy import stats
 
 from fidelity.measuring.metrics import PositionMetrics
-from fidelity.measuring.stats import MIN_ROWS, RatioBootstrap, RowGroups, interval, paired_difference, summarize
+from fidelity.measuring.bootstrap import MIN_ROWS, RatioBootstrap, RowGroups
+from fidelity.measuring.intervals import interval
+from fidelity.measuring.stats import paired_difference, summarize
 
 
 def _metrics(kld, finite=None) -> PositionMetrics:

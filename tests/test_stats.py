@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from fidelity.measuring.metrics import TOPK, PositionMetrics
-from fidelity.measuring.stats import (CONFIDENCE_EDGES, NONNEGATIVE, SHARE, SIGNED, RatioBootstrap, RowGroups,
-                                      bootstrap_counts, domain_sums, iid_mean_ci, paired_difference, percentile_ci,
-                                      ratio_scopes, summarize)
+from fidelity.measuring.bootstrap import RatioBootstrap, RowGroups, bootstrap_counts, domain_sums, ratio_scopes
+from fidelity.measuring.intervals import NONNEGATIVE, SHARE, SIGNED, iid_mean_ci, percentile_ci
+from fidelity.measuring.stats import CONFIDENCE_EDGES, paired_difference, summarize
 
 DOMAINS = ["code", "math", "chat", "writing"]
 
@@ -359,7 +359,7 @@ def test_new_intervals_cover(rng_seed):
 def test_quantile_replicates_equal_numpys_weighted_quantile(rng_seed):
     """Each replicate's quantile (row-constant weights, windowed search, widened when a replicate falls outside)
     equals numpy's inverted-CDF weighted quantile of every position with its row's weight."""
-    from fidelity.measuring.stats import quantile_reps
+    from fidelity.measuring.bootstrap import quantile_reps
 
     rng = np.random.default_rng(rng_seed)
     rows, n_boot = 40, 30
@@ -484,7 +484,7 @@ def test_logit_scale_interval_for_two_sided_bounds_and_its_p_value(rng_seed):
     from scipy.special import expit, logit
     from scipy.stats import t
 
-    from fidelity.measuring.stats import DELTA_P, UNIT, analytic_interval
+    from fidelity.measuring.intervals import DELTA_P, UNIT, analytic_interval
 
     rng = np.random.default_rng(rng_seed)
     seen_outside = seen_inside = 0

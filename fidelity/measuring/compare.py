@@ -28,12 +28,13 @@ from ..packs import open_pack
 from ..packs.config_check import check_against_config
 from ..packs.tokenizer import load_tokenizer
 from ..panels.panel import Panel, TokenizedRow, load_panel, tokenize_panel, tokenizer_fingerprint
+from .bootstrap import RowGroups
 from .metrics import MetricKernel, PositionMetrics, position_metrics
 from .noise_floor import NOISE_REL, other_numerics, perturbed_oracle
 from .passes import Resume, ResumeError, position_columns, records_names, reference_logits_cache, write_metrics
 from .result_schema import SCHEMA_VERSION
 from .routing import RoutingCounts
-from .stats import RowGroups, paired_difference, summarize
+from .stats import paired_difference, summarize
 from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index
 
 
@@ -83,8 +84,8 @@ def compare(
     numerics_floor: bool = True,
     run_settings=None,
     metric_kernel: MetricKernel = MetricKernel(),
-) -> CompareResult:
     pack_settings: PackSettings = PackSettings(),
+) -> CompareResult:
     """Measure each pack in `packs` against `reference` (paths or Pack objects) on `panel` (default: panels/default).
     `resume`: a folder where every finished pass is kept (see `Resume`); a rerun with it recomputes only the rest.
     `numerics`: every oracle's ("exact" | "deepseek", fidelity.numerics). `numerics_floor`: where the reference's

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...measuring.bootstrap import (RatioBootstrap, RowGroups, add_rows_worse, ratio_scopes, row_scopes, rows_worse,
+                                   rows_worse_share)
+from ...measuring.intervals import NONNEGATIVE, SHARE, SIGNED, UNIT
 from ..client import Completion, EngineClient, EngineError, EngineProtocolError, TokenLogprob
 from ..reference import Reference, ReferenceRow
 from .echo import EchoedRow, diagnose_echo, oracle_echo_shifts
@@ -257,10 +260,6 @@ def oracle_kl_statistics(
     by domain), overall, per domain (`domains`) and domains-equal: KL(ref || engine) (the top-k estimator), top-1
     agreement (decidable positions only), the engine's NLL and perplexity of the panel's tokens next to the reference's,
     ΔNLL (engine - reference) with its SE, and rows worse (rows whose mean NLL rose) with a sign test."""
-    # stats loads torch (through metrics): imported here, so `fidelity gate --help` and the gate parsers stay torch-free
-    from ...measuring.stats import (  # noqa: PLC0415 (CLI startup, tests/test_cli_startup.py)
-        NONNEGATIVE, SHARE, SIGNED, UNIT, RatioBootstrap, RowGroups, add_rows_worse, ratio_scopes, row_scopes,
-        rows_worse, rows_worse_share)
     groups = RowGroups.build(
         np.repeat(np.arange(len(by_row)), [len(p) for _, p in by_row]), [r.domain for r, _ in by_row]
     )
