@@ -254,7 +254,8 @@ def test_error_scale_corr_tells_a_blockwise_error_from_noise(rng_seed):
     """On a 256 x 512 tensor (8192 groups): a blockwise absmax round-to-nearest error (step = the group's max |w| / 2,
     as a 2-bit quantizer) and a multiplicative one are far outside the independence null; isotropic noise is inside
     it."""
-    from fidelity.measuring.attribute import error_scale_corr, isotropic_noise
+    from fidelity.measuring.attribute import isotropic_noise
+    from fidelity.measuring.attribute_divergence import error_scale_corr
     g = torch.Generator().manual_seed(rng_seed)
     w = torch.randn(256, 512, generator=g, dtype=torch.float64) * torch.rand(256, 1, generator=g, dtype=torch.float64)
     blocks = w.reshape(-1, 16)

@@ -21,7 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fidelity import open_pack
-from fidelity.measuring.attribute import Reader, Settings, Trunk, _variant, attribute, module_groups, table_error
+from fidelity.measuring.attribute import Settings, _variant, attribute
+from fidelity.measuring.attribute_divergence import table_error
+from fidelity.measuring.attribute_groups import module_groups
+from fidelity.measuring.attribute_trunk import Reader, Trunk
 from fidelity.errors import PackError
 from fidelity.packs.exl3 import writer as minipacks
 from fidelity.packs.exl3.encoder import EncodingCache

@@ -108,7 +108,8 @@ def test_attribute_under_deepseek_numerics(minis, rng_seed):
     """attribute --numerics deepseek: its whole-pack KL is the KL between the two oracles under deepseek (computed
     directly), a swap of an unchanged module changes nothing, and a swapped tensor's input rounds as the pack stores it
     (the bf16 reference's wq_a input is not rounded, the FP8 pack's is)."""
-    from fidelity.measuring.attribute import Reader, Settings, attribute, pack_names, variant_rounding
+    from fidelity.measuring.attribute import Settings, attribute, pack_names
+    from fidelity.measuring.attribute_trunk import Reader, variant_rounding
     native, fp8 = minis
     ref, pack = open_pack(native), open_pack(fp8)
     g = torch.Generator().manual_seed(rng_seed)

@@ -395,7 +395,7 @@ def test_attribution_reruns_from_any_layer_with_that_layers_pass_state(tmp_path,
     """fidelity.measuring.attribute re-runs a variant from a layer's kept input with the state the reference pass handed
     that layer (pools of earlier layers, the last selection and candidate blocks, the carried pre): with every layer the
     reference's, a re-run from any layer (or from the final hidden states) gives the reference's logits bit for bit."""
-    from fidelity.measuring.attribute import Trunk
+    from fidelity.measuring.attribute_trunk import Trunk
     oracle = Oracle(open_pack(write_pack(tmp_path / "p", base_config(), rng_seed)))
     g = torch.Generator().manual_seed(rng_seed)
     rows = [random_tokens(g, 1, n)[0].tolist() for n in (20, 13, 20)]

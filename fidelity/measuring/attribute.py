@@ -48,43 +48,33 @@ Reported (definitions once, here):
 """
 from __future__ import annotations
 
-import copy
-import math
-import re
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 import pandas as pd
 
 from ..errors import ConfigError, PackError
 from ..oracle import Oracle
-from ..oracle.common import Fetch, OracleTaps, layer_call_args, rms_norm
-from ..oracle.deepseek.quant import rounds_stored_input
-from ..oracle.runner import _slice_rope
 from ..pack_settings import PackSettings
 from ..packs import open_pack
 from ..packs.config_check import check_against_config
+from .attribute_divergence import (WeightErrors, error_scale_corr, hidden_divergence, pooled_scale_corr,
+                                   stream_divergence)
+from .attribute_groups import LAYER, first_layer, module_groups, one_layer, table_layer, table_name
+from .attribute_routing import RoutingRecorder, routing_tables
+from .attribute_trunk import Reader, Trunk
 from .compare import check_same_vocab, prepare
 from .engram_access import EngramAccess
-from .metrics import MetricKernel, position_metrics
+from .metrics import MetricKernel
 from .noise_floor import sub_blocks
-from .routing import RoutingCounts
 from .store import scored_index
 
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-MODULES = ("layer", "block", "expert")
-ERROR_GROUP = 16      # err_scale_corr's group: the k-quants' sub-block (Q2_K..Q6_K: 16; Q4_K/Q5_K's 32 are two of them)
 CI_BOOTSTRAP = 2000
 NOISE_LEVELS = (2.0 ** -10, 2.0 ** -8, 2.0 ** -6)   # bf16 rounding (2^-8) in the middle; larger levels flip
 # routing choices on MoE models, where KL stops being quadratic (tiny V4: quadratic to 1e-2, not at 1e-1)
 SUPER_EXPERT_SHARE = 0.2
-# Reference layers are kept in memory (built once, reused by every re-run) when all of them fit in this many bytes.
-KEEP_LAYERS_BYTES = 8 * 2**30
-
 
 @dataclass
 class Settings:
@@ -102,8 +92,6 @@ class Settings:
     seed: int = 0
     keep_layers: bool | None = None              # None: when the reference's layers fit in KEEP_LAYERS_BYTES
     numerics: str = "exact"                      # the oracles' (fidelity.numerics); under "deepseek" a swapped
-                                                 # tensor's input rounds as the pack stores it (variant_rounding)
-
 
 @dataclass
 class Attribution:
@@ -134,130 +122,6 @@ class Attribution:
             "engram_access": self.engram_access,
         }
 
-
-# -- module groups -------------------------------------------------------------------------------------------
-def block_of(name: str) -> str:
-    """The block kind of a layer tensor: engram, attention, router, experts, shared_experts, mlp or other."""
-    if ".engram." in name:
-        return "engram"
-    if ".experts." in name:
-        return "experts"
-    if "shared_expert" in name:
-        return "shared_experts"
-    if re.search(r"\.gate\.(weight|bias|e_score_correction_bias)$", name) or "e_score_correction_bias" in name:
-        return "router"
-    if "attn" in name or "input_layernorm" in name:
-        return "attention"
-    if "mlp" in name or "ffn" in name or "post_attention_layernorm" in name:
-        return "mlp"
-    return "other"
-
-
-def table_name(layer: int) -> str:
-    """The name a group gives layer `layer`'s Engram table (V4.1): read row by row from the pack its family is bound
-    to, never through fetch, so it is swapped as a whole (`Reader.tables`)."""
-    return f"layers.{layer}.engram.embed"
-
-
-def reads_table(family, layer: int) -> bool:
-    """Whether the family's layer reads an Engram table (its Engram tensors are among the layer's names)."""
-    return hasattr(family, "table") and any(".engram." in n for n in family.layer_names(layer))
-
-
-def table_layer(name: str) -> int | None:
-    m = re.fullmatch(r"layers\.(\d+)\.engram\.embed", name)
-    return int(m.group(1)) if m else None
-
-
-def module_groups(family, modules: str = "block") -> dict[str, list[str]]:
-    """Group name -> the tensor names the oracle reads for it (in the reference's spelling; an Engram table as
-    `table_name(layer)`). Layer groups are `layers.{i}.{block}` (block mode), `layers.{i}` (layer mode) or also
-    `layers.{i}.experts.{e}` (expert mode); then `embedding` and `head` (the final norm and the untied head; with tied
-    embeddings the embedding group is the head too)."""
-    if modules not in MODULES:
-        raise ConfigError(f"--modules {modules!r}: expected one of {list(MODULES)}")
-    groups: dict[str, list[str]] = {}
-    for i in range(family.n_layers):
-        for name in family.layer_names(i) + ([table_name(i)] if reads_table(family, i) else []):
-            if modules == "layer":
-                key = f"layers.{i}"
-            else:
-                key = f"layers.{i}.{block_of(name)}"
-                if modules == "expert" and ".experts." in name:
-                    key += "." + name.split(".experts.")[1].split(".")[0]
-            groups.setdefault(key, []).append(name)
-    groups["embedding"] = [family.embed_name]
-    groups["head"] = [family.norm_name] + ([] if family.tie_word_embeddings else [family.head_name])
-    return groups
-
-
-def first_layer(names: list[str], n_layers: int) -> int:
-    """The first place a group's tensors are read: -1 the embeddings, a layer index, or n_layers (norm and head)."""
-    where = []
-    for n in names:
-        m = LAYER.search(n)
-        where.append(int(m.group(1)) if m else (-1 if "embed" in n else n_layers))
-    return min(where)
-
-
-# -- weight error ----------------------------------------------------------------------------------------------
-def weight_error(ref_w: torch.Tensor, pack_w: torch.Tensor) -> dict:
-    r, d = ref_w.double(), pack_w.double() - ref_w.double()
-    ref2, err2 = float((r * r).sum()), float((d * d).sum())
-    corr, groups = error_scale_corr(r, d) if err2 else (None, 0)
-    return {"ref_norm": math.sqrt(ref2), "err_norm": math.sqrt(err2),
-            "rel_fro": math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf),
-            "sqnr_db": 10 * math.log10(ref2 / err2) if err2 else math.inf,
-            "err_scale_corr": corr, "err_scale_groups": groups}
-
-
-def error_scale_corr(w: torch.Tensor, d: torch.Tensor, group: int = ERROR_GROUP) -> tuple[float | None, int]:
-    """Pearson r between the error's RMS and the weight's max |w| over groups of `group` consecutive weights along the
-    last axis, and the number of groups; (None, 0) for a tensor that is not 2-D, whose rows do not split into groups,
-    or whose error or weights are constant over the groups."""
-    if w.dim() != 2 or w.shape[1] % group or w.numel() < 2 * group:
-        return None, 0
-    e = d.double().reshape(-1, group).pow(2).mean(1).sqrt()
-    m = w.double().reshape(-1, group).abs().amax(1)
-    e, m = e - e.mean(), m - m.mean()
-    den = float(e.norm() * m.norm())
-    return (float((e * m).sum()) / den if den else None), e.numel()
-
-
-TABLE_CHUNK_ROWS = 1 << 16     # Engram table rows read at once for its weight error
-
-
-def table_error(ref_table, pack_table, chunk_rows: int = TABLE_CHUNK_ROWS, group: int = ERROR_GROUP) -> dict:
-    """weight_error of an Engram table ([rows, dim], `RowTable`s of each pack), read `chunk_rows` rows at a time (a
-    table need not fit in memory at once); err_scale_corr from running sums over the groups."""
-    if (ref_table.n_rows, ref_table.dim) != (pack_table.n_rows, pack_table.dim):
-        raise PackError(f"the pack's Engram table is [{pack_table.n_rows}, {pack_table.dim}], the reference's "
-                        f"[{ref_table.n_rows}, {ref_table.dim}]", file=pack_table.parts[0][0])
-    ref2 = err2 = 0.0
-    sums = np.zeros(5)                      # sum e, sum m, sum e^2, sum m^2, sum e m over the groups
-    grouped = ref_table.dim % group == 0 and ref_table.n_rows * ref_table.dim >= 2 * group
-    for start in range(0, ref_table.n_rows, chunk_rows):
-        index = torch.arange(start, min(start + chunk_rows, ref_table.n_rows))
-        r = ref_table.rows(index).double()
-        d = pack_table.rows(index).double() - r
-        ref2 += float((r * r).sum())
-        err2 += float((d * d).sum())
-        if grouped:
-            e = d.reshape(-1, group).pow(2).mean(1).sqrt()
-            m = r.reshape(-1, group).abs().amax(1)
-            sums += [float(e.sum()), float(m.sum()), float((e * e).sum()), float((m * m).sum()), float((e * m).sum())]
-    n = ref_table.n_rows * ref_table.dim // group if grouped and err2 else 0
-    corr = None
-    if n:
-        se, sm, see, smm, sem = sums
-        den = math.sqrt(max(see - se * se / n, 0.0) * max(smm - sm * sm / n, 0.0))
-        corr = (sem - se * sm / n) / den if den else None
-    return {"ref_norm": math.sqrt(ref2), "err_norm": math.sqrt(err2),
-            "rel_fro": math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf),
-            "sqnr_db": 10 * math.log10(ref2 / err2) if err2 else math.inf,
-            "err_scale_corr": corr, "err_scale_groups": n}
-
-
 class NoisyTable:
     """An Engram table with a fixed noise tensor [rows, dim] added to the rows it gives (the isotropic control)."""
 
@@ -267,17 +131,6 @@ class NoisyTable:
     def rows(self, index: torch.Tensor, device=None) -> torch.Tensor:
         out = self.table.rows(index, device)
         return out + self.noise[index.cpu()].to(out.device, out.dtype)
-
-
-def pooled_scale_corr(stats: list[tuple[float | None, int]]) -> tuple[float | None, float | None]:
-    """(sum r_i n_i / sum n_i, sum r_i n_i / sqrt(sum n_i)) over the tensors that have r."""
-    stats = [(r, n) for r, n in stats if r is not None]
-    n = sum(k for _, k in stats)
-    if not n:
-        return None, None
-    s = sum(r * k for r, k in stats)
-    return s / n, s / math.sqrt(n)
-
 
 def ratio_ci(real: np.ndarray, control: np.ndarray, seed: int, level: float = 0.95,
              draws: int = CI_BOOTSTRAP) -> tuple[float, float] | None:
@@ -299,273 +152,6 @@ def ratio_ci(real: np.ndarray, control: np.ndarray, seed: int, level: float = 0.
     a = (1 - level) / 2
     return float(np.quantile(ratio, a)), float(np.quantile(ratio, 1 - a))
 
-
-def hidden_divergence(ref_h: list[torch.Tensor], pack_h: list[torch.Tensor]) -> dict:
-    """ref_h / pack_h: the batches' activations [..., hidden], same shapes; positions = every leading index."""
-    ref2 = err2 = 0.0
-    cos_sum, n = 0.0, 0
-    for r, p in zip(ref_h, pack_h):
-        r, p = r.double().reshape(-1, r.shape[-1]), p.double().reshape(-1, p.shape[-1])
-        d = p - r
-        ref2 += float((r * r).sum())
-        err2 += float((d * d).sum())
-        cos_sum += float(F.cosine_similarity(p, r, dim=-1, eps=1e-300).sum())
-        n += r.shape[0]
-    return {"rel_fro": math.sqrt(err2 / ref2) if ref2 else math.nan,
-            "sqnr_db": 10 * math.log10(ref2 / err2) if err2 else math.inf, "cosine": cos_sum / n if n else math.nan}
-
-
-def stream_divergence(ref_h: list[torch.Tensor], pack_h: list[torch.Tensor]) -> list[dict]:
-    """Hyper-connection streams [B, T, hc, hidden]: hidden_divergence of each stream alone; [] for [B, T, hidden]."""
-    if not ref_h or ref_h[0].dim() != 4:
-        return []
-    return [{"stream": s, **hidden_divergence([r[:, :, s] for r in ref_h], [p[:, :, s] for p in pack_h])}
-            for s in range(ref_h[0].shape[2])]
-
-
-# -- routing -------------------------------------------------------------------------------------------------
-class RoutingRecorder:
-    """An `OracleTaps.expert_outputs` (the sink `RoutedExperts` tells each call's routing and each expert's weighted
-    outputs): records every call's expert choices and weights and each expert's routed-output energy for the layer
-    `current_layer`, from the outputs the call computes anyway. Every family whose MoE is
-    `fidelity.oracle.moe.RoutedExperts` (Qwen3Moe, Mixtral, DeepSeek) is seen."""
-
-    def __init__(self):
-        self.current_layer = -1
-        self.layers: dict[int, dict] = {}
-        self.counts = RoutingCounts()
-
-    def routed(self, experts, indices, weights):
-        self.counts.add(experts, indices)
-        entry = self.layers.get(self.current_layer)
-        if entry is None:
-            entry = self.layers[self.current_layer] = {
-                "n_experts": experts.n_experts, "indices": [], "weights": [],
-                "energy": torch.zeros(experts.n_experts, dtype=torch.float64, device=indices.device)}
-        entry["indices"].append(indices.cpu())
-        entry["weights"].append(weights.detach().double().cpu())
-
-    def expert_output(self, e: int, y: torch.Tensor):
-        """y: expert e's outputs times the tokens' routing weights, as the call adds them; on the device, no sync."""
-        self.layers[self.current_layer]["energy"][e] += y.double().pow(2).sum()
-
-
-def routing_tables(ref: RoutingRecorder, pack: RoutingRecorder, threshold: float) -> tuple[list[dict], list[dict]]:
-    per_expert, per_layer = [], []
-    for layer in sorted(ref.layers):
-        r, p = ref.layers[layer], pack.layers.get(layer)
-        if p is None:
-            raise PackError(f"layer {layer} routes experts in the reference but not in the pack")
-        n = r["n_experts"]
-        sides = {}
-        for side, entry in (("ref", r), ("pack", p)):
-            idx, w = torch.cat(entry["indices"]), torch.cat(entry["weights"])
-            counts = torch.bincount(idx.reshape(-1), minlength=n).numpy()
-            mass = torch.zeros(n, dtype=torch.float64).index_add_(0, idx.reshape(-1), w.reshape(-1)).numpy()
-            energy = entry["energy"].cpu().numpy()
-            sides[side] = {"idx": idx, "counts": counts, "weight_share": mass / mass.sum(),
-                           "energy_share": energy / energy.sum() if energy.sum() else energy}
-        ri, pi = sides["ref"]["idx"], sides["pack"]["idx"]
-        if ri.shape != pi.shape:
-            raise PackError(f"layer {layer}: the reference routes {list(ri.shape)} token-expert choices, the pack "
-                            f"{list(pi.shape)}")
-        ref_sets = torch.zeros(ri.shape[0], n, dtype=torch.bool).scatter_(1, ri, True)
-        pack_sets = torch.zeros(pi.shape[0], n, dtype=torch.bool).scatter_(1, pi, True)
-        jaccard = (ref_sets & pack_sets).sum(1).double() / (ref_sets | pack_sets).sum(1).double()
-        for e in range(n):
-            per_expert.append({"layer": layer, "expert": e,
-                               **{f"{k}_{side}": (int(s[k][e]) if k == "counts" else float(s[k][e]))
-                                  for side, s in sides.items() for k in ("counts", "weight_share", "energy_share")}})
-        per_layer.append({"layer": layer, "tokens": int(ri.shape[0]), "top_k": int(ri.shape[1]),
-                          "jaccard_mean": float(jaccard.mean()), "jaccard_min": float(jaccard.min()),
-                          "same_set": float((jaccard == 1).double().mean()),
-                          "super_experts_ref": [e for e in range(n) if sides["ref"]["energy_share"][e] >= threshold],
-                          "super_experts_pack": [e for e in range(n) if sides["pack"]["energy_share"][e] >= threshold]})
-    return per_expert, per_layer
-
-
-# -- the streamed trunk -----------------------------------------------------------------------------------------
-class Reader:
-    """read(name) for a variant, `name` in the reference's spelling: the pack's tensor for names in `swapped` (under
-    the pack's name for it, `names`), the reference's otherwise; `noise` adds a fixed tensor to a reference tensor
-    (the isotropic control). `tables`: layer -> the Engram table that layer reads instead of the reference's."""
-
-    def __init__(self, ref, pack=None, swapped=(), noise: dict[str, torch.Tensor] | None = None,
-                 names: dict[str, str] | None = None, tables: dict | None = None):
-        self.ref, self.pack, self.swapped, self.noise = ref, pack, set(swapped), noise or {}
-        self.names, self.tables = names or {}, tables or {}
-
-    def __call__(self, name: str, **where) -> torch.Tensor:
-        if name in self.swapped:
-            return self.pack.tensor(self.names.get(name, name), **where)
-        t = self.ref.tensor(name, **where)
-        return t + self.noise[name].to(t.device) if name in self.noise else t
-
-
-def variant_rounding(rounding, fam, read: Reader):
-    """`rounding` (the reference's, quant.DeepSeekRounding) with its linear-input rule bound to a variant's storage: a
-    swapped tensor's input is rounded where the pack stores it FP8/FP4, every other where the reference does (what
-    DeepSeek's model.py does with the hybrid's weights)."""
-    pack_rounds = rounds_stored_input(read.pack, lambda official: read.names.get(fam.n(official), fam.n(official)))
-    return replace(rounding, rounds_input=lambda official: pack_rounds(official)
-                               if fam.n(official) in read.swapped else rounding.rounds_input(official))
-
-
-class Trunk:
-    """The reference's layers streamed over row batches, each layer's input kept; `run(start, ...)` re-runs from a
-    layer on with any layer built from another reader or wrapped."""
-
-    def __init__(self, oracle, rows: list[list[int]], scored: list[torch.Tensor], keep_layers: bool | None,
-                 kernel: MetricKernel = MetricKernel()):
-        self.oracle, self.fam, self.ref = oracle, oracle.family, oracle.pack
-        self.kernel = kernel       # measures KL where the logits are on a GPU
-        self.taps = OracleTaps()   # the observers of every layer this trunk builds, set for the calls that record
-        tokens = [oracle._validate_row(r, i) for i, r in enumerate(rows)]
-        self.batches = oracle._batches(tokens)
-        self.ids = [torch.stack([tokens[i] for i in idx]).to(oracle.device) for idx in self.batches]
-        self.rope = self.fam.rope_tables(max(len(r) for r in rows), oracle.dtype, oracle.device)
-        # scored positions and true next tokens per batch, in batch order (flattened b, t)
-        self.scored, self.targets = [], []
-        self.row_of = [torch.cat([torch.full((len(scored[i]),), i) for i in idx]) for idx in self.batches]
-        self.n_rows = len(rows)
-        for idx, t in zip(self.batches, self.ids):
-            T = t.shape[1]
-            pos = torch.cat([scored[i] + j * T for j, i in enumerate(idx)])
-            self.scored.append(pos)
-            self.targets.append(t.reshape(-1).cpu()[pos + 1])   # scored positions stop before a row's last token
-        if keep_layers is None:
-            keep_layers = sum(oracle._layer_bytes(i) for i in range(self.fam.n_layers)) <= KEEP_LAYERS_BYTES
-        self.keep = keep_layers
-        self._layers: dict[int, object] = {}
-        self.inputs: list[list[torch.Tensor]] = []      # inputs[i][b]: layer i's input of batch b
-        self.states_in: list[list] = []                  # states_in[i][b]: the pass state layer i got (new_pass_state)
-        self.final_states: list = []
-        self.ref_logits: list[torch.Tensor] = []
-
-    def fetch(self, read):
-        return Fetch(read, lambda n: tuple(self.ref.storage(n).shape), self.oracle.device, self.oracle.dtype,
-                          taps=self.taps)
-
-    def build_layer(self, i: int, read: Reader):
-        """Layer i with its tensors read through `read` and, where `read.tables` has one, that Engram table. Under a
-        reference rounding (numerics "deepseek"), the layer is built with it bound to the variant's storage."""
-        rounding = getattr(self.fam, "rounding", None)
-        if rounding is not None and read.swapped:
-            self.fam.rounding = variant_rounding(rounding, self.fam, read)
-        try:
-            layer = self.fam.load_layer(i, self.fetch(read))
-        finally:
-            if rounding is not None:
-                self.fam.rounding = rounding
-        table = read.tables.get(i)
-        if table is not None:
-            layer.engram.table = table
-        return layer
-
-    def ref_layer(self, i: int):
-        layer = self._layers.get(i)
-        if layer is None:
-            layer = self.build_layer(i, Reader(self.ref))
-            if self.keep:
-                self._layers[i] = layer
-        return layer
-
-    def embed(self, read) -> list[torch.Tensor]:
-        w = self.fetch(read)(self.fam.embed_name)
-        return [self.fam.embed_hook(F.embedding(t, w)) for t in self.ids]
-
-    def call(self, layer, x: torch.Tensor, b: int, state) -> torch.Tensor:
-        return layer(x.clone(), _slice_rope(self.rope, x.shape[1]), *layer_call_args(self.fam, self.ids[b], state))
-
-    def new_states(self) -> list:
-        """A fresh pass state per batch (Family.new_pass_state; None for families without one)."""
-        return [self.fam.new_pass_state() for _ in self.ids]
-
-    def logits(self, xs: list[torch.Tensor], read, states: list) -> list[torch.Tensor]:
-        """The final norm and head (read through `read`) at the scored positions of each batch: [n, vocab] float32."""
-        fetch = self.fetch(read)
-        norm, head = fetch(self.fam.norm_name), fetch(self.fam.head_name)
-        out = []
-        for x, pos, state in zip(xs, self.scored, states):
-            h = rms_norm(self.fam.final_hook(x, fetch, state), norm, self.fam.rms_norm_eps)
-            h = h.reshape(-1, h.shape[-1])[pos]
-            logits = torch.empty(h.shape[0], head.shape[0], dtype=self.oracle.dtype, device=self.oracle.device)
-            self.oracle._head_blocks(h, head, logits)
-            out.append(logits.float().cpu())
-        return out
-
-    def reference_pass(self, recorder=None, keep_outputs: bool = False, engram_access=None, keep_inputs: bool = True,
-                       each_output: Callable[[int, list], None] | None = None) -> list[list[torch.Tensor]]:
-        """The oracle's pass over its own pack (logits in `ref_logits`), keeping each layer's input and pass state for
-        re-runs (`keep_inputs`); `each_output(i, xs)` sees the embeddings (i = -1) and each layer's output."""
-        xs = self.embed(Reader(self.ref))
-        if each_output is not None:
-            each_output(-1, xs)
-        states = self.new_states()
-        outputs = []
-        for i in range(self.fam.n_layers):
-            if keep_inputs:
-                self.inputs.append(xs)
-                self.states_in.append([copy.copy(s) for s in states])   # a re-run from layer i starts from these
-            layer = self.ref_layer(i)
-            if recorder is not None:
-                recorder.current_layer = i
-            self.taps.engram_access = engram_access     # V4.1 Engram layers count their rows on this pass only
-            try:
-                xs = self._with_recorder(layer, xs, recorder, states)
-            finally:
-                self.taps.engram_access = None
-            if keep_outputs:
-                outputs.append(xs)
-            if each_output is not None:
-                each_output(i, xs)
-        self.final, self.final_states = xs, states
-        self.ref_logits = self.logits(xs, Reader(self.ref), states)
-        return outputs
-
-    def _with_recorder(self, layer, xs, recorder, states):
-        self.taps.expert_outputs = recorder
-        try:
-            return [self.call(layer, x, b, state) for b, (x, state) in enumerate(zip(xs, states))]
-        finally:
-            self.taps.expert_outputs = None
-
-    def run(self, start: int, build: Callable[[int], object | None] | None = None, read_head=None,
-            recorder=None, each_output: Callable[[int, list], None] | None = None,
-            embed_read=None, xs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Logits of a variant: from the embeddings (start -1, read through `embed_read`), a layer's kept input (or
-        `xs` in its place), or the final hidden states (start = n_layers). `build(i)` gives layer i's replacement or
-        None for the reference's."""
-        n = self.fam.n_layers
-        if start < 0:
-            xs = xs if xs is not None else self.embed(embed_read or Reader(self.ref))
-            states, start = self.new_states(), 0
-        else:   # the reference pass's input (or xs in its place) and its pass state there
-            at_end = start >= n
-            xs = xs if xs is not None else self.final if at_end else self.inputs[start]
-            states = [copy.copy(s) for s in (self.final_states if at_end else self.states_in[start])]
-        for i in range(start, n):
-            layer = (build(i) if build else None) or self.ref_layer(i)
-            if recorder is not None:
-                recorder.current_layer = i
-            xs = self._with_recorder(layer, xs, recorder, states)
-            if each_output is not None:
-                each_output(i, xs)
-        return self.logits(xs, read_head or Reader(self.ref), states)
-
-    def kld(self, logits: list[torch.Tensor]) -> float:
-        return self.kld_rows(logits)[0]
-
-    def kld_rows(self, logits: list[torch.Tensor]) -> tuple[float, np.ndarray]:
-        """(mean KL over the scored positions, each row's sum of KL over its scored positions)."""
-        if all(torch.equal(r, q) for r, q in zip(self.ref_logits, logits)):
-            return 0.0, np.zeros(self.n_rows)   # the same distributions (exp/log rounding leaves ~1e-16 per position)
-        pm = [position_metrics(r, q, t, kernel=self.kernel) for r, q, t in zip(self.ref_logits, logits, self.targets)]
-        k = torch.cat([p.kld for p in pm])
-        sums = torch.zeros(self.n_rows, dtype=torch.float64).index_add_(0, torch.cat(self.row_of), k.double())
-        return float(k.mean()), sums.numpy()
-
-
 class NoisyOutput:
     """Wraps a sub-block: adds Gaussian noise of RMS eps * RMS(out) from a generator seeded per call."""
 
@@ -580,13 +166,11 @@ class NoisyOutput:
         rms = float(out.double().pow(2).mean().sqrt())
         return out + (noise * (self.eps * rms)).to(out.dtype).to(out.device)
 
-
 def isotropic_noise(shape, norm: float, seed: int) -> torch.Tensor:
     """Gaussian noise scaled to exactly Frobenius norm `norm`."""
     g = torch.Generator().manual_seed(seed)
     n = torch.randn(shape, generator=g, dtype=torch.float64)
     return (n * (norm / float(n.norm()))).float() if norm else torch.zeros(shape)
-
 
 # -- the driver ------------------------------------------------------------------------------------------------
 def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = None, settings: Settings | None = None,
@@ -642,7 +226,6 @@ def attribute(reference, pack, *, panel=None, rows: list[list[int]] | None = Non
     return Attribution(summary, swaps, layers, layer_streams, errors.tensors, routing, routing_layers, sensitivity,
                        access.summary())
 
-
 def scored_rows(ref, panel, rows: list[list[int]] | None) -> tuple[object, list[list[int]], list[torch.Tensor]]:
     """(reference, token rows, each row's scored positions): the panel's rows and scored positions (the reference as
     compare prepares it), or the given `rows` with every position but the last scored."""
@@ -655,7 +238,6 @@ def scored_rows(ref, panel, rows: list[list[int]] | None) -> tuple[object, list[
             raise ConfigError(f"row {i}: needs at least 2 tokens (a position predicts the next one)")
     return ref, rows, [torch.arange(len(r) - 1) for r in rows]
 
-
 def chosen_groups(fam, s: Settings) -> dict[str, list[str]]:
     """The module groups of `s.modules`, only `s.groups` when given (an unknown one refused)."""
     groups = module_groups(fam, s.modules)
@@ -665,45 +247,6 @@ def chosen_groups(fam, s: Settings) -> dict[str, list[str]]:
     if unknown:
         raise ConfigError(f"unknown module group(s) {unknown}; the reference has e.g. {list(groups)[:6]}")
     return {g: groups[g] for g in s.groups}
-
-
-@dataclass
-class WeightErrors:
-    """Per tensor the oracle reads (Engram tables row by row): `tensors` (the report's rows), `norm` (name ->
-    ||W_pack - W_ref||_F) and `scale_corr` (name -> (err_scale_corr, its groups))."""
-    tensors: list[dict]
-    norm: dict[str, float]
-    scale_corr: dict[str, tuple]
-
-    @classmethod
-    def measure(cls, ref, pack, fam, names_in_pack: dict[str, str], tables: dict, progress: bool) -> "WeightErrors":
-        out = cls([], {}, {})
-        for name in tqdm(fam.required_names() + [table_name(i) for i in tables], desc="weights", disable=not progress,
-                         leave=False):
-            if name in out.norm:
-                continue
-            stored = names_in_pack.get(name, name)
-            layer = table_layer(name)
-            if layer is not None:
-                e, numel = table_error(*tables[layer]), tables[layer][0].n_rows * tables[layer][0].dim
-            else:
-                w_ref, w_pack = ref.tensor(name), pack.tensor(stored)
-                if tuple(w_ref.shape) != tuple(w_pack.shape):
-                    raise PackError(f"pack tensor shape {list(w_pack.shape)} differs from the reference's "
-                                    f"{list(w_ref.shape)} (the reference's {name!r})",
-                                    file=getattr(pack, "path", None), tensor=stored)
-                e, numel = weight_error(w_ref, w_pack), w_ref.numel()
-            m = LAYER.search(name)
-            out.tensors.append({"tensor": name, "pack_tensor": stored, "layer": int(m.group(1)) if m else None,
-                                "block": block_of(name) if m else ("embedding" if "embed" in name else "head"),
-                                "numel": numel, **e})
-            out.norm[name] = e["err_norm"]
-            out.scale_corr[name] = (e["err_scale_corr"], e["err_scale_groups"])
-        return out
-
-    def group_norm(self, names: list[str]) -> float:
-        return math.sqrt(sum(self.norm.get(n, 0.0) ** 2 for n in names))
-
 
 def whole_pack_divergence(trunk: Trunk, ref_outputs: list, pack_oracle, rows: list[list[int]],
                           scored: list[torch.Tensor], recorder) -> tuple[float, list[dict], list[dict]]:
@@ -722,7 +265,6 @@ def whole_pack_divergence(trunk: Trunk, ref_outputs: list, pack_oracle, rows: li
     pack_trunk = Trunk(pack_oracle, rows, scored, keep_layers=False)
     pack_trunk.reference_pass(recorder=recorder, keep_inputs=False, each_output=note)
     return trunk.kld(pack_trunk.ref_logits), layers, layer_streams
-
 
 def swap_one_in(trunk: Trunk, ref, pack, groups: dict[str, list[str]], tables: dict, names_in_pack: dict[str, str],
                 errors: WeightErrors, ref_outputs: list, s: Settings, progress: bool) -> list[dict]:
@@ -760,11 +302,9 @@ def swap_one_in(trunk: Trunk, ref, pack, groups: dict[str, list[str]], tables: d
         r["x_noise"] = r["kld_mean"] / nk if nk else None
     return swaps
 
-
 def verdict(ci: tuple[float, float] | None) -> str | None:
     """A ratio interval against 1: above, below, or holding it."""
     return None if ci is None else ("more harmful" if ci[0] > 1 else "less harmful" if ci[1] < 1 else "not separable")
-
 
 def activation_control(trunk: Trunk, ref_out: list, var_out: list, layer: int, kld: float, real_rows: np.ndarray,
                        s: Settings) -> dict:
@@ -779,7 +319,6 @@ def activation_control(trunk: Trunk, ref_out: list, var_out: list, layer: int, k
     ci = ratio_ci(real_rows, np.stack(act_rows), s.seed)
     return {"act_kld_each": act, "act_kld_mean": mean, "x_act": kld / mean if mean else None,
             "x_act_ci": list(ci) if ci else None, "kl_vs_act": verdict(ci)}
-
 
 def isotropic_control(trunk: Trunk, ref, names: list[str], tables: dict, errors: WeightErrors, kld: float,
                       real_rows: np.ndarray, s: Settings) -> dict:
@@ -802,7 +341,6 @@ def isotropic_control(trunk: Trunk, ref, names: list[str], tables: dict, errors:
     ci = ratio_ci(real_rows, np.stack(control_rows), s.seed)
     return {**out, "noise_kld_mean": float(np.mean(controls)), "noise_kld_each": controls,
             "x_noise_ci": list(ci) if ci else None, "kl_vs_noise": verdict(ci)}
-
 
 def sensitivities(trunk: Trunk, ref, s: Settings, progress: bool) -> list[dict]:
     """Per chosen layer: KL at each noise level added to its MLP / routed output, and the fitted slopes."""
@@ -829,7 +367,6 @@ def sensitivities(trunk: Trunk, ref, s: Settings, progress: bool) -> list[dict]:
                     **sensitivity_slopes(s.noise_levels, kls), "kld_row_sums": row_sums})
     return out
 
-
 def sensitivity_slopes(levels, kls: list[float]) -> dict:
     """`dkl_deps2`: least-squares slope of KL on eps^2 through the origin; `loglog_slope`: of log KL on log eps over
     the positive KLs (None with fewer than two)."""
@@ -839,7 +376,6 @@ def sensitivity_slopes(levels, kls: list[float]) -> dict:
     loglog = float(np.polyfit(np.log(np.sqrt(e2[positive])), np.log(k[positive]), 1)[0]) \
         if positive.sum() >= 2 else None
     return {"dkl_deps2": float((e2 * k).sum() / (e2 * e2).sum()), "loglog_slope": loglog}
-
 
 def pack_names(ref_family, pack_family, pack) -> dict[str, str]:
     """The reference's name of each tensor its oracle reads -> the pack's name for it: the two families'
@@ -856,19 +392,15 @@ def pack_names(ref_family, pack_family, pack) -> dict[str, str]:
                             file=getattr(pack, "path", None), tensor=p)
     return out
 
-
 def tensor_shape(ref, tables: dict, name: str) -> tuple:
     layer = table_layer(name)
     return (tables[layer][0].n_rows, tables[layer][0].dim) if layer is not None else tuple(ref.storage(name).shape)
 
-
 def noise_seed(seed: int, layer: int, level: int) -> int:
     return seed * 1_000_003 + 1000 * layer + 10 * level
 
-
 def _routed_experts_class(fam, i: int) -> bool:
     return any(".experts." in n for n in fam.layer_names(i))
-
 
 def _variant(trunk: Trunk, fam, names: list[str], read: Reader, each_output=None) -> list[torch.Tensor]:
     start = first_layer(names, fam.n_layers)
@@ -879,16 +411,8 @@ def _variant(trunk: Trunk, fam, names: list[str], read: Reader, each_output=None
         return trunk.build_layer(i, read) if i in touched else None
     return trunk.run(start, build=build, read_head=read if head else None, embed_read=read, each_output=each_output)
 
-
-def one_layer(names: list[str]) -> int | None:
-    """The layer a group's tensors all belong to, or None (embedding, head, or several layers)."""
-    where = {int(m.group(1)) if m else None for m in (LAYER.search(n) for n in names)}
-    return where.pop() if len(where) == 1 and None not in where else None
-
-
 def act_seed(seed: int, rep: int) -> int:
     return seed * 1_000_033 + 31 * rep + 17
-
 
 def activation_noise(ref_out: list[torch.Tensor], var_out: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
     """exllamav3's control: the reference's layer output plus Gaussian noise with, at every position (and hc stream),
