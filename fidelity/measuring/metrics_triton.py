@@ -185,6 +185,21 @@ def top1v_pop(h, hi, known, V):
 
 
 @triton.jit
+def prefix_start(pa, pb):
+    # the top-5 lists' common prefix after their first pop (pa, pb: each side's index, -1: no entry): whether it
+    # still holds, and its length
+    same = (pa >= 0) & (pa == pb)
+    return same, same.to(tl.int64)
+
+
+@triton.jit
+def prefix_extend(same, match, pa, pb):
+    # the prefix after the next pop: it holds while every pop so far agreed
+    same = same & (pa >= 0) & (pa == pb)
+    return same, match + same.to(tl.int64)
+
+
+@triton.jit
 def top1v_match(a0, ai0, a1, b0, bi0, b1, V, MATCH: tl.constexpr):
     # top2_match from top1v lists: a lane once taken from shows its runner-up's value with no index; `reliable` is
     # the last entry before one such head is among the best (5: none), as in top2_match
@@ -196,15 +211,13 @@ def top1v_match(a0, ai0, a1, b0, bi0, b1, V, MATCH: tl.constexpr):
     b0, known_b = tl.where(hit_b, b1, b0), tl.where(hit_b, 0, known_b)
     first_a, first_b = pa, pb
     runner_up = tl.max(a0, 0)
-    same = (pa >= 0) & (pa == pb)
-    match = same.to(tl.int64)
+    same, match = prefix_start(pa, pb)
     reliable = 5
     if MATCH:
         for m in tl.static_range(2, 6):
             _, pa, hit_a, unsure_a = top1v_pop(a0, ai0, known_a, V)
             _, pb, hit_b, unsure_b = top1v_pop(b0, bi0, known_b, V)
-            same = same & (pa >= 0) & (pa == pb)
-            match += same.to(tl.int64)
+            same, match = prefix_extend(same, match, pa, pb)
             reliable = tl.where(((unsure_a + unsure_b) > 0) & (reliable == 5), m - 1, reliable)
             a0, known_a = tl.where(hit_a, a1, a0), tl.where(hit_a, 0, known_a)
             b0, known_b = tl.where(hit_b, b1, b0), tl.where(hit_b, 0, known_b)
@@ -250,13 +263,11 @@ def top5_match(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, b0, b1, b2, b3, b4, 
     pb, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_pop(b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V)
     first_a, first_b = pa, pb
     runner_up = tl.max(a0, 0)
-    same = (pa >= 0) & (pa == pb)
-    match = same.to(tl.int64)
+    same, match = prefix_start(pa, pb)
     for _ in tl.static_range(4):
         pa, a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4 = top5_pop(a0, a1, a2, a3, a4, ai0, ai1, ai2, ai3, ai4, V)
         pb, b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4 = top5_pop(b0, b1, b2, b3, b4, bi0, bi1, bi2, bi3, bi4, V)
-        same = same & (pa >= 0) & (pa == pb)
-        match += same.to(tl.int64)
+        same, match = prefix_extend(same, match, pa, pb)
     return match, best_a, runner_up, first_a, first_b, 5
 
 
@@ -269,16 +280,14 @@ def top2_match(a0, a1, ai0, ai1, b0, b1, bi0, bi1, V, MATCH: tl.constexpr):
     _, pb, hit_b, b0, b1, bi0, bi1 = top2_pop(b0, b1, bi0, bi1, V)
     first_a, first_b = pa, pb
     runner_up = tl.max(a0, 0)
-    same = (pa >= 0) & (pa == pb)
-    match = same.to(tl.int64)
+    same, match = prefix_start(pa, pb)
     reliable = 5
     if MATCH:
         used_a, used_b = hit_a, hit_b
         for m in tl.static_range(2, 6):
             _, pa, hit_a, a0, a1, ai0, ai1 = top2_pop(a0, a1, ai0, ai1, V)
             _, pb, hit_b, b0, b1, bi0, bi1 = top2_pop(b0, b1, bi0, bi1, V)
-            same = same & (pa >= 0) & (pa == pb)
-            match += same.to(tl.int64)
+            same, match = prefix_extend(same, match, pa, pb)
             used_a, used_b = used_a + hit_a, used_b + hit_b
             ran_out = (tl.max(used_a, 0) > 1) | (tl.max(used_b, 0) > 1)
             if m < 5:
