@@ -22,7 +22,7 @@ MIN_TAIL_REPLICATES = 20   # bootstrap replicates beyond each percentile it repo
 
 def _scipy_stats():
     """scipy.stats, imported when a number first needs it."""
-    import scipy.stats  # noqa: PLC0415 (scipy.stats costs ~1.2 s at import; report and gate commands import this module)
+    import scipy.stats  # noqa: PLC0415 (~1.2 s at import, and the report and gate commands import this module)
 
     return scipy.stats
 
