@@ -12,8 +12,11 @@ import httpx
 import pytest
 
 from fidelity.engine.bench import CACHE_HIT_GAIN_PCT, BenchConfig, load_prompts, parse_length, run_bench
-from testkit.faults import Spawned, free_port, set_plan, spawn_fault_server
+from testkit.faults import set_plan, spawn_fault_server
 from fidelity.errors import ConfigError
+
+from _gate_cli import gate_cli
+from _llamacpp import llama_server
 
 
 @pytest.fixture(scope="module")
@@ -136,33 +139,14 @@ def test_cli_writes_json_and_exit_2_on_errors(server, tmp_path):
 # ---- a real llama.cpp server
 # ----------------------------------------------------------------------------------------------
 
-LLAMA_FLAGS = ["--n_ctx", "2048", "--verbose", "false", "--interrupt_requests", "false"]
+LLAMA_FLAGS = ["--n_threads", "1", "--n_ctx", "2048", "--verbose", "false", "--interrupt_requests", "false"]
 SMOL_EOS = [2, 0]  # <|im_end|>, <|endoftext|>: llama-cpp-python does not honour ignore_eos
-
-
-def llama_server(model_path, log_dir, threads: int = 1) -> Spawned:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_threads",
-        str(threads),
-        *LLAMA_FLAGS,
-    ]
-    return Spawned(cmd, port, timeout_s=180, log=str(log_dir / f"llama-{port}.log"))
 
 
 @pytest.fixture(scope="module")
 def llama(smollm2_gguf, tmp_path_factory):
     pytest.importorskip("llama_cpp")
-    with llama_server(smollm2_gguf, tmp_path_factory.mktemp("llama")) as srv:
+    with llama_server(smollm2_gguf, tmp_path_factory.mktemp("llama"), LLAMA_FLAGS) as srv:
         yield srv
 
 
@@ -203,12 +187,6 @@ def test_llama_streams_overlap_and_cold_prefill_is_cold(llama):
 
 # ---- the [speed] gate
 # ---------------------------------------------------------------------------------------------------
-
-def gate_cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "fidelity", "gate", *args], capture_output=True, text=True, timeout=timeout
-    )
-
 
 def test_speed_gate_passes_the_same_pace_fails_a_slower_one_errors_on_drops(server, tmp_path):
     import xml.etree.ElementTree as ET

@@ -4,7 +4,6 @@ write_gguf."""
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +13,8 @@ from fidelity.engine.gates.kinds import run_gate
 from fidelity.engine.gates.oracle_kl import oracle_kl
 from fidelity.engine.gates.settings import GateSettings
 from fidelity.engine.client import ClientConfig, EngineClient
-from testkit.faults import Spawned, free_port
+
+from _llamacpp import llama_server
 
 pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -31,37 +31,8 @@ CHATS = [
 # these panels have 2 rows and 10-19 scored positions, below oracle-kl's default evidence minimums (3 rows, 20
 # positions)
 TWO_ROWS = {"min_rows": 2, "min_positions": 4}
-SERVER_FLAGS = [
-    "--n_ctx",
-    "1024",
-    "--n_threads",
-    "1",
-    "--logits_all",
-    "true",
-    "--verbose",
-    "false",
-    "--type_k",
-    "0",
-    "--type_v",
-    "0",
-]
-
-
-def llama_server(model_path, tmp_path) -> Spawned:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *SERVER_FLAGS,
-    ]
-    return Spawned(cmd, port, timeout_s=180, log=str(tmp_path / f"llama-{port}.log"))
+SERVER_FLAGS = ["--n_ctx", "1024", "--n_threads", "1", "--logits_all", "true", "--verbose", "false", "--type_k", "0",
+                "--type_v", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +120,9 @@ def test_oracle_kl_f32_passes_q2k_fails_and_matches_full_vocab_kl(smol, tmp_path
     build_store(smol["pack"], panel.path, store, progress=False)
     ref = reference_from_store(store, smol["pack"], panel.path)
     s = GateSettings(top_k=20)
-    with llama_server(smol["F32"], tmp_path) as srv:
+    with llama_server(smol["F32"], tmp_path, SERVER_FLAGS) as srv:
         f32 = gate(srv.url, oracle_kl, ref, s, TWO_ROWS)
-    with llama_server(smol["Q2_K"], tmp_path) as srv:
+    with llama_server(smol["Q2_K"], tmp_path, SERVER_FLAGS) as srv:
         q2k = gate(srv.url, oracle_kl, ref, s, TWO_ROWS)
     print("F32", f32.measured, "\nQ2_K", q2k.measured)
     assert f32.status == "pass", f32
@@ -190,7 +161,7 @@ def test_three_gates_on_llamacpp_report_what_they_measure(smollm2_gguf, tmp_path
     s = GateSettings(prompts=["The capital of France is", "Bees make"], prompt_prefix="<|im_start|>", max_tokens=4,
                        top_k=3, batch_sizes=[2], long_prompt_repeats=2)
     no_bos = GateSettings(**{**s.__dict__, "prompt_prefix": ""})
-    with llama_server(smollm2_gguf, tmp_path) as srv:
+    with llama_server(smollm2_gguf, tmp_path, SERVER_FLAGS) as srv:
         results = {fn.__name__: gate(srv.url, fn, s) for fn in (batch_invariance, decode_vs_prefill, prefix_cache)}
         dvp_no_bos = gate(srv.url, decode_vs_prefill, no_bos)
     for name, r in results.items():
@@ -229,7 +200,7 @@ def test_oracle_kl_names_the_misaligned_echo_of_text_rows_without_bos(smol, tmp_
     build_store(smol["pack"], panel.path, tmp_path / "store", progress=False)
     ref = reference_from_store(tmp_path / "store")  # the pack and panel the store records
     assert all(r.tokens[0] not in ref.special_ids for r in ref.rows)
-    with llama_server(smol["F32"], tmp_path) as srv:
+    with llama_server(smol["F32"], tmp_path, SERVER_FLAGS) as srv:
         res = gate(srv.url, oracle_kl, ref, GateSettings(top_k=20), TWO_ROWS)
     print(res.measured, res.notes)
     assert res.status == "fail" and res.measured["kl_mean"] > 0.5 and res.measured["echo_shift"] == 1

@@ -16,9 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
-from testkit.faults import Spawned, free_port, set_plan, spawn_fault_server
+from testkit.faults import set_plan, spawn_fault_server
 from fidelity.panels.build import JOURNAL_FILE, EngineSettings, build_panel_from_engine
 from fidelity.panels.panel import PanelError, load_panel
+
+from _llamacpp import llama_server
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 3?", "Say hello in Spanish.",
@@ -97,11 +99,7 @@ SERVER_FLAGS = ["--n_ctx", "1024", "--n_threads", "1", "--verbose", "false"]
 def llama(smollm2_gguf, tmp_path_factory):
     pytest.importorskip("llama_cpp")
     pytest.importorskip("uvicorn")
-    port = free_port()
-    log = tmp_path_factory.mktemp("llama") / "server.log"
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf), "--host", "127.0.0.1", "--port",
-           str(port), *SERVER_FLAGS]
-    with Spawned(cmd, port, timeout_s=180, log=str(log)) as srv:
+    with llama_server(smollm2_gguf, tmp_path_factory.mktemp("llama"), SERVER_FLAGS) as srv:
         yield srv
 
 

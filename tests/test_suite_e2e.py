@@ -2,19 +2,18 @@
 items each with small budgets; then `suite compare` of two real runs against statsmodels/scipy on the same tables."""
 import asyncio
 import json
-import sys
 
 import numpy as np
 import pytest
 from scipy import stats
 from statsmodels.stats.contingency_tables import mcnemar as sm_mcnemar
 
-from testkit.faults import Spawned, free_port
 from fidelity.suites import make_suite
 from fidelity.suites.paired import compare_runs
 from fidelity.suites.records import read_manifest, read_records
 from fidelity.suites.runner import Settings, run_suite
 
+from _llamacpp import llama_server
 from test_suite_scoring import SHARED_IFEVAL, evalplus_file, mbpp_file
 
 pytestmark = pytest.mark.slow
@@ -27,26 +26,8 @@ def m_summary(run_dir):
 @pytest.fixture(scope="module")
 def llama(smollm2_gguf, tmp_path_factory):
     pytest.importorskip("llama_cpp")
-    port = free_port()
-    log = tmp_path_factory.mktemp("llama") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(smollm2_gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        "2048",
-        "--n_threads",
-        "2",
-        "--verbose",
-        "False",
-    ]
-    with Spawned(cmd, port, log=str(log), timeout_s=180) as srv:
+    flags = ["--n_ctx", "2048", "--n_threads", "2", "--verbose", "False"]
+    with llama_server(smollm2_gguf, tmp_path_factory.mktemp("llama"), flags) as srv:
         yield srv
 
 

