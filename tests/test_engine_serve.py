@@ -13,6 +13,8 @@ import pytest
 from fidelity.engine.client import ClientConfig, EngineClient, EngineHTTPError
 from testkit.faults import Spawned, free_port
 
+from _gate_cli import gate_cli
+
 pytestmark = pytest.mark.slow
 
 
@@ -73,7 +75,6 @@ def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, 
     serve`. Three processes each compute for the first time here; their first vector-math calls once made this flaky
     (issue 6, see vector_math.warm_up_vector_math)."""
     import json
-    import subprocess
     import xml.etree.ElementTree as ET
 
     from fidelity.commands.reference import build_store
@@ -103,33 +104,9 @@ def test_serve_passes_all_four_gates_against_itself(served, smol, smollm2_gguf, 
                    'max_tokens = 3\ntop_k = 20\nbatch_sizes = [2]\nlong_prompt_repeats = 2\n'
                    '[oracle-kl]\nmin_rows = 2\nmin_positions = 7\n')   # this panel: 2 rows, 7 scored positions
     js, xml = tmp_path / "gate.json", tmp_path / "gate.xml"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fidelity",
-            "gate",
-            "--engine",
-            served.url,
-            "--model",
-            "smol",
-            "--reference-store",
-            str(store),
-            "--reference-pack",
-            str(smollm2_gguf),
-            "--panel",
-            str(panel.path),
-            "--config",
-            str(cfg),
-            "--json",
-            str(js),
-            "--junit",
-            str(xml),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = gate_cli("--engine", served.url, "--model", "smol", "--reference-store", str(store), "--reference-pack",
+                 str(smollm2_gguf), "--panel", str(panel.path), "--config", str(cfg), "--json", str(js), "--junit",
+                 str(xml), timeout=900)
     print(r.stdout[-3000:], r.stderr[-2000:])
     rep = json.loads(js.read_text())
     assert r.returncode == 0 and [g["status"] for g in rep["gates"]] == ["pass"] * 4

@@ -4,12 +4,12 @@ fails)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from fidelity.report import render
+
+from _gate_cli import gate_cli
 from test_report import close_to_printed, md_tables
 
 faults = pytest.importorskip("testkit.faults")
@@ -22,25 +22,8 @@ def test_gate_json_from_a_real_gate_run(tmp_path, rng_seed):
     delta = 0.02 + 0.1 * (rng_seed % 1000) / 1000
     with faults.spawn_fault_server({"perturb_prefill": delta}) as srv:
         out = tmp_path / "gate.json"
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "fidelity",
-                "gate",
-                "--engine",
-                srv.url,
-                "--model",
-                "toy",
-                "--only",
-                "batch-invariance,decode-vs-prefill",
-                "--json",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        r = gate_cli("--engine", srv.url, "--model", "toy", "--only", "batch-invariance,decode-vs-prefill", "--json",
+                     str(out))
     assert r.returncode == 1, r.stdout + r.stderr              # decode-vs-prefill fails on the perturbed prefill
     gate = json.loads(out.read_text())
     rep = render([out], tmp_path / "report")
