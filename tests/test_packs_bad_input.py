@@ -146,10 +146,12 @@ def test_inspect_cli_prints_the_tensor_and_file_of_a_problem(tmp_path, capsys):
     import argparse
 
     from fidelity.commands import inspect as inspect_command
+    from fidelity.environment import Environment
 
     t = llama_tensors()
     t["lm_head.weight"] = torch.randn(51, 16)
     write_pack(tmp_path, t, CFG)
-    rc = inspect_command.run(argparse.Namespace(pack=str(tmp_path), json_out=None, decode=False))
+    args = argparse.Namespace(pack=str(tmp_path), json_out=None, decode=False, environment=Environment.from_environ({}))
+    rc = inspect_command.run(args)
     out = capsys.readouterr().out
     assert rc == 1 and "'lm_head.weight'" in out and "model.safetensors" in out
