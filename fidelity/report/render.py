@@ -86,10 +86,9 @@ def _reference_tokenizer(group: Group):
     if path is None:
         return None
     try:
-        from ..packs import open_pack  # noqa: PLC0415 (optional: a report needs no packs)
-        from ..packs.tokenizer import load_tokenizer  # noqa: PLC0415 (optional: a report needs no packs)
+        from ..packs.tokenizer import tokenizer_of  # noqa: PLC0415 (optional: a report needs no packs)
 
-        return load_tokenizer(open_pack(path))
+        return tokenizer_of(path)
     except (ImportError, FidelityError, OSError, ValueError):
         return None
 
