@@ -38,13 +38,8 @@ GEOMETRY = dict(
 
 def shape_of(name: str, c: dict) -> tuple:
     hidden, H, D, hc = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["hc_mult"]
-    q, g, r, E, inter = (
-        c["q_lora_rank"],
-        c["o_groups"],
-        c["o_lora_rank"],
-        c["n_routed_experts"],
-        c["moe_intermediate_size"],
-    )
+    q, g, r = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    E, inter = c["n_routed_experts"], c["moe_intermediate_size"]
     Hi, Di = c["index_n_heads"], c["index_head_dim"]
     layer = int(name.split(".")[1])
     kind = c["layer_types"][layer]
@@ -87,13 +82,8 @@ def random_fetch(c: dict, device) -> Fetch:
 def needed_flops(c: dict, kind: str, B: int, T: int) -> dict[str, float]:
     """FLOPs the layer needs (multiply-adds x 2), by part."""
     hidden, H, D, hc = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["hc_mult"]
-    q, g, r, E, inter = (
-        c["q_lora_rank"],
-        c["o_groups"],
-        c["o_lora_rank"],
-        c["n_routed_experts"],
-        c["moe_intermediate_size"],
-    )
+    q, g, r = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    E, inter = c["n_routed_experts"], c["moe_intermediate_size"]
     Hi, Di, topk, window = c["index_n_heads"], c["index_head_dim"], c["index_topk"], c["sliding_window"]
     ratio = c["compress_rates"][kind]
     t = torch.arange(T, dtype=torch.float64)
