@@ -12,7 +12,6 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import json_out
-from ..measuring.result_schema import CompareReport
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -340,7 +339,7 @@ def write_outputs(res, args) -> None:
 
     res.report.setdefault("command_line", getattr(args, "command_line", None))
     if args.json_out:
-        _write_text(args.json_out, json_out.dumps(CompareReport.written(res.report), indent=2) + "\n")
+        _write_text(args.json_out, json_out.dumps(res.report, indent=2) + "\n")
     if args.markdown:
         _write_text(args.markdown, markdown(res.report))
     if args.out:

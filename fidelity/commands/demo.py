@@ -16,7 +16,6 @@ from .. import json_out
 from ..environment import Environment
 from ..errors import FidelityError
 from ..pack_settings import PackSettings
-from ..measuring.result_schema import CompareReport
 
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q2_K")
 DEMO_FORMATS = GGUF_TYPES + ("ct-W4A16",)
@@ -286,7 +285,7 @@ def run(args) -> int:
     res = run_demo(cache, args.panel, args.rows_per_domain, formats, args.device, not args.no_noise_floor, console=con,
                    gguf=args.environment.smollm2_gguf, pack_settings=args.environment.pack_settings())
     print_report(res.report, con)
-    (cache / "demo-report.json").write_text(json_out.dumps(CompareReport.written(res.report), indent=2) + "\n")
+    (cache / "demo-report.json").write_text(json_out.dumps(res.report, indent=2) + "\n")
     write_outputs(res, args)
     con.print(f"done in {res.report['demo_seconds']:.0f} s; report kept in {cache / 'demo-report.json'}")
     return 0

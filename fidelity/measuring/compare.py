@@ -32,7 +32,7 @@ from .bootstrap import RowGroups
 from .metrics import MetricKernel, PositionMetrics, position_metrics
 from .noise_floor import NOISE_REL, other_numerics, perturbed_oracle
 from .passes import Resume, ResumeError, position_columns, records_names, reference_logits_cache, write_metrics
-from .result_schema import SCHEMA_VERSION
+from .result_schema import SCHEMA_VERSION, CompareReport
 from .routing import RoutingCounts
 from .stats import paired_difference, summarize
 from .store import ReferenceRun, check_topk, device_row_metrics, load_store, run_reference, scored_index
@@ -120,8 +120,9 @@ def compare(
     for r in results:
         if r["label"] in files:
             r["records"] = files[r["label"]]
-    report = {
-        "schema_version": SCHEMA_VERSION,  # fidelity.measuring.result_schema reads it
+    # through the schema here, where the result is made: a key it does not declare is an error for every caller
+    report = CompareReport.written({
+        "schema_version": SCHEMA_VERSION,
         "fidelity_version": __version__,
         "direction": "KL(P_reference || Q_pack), nats per scored token",
         "panel": {
@@ -148,7 +149,7 @@ def compare(
         "results": results,
         "failed": [r["label"] for r in results if r["status"] == "failed"],
         "paired": _paired(metrics, groups, stats),
-    }
+    })
     return CompareResult(report, metrics, rows, groups)
 
 
