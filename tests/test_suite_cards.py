@@ -247,11 +247,17 @@ def test_bfcl_categories_and_call_integrity_through_a_run(fake, tmp_path, rng_se
         by_cat.setdefault(it.data["category"], []).append(it)
     assert sorted(by_cat) == sorted(suite.categories) and len(by_cat) == 13
     chosen, want, calls = [], {}, {"calls": 0, "well_formed": 0, "right_function": 0, "right_arguments": 0}
+    asked: set[str] = set()
     for cat, items in by_cat.items():
         row_of = lambda it: suite._rows[it.item_id]
         pool = [it for it in items if cat in ("irrelevance", "live_irrelevance", "live_relevance")
                 or plain_answer(row_of(it))]
+        # the fake engine answers by the last message's text: items that share it (BFCL's live_parallel asks the same
+        # Boston / San Francisco question in several rows) would get one another's scripted reply
+        pool = list({it.messages[-1]["content"]: it for it in reversed(pool)
+                     if it.messages[-1]["content"] not in asked}.values())[::-1]
         picked = rng.sample(pool, min(4, len(pool)))
+        asked |= {it.messages[-1]["content"] for it in picked}
         chosen += picked
         passed = 0
         for j, it in enumerate(picked):
